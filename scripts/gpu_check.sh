@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Every GPU check in one call: the GPU test suite, then the demo, on N ranks (default 4).
+# Run from the repository root on a GPU machine: bash scripts/gpu_check.sh [N]
+# Logs go to $OUT (when set) or ./out.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+ranks=${1:-4}
+out=${OUT:-out}
+mkdir -p "$out"
+status=0
+nvidia-smi -L
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
+python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests.log" || status=1
+python3 -m tritonep.demo --ranks "$ranks" 2>&1 | tee "$out/demo.log" || status=1
+exit $status

@@ -1,0 +1,21 @@
+"""Exceptions raised by tritonep, with the facts a user needs to find the culprit."""
+
+from __future__ import annotations
+
+
+class WaitTimeoutError(TimeoutError):
+    """A bounded wait inside a kernel gave up.
+
+    Attributes:
+        rank: the rank that waited.
+        peer: the rank it waited for (``-1`` when unknown).
+        phase: what it waited for (e.g. ``"signal"``, ``"notify"``, ``"channel 3 tail"``).
+        timeout_s: the limit that passed.
+    """
+
+    def __init__(self, rank: int, peer: int, phase: str, timeout_s: float):
+        self.rank, self.peer, self.phase, self.timeout_s = rank, peer, phase, timeout_s
+        super().__init__(
+            f"rank {rank} timed out after {timeout_s:g} s in phase '{phase}' waiting for "
+            f"peer {peer}; that peer is stuck, crashed, or called with different arguments"
+        )

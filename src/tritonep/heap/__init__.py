@@ -1,0 +1,69 @@
+"""The symmetric heap: one same-sized buffer on every rank, addressable by every peer.
+
+:func:`allocate` returns a :class:`SymmetricHeap` with
+
+* ``local``: this rank's bytes, a ``uint8`` tensor on the rank's device;
+* ``peer_ptrs``: an int64 device tensor ``[world_size]`` of every rank's base address, valid in
+  this process, which is what Triton kernels take (``tl.load(peer_ptrs + peer)`` then a cast to
+  a pointer type) to load from and store into peers;
+* :meth:`SymmetricHeap.view`: a typed tensor view of any rank's buffer at a byte offset.
+
+Two backends behind one interface:
+
+* GPU: PyTorch symmetric memory (``torch.distributed._symmetric_memory``), the CUDA backend by
+  default or NVSHMEM on request (:func:`set_backend` before the first allocation of the process);
+* CPU: files in shared memory mapped by every rank process, so kernels run with
+  ``TRITON_INTERPRET=1`` read, write and signal peers exactly as on GPUs. This is the twin the
+  CPU test suite runs on.
+
+A new heap is zero-filled on every rank before :func:`allocate` returns, so flags start at 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .base import SymmetricHeap
+
+__all__ = ["SymmetricHeap", "allocate", "set_backend"]
+
+
+def set_backend(name: str) -> None:
+    """Pick the GPU symmetric-memory backend, ``"CUDA"`` or ``"NVSHMEM"``, before any allocation."""
+    from .cuda import set_backend as _set
+
+    _set(name)
+
+
+def allocate(
+    nbytes: int,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+) -> SymmetricHeap:
+    """Allocate ``nbytes`` on every rank of ``group`` (collective: every rank must call it).
+
+    Args:
+        nbytes: bytes per rank, the same on every rank.
+        group: the process group (default: the world).
+        device: a CUDA device (symmetric memory) or ``"cpu"`` (shared memory); default: the
+            current CUDA device when the group's backend is NCCL, else the CPU.
+    """
+    if not isinstance(nbytes, int) or nbytes <= 0:
+        raise ValueError(f"nbytes: expected a positive int, got {nbytes!r}")
+    group = group or dist.group.WORLD
+    if device is None:
+        on_gpu = dist.get_backend(group) == "nccl"
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        )
+    device = torch.device(device)
+    if device.type == "cuda":
+        from .cuda import allocate_cuda
+
+        return allocate_cuda(nbytes, group, device)
+    if device.type == "cpu":
+        from .cpu import allocate_cpu
+
+        return allocate_cpu(nbytes, group)
+    raise ValueError(f"device: expected a CUDA device or 'cpu', got {device}")

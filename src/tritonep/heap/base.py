@@ -1,0 +1,78 @@
+"""The backend-independent face of a symmetric heap."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class SymmetricHeap:
+    """Same-sized byte buffers, one per rank of a group, each mapped into every rank.
+
+    Attributes:
+        rank: this process's rank in the group.
+        world_size: ranks in the group.
+        nbytes: bytes per rank.
+        device: where the buffers live.
+        local: ``uint8 [nbytes]``, this rank's buffer.
+        peer_ptrs: ``int64 [world_size]`` on ``device``, base address of each rank's buffer.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        peers: Sequence[torch.Tensor],
+        peer_ptrs: Sequence[int],
+        barrier: Callable[[], None],
+        keepalive: object = None,
+    ):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self._peers = list(peers)
+        self.local = self._peers[self.rank]
+        self.nbytes = self.local.numel()
+        self.device = self.local.device
+        self.peer_ptrs = torch.tensor(list(peer_ptrs), dtype=torch.int64, device=self.device)
+        self._barrier = barrier
+        self._keepalive = keepalive
+
+    def view(
+        self, rank: int, dtype: torch.dtype, shape: Sequence[int], offset: int = 0
+    ) -> torch.Tensor:
+        """Typed view of rank ``rank``'s buffer: ``shape`` of ``dtype`` at byte ``offset``."""
+        if self._peers is None:
+            raise RuntimeError("this symmetric heap was closed")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        count = 1
+        for size in shape:
+            count *= size
+        if offset % itemsize != 0:
+            raise ValueError(f"offset: {offset} is not a multiple of the {dtype} size {itemsize}")
+        if offset < 0 or offset + count * itemsize > self.nbytes:
+            raise ValueError(
+                f"offset: [{offset}, {offset + count * itemsize}) lies outside the heap of "
+                f"{self.nbytes} bytes"
+            )
+        raw = self._peers[rank][offset : offset + count * itemsize]
+        return raw.view(dtype).view(tuple(shape))
+
+    def barrier(self) -> None:
+        """Wait until every rank has reached this point and its earlier device work is done."""
+        self._barrier()
+
+    def close(self) -> None:
+        """Drop this rank's mappings (collective: call on every rank)."""
+        if self._peers is not None:
+            self.barrier()
+        self._peers = None
+        self.local = None
+        self._keepalive = None
+
+    def __repr__(self) -> str:
+        return (
+            f"SymmetricHeap(rank={self.rank}, world_size={self.world_size}, "
+            f"nbytes={self.nbytes}, device={self.device})"
+        )

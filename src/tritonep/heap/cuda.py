@@ -1,0 +1,43 @@
+"""GPU symmetric heap on PyTorch symmetric memory (CUDA backend, or NVSHMEM on request)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
+
+from .base import SymmetricHeap
+
+BACKENDS = ("CUDA", "NVSHMEM")
+
+
+def set_backend(name: str) -> None:
+    if name not in BACKENDS:
+        raise ValueError(f"name: expected one of {BACKENDS}, got {name!r}")
+    if name == "NVSHMEM" and not symm_mem.is_nvshmem_available():
+        raise RuntimeError("the NVSHMEM backend is not available in this PyTorch build")
+    symm_mem.set_backend(name)
+
+
+def allocate_cuda(nbytes: int, group: dist.ProcessGroup, device: torch.device) -> SymmetricHeap:
+    sizes = [None] * dist.get_world_size(group)
+    dist.all_gather_object(sizes, nbytes, group=group)
+    if len(set(sizes)) != 1:
+        raise ValueError(f"nbytes: every rank must allocate the same size, got {sizes}")
+    local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(local, group.group_name)
+    world_size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    peers = [
+        local if r == rank else handle.get_buffer(r, (nbytes,), torch.uint8)
+        for r in range(world_size)
+    ]
+
+    def barrier() -> None:
+        # Host-side barrier: symmetric-memory device barriers do nothing under NVSHMEM.
+        torch.cuda.synchronize(device)
+        dist.barrier(group)
+
+    local.zero_()
+    barrier()
+    return SymmetricHeap(group, peers, list(handle.buffer_ptrs), barrier, keepalive=handle)

@@ -1,0 +1,114 @@
+"""Cross-rank synchronization primitives for Triton kernels, and bounded waits.
+
+Flags live in the symmetric heap and are written with a system-scope *release* and read with a
+system-scope *acquire*, so data stored before a flag is visible to whoever sees the flag.
+Triton executes an atomic on a scalar pointer once per program, so each helper puts a program
+barrier on the side where other threads' memory accesses must be ordered with it.
+
+Every wait is bounded. On a GPU the deadline comes from the nanosecond ``globaltimer``; the
+Triton interpreter has no clock, so there the time is counted in spins of
+:data:`INTERPRETER_SPIN_NS` each. A wait that gives up records (peer, phase) in a small device
+*status* tensor and returns ``False``; the kernel then skips the rest of its work and the host
+turns the status into :class:`~tritonep.errors.WaitTimeoutError` (:func:`raise_on_timeout`).
+No kernel ever traps, so the CUDA context survives a timeout.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import WaitTimeoutError
+
+#: Wall time one spin of a wait loop is assumed to take under the Triton interpreter.
+INTERPRETER_SPIN_NS = tl.constexpr(1_000_000)
+
+#: Default limit of every wait, in seconds.
+DEFAULT_TIMEOUT_S = 100.0
+
+STATUS_OK = tl.constexpr(0)
+STATUS_TIMEOUT = tl.constexpr(1)
+
+
+@triton.jit
+def load_acquire(ptr):
+    """Read a flag with system-scope acquire semantics."""
+    value = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+    tl.debug_barrier()
+    return value
+
+
+@triton.jit
+def store_release(ptr, value):
+    """Write a flag with system-scope release semantics, after all of this program's stores."""
+    tl.debug_barrier()
+    tl.atomic_xchg(ptr, value, sem="release", scope="sys")
+
+
+@triton.jit
+def add_release(ptr, value):
+    """Add to a counter with system-scope release semantics, after this program's stores."""
+    tl.debug_barrier()
+    tl.atomic_add(ptr, value, sem="release", scope="sys")
+
+
+@triton.jit
+def elapsed_ns(start, spins, USE_CLOCK: tl.constexpr):
+    if USE_CLOCK:
+        return tl.extra.cuda.globaltimer() - start
+    else:
+        return spins * INTERPRETER_SPIN_NS
+
+
+@triton.jit
+def start_clock(USE_CLOCK: tl.constexpr):
+    if USE_CLOCK:
+        return tl.extra.cuda.globaltimer()
+    else:
+        return tl.zeros((), tl.int64)
+
+
+@triton.jit
+def wait_equal(ptr, expected, timeout_ns, USE_CLOCK: tl.constexpr):
+    """Spin until ``*ptr == expected`` (acquire); returns False if ``timeout_ns`` passed first."""
+    start = start_clock(USE_CLOCK)
+    spins = tl.zeros((), tl.int64)
+    value = load_acquire(ptr)
+    while (value != expected) & (elapsed_ns(start, spins, USE_CLOCK) < timeout_ns):
+        spins += 1
+        value = load_acquire(ptr)
+    return value == expected
+
+
+@triton.jit
+def record_timeout(status_ptr, peer, phase):
+    """Record the first timeout of a launch: ``status = [1, peer, phase, 0]``."""
+    if tl.atomic_cas(status_ptr, STATUS_OK, STATUS_TIMEOUT, sem="relaxed") == STATUS_OK:
+        tl.store(status_ptr + 1, peer)
+        tl.store(status_ptr + 2, phase)
+
+
+def new_status(device: torch.device) -> torch.Tensor:
+    """A zeroed ``int32 [4]`` status tensor for one launch."""
+    return torch.zeros(4, dtype=torch.int32, device=device)
+
+
+def use_clock(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can read the GPU clock (not under the interpreter)."""
+    return device.type == "cuda"
+
+
+def timeout_ns(timeout_s: float) -> int:
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s}")
+    return int(timeout_s * 1e9)
+
+
+def raise_on_timeout(
+    status: torch.Tensor, rank: int, phases: dict[int, str], timeout_s: float
+) -> None:
+    """Raise :class:`WaitTimeoutError` if a launch recorded a timeout (reads ``status``: syncs)."""
+    code, peer, phase, _ = status.tolist()
+    if code == STATUS_TIMEOUT.value:
+        raise WaitTimeoutError(rank, peer, phases.get(phase, f"phase {phase}"), timeout_s)

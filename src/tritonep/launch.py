@@ -1,0 +1,341 @@
+"""Start N rank processes with ``torch.distributed`` ready: gloo on CPU, NCCL with one GPU per rank.
+
+Three ways in, one set of environment variables (those ``torchrun`` sets, so code written for
+this harness also runs under ``torchrun``):
+
+* ``python -m tritonep.launch -n 4 script.py [args]`` runs a script on 4 ranks; the script calls
+  :func:`init_distributed` (as it would under ``torchrun``);
+* :func:`spawn` runs ``fn(ctx, *args)`` on N ranks and returns every rank's result;
+* :class:`RankPool` keeps N ranks alive between calls, which is what the test fixture uses, so a
+  test suite pays the process start-up and the rendezvous once.
+
+A rank that raises, dies or runs past the time limit makes the call raise :class:`RankFailure`
+with that rank's traceback; ranks left waiting on it are killed, so nothing hangs.
+
+Without enough GPUs, ranks run on the CPU over gloo and Triton kernels run under the Triton
+interpreter (``TRITON_INTERPRET=1`` is set for the rank processes before any kernel is built).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a rank knows about itself once the process group is up."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    group: dist.ProcessGroup
+
+    @property
+    def backend(self) -> str:
+        return dist.get_backend(self.group)
+
+
+def gpus_suffice(num_ranks: int) -> bool:
+    """One GPU per local rank is available."""
+    return torch.cuda.is_available() and torch.cuda.device_count() >= num_ranks
+
+
+def _host_store(world_size: int) -> dist.TCPStore:
+    """The rendezvous store, hosted by the launching process as torchrun's agent hosts it.
+
+    Binding port 0 here and handing the bound port to the ranks leaves no window in which
+    another process could take the port (a free port picked and released would leave one).
+    """
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+
+
+def init_distributed(
+    backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> RankContext:
+    """Initialize the default process group from the ``torchrun`` environment variables.
+
+    Args:
+        backend: ``"nccl"``, ``"gloo"`` or None to pick NCCL when every local rank has a GPU.
+        timeout_s: limit for collectives of the process group.
+    Returns:
+        the rank's :class:`RankContext`; calling again returns the same context.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    if backend is None:
+        backend = "nccl" if gpus_suffice(local_world) else "gloo"
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if not dist.is_initialized():
+        kwargs: dict[str, Any] = {}
+        if device.type == "cuda":
+            kwargs["device_id"] = device
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            **kwargs,
+        )
+    return RankContext(rank, world_size, local_rank, device, dist.group.WORLD)
+
+
+class RankFailure(RuntimeError):
+    """A rank raised, died, or did not finish in time.
+
+    Attributes:
+        rank: the first rank that failed (``-1`` for a time-out with no failed rank).
+        details: that rank's traceback, or what is known.
+    """
+
+    def __init__(self, rank: int, details: str):
+        self.rank, self.details = rank, details
+        super().__init__(details)
+
+
+def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        # Every rank is a client of the store the launcher hosts (torchrun's convention).
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+    }
+
+
+def _worker(rank, world_size, port, backend, collective_timeout_s, tasks, results):
+    os.environ.update(_rank_env(rank, world_size, port))
+    try:
+        ctx = init_distributed(backend, collective_timeout_s)
+    except BaseException:
+        results.put((0, rank, False, traceback.format_exc()))
+        return
+    results.put((0, rank, True, "ready"))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        task_id, fn, args, kwargs = task
+        try:
+            results.put((task_id, rank, True, fn(ctx, *args, **kwargs)))
+        except BaseException:
+            results.put((task_id, rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """N rank processes that stay alive between :meth:`run` calls.
+
+    Args:
+        num_ranks: processes to start.
+        backend: as in :func:`init_distributed` (None: NCCL if there is a GPU for every rank).
+        collective_timeout_s: limit of the process group's collectives.
+        startup_timeout_s: limit for every rank to start and join the process group.
+    After a failed call the pool is :attr:`broken` and must be replaced.
+    """
+
+    def __init__(
+        self,
+        num_ranks: int,
+        backend: str | None = None,
+        collective_timeout_s: float = 120.0,
+        startup_timeout_s: float = 300.0,
+    ):
+        if backend is None:
+            backend = "nccl" if gpus_suffice(num_ranks) else "gloo"
+        if backend == "gloo":
+            # Set before the children start: they build Triton kernels in interpreter mode.
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        self.num_ranks, self.backend, self.broken = num_ranks, backend, False
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(num_ranks)]
+        self._store = _host_store(num_ranks)
+        port = self._store.port
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(
+                    r,
+                    num_ranks,
+                    port,
+                    backend,
+                    collective_timeout_s,
+                    self._tasks[r],
+                    self._results,
+                ),
+                daemon=True,
+            )
+            for r in range(num_ranks)
+        ]
+        for p in self._procs:
+            p.start()
+        self._collect(0, startup_timeout_s, "start")
+        self._next_task = 1
+
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any
+    ) -> list[Any]:
+        """Run ``fn(ctx, *args, **kwargs)`` on every rank; returns the results ordered by rank.
+
+        Raises:
+            RankFailure: a rank raised or died (its traceback is the message), or ranks were
+                still running after ``timeout`` seconds (the message names them).
+        """
+        if self.broken:
+            raise RuntimeError("this RankPool is broken by an earlier failure; make a new one")
+        task_id, self._next_task = self._next_task, self._next_task + 1
+        for q in self._tasks:
+            q.put((task_id, fn, args, kwargs))
+        return self._collect(task_id, timeout, "finish")
+
+    def _collect(self, task_id: int, timeout: float, what: str) -> list[Any]:
+        done: dict[int, Any] = {}
+        failures: list[tuple[int, str]] = []
+        deadline = time.monotonic() + timeout
+        while len(done) + len(failures) < self.num_ranks:
+            now = time.monotonic()
+            if failures:
+                # Peers of a failed rank may wait on it forever; give them a moment to fail too.
+                deadline = min(deadline, now + 5.0)
+            if now >= deadline:
+                break
+            try:
+                tid, rank, ok, payload = self._results.get(timeout=min(0.5, deadline - now))
+            except queue.Empty:
+                for rank, p in enumerate(self._procs):
+                    reported = rank in done or any(r == rank for r, _ in failures)
+                    if not p.is_alive() and not reported:
+                        failures.append((rank, f"rank {rank} exited with code {p.exitcode}"))
+                continue
+            if tid != task_id:
+                continue
+            if ok:
+                done[rank] = payload
+            else:
+                failures.append((rank, payload))
+        if failures or len(done) < self.num_ranks:
+            failed = dict(failures)
+            missing = [r for r in range(self.num_ranks) if r not in done and r not in failed]
+            self.close(force=True)
+            if failures:
+                rank, details = failures[0]
+                others = sorted(set(failed) - {rank} | set(missing))
+                extra = f"\n(ranks {others} failed or were stopped too)" if others else ""
+                raise RankFailure(rank, f"rank {rank} failed:\n{details}{extra}")
+            raise RankFailure(-1, f"ranks {missing} did not {what} within {timeout:g} s")
+        return [done[r] for r in range(self.num_ranks)]
+
+    def close(self, force: bool = False) -> None:
+        """Stop the ranks (``force``: kill them without asking)."""
+        self.broken = True
+        if not force:
+            for q in self._tasks:
+                q.put(None)
+            for p in self._procs:
+                p.join(timeout=10)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+def spawn(
+    fn: Callable[..., Any],
+    num_ranks: int,
+    *args: Any,
+    backend: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(ctx, *args, **kwargs)`` on ``num_ranks`` fresh ranks; returns results by rank.
+
+    ``fn`` must be importable by name (defined at module level), as with any spawned process.
+    """
+    pool = RankPool(num_ranks, backend)
+    try:
+        return pool.run(fn, *args, timeout=timeout, **kwargs)
+    finally:
+        if not pool.broken:
+            pool.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tritonep.launch",
+        description="Run a script (or -m module) on N local ranks, like torchrun --nproc_per_node.",
+    )
+    parser.add_argument("-n", "--nproc", type=int, required=True, help="number of ranks")
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="kill all ranks after this many seconds"
+    )
+    parser.add_argument("-m", dest="module", action="store_true", help="run the target as a module")
+    parser.add_argument("target", help="script path (or module name with -m)")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the target")
+    opts = parser.parse_args(argv)
+    if opts.nproc < 1:
+        parser.error("-n must be at least 1")
+    store = _host_store(opts.nproc)
+    port = store.port
+    cmd = [sys.executable, *(["-m"] if opts.module else []), opts.target, *opts.args]
+    procs = []
+    for rank in range(opts.nproc):
+        env = dict(os.environ, **_rank_env(rank, opts.nproc, port))
+        procs.append(subprocess.Popen(cmd, env=env))
+    deadline = None if opts.timeout is None else time.monotonic() + opts.timeout
+    code = 0
+    while any(p.poll() is None for p in procs):
+        failed = [p for p in procs if p.poll() not in (None, 0)]
+        late = deadline is not None and time.monotonic() > deadline
+        if failed or late:
+            rank = procs.index(failed[0]) if failed else -1
+            why = (
+                f"rank {rank} exited with code {failed[0].returncode}"
+                if failed
+                else "time limit passed"
+            )
+            print(f"tritonep.launch: {why}; stopping the other ranks", file=sys.stderr)
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            code = failed[0].returncode if failed else 124
+            break
+        time.sleep(0.2)
+    for p in procs:
+        p.wait()
+        if code == 0 and p.returncode != 0:
+            code = p.returncode
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

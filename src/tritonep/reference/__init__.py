@@ -1,0 +1,46 @@
+"""The oracle: what every rank must receive, computed from the inputs of all ranks in plain PyTorch.
+
+Every function takes per-rank inputs as lists indexed by rank and runs on any device. Later
+tests compare each Triton kernel against these functions; keep them slow and obvious.
+
+* :mod:`.layout` -- where each token goes (``-1`` = no expert);
+* :mod:`.normal` -- normal-mode dispatch (exact size, once per rank) and combine;
+* :mod:`.low_latency` -- low-latency dispatch (per-expert slabs) and weighted combine;
+* :mod:`.fp8` -- FP8 e4m3 per-128-channel quantization and de-quantization;
+* :mod:`.compare` -- strict, block-order-independent comparisons.
+"""
+
+from .compare import assert_bitwise_equal, assert_low_latency_dispatch_equal
+from .fp8 import AMAX_FLOOR, FP8_MAX, dequantize_fp8, fp8_scales, quantize_fp8, round_scale_to_pow2
+from .layout import DispatchLayout, dispatch_layout, expert_owner
+from .low_latency import (
+    LowLatencyDispatchResult,
+    low_latency_combine,
+    low_latency_dispatch,
+    pack_range,
+    unpack_range,
+)
+from .normal import NormalDispatchResult, align_up, normal_combine, normal_dispatch
+
+__all__ = [
+    "AMAX_FLOOR",
+    "FP8_MAX",
+    "DispatchLayout",
+    "LowLatencyDispatchResult",
+    "NormalDispatchResult",
+    "align_up",
+    "assert_bitwise_equal",
+    "assert_low_latency_dispatch_equal",
+    "dequantize_fp8",
+    "dispatch_layout",
+    "expert_owner",
+    "fp8_scales",
+    "low_latency_combine",
+    "low_latency_dispatch",
+    "normal_combine",
+    "normal_dispatch",
+    "pack_range",
+    "quantize_fp8",
+    "round_scale_to_pow2",
+    "unpack_range",
+]

@@ -1,0 +1,62 @@
+"""FP8 (e4m3) quantization per group of 128 channels: the exact rule every kernel must match.
+
+For each token and each group of ``group_size`` consecutive channels:
+
+1. ``amax = max(|x|)`` over the group, computed in float32, then raised to at least
+   :data:`AMAX_FLOOR`. The floor is what keeps an all-zero group at zero: its scale is tiny but
+   positive, so ``0 / scale == 0`` instead of ``0 / 0 == NaN``.
+2. ``scale = amax / 448`` (IEEE float32 division). With ``use_ue8m0`` the scale is rounded *up*
+   to a power of two, ``2 ** ceil(log2(scale))``, computed exactly from the float's exponent
+   (no ``log2`` rounding), so that it fits an 8-bit exponent-only (UE8M0) encoding.
+3. ``q = e4m3(clamp(x / scale, -448, 448))``: IEEE float32 division, then round-to-nearest-even
+   into ``torch.float8_e4m3fn``. Clamping first matters: torch turns values above 448 into NaN.
+
+De-quantization is ``q.float() * scale``. Scales are returned as float32 ``[..., H / group_size]``.
+A group that holds NaN gets a NaN scale and de-quantizes to NaN: bad values stay visible.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4
+GROUP_SIZE = 128
+
+
+def round_scale_to_pow2(scale: torch.Tensor) -> torch.Tensor:
+    """Round positive float32 scales up to the next power of two (exact; powers stay put)."""
+    mantissa, exponent = torch.frexp(scale)  # scale = mantissa * 2**exponent, mantissa in [0.5, 1)
+    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)
+    return torch.ldexp(torch.ones_like(scale), exponent)
+
+
+def fp8_scales(x: torch.Tensor, group_size: int = GROUP_SIZE, use_ue8m0: bool = False):
+    """Per-group scales of ``x[..., H]``: float32 ``[..., H / group_size]``."""
+    hidden = x.shape[-1]
+    if hidden % group_size != 0:
+        raise ValueError(f"x: hidden size {hidden} must be a multiple of {group_size} for FP8")
+    groups = x.float().reshape(*x.shape[:-1], hidden // group_size, group_size)
+    amax = groups.abs().amax(dim=-1)
+    amax = torch.where(torch.isnan(amax), amax, amax.clamp_min(AMAX_FLOOR))
+    scale = amax / FP8_MAX
+    if use_ue8m0:
+        scale = round_scale_to_pow2(scale)
+    return scale
+
+
+def quantize_fp8(x: torch.Tensor, group_size: int = GROUP_SIZE, use_ue8m0: bool = False):
+    """Quantize ``x[..., H]`` (any float dtype) to ``(e4m3 [..., H], f32 scales [..., H/g])``."""
+    scale = fp8_scales(x, group_size, use_ue8m0)
+    hidden = x.shape[-1]
+    groups = x.float().reshape(*x.shape[:-1], hidden // group_size, group_size)
+    q = (groups / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.reshape(x.shape), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, group_size: int = GROUP_SIZE):
+    """Inverse of :func:`quantize_fp8` up to rounding: float32 ``[..., H]``."""
+    hidden = q.shape[-1]
+    groups = q.float().reshape(*q.shape[:-1], hidden // group_size, group_size)
+    return (groups * scale.float().unsqueeze(-1)).reshape(q.shape)

@@ -1,0 +1,104 @@
+"""Inputs for tests and benchmarks: per-rank tokens, routing and weights from a seed.
+
+Every rank can rebuild the inputs of every other rank from the same seed, so a rank can check
+its own outputs against :mod:`tritonep.reference` without gathering anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ROUTINGS = ("random", "skewed", "dropped", "empty")
+
+
+@dataclass
+class Case:
+    """Inputs of all ranks (lists indexed by rank; tensors on the CPU).
+
+    Attributes:
+        x: per rank ``[N_r, H]`` BF16.
+        topk_idx: per rank ``[N_r, K]`` int64 global expert ids (``-1`` = none).
+        topk_weights: per rank ``[N_r, K]`` float32, non-zero even where the id is ``-1``, so
+            that tests see whether dropped choices are really skipped.
+        num_experts: experts in total.
+    """
+
+    x: list[torch.Tensor]
+    topk_idx: list[torch.Tensor]
+    topk_weights: list[torch.Tensor]
+    num_experts: int
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.x)
+
+    def to(self, device: torch.device | str) -> Case:
+        return Case(
+            [t.to(device) for t in self.x],
+            [t.to(device) for t in self.topk_idx],
+            [t.to(device) for t in self.topk_weights],
+            self.num_experts,
+        )
+
+
+def route(
+    gen: torch.Generator, num_tokens: int, num_experts: int, topk: int, routing: str
+) -> torch.Tensor:
+    """``[num_tokens, topk]`` int64 expert ids, distinct within a token (``-1`` aside).
+
+    ``random``: uniform; ``skewed``: every token names expert 0 first (one hot expert);
+    ``dropped``: uniform with about a third of the choices ``-1``; ``empty``: all ``-1``.
+    """
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing: expected one of {ROUTINGS}, got {routing!r}")
+    if topk > num_experts:
+        raise ValueError(f"topk: {topk} distinct experts out of {num_experts} are impossible")
+    scores = torch.rand(num_tokens, num_experts, generator=gen)
+    if routing == "skewed":
+        scores[:, 0] = 2.0
+    idx = scores.topk(topk, dim=1).indices
+    if routing == "dropped":
+        idx = torch.where(torch.rand(idx.shape, generator=gen) < 0.33, -1, idx)
+    if routing == "empty":
+        idx = torch.full_like(idx, -1)
+    return idx.long()
+
+
+def make_case(
+    seed: int,
+    num_tokens: list[int],
+    hidden: int,
+    num_experts: int,
+    topk: int,
+    routing: str = "random",
+    scale: float = 1.0,
+) -> Case:
+    """Random inputs for ``len(num_tokens)`` ranks, identical on every rank for one seed."""
+    gen = torch.Generator().manual_seed(seed)
+    xs, ids, weights = [], [], []
+    for n in num_tokens:
+        xs.append((torch.randn(n, hidden, generator=gen) * scale).to(torch.bfloat16))
+        idx = route(gen, n, num_experts, topk, routing)
+        ids.append(idx)
+        weights.append(torch.rand(n, topk, generator=gen) + 0.01)
+    return Case(xs, ids, weights, num_experts)
+
+
+def tag_rows(case: Case) -> Case:
+    """Make every row carry its origin: channel 0 = source rank, channels 1 and 2 = token index
+    modulo 256 and divided by 256.
+
+    All are integers below 257, exact in BF16, so a received row tells where it came from.
+    """
+    xs = []
+    for rank, x in enumerate(case.x):
+        x = x.clone()
+        if x.shape[0]:
+            x[:, 0] = rank
+            tokens = torch.arange(x.shape[0])
+            x[:, 1] = (tokens % 256).to(torch.bfloat16)
+            x[:, 2] = (tokens // 256).to(torch.bfloat16)
+        xs.append(x)
+    return Case(xs, case.topk_idx, case.topk_weights, case.num_experts)

@@ -1,0 +1,121 @@
+"""Argument checks shared by every API: each names the argument and what was expected.
+
+Type and dtype problems raise ``TypeError``; shapes, devices, layouts and values raise
+``ValueError``. They run on the host before any kernel is launched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    dtype: torch.dtype | Sequence[torch.dtype] | None = None,
+    shape: Sequence[int | None] | None = None,
+    device: torch.device | str | None = None,
+    contiguous: bool = True,
+) -> torch.Tensor:
+    """Check a tensor argument; ``None`` in ``shape`` matches any size."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None:
+        allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
+        if t.dtype not in allowed:
+            want = " or ".join(str(d) for d in allowed)
+            raise TypeError(f"{name}: expected dtype {want}, got {t.dtype}")
+    if shape is not None:
+        ok = t.dim() == len(shape) and all(
+            want is None or got == want for got, want in zip(t.shape, shape, strict=True)
+        )
+        if not ok:
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
+    if device is not None and t.device != torch.device(device):
+        raise ValueError(f"{name}: expected a tensor on {torch.device(device)}, got {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor (call .contiguous() first)")
+    return t
+
+
+def check_dispatch_x(name: str, x: object) -> torch.Tensor:
+    """Tokens to dispatch: BF16 ``[N, H]``, or a tuple (e4m3 ``[N, H]``, float32 ``[N, H/128]``).
+
+    Returns the payload tensor (the first element of a tuple).
+    """
+    if isinstance(x, tuple):
+        if len(x) != 2:
+            raise ValueError(f"{name}: expected a tuple (x_e4m3, scales), got {len(x)} elements")
+        payload = check_tensor(f"{name}[0]", x[0], dtype=torch.float8_e4m3fn, shape=(None, None))
+        check_hidden(f"{name}[0]", payload.shape[1], 128)
+        num_tokens, groups = payload.shape[0], payload.shape[1] // 128
+        check_tensor(f"{name}[1]", x[1], dtype=torch.float32, shape=(num_tokens, groups))
+        if x[1].device != payload.device:
+            raise ValueError(f"{name}[1]: expected a tensor on {payload.device}, got {x[1].device}")
+        return payload
+    if isinstance(x, torch.Tensor) and x.dtype != torch.bfloat16:
+        raise TypeError(
+            f"{name}: expected dtype torch.bfloat16 (FP8 goes as a tuple (x, scales)), "
+            f"got {x.dtype}"
+        )
+    return check_tensor(name, x, dtype=torch.bfloat16, shape=(None, None))
+
+
+def check_num_experts(num_experts: int, num_ranks: int) -> int:
+    """The experts must split evenly over the ranks; returns experts per rank."""
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool):
+        raise TypeError(f"num_experts: expected an int, got {type(num_experts).__name__}")
+    if num_experts <= 0 or num_experts % num_ranks != 0:
+        raise ValueError(
+            f"num_experts: expected a positive multiple of the number of ranks ({num_ranks}), "
+            f"got {num_experts}"
+        )
+    return num_experts // num_ranks
+
+
+def check_hidden(name: str, hidden: int, multiple: int) -> None:
+    if hidden <= 0 or hidden % multiple != 0:
+        raise ValueError(
+            f"{name}: hidden size must be a positive multiple of {multiple}, got {hidden}"
+        )
+
+
+def check_topk_idx(
+    name: str,
+    topk_idx: object,
+    num_tokens: int | None,
+    num_experts: int,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """``[num_tokens, K]`` int64 ids in ``[-1, num_experts)`` (``num_tokens=None``: any).
+
+    The range check reads the ids on the host, which waits for the GPU; it is skipped while a
+    CUDA graph is being captured (where no host read is allowed), and kernels then ignore ids
+    outside the range rather than write out of bounds.
+    """
+    check_tensor(name, topk_idx, dtype=torch.int64, shape=(num_tokens, None), device=device)
+    assert isinstance(topk_idx, torch.Tensor)
+    if topk_idx.shape[1] < 1:
+        raise ValueError(
+            f"{name}: expected at least one top-k column, got shape {list(topk_idx.shape)}"
+        )
+    capturing = topk_idx.is_cuda and torch.cuda.is_current_stream_capturing()
+    if topk_idx.numel() and not capturing:
+        lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        if lo < -1 or hi >= num_experts:
+            bad = lo if lo < -1 else hi
+            raise ValueError(
+                f"{name}: expert ids must lie in [-1, {num_experts}) (-1 = no expert), found {bad}"
+            )
+    return topk_idx
+
+
+def check_topk_weights(name: str, topk_weights: object, topk_idx: torch.Tensor) -> torch.Tensor:
+    """float32 weights with the shape and device of ``topk_idx``."""
+    return check_tensor(
+        name, topk_weights, dtype=torch.float32, shape=tuple(topk_idx.shape), device=topk_idx.device
+    )

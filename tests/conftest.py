@@ -1,0 +1,44 @@
+"""Test harness: run a test body on N rank processes, on GPUs when there are enough of them.
+
+Rank pools are kept for the whole session (one per rank count), so the suite pays process
+start-up and rendezvous once per size. A failing or hanging body fails the test with the
+failing rank's traceback and the pool is replaced.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must happen before any Triton kernel is defined in this process or its rank processes.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+from tritonep.launch import RankPool, gpus_suffice
+
+
+@pytest.fixture(scope="session")
+def run_ranks():
+    """``run_ranks(n, fn, *args, timeout=...)`` runs ``fn(ctx, *args)`` on n ranks."""
+    pools: dict[int, RankPool] = {}
+
+    def run(num_ranks, fn, *args, timeout=300.0, **kwargs):
+        pool = pools.get(num_ranks)
+        if pool is None or pool.broken:
+            pool = pools[num_ranks] = RankPool(num_ranks)
+        return pool.run(fn, *args, timeout=timeout, **kwargs)
+
+    yield run
+    for pool in pools.values():
+        if not pool.broken:
+            pool.close()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs CUDA GPUs")
+    for item in items:
+        if "gpu" in item.keywords and not gpus_suffice(
+            item.get_closest_marker("gpu").kwargs.get("n", 1)
+        ):
+            item.add_marker(skip)

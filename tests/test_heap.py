@@ -1,0 +1,133 @@
+"""Symmetric heap and the put/signal kernel: the same bodies run on CPU ranks and on GPUs."""
+
+import time
+
+import pytest
+import torch
+
+from tritonep import heap
+from tritonep.errors import WaitTimeoutError
+from tritonep.kernels.put_signal import put_signal, wait_signal
+
+DATA_OFFSET, FLAG_OFFSET = 1024, 0
+
+
+def _ring_body(ctx, rounds, num_elems, backend=None):
+    """Each rank stores a block into the next rank and raises its flag, for several rounds."""
+    if backend is not None:
+        heap.set_backend(backend)
+    h = heap.allocate(DATA_OFFSET + 4 * num_elems, device=ctx.device)
+    assert h.peer_ptrs.dtype == torch.int64 and h.peer_ptrs.shape == (ctx.world_size,)
+    assert h.peer_ptrs.device == ctx.device
+    assert int(h.peer_ptrs[ctx.rank]) == h.local.data_ptr()
+    R, me = ctx.world_size, ctx.rank
+    nxt, prev = (me + 1) % R, (me - 1) % R
+    gen = torch.Generator().manual_seed(1234)
+    for it in range(1, rounds + 1):
+        # Fresh random blocks every round, known to every rank.
+        blocks = [
+            torch.randint(-(2**31), 2**31 - 1, (num_elems,), generator=gen, dtype=torch.int32)
+            for _ in range(R)
+        ]
+        # Poison my receive area so a missing write shows.
+        h.view(me, torch.int32, (num_elems,), DATA_OFFSET).fill_(-7)
+        h.barrier()
+        put_signal(h, blocks[me].to(ctx.device), nxt, DATA_OFFSET, FLAG_OFFSET, value=it)
+        wait_signal(h, FLAG_OFFSET, value=it, peer=prev, timeout_s=30)
+        got = h.view(me, torch.int32, (num_elems,), DATA_OFFSET).cpu()
+        assert torch.equal(got, blocks[prev]), f"rank {me} round {it}: wrong block from {prev}"
+        # The peer's view of my buffer sees the same bytes.
+        assert torch.equal(h.view(me, torch.int32, (4,), FLAG_OFFSET).cpu()[0], torch.tensor(it))
+        h.barrier()
+    h.close()
+    return True
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3, 4])
+def test_put_signal_ring(run_ranks, num_ranks):
+    assert run_ranks(num_ranks, _ring_body, 3, 1000) == [True] * num_ranks
+
+
+def _timeout_body(ctx, timeout_s):
+    h = heap.allocate(4096, device=ctx.device)
+    prev = (ctx.rank - 1) % ctx.world_size
+    start = time.monotonic()
+    try:
+        # Nobody raises this flag: the wait must give up and say who waited for whom.
+        wait_signal(h, FLAG_OFFSET, value=12345, peer=prev, timeout_s=timeout_s)
+    except WaitTimeoutError as e:
+        elapsed = time.monotonic() - start
+        assert (e.rank, e.peer, e.phase) == (ctx.rank, prev, "signal")
+        message = str(e)
+    else:
+        raise AssertionError("the wait did not time out")
+    # The process (and its device) is still usable: the heap works after the timeout.
+    h.barrier()
+    put_signal(
+        h,
+        torch.arange(8, dtype=torch.int32, device=ctx.device),
+        (ctx.rank + 1) % ctx.world_size,
+        64,
+        4,
+        1,
+    )
+    wait_signal(h, 4, 1, peer=prev, timeout_s=30)
+    h.close()
+    return message, elapsed
+
+
+def test_wait_times_out_with_a_clear_error(run_ranks):
+    results = run_ranks(2, _timeout_body, 0.2)
+    for rank, (message, elapsed) in enumerate(results):
+        assert (
+            f"rank {rank} timed out after 0.2 s in phase 'signal' waiting for peer {1 - rank}"
+            in message
+        )
+        assert elapsed < 30
+
+
+def _views_body(ctx):
+    h = heap.allocate(256, device=ctx.device)
+    errors = []
+    for args in [(ctx.rank, torch.int32, (65,), 0), (ctx.rank, torch.int32, (4,), 2)]:
+        try:
+            h.view(*args)
+        except ValueError as e:
+            errors.append(str(e).split(":")[0])
+    with pytest.raises(ValueError, match="data_offset"):
+        put_signal(h, torch.zeros(64, dtype=torch.int32, device=ctx.device), 0, 16, 0, 1)
+    with pytest.raises(ValueError, match="peer"):
+        put_signal(
+            h, torch.zeros(4, dtype=torch.int32, device=ctx.device), ctx.world_size, 16, 0, 1
+        )
+    h.close()
+    return errors
+
+
+def test_view_and_offset_checks(run_ranks):
+    assert run_ranks(2, _views_body) == [["offset", "offset"]] * 2
+
+
+def _mismatch_body(ctx):
+    try:
+        heap.allocate(4096 + 128 * ctx.rank, device=ctx.device)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_every_rank_rejects_mismatched_sizes(run_ranks):
+    for message in run_ranks(3, _mismatch_body):
+        assert message == "nbytes: every rank must allocate the same size, got [4096, 4224, 4352]"
+
+
+@pytest.mark.gpu(n=4)
+def test_put_signal_ring_large_block_on_gpus(run_ranks):
+    assert run_ranks(4, _ring_body, 5, 1 << 20) == [True] * 4
+
+
+@pytest.mark.gpu(n=4)
+def test_put_signal_ring_nvshmem_backend():
+    from tritonep.launch import spawn
+
+    assert spawn(_ring_body, 4, 3, 1 << 16, "NVSHMEM", backend="nccl", timeout=300) == [True] * 4

@@ -1,0 +1,91 @@
+"""The rank harness: results by rank, failures with the failing rank's traceback, no hangs."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tritonep.launch import RankFailure, spawn
+
+SCRIPTS = Path(__file__).parent / "rank_scripts"
+
+
+def _sum_ranks(ctx, offset):
+    t = torch.tensor([float(ctx.rank + offset)], device=ctx.device)
+    dist.all_reduce(t)
+    return ctx.rank, ctx.world_size, float(t.item()), ctx.backend
+
+
+def _raise_on_rank(ctx, bad_rank):
+    if ctx.rank == bad_rank:
+        raise KeyError(f"broken expert table on rank {ctx.rank}")
+    dist.barrier()  # the others wait for the failed rank
+    return ctx.rank
+
+
+def _sleep(ctx, seconds):
+    time.sleep(seconds if ctx.rank == 0 else 0)
+    return ctx.rank
+
+
+def test_spawn_returns_results_by_rank():
+    results = spawn(_sum_ranks, 3, 10)
+    assert [r[:3] for r in results] == [(0, 3, 33.0), (1, 3, 33.0), (2, 3, 33.0)]
+
+
+def test_pool_reports_the_failing_rank_and_recovers(run_ranks):
+    with pytest.raises(RankFailure) as info:
+        run_ranks(3, _raise_on_rank, 2, timeout=60)
+    assert info.value.rank == 2
+    assert "KeyError: 'broken expert table on rank 2'" in str(info.value)
+    assert "Traceback" in str(info.value)
+    # A new pool replaces the broken one.
+    assert [r[2] for r in run_ranks(3, _sum_ranks, 0)] == [3.0, 3.0, 3.0]
+
+
+def test_pool_time_limit_names_the_late_rank(run_ranks):
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"ranks \[0\] did not finish within 2 s"):
+        run_ranks(2, _sleep, 60, timeout=2)
+    assert time.monotonic() - start < 30
+
+
+def _launch(script, n, timeout):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tritonep.launch",
+            "-n",
+            str(n),
+            "--timeout",
+            str(timeout),
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout + 60,
+    )
+
+
+def test_cli_runs_a_torchrun_script():
+    proc = _launch(SCRIPTS / "allreduce.py", 3, 120)
+    assert proc.returncode == 0, proc.stderr
+    # Ranks share stdout, so their lines may interleave; each must say it passed.
+    assert sorted(re.findall(r"rank \d/3 ok", proc.stdout)) == [f"rank {r}/3 ok" for r in range(3)]
+
+
+def test_cli_stops_all_ranks_when_one_fails():
+    start = time.monotonic()
+    proc = _launch(SCRIPTS / "fail_on_rank1.py", 2, 120)
+    assert proc.returncode == 3
+    assert "rank 1 exited with code 3" in proc.stderr
+    assert time.monotonic() - start < 100

@@ -1,0 +1,147 @@
+"""Bad input raises TypeError/ValueError naming the argument, before anything is sent."""
+
+import re
+
+import pytest
+import torch
+
+from tritonep.validation import check_num_experts, check_tensor, check_topk_idx, check_topk_weights
+
+IDX = torch.tensor([[0, 3], [-1, 2]])
+
+TABLE = [
+    # (call, exception, message)
+    (lambda: check_tensor("x", [1, 2]), TypeError, "x: expected a torch.Tensor, got list"),
+    (
+        lambda: check_tensor("x", torch.zeros(2, 4), dtype=torch.bfloat16),
+        TypeError,
+        "x: expected dtype torch.bfloat16, got torch.float32",
+    ),
+    (
+        lambda: check_tensor("x", torch.zeros(2, 4), dtype=(torch.bfloat16, torch.float8_e4m3fn)),
+        TypeError,
+        "x: expected dtype torch.bfloat16 or torch.float8_e4m3fn, got torch.float32",
+    ),
+    (
+        lambda: check_tensor("x", torch.zeros(2, 4), shape=(None, 8)),
+        ValueError,
+        "x: expected shape [*, 8], got [2, 4]",
+    ),
+    (
+        lambda: check_tensor("x", torch.zeros(2, 4, 1), shape=(None, 4)),
+        ValueError,
+        "x: expected shape [*, 4], got [2, 4, 1]",
+    ),
+    (
+        lambda: check_tensor("x", torch.zeros(4, 2).t()),
+        ValueError,
+        "x: expected a contiguous tensor (call .contiguous() first)",
+    ),
+    (
+        lambda: check_tensor("x", torch.zeros(2), device="meta"),
+        ValueError,
+        "x: expected a tensor on meta, got cpu",
+    ),
+    (
+        lambda: check_num_experts(10, 4),
+        ValueError,
+        "num_experts: expected a positive multiple of the number of ranks (4), got 10",
+    ),
+    (
+        lambda: check_num_experts(0, 4),
+        ValueError,
+        "num_experts: expected a positive multiple of the number of ranks (4), got 0",
+    ),
+    (lambda: check_num_experts(8.0, 4), TypeError, "num_experts: expected an int, got float"),
+    (
+        lambda: check_topk_idx("topk_idx", IDX.int(), 2, 4),
+        TypeError,
+        "topk_idx: expected dtype torch.int64, got torch.int32",
+    ),
+    (
+        lambda: check_topk_idx("topk_idx", IDX, 3, 4),
+        ValueError,
+        "topk_idx: expected shape [3, *], got [2, 2]",
+    ),
+    (
+        lambda: check_topk_idx("topk_idx", IDX, 2, 3),
+        ValueError,
+        "topk_idx: expert ids must lie in [-1, 3) (-1 = no expert), found 3",
+    ),
+    (
+        lambda: check_topk_idx("topk_idx", IDX - 1, 2, 8),
+        ValueError,
+        "topk_idx: expert ids must lie in [-1, 8) (-1 = no expert), found -2",
+    ),
+    (
+        lambda: check_topk_idx("topk_idx", torch.zeros(2, 0, dtype=torch.long), 2, 8),
+        ValueError,
+        "topk_idx: expected at least one top-k column, got shape [2, 0]",
+    ),
+    (
+        lambda: check_topk_weights("topk_weights", torch.ones(2, 2, dtype=torch.float64), IDX),
+        TypeError,
+        "topk_weights: expected dtype torch.float32, got torch.float64",
+    ),
+    (
+        lambda: check_topk_weights("topk_weights", torch.ones(2, 3), IDX),
+        ValueError,
+        "topk_weights: expected shape [2, 2], got [2, 3]",
+    ),
+]
+
+
+@pytest.mark.parametrize("call,exc,message", TABLE, ids=[m for _, _, m in TABLE])
+def test_bad_input_table(call, exc, message):
+    with pytest.raises(exc, match="^" + re.escape(message) + "$"):
+        call()
+
+
+def test_good_input_passes():
+    assert check_topk_idx("topk_idx", IDX, 2, 4) is IDX
+    assert check_num_experts(8, 4) == 2
+
+
+def _backend_bad_inputs(ctx):
+    from tritonep.torch_backend import TorchBackend
+
+    backend = TorchBackend()
+    x = torch.randn(4, 128, device=ctx.device).to(torch.bfloat16)
+    idx = torch.zeros(4, 2, dtype=torch.long, device=ctx.device)
+    w = torch.ones(4, 2, device=ctx.device)
+    messages = []
+    for call in [
+        lambda: backend.dispatch(x, idx, w, num_experts=3),
+        lambda: backend.dispatch(x, idx + 7, w, num_experts=4),
+        lambda: backend.dispatch(x.float().to(torch.float8_e4m3fn), idx, w, 4),
+        lambda: backend.dispatch(
+            (x.to(torch.float8_e4m3fn), torch.ones(4, 2, device=ctx.device)), idx, w, 4
+        ),
+        lambda: backend.dispatch(x, idx[:3], w, 4),
+        lambda: backend.low_latency_dispatch(x, idx, 3, 4),
+        lambda: backend.low_latency_dispatch(x[:, :100].contiguous(), idx, 8, 4),
+        lambda: backend.low_latency_dispatch(x.float(), idx, 8, 4),
+    ]:
+        try:
+            call()
+        except (TypeError, ValueError) as e:
+            messages.append(f"{type(e).__name__}: {e}")
+        else:
+            messages.append("accepted")
+    return messages
+
+
+def test_torch_backend_rejects_bad_input_on_every_rank(run_ranks):
+    expected = [
+        "ValueError: num_experts: expected a positive multiple of the number of ranks (2), got 3",
+        "ValueError: topk_idx: expert ids must lie in [-1, 4) (-1 = no expert), found 7",
+        "TypeError: x: expected dtype torch.bfloat16 (FP8 goes as a tuple (x, scales)), "
+        "got torch.float8_e4m3fn",
+        "ValueError: x[1]: expected shape [4, 1], got [4, 2]",
+        "ValueError: topk_idx: expected shape [4, *], got [3, 2]",
+        "ValueError: x: 4 tokens exceed num_max_dispatch_tokens_per_rank=3",
+        "ValueError: x: hidden size must be a positive multiple of 128, got 100",
+        "TypeError: x: expected dtype torch.bfloat16, got torch.float32",
+    ]
+    for messages in run_ranks(2, _backend_bad_inputs):
+        assert messages == expected
