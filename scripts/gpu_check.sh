@@ -11,6 +11,6 @@ mkdir -p "$out"
 status=0
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
-python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests.log" || status=1
+python3 -m pytest -v --tb=short -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests.log" || status=1
 python3 -m tritonep.demo --ranks "$ranks" 2>&1 | tee "$out/demo.log" || status=1
 exit $status

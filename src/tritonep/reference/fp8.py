@@ -40,7 +40,9 @@ def fp8_scales(x: torch.Tensor, group_size: int = GROUP_SIZE, use_ue8m0: bool = 
     groups = x.float().reshape(*x.shape[:-1], hidden // group_size, group_size)
     amax = groups.abs().amax(dim=-1)
     amax = torch.where(torch.isnan(amax), amax, amax.clamp_min(AMAX_FLOOR))
-    scale = amax / FP8_MAX
+    # Divide by a tensor, not a Python scalar: on CUDA, torch turns division by a scalar into
+    # multiplication by its reciprocal, which rounds differently from IEEE division.
+    scale = amax / torch.full_like(amax, FP8_MAX)
     if use_ue8m0:
         scale = round_scale_to_pow2(scale)
     return scale
