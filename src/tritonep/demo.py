@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     print("  ".join(f"{c:>15}" for c in cols))
     for row in rows:
         cells = [
-            f"{row[c]:.2e}" if "err" in c else f"{row[c]:.1f}" if c == "first call ms" else str(row[c])
+            f"{row[c]:.2e}" if "err" in c else f"{row[c]:.1f}" if "ms" in c else str(row[c])
             for c in cols
         ]
         print("  ".join(f"{v:>15}" for v in cells))
