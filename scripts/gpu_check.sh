@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
-# Every GPU check in one call: the GPU test suite, then the demo, on N ranks (default 4).
-# Run from the repository root on a GPU machine: bash scripts/gpu_check.sh [N]
-# Logs go to $OUT (when set) or ./out.
+# Every GPU check in one call: the GPU test suite, the demo, then the benchmarks, on N ranks.
+# Run from the repository root on a GPU machine: bash scripts/gpu_check.sh [N] [tests|bench|all]
+# Logs and CSVs go to $OUT (when set) or ./out.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 ranks=${1:-4}
+what=${2:-all}
 out=${OUT:-out}
 mkdir -p "$out"
 status=0
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
-python3 -m pytest -v --tb=short -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests.log" || status=1
-python3 -m tritonep.demo --ranks "$ranks" 2>&1 | tee "$out/demo.log" || status=1
+if [ "$what" != bench ]; then
+  python3 -m pytest -v --tb=short -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests.log" | grep -E "FAILED|ERROR|passed|failed" || status=1
+  python3 -m tritonep.demo --ranks "$ranks" 2>&1 | tee "$out/demo.log" || status=1
+fi
+if [ "$what" != tests ]; then
+  python3 -m tritonep.bench low-latency --ranks "$ranks" --tokens 128 --csv "$out/ll_128.csv" 2>&1 | tee "$out/bench_ll.log" || status=1
+  python3 -m tritonep.bench low-latency --ranks "$ranks" --tokens 1,8,32,64,256 --csv "$out/ll_sweep.csv" 2>&1 | tee -a "$out/bench_ll.log" || status=1
+fi
 exit $status

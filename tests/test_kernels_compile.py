@@ -48,25 +48,116 @@ KERNELS = [
     ),
 ]
 
+LL_DISPATCH = {
+    "x_ptr": "*bf16",
+    "topk_idx_ptr": "*i64",
+    "num_tokens": "i32",
+    "peer_ptrs": "*i64",
+    "rank": "i32",
+    "recv_offset": "i64",
+    "flag_offset": "i64",
+    "state_ptr": "*i64",
+    "scratch_ptr": "*i32",
+    "out_x_ptr": "*u8",
+    "out_scales_ptr": "*fp32",
+    "out_src_ptr": "*i32",
+    "out_slot_ptr": "*i32",
+    "out_count_ptr": "*i32",
+    "out_range_ptr": "*i64",
+    "status_ptr": "*i32",
+    "timeout_ns": "i64",
+}
+LL_COMBINE = {
+    "x_ptr": "*bf16",
+    "src_ptr": "*i32",
+    "slot_ptr": "*i32",
+    "range_ptr": "*i64",
+    "topk_idx_ptr": "*i64",
+    "topk_weights_ptr": "*fp32",
+    "num_tokens": "i32",
+    "out_ptr": "*bf16",
+    "peer_ptrs": "*i64",
+    "rank": "i32",
+    "recv_offset": "i64",
+    "done_offset": "i64",
+    "state_ptr": "*i64",
+    "status_ptr": "*i32",
+    "timeout_ns": "i64",
+}
+LL_DISPATCH_META = dict(
+    H=7168,
+    K=8,
+    NUM_EXPERTS=256,
+    NUM_RANKS=4,
+    M=128,
+    MSG_BYTES=7312,
+    RECV_SET_BYTES=1 << 28,
+    FLAG_SET_BYTES=2048,
+    USE_FP8=True,
+    USE_UE8M0=False,
+    DO_SEND=True,
+    DO_RECV=True,
+    USE_CLOCK=True,
+    BLOCK_N=128,
+    K_P2=8,
+    G_P2=64,
+)
+LL_COMBINE_META = dict(
+    H=7168,
+    K=8,
+    K_MAX=16,
+    NUM_EXPERTS=256,
+    NUM_RANKS=4,
+    M=128,
+    RECV_SET_BYTES=1 << 25,
+    DO_SEND=True,
+    DO_RECV=True,
+    USE_CLOCK=True,
+    K_P2=8,
+    G_P2=64,
+)
+for name, sig, meta in [
+    ("ll_dispatch", LL_DISPATCH, LL_DISPATCH_META),
+    ("ll_combine", LL_COMBINE, LL_COMBINE_META),
+]:
+    KERNELS.append(
+        (
+            f"tritonep.kernels.{name}",
+            f"{name}_kernel",
+            {**sig, **{k: "constexpr" for k in meta}},
+            meta,
+            {"enable_fp_fusion": False} if name == "ll_combine" else {},
+        )
+    )
+
 COMPILE = """
 import importlib, json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-module, name, signature, constexprs = json.loads(sys.argv[1])
+module, name, signature, constexprs, options = json.loads(sys.argv[1])
 kernel = getattr(importlib.import_module(module), name)
 hopper = GPUTarget("cuda", 90, 32)
-compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=hopper)
+# As at launch: pointers (and byte offsets) are specialized as multiples of 16.
+aligned = [i for i, (k, v) in enumerate(signature.items()) if v.startswith("*") or "offset" in k]
+attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+source = ASTSource(kernel, signature, constexprs, attrs)
+compiled = triton.compile(source, target=hopper, options=options)
 assert compiled.asm["cubin"]
 print(compiled.asm["ptx"])
 """
 
 
-def compile_ptx(module, name, signature, constexprs):
+def compile_ptx(module, name, signature, constexprs, options=None):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     proc = subprocess.run(
-        [sys.executable, "-c", COMPILE, json.dumps([module, name, signature, constexprs])],
+        [
+            sys.executable,
+            "-c",
+            COMPILE,
+            json.dumps([module, name, signature, constexprs, options or {}]),
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -79,6 +170,15 @@ def compile_ptx(module, name, signature, constexprs):
 @pytest.mark.parametrize("kernel", KERNELS, ids=[k[1] for k in KERNELS])
 def test_compiles_for_sm90(kernel):
     assert ".target sm_90" in compile_ptx(*kernel)
+
+
+def test_low_latency_payload_moves_in_16_byte_vectors():
+    dispatch, combine = compile_ptx(*KERNELS[2]), compile_ptx(*KERNELS[3])
+    assert "st.global.v4.b32" in dispatch  # FP8 payload stores into the peer
+    assert "cvt.rn.satfinite.e4m3x2.f32" in dispatch  # hardware e4m3 conversion on GPUs
+    assert "div.rn.f32" in dispatch  # IEEE division for the scales, as the reference
+    assert "st.global.v4.b32" in combine and "ld.global.cg.v4.b32" in combine
+    assert "fma.rn.f32" not in combine  # no fused multiply-add: bit-exact with the reference
 
 
 def test_flags_use_system_scope_release_and_acquire():

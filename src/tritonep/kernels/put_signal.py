@@ -21,7 +21,7 @@ from .sync import (
     store_release,
     timeout_ns,
     use_clock,
-    wait_equal,
+    wait_flag,
 )
 
 PHASE_SIGNAL = tl.constexpr(1)
@@ -47,7 +47,8 @@ def wait_signal_kernel(
 ):
     base = tl.load(peer_ptrs + rank)
     flag = (base + flag_offset).to(tl.pointer_type(tl.int32))
-    if not wait_equal(flag, value, timeout, USE_CLOCK):
+    _, ok = wait_flag(flag, value, timeout, USE_CLOCK)
+    if not ok:
         record_timeout(status_ptr, peer, PHASE_SIGNAL)
 
 

@@ -32,6 +32,16 @@ STATUS_TIMEOUT = tl.constexpr(1)
 
 
 @triton.jit
+def aligned_ptr(addr, DTYPE: tl.constexpr):
+    """A typed pointer from an int64 heap address that is a multiple of 16 bytes.
+
+    Saying so lets Triton move data in 16-byte vectors: it cannot see the alignment of an
+    address loaded from memory (the peer base addresses) by itself.
+    """
+    return tl.multiple_of(addr.to(tl.pointer_type(DTYPE)), 16)
+
+
+@triton.jit
 def load_acquire(ptr):
     """Read a flag with system-scope acquire semantics."""
     value = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
@@ -70,23 +80,43 @@ def start_clock(USE_CLOCK: tl.constexpr):
 
 
 @triton.jit
-def wait_equal(ptr, expected, timeout_ns, USE_CLOCK: tl.constexpr):
-    """Spin until ``*ptr == expected`` (acquire); returns False if ``timeout_ns`` passed first."""
+def wait_flag(
+    ptr,
+    target,
+    timeout_ns,
+    USE_CLOCK: tl.constexpr,
+    SHIFT: tl.constexpr = 0,
+    AT_LEAST: tl.constexpr = False,
+):
+    """Spin (acquire) until ``*ptr >> SHIFT`` equals ``target`` (or reaches it, ``AT_LEAST``).
+
+    Returns ``(value, ok)``; ``ok`` is False when ``timeout_ns`` passed first. ``SHIFT=32``
+    waits for the tag in the high half of a tagged int64 (``tag << 32 | payload``).
+    """
     start = start_clock(USE_CLOCK)
     spins = tl.zeros((), tl.int64)
     value = load_acquire(ptr)
-    while (value != expected) & (elapsed_ns(start, spins, USE_CLOCK) < timeout_ns):
+    if AT_LEAST:
+        done = (value >> SHIFT) >= target
+    else:
+        done = (value >> SHIFT) == target
+    while (not done) & (elapsed_ns(start, spins, USE_CLOCK) < timeout_ns):
         spins += 1
         value = load_acquire(ptr)
-    return value == expected
+        if AT_LEAST:
+            done = (value >> SHIFT) >= target
+        else:
+            done = (value >> SHIFT) == target
+    return value, done
 
 
 @triton.jit
-def record_timeout(status_ptr, peer, phase):
-    """Record the first timeout of a launch: ``status = [1, peer, phase, 0]``."""
+def record_timeout(status_ptr, peer, phase, detail=-1):
+    """Record the first timeout of a launch: ``status = [1, peer, phase, detail]``."""
     if tl.atomic_cas(status_ptr, STATUS_OK, STATUS_TIMEOUT, sem="relaxed") == STATUS_OK:
         tl.store(status_ptr + 1, peer)
         tl.store(status_ptr + 2, phase)
+        tl.store(status_ptr + 3, detail)
 
 
 def new_status(device: torch.device) -> torch.Tensor:
@@ -106,9 +136,15 @@ def timeout_ns(timeout_s: float) -> int:
 
 
 def raise_on_timeout(
-    status: torch.Tensor, rank: int, phases: dict[int, str], timeout_s: float
+    status: torch.Tensor, rank: int, phases: dict[int, str], timeout_s: float, detail: str = ""
 ) -> None:
-    """Raise :class:`WaitTimeoutError` if a launch recorded a timeout (reads ``status``: syncs)."""
-    code, peer, phase, _ = status.tolist()
+    """Raise :class:`WaitTimeoutError` if a launch recorded a timeout (reads ``status``: syncs).
+
+    ``detail`` is formatted with the recorded detail value (e.g. ``"expert {}"``).
+    """
+    code, peer, phase, value = status.tolist()
     if code == STATUS_TIMEOUT.value:
-        raise WaitTimeoutError(rank, peer, phases.get(phase, f"phase {phase}"), timeout_s)
+        name = phases.get(phase, f"phase {phase}")
+        if detail and value >= 0:
+            name = f"{name}, {detail.format(value)}"
+        raise WaitTimeoutError(rank, peer, name, timeout_s)

@@ -1,0 +1,219 @@
+"""Low-latency dispatch: quantize each token on the fly and store it straight into the owner's slot.
+
+Send phase. Program ``p`` owns the global experts ``p, p + P, ...``. For each, it scans the
+top-k ids (a few KB), numbers the tokens that chose the expert in token order (a token that
+names the expert twice counts once) and stores one message per token into the owner's receive
+slab ``[local_expert][source_rank][slot]`` with plain NVLink stores: a 16-byte header (token
+index, top-k column), the payload (FP8 e4m3 quantized here, per 128 channels, or BF16) and the
+scales. Then it publishes the count with one system-scope release store of
+``call << 32 | count``: the call number tags the value, so a stale count of an earlier call is
+never mistaken for a new one and nothing needs resetting between calls.
+
+Receive phase. Program ``p`` owns local experts ``p, p + P, ...``; for each it waits for the
+count of every source rank in rank order (bounded), copies the block into the packed output
+``recv_x[expert, begin : begin + count]`` and records ``(begin, count)``. Blocks are therefore
+in source-rank order, the same order as the reference, and outputs are deterministic.
+
+Why it is fast: one launch, no host synchronization, no count exchange before the data (the
+count follows the data on the same path), every byte crosses NVLink once, and the work of
+one expert stays in one program so slot numbering needs no atomics.
+
+Both phases can run in one launch (the GPU default, launched cooperatively so that all
+programs are resident) or as two launches (the receive hook, and the Triton interpreter, which
+runs programs one after another). Two buffer sets alternate between calls (``call % 2``); the
+call counters live on the device, so captured CUDA graphs replay correctly.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .fp8 import e4m3_bits, quantize_groups
+from .sync import aligned_ptr, record_timeout, store_release, wait_flag
+
+PHASE_DISPATCH_RECV = tl.constexpr(2)
+
+# Device state counters (int64), shared with the combine kernel module.
+DISPATCH_SEND_CALLS = tl.constexpr(0)
+DISPATCH_RECV_CALLS = tl.constexpr(1)
+DISPATCH_ARRIVALS = tl.constexpr(4)
+
+HEADER_BYTES = tl.constexpr(16)
+
+
+@triton.jit
+def finish_launch(
+    state_ptr,
+    arrivals,
+    send_calls,
+    recv_calls,
+    c_send,
+    c_recv,
+    DO_SEND: tl.constexpr,
+    DO_RECV: tl.constexpr,
+):
+    """The last program of a launch advances the call counters of the phases it ran."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(state_ptr + arrivals, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        tl.store(state_ptr + arrivals, 0)
+        if DO_SEND:
+            tl.store(state_ptr + send_calls, c_send + 1)
+        if DO_RECV:
+            tl.store(state_ptr + recv_calls, c_recv + 1)
+
+
+@triton.jit
+def ll_dispatch_kernel(
+    x_ptr,  # [N, H] bf16
+    topk_idx_ptr,  # [N, K] int64
+    num_tokens,
+    peer_ptrs,  # [R] int64 heap base addresses
+    rank,
+    recv_offset,  # byte offset of buffer set 0 of the receive slabs in the heap
+    flag_offset,  # byte offset of buffer set 0 of the count flags
+    state_ptr,  # [8] int64 local call counters
+    scratch_ptr,  # [P, 2, M] int32 per-program token lists
+    out_x_ptr,  # [E_local, R * M, H] bf16, or the e4m3 output viewed as uint8
+    out_scales_ptr,  # [E_local, R * M, G] float32
+    out_src_ptr,  # [E_local, R * M] int32
+    out_slot_ptr,  # [E_local, R * M] int32 top-k column of each row
+    out_count_ptr,  # [E_local] int32
+    out_range_ptr,  # [E_local, R] int64
+    status_ptr,  # [4] int32
+    timeout_ns,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    M: tl.constexpr,  # max tokens per rank
+    MSG_BYTES: tl.constexpr,
+    RECV_SET_BYTES: tl.constexpr,
+    FLAG_SET_BYTES: tl.constexpr,
+    USE_FP8: tl.constexpr,
+    USE_UE8M0: tl.constexpr,
+    DO_SEND: tl.constexpr,
+    DO_RECV: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_P2: tl.constexpr,
+    G_P2: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    E_LOCAL: tl.constexpr = NUM_EXPERTS // NUM_RANKS
+    G: tl.constexpr = H // 128
+    groups = tl.arange(0, G_P2)
+    channels = tl.arange(0, 128)
+    gmask = groups < G
+    row_offs = groups[:, None] * 128 + channels[None, :]
+    row_mask = gmask[:, None]
+    c_send = tl.load(state_ptr + DISPATCH_SEND_CALLS, volatile=True)
+    c_recv = tl.load(state_ptr + DISPATCH_RECV_CALLS, volatile=True)
+
+    if DO_SEND:
+        set_off = (c_send % 2) * RECV_SET_BYTES
+        flag_set_off = (c_send % 2) * FLAG_SET_BYTES
+        scratch_tok = scratch_ptr + pid * 2 * M
+        scratch_k = scratch_tok + M
+        ks = tl.arange(0, K_P2)
+        for expert in range(pid, NUM_EXPERTS, num_programs):
+            # Number the tokens that chose this expert, in token order.
+            count = tl.zeros((), tl.int32)
+            for start in range(0, num_tokens, BLOCK_N):
+                tokens = start + tl.arange(0, BLOCK_N)
+                tmask = tokens < num_tokens
+                ids = tl.load(
+                    topk_idx_ptr + tokens[:, None] * K + ks[None, :],
+                    mask=tmask[:, None] & (ks[None, :] < K),
+                    other=-1,
+                )
+                match = ids == expert
+                hit = tl.max(match.to(tl.int32), axis=1)
+                first_k = tl.min(tl.where(match, ks[None, :], K_P2), axis=1)
+                slot = count + tl.cumsum(hit, axis=0) - hit
+                tl.store(scratch_tok + slot, tokens, mask=hit > 0)
+                tl.store(scratch_k + slot, first_k, mask=hit > 0)
+                count += tl.sum(hit, axis=0)
+            tl.debug_barrier()
+
+            owner = expert // E_LOCAL
+            local = expert % E_LOCAL
+            base = tl.load(peer_ptrs + owner)
+            block = base + recv_offset + set_off + ((local * NUM_RANKS + rank) * M) * MSG_BYTES
+            for j in range(count):
+                token = tl.load(scratch_tok + j)
+                msg = block + j * MSG_BYTES
+                header = aligned_ptr(msg, tl.int32)
+                tl.store(header, token)
+                tl.store(header + 1, tl.load(scratch_k + j))
+                x = tl.load(x_ptr + token.to(tl.int64) * H + row_offs, mask=row_mask, other=0.0)
+                payload = msg + HEADER_BYTES
+                if USE_FP8:
+                    q, scale = quantize_groups(x.to(tl.float32), USE_UE8M0)
+                    q_ptr = aligned_ptr(payload, tl.uint8)
+                    tl.store(q_ptr + row_offs, e4m3_bits(q, not USE_CLOCK), mask=row_mask)
+                    scale_ptr = aligned_ptr(payload + H, tl.float32)
+                    tl.store(scale_ptr + groups, scale, mask=gmask)
+                else:
+                    tl.store(aligned_ptr(payload, tl.bfloat16) + row_offs, x, mask=row_mask)
+            flag = base + flag_offset + flag_set_off + (local * NUM_RANKS + rank) * 8
+            store_release(
+                flag.to(tl.pointer_type(tl.int64)), ((c_send + 1) << 32) | count.to(tl.int64)
+            )
+            tl.debug_barrier()
+
+    if DO_RECV:
+        set_off = (c_recv % 2) * RECV_SET_BYTES
+        flag_set_off = (c_recv % 2) * FLAG_SET_BYTES
+        my_base = tl.load(peer_ptrs + rank)
+        for local in range(pid, E_LOCAL, num_programs):
+            begin = tl.zeros((), tl.int32)
+            for src in range(NUM_RANKS):
+                flag = my_base + flag_offset + flag_set_off + (local * NUM_RANKS + src) * 8
+                value, ok = wait_flag(
+                    flag.to(tl.pointer_type(tl.int64)), c_recv + 1, timeout_ns, USE_CLOCK, SHIFT=32
+                )
+                # A timed-out source contributes nothing; the host raises from the status.
+                count = tl.where(ok, (value & 0xFFFFFFFF).to(tl.int32), 0)
+                if not ok:
+                    record_timeout(status_ptr, src, PHASE_DISPATCH_RECV, local)
+                block = (
+                    my_base + recv_offset + set_off + ((local * NUM_RANKS + src) * M) * MSG_BYTES
+                )
+                for i in range(count):
+                    msg = block + i * MSG_BYTES
+                    header = aligned_ptr(msg, tl.int32)
+                    row = (local * NUM_RANKS * M + begin + i).to(tl.int64)
+                    tl.store(out_src_ptr + row, tl.load(header, cache_modifier=".cg"))
+                    tl.store(out_slot_ptr + row, tl.load(header + 1, cache_modifier=".cg"))
+                    payload = msg + HEADER_BYTES
+                    if USE_FP8:
+                        # Bytes move as bytes: out_x_ptr is the e4m3 output viewed as uint8.
+                        q_ptr = aligned_ptr(payload, tl.uint8)
+                        q = tl.load(q_ptr + row_offs, mask=row_mask, cache_modifier=".cg")
+                        tl.store(out_x_ptr + row * H + row_offs, q, mask=row_mask)
+                        scale_ptr = aligned_ptr(payload + H, tl.float32)
+                        scale = tl.load(scale_ptr + groups, mask=gmask, cache_modifier=".cg")
+                        tl.store(out_scales_ptr + row * G + groups, scale, mask=gmask)
+                    else:
+                        x_ptr16 = aligned_ptr(payload, tl.bfloat16)
+                        x = tl.load(x_ptr16 + row_offs, mask=row_mask, cache_modifier=".cg")
+                        tl.store(out_x_ptr + row * H + row_offs, x, mask=row_mask)
+                tl.store(
+                    out_range_ptr + local * NUM_RANKS + src, (begin.to(tl.int64) << 32) | count
+                )
+                begin += count
+            tl.store(out_count_ptr + local, begin)
+
+    finish_launch(
+        state_ptr,
+        DISPATCH_ARRIVALS,
+        DISPATCH_SEND_CALLS,
+        DISPATCH_RECV_CALLS,
+        c_send,
+        c_recv,
+        DO_SEND,
+        DO_RECV,
+    )

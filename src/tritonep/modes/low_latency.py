@@ -1,0 +1,407 @@
+"""Low-latency mode: fixed per-expert receive slabs, online FP8, double buffering, no host sync.
+
+Orchestrates :mod:`tritonep.kernels.ll_dispatch` and :mod:`tritonep.kernels.ll_combine` over
+one symmetric heap. The heap of every rank holds, for each of two buffer sets (calls alternate
+between them):
+
+* dispatch receive slabs ``[E_local][R][max_tokens]`` of fixed-size messages
+  (16-byte header, payload, scales), sized for BF16 messages so either format fits;
+* dispatch count flags ``[E_local][R]`` int64 (``call << 32 | count``);
+* combine receive rows ``[max_tokens][max_topk][H]`` BF16;
+
+plus ``[R]`` combine counters. Call counters live in a small device tensor, so calls need no
+host synchronization and a captured CUDA graph can be replayed any number of times.
+
+Outputs are allocated per call (``torch.empty``: rows past ``recv_count`` are undefined).
+At most two dispatches (and two combines) may be in flight at once, and every rank must make
+the same sequence of calls, as with DeepEP.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ..heap import allocate
+from ..kernels import ll_combine, ll_dispatch
+from ..kernels.sync import (
+    DEFAULT_TIMEOUT_S,
+    new_status,
+    raise_on_timeout,
+    timeout_ns,
+    use_clock,
+)
+from ..validation import check_hidden, check_num_experts, check_tensor, check_topk_idx
+
+#: Fill outputs with a marker before each call (tests set this so unwritten rows show).
+POISON_OUTPUTS = False
+
+MAX_TOPK = 16
+PHASES = {
+    ll_dispatch.PHASE_DISPATCH_RECV.value: "low-latency dispatch receive",
+    ll_combine.PHASE_COMBINE_RECV.value: "low-latency combine receive",
+}
+
+
+def _align(n: int, a: int = 128) -> int:
+    return (n + a - 1) // a * a
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def message_bytes(hidden: int, use_fp8: bool) -> int:
+    """One dispatch message: 16-byte header, payload, then float32 scales with FP8."""
+    payload = hidden if use_fp8 else 2 * hidden
+    scales = hidden // 128 * 4 if use_fp8 else 0
+    return _align(ll_dispatch.HEADER_BYTES.value + payload + scales, 16)
+
+
+class LowLatencyLayout(NamedTuple):
+    """Byte offsets of the regions of the heap (buffer set 0; set 1 follows at ``+ *_set``)."""
+
+    recv: int
+    recv_set: int
+    flags: int
+    flags_set: int
+    combine: int
+    combine_set: int
+    done: int
+    total: int
+
+    @staticmethod
+    def of(max_tokens: int, hidden: int, num_ranks: int, num_experts: int, max_topk: int):
+        e_local = num_experts // num_ranks
+        recv_set = _align(e_local * num_ranks * max_tokens * message_bytes(hidden, False))
+        flags_set = _align(e_local * num_ranks * 8)
+        combine_set = _align(max_tokens * max_topk * hidden * 2)
+        recv = 0
+        flags = recv + 2 * recv_set
+        combine = flags + 2 * flags_set
+        done = combine + 2 * combine_set
+        total = done + _align(num_ranks * 8)
+        return LowLatencyLayout(recv, recv_set, flags, flags_set, combine, combine_set, done, total)
+
+
+class LowLatencyHandle(NamedTuple):
+    """What combine needs from dispatch (the first five fields are DeepEP's handle).
+
+    Attributes:
+        recv_src_info: ``[E_local, R * max_tokens]`` int32 token index on the source rank.
+        recv_layout_range: ``[E_local, R]`` int64 ``begin << 32 | count`` per source rank.
+        num_max_dispatch_tokens_per_rank: as given to dispatch.
+        hidden: hidden size.
+        num_experts: experts in total.
+        recv_topk_slot: ``[E_local, R * max_tokens]`` int32 top-k column of each row.
+    """
+
+    recv_src_info: torch.Tensor
+    recv_layout_range: torch.Tensor
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
+    recv_topk_slot: torch.Tensor
+
+
+class LowLatencyMode:
+    """Low-latency dispatch and combine for one expert-parallel group.
+
+    Args:
+        group: the process group (default: the world); every rank constructs it together.
+        num_max_dispatch_tokens_per_rank: most tokens one rank dispatches in a call.
+        hidden: hidden size, a multiple of 128.
+        num_experts: experts in total, a multiple of the number of ranks.
+        max_topk: largest top-k a call may use (1 to 16).
+        device: a CUDA device, or ``"cpu"`` for CPU ranks (kernels under the interpreter).
+        timeout_s: limit of every wait inside the kernels.
+        num_programs: programs per launch (default: one per SM on GPUs, 4 on CPU).
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        num_max_dispatch_tokens_per_rank: int = 128,
+        hidden: int = 7168,
+        num_experts: int = 256,
+        max_topk: int = MAX_TOPK,
+        device: torch.device | str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        num_programs: int | None = None,
+    ):
+        self.group = group or dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.num_ranks = dist.get_world_size(self.group)
+        self.num_local_experts = check_num_experts(num_experts, self.num_ranks)
+        check_hidden("hidden", hidden, 128)
+        if not 1 <= max_topk <= MAX_TOPK:
+            raise ValueError(f"max_topk: expected 1 to {MAX_TOPK}, got {max_topk}")
+        if num_max_dispatch_tokens_per_rank < 1:
+            raise ValueError(
+                "num_max_dispatch_tokens_per_rank: expected a positive int, "
+                f"got {num_max_dispatch_tokens_per_rank}"
+            )
+        self.max_tokens = num_max_dispatch_tokens_per_rank
+        self.hidden, self.num_experts, self.max_topk = hidden, num_experts, max_topk
+        self.timeout_s = timeout_s
+        self.layout = LowLatencyLayout.of(
+            self.max_tokens, hidden, self.num_ranks, num_experts, max_topk
+        )
+        self.heap = allocate(self.layout.total, self.group, device)
+        self.device = self.heap.device
+        if num_programs is None:
+            if self.device.type == "cuda":
+                sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+                num_programs = min(sms, max(num_experts, self.max_tokens))
+            else:
+                num_programs = 4
+        self.num_programs = num_programs
+        self.state = torch.zeros(8, dtype=torch.int64, device=self.device)
+        self.status = new_status(self.device)
+        self.scratch = torch.empty(
+            num_programs, 2, self.max_tokens, dtype=torch.int32, device=self.device
+        )
+        self._timeout_ns = timeout_ns(timeout_s)
+        self._combine_input: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------------------ sizes
+    @staticmethod
+    def size_hint(
+        num_max_dispatch_tokens_per_rank: int,
+        hidden: int,
+        num_ranks: int,
+        num_experts: int,
+        max_topk: int = MAX_TOPK,
+    ) -> int:
+        """Bytes of symmetric memory each rank needs."""
+        return LowLatencyLayout.of(
+            num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, max_topk
+        ).total
+
+    # ---------------------------------------------------------------------------- helpers
+    def _launch(self, kernel, grid_args, both: bool):
+        kwargs = {}
+        if both and self.device.type == "cuda":
+            # Receivers spin on senders of the same launch: all programs must be resident.
+            kwargs["launch_cooperative_grid"] = True
+        kernel[(self.num_programs,)](*grid_args[0], **grid_args[1], **kwargs)
+
+    def _empty(self, shape, dtype):
+        if POISON_OUTPUTS:
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            t.view(torch.uint8).fill_(0xFF)  # NaN for floats, -1 for integers
+            return t
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def check(self) -> None:
+        """Wait for the device and raise :class:`WaitTimeoutError` if a wait gave up."""
+        raise_on_timeout(self.status, self.rank, PHASES, self.timeout_s, "expert {}")
+
+    # --------------------------------------------------------------------------- dispatch
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        use_fp8: bool = True,
+        use_ue8m0: bool = False,
+        return_recv_hook: bool = False,
+    ):
+        """Send each token to each distinct expert of its top-k.
+
+        Args:
+            x: ``[N, H]`` BF16, ``N <= num_max_dispatch_tokens_per_rank``.
+            topk_idx: ``[N, K]`` int64 global expert ids, ``-1`` for none, ``K <= max_topk``.
+            use_fp8: quantize to e4m3 with float32 scales per 128 channels; else send BF16.
+            use_ue8m0: round the scales up to powers of two.
+            return_recv_hook: only send; the returned hook receives.
+        Returns:
+            ``(recv_x, recv_count, handle, hook)``: ``recv_x`` is ``[E_local, R * max, H]``
+            (with FP8 a tuple with float32 scales ``[E_local, R * max, H / 128]``; rows past
+            ``recv_count[e]`` are undefined), ``recv_count`` ``[E_local]`` int32, a
+            :class:`LowLatencyHandle`, and the hook (None unless ``return_recv_hook``).
+        """
+        check_tensor("x", x, dtype=torch.bfloat16, shape=(None, self.hidden), device=self.device)
+        num_tokens = x.shape[0]
+        if num_tokens > self.max_tokens:
+            raise ValueError(
+                f"x: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank={self.max_tokens}"
+            )
+        check_topk_idx("topk_idx", topk_idx, num_tokens, self.num_experts, device=self.device)
+        topk = topk_idx.shape[1]
+        if topk > self.max_topk:
+            raise ValueError(f"topk_idx: top-k {topk} exceeds max_topk={self.max_topk}")
+
+        E_local, R, M, H = self.num_local_experts, self.num_ranks, self.max_tokens, self.hidden
+        rows = R * M
+        recv_x = self._empty((E_local, rows, H), torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
+        recv_scales = self._empty((E_local, rows, H // 128), torch.float32) if use_fp8 else None
+        src_info = self._empty((E_local, rows), torch.int32)
+        topk_slot = self._empty((E_local, rows), torch.int32)
+        recv_count = self._empty((E_local,), torch.int32)
+        layout_range = self._empty((E_local, R), torch.int64)
+
+        def launch(do_send: bool, do_recv: bool):
+            args = (
+                x,
+                topk_idx,
+                num_tokens,
+                self.heap.peer_ptrs,
+                self.rank,
+                self.layout.recv,
+                self.layout.flags,
+                self.state,
+                self.scratch,
+                recv_x.view(torch.uint8) if use_fp8 else recv_x,
+                recv_scales if use_fp8 else recv_count,  # unused pointer without FP8
+                src_info,
+                topk_slot,
+                recv_count,
+                layout_range,
+                self.status,
+                self._timeout_ns,
+            )
+            meta = dict(
+                H=H,
+                K=topk,
+                NUM_EXPERTS=self.num_experts,
+                NUM_RANKS=R,
+                M=M,
+                MSG_BYTES=message_bytes(H, use_fp8),
+                RECV_SET_BYTES=self.layout.recv_set,
+                FLAG_SET_BYTES=self.layout.flags_set,
+                USE_FP8=use_fp8,
+                USE_UE8M0=use_ue8m0,
+                DO_SEND=do_send,
+                DO_RECV=do_recv,
+                USE_CLOCK=use_clock(self.device),
+                BLOCK_N=min(128, _next_pow2(max(M, 16))),
+                K_P2=_next_pow2(max(topk, 2)),
+                G_P2=_next_pow2(H // 128),
+                num_warps=8,
+            )
+            self._launch(ll_dispatch.ll_dispatch_kernel, (args, meta), do_send and do_recv)
+
+        handle = LowLatencyHandle(src_info, layout_range, M, H, self.num_experts, topk_slot)
+        out_x = (recv_x, recv_scales) if use_fp8 else recv_x
+        split = return_recv_hook or self.device.type == "cpu"
+        if not split:
+            launch(True, True)
+            return out_x, recv_count, handle, None
+        launch(True, False)
+        if return_recv_hook:
+            return out_x, recv_count, handle, lambda: launch(False, True)
+        # The interpreter runs programs one after another: receive in a second launch.
+        launch(False, True)
+        return out_x, recv_count, handle, None
+
+    # ---------------------------------------------------------------------------- combine
+    def get_next_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """A ``[E_local, R * max, H]`` BF16 tensor to write expert outputs into (``zero_copy``)."""
+        shape = (self.num_local_experts, self.num_ranks * self.max_tokens, self.hidden)
+        if self._combine_input is None or self._combine_input.shape != shape:
+            self._combine_input = torch.empty(shape, dtype=torch.bfloat16, device=self.device)
+        return self._combine_input
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyHandle,
+        zero_copy: bool = False,
+        return_recv_hook: bool = False,
+        out: torch.Tensor | None = None,
+    ):
+        """Bring expert outputs back and reduce them with the routing weights.
+
+        Args:
+            x: ``[E_local, R * max, H]`` BF16 expert outputs, rows as dispatch packed them.
+            topk_idx: ``[N, K]`` int64, the ids given to dispatch.
+            topk_weights: ``[N, K]`` float32.
+            handle: from :meth:`dispatch`.
+            zero_copy: ``x`` is the tensor from :meth:`get_next_combine_buffer`. Rows go to
+                their peers straight from wherever ``x`` lives, so both paths are the same.
+            return_recv_hook: only send; the returned hook reduces.
+            out: optional ``[N, H]`` BF16 output.
+        Returns:
+            ``(combined [N, H] BF16, hook)``.
+        """
+        E_local, R, M, H = self.num_local_experts, self.num_ranks, self.max_tokens, self.hidden
+        if handle.num_max_dispatch_tokens_per_rank != M or handle.hidden != H:
+            raise ValueError("handle: it comes from a dispatch with other sizes")
+        check_tensor("x", x, dtype=torch.bfloat16, shape=(E_local, R * M, H), device=self.device)
+        num_tokens = topk_idx.shape[0] if isinstance(topk_idx, torch.Tensor) else -1
+        check_topk_idx("topk_idx", topk_idx, None, self.num_experts, device=self.device)
+        topk = topk_idx.shape[1]
+        if topk > self.max_topk:
+            raise ValueError(f"topk_idx: top-k {topk} exceeds max_topk={self.max_topk}")
+        check_tensor(
+            "topk_weights",
+            topk_weights,
+            dtype=torch.float32,
+            shape=(num_tokens, topk),
+            device=self.device,
+        )
+        if out is None:
+            out = self._empty((num_tokens, H), torch.bfloat16)
+        else:
+            check_tensor(
+                "out", out, dtype=torch.bfloat16, shape=(num_tokens, H), device=self.device
+            )
+
+        def launch(do_send: bool, do_recv: bool):
+            args = (
+                x,
+                handle.recv_src_info,
+                handle.recv_topk_slot,
+                handle.recv_layout_range,
+                topk_idx,
+                topk_weights,
+                num_tokens,
+                out,
+                self.heap.peer_ptrs,
+                self.rank,
+                self.layout.combine,
+                self.layout.done,
+                self.state,
+                self.status,
+                self._timeout_ns,
+            )
+            meta = dict(
+                H=H,
+                K=topk,
+                K_MAX=self.max_topk,
+                NUM_EXPERTS=self.num_experts,
+                NUM_RANKS=R,
+                M=M,
+                RECV_SET_BYTES=self.layout.combine_set,
+                DO_SEND=do_send,
+                DO_RECV=do_recv,
+                USE_CLOCK=use_clock(self.device),
+                K_P2=_next_pow2(max(topk, 2)),
+                G_P2=_next_pow2(H // 128),
+                num_warps=8,
+                # No fused multiply-add: products round as in the reference, so the sum is
+                # bit-exact with it.
+                enable_fp_fusion=False,
+            )
+            self._launch(ll_combine.ll_combine_kernel, (args, meta), do_send and do_recv)
+
+        split = return_recv_hook or self.device.type == "cpu"
+        if not split:
+            launch(True, True)
+            return out, None
+        launch(True, False)
+        if return_recv_hook:
+            return out, lambda: launch(False, True)
+        launch(False, True)
+        return out, None
+
+    def destroy(self) -> None:
+        """Release the heap (collective); raises if a wait had timed out."""
+        try:
+            self.check()
+        finally:
+            self.heap.close()

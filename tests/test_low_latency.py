@@ -1,0 +1,249 @@
+"""Low-latency mode against the reference, on CPU ranks (interpreter) and on GPUs.
+
+Every call poisons its outputs first, uses fresh random inputs, and checks every valid row,
+scale, source index, count and layout range (independent of block order), then combine.
+Everything is bit-exact against the reference, on GPUs and under the interpreter alike (the
+kernels round BF16 and e4m3 on the bits there, where the interpreter's conversions are off).
+"""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tritonep import reference as ref
+from tritonep.errors import WaitTimeoutError
+from tritonep.modes import low_latency as ll
+from tritonep.testing import make_case
+
+ll.POISON_OUTPUTS = True
+
+
+def _gather(obj):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _expert_fn(rows, global_expert):
+    """A different, exactly known "expert" per global id: scale by (id + 1) / 8."""
+    return (rows * ((global_expert + 1) / 8)).to(torch.bfloat16)
+
+
+def _verify_call(ctx, case, M, use_fp8, ue8m0, recv_x, recv_count, handle, outputs, combined):
+    """Check one dispatch and combine of this rank against the reference, bit for bit."""
+    me, experts = ctx.rank, case.num_experts
+    want = ref.low_latency_dispatch(case.x, case.topk_idx, M, experts, use_fp8, ue8m0)[me]
+    payload, scales = recv_x if use_fp8 else (recv_x, None)
+    got = ref.LowLatencyDispatchResult(
+        payload.cpu(),
+        None if scales is None else scales.cpu(),
+        handle.recv_src_info.cpu(),
+        recv_count.cpu(),
+        handle.recv_layout_range.cpu(),
+    )
+    ref.assert_low_latency_dispatch_equal(got, want, me)
+    # The reference combines with the layout each rank actually produced, gathered.
+    all_out = _gather(outputs.cpu())
+    gathered = _gather(dataclasses.replace(got, recv_x=got.recv_x.view(torch.uint8)))
+    all_got = [dataclasses.replace(g, recv_x=g.recv_x.view(got.recv_x.dtype)) for g in gathered]
+    expected = ref.low_latency_combine(all_out, case.topk_idx, case.topk_weights, all_got)[me]
+    ref.assert_bitwise_equal(combined.cpu(), expected, f"rank {me} combined")
+
+
+def _expert_outputs(recv_x, use_fp8, rank):
+    """Apply the known experts to received rows (on the rows' device); padding rows -> 0."""
+    payload, scales = recv_x if use_fp8 else (recv_x, None)
+    rows = ref.dequantize_fp8(payload, scales) if use_fp8 else payload.float()
+    E_local = rows.shape[0]
+    global_ids = (torch.arange(E_local, device=rows.device) + rank * E_local).view(E_local, 1, 1)
+    outputs = _expert_fn(rows, global_ids)
+    return torch.where(torch.isnan(outputs), 0, outputs)  # poisoned rows past the count
+
+
+def _ll_body(ctx, calls, tokens, hidden, experts, topk, routing, use_fp8, ue8m0, hook, dup):
+    R, me = ctx.world_size, ctx.rank
+    experts = experts * R
+    M = max(max(tokens), 1)
+    mode = ll.LowLatencyMode(
+        None, M, hidden, experts, max_topk=max(topk, 2), device=ctx.device, timeout_s=60
+    )
+    for call in range(calls):  # odd and even calls use different buffer sets
+        case = make_case(1000 * call + 7, tokens[:R], hidden, experts, topk, routing)
+        if dup:  # a token that names one expert twice is sent there once
+            for idx in case.topk_idx:
+                if idx.shape[0] and topk > 1:
+                    idx[0, 1] = idx[0, 0]
+        dev = case.to(ctx.device)
+        recv_x, recv_count, handle, recv_hook = mode.dispatch(
+            dev.x[me], dev.topk_idx[me], use_fp8=use_fp8, use_ue8m0=ue8m0, return_recv_hook=hook
+        )
+        assert (recv_hook is not None) == hook
+        if hook:
+            recv_hook()
+        mode.check()
+        outputs = _expert_outputs(recv_x, use_fp8, me)
+        combined, comb_hook = mode.combine(
+            outputs, dev.topk_idx[me], dev.topk_weights[me], handle, return_recv_hook=hook
+        )
+        if hook:
+            comb_hook()
+        mode.check()
+        _verify_call(ctx, case, M, use_fp8, ue8m0, recv_x, recv_count, handle, outputs, combined)
+    mode.destroy()
+    return True
+
+
+CASES = {
+    # name: (tokens per rank, hidden, experts per rank, topk, routing, fp8, ue8m0, hook, dup)
+    "bf16-random": ([5, 0, 7, 3], 256, 4, 3, "random", False, False, False, False),
+    "fp8-random": ([6, 4, 0, 2], 384, 2, 2, "random", True, False, False, False),
+    "fp8-ue8m0-hook": ([3, 5, 2, 4], 128, 3, 4, "dropped", True, True, True, False),
+    "bf16-skewed-dup": ([4, 4, 4, 4], 128, 2, 3, "skewed", False, False, True, True),
+    "bf16-topk1": ([2, 3, 1, 0], 128, 1, 1, "random", False, False, False, False),
+    "fp8-topk16": ([3, 2, 3, 1], 128, 8, 16, "random", True, False, False, True),
+    "empty": ([0, 0, 0, 0], 128, 2, 2, "random", True, False, False, False),
+}
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3])
+@pytest.mark.parametrize("name", list(CASES))
+def test_low_latency_matches_reference(run_ranks, num_ranks, name):
+    tokens, hidden, experts, topk, routing, fp8, ue8m0, hook, dup = CASES[name]
+    assert (
+        run_ranks(
+            num_ranks, _ll_body, 2, tokens, hidden, experts, topk, routing, fp8, ue8m0, hook, dup
+        )
+        == [True] * num_ranks
+    )
+
+
+@pytest.mark.gpu(n=4)
+@pytest.mark.parametrize("name", ["bf16-random", "fp8-random", "fp8-ue8m0-hook", "fp8-topk16"])
+def test_low_latency_on_4_gpus_larger(run_ranks, name):
+    _, _, experts, topk, routing, fp8, ue8m0, hook, dup = CASES[name]
+    tokens = [128, 0, 77, 128]
+    run_ranks(
+        4,
+        _ll_body,
+        3,
+        tokens,
+        7168 if fp8 else 2048,
+        experts * 8,
+        topk,
+        routing,
+        fp8,
+        ue8m0,
+        hook,
+        dup,
+    )
+
+
+def _graph_body(ctx, replays):
+    """One captured graph of dispatch -> experts -> combine, replayed with new inputs."""
+    R, me = ctx.world_size, ctx.rank
+    M, H, E, K = 32, 512, 4 * R, 3
+    mode = ll.LowLatencyMode(None, M, H, E, max_topk=K, device=ctx.device, timeout_s=60)
+    x = torch.empty(M, H, dtype=torch.bfloat16, device=ctx.device)
+    idx = torch.empty(M, K, dtype=torch.int64, device=ctx.device)
+    w = torch.empty(M, K, dtype=torch.float32, device=ctx.device)
+
+    def load(seed):
+        case = make_case(seed, [M] * R, H, E, K, "dropped")
+        x.copy_(case.x[me])
+        idx.copy_(case.topk_idx[me])
+        w.copy_(case.topk_weights[me])
+        return case
+
+    def step():
+        recv_x, recv_count, handle, _ = mode.dispatch(x, idx, use_fp8=True)
+        outputs = _expert_outputs(recv_x, True, me)
+        combined, _ = mode.combine(outputs, idx, w, handle)
+        return recv_x, recv_count, handle, outputs, combined
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        load(0)
+        step()  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            results = step()
+    torch.cuda.synchronize()
+    for replay in range(replays):
+        case = load(1 + replay)
+        graph.replay()
+        torch.cuda.synchronize()
+        mode.check()
+        _verify_call(ctx, case, M, True, False, *results)
+    mode.destroy()
+    return replays
+
+
+@pytest.mark.gpu(n=4)
+def test_cuda_graph_replayed_100_times_with_new_inputs(run_ranks):
+    assert run_ranks(4, _graph_body, 100) == [100] * 4
+
+
+def _skip_dispatch_body(ctx):
+    mode = ll.LowLatencyMode(
+        None, 4, 128, 2 * ctx.world_size, max_topk=2, device=ctx.device, timeout_s=1.0
+    )
+    x = torch.randn(3, 128, device=ctx.device).to(torch.bfloat16)
+    idx = torch.tensor([[0, 1], [1, 2], [3, 0]], device=ctx.device)
+    if ctx.rank == 1:
+        return "skipped"
+    mode.dispatch(x, idx, use_fp8=False)
+    try:
+        mode.check()
+    except WaitTimeoutError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_rank_that_skips_dispatch_makes_the_others_raise(run_ranks):
+    results = run_ranks(2, _skip_dispatch_body)
+    assert results[1] == "skipped"
+    assert results[0].startswith(
+        "rank 0 timed out after 1 s in phase 'low-latency dispatch receive, expert "
+    )
+    assert "waiting for peer 1" in results[0]
+
+
+def _bad_input_body(ctx):
+    mode = ll.LowLatencyMode(None, 4, 256, 2 * ctx.world_size, max_topk=4, device=ctx.device)
+    x = torch.randn(5, 256, device=ctx.device).to(torch.bfloat16)
+    idx = torch.zeros(5, 2, dtype=torch.long, device=ctx.device)
+    messages = []
+    for call in [
+        lambda: mode.dispatch(x, idx),
+        lambda: mode.dispatch(x[:4, :128].contiguous(), idx[:4]),
+        lambda: mode.dispatch(x[:4].float(), idx[:4]),
+        lambda: mode.dispatch(x[:4], idx[:4] + 2 * ctx.world_size),
+        lambda: mode.dispatch(x[:4], torch.zeros(4, 5, dtype=torch.long, device=ctx.device)),
+    ]:
+        try:
+            call()
+            messages.append("accepted")
+        except (TypeError, ValueError) as e:
+            messages.append(f"{type(e).__name__}: {e}")
+    mode.destroy()
+    return messages
+
+
+def test_bad_input_raises_before_launch(run_ranks):
+    for messages in run_ranks(2, _bad_input_body):
+        assert messages == [
+            "ValueError: x: 5 tokens exceed num_max_dispatch_tokens_per_rank=4",
+            "ValueError: x: expected shape [*, 256], got [4, 128]",
+            "TypeError: x: expected dtype torch.bfloat16, got torch.float32",
+            "ValueError: topk_idx: expert ids must lie in [-1, 4) (-1 = no expert), found 4",
+            "ValueError: topk_idx: top-k 5 exceeds max_topk=4",
+        ]
+
+
+def test_buffer_is_no_larger_than_deepeps():
+    # DeepEP needs 1.9 GB for 128 tokens, hidden 7168, 256 experts on 4 ranks.
+    assert ll.LowLatencyMode.size_hint(128, 7168, 4, 256) < 1.1e9
