@@ -1,0 +1,131 @@
+"""Low-latency benchmark: one rank's measurements (imported by spawned ranks by name)."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from ..testing import route
+
+
+def _median_event_ms(pairs):
+    return statistics.median(a.elapsed_time(b) for a, b in pairs)
+
+
+def _time_pair(first, second, iters, warmup):
+    """Median ms of ``first()`` and of ``second()`` when run back to back ``iters`` times."""
+    for _ in range(warmup):
+        first()
+        second()
+    torch.cuda.synchronize()
+    dist.barrier()
+    marks = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(iters)]
+    for m in marks:
+        m[0].record()
+        first()
+        m[1].record()
+        second()
+        m[2].record()
+    torch.cuda.synchronize()
+    return _median_event_ms([(m[0], m[1]) for m in marks]), _median_event_ms(
+        [(m[1], m[2]) for m in marks]
+    )
+
+
+def _time_graph(fn, calls, replays):
+    """ms per call of ``fn`` captured ``calls`` times in one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm up (compiles) outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (calls * replays)
+
+
+def _mean_over_ranks(values):
+    t = torch.tensor(values, dtype=torch.float64, device="cuda")
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).tolist()
+
+
+def _low_latency_point(ctx, mode, baseline, opts, T, max_tokens):
+    """Time one token count: tritonep per call and in graphs, then the torch backend."""
+    H, E, K = opts.hidden, opts.experts, opts.topk
+    use_fp8 = not opts.bf16
+    gen = torch.Generator().manual_seed(1000 + ctx.rank)
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(ctx.device)
+    idx = route(gen, T, E, K, "random").to(ctx.device)
+    w = torch.rand(T, K, generator=gen).to(ctx.device)
+    rows = mode.num_ranks * max_tokens
+    y = torch.randn(mode.num_local_experts, rows, H, device=ctx.device).to(torch.bfloat16)
+    state = {}
+
+    def dispatch():
+        state["d"] = mode.dispatch(x, idx, use_fp8=use_fp8)
+
+    def combine():
+        mode.combine(y, idx, w, state["d"][2])
+
+    def base_dispatch():
+        state["b"] = baseline.low_latency_dispatch(x, idx, max_tokens, E, use_fp8=use_fp8)
+
+    def base_combine():
+        baseline.low_latency_combine(y, idx, w, state["b"][2])
+
+    t_disp, t_comb = _time_pair(dispatch, combine, opts.iters, 10)
+    mode.check()
+    recv_rows = int(state["d"][1].sum())
+    g_disp, g_comb = _time_graph(dispatch, 10, 20), _time_graph(combine, 10, 20)
+    mode.check()
+    b_disp, b_comb = _time_pair(base_dispatch, base_combine, max(opts.iters // 5, 5), 3)
+    msg = H + H // 128 * 4 if use_fp8 else 2 * H
+    vals = _mean_over_ranks([t_disp, t_comb, g_disp, g_comb, b_disp, b_comb, recv_rows])
+    t_disp, t_comb, g_disp, g_comb, b_disp, b_comb, recv_rows = vals
+    return {
+        "tokens": T,
+        "hidden": H,
+        "topk": K,
+        "experts": E,
+        "ranks": mode.num_ranks,
+        "dispatch_us": t_disp * 1e3,
+        "combine_us": t_comb * 1e3,
+        "graph_dispatch_us": g_disp * 1e3,
+        "graph_combine_us": g_comb * 1e3,
+        "torch_dispatch_us": b_disp * 1e3,
+        "torch_combine_us": b_comb * 1e3,
+        # DeepEP's accounting: bytes received (local rank included) over time.
+        "dispatch_GBps": recv_rows * msg / (t_disp * 1e-3) / 1e9,
+        "combine_GBps": recv_rows * 2 * H / (t_comb * 1e-3) / 1e9,
+    }
+
+
+def low_latency_rank(ctx, opts):
+    from ..modes.low_latency import LowLatencyMode
+    from ..torch_backend import TorchBackend
+
+    sweep = [int(t) for t in opts.tokens.split(",")]
+    max_tokens = max(sweep)
+    mode = LowLatencyMode(
+        None, max_tokens, opts.hidden, opts.experts, max_topk=max(opts.topk, 2), device=ctx.device
+    )
+    baseline = TorchBackend()
+    rows = [_low_latency_point(ctx, mode, baseline, opts, T, max_tokens) for T in sweep]
+    mode.destroy()
+    return rows
