@@ -8,21 +8,24 @@ import torch
 from tritonep.launch import spawn
 
 
-def body(ctx, programs, coop):
+def body(ctx, programs, coop, topk=8, hidden=7168):
     from tritonep.modes import low_latency as ll
 
-    mode = ll.LowLatencyMode(None, 128, 7168, 256, max_topk=8, device=ctx.device, timeout_s=3,
-                             num_programs=programs)
+    mode = ll.LowLatencyMode(None, 128, hidden, 256, max_topk=topk, device=ctx.device,
+                             timeout_s=3, num_programs=programs)
     if not coop:
         mode._launch = lambda kernel, ga, both: kernel[(mode.num_programs,)](*ga[0], **ga[1])
-    x = torch.randn(128, 7168, device=ctx.device).to(torch.bfloat16)
-    idx = torch.stack([torch.randperm(256, device=ctx.device)[:8] for _ in range(128)])
-    w = torch.rand(128, 8, device=ctx.device)
+    n = [128, 0, 77, 128][ctx.rank]
+    x = torch.randn(n, hidden, device=ctx.device).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(256, device=ctx.device)[:topk] for _ in range(n)])
+    if n:
+        idx[0, 1] = idx[0, 0]
+    w = torch.rand(n, topk, device=ctx.device)
     out = []
     for _ in range(3):
         t = time.perf_counter()
         recv, cnt, h, _ = mode.dispatch(x, idx)
-        y = torch.zeros(64, 512, 7168, device=ctx.device, dtype=torch.bfloat16)
+        y = torch.zeros(64, 512, hidden, device=ctx.device, dtype=torch.bfloat16)
         mode.combine(y, idx, w, h)
         torch.cuda.synchronize()
         try:
@@ -35,8 +38,10 @@ def body(ctx, programs, coop):
 
 
 if __name__ == "__main__":
-    for programs, coop in [(int(a.split(":")[0]), a.endswith("c")) for a in sys.argv[1:]]:
+    for arg in sys.argv[1:]:
+        programs, topk, hidden = (int(v) for v in arg.split(":"))
         try:
-            print(programs, coop, spawn(body, 4, programs, coop, backend="nccl", timeout=60)[0])
+            r = spawn(body, 4, programs, True, topk, hidden, backend="nccl", timeout=40)
+            print(arg, r)
         except Exception as e:
-            print(programs, coop, "FAILED", str(e)[-600:])
+            print(arg, "FAILED", str(e)[-800:])
