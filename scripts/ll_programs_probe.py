@@ -17,7 +17,10 @@ def body(ctx, programs, coop, topk=8, hidden=7168):
         mode._launch = lambda kernel, ga, both: kernel[(mode.num_programs,)](*ga[0], **ga[1])
     n = [128, 0, 77, 128][ctx.rank]
     x = torch.randn(n, hidden, device=ctx.device).to(torch.bfloat16)
-    idx = torch.stack([torch.randperm(256, device=ctx.device)[:topk] for _ in range(n)])
+    idx = torch.stack(
+        [torch.randperm(256, device=ctx.device)[:topk] for _ in range(n)]
+        or [torch.zeros(0, topk, dtype=torch.long, device=ctx.device)]
+    ).view(n, topk)
     if n:
         idx[0, 1] = idx[0, 0]
     w = torch.rand(n, topk, device=ctx.device)
