@@ -194,6 +194,32 @@ def test_cuda_graph_replayed_100_times_with_new_inputs(run_ranks):
     assert run_ranks(4, _graph_body, 100) == [100] * 4
 
 
+def _unchecked_ids_body(ctx):
+    """Without the host check, ids outside [-1, E) are dropped, and nothing else changes."""
+    R, me = ctx.world_size, ctx.rank
+    M, H, E, K = 6, 128, 4 * R, 3
+    mode = ll.LowLatencyMode(None, M, H, E, max_topk=K, device=ctx.device, check_ids=False)
+    case = make_case(5, [M] * R, H, E, K, "random")
+    bad = [idx.clone() for idx in case.topk_idx]
+    for idx in bad:
+        idx[0, 0], idx[1, 2] = E + 3, -5
+    for idx in case.topk_idx:
+        idx[0, 0], idx[1, 2] = -1, -1
+    dev_x, dev_bad = case.x[me].to(ctx.device), bad[me].to(ctx.device)
+    weights = case.topk_weights[me].to(ctx.device)
+    recv_x, recv_count, handle, _ = mode.dispatch(dev_x, dev_bad, use_fp8=False)
+    outputs = _expert_outputs(recv_x, False, me)
+    combined, _ = mode.combine(outputs, dev_bad, weights, handle)
+    mode.check()
+    _verify_call(ctx, case, M, False, False, recv_x, recv_count, handle, outputs, combined)
+    mode.destroy()
+    return True
+
+
+def test_unchecked_out_of_range_ids_are_dropped_safely(run_ranks):
+    assert run_ranks(2, _unchecked_ids_body) == [True, True]
+
+
 def _skip_dispatch_body(ctx):
     mode = ll.LowLatencyMode(
         None, 4, 128, 2 * ctx.world_size, max_topk=2, device=ctx.device, timeout_s=1.0

@@ -90,12 +90,13 @@ def check_topk_idx(
     num_tokens: int | None,
     num_experts: int,
     device: torch.device | str | None = None,
+    check_range: bool = True,
 ) -> torch.Tensor:
     """``[num_tokens, K]`` int64 ids in ``[-1, num_experts)`` (``num_tokens=None``: any).
 
     The range check reads the ids on the host, which waits for the GPU; it is skipped while a
-    CUDA graph is being captured (where no host read is allowed), and kernels then ignore ids
-    outside the range rather than write out of bounds.
+    CUDA graph is being captured (where no host read is allowed) or when ``check_range`` is
+    False; kernels then ignore ids outside the range rather than write out of bounds.
     """
     check_tensor(name, topk_idx, dtype=torch.int64, shape=(num_tokens, None), device=device)
     assert isinstance(topk_idx, torch.Tensor)
@@ -104,7 +105,7 @@ def check_topk_idx(
             f"{name}: expected at least one top-k column, got shape {list(topk_idx.shape)}"
         )
     capturing = topk_idx.is_cuda and torch.cuda.is_current_stream_capturing()
-    if topk_idx.numel() and not capturing:
+    if check_range and topk_idx.numel() and not capturing:
         lo, hi = int(topk_idx.min()), int(topk_idx.max())
         if lo < -1 or hi >= num_experts:
             bad = lo if lo < -1 else hi

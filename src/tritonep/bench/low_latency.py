@@ -122,8 +122,15 @@ def low_latency_rank(ctx, opts):
 
     sweep = [int(t) for t in opts.tokens.split(",")]
     max_tokens = max(sweep)
+    # No host read of the ids per call: that is a GPU sync, which decode loops avoid.
     mode = LowLatencyMode(
-        None, max_tokens, opts.hidden, opts.experts, max_topk=max(opts.topk, 2), device=ctx.device
+        None,
+        max_tokens,
+        opts.hidden,
+        opts.experts,
+        max_topk=max(opts.topk, 2),
+        device=ctx.device,
+        check_ids=False,
     )
     baseline = TorchBackend()
     rows = [_low_latency_point(ctx, mode, baseline, opts, T, max_tokens) for T in sweep]

@@ -97,9 +97,11 @@ def ll_combine_kernel(
         my_base = tl.load(peer_ptrs + rank)
         if pid < num_tokens:
             target = (c_recv + 1) * E_LOCAL
+            budget = timeout_ns + tl.zeros((), tl.int64)  # later waits give up after a timeout
             for src in range(NUM_RANKS):
                 done = (my_base + done_offset + src * 8).to(tl.pointer_type(tl.int64))
-                _, ok = wait_flag(done, target, timeout_ns, USE_CLOCK, AT_LEAST=True)
+                _, ok = wait_flag(done, target, budget, USE_CLOCK, AT_LEAST=True)
+                budget = tl.where(ok, budget, 0)
                 if not ok:
                     record_timeout(status_ptr, src, PHASE_COMBINE_RECV)
         ks = tl.arange(0, K_P2)

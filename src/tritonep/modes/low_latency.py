@@ -118,6 +118,10 @@ class LowLatencyMode:
         device: a CUDA device, or ``"cpu"`` for CPU ranks (kernels under the interpreter).
         timeout_s: limit of every wait inside the kernels.
         num_programs: programs per launch (default: one per SM on GPUs, 4 on CPU).
+        check_ids: read the top-k ids on the host before each call and raise ``ValueError``
+            for ids outside ``[-1, num_experts)``. That read waits for the GPU; without it
+            (and always inside CUDA-graph capture) out-of-range ids are ignored by the
+            kernels, which never write out of bounds.
     """
 
     def __init__(
@@ -130,8 +134,10 @@ class LowLatencyMode:
         device: torch.device | str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         num_programs: int | None = None,
+        check_ids: bool = True,
     ):
         self.group = group or dist.group.WORLD
+        self.check_ids = check_ids
         self.rank = dist.get_rank(self.group)
         self.num_ranks = dist.get_world_size(self.group)
         self.num_local_experts = check_num_experts(num_experts, self.num_ranks)
@@ -228,7 +234,9 @@ class LowLatencyMode:
             raise ValueError(
                 f"x: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank={self.max_tokens}"
             )
-        check_topk_idx("topk_idx", topk_idx, num_tokens, self.num_experts, device=self.device)
+        check_topk_idx(
+            "topk_idx", topk_idx, num_tokens, self.num_experts, self.device, self.check_ids
+        )
         topk = topk_idx.shape[1]
         if topk > self.max_topk:
             raise ValueError(f"topk_idx: top-k {topk} exceeds max_topk={self.max_topk}")
@@ -333,7 +341,7 @@ class LowLatencyMode:
             raise ValueError("handle: it comes from a dispatch with other sizes")
         check_tensor("x", x, dtype=torch.bfloat16, shape=(E_local, R * M, H), device=self.device)
         num_tokens = topk_idx.shape[0] if isinstance(topk_idx, torch.Tensor) else -1
-        check_topk_idx("topk_idx", topk_idx, None, self.num_experts, device=self.device)
+        check_topk_idx("topk_idx", topk_idx, None, self.num_experts, self.device, self.check_ids)
         topk = topk_idx.shape[1]
         if topk > self.max_topk:
             raise ValueError(f"topk_idx: top-k {topk} exceeds max_topk={self.max_topk}")
