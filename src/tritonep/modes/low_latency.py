@@ -117,7 +117,8 @@ class LowLatencyMode:
         max_topk: largest top-k a call may use (1 to 16).
         device: a CUDA device, or ``"cpu"`` for CPU ranks (kernels under the interpreter).
         timeout_s: limit of every wait inside the kernels.
-        num_programs: programs per launch (default: one per SM on GPUs, 4 on CPU).
+        num_programs: programs per launch (default: up to 128 on GPUs, leaving some SMs
+            free; 4 on CPU).
         check_ids: read the top-k ids on the host before each call and raise ``ValueError``
             for ids outside ``[-1, num_experts)``. That read waits for the GPU; without it
             (and always inside CUDA-graph capture) out-of-range ids are ignored by the
@@ -159,8 +160,11 @@ class LowLatencyMode:
         self.device = self.heap.device
         if num_programs is None:
             if self.device.type == "cuda":
+                # A few SMs stay free (as DeepEP leaves 4 of 132): a cooperative launch that
+                # needs every SM waits on anything else resident. 128 also splits 256 experts
+                # evenly.
                 sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-                num_programs = min(sms, max(num_experts, self.max_tokens))
+                num_programs = min(sms - 4, 128, max(num_experts, self.max_tokens))
             else:
                 num_programs = 4
         self.num_programs = num_programs
