@@ -1,0 +1,261 @@
+"""A DeepEP-like communication buffer: one object per expert-parallel group.
+
+Low-latency calls take the same arguments and return the same tuples as DeepEP's
+``Buffer.low_latency_dispatch`` / ``low_latency_combine``. Differences, all deliberate:
+
+* the buffer is sized and allocated on the first low-latency call (from that call's
+  ``num_max_dispatch_tokens_per_rank``, hidden size and expert count), so make one eager call
+  before capturing CUDA graphs; later calls must use the same sizes;
+* ``round_scale`` and ``use_ue8m0`` both give power-of-two float32 scales (no packed UE8M0
+  integers); any hidden size that is a multiple of 128 and any top-k up to 16 work;
+* ``num_nvl_bytes``, ``num_rdma_bytes`` and ``num_qps_per_rank`` are accepted; the bytes only
+  need to cover :meth:`Buffer.get_low_latency_rdma_size_hint` when given;
+* the ``*_wait_recv_cost_stats`` arguments are accepted and ignored for now;
+* a wait that times out raises :class:`~tritonep.errors.WaitTimeoutError` from
+  :meth:`Buffer.check` or :meth:`Buffer.destroy` instead of trapping the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..modes.low_latency import LowLatencyHandle, LowLatencyMode
+from ..validation import check_tensor
+
+
+class EventOverlap:
+    """A CUDA event to wait on (or None when there is nothing to wait for), as in DeepEP.
+
+    Args:
+        event: the recorded ``torch.cuda.Event`` or None.
+        extra_tensors: tensors kept alive until the event is waited on.
+    """
+
+    def __init__(self, event: torch.cuda.Event | None = None, extra_tensors: tuple = ()):
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self) -> None:
+        """Make the current stream wait for the event."""
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.current_stream_wait()
+
+
+def _event_after(device: torch.device, async_finish: bool, tensors: tuple) -> EventOverlap:
+    if not async_finish or device.type != "cuda":
+        return EventOverlap(None)
+    event = torch.cuda.Event()
+    event.record()
+    return EventOverlap(event, tensors)
+
+
+class Buffer:
+    """The communication buffer of one expert-parallel group.
+
+    Args:
+        group: the process group (every rank constructs the buffer together).
+        num_nvl_bytes: accepted for DeepEP compatibility (normal mode sizes itself).
+        num_rdma_bytes: if non-zero, must cover the low-latency size hint of the first call.
+        low_latency_mode: accepted; the low-latency calls work either way.
+        num_qps_per_rank: accepted and ignored (no RDMA queue pairs here).
+        timeout_s: limit of every wait inside the kernels.
+        check_ids: read top-k ids on the host to reject out-of-range ids (a GPU sync per call).
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
+        explicitly_destroy: bool = False,
+        timeout_s: float = 100.0,
+        check_ids: bool = True,
+        device: torch.device | str | None = None,
+    ):
+        self.group = group or dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.group_size = dist.get_world_size(self.group)
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.timeout_s, self.check_ids, self.device = timeout_s, check_ids, device
+        self._ll: LowLatencyMode | None = None
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+    ) -> int:
+        """Bytes of symmetric memory per rank that the low-latency mode needs."""
+        return LowLatencyMode.size_hint(
+            num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts
+        )
+
+    def _low_latency(self, num_max: int, hidden: int, num_experts: int) -> LowLatencyMode:
+        mode = self._ll
+        if mode is None:
+            need = self.get_low_latency_rdma_size_hint(
+                num_max, hidden, self.group_size, num_experts
+            )
+            if self.num_rdma_bytes and self.num_rdma_bytes < need:
+                raise ValueError(
+                    f"num_rdma_bytes: {self.num_rdma_bytes} is less than the {need} bytes this "
+                    "configuration needs (get_low_latency_rdma_size_hint)"
+                )
+            mode = self._ll = LowLatencyMode(
+                self.group,
+                num_max,
+                hidden,
+                num_experts,
+                device=self.device,
+                timeout_s=self.timeout_s,
+                check_ids=self.check_ids,
+            )
+        elif (mode.max_tokens, mode.hidden, mode.num_experts) != (num_max, hidden, num_experts):
+            raise ValueError(
+                "num_max_dispatch_tokens_per_rank, hidden and num_experts must stay "
+                f"({mode.max_tokens}, {mode.hidden}, {mode.num_experts}) for this buffer; got "
+                f"({num_max}, {hidden}, {num_experts})"
+            )
+        return mode
+
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+        dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ):
+        """Low-latency dispatch (see :meth:`tritonep.modes.low_latency.LowLatencyMode.dispatch`).
+
+        Args:
+            x: ``[N, H]`` BF16, ``N <= num_max_dispatch_tokens_per_rank``.
+            topk_idx: ``[N, K]`` int64 global expert ids (``-1`` = none), ``K <= 16``.
+            num_max_dispatch_tokens_per_rank: rows per source rank in each expert's slab.
+            num_experts: experts in total.
+            cumulative_local_expert_recv_stats: optional ``[E_local]`` int32; the received
+                count of every local expert is added to it.
+            dispatch_wait_recv_cost_stats: accepted, ignored.
+            use_fp8: FP8 e4m3 payload with float32 scales per 128 channels, else BF16.
+            round_scale, use_ue8m0: power-of-two scales.
+            async_finish: return an event recorded after the call.
+            return_recv_hook: only send; call the returned hook to receive.
+        Returns:
+            ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` is
+            ``[E_local, R * num_max, H]`` (with FP8 a tuple with ``[E_local, R * num_max, H/128]``
+            float32 scales), ``recv_count`` ``[E_local]`` int32, the handle
+            ``(src_info [E_local, R * num_max] int32, layout_range [E_local, R] int64,
+            num_max, hidden, num_experts, topk_slot)``, an :class:`EventOverlap` and the hook.
+        """
+        check_tensor("x", x, dtype=torch.bfloat16, shape=(None, None))
+        mode = self._low_latency(num_max_dispatch_tokens_per_rank, x.shape[1], num_experts)
+        if cumulative_local_expert_recv_stats is not None:
+            check_tensor(
+                "cumulative_local_expert_recv_stats",
+                cumulative_local_expert_recv_stats,
+                dtype=torch.int32,
+                shape=(mode.num_local_experts,),
+                device=mode.device,
+            )
+        recv_x, recv_count, handle, hook = mode.dispatch(
+            x,
+            topk_idx,
+            use_fp8=use_fp8,
+            use_ue8m0=round_scale or use_ue8m0,
+            return_recv_hook=return_recv_hook,
+        )
+        stats = cumulative_local_expert_recv_stats
+
+        def receive():
+            hook()
+            if stats is not None:
+                stats.add_(recv_count)
+
+        if not return_recv_hook and stats is not None:
+            stats.add_(recv_count)
+        event = _event_after(mode.device, async_finish, (x, topk_idx))
+        return recv_x, recv_count, handle, event, (receive if return_recv_hook else None)
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """``[E_local, R * num_max, H]`` BF16 to write expert outputs into for ``zero_copy``."""
+        return self._require_ll().get_next_combine_buffer(handle)
+
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyHandle,
+        use_logfmt: bool = False,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: torch.Tensor | None = None,
+        combine_wait_recv_cost_stats: torch.Tensor | None = None,
+    ):
+        """Low-latency combine: ``out[t] = sum_k w[t, k] * expert_k(t)`` in float32, to BF16.
+
+        Args:
+            x: ``[E_local, R * num_max, H]`` BF16 expert outputs, rows as dispatch packed them.
+            topk_idx: ``[N, K]`` int64, as given to dispatch.
+            topk_weights: ``[N, K]`` float32.
+            handle: from :meth:`low_latency_dispatch`.
+            use_logfmt: must be False (no LogFMT compression).
+            zero_copy: ``x`` came from :meth:`get_next_low_latency_combine_buffer`.
+            async_finish: return an event recorded after the call.
+            return_recv_hook: only send; call the hook to reduce.
+            out: optional ``[N, H]`` BF16 output.
+            combine_wait_recv_cost_stats: accepted, ignored.
+        Returns:
+            ``(combined_x [N, H] BF16, event, hook)``.
+        """
+        if use_logfmt:
+            raise ValueError("use_logfmt: LogFMT combine is not supported; pass False")
+        mode = self._require_ll()
+        out, hook = mode.combine(
+            x,
+            topk_idx,
+            topk_weights,
+            handle,
+            zero_copy=zero_copy,
+            return_recv_hook=return_recv_hook,
+            out=out,
+        )
+        event = _event_after(mode.device, async_finish, (x, topk_idx, topk_weights))
+        return out, event, hook
+
+    def clean_low_latency_buffer(
+        self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int
+    ) -> None:
+        """Nothing to clean: signals are tagged with the call number and never reset."""
+        self._low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def _require_ll(self) -> LowLatencyMode:
+        if self._ll is None:
+            raise RuntimeError("call low_latency_dispatch before the low-latency combine")
+        return self._ll
+
+    def check(self) -> None:
+        """Wait for the device; raise :class:`WaitTimeoutError` if a kernel wait gave up."""
+        if self._ll is not None:
+            self._ll.check()
+
+    def destroy(self) -> None:
+        """Release the buffer's memory (collective)."""
+        if self._ll is not None:
+            mode, self._ll = self._ll, None
+            mode.destroy()
