@@ -101,6 +101,7 @@ LL_DISPATCH_META = dict(
     BLOCK_N=128,
     K_P2=8,
     G_P2=64,
+    MSG_BLOCK=4,
 )
 LL_COMBINE_META = dict(
     H=7168,
@@ -115,6 +116,7 @@ LL_COMBINE_META = dict(
     USE_CLOCK=True,
     K_P2=8,
     G_P2=64,
+    ROW_BLOCK=2,
 )
 for name, sig, meta in [
     ("ll_dispatch", LL_DISPATCH, LL_DISPATCH_META),

@@ -1,9 +1,10 @@
 """Low-latency combine: expert outputs go straight back to their token's slot, then a weighted sum.
 
-Send phase. Program ``p`` owns local experts ``p, p + P, ...``. Each row of an expert's slab
-came from one (source rank, token, top-k column); the program stores the row into that source
-rank's receive buffer ``[token][column][H]`` with plain NVLink stores, and after each
-(expert, source) block adds 1 to a counter on the source rank with a system-scope release. The
+Send phase. Work items are (local expert, source rank) blocks of the slab, spread over the
+programs. Each row came from one (source rank, token, top-k column); the program stores it,
+several rows at a time, into that source rank's receive buffer ``[token][column][H]`` with
+plain NVLink stores, and after each block adds 1 to a counter on the source rank with a
+system-scope release. The
 counters only grow (every call adds ``E_local`` per sender), so a receiver waits until its
 counter of every sender reaches ``(call + 1) * E_local``: no reset, no tags.
 
@@ -61,6 +62,7 @@ def ll_combine_kernel(
     USE_CLOCK: tl.constexpr,
     K_P2: tl.constexpr,
     G_P2: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -75,22 +77,30 @@ def ll_combine_kernel(
 
     if DO_SEND:
         set_off = (c_send % 2) * RECV_SET_BYTES
-        for local in range(pid, E_LOCAL, num_programs):
-            for src in range(NUM_RANKS):
-                packed = tl.load(range_ptr + local * NUM_RANKS + src)
-                begin = (packed >> 32).to(tl.int32)
-                count = (packed & 0xFFFFFFFF).to(tl.int32)
-                base = tl.load(peer_ptrs + src)
-                for i in range(count):
-                    row = (local * NUM_RANKS * M + begin + i).to(tl.int64)
-                    token = tl.load(src_ptr + row).to(tl.int64)
-                    column = tl.load(slot_ptr + row).to(tl.int64)
-                    y = tl.load(x_ptr + row * H + row_offs, mask=row_mask)
-                    dst = base + recv_offset + set_off + (token * K_MAX + column) * (H * 2)
-                    dst = aligned_ptr(dst, tl.bfloat16)
-                    tl.store(dst + row_offs, y, mask=row_mask)
-                done = base + done_offset + rank * 8
-                add_release(done.to(tl.pointer_type(tl.int64)), 1)
+        rows_in_block = tl.arange(0, ROW_BLOCK)
+        flat = tl.arange(0, G_P2 * 128)
+        flat_mask = flat < H
+        # One work item per (local expert, source rank) block; ROW_BLOCK rows at a time so
+        # that their loads and remote stores are in flight together.
+        for item in range(pid, E_LOCAL * NUM_RANKS, num_programs):
+            local = item // NUM_RANKS
+            src = item % NUM_RANKS
+            packed = tl.load(range_ptr + local * NUM_RANKS + src)
+            begin = (packed >> 32).to(tl.int32)
+            count = (packed & 0xFFFFFFFF).to(tl.int32)
+            base = tl.load(peer_ptrs + src)
+            for first in range(0, count, ROW_BLOCK):
+                rmask = (first + rows_in_block) < count
+                rows = (local * NUM_RANKS * M + begin + first + rows_in_block).to(tl.int64)
+                token = tl.load(src_ptr + rows, mask=rmask).to(tl.int64)
+                column = tl.load(slot_ptr + rows, mask=rmask).to(tl.int64)
+                mask2 = rmask[:, None] & flat_mask[None, :]
+                y = tl.load(x_ptr + rows[:, None] * H + flat[None, :], mask=mask2)
+                dst = base + recv_offset + set_off + (token * K_MAX + column) * (H * 2)
+                dst = aligned_ptr(dst, tl.bfloat16)
+                tl.store(dst[:, None] + flat[None, :], y, mask=mask2)
+            done = base + done_offset + rank * 8
+            add_release(done.to(tl.pointer_type(tl.int64)), 1)
 
     if DO_RECV:
         set_off = (c_recv % 2) * RECV_SET_BYTES

@@ -9,10 +9,12 @@ scales. Then it publishes the count with one system-scope release store of
 ``call << 32 | count``: the call number tags the value, so a stale count of an earlier call is
 never mistaken for a new one and nothing needs resetting between calls.
 
-Receive phase. Program ``p`` owns local experts ``p, p + P, ...``; for each it waits for the
-count of every source rank in rank order (bounded), copies the block into the packed output
-``recv_x[expert, begin : begin + count]`` and records ``(begin, count)``. Blocks are therefore
-in source-rank order, the same order as the reference, and outputs are deterministic.
+Receive phase. Work items are (local expert, source rank) pairs, spread over the programs.
+An item waits (bounded) for the counts of its source and of the earlier sources, so its block
+starts at ``begin`` = the sum of the earlier counts; it copies its messages, several at a
+time, into the packed output ``recv_x[expert, begin : begin + count]`` and records
+``(begin, count)``. Blocks are therefore in source-rank order, the same order as the
+reference, and outputs are deterministic.
 
 Why it is fast: one launch, no host synchronization, no count exchange before the data (the
 count follows the data on the same path), every byte crosses NVLink once, and the work of
@@ -99,6 +101,7 @@ def ll_dispatch_kernel(
     BLOCK_N: tl.constexpr,
     K_P2: tl.constexpr,
     G_P2: tl.constexpr,
+    MSG_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -168,48 +171,65 @@ def ll_dispatch_kernel(
         set_off = (c_recv % 2) * RECV_SET_BYTES
         flag_set_off = (c_recv % 2) * FLAG_SET_BYTES
         my_base = tl.load(peer_ptrs + rank)
+        msgs = tl.arange(0, MSG_BLOCK)
+        flat = tl.arange(0, G_P2 * 128)
+        flat_mask = flat < H
         # After one wait gives up, the program's later waits give up at once, so a launch
         # ends within about one timeout however many waits it has.
         budget = timeout_ns + tl.zeros((), tl.int64)
-        for local in range(pid, E_LOCAL, num_programs):
+        # One work item per (local expert, source rank): its block starts after the blocks of
+        # the earlier sources, whose counts it reads from their flags (in source-rank order,
+        # so the output is deterministic and matches the reference).
+        for item in range(pid, E_LOCAL * NUM_RANKS, num_programs):
+            local = item // NUM_RANKS
+            me_src = item % NUM_RANKS
             begin = tl.zeros((), tl.int32)
-            for src in range(NUM_RANKS):
+            count = tl.zeros((), tl.int32)
+            for src in range(0, me_src + 1):
                 flag = my_base + flag_offset + flag_set_off + (local * NUM_RANKS + src) * 8
                 value, ok = wait_flag(
                     flag.to(tl.pointer_type(tl.int64)), c_recv + 1, budget, USE_CLOCK, SHIFT=32
                 )
-                # A timed-out source contributes nothing; the host raises from the status.
-                count = tl.where(ok, (value & 0xFFFFFFFF).to(tl.int32), 0)
                 budget = tl.where(ok, budget, 0)
                 if not ok:
                     record_timeout(status_ptr, src, PHASE_DISPATCH_RECV, local)
-                block = (
-                    my_base + recv_offset + set_off + ((local * NUM_RANKS + src) * M) * MSG_BYTES
-                )
-                for i in range(count):
-                    msg = block + i * MSG_BYTES
-                    header = aligned_ptr(msg, tl.int32)
-                    row = (local * NUM_RANKS * M + begin + i).to(tl.int64)
-                    tl.store(out_src_ptr + row, tl.load(header, cache_modifier=".cg"))
-                    tl.store(out_slot_ptr + row, tl.load(header + 1, cache_modifier=".cg"))
-                    payload = msg + HEADER_BYTES
-                    if USE_FP8:
-                        # Bytes move as bytes: out_x_ptr is the e4m3 output viewed as uint8.
-                        q_ptr = aligned_ptr(payload, tl.uint8)
-                        q = tl.load(q_ptr + row_offs, mask=row_mask, cache_modifier=".cg")
-                        tl.store(out_x_ptr + row * H + row_offs, q, mask=row_mask)
-                        scale_ptr = aligned_ptr(payload + H, tl.float32)
-                        scale = tl.load(scale_ptr + groups, mask=gmask, cache_modifier=".cg")
-                        tl.store(out_scales_ptr + row * G + groups, scale, mask=gmask)
-                    else:
-                        x_ptr16 = aligned_ptr(payload, tl.bfloat16)
-                        x = tl.load(x_ptr16 + row_offs, mask=row_mask, cache_modifier=".cg")
-                        tl.store(out_x_ptr + row * H + row_offs, x, mask=row_mask)
-                tl.store(
-                    out_range_ptr + local * NUM_RANKS + src, (begin.to(tl.int64) << 32) | count
-                )
+                # A timed-out source contributes nothing; the host raises from the status.
                 begin += count
-            tl.store(out_count_ptr + local, begin)
+                count = tl.where(ok, (value & 0xFFFFFFFF).to(tl.int32), 0)
+            block = (local * NUM_RANKS + me_src) * M * MSG_BYTES
+            block = my_base + recv_offset + set_off + block
+            # MSG_BLOCK messages at a time, so that their loads are in flight together.
+            for first in range(0, count, MSG_BLOCK):
+                mmask = (first + msgs) < count
+                msg = block + (first + msgs).to(tl.int64) * MSG_BYTES
+                rows = (local * NUM_RANKS * M + begin + first + msgs).to(tl.int64)
+                header = aligned_ptr(msg, tl.int32)
+                token = tl.load(header, mask=mmask, cache_modifier=".cg")
+                column = tl.load(header + 1, mask=mmask, cache_modifier=".cg")
+                tl.store(out_src_ptr + rows, token, mask=mmask)
+                tl.store(out_slot_ptr + rows, column, mask=mmask)
+                mask2 = mmask[:, None] & flat_mask[None, :]
+                dst = rows[:, None] * H + flat[None, :]
+                if USE_FP8:
+                    # Bytes move as bytes: out_x_ptr is the e4m3 output viewed as uint8.
+                    q_ptr = aligned_ptr(msg + HEADER_BYTES, tl.uint8)
+                    q = tl.load(q_ptr[:, None] + flat[None, :], mask=mask2, cache_modifier=".cg")
+                    tl.store(out_x_ptr + dst, q, mask=mask2)
+                    scale_ptr = aligned_ptr(msg + HEADER_BYTES + H, tl.float32)
+                    smask = mmask[:, None] & gmask[None, :]
+                    scale_src = scale_ptr[:, None] + groups[None, :]
+                    scale = tl.load(scale_src, mask=smask, cache_modifier=".cg")
+                    tl.store(
+                        out_scales_ptr + rows[:, None] * G + groups[None, :], scale, mask=smask
+                    )
+                else:
+                    x_src = aligned_ptr(msg + HEADER_BYTES, tl.bfloat16)[:, None] + flat[None, :]
+                    x = tl.load(x_src, mask=mask2, cache_modifier=".cg")
+                    tl.store(out_x_ptr + dst, x, mask=mask2)
+            packed = (begin.to(tl.int64) << 32) | count
+            tl.store(out_range_ptr + local * NUM_RANKS + me_src, packed)
+            if me_src == NUM_RANKS - 1:
+                tl.store(out_count_ptr + local, begin + count)
 
     finish_launch(
         state_ptr,

@@ -291,6 +291,10 @@ class LowLatencyMode:
                 BLOCK_N=min(128, _next_pow2(max(M, 16))),
                 K_P2=_next_pow2(max(topk, 2)),
                 G_P2=_next_pow2(H // 128),
+                # Messages copied together on receive: about 32 KB of payload in flight.
+                MSG_BLOCK=max(
+                    1, min(8, 32768 // (_next_pow2(H // 128) * 128 * (1 if use_fp8 else 2)))
+                ),
                 num_warps=8,
             )
             self._launch(ll_dispatch.ll_dispatch_kernel, (args, meta), do_send and do_recv)
@@ -394,6 +398,8 @@ class LowLatencyMode:
                 USE_CLOCK=use_clock(self.device),
                 K_P2=_next_pow2(max(topk, 2)),
                 G_P2=_next_pow2(H // 128),
+                # Rows sent together: about 32 KB in flight.
+                ROW_BLOCK=max(1, min(8, 32768 // (_next_pow2(H // 128) * 128 * 2))),
                 num_warps=8,
                 # No fused multiply-add: products round as in the reference, so the sum is
                 # bit-exact with it.
