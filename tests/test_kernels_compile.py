@@ -102,6 +102,7 @@ LL_DISPATCH_META = dict(
     K_P2=8,
     G_P2=64,
     MSG_BLOCK=4,
+    TOK_BLOCK=2,
 )
 LL_COMBINE_META = dict(
     H=7168,

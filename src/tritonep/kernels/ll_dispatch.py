@@ -5,7 +5,7 @@ top-k ids (a few KB), numbers the tokens that chose the expert in token order (a
 names the expert twice counts once) and stores one message per token into the owner's receive
 slab ``[local_expert][source_rank][slot]`` with plain NVLink stores: a 16-byte header (token
 index, top-k column), the payload (FP8 e4m3 quantized here, per 128 channels, or BF16) and the
-scales. Then it publishes the count with one system-scope release store of
+scales, a few tokens at a time. Then it publishes the count with one system-scope release store of
 ``call << 32 | count``: the call number tags the value, so a stale count of an earlier call is
 never mistaken for a new one and nothing needs resetting between calls.
 
@@ -102,6 +102,7 @@ def ll_dispatch_kernel(
     K_P2: tl.constexpr,
     G_P2: tl.constexpr,
     MSG_BLOCK: tl.constexpr,
+    TOK_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -145,22 +146,31 @@ def ll_dispatch_kernel(
             local = expert % E_LOCAL
             base = tl.load(peer_ptrs + owner)
             block = base + recv_offset + set_off + ((local * NUM_RANKS + rank) * M) * MSG_BYTES
-            for j in range(count):
-                token = tl.load(scratch_tok + j)
-                msg = block + j * MSG_BYTES
+            # TOK_BLOCK tokens at a time, so that their loads and stores overlap.
+            for first in range(0, count, TOK_BLOCK):
+                j = first + tl.arange(0, TOK_BLOCK)
+                jmask = j < count
+                token = tl.load(scratch_tok + j, mask=jmask, other=0)
+                msg = block + j.to(tl.int64) * MSG_BYTES
                 header = aligned_ptr(msg, tl.int32)
-                tl.store(header, token)
-                tl.store(header + 1, tl.load(scratch_k + j))
-                x = tl.load(x_ptr + token.to(tl.int64) * H + row_offs, mask=row_mask, other=0.0)
-                payload = msg + HEADER_BYTES
+                tl.store(header, token, mask=jmask)
+                tl.store(header + 1, tl.load(scratch_k + j, mask=jmask), mask=jmask)
+                mask3 = jmask[:, None, None] & row_mask[None, :, :]
+                x_src = x_ptr + token.to(tl.int64)[:, None, None] * H + row_offs[None, :, :]
+                x = tl.load(x_src, mask=mask3, other=0.0)
                 if USE_FP8:
-                    q, scale = quantize_groups(x.to(tl.float32), USE_UE8M0)
-                    q_ptr = aligned_ptr(payload, tl.uint8)
-                    tl.store(q_ptr + row_offs, e4m3_bits(q, not USE_CLOCK), mask=row_mask)
-                    scale_ptr = aligned_ptr(payload + H, tl.float32)
-                    tl.store(scale_ptr + groups, scale, mask=gmask)
+                    flat_groups = tl.reshape(x.to(tl.float32), (TOK_BLOCK * G_P2, 128))
+                    q, scale = quantize_groups(flat_groups, USE_UE8M0)
+                    q = tl.reshape(e4m3_bits(q, not USE_CLOCK), (TOK_BLOCK, G_P2, 128))
+                    q_ptr = aligned_ptr(msg + HEADER_BYTES, tl.uint8)
+                    tl.store(q_ptr[:, None, None] + row_offs[None, :, :], q, mask=mask3)
+                    scale_ptr = aligned_ptr(msg + HEADER_BYTES + H, tl.float32)
+                    scale = tl.reshape(scale, (TOK_BLOCK, G_P2))
+                    smask = jmask[:, None] & gmask[None, :]
+                    tl.store(scale_ptr[:, None] + groups[None, :], scale, mask=smask)
                 else:
-                    tl.store(aligned_ptr(payload, tl.bfloat16) + row_offs, x, mask=row_mask)
+                    x_dst = aligned_ptr(msg + HEADER_BYTES, tl.bfloat16)[:, None, None]
+                    tl.store(x_dst + row_offs[None, :, :], x, mask=mask3)
             flag = base + flag_offset + flag_set_off + (local * NUM_RANKS + rank) * 8
             store_release(
                 flag.to(tl.pointer_type(tl.int64)), ((c_send + 1) << 32) | count.to(tl.int64)

@@ -291,7 +291,9 @@ class LowLatencyMode:
                 BLOCK_N=min(128, _next_pow2(max(M, 16))),
                 K_P2=_next_pow2(max(topk, 2)),
                 G_P2=_next_pow2(H // 128),
-                # Messages copied together on receive: about 32 KB of payload in flight.
+                # Tokens quantized and sent together (register-bound), messages copied
+                # together on receive (about 32 KB of payload in flight).
+                TOK_BLOCK=2 if H > 4096 else 4,
                 MSG_BLOCK=max(
                     1, min(8, 32768 // (_next_pow2(H // 128) * 128 * (1 if use_fp8 else 2)))
                 ),
