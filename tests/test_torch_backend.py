@@ -96,14 +96,7 @@ def _low_latency_body(
     recv_x, recv_count, handle = backend.low_latency_dispatch(
         dev.x[ctx.rank], dev.topk_idx[ctx.rank], max_tokens, experts, use_fp8, ue8m0
     )
-    payload, scales = recv_x if use_fp8 else (recv_x, None)
-    got = ref.LowLatencyDispatchResult(
-        payload.cpu(),
-        None if scales is None else scales.cpu(),
-        handle.recv_src_info.cpu(),
-        recv_count.cpu(),
-        handle.recv_layout_range.cpu(),
-    )
+    got = ref.LowLatencyDispatchResult.from_outputs(recv_x, recv_count, handle)
     ref.assert_low_latency_dispatch_equal(got, expected_all[ctx.rank], ctx.rank)
 
     # Combine with "experts" that scale their rows by (global expert id + 1).

@@ -102,13 +102,7 @@ def _rank_main(ctx, num_tokens_per_rank):
         x, ids, max_tokens, EXPERTS, use_fp8=False
     )
     ll_expected = ref.low_latency_dispatch(xs, ids_all, max_tokens, EXPERTS, use_fp8=False)[me]
-    got = ref.LowLatencyDispatchResult(
-        slabs.cpu(),
-        None,
-        ll_handle.recv_src_info.cpu(),
-        recv_count.cpu(),
-        ll_handle.recv_layout_range.cpu(),
-    )
+    got = ref.LowLatencyDispatchResult.from_outputs(slabs, recv_count, ll_handle)
     ref.assert_low_latency_dispatch_equal(got, ll_expected, me)
     ll_y = torch.bmm(slabs.float(), my_experts.float()).to(torch.bfloat16)
     ll_out = backend.low_latency_combine(ll_y, ids, w, ll_handle)

@@ -47,6 +47,22 @@ class LowLatencyDispatchResult:
     recv_count: torch.Tensor
     recv_layout_range: torch.Tensor
 
+    @classmethod
+    def from_outputs(cls, recv_x, recv_count: torch.Tensor, handle) -> LowLatencyDispatchResult:
+        """Collect what an implementation returned (on any device) for comparison, on the CPU.
+
+        ``recv_x`` is the slab or a ``(slab, scales)`` tuple; ``handle`` has ``recv_src_info``
+        and ``recv_layout_range``.
+        """
+        payload, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+        return cls(
+            payload.cpu(),
+            None if scales is None else scales.cpu(),
+            handle.recv_src_info.cpu(),
+            recv_count.cpu(),
+            handle.recv_layout_range.cpu(),
+        )
+
 
 def pack_range(begin: torch.Tensor | int, count: torch.Tensor | int):
     """``(begin, count)`` -> ``begin << 32 | count`` (int64)."""
