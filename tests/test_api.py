@@ -101,3 +101,25 @@ def _layer_arg_errors(ctx):
 
 def test_seed_layer_rejects_bad_arguments(run_ranks):
     assert run_ranks(2, _layer_arg_errors) == [["rank, world_size", "fp8_gsize", "dtype"]] * 2
+
+
+def _layout_body(ctx):
+    from tritonep import reference as ref
+    from tritonep.testing import route
+
+    buffer = Buffer(None, device=ctx.device)
+    for seed, tokens in enumerate([0, 5, 300]):
+        idx = route(torch.Generator().manual_seed(seed), tokens, 16, 4, "dropped").to(ctx.device)
+        per_rank, per_rdma, per_expert, in_rank, event = buffer.get_dispatch_layout(idx, 16)
+        assert per_rdma is None and event.event is None
+        want = ref.dispatch_layout(idx.cpu(), 16, ctx.world_size)
+        ref.assert_bitwise_equal(per_rank.cpu(), want.num_tokens_per_rank, "per rank")
+        ref.assert_bitwise_equal(per_expert.cpu(), want.num_tokens_per_expert, "per expert")
+        ref.assert_bitwise_equal(in_rank.cpu(), want.is_token_in_rank, "is_token_in_rank")
+    with pytest.raises(ValueError, match="num_experts"):
+        buffer.get_dispatch_layout(idx, 15)
+    return True
+
+
+def test_buffer_dispatch_layout(run_ranks):
+    assert run_ranks(2, _layout_body) == [True, True]

@@ -133,6 +133,31 @@ for name, sig, meta in [
         )
     )
 
+KERNELS.append(
+    (
+        "tritonep.kernels.layout",
+        "dispatch_layout_kernel",
+        {
+            "topk_idx_ptr": "*i64",
+            "num_tokens": "i32",
+            "per_rank_ptr": "*i32",
+            "per_expert_ptr": "*i32",
+            "in_rank_ptr": "*i8",
+            "partial_ptr": "*i32",
+            "arrivals_ptr": "*i32",
+            "K": "constexpr",
+            "NUM_EXPERTS": "constexpr",
+            "NUM_RANKS": "constexpr",
+            "BLOCK_N": "constexpr",
+            "K_P2": "constexpr",
+            "R_P2": "constexpr",
+            "BINS": "constexpr",
+            "P_P2": "constexpr",
+        },
+        dict(K=8, NUM_EXPERTS=256, NUM_RANKS=4, BLOCK_N=64, K_P2=8, R_P2=4, BINS=512, P_P2=128),
+    )
+)
+
 COMPILE = """
 import importlib, json, sys
 import triton

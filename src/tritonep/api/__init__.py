@@ -1,6 +1,6 @@
 """Public APIs on top of the modes.
 
-* :mod:`.buffer` -- :class:`Buffer`, DeepEP-like (``low_latency_dispatch``, ``..._combine``);
+* :mod:`.buffer` -- :class:`Buffer`, DeepEP-like (layout, low-latency dispatch and combine);
 * :mod:`.layers` -- :class:`EPLowLatencyAllToAllLayer`, the seed layer's interface.
 """
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..kernels.layout import dispatch_layout
 from ..modes.low_latency import LowLatencyHandle, LowLatencyMode
-from ..validation import check_tensor
+from ..validation import check_num_experts, check_tensor, check_topk_idx
 
 
 class EventOverlap:
@@ -88,6 +89,40 @@ class Buffer:
         self.low_latency_mode = low_latency_mode
         self.timeout_s, self.check_ids, self.device = timeout_s, check_ids, device
         self._ll: LowLatencyMode | None = None
+        self._layout_arrivals: torch.Tensor | None = None
+
+    def get_dispatch_layout(
+        self,
+        topk_idx: torch.Tensor,
+        num_experts: int,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        """Where this rank's tokens go, computed by one kernel.
+
+        Args:
+            topk_idx: ``[N, K]`` int64 global expert ids, ``-1`` for none.
+            num_experts: experts in total, a multiple of the number of ranks.
+            previous_event: an event the computation must wait for.
+            async_finish: return an event recorded after the kernel.
+            allocate_on_comm_stream: accepted; the kernel runs on the current stream.
+        Returns:
+            ``(num_tokens_per_rank [R] int32, None, num_tokens_per_expert [E] int32,
+            is_token_in_rank [N, R] bool, event)``; the second item is DeepEP's per-RDMA-rank
+            count, None within one node.
+        """
+        check_num_experts(num_experts, self.group_size)
+        check_topk_idx("topk_idx", topk_idx, None, num_experts, check_range=self.check_ids)
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        if self._layout_arrivals is None or self._layout_arrivals.device != topk_idx.device:
+            self._layout_arrivals = torch.zeros(1, dtype=torch.int32, device=topk_idx.device)
+        per_rank, per_expert, in_rank = dispatch_layout(
+            topk_idx, num_experts, self.group_size, self._layout_arrivals
+        )
+        event = _event_after(topk_idx.device, async_finish, (topk_idx,))
+        return per_rank, None, per_expert, in_rank, event
 
     @staticmethod
     def get_low_latency_rdma_size_hint(
