@@ -149,6 +149,8 @@ def _worker(rank, world_size, port, backend, collective_timeout_s, tasks, result
             results.put((task_id, rank, True, fn(ctx, *args, **kwargs)))
         except BaseException:
             results.put((task_id, rank, False, traceback.format_exc()))
+    # Tear down together (see tests/rank_scripts/allreduce.py).
+    dist.barrier()
     dist.destroy_process_group()
 
 
