@@ -8,8 +8,10 @@ and compares:
 * what each rank received with :mod:`tritonep.reference` (bit for bit), and
 * the layer's output with a dense single-process computation of the same layer.
 
-It also passes a block around the ring of ranks through the symmetric heap with the
-put/signal Triton kernel. Usage: ``python -m tritonep.demo [--ranks 4]``.
+Normal mode goes through the ``torch`` backend (tritonep's normal mode is not built yet);
+low-latency mode goes through tritonep's Triton kernels (:class:`tritonep.api.Buffer`). It
+also passes a block around the ring of ranks through the symmetric heap with the put/signal
+Triton kernel. Usage: ``python -m tritonep.demo [--ranks 4]``.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _rank_main(ctx, num_tokens_per_rank):
+    from .api import Buffer
     from .heap import allocate
     from .kernels.put_signal import put_signal, wait_signal
     from .torch_backend import TorchBackend
@@ -96,16 +99,20 @@ def _rank_main(ctx, num_tokens_per_rank):
         y[mine] += recv_w[mine, k : k + 1] * rows
     normal_out, _ = backend.combine(y.to(torch.bfloat16), handle)
 
-    # Low-latency mode: per-expert slabs (BF16 here), weights applied by combine.
+    # Low-latency mode, tritonep's Triton kernels: per-expert slabs (BF16 here), weights
+    # applied by combine.
     max_tokens = max(tokens)
-    slabs, recv_count, ll_handle = backend.low_latency_dispatch(
+    buffer = Buffer(device=dev)
+    slabs, recv_count, ll_handle, _, _ = buffer.low_latency_dispatch(
         x, ids, max_tokens, EXPERTS, use_fp8=False
     )
     ll_expected = ref.low_latency_dispatch(xs, ids_all, max_tokens, EXPERTS, use_fp8=False)[me]
     got = ref.LowLatencyDispatchResult.from_outputs(slabs, recv_count, ll_handle)
     ref.assert_low_latency_dispatch_equal(got, ll_expected, me)
     ll_y = torch.bmm(slabs.float(), my_experts.float()).to(torch.bfloat16)
-    ll_out = backend.low_latency_combine(ll_y, ids, w, ll_handle)
+    ll_out, _, _ = buffer.low_latency_combine(ll_y, ids, w, ll_handle)
+    buffer.check()
+    buffer.destroy()
     if dev.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
@@ -146,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     where = "GPUs (NCCL)" if gpus_suffice(opts.ranks) else "CPU ranks (gloo, Triton interpreter)"
     print(
         f"tritonep demo: MoE layer, hidden {HIDDEN}, {EXPERTS} experts, top-{TOPK}, "
-        f"{opts.ranks} ranks on {where}; backend: torch all_to_all, heap: Triton put/signal"
+        f"{opts.ranks} ranks on {where}; normal mode: torch all_to_all backend, low-latency "
+        "mode and heap ring: tritonep's Triton kernels"
     )
     rows = spawn(_rank_main, opts.ranks, TOKENS, timeout=600)
     cols = [
