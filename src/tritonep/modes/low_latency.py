@@ -53,6 +53,12 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _rows_in_flight(hidden: int, itemsize: int) -> int:
+    """Rows a program moves per iteration: about 32 KB of (padded) payload in flight."""
+    row_bytes = _next_pow2(hidden // 128) * 128 * itemsize
+    return max(1, min(8, 32768 // row_bytes))
+
+
 def message_bytes(hidden: int, use_fp8: bool) -> int:
     """One dispatch message: 16-byte header, payload, then float32 scales with FP8."""
     payload = hidden if use_fp8 else 2 * hidden
@@ -191,12 +197,26 @@ class LowLatencyMode:
         ).total
 
     # ---------------------------------------------------------------------------- helpers
-    def _launch(self, kernel, grid_args, both: bool):
-        kwargs = {}
-        if both and self.device.type == "cuda":
-            # Receivers spin on senders of the same launch: all programs must be resident.
-            kwargs["launch_cooperative_grid"] = True
-        kernel[(self.num_programs,)](*grid_args[0], **grid_args[1], **kwargs)
+    def _run(self, kernel, args: tuple, meta: dict, return_recv_hook: bool):
+        """Launch the send and receive phases of ``kernel``; returns the hook or None.
+
+        On GPUs without a hook both phases run in one cooperative launch (receivers spin on
+        senders of the same launch, so all programs must be resident). With a hook, or under
+        the interpreter (which runs programs one after another), they are two launches.
+        """
+        grid = (self.num_programs,)
+        if not return_recv_hook and self.device.type == "cuda":
+            kernel[grid](*args, **meta, DO_SEND=True, DO_RECV=True, launch_cooperative_grid=True)
+            return None
+        kernel[grid](*args, **meta, DO_SEND=True, DO_RECV=False)
+
+        def receive():
+            kernel[grid](*args, **meta, DO_SEND=False, DO_RECV=True)
+
+        if return_recv_hook:
+            return receive
+        receive()
+        return None
 
     def _empty(self, shape, dtype):
         if POISON_OUTPUTS:
@@ -254,65 +274,50 @@ class LowLatencyMode:
         recv_count = self._empty((E_local,), torch.int32)
         layout_range = self._empty((E_local, R), torch.int64)
 
-        def launch(do_send: bool, do_recv: bool):
-            args = (
-                x,
-                topk_idx,
-                num_tokens,
-                self.heap.peer_ptrs,
-                self.rank,
-                self.layout.recv,
-                self.layout.flags,
-                self.state,
-                self.scratch,
-                recv_x.view(torch.uint8) if use_fp8 else recv_x,
-                recv_scales if use_fp8 else recv_count,  # unused pointer without FP8
-                src_info,
-                topk_slot,
-                recv_count,
-                layout_range,
-                self.status,
-                self._timeout_ns,
-            )
-            meta = dict(
-                H=H,
-                K=topk,
-                NUM_EXPERTS=self.num_experts,
-                NUM_RANKS=R,
-                M=M,
-                MSG_BYTES=message_bytes(H, use_fp8),
-                RECV_SET_BYTES=self.layout.recv_set,
-                FLAG_SET_BYTES=self.layout.flags_set,
-                USE_FP8=use_fp8,
-                USE_UE8M0=use_ue8m0,
-                DO_SEND=do_send,
-                DO_RECV=do_recv,
-                USE_CLOCK=use_clock(self.device),
-                BLOCK_N=min(128, _next_pow2(max(M, 16))),
-                K_P2=_next_pow2(max(topk, 2)),
-                G_P2=_next_pow2(H // 128),
-                # Tokens quantized and sent together (register-bound), messages copied
-                # together on receive (about 32 KB of payload in flight).
-                TOK_BLOCK=2 if H > 4096 else 4,
-                MSG_BLOCK=max(
-                    1, min(8, 32768 // (_next_pow2(H // 128) * 128 * (1 if use_fp8 else 2)))
-                ),
-                num_warps=8,
-            )
-            self._launch(ll_dispatch.ll_dispatch_kernel, (args, meta), do_send and do_recv)
-
+        args = (
+            x,
+            topk_idx,
+            num_tokens,
+            self.heap.peer_ptrs,
+            self.rank,
+            self.layout.recv,
+            self.layout.flags,
+            self.state,
+            self.scratch,
+            recv_x.view(torch.uint8) if use_fp8 else recv_x,
+            recv_scales if use_fp8 else recv_count,  # unused pointer without FP8
+            src_info,
+            topk_slot,
+            recv_count,
+            layout_range,
+            self.status,
+            self._timeout_ns,
+        )
+        meta = dict(
+            H=H,
+            K=topk,
+            NUM_EXPERTS=self.num_experts,
+            NUM_RANKS=R,
+            M=M,
+            MSG_BYTES=message_bytes(H, use_fp8),
+            RECV_SET_BYTES=self.layout.recv_set,
+            FLAG_SET_BYTES=self.layout.flags_set,
+            USE_FP8=use_fp8,
+            USE_UE8M0=use_ue8m0,
+            USE_CLOCK=use_clock(self.device),
+            BLOCK_N=min(128, _next_pow2(max(M, 16))),
+            K_P2=_next_pow2(max(topk, 2)),
+            G_P2=_next_pow2(H // 128),
+            # Tokens quantized and sent together (register-bound), messages copied
+            # together on receive.
+            TOK_BLOCK=2 if H > 4096 else 4,
+            MSG_BLOCK=_rows_in_flight(H, 1 if use_fp8 else 2),
+            num_warps=8,
+        )
         handle = LowLatencyHandle(src_info, layout_range, M, H, self.num_experts, topk_slot)
         out_x = (recv_x, recv_scales) if use_fp8 else recv_x
-        split = return_recv_hook or self.device.type == "cpu"
-        if not split:
-            launch(True, True)
-            return out_x, recv_count, handle, None
-        launch(True, False)
-        if return_recv_hook:
-            return out_x, recv_count, handle, lambda: launch(False, True)
-        # The interpreter runs programs one after another: receive in a second launch.
-        launch(False, True)
-        return out_x, recv_count, handle, None
+        hook = self._run(ll_dispatch.ll_dispatch_kernel, args, meta, return_recv_hook)
+        return out_x, recv_count, handle, hook
 
     # ---------------------------------------------------------------------------- combine
     def get_next_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
@@ -369,55 +374,41 @@ class LowLatencyMode:
                 "out", out, dtype=torch.bfloat16, shape=(num_tokens, H), device=self.device
             )
 
-        def launch(do_send: bool, do_recv: bool):
-            args = (
-                x,
-                handle.recv_src_info,
-                handle.recv_topk_slot,
-                handle.recv_layout_range,
-                topk_idx,
-                topk_weights,
-                num_tokens,
-                out,
-                self.heap.peer_ptrs,
-                self.rank,
-                self.layout.combine,
-                self.layout.done,
-                self.state,
-                self.status,
-                self._timeout_ns,
-            )
-            meta = dict(
-                H=H,
-                K=topk,
-                K_MAX=self.max_topk,
-                NUM_EXPERTS=self.num_experts,
-                NUM_RANKS=R,
-                M=M,
-                RECV_SET_BYTES=self.layout.combine_set,
-                DO_SEND=do_send,
-                DO_RECV=do_recv,
-                USE_CLOCK=use_clock(self.device),
-                K_P2=_next_pow2(max(topk, 2)),
-                G_P2=_next_pow2(H // 128),
-                # Rows sent together: about 32 KB in flight.
-                ROW_BLOCK=max(1, min(8, 32768 // (_next_pow2(H // 128) * 128 * 2))),
-                num_warps=8,
-                # No fused multiply-add: products round as in the reference, so the sum is
-                # bit-exact with it.
-                enable_fp_fusion=False,
-            )
-            self._launch(ll_combine.ll_combine_kernel, (args, meta), do_send and do_recv)
-
-        split = return_recv_hook or self.device.type == "cpu"
-        if not split:
-            launch(True, True)
-            return out, None
-        launch(True, False)
-        if return_recv_hook:
-            return out, lambda: launch(False, True)
-        launch(False, True)
-        return out, None
+        args = (
+            x,
+            handle.recv_src_info,
+            handle.recv_topk_slot,
+            handle.recv_layout_range,
+            topk_idx,
+            topk_weights,
+            num_tokens,
+            out,
+            self.heap.peer_ptrs,
+            self.rank,
+            self.layout.combine,
+            self.layout.done,
+            self.state,
+            self.status,
+            self._timeout_ns,
+        )
+        meta = dict(
+            H=H,
+            K=topk,
+            K_MAX=self.max_topk,
+            NUM_EXPERTS=self.num_experts,
+            NUM_RANKS=R,
+            M=M,
+            RECV_SET_BYTES=self.layout.combine_set,
+            USE_CLOCK=use_clock(self.device),
+            K_P2=_next_pow2(max(topk, 2)),
+            G_P2=_next_pow2(H // 128),
+            ROW_BLOCK=_rows_in_flight(H, 2),
+            num_warps=8,
+            # No fused multiply-add: products round as in the reference, so the sum is
+            # bit-exact with it.
+            enable_fp_fusion=False,
+        )
+        return out, self._run(ll_combine.ll_combine_kernel, args, meta, return_recv_hook)
 
     def destroy(self) -> None:
         """Release the heap (collective); raises if a wait had timed out."""
