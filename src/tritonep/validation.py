@@ -106,7 +106,7 @@ def check_topk_idx(
         )
     capturing = topk_idx.is_cuda and torch.cuda.is_current_stream_capturing()
     if check_range and topk_idx.numel() and not capturing:
-        lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        lo, hi = (int(v) for v in torch.stack(torch.aminmax(topk_idx)).tolist())  # one sync
         if lo < -1 or hi >= num_experts:
             bad = lo if lo < -1 else hi
             raise ValueError(

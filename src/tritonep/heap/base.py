@@ -45,7 +45,7 @@ class SymmetricHeap:
         """Typed view of rank ``rank``'s buffer: ``shape`` of ``dtype`` at byte ``offset``."""
         if self._peers is None:
             raise RuntimeError("this symmetric heap was closed")
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         count = 1
         for size in shape:
             count *= size
