@@ -18,6 +18,11 @@ import pytest
 from tritonep.launch import RankPool, gpus_suffice
 
 
+def gpu_ranks() -> int:
+    """Ranks for a GPU test: every GPU of the machine, up to 4."""
+    return min(4, torch.cuda.device_count())
+
+
 @pytest.fixture(scope="session")
 def run_ranks():
     """``run_ranks(n, fn, *args, timeout=...)`` runs ``fn(ctx, *args)`` on n ranks."""
@@ -37,8 +42,15 @@ def run_ranks():
 
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs CUDA GPUs")
+    # On a GPU machine every rank runs on a GPU: rank counts beyond its GPUs are left to the
+    # CPU suite rather than run under the interpreter there.
+    skip_cpu = pytest.mark.skip(reason="more ranks than GPUs (covered by the CPU suite)")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
         if "gpu" in item.keywords and not gpus_suffice(
             item.get_closest_marker("gpu").kwargs.get("n", 1)
         ):
             item.add_marker(skip)
+        params = getattr(item, "callspec", None)
+        if gpus and params is not None and params.params.get("num_ranks", 0) > gpus:
+            item.add_marker(skip_cpu)

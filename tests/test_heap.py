@@ -5,6 +5,7 @@ import time
 import pytest
 import torch
 
+from tests.conftest import gpu_ranks
 from tritonep import heap
 from tritonep.errors import WaitTimeoutError
 from tritonep.kernels.put_signal import put_signal, wait_signal
@@ -121,13 +122,15 @@ def test_every_rank_rejects_mismatched_sizes(run_ranks):
         assert message == "nbytes: every rank must allocate the same size, got [4096, 4224, 4352]"
 
 
-@pytest.mark.gpu(n=4)
+@pytest.mark.gpu(n=2)
 def test_put_signal_ring_large_block_on_gpus(run_ranks):
-    assert run_ranks(4, _ring_body, 5, 1 << 20) == [True] * 4
+    n = gpu_ranks()
+    assert run_ranks(n, _ring_body, 5, 1 << 20) == [True] * n
 
 
-@pytest.mark.gpu(n=4)
+@pytest.mark.gpu(n=2)
 def test_put_signal_ring_nvshmem_backend():
     from tritonep.launch import spawn
 
-    assert spawn(_ring_body, 4, 3, 1 << 16, "NVSHMEM", backend="nccl", timeout=300) == [True] * 4
+    n = gpu_ranks()
+    assert spawn(_ring_body, n, 3, 1 << 16, "NVSHMEM", backend="nccl", timeout=300) == [True] * n

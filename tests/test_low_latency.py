@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.conftest import gpu_ranks
 from tritonep import reference as ref
 from tritonep.errors import WaitTimeoutError
 from tritonep.modes import low_latency as ll
@@ -119,13 +120,13 @@ def test_low_latency_matches_reference(run_ranks, num_ranks, name):
     )
 
 
-@pytest.mark.gpu(n=4)
+@pytest.mark.gpu(n=2)
 @pytest.mark.parametrize("name", ["bf16-random", "fp8-random", "fp8-ue8m0-hook", "fp8-topk16"])
-def test_low_latency_on_4_gpus_larger(run_ranks, name):
+def test_low_latency_on_gpus_larger(run_ranks, name):
     _, _, experts, topk, routing, fp8, ue8m0, hook, dup = CASES[name]
     tokens = [128, 0, 77, 128]
     run_ranks(
-        4,
+        gpu_ranks(),
         _ll_body,
         3,
         tokens,
@@ -182,9 +183,10 @@ def _graph_body(ctx, replays):
     return replays
 
 
-@pytest.mark.gpu(n=4)
+@pytest.mark.gpu(n=2)
 def test_cuda_graph_replayed_100_times_with_new_inputs(run_ranks):
-    assert run_ranks(4, _graph_body, 100) == [100] * 4
+    n = gpu_ranks()
+    assert run_ranks(n, _graph_body, 100) == [100] * n
 
 
 def _unchecked_ids_body(ctx):

@@ -8,10 +8,10 @@ and compares:
 * what each rank received with :mod:`tritonep.reference` (bit for bit), and
 * the layer's output with a dense single-process computation of the same layer.
 
-Normal mode goes through the ``torch`` backend (tritonep's normal mode is not built yet);
-low-latency mode goes through tritonep's Triton kernels (:class:`tritonep.api.Buffer`). It
-also passes a block around the ring of ranks through the symmetric heap with the put/signal
-Triton kernel. Usage: ``python -m tritonep.demo [--ranks 4]``.
+Both modes go through tritonep's Triton kernels (:class:`tritonep.api.Buffer`: ``dispatch``
+and ``combine`` for the normal mode, ``low_latency_dispatch`` and ``low_latency_combine`` for
+the low-latency mode). It also passes a block around the ring of ranks through the symmetric
+heap with the put/signal Triton kernel. Usage: ``python -m tritonep.demo [--ranks 4]``.
 """
 
 from __future__ import annotations
@@ -71,7 +71,6 @@ def _rank_main(ctx, num_tokens_per_rank):
     from .api import Buffer
     from .heap import allocate
     from .kernels.put_signal import put_signal, wait_signal
-    from .torch_backend import TorchBackend
 
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
     tokens = num_tokens_per_rank[:R]
@@ -82,12 +81,16 @@ def _rank_main(ctx, num_tokens_per_rank):
     E_local = EXPERTS // R
     my_experts = experts[me * E_local : (me + 1) * E_local].to(dev)
     x, ids, w = xs[me].to(dev), ids_all[me].to(dev), w_all[me].to(dev)
-    backend = TorchBackend()
+    buffer = Buffer(device=dev)
     dist.barrier()
     start = time.perf_counter()
 
     # Normal mode: one row per (token, rank); apply every local expert the row names.
-    recv_x, recv_ids, recv_w, _, handle = backend.dispatch(x, ids, w, EXPERTS)
+    _, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(ids, EXPERTS)
+    recv_x, recv_ids, recv_w, _, handle, _ = buffer.dispatch(
+        x, topk_idx=ids, topk_weights=w, num_tokens_per_expert=per_expert,
+        is_token_in_rank=in_rank,
+    )  # fmt: skip
     expected = ref.normal_dispatch(xs, ids_all, w_all, EXPERTS)[me]
     ref.assert_bitwise_equal(recv_x, expected.recv_x.to(dev), f"rank {me} normal recv_x")
     ref.assert_bitwise_equal(recv_ids, expected.recv_topk_idx.to(dev), f"rank {me} recv_topk_idx")
@@ -97,12 +100,11 @@ def _rank_main(ctx, num_tokens_per_rank):
         mine = local >= 0
         rows = torch.einsum("nh,nhd->nd", recv_x[mine].float(), my_experts[local[mine]].float())
         y[mine] += recv_w[mine, k : k + 1] * rows
-    normal_out, _ = backend.combine(y.to(torch.bfloat16), handle)
+    normal_out, _, _ = buffer.combine(y.to(torch.bfloat16), handle)
 
     # Low-latency mode, tritonep's Triton kernels: per-expert slabs (BF16 here), weights
     # applied by combine.
     max_tokens = max(tokens)
-    buffer = Buffer(device=dev)
     slabs, recv_count, ll_handle, _, _ = buffer.low_latency_dispatch(
         x, ids, max_tokens, EXPERTS, use_fp8=False
     )
@@ -153,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     where = "GPUs (NCCL)" if gpus_suffice(opts.ranks) else "CPU ranks (gloo, Triton interpreter)"
     print(
         f"tritonep demo: MoE layer, hidden {HIDDEN}, {EXPERTS} experts, top-{TOPK}, "
-        f"{opts.ranks} ranks on {where}; normal mode: torch all_to_all backend, low-latency "
-        "mode and heap ring: tritonep's Triton kernels"
+        f"{opts.ranks} ranks on {where}; normal and low-latency modes and the heap ring on "
+        "tritonep's Triton kernels"
     )
     rows = spawn(_rank_main, opts.ranks, TOKENS, timeout=600)
     cols = [

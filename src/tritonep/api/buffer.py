@@ -1,11 +1,19 @@
 """A DeepEP-like communication buffer: one object per expert-parallel group.
 
-Low-latency calls take the same arguments and return the same tuples as DeepEP's
-``Buffer.low_latency_dispatch`` / ``low_latency_combine``. Differences, all deliberate:
+Normal-mode calls (``get_dispatch_layout``, ``dispatch``, ``combine``) and low-latency calls
+(``low_latency_dispatch`` / ``low_latency_combine``) take the same arguments and return the
+same tuples as DeepEP's. Differences, all deliberate:
 
-* the buffer is sized and allocated on the first low-latency call (from that call's
-  ``num_max_dispatch_tokens_per_rank``, hidden size and expert count), so make one eager call
-  before capturing CUDA graphs; later calls must use the same sizes;
+* each mode's memory is sized and allocated on its first call (normal mode from the hidden
+  size and expert count; low-latency mode from ``num_max_dispatch_tokens_per_rank``, hidden
+  size and expert count), so make one eager call before capturing CUDA graphs; later calls
+  must use the same sizes;
+* normal mode runs within one node, on any number of ranks; its handle is a
+  :class:`~tritonep.modes.normal.NormalHandle`, not DeepEP's tuple, and in worst-case mode
+  (``num_worst_tokens > 0``) the per-expert counts come as an ``[E_local]`` int32 device
+  tensor instead of a list (a list would need the host synchronization that mode avoids);
+* normal-mode kernels run on the buffer's communication stream; outputs are allocated there
+  and recorded on the calling stream, whatever ``allocate_on_comm_stream`` says;
 * ``round_scale`` and ``use_ue8m0`` both give power-of-two float32 scales (no packed UE8M0
   integers); any hidden size that is a multiple of 128 and any top-k up to 16 work;
 * ``num_nvl_bytes``, ``num_rdma_bytes`` and ``num_qps_per_rank`` are accepted; the bytes only
@@ -22,7 +30,8 @@ import torch.distributed as dist
 
 from ..kernels.layout import dispatch_layout
 from ..modes.low_latency import LowLatencyHandle, LowLatencyMode
-from ..validation import check_num_experts, check_tensor, check_topk_idx
+from ..modes.normal import Config, NormalHandle, NormalMode
+from ..validation import check_dispatch_x, check_num_experts, check_tensor, check_topk_idx
 
 
 class EventOverlap:
@@ -57,6 +66,17 @@ def _event_after(device: torch.device, async_finish: bool, tensors: tuple) -> Ev
     return EventOverlap(event, tensors)
 
 
+def _tensors(*items) -> list[torch.Tensor]:
+    """The tensors among ``items`` (tuples opened), for stream bookkeeping."""
+    out = []
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            out.append(item)
+        elif isinstance(item, tuple):
+            out.extend(_tensors(*item))
+    return out
+
+
 class Buffer:
     """The communication buffer of one expert-parallel group.
 
@@ -89,7 +109,38 @@ class Buffer:
         self.low_latency_mode = low_latency_mode
         self.timeout_s, self.check_ids, self.device = timeout_s, check_ids, device
         self._ll: LowLatencyMode | None = None
+        self._normal: NormalMode | None = None
         self._layout_arrivals: torch.Tensor | None = None
+        self._comm_stream: torch.cuda.Stream | None = None
+
+    #: SM budget of normal-mode calls (DeepEP's class-wide setting).
+    num_sms: int = 24
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Set the SM budget of later normal-mode calls: an even number, at least 2."""
+        if not isinstance(new_num_sms, int) or new_num_sms < 2 or new_num_sms % 2:
+            raise ValueError(f"new_num_sms: expected an even int >= 2, got {new_num_sms}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """The default :class:`~tritonep.modes.normal.Config` of a dispatch."""
+        return Config(num_sms=Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """The default config of a combine (combine uses its dispatch's channels)."""
+        return Config(num_sms=Buffer.num_sms)
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event recorded on the current stream, to pass as ``previous_event``."""
+        if not torch.cuda.is_available():
+            return EventOverlap(None)
+        event = torch.cuda.Event()
+        event.record()
+        return EventOverlap(event)
 
     def get_dispatch_layout(
         self,
@@ -123,6 +174,184 @@ class Buffer:
         )
         event = _event_after(topk_idx.device, async_finish, (topk_idx,))
         return per_rank, None, per_expert, in_rank, event
+
+    # -------------------------------------------------------------------------- normal mode
+    def _normal_mode(self, hidden: int, num_experts: int | None) -> NormalMode:
+        mode = self._normal
+        if mode is None:
+            if num_experts is None:
+                raise ValueError("handle: no dispatch has run on this buffer yet")
+            mode = self._normal = NormalMode(
+                self.group,
+                hidden,
+                num_experts,
+                device=self.device,
+                timeout_s=self.timeout_s,
+                check_ids=self.check_ids,
+                max_sms=max(32, Buffer.num_sms) if torch.cuda.is_available() else None,
+            )
+        elif mode.hidden != hidden or (num_experts is not None and mode.num_experts != num_experts):
+            raise ValueError(
+                f"hidden and num_experts must stay ({mode.hidden}, {mode.num_experts}) for this "
+                f"buffer; got ({hidden}, {num_experts})"
+            )
+        return mode
+
+    def _on_comm_stream(self, device, previous_event, inputs, fn):
+        """Run ``fn`` on the communication stream after ``previous_event`` (or the current
+        stream); returns ``(fn's result, compute stream)``."""
+        if device.type != "cuda":
+            return fn(), None
+        compute = torch.cuda.current_stream(device)
+        if self._comm_stream is None:
+            self._comm_stream = torch.cuda.Stream(device)
+        comm = self._comm_stream
+        if previous_event is not None and previous_event.event is not None:
+            comm.wait_event(previous_event.event)
+        else:
+            comm.wait_stream(compute)
+        with torch.cuda.stream(comm):
+            result = fn()
+        for t in _tensors(*inputs):
+            t.record_stream(comm)
+        return result, compute
+
+    def _finish(self, compute, async_finish, outputs) -> EventOverlap:
+        """Hand the outputs to the compute stream: an event to wait on, or a wait now."""
+        if compute is None:
+            return EventOverlap(None)
+        for t in _tensors(*outputs):
+            t.record_stream(compute)
+        comm = self._comm_stream
+        if async_finish:
+            event = torch.cuda.Event()
+            event.record(comm)
+            return EventOverlap(event, tuple(_tensors(*outputs)))
+        compute.wait_stream(comm)
+        return EventOverlap(None)
+
+    def dispatch(
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        handle: NormalHandle | None = None,
+        num_tokens_per_rank: torch.Tensor | None = None,
+        num_tokens_per_rdma_rank: torch.Tensor | None = None,
+        is_token_in_rank: torch.Tensor | None = None,
+        num_tokens_per_expert: torch.Tensor | None = None,
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        """Normal-mode dispatch: each token goes once to every rank holding one of its experts.
+
+        Args:
+            x: ``[N, H]`` BF16, or ``(e4m3 [N, H], float32 scales [N, H / 128])``.
+            handle: a handle of an earlier dispatch: cached mode (same routing, only ``x``
+                moves; no layout arguments needed, no host synchronization).
+            num_tokens_per_rank: ``[R]`` int32 from :meth:`get_dispatch_layout` (not needed).
+            num_tokens_per_rdma_rank: must be None (one node).
+            is_token_in_rank: ``[N, R]`` bool from :meth:`get_dispatch_layout`.
+            num_tokens_per_expert: ``[E]`` int32 from :meth:`get_dispatch_layout`; its length
+                is the number of experts.
+            topk_idx: ``[N, K]`` int64 global expert ids, ``-1`` for none.
+            topk_weights: ``[N, K]`` float32, or None.
+            expert_alignment: round the per-expert counts up to a multiple of this.
+            num_worst_tokens: if > 0, outputs have this many rows (padding ids ``-1``) and the
+                call never synchronizes with the host (CUDA-graph capturable).
+            config: SM budget and ring use (default: :meth:`get_dispatch_config`).
+            previous_event: an event the call must wait for (default: the current stream).
+            async_finish: return an event to wait on instead of making the current stream wait.
+            allocate_on_comm_stream: accepted (outputs always come from the comm stream).
+        Returns:
+            ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
+            handle, event)``: ``recv_x`` ``[M, H]`` like ``x`` (or the FP8 tuple) ordered by
+            source rank then source token, ``recv_topk_idx`` ``[M, K]`` int64 local expert ids
+            (``-1`` elsewhere), ``recv_topk_weights`` ``[M, K]`` float32, the per-local-expert
+            counts (a list; a device tensor in worst-case mode), a
+            :class:`~tritonep.modes.normal.NormalHandle` and an :class:`EventOverlap`. In
+            cached mode the three middle outputs are None.
+        """
+        if num_tokens_per_rdma_rank is not None:
+            raise ValueError("num_tokens_per_rdma_rank: must be None (normal mode is intranode)")
+        payload = check_dispatch_x("x", x)
+        if handle is not None:
+            mode = self._normal_mode(payload.shape[1], None)
+        else:
+            check_tensor("num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32,
+                         shape=(None,))  # fmt: skip
+            mode = self._normal_mode(payload.shape[1], num_tokens_per_expert.shape[0])
+        if config is None and handle is None and mode.device.type == "cuda":
+            config = self.get_dispatch_config(self.group_size)
+        inputs = (x, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert)
+        out, compute = self._on_comm_stream(
+            payload.device,
+            previous_event,
+            inputs,
+            lambda: mode.dispatch(
+                x,
+                topk_idx,
+                topk_weights,
+                num_tokens_per_expert,
+                is_token_in_rank,
+                handle,
+                expert_alignment,
+                num_worst_tokens,
+                config,
+            ),
+        )
+        outputs = (out.recv_x, out.recv_topk_idx, out.recv_topk_weights, out.handle.recv_src_idx)
+        event = self._finish(compute, async_finish, outputs)
+        return (
+            out.recv_x,
+            out.recv_topk_idx,
+            out.recv_topk_weights,
+            out.num_recv_tokens_per_expert,
+            out.handle,
+            event,
+        )
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: NormalHandle,
+        topk_weights: torch.Tensor | None = None,
+        bias: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        """Normal-mode combine: each token gets the float32 sum of the rows every rank it went to
+        hands back, plus the bias, in BF16.
+
+        Args:
+            x: ``[M, H]`` BF16, one row per row the dispatch delivered (each rank has reduced
+                its own experts' outputs for the token into it).
+            handle: from :meth:`dispatch`.
+            topk_weights: ``[M, K]`` float32 summed along with the rows, or None.
+            bias: ``[N, H]`` BF16 or a tuple of two, added to the sums.
+            config: accepted; combine uses its dispatch's channels.
+            previous_event, async_finish, allocate_on_comm_stream: as in :meth:`dispatch`.
+        Returns:
+            ``(combined_x [N, H] BF16, combined_topk_weights [N, K] float32 or None, event)``.
+        """
+        if not isinstance(handle, NormalHandle):
+            raise TypeError(f"handle: expected a NormalHandle, got {type(handle).__name__}")
+        mode = self._normal_mode(handle.hidden, handle.num_experts)
+        device = x.device if isinstance(x, torch.Tensor) else mode.device
+        (out, out_weights), compute = self._on_comm_stream(
+            device,
+            previous_event,
+            (x, topk_weights, bias),
+            lambda: mode.combine(x, handle, topk_weights, bias),
+        )
+        event = self._finish(compute, async_finish, (out, out_weights))
+        return out, out_weights, event
 
     @staticmethod
     def get_low_latency_rdma_size_hint(
@@ -285,12 +514,16 @@ class Buffer:
         return self._ll
 
     def check(self) -> None:
-        """Wait for the device; raise :class:`WaitTimeoutError` if a kernel wait gave up."""
-        if self._ll is not None:
-            self._ll.check()
+        """Wait for the device; raise :class:`WaitTimeoutError` if a kernel wait gave up (or
+        ``ValueError`` if worst-case outputs were too small)."""
+        for mode in (self._normal, self._ll):
+            if mode is not None:
+                mode.check()
 
     def destroy(self) -> None:
         """Release the buffer's memory (collective)."""
-        if self._ll is not None:
-            mode, self._ll = self._ll, None
-            mode.destroy()
+        modes = (self._normal, self._ll)
+        self._normal = self._ll = None
+        for mode in modes:
+            if mode is not None:
+                mode.destroy()

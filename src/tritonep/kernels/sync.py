@@ -29,6 +29,8 @@ DEFAULT_TIMEOUT_S = 100.0
 
 STATUS_OK = tl.constexpr(0)
 STATUS_TIMEOUT = tl.constexpr(1)
+#: More rows arrived than the outputs hold (worst-case sizing); the excess was not written.
+STATUS_OVERFLOW = tl.constexpr(2)
 
 
 @triton.jit
@@ -111,9 +113,41 @@ def wait_flag(
 
 
 @triton.jit
-def record_timeout(status_ptr, peer, phase, detail=-1):
-    """Record the first timeout of a launch: ``status = [1, peer, phase, detail]``."""
-    if tl.atomic_cas(status_ptr, STATUS_OK, STATUS_TIMEOUT, sem="relaxed") == STATUS_OK:
+def wait_all_at_least(ptrs, targets, active, timeout_ns, USE_CLOCK: tl.constexpr):
+    """Spin (acquire) until ``ptrs[i] >= targets[i]`` for every ``active`` lane (int64 flags).
+
+    One vector of flags, one per peer, polled together. Returns ``(values, ok)`` where ``ok``
+    says every active lane got there before ``timeout_ns`` passed.
+    """
+    start = start_clock(USE_CLOCK)
+    spins = tl.zeros((), tl.int64)
+    values = tl.atomic_add(ptrs, 0, mask=active, sem="acquire", scope="sys")
+    done = tl.min(tl.where(active & (values < targets), 0, 1), 0) > 0
+    while (not done) & (elapsed_ns(start, spins, USE_CLOCK) < timeout_ns):
+        spins += 1
+        values = tl.atomic_add(ptrs, 0, mask=active, sem="acquire", scope="sys")
+        done = tl.min(tl.where(active & (values < targets), 0, 1), 0) > 0
+    tl.debug_barrier()
+    return values, done
+
+
+@triton.jit
+def first_lane(cond, lanes):
+    """The lowest lane index where ``cond`` holds (``-1`` where it holds nowhere)."""
+    lane = tl.min(tl.where(cond, lanes, 1 << 30), 0)
+    return tl.where(lane == 1 << 30, -1, lane)
+
+
+@triton.jit
+def lane(vector, lanes, index):
+    """Element ``index`` of a small vector (a masked sum: Triton has no dynamic indexing)."""
+    return tl.sum(tl.where(lanes == index, vector, 0), 0)
+
+
+@triton.jit
+def record_timeout(status_ptr, peer, phase, detail=-1, code: tl.constexpr = STATUS_TIMEOUT):
+    """Record the first failure of a launch: ``status = [code, peer, phase, detail]``."""
+    if tl.atomic_cas(status_ptr, STATUS_OK, code, sem="relaxed") == STATUS_OK:
         tl.store(status_ptr + 1, peer)
         tl.store(status_ptr + 2, phase)
         tl.store(status_ptr + 3, detail)
@@ -142,7 +176,23 @@ def raise_on_timeout(
 
     ``detail`` is formatted with the recorded detail value (e.g. ``"expert {}"``).
     """
-    code, peer, phase, value = status.tolist()
+    check_status(status.tolist(), rank, phases, timeout_s, detail)
+
+
+def check_status(
+    words: list[int], rank: int, phases: dict[int, str], timeout_s: float, detail: str = ""
+) -> None:
+    """:func:`raise_on_timeout` for a status already read to the host (four ints).
+
+    Raises :class:`WaitTimeoutError` for a timeout, ``ValueError`` for an overflow of
+    worst-case outputs.
+    """
+    code, peer, phase, value = words
+    if code == STATUS_OVERFLOW.value:
+        raise ValueError(
+            f"num_worst_tokens: rank {rank} received {value} rows, more than the outputs hold; "
+            "the rows past the end were dropped (raise num_worst_tokens)"
+        )
     if code == STATUS_TIMEOUT.value:
         name = phases.get(phase, f"phase {phase}")
         if detail and value >= 0:

@@ -1,0 +1,134 @@
+"""Normal-mode benchmark: one rank's measurements (imported by spawned ranks by name).
+
+Times, at each token count, with CUDA events around every call (median of ``iters``, mean over
+ranks), after warm-up:
+
+* dispatch in cached mode (the layout of an earlier call: what DeepEP's tests time), BF16 and
+  FP8; and the full dispatch (notify, the host read of the received count, and the payload);
+* combine of the BF16 rows;
+* the ``torch`` backend (NCCL ``all_to_all_single`` with its permutes and host sync), same
+  inputs, same run.
+
+Bandwidth two ways: DeepEP's accounting (received bytes, local rank included, over time) and
+remote bytes (received from other ranks) over time.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from ..reference.fp8 import quantize_fp8
+from ..testing import route
+
+
+def _median_ms(fn, iters: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+             for _ in range(iters)]  # fmt: skip
+    for start, end in marks:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in marks)
+
+
+def _mean_over_ranks(values):
+    t = torch.tensor(values, dtype=torch.float64, device="cuda")
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).tolist()
+
+
+def _point(ctx, mode, baseline, opts, num_tokens, config):
+    H, E, K, R = opts.hidden, opts.experts, opts.topk, ctx.world_size
+    gen = torch.Generator().manual_seed(2000 + ctx.rank)
+    x = torch.randn(num_tokens, H, generator=gen).to(torch.bfloat16).to(ctx.device)
+    idx = route(gen, num_tokens, E, K, "random").to(ctx.device)
+    w = torch.rand(num_tokens, K, generator=gen).to(ctx.device)
+    x_fp8 = tuple(t.to(ctx.device) for t in quantize_fp8(x.cpu()))
+    _, per_expert, in_rank = mode.get_dispatch_layout(idx)
+    state = {}
+
+    def full_dispatch():
+        state["out"] = mode.dispatch(x, idx, w, per_expert, in_rank, config=config)
+
+    full_dispatch()
+    handle = state["out"].handle
+    y = torch.randn(handle.num_rows, H, device=ctx.device).to(torch.bfloat16)
+    t_full = _median_ms(full_dispatch, opts.iters, 3)
+    t_bf16 = _median_ms(lambda: mode.dispatch(x, handle=handle), opts.iters, 3)
+    fp8_handle = mode.dispatch(x_fp8, idx, w, per_expert, in_rank, config=config).handle
+    t_fp8 = _median_ms(lambda: mode.dispatch(x_fp8, handle=fp8_handle), opts.iters, 3)
+    t_comb = _median_ms(lambda: mode.combine(y, handle), opts.iters, 3)
+    mode.check()
+
+    def base_dispatch():
+        state["b"] = baseline.dispatch(x, idx, w, E)
+
+    base_dispatch()
+    y_base = y[: sum(state["b"][4].recv_counts)]
+    base_iters = max(opts.iters // 4, 5)
+    t_bdisp = _median_ms(base_dispatch, base_iters, 2)
+    t_bcomb = _median_ms(lambda: baseline.combine(y_base, state["b"][4]), base_iters, 2)
+
+    recv = handle.num_recv_tokens
+    local = int(handle.recv_count[ctx.rank].sum())
+    vals = _mean_over_ranks([t_full, t_bf16, t_fp8, t_comb, t_bdisp, t_bcomb, recv, local])
+    t_full, t_bf16, t_fp8, t_comb, t_bdisp, t_bcomb, recv, local = vals
+    bf16_bytes, fp8_bytes = 2 * H, H + H // 128 * 4
+    remote = recv - local
+
+    def gbps(rows, row_bytes, ms):
+        return rows * row_bytes / (ms * 1e-3) / 1e9
+
+    return {
+        "tokens": num_tokens,
+        "ranks": R,
+        "sms": config.num_sms,
+        "dispatch_us": t_bf16 * 1e3,
+        "dispatch_GBps": gbps(recv, bf16_bytes, t_bf16),
+        "dispatch_remote_GBps": gbps(remote, bf16_bytes, t_bf16),
+        "fp8_dispatch_us": t_fp8 * 1e3,
+        "fp8_dispatch_GBps": gbps(recv, fp8_bytes, t_fp8),
+        "fp8_remote_GBps": gbps(remote, fp8_bytes, t_fp8),
+        "combine_us": t_comb * 1e3,
+        "combine_GBps": gbps(recv, bf16_bytes, t_comb),
+        "combine_remote_GBps": gbps(remote, bf16_bytes, t_comb),
+        "full_dispatch_us": t_full * 1e3,
+        "torch_dispatch_us": t_bdisp * 1e3,
+        "torch_combine_us": t_bcomb * 1e3,
+    }
+
+
+def _short(value):
+    return round(value, 1) if isinstance(value, float) else value
+
+
+def normal_rank(ctx, opts):
+    from ..modes.normal import Config, NormalMode
+    from ..torch_backend import TorchBackend
+
+    mode = NormalMode(
+        None, opts.hidden, opts.experts, max_topk=max(opts.topk, 2), device=ctx.device,
+        check_ids=False, max_sms=max(opts.sms_list), ring_tokens=max(opts.ring_list),
+    )  # fmt: skip
+    baseline = TorchBackend()
+    rows = []
+    for tokens in [int(t) for t in opts.tokens.split(",")]:
+        for sms in opts.sms_list:
+            for chunk in opts.chunk_list:
+                for ring in opts.ring_list:
+                    config = Config(num_sms=sms, nvl_send_chunk=chunk, nvl_recv_buffer_tokens=ring)
+                    row = _point(ctx, mode, baseline, opts, tokens, config)
+                    row.update(chunk=chunk, ring=ring)
+                    rows.append(row)
+                    if ctx.rank == 0:
+                        print({k: _short(v) for k, v in row.items()}, flush=True)
+    mode.destroy()
+    return rows

@@ -1,0 +1,359 @@
+"""Normal-mode combine: rows return along the channels of the dispatch and are summed per token.
+
+The transpose of :mod:`.normal_dispatch`, over a second set of rings. On the rank that holds
+the experts, program ``c < C`` (the *sender* of channel ``c``) hands back, for every source
+rank at once, the rows that channel ``c`` of that source delivered: they are contiguous in the
+combine input (``recv_start[source, c]`` on), so they stream in order into the source's ring
+``(c, this rank)``, ``ROWS`` per source per step, each step published by a tagged tail. It never
+blocks on one source: a full ring only skips that source for the step, so no cycle of full
+rings can form between ranks.
+
+On the rank that owns the tokens, program ``C + c`` (the *receiver* of channel ``c``) walks
+its channel's tokens in order, ``TOK`` at a time. A token's row from rank ``d`` sits in ring
+``(c, d)`` at the token's position among the channel's tokens sent to ``d`` (a running count
+over ``is_token_in_rank``), so no index travels. It waits for the tails to cover the block, sums
+the rows in float32 in rank order (a token sent nowhere gets zeros), adds the bias, stores
+BF16, and returns the heads.
+
+Why it is fast: every row crosses NVLink once, each rank has already reduced its own experts'
+outputs for a token into one row, the reduction reads local memory only, and the sum costs
+no extra pass over the data.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .fp8 import to_bf16
+from .normal_dispatch import column, finish_call, rows_before
+from .sync import (
+    aligned_ptr,
+    elapsed_ns,
+    first_lane,
+    record_timeout,
+    start_clock,
+    wait_all_at_least,
+)
+
+PHASE_COMBINE_SEND = tl.constexpr(13)
+PHASE_COMBINE_RECV = tl.constexpr(14)
+
+COMBINE_CALLS = tl.constexpr(4)
+COMBINE_ARRIVALS = tl.constexpr(5)
+
+
+@triton.jit
+def combine_send(
+    channel,
+    call,
+    x_ptr,
+    weights_ptr,
+    recv_count_ptr,
+    recv_start_ptr,
+    peer_ptrs,
+    rank,
+    ring_offset,
+    tail_offset,
+    head_offset,
+    status_ptr,
+    timeout_ns,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    NUM_CHANNELS: tl.constexpr,
+    RING: tl.constexpr,
+    RING_STRIDE: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    BW: tl.constexpr,
+    R_P2: tl.constexpr,
+    K_P2: tl.constexpr,
+):
+    """The sender of channel ``channel``: stream rows back to every source rank."""
+    W: tl.constexpr = H // 2
+    tag = call << 32
+    ranks = tl.arange(0, R_P2)
+    rmask = ranks < NUM_RANKS
+    peer_base = tl.load(peer_ptrs + ranks, mask=rmask, other=0)
+    my_base = tl.load(peer_ptrs + rank)
+    words = tl.arange(0, BW)
+    ks = tl.arange(0, K_P2)
+    kmask = ks < K
+
+    count = tl.load(recv_count_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
+    start = tl.load(recv_start_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
+    pair = channel * NUM_RANKS + rank
+    ring = peer_base + ring_offset + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)
+    tail_flag = (peer_base + tail_offset + pair * 8).to(tl.pointer_type(tl.int64))
+    head_flag = my_base + head_offset + (channel * NUM_RANKS + ranks) * 8
+    head_flag = head_flag.to(tl.pointer_type(tl.int64))
+    sent = tl.zeros((R_P2,), tl.int32)
+    steps = tl.arange(0, ROWS)
+    x_words = x_ptr.to(tl.pointer_type(tl.int32))
+    clock = start_clock(USE_CLOCK)
+    spins = tl.zeros((), tl.int64)
+    pending = tl.sum(count, 0)
+    while (pending > 0) & (elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns):
+        waiting = sent < count
+        heads = tl.atomic_add(head_flag, 0, mask=waiting, sem="acquire", scope="sys")
+        # Free slots in this call; a head still tagged with an earlier call frees none.
+        consumed = (heads & 0xFFFFFFFF).to(tl.int32)
+        space = tl.where(waiting & ((heads >> 32) == call), RING - (sent - consumed), 0)
+        take = tl.minimum(tl.minimum(space, count - sent), ROWS)
+        if tl.max(take, 0) > 0:
+            i = steps[None, :]
+            slot = ((sent[:, None] + i) % RING).to(tl.int64)
+            dst = tl.reshape(ring[:, None] + slot * SLOT_BYTES, (R_P2 * ROWS,))
+            row = tl.reshape((start[:, None] + sent[:, None] + i).to(tl.int64), (R_P2 * ROWS,))
+            live = tl.reshape(i < take[:, None], (R_P2 * ROWS,))
+            p = aligned_ptr(dst, tl.int32)
+            for w0 in range(0, W, BW):
+                w = w0 + words
+                m2 = live[:, None] & (w < W)[None, :]
+                v = tl.load(x_words + row[:, None] * W + w[None, :], mask=m2)
+                tl.store(p[:, None] + w[None, :], v, mask=m2)
+            if HAS_WEIGHTS:
+                m2 = live[:, None] & kmask[None, :]
+                wv = tl.load(weights_ptr + row[:, None] * K + ks[None, :], mask=m2)
+                wp = p.to(tl.pointer_type(tl.float32))
+                tl.store(wp[:, None] + W + ks[None, :], wv, mask=m2)
+            sent += take
+            tl.debug_barrier()
+            tl.atomic_xchg(
+                tail_flag, tag | sent.to(tl.int64), mask=take > 0, sem="release", scope="sys"
+            )
+            clock = start_clock(USE_CLOCK)
+            spins = tl.zeros((), tl.int64)
+        else:
+            spins += 1
+        pending = tl.sum(count - sent, 0)
+    if pending > 0:
+        record_timeout(status_ptr, first_lane(sent < count, ranks), PHASE_COMBINE_SEND, channel)
+
+
+@triton.jit
+def combine_receive(
+    channel,
+    call,
+    in_rank_ptr,
+    num_tokens,
+    bias0_ptr,
+    bias1_ptr,
+    peer_ptrs,
+    rank,
+    ring_offset,
+    tail_offset,
+    head_offset,
+    out_ptr,
+    out_weights_ptr,
+    status_ptr,
+    timeout_ns,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    NUM_CHANNELS: tl.constexpr,
+    RING: tl.constexpr,
+    RING_STRIDE: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    NUM_BIAS: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    TOK: tl.constexpr,
+    BW: tl.constexpr,
+    R_P2: tl.constexpr,
+    K_P2: tl.constexpr,
+):
+    """The receiver of channel ``channel``: sum each token's rows from all ranks."""
+    W: tl.constexpr = H // 2
+    tag = call << 32
+    ranks = tl.arange(0, R_P2)
+    rmask = ranks < NUM_RANKS
+    peer_base = tl.load(peer_ptrs + ranks, mask=rmask, other=0)
+    my_base = tl.load(peer_ptrs + rank)
+    ks = tl.arange(0, K_P2)
+    kmask = ks < K
+
+    chunk = tl.cdiv(num_tokens, NUM_CHANNELS)
+    t0 = channel * chunk
+    t1 = tl.minimum(t0 + chunk, num_tokens)
+    pair = channel * NUM_RANKS + ranks
+    ring = my_base + ring_offset + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)
+    tail_flag = (my_base + tail_offset + pair * 8).to(tl.pointer_type(tl.int64))
+    head_flag = peer_base + head_offset + (channel * NUM_RANKS + rank) * 8
+    head_flag = head_flag.to(tl.pointer_type(tl.int64))
+    taken = tl.zeros((R_P2,), tl.int32)
+    arrived = tl.zeros((R_P2,), tl.int64)  # last tail value read, per expert rank
+    budget = timeout_ns + tl.zeros((), tl.int64)
+    elems = tl.arange(0, 2 * BW)
+    for first in range(t0, t1, TOK):
+        tokens = first + tl.arange(0, TOK)
+        tmask = tokens < t1
+        tokens64 = tokens.to(tl.int64)
+        hit = tl.load(
+            in_rank_ptr + tokens64[:, None] * NUM_RANKS + ranks[None, :],
+            mask=tmask[:, None] & rmask[None, :],
+            other=0,
+        )
+        hit = (hit != 0).to(tl.int32)
+        count = tl.sum(hit, 0)
+        target = tag | (taken + count).to(tl.int64)
+        blocked = (count > 0) & (arrived < target)
+        ok = tl.max(blocked.to(tl.int32), 0) == 0
+        if not ok:
+            values, ok = wait_all_at_least(tail_flag, target, blocked, budget, USE_CLOCK)
+            arrived = tl.where(blocked, values, arrived)
+            if not ok:
+                peer = first_lane(blocked & (arrived < target), ranks)
+                record_timeout(status_ptr, peer, PHASE_COMBINE_RECV, channel)
+                budget = tl.zeros((), tl.int64)
+        # A row that never arrived is read as zeros: the host raises from the status.
+        ready = hit * (arrived >= target).to(tl.int32)[None, :]
+        slot = ((taken[None, :] + rows_before(hit, TOK)) % RING).to(tl.int64)
+        src = ring[None, :] + slot * SLOT_BYTES  # [TOK, R_P2]
+        for e0 in range(0, H, 2 * BW):
+            e = e0 + elems
+            em = e < H
+            acc = tl.zeros((TOK, 2 * BW), tl.float32)
+            for d in tl.static_range(NUM_RANKS):
+                from_d = column(ready, ranks, d) > 0
+                p = aligned_ptr(column(src, ranks, d), tl.bfloat16)
+                y = tl.load(
+                    p[:, None] + e[None, :],
+                    mask=from_d[:, None] & em[None, :],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                acc += y.to(tl.float32)
+            m2 = tmask[:, None] & em[None, :]
+            at = tokens64[:, None] * H + e[None, :]
+            if NUM_BIAS >= 1:
+                acc += tl.load(bias0_ptr + at, mask=m2, other=0.0).to(tl.float32)
+            if NUM_BIAS >= 2:
+                acc += tl.load(bias1_ptr + at, mask=m2, other=0.0).to(tl.float32)
+            tl.store(out_ptr + at, to_bf16(acc, not USE_CLOCK), mask=m2)
+        if HAS_WEIGHTS:
+            wacc = tl.zeros((TOK, K_P2), tl.float32)
+            for d in tl.static_range(NUM_RANKS):
+                from_d = column(ready, ranks, d) > 0
+                wp = column(src, ranks, d).to(tl.pointer_type(tl.float32))
+                wv = tl.load(
+                    wp[:, None] + W + ks[None, :],
+                    mask=from_d[:, None] & kmask[None, :],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                wacc += wv
+            at = tokens64[:, None] * K + ks[None, :]
+            tl.store(out_weights_ptr + at, wacc, mask=tmask[:, None] & kmask[None, :])
+        taken += count
+        tl.debug_barrier()
+        tl.atomic_xchg(
+            head_flag, tag | taken.to(tl.int64), mask=count > 0, sem="release", scope="sys"
+        )
+    tl.debug_barrier()
+    tl.atomic_xchg(head_flag, (call + 1) << 32, mask=rmask, sem="release", scope="sys")
+
+
+@triton.jit
+def normal_combine_kernel(
+    x_ptr,  # [M, H] bf16 rows to hand back, one per row received in dispatch
+    weights_ptr,  # [M, K] float32 weights handed back with the rows (optional)
+    in_rank_ptr,  # [N, R] int8 is_token_in_rank of the dispatch
+    num_tokens,
+    bias0_ptr,  # [N, H] bf16 (optional)
+    bias1_ptr,  # [N, H] bf16 (optional)
+    recv_count_ptr,  # [R, C] int32 rows each (source, channel) delivered here
+    recv_start_ptr,  # [R, C] int32 first row of each (source, channel)
+    peer_ptrs,
+    rank,
+    ring_offset,  # byte offset of the rings [C][R expert rank][RING][SLOT_BYTES]
+    tail_offset,  # [C][R expert rank] int64 on the token owner (written by senders)
+    head_offset,  # [C][R token owner] int64 on the expert rank (written by receivers)
+    state_ptr,
+    out_ptr,  # [N, H] bf16
+    out_weights_ptr,  # [N, K] float32 (optional)
+    status_ptr,
+    timeout_ns,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    NUM_CHANNELS: tl.constexpr,
+    RING: tl.constexpr,
+    RING_STRIDE: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    NUM_BIAS: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    TOK: tl.constexpr,
+    ROWS: tl.constexpr,
+    BW: tl.constexpr,  # words (2 BF16 values) per copy step; the sum runs over 2 * BW values
+    R_P2: tl.constexpr,
+    K_P2: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    call = tl.load(state_ptr + COMBINE_CALLS, volatile=True)
+    if pid < NUM_CHANNELS:
+        combine_send(
+            pid,
+            call,
+            x_ptr,
+            weights_ptr,
+            recv_count_ptr,
+            recv_start_ptr,
+            peer_ptrs,
+            rank,
+            ring_offset,
+            tail_offset,
+            head_offset,
+            status_ptr,
+            timeout_ns,
+            H,
+            K,
+            NUM_RANKS,
+            NUM_CHANNELS,
+            RING,
+            RING_STRIDE,
+            SLOT_BYTES,
+            HAS_WEIGHTS,
+            USE_CLOCK,
+            ROWS,
+            BW,
+            R_P2,
+            K_P2,
+        )
+    else:
+        combine_receive(
+            pid - NUM_CHANNELS,
+            call,
+            in_rank_ptr,
+            num_tokens,
+            bias0_ptr,
+            bias1_ptr,
+            peer_ptrs,
+            rank,
+            ring_offset,
+            tail_offset,
+            head_offset,
+            out_ptr,
+            out_weights_ptr,
+            status_ptr,
+            timeout_ns,
+            H,
+            K,
+            NUM_RANKS,
+            NUM_CHANNELS,
+            RING,
+            RING_STRIDE,
+            SLOT_BYTES,
+            HAS_WEIGHTS,
+            NUM_BIAS,
+            USE_CLOCK,
+            TOK,
+            BW,
+            R_P2,
+            K_P2,
+        )
+    finish_call(state_ptr, call, COMBINE_ARRIVALS, COMBINE_CALLS)

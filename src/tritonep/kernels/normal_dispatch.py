@@ -1,0 +1,482 @@
+"""Normal-mode dispatch: each token crosses NVLink once per destination rank, through channel rings.
+
+The tokens of a rank are split into ``C`` channels (contiguous token ranges). Program ``c < C``
+is the *sender* of channel ``c``; program ``C + c`` is its *receiver*. Every rank holds, per
+channel and source rank, a ring of ``RING`` slots; a slot holds one token: the payload words,
+the FP8 scales, then a small record (source token index, local top-k ids, weights).
+
+Sender. It walks its channel ``TOK`` tokens at a time. A token goes to every rank that holds
+one of its experts (``is_token_in_rank``), once. The block's payload is loaded once and stored
+into the slots of all its destination rings (plain NVLink stores, 16-byte vectors), with the
+top-k ids already turned into the destination's local ids (``-1`` elsewhere) and the weights
+zeroed where the expert is elsewhere. Then one system-scope release per destination publishes
+the new *tail*. Before reusing a slot it waits (bounded) for the receiver's *head*.
+
+Receiver. It polls the tails of all its source rings at once and copies whatever has arrived,
+``ROWS`` slots per source per step, into the exact output rows
+``recv_start[source, channel] + i`` that the notify step computed: rows come ordered by
+source rank, then by source token. After each step it returns the new heads to the senders.
+
+Flags are tagged with the call number (``call << 32 | position``), so a stale flag of an
+earlier call never passes for a new one and nothing is reset between calls. At the end of a
+call every receiver stores ``(call + 1) << 32`` into the heads of its sources: the ring is
+free for the next call, which senders check before their first store.
+
+Why it is fast: senders and receivers run at once (one cooperative launch), a token's payload
+is read from memory once whatever its number of destinations, all destinations are fed in
+the same step (every NVLink peer busy), and the only host work is the launch.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .sync import (
+    aligned_ptr,
+    elapsed_ns,
+    first_lane,
+    record_timeout,
+    start_clock,
+    wait_all_at_least,
+)
+
+PHASE_DISPATCH_SEND = tl.constexpr(11)
+PHASE_DISPATCH_RECV = tl.constexpr(12)
+
+DISPATCH_CALLS = tl.constexpr(2)
+DISPATCH_ARRIVALS = tl.constexpr(3)
+
+
+@triton.jit
+def column(matrix, lanes, index):
+    """Column ``index`` of a ``[rows, lanes]`` tensor (Triton has no dynamic indexing)."""
+    return tl.sum(tl.where(lanes[None, :] == index, matrix, 0), 1)
+
+
+@triton.jit
+def rows_before(hit, ROWS: tl.constexpr):
+    """Exclusive prefix sum down the rows of a small ``[ROWS, lanes]`` int32 tensor.
+
+    A masked sum over a ``[ROWS, ROWS, lanes]`` broadcast: Triton 3.6's scan lowering fails
+    for some layouts of small 2-D tensors, and ``ROWS`` is at most a few dozen here.
+    """
+    rows = tl.arange(0, ROWS)
+    earlier = (rows[None, :] < rows[:, None]).to(tl.int32)  # [row, earlier row]
+    return tl.sum(earlier[:, :, None] * hit[None, :, :], 1)
+
+
+@triton.jit
+def finish_call(state_ptr, call, ARRIVALS: tl.constexpr, CALLS: tl.constexpr):
+    """The last program of a launch advances the call counter."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(state_ptr + ARRIVALS, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        tl.store(state_ptr + ARRIVALS, 0)
+        tl.store(state_ptr + CALLS, call + 1)
+
+
+@triton.jit
+def dispatch_send(
+    channel,
+    call,
+    x_ptr,
+    scales_ptr,
+    topk_idx_ptr,
+    topk_weights_ptr,
+    in_rank_ptr,
+    num_tokens,
+    peer_ptrs,
+    rank,
+    ring_offset,
+    tail_offset,
+    head_offset,
+    status_ptr,
+    timeout_ns,
+    W: tl.constexpr,
+    G: tl.constexpr,
+    K: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    NUM_CHANNELS: tl.constexpr,
+    RING: tl.constexpr,
+    RING_STRIDE: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    META_OFF: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    HAS_TOPK: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    TOK: tl.constexpr,
+    BW: tl.constexpr,
+    R_P2: tl.constexpr,
+    K_P2: tl.constexpr,
+    G_P2: tl.constexpr,
+):
+    """The sender of channel ``channel``: walk its tokens, feed every destination ring."""
+    ranks = tl.arange(0, R_P2)
+    rmask = ranks < NUM_RANKS
+    peer_base = tl.load(peer_ptrs + ranks, mask=rmask, other=0)
+    my_base = tl.load(peer_ptrs + rank)
+    words = tl.arange(0, BW)
+    ks = tl.arange(0, K_P2)
+    kmask = ks < K
+    groups = tl.arange(0, G_P2)
+    gmask = groups < G
+    tag = call << 32
+    chunk = tl.cdiv(num_tokens, NUM_CHANNELS)
+    t0 = channel * chunk
+    t1 = tl.minimum(t0 + chunk, num_tokens)
+    pair = channel * NUM_RANKS + rank
+    ring = peer_base + ring_offset + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)
+    tail_flag = (peer_base + tail_offset + pair * 8).to(tl.pointer_type(tl.int64))
+    head_flag = my_base + head_offset + (channel * NUM_RANKS + ranks) * 8
+    head_flag = head_flag.to(tl.pointer_type(tl.int64))
+    sent = tl.zeros((R_P2,), tl.int32)
+    released = tl.zeros((R_P2,), tl.int64)  # last head value read, per destination
+    budget = timeout_ns + tl.zeros((), tl.int64)
+    for first in range(t0, t1, TOK):
+        tokens = first + tl.arange(0, TOK)
+        tmask = tokens < t1
+        tokens64 = tokens.to(tl.int64)
+        hit = tl.load(
+            in_rank_ptr + tokens64[:, None] * NUM_RANKS + ranks[None, :],
+            mask=tmask[:, None] & rmask[None, :],
+            other=0,
+        )
+        hit = (hit != 0).to(tl.int32)
+        count = tl.sum(hit, 0)
+        position = sent[None, :] + rows_before(hit, TOK)
+        # The slots must be free: the receiver has moved its head far enough, in this call.
+        target = tag | tl.maximum(sent + count - RING, 0).to(tl.int64)
+        blocked = (count > 0) & (released < target)
+        ok = tl.max(blocked.to(tl.int32), 0) == 0
+        if not ok:
+            values, ok = wait_all_at_least(head_flag, target, blocked, budget, USE_CLOCK)
+            released = tl.where(blocked, values, released)
+            if not ok:
+                peer = first_lane(blocked & (released < target), ranks)
+                record_timeout(status_ptr, peer, PHASE_DISPATCH_SEND, channel)
+                budget = tl.zeros((), tl.int64)
+        if ok:
+            slot = (position % RING).to(tl.int64)
+            dst = ring[None, :] + slot * SLOT_BYTES  # [TOK, R_P2] slot addresses
+            for w0 in range(0, W, BW):
+                w = w0 + words
+                wm = w < W
+                v = tl.load(
+                    x_ptr + tokens64[:, None] * W + w[None, :],
+                    mask=tmask[:, None] & wm[None, :],
+                )
+                for d in tl.static_range(NUM_RANKS):
+                    to_d = column(hit, ranks, d) > 0
+                    p = aligned_ptr(column(dst, ranks, d), tl.int32)
+                    tl.store(p[:, None] + w[None, :], v, mask=to_d[:, None] & wm[None, :])
+            if HAS_SCALES:
+                s = tl.load(
+                    scales_ptr + tokens64[:, None] * G + groups[None, :],
+                    mask=tmask[:, None] & gmask[None, :],
+                )
+                for d in tl.static_range(NUM_RANKS):
+                    to_d = column(hit, ranks, d) > 0
+                    p = aligned_ptr(column(dst, ranks, d) + W * 4, tl.int32)
+                    gto = to_d[:, None] & gmask[None, :]
+                    tl.store(p[:, None] + groups[None, :], s, mask=gto)
+            if HAS_TOPK:
+                ids = tl.load(
+                    topk_idx_ptr + tokens64[:, None] * K + ks[None, :],
+                    mask=tmask[:, None] & kmask[None, :],
+                    other=-1,
+                )
+                owner = tl.where(ids >= 0, ids // E_LOCAL, -1)
+                if HAS_WEIGHTS:
+                    weights = tl.load(
+                        topk_weights_ptr + tokens64[:, None] * K + ks[None, :],
+                        mask=tmask[:, None] & kmask[None, :],
+                        other=0.0,
+                    )
+            for d in tl.static_range(NUM_RANKS):
+                to_d = column(hit, ranks, d) > 0
+                record = aligned_ptr(column(dst, ranks, d) + META_OFF * 4, tl.int32)
+                tl.store(record, tokens, mask=to_d)
+                if HAS_TOPK:
+                    local = tl.where(owner == d, ids - d * E_LOCAL, -1).to(tl.int32)
+                    kto = to_d[:, None] & kmask[None, :]
+                    tl.store(record[:, None] + 1 + ks[None, :], local, mask=kto)
+                    if HAS_WEIGHTS:
+                        wrec = record.to(tl.pointer_type(tl.float32))
+                        mine = tl.where(owner == d, weights, 0.0)
+                        tl.store(wrec[:, None] + 1 + K + ks[None, :], mine, mask=kto)
+            tl.debug_barrier()
+            tl.atomic_xchg(
+                tail_flag,
+                tag | (sent + count).to(tl.int64),
+                mask=count > 0,
+                sem="release",
+                scope="sys",
+            )
+        sent += count
+
+
+@triton.jit
+def dispatch_receive(
+    channel,
+    call,
+    peer_ptrs,
+    rank,
+    ring_offset,
+    tail_offset,
+    head_offset,
+    recv_count_ptr,
+    recv_start_ptr,
+    host_info_ptr,
+    out_x_ptr,
+    out_scales_ptr,
+    out_topk_idx_ptr,
+    out_weights_ptr,
+    out_src_ptr,
+    max_rows,
+    status_ptr,
+    timeout_ns,
+    W: tl.constexpr,
+    G: tl.constexpr,
+    K: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    NUM_CHANNELS: tl.constexpr,
+    RING: tl.constexpr,
+    RING_STRIDE: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    META_OFF: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    HAS_TOPK: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    PAD_ROWS: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    BW: tl.constexpr,
+    R_P2: tl.constexpr,
+    K_P2: tl.constexpr,
+    G_P2: tl.constexpr,
+):
+    """The receiver of channel ``channel``: drain the rings of every source into the outputs."""
+    ranks = tl.arange(0, R_P2)
+    rmask = ranks < NUM_RANKS
+    peer_base = tl.load(peer_ptrs + ranks, mask=rmask, other=0)
+    my_base = tl.load(peer_ptrs + rank)
+    words = tl.arange(0, BW)
+    ks = tl.arange(0, K_P2)
+    kmask = ks < K
+    groups = tl.arange(0, G_P2)
+    gmask = groups < G
+    tag = call << 32
+    count = tl.load(recv_count_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
+    start = tl.load(recv_start_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
+    pair = channel * NUM_RANKS + ranks
+    ring = my_base + ring_offset + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)
+    tail_flag = (my_base + tail_offset + pair * 8).to(tl.pointer_type(tl.int64))
+    head_flag = peer_base + head_offset + (channel * NUM_RANKS + rank) * 8
+    head_flag = head_flag.to(tl.pointer_type(tl.int64))
+    head = tl.zeros((R_P2,), tl.int32)
+    steps = tl.arange(0, ROWS)
+    clock = start_clock(USE_CLOCK)
+    spins = tl.zeros((), tl.int64)
+    pending = tl.sum(count, 0)
+    while (pending > 0) & (elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns):
+        waiting = head < count
+        tails = tl.atomic_add(tail_flag, 0, mask=waiting, sem="acquire", scope="sys")
+        arrived = tl.where(waiting & (tails >= tag), (tails & 0xFFFFFFFF).to(tl.int32), head)
+        take = tl.minimum(arrived - head, ROWS)
+        if tl.max(take, 0) > 0:
+            tl.debug_barrier()
+            i = steps[None, :]
+            slot = ((head[:, None] + i) % RING).to(tl.int64)
+            row = (start[:, None] + head[:, None] + i).to(tl.int64)
+            live = (i < take[:, None]) & (row < max_rows)
+            src = tl.reshape(ring[:, None] + slot * SLOT_BYTES, (R_P2 * ROWS,))
+            row = tl.reshape(row, (R_P2 * ROWS,))
+            live = tl.reshape(live, (R_P2 * ROWS,))
+            for w0 in range(0, W, BW):
+                w = w0 + words
+                m2 = live[:, None] & (w < W)[None, :]
+                p = aligned_ptr(src, tl.int32)
+                v = tl.load(p[:, None] + w[None, :], mask=m2, cache_modifier=".cg")
+                tl.store(out_x_ptr + row[:, None] * W + w[None, :], v, mask=m2)
+            if HAS_SCALES:
+                m2 = live[:, None] & gmask[None, :]
+                p = aligned_ptr(src + W * 4, tl.int32)
+                v = tl.load(p[:, None] + groups[None, :], mask=m2, cache_modifier=".cg")
+                tl.store(out_scales_ptr + row[:, None] * G + groups[None, :], v, mask=m2)
+            record = aligned_ptr(src + META_OFF * 4, tl.int32)
+            token = tl.load(record, mask=live, cache_modifier=".cg")
+            tl.store(out_src_ptr + row, token, mask=live)
+            if HAS_TOPK:
+                m2 = live[:, None] & kmask[None, :]
+                at = record[:, None] + 1 + ks[None, :]
+                local = tl.load(at, mask=m2, cache_modifier=".cg")
+                tl.store(out_topk_idx_ptr + row[:, None] * K + ks[None, :], local, mask=m2)
+                if HAS_WEIGHTS:
+                    at = record.to(tl.pointer_type(tl.float32))[:, None] + 1 + K + ks[None, :]
+                    wv = tl.load(at, mask=m2, cache_modifier=".cg")
+                    tl.store(out_weights_ptr + row[:, None] * K + ks[None, :], wv, mask=m2)
+            head += take
+            tl.debug_barrier()
+            tl.atomic_xchg(
+                head_flag,
+                tag | head.to(tl.int64),
+                mask=take > 0,
+                sem="release",
+                scope="sys",
+            )
+            clock = start_clock(USE_CLOCK)  # progress: the limit counts idle time only
+            spins = tl.zeros((), tl.int64)
+        else:
+            spins += 1
+        pending = tl.sum(count - head, 0)
+    if pending > 0:
+        peer = first_lane(head < count, ranks)
+        record_timeout(status_ptr, peer, PHASE_DISPATCH_RECV, channel)
+    # Every ring of this channel is free for the next call, whatever it carried.
+    tl.debug_barrier()
+    tl.atomic_xchg(head_flag, (call + 1) << 32, mask=rmask, sem="release", scope="sys")
+    if PAD_ROWS:
+        total = tl.load(host_info_ptr)
+        pad = tl.arange(0, 128)
+        for first in range(total + channel * 128, max_rows, NUM_CHANNELS * 128):
+            rows = (first + pad).to(tl.int64)
+            rm = rows < max_rows
+            tl.store(out_src_ptr + rows, tl.full((128,), -1, tl.int32), mask=rm)
+            if HAS_TOPK:
+                m2 = rm[:, None] & kmask[None, :]
+                at = rows[:, None] * K + ks[None, :]
+                tl.store(out_topk_idx_ptr + at, tl.full((128, K_P2), -1, tl.int64), mask=m2)
+                if HAS_WEIGHTS:
+                    tl.store(out_weights_ptr + at, tl.zeros((128, K_P2), tl.float32), mask=m2)
+
+
+@triton.jit
+def normal_dispatch_kernel(
+    x_ptr,  # [N, W] int32: the payload rows as words (BF16 or e4m3)
+    scales_ptr,  # [N, G] float32 as int32 (FP8 input only)
+    topk_idx_ptr,  # [N, K] int64 global expert ids (not in cached mode)
+    topk_weights_ptr,  # [N, K] float32 (optional)
+    in_rank_ptr,  # [N, R] int8
+    num_tokens,
+    peer_ptrs,  # [R] int64 heap base addresses
+    rank,
+    ring_offset,  # byte offset of the rings [C][R source][RING][SLOT_BYTES]
+    tail_offset,  # byte offset of the tails [C][R source] int64 (written by senders)
+    head_offset,  # byte offset of the heads [C][R destination] int64 (written by receivers)
+    state_ptr,  # [8] int64 device call counters
+    recv_count_ptr,  # [R, C] int32 tokens each (source, channel) sends here
+    recv_start_ptr,  # [R, C] int32 first output row of each (source, channel)
+    host_info_ptr,  # [1 + E_local] int32, [0] = rows received
+    out_x_ptr,  # [max_rows, W] int32
+    out_scales_ptr,  # [max_rows, G] int32
+    out_topk_idx_ptr,  # [max_rows, K] int64
+    out_weights_ptr,  # [max_rows, K] float32
+    out_src_ptr,  # [max_rows] int32 source token index
+    max_rows,
+    status_ptr,  # [4] int32
+    timeout_ns,
+    W: tl.constexpr,  # payload words per token
+    G: tl.constexpr,  # scale words per token (FP8)
+    K: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    NUM_CHANNELS: tl.constexpr,
+    RING: tl.constexpr,  # slots used per ring in this call
+    RING_STRIDE: tl.constexpr,  # slots allocated per ring
+    SLOT_BYTES: tl.constexpr,
+    META_OFF: tl.constexpr,  # word offset of the record in a slot, a multiple of 4
+    HAS_SCALES: tl.constexpr,
+    HAS_TOPK: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    PAD_ROWS: tl.constexpr,  # worst-case outputs: mark rows past the received ones
+    USE_CLOCK: tl.constexpr,
+    TOK: tl.constexpr,
+    ROWS: tl.constexpr,
+    BW: tl.constexpr,
+    R_P2: tl.constexpr,
+    K_P2: tl.constexpr,
+    G_P2: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    call = tl.load(state_ptr + DISPATCH_CALLS, volatile=True)
+    if pid < NUM_CHANNELS:
+        dispatch_send(
+            pid,
+            call,
+            x_ptr,
+            scales_ptr,
+            topk_idx_ptr,
+            topk_weights_ptr,
+            in_rank_ptr,
+            num_tokens,
+            peer_ptrs,
+            rank,
+            ring_offset,
+            tail_offset,
+            head_offset,
+            status_ptr,
+            timeout_ns,
+            W,
+            G,
+            K,
+            E_LOCAL,
+            NUM_RANKS,
+            NUM_CHANNELS,
+            RING,
+            RING_STRIDE,
+            SLOT_BYTES,
+            META_OFF,
+            HAS_SCALES,
+            HAS_TOPK,
+            HAS_WEIGHTS,
+            USE_CLOCK,
+            TOK,
+            BW,
+            R_P2,
+            K_P2,
+            G_P2,
+        )
+    else:
+        dispatch_receive(
+            pid - NUM_CHANNELS,
+            call,
+            peer_ptrs,
+            rank,
+            ring_offset,
+            tail_offset,
+            head_offset,
+            recv_count_ptr,
+            recv_start_ptr,
+            host_info_ptr,
+            out_x_ptr,
+            out_scales_ptr,
+            out_topk_idx_ptr,
+            out_weights_ptr,
+            out_src_ptr,
+            max_rows,
+            status_ptr,
+            timeout_ns,
+            W,
+            G,
+            K,
+            NUM_RANKS,
+            NUM_CHANNELS,
+            RING,
+            RING_STRIDE,
+            SLOT_BYTES,
+            META_OFF,
+            HAS_SCALES,
+            HAS_TOPK,
+            HAS_WEIGHTS,
+            PAD_ROWS,
+            USE_CLOCK,
+            ROWS,
+            BW,
+            R_P2,
+            K_P2,
+            G_P2,
+        )
+    finish_call(state_ptr, call, DISPATCH_ARRIVALS, DISPATCH_CALLS)

@@ -1,0 +1,136 @@
+"""Normal-mode notify: every rank learns how many tokens each peer sends it, per channel and expert.
+
+The count exchange that comes before the payload. Program ``p`` counts the tokens of each
+channel (a contiguous token range) that go to rank ``p`` and stores those counts, with the
+number of top-k entries for each of ``p``'s experts, into ``p``'s notify row for this rank,
+encoded ``-n - 1`` so that zero always means "not arrived yet". It then waits (bounded) for
+the row that rank ``p`` stored here, decodes it and zeroes it for a later call. The last
+program to arrive turns the rows of all sources into the receiver's layout:
+
+* ``recv_count[s, c]``: tokens that channel ``c`` of source ``s`` sends here;
+* ``recv_start[s, c]``: the first output row of that stream, so that rows come ordered by
+  source rank, then by channel (hence by source token index);
+* ``host_info = [total rows, tokens per local expert rounded up to the alignment...]``, the
+  only numbers the host reads in exact mode.
+
+Why it is cheap: one small launch of ``R`` programs, a few hundred bytes per peer, no atomics
+on data. Rows alternate between two sets by call parity; a rank can only store into a set
+again after every peer has finished the call that last read it, so the zeroing never races.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .sync import STATUS_OVERFLOW, elapsed_ns, record_timeout, start_clock
+
+PHASE_NOTIFY = tl.constexpr(10)
+
+# Device state counters (int64) of the normal mode.
+NOTIFY_CALLS = tl.constexpr(0)
+NOTIFY_ARRIVALS = tl.constexpr(1)
+
+
+@triton.jit
+def notify_kernel(
+    in_rank_ptr,  # [N, R] int8 (is_token_in_rank)
+    num_tokens,
+    per_expert_ptr,  # [E] int32 top-k entries per global expert on this rank
+    peer_ptrs,  # [R] int64 heap base addresses
+    rank,
+    notify_offset,  # byte offset of set 0 of the notify rows [R][ROW] int32
+    state_ptr,  # [8] int64 device call counters
+    decoded_ptr,  # [R, E_LOCAL] int32 workspace: expert counts from each source
+    recv_count_ptr,  # [R, C] int32 out
+    recv_start_ptr,  # [R, C] int32 out
+    host_info_ptr,  # [1 + E_LOCAL] int32 out: total rows, aligned tokens per local expert
+    max_rows,  # rows the outputs hold (worst-case mode), 0 = unlimited
+    status_ptr,  # [4] int32
+    timeout_ns,
+    NUM_RANKS: tl.constexpr,
+    NUM_CHANNELS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    ALIGN: tl.constexpr,
+    ROW: tl.constexpr,  # int32 words per notify row (>= NUM_CHANNELS + E_LOCAL)
+    SET_BYTES: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    C_P2: tl.constexpr,  # power of two > NUM_CHANNELS (the last bin collects other ranks)
+    E_P2: tl.constexpr,
+    R_P2: tl.constexpr,
+):
+    peer = tl.program_id(0)
+    call = tl.load(state_ptr + NOTIFY_CALLS, volatile=True)
+    set_off = (call % 2) * SET_BYTES
+    channels = tl.arange(0, C_P2)
+    experts = tl.arange(0, E_P2)
+
+    # Send: per-channel token counts and per-expert entry counts for rank `peer`.
+    chunk = tl.cdiv(num_tokens, NUM_CHANNELS)
+    counts = tl.zeros((C_P2,), tl.int32)
+    for first in range(0, num_tokens, BLOCK_N):
+        tokens = first + tl.arange(0, BLOCK_N)
+        column = in_rank_ptr + tokens.to(tl.int64) * NUM_RANKS + peer
+        hit = tl.load(column, mask=tokens < num_tokens, other=0)
+        channel = tl.where(hit != 0, tokens // tl.maximum(chunk, 1), C_P2 - 1)
+        counts += tl.histogram(channel, C_P2)
+    peer_row = tl.load(peer_ptrs + peer) + notify_offset + set_off + rank * ROW * 4
+    peer_row = peer_row.to(tl.pointer_type(tl.int32))
+    tl.store(peer_row + channels, -counts - 1, mask=channels < NUM_CHANNELS)
+    entries = tl.load(per_expert_ptr + peer * E_LOCAL + experts, mask=experts < E_LOCAL)
+    tl.store(peer_row + NUM_CHANNELS + experts, -entries - 1, mask=experts < E_LOCAL)
+
+    # Receive the row of source `peer`: every value is non-zero once it has arrived.
+    my_row = tl.load(peer_ptrs + rank) + notify_offset + set_off + peer * ROW * 4
+    my_row = my_row.to(tl.pointer_type(tl.int32))
+    cmask = channels < NUM_CHANNELS
+    emask = experts < E_LOCAL
+    clock = start_clock(USE_CLOCK)
+    spins = tl.zeros((), tl.int64)
+    got_c = tl.load(my_row + channels, mask=cmask, other=-1, volatile=True)
+    got_e = tl.load(my_row + NUM_CHANNELS + experts, mask=emask, other=-1, volatile=True)
+    arrived = (tl.min(tl.where(got_c != 0, 1, 0), 0) * tl.min(tl.where(got_e != 0, 1, 0), 0)) > 0
+    while (not arrived) & (elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns):
+        spins += 1
+        got_c = tl.load(my_row + channels, mask=cmask, other=-1, volatile=True)
+        got_e = tl.load(my_row + NUM_CHANNELS + experts, mask=emask, other=-1, volatile=True)
+        arrived = (
+            tl.min(tl.where(got_c != 0, 1, 0), 0) * tl.min(tl.where(got_e != 0, 1, 0), 0)
+        ) > 0
+    if not arrived:
+        record_timeout(status_ptr, peer, PHASE_NOTIFY)
+    # A source that never arrived counts as sending nothing; the host raises from the status.
+    got_c = tl.where(arrived, -got_c - 1, 0)
+    got_e = tl.where(arrived, -got_e - 1, 0)
+    tl.store(recv_count_ptr + peer * NUM_CHANNELS + channels, got_c, mask=cmask)
+    tl.store(decoded_ptr + peer * E_LOCAL + experts, got_e, mask=emask)
+    tl.store(my_row + channels, tl.zeros((C_P2,), tl.int32), mask=cmask)
+    tl.store(my_row + NUM_CHANNELS + experts, tl.zeros((E_P2,), tl.int32), mask=emask)
+
+    # The last program lays out the received rows: source rank major, then channel.
+    tl.debug_barrier()
+    done = tl.atomic_add(state_ptr + NOTIFY_ARRIVALS, 1, sem="acq_rel", scope="gpu")
+    if done == NUM_RANKS - 1:
+        ranks = tl.arange(0, R_P2)
+        grid = ranks[:, None] * NUM_CHANNELS + channels[None, :]
+        gmask = (ranks[:, None] < NUM_RANKS) & cmask[None, :]
+        n = tl.load(recv_count_ptr + grid, mask=gmask, other=0, volatile=True)
+        flat = tl.reshape(n, (R_P2 * C_P2,))
+        start = tl.reshape(tl.cumsum(flat, 0) - flat, (R_P2, C_P2))
+        tl.store(recv_start_ptr + grid, start, mask=gmask)
+        total = tl.sum(flat, 0)
+        per_source = tl.load(
+            decoded_ptr + ranks[:, None] * E_LOCAL + experts[None, :],
+            mask=(ranks[:, None] < NUM_RANKS) & emask[None, :],
+            other=0,
+            volatile=True,
+        )
+        per_expert = tl.sum(per_source, 0)
+        per_expert = (per_expert + ALIGN - 1) // ALIGN * ALIGN
+        tl.store(host_info_ptr, total)
+        tl.store(host_info_ptr + 1 + experts, per_expert, mask=emask)
+        if (max_rows > 0) & (total > max_rows):
+            record_timeout(status_ptr, -1, PHASE_NOTIFY, total, STATUS_OVERFLOW)
+        tl.store(state_ptr + NOTIFY_ARRIVALS, 0)
+        tl.store(state_ptr + NOTIFY_CALLS, call + 1)

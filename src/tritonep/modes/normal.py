@@ -1,0 +1,558 @@
+"""Normal (high-throughput) mode within one node: notify, then channel-ring dispatch and combine.
+
+Orchestrates :mod:`tritonep.kernels.normal_notify`, :mod:`~tritonep.kernels.normal_dispatch`
+and :mod:`~tritonep.kernels.normal_combine` over one symmetric heap, which holds per rank:
+
+* notify rows ``[2 sets][R sources][C + E_local]`` int32 (counts as ``-n - 1``);
+* dispatch rings ``[C channels][R sources][ring][slot]`` with tails ``[C][R]`` int64 here
+  and heads ``[C][R]`` int64 on the sender;
+* combine rings ``[C][R expert ranks][ring][slot]`` with their tails and heads.
+
+A dispatch runs notify (one small launch) unless a handle is given (cached mode), then the
+dispatch launch (``C`` senders and ``C`` receivers, ``2 C`` programs: the SM budget). Output
+sizes come two ways:
+
+* exact (``num_worst_tokens=0``): the host reads the received count after notify (one
+  device-to-host copy and wait, the only host synchronization of the mode);
+* worst case (``num_worst_tokens > 0``): outputs have that many rows, the rows past the
+  received ones carry top-k ids ``-1``; no host synchronization, so a CUDA graph can capture
+  dispatch and combine and replay them with new inputs of the same shapes.
+
+Call counters live on the device (graph-safe). Every rank must make the same sequence of
+calls. Under the Triton interpreter (CPU ranks) programs of a launch run one after another, so
+there a channel's tokens must fit one ring (checked before launch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import triton
+
+from ..heap import allocate
+from ..kernels import normal_combine, normal_dispatch, normal_notify
+from ..kernels.layout import dispatch_layout
+from ..kernels.sync import DEFAULT_TIMEOUT_S, check_status, new_status, timeout_ns, use_clock
+from ..validation import (
+    check_dispatch_x,
+    check_num_experts,
+    check_tensor,
+    check_topk_idx,
+    check_topk_weights,
+)
+
+#: Fill outputs with a marker before each call (tests set this so unwritten rows show).
+POISON_OUTPUTS = False
+
+PHASES = {
+    normal_notify.PHASE_NOTIFY.value: "notify",
+    normal_dispatch.PHASE_DISPATCH_SEND.value: "dispatch send",
+    normal_dispatch.PHASE_DISPATCH_RECV.value: "dispatch receive",
+    normal_combine.PHASE_COMBINE_SEND.value: "combine send",
+    normal_combine.PHASE_COMBINE_RECV.value: "combine receive",
+}
+
+#: SM budget of a call by default on GPUs (DeepEP's default is 20-24).
+DEFAULT_NUM_SMS = 24
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class Config:
+    """Per-call tuning, as DeepEP's ``Config``.
+
+    Attributes:
+        num_sms: programs of a dispatch or combine launch, half senders and half receivers;
+            channels = ``num_sms // 2``.
+        nvl_send_chunk: tokens a sender moves per step (rounded to a power of two).
+        nvl_recv_buffer_tokens: slots per ring (at most what the buffer was built with).
+    """
+
+    num_sms: int = DEFAULT_NUM_SMS
+    nvl_send_chunk: int = 8
+    nvl_recv_buffer_tokens: int = 128
+
+    @property
+    def num_channels(self) -> int:
+        return self.num_sms // 2
+
+
+@dataclass(frozen=True)
+class NormalLayout:
+    """Byte offsets of the heap regions and the fixed sizes they were built for."""
+
+    notify: int
+    notify_set: int
+    notify_row: int  # int32 words
+    dispatch_ring: int
+    dispatch_tail: int
+    dispatch_head: int
+    dispatch_slot: int  # bytes
+    combine_ring: int
+    combine_tail: int
+    combine_head: int
+    combine_slot: int
+    ring_tokens: int
+    max_channels: int
+    total: int
+
+    @staticmethod
+    def of(hidden, num_ranks, num_local_experts, max_topk, max_channels, ring_tokens):
+        groups = hidden // 128 if hidden % 128 == 0 else 0
+        record = _align(1 + 2 * max_topk, 4)
+        dispatch_slot = 4 * (_align(hidden // 2 + groups, 4) + record)
+        combine_slot = _align(2 * hidden + 4 * max_topk, 16)
+        notify_row = _align(max_channels + num_local_experts, 4)
+        notify_set = _align(num_ranks * notify_row * 4, 128)
+        flags = _align(max_channels * num_ranks * 8, 128)
+        offset = 0
+
+        def take(nbytes):
+            nonlocal offset
+            at, offset = offset, offset + _align(nbytes, 128)
+            return at
+
+        notify = take(2 * notify_set)
+        rings = max_channels * num_ranks * ring_tokens
+        d_ring, d_tail, d_head = take(rings * dispatch_slot), take(flags), take(flags)
+        c_ring, c_tail, c_head = take(rings * combine_slot), take(flags), take(flags)
+        return NormalLayout(
+            notify, notify_set, notify_row, d_ring, d_tail, d_head, dispatch_slot,
+            c_ring, c_tail, c_head, combine_slot, ring_tokens, max_channels, offset,
+        )  # fmt: skip
+
+
+@dataclass
+class NormalHandle:
+    """What combine (and a cached dispatch) needs from a dispatch.
+
+    Attributes:
+        is_token_in_rank: ``[N, R]`` bool, where this rank's tokens went.
+        recv_count: ``[R, C]`` int32, tokens each (source rank, channel) sent here.
+        recv_start: ``[R, C]`` int32, the first received row of each (source rank, channel).
+        host_info: ``[1 + E_local]`` int32 on the device: rows received, then tokens per local
+            expert (aligned).
+        recv_src_idx: ``[M]`` int32, each received row's token index on its source rank
+            (``-1`` in padding rows).
+        num_recv_tokens: rows received (exact mode), or ``-1`` (worst-case mode: read
+            ``host_info[0]`` on the device).
+        num_rows: rows of the outputs (``M``).
+        num_tokens: ``N``, this rank's tokens.
+        hidden: hidden size.
+        num_experts: experts in total.
+        config: the call's :class:`Config` (combine uses the same channels).
+    """
+
+    is_token_in_rank: torch.Tensor
+    recv_count: torch.Tensor
+    recv_start: torch.Tensor
+    host_info: torch.Tensor
+    recv_src_idx: torch.Tensor
+    num_recv_tokens: int
+    num_rows: int
+    num_tokens: int
+    hidden: int
+    num_experts: int
+    config: Config
+
+
+@dataclass
+class NormalDispatchOutput:
+    """What :meth:`NormalMode.dispatch` returns (DeepEP's tuple, less the event).
+
+    Attributes:
+        recv_x: ``[M, H]`` BF16, or ``(e4m3 [M, H], float32 scales [M, G])``.
+        recv_topk_idx: ``[M, K]`` int64 local expert ids (``-1`` elsewhere and in padding
+            rows), or None in cached mode.
+        recv_topk_weights: ``[M, K]`` float32 (0 where the id is ``-1``), or None.
+        num_recv_tokens_per_expert: tokens per local expert rounded up to the alignment: a
+            list of int in exact mode, an ``[E_local]`` int32 device tensor in worst-case
+            mode (no host read), None in cached mode.
+        handle: for :meth:`NormalMode.combine` and cached dispatches.
+    """
+
+    recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    recv_topk_idx: torch.Tensor | None
+    recv_topk_weights: torch.Tensor | None
+    num_recv_tokens_per_expert: list[int] | torch.Tensor | None
+    handle: NormalHandle
+
+
+class NormalMode:
+    """Normal-mode dispatch and combine for one expert-parallel group within a node.
+
+    Args:
+        group: the process group (default: the world); every rank constructs it together.
+        hidden: hidden size; a multiple of 8 (BF16), and of 128 for FP8 inputs.
+        num_experts: experts in total, a multiple of the number of ranks.
+        max_topk: largest top-k a call may use.
+        device: a CUDA device, or ``"cpu"`` for CPU ranks (kernels under the interpreter).
+        max_sms: the largest SM budget a call may use (sizes the rings).
+        ring_tokens: slots per ring (the largest ``Config.nvl_recv_buffer_tokens``).
+        timeout_s: limit of every wait inside the kernels (idle time, for the rings).
+        check_ids: read the top-k ids on the host and reject ids outside ``[-1, E)``.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        hidden: int = 7168,
+        num_experts: int = 256,
+        max_topk: int = 16,
+        device: torch.device | str | None = None,
+        max_sms: int | None = None,
+        ring_tokens: int | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        check_ids: bool = True,
+    ):
+        self.group = group or dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.num_ranks = dist.get_world_size(self.group)
+        self.num_local_experts = check_num_experts(num_experts, self.num_ranks)
+        if hidden <= 0 or hidden % 8 != 0:
+            raise ValueError(f"hidden: expected a positive multiple of 8, got {hidden}")
+        if not 1 <= max_topk <= 64:
+            raise ValueError(f"max_topk: expected 1 to 64, got {max_topk}")
+        self.hidden, self.num_experts, self.max_topk = hidden, num_experts, max_topk
+        self.timeout_s, self.check_ids = timeout_s, check_ids
+        if device is None:
+            on_gpu = dist.get_backend(self.group) == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu"
+        device = torch.device(device)
+        on_gpu = device.type == "cuda"
+        if max_sms is None:
+            max_sms = 32 if on_gpu else 4
+        if ring_tokens is None:
+            ring_tokens = 128 if on_gpu else 64
+        if max_sms < 2 or ring_tokens < 1:
+            raise ValueError(f"max_sms, ring_tokens: expected >= 2 and >= 1, got {max_sms}, "
+                             f"{ring_tokens}")  # fmt: skip
+        self.default_config = Config(
+            num_sms=min(DEFAULT_NUM_SMS, max_sms) if on_gpu else max_sms,
+            nvl_recv_buffer_tokens=ring_tokens,
+        )
+        self.layout = NormalLayout.of(
+            hidden, self.num_ranks, self.num_local_experts, max_topk, max_sms // 2, ring_tokens
+        )
+        self.heap = allocate(self.layout.total, self.group, device)
+        self.device = self.heap.device
+        self.state = torch.zeros(8, dtype=torch.int64, device=self.device)
+        self.status = new_status(self.device)
+        self._timeout_ns = timeout_ns(timeout_s)
+        self._decoded = torch.empty(
+            self.num_ranks, self.num_local_experts, dtype=torch.int32, device=self.device
+        )
+        self._layout_arrivals = torch.zeros(1, dtype=torch.int32, device=self.device)
+
+    # ---------------------------------------------------------------------------- helpers
+    def _empty(self, shape, dtype):
+        t = torch.empty(shape, dtype=dtype, device=self.device)
+        if POISON_OUTPUTS:
+            t.view(torch.uint8).fill_(0xFF)  # NaN for floats, -1 for integers
+        return t
+
+    def _config(self, config: Config | None) -> Config:
+        config = config or self.default_config
+        channels = config.num_channels
+        if not 1 <= channels <= self.layout.max_channels:
+            raise ValueError(
+                f"config: num_sms must lie in [2, {2 * self.layout.max_channels}] for this "
+                f"buffer, got {config.num_sms}"
+            )
+        if not 1 <= config.nvl_recv_buffer_tokens <= self.layout.ring_tokens:
+            raise ValueError(
+                f"config: nvl_recv_buffer_tokens must lie in [1, {self.layout.ring_tokens}], "
+                f"got {config.nvl_recv_buffer_tokens}"
+            )
+        if self.device.type == "cuda":
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            if 2 * channels > sms:
+                raise ValueError(f"config: num_sms={config.num_sms} exceeds the {sms} SMs")
+        return config
+
+    def _check_fits_interpreter(self, num_tokens: int, config: Config, what: str) -> None:
+        if self.device.type != "cuda":
+            per_channel = triton.cdiv(num_tokens, config.num_channels)
+            if per_channel > config.nvl_recv_buffer_tokens:
+                raise ValueError(
+                    f"{what}: {num_tokens} tokens over {config.num_channels} channels exceed "
+                    f"the ring of {config.nvl_recv_buffer_tokens} slots; on CPU ranks a "
+                    "channel must fit its ring (the interpreter runs programs one by one)"
+                )
+
+    def _launch(self, kernel, num_programs, args, meta):
+        if self.device.type == "cuda":
+            meta = dict(meta, launch_cooperative_grid=True)
+        kernel[(num_programs,)](*args, **meta)
+
+    def check(self) -> None:
+        """Wait for the device; raise if a kernel wait timed out or worst-case rows overflowed."""
+        check_status(self.status.tolist(), self.rank, PHASES, self.timeout_s, "channel {}")
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor):
+        """``(num_tokens_per_rank [R], num_tokens_per_expert [E], is_token_in_rank [N, R])``."""
+        check_topk_idx("topk_idx", topk_idx, None, self.num_experts, self.device, self.check_ids)
+        return dispatch_layout(topk_idx, self.num_experts, self.num_ranks, self._layout_arrivals)
+
+    # --------------------------------------------------------------------------- dispatch
+    def dispatch(
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        num_tokens_per_expert: torch.Tensor | None = None,
+        is_token_in_rank: torch.Tensor | None = None,
+        handle: NormalHandle | None = None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Config | None = None,
+    ) -> NormalDispatchOutput:
+        """Send each token once to every rank that holds one of its experts.
+
+        Args:
+            x: ``[N, H]`` BF16, or ``(e4m3 [N, H], float32 scales [N, H / 128])``.
+            topk_idx: ``[N, K]`` int64 global expert ids, ``-1`` for none (not needed with
+                ``handle``).
+            topk_weights: ``[N, K]`` float32, or None.
+            num_tokens_per_expert: ``[E]`` int32 from :meth:`get_dispatch_layout` (computed
+                here when None).
+            is_token_in_rank: ``[N, R]`` bool from :meth:`get_dispatch_layout` (likewise).
+            handle: a handle of an earlier dispatch with the same routing: cached mode, only
+                ``x`` moves (no notify, no host synchronization).
+            expert_alignment: round the per-expert counts up to a multiple of this.
+            num_worst_tokens: if > 0, size the outputs to this many rows and skip the host
+                synchronization (rows past the received ones get top-k ids ``-1``).
+            config: SM budget and ring use of this call (default: :attr:`default_config`).
+        Returns:
+            a :class:`NormalDispatchOutput`.
+        """
+        payload = check_dispatch_x("x", x)
+        num_tokens, hidden = payload.shape
+        if hidden != self.hidden:
+            raise ValueError(f"x: expected hidden size {self.hidden}, got {hidden}")
+        if payload.device != self.device:
+            raise ValueError(f"x: expected a tensor on {self.device}, got {payload.device}")
+        use_fp8 = isinstance(x, tuple)
+        if not isinstance(expert_alignment, int) or expert_alignment < 1:
+            raise ValueError(f"expert_alignment: expected a positive int, got {expert_alignment}")
+        if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
+            raise ValueError(f"num_worst_tokens: expected an int >= 0, got {num_worst_tokens}")
+        R, E_local = self.num_ranks, self.num_local_experts
+        cached = handle is not None
+        if cached:
+            if not isinstance(handle, NormalHandle):
+                raise TypeError(f"handle: expected a NormalHandle, got {type(handle).__name__}")
+            if handle.num_tokens != num_tokens:
+                raise ValueError(
+                    f"x: the handle is for {handle.num_tokens} tokens, got {num_tokens}"
+                )
+            config = handle.config
+            in_rank = handle.is_token_in_rank
+            topk = 1
+        else:
+            config = self._config(config)
+            topk_idx = check_topk_idx(
+                "topk_idx", topk_idx, num_tokens, self.num_experts, self.device, self.check_ids
+            )
+            topk = topk_idx.shape[1]
+            if topk > self.max_topk:
+                raise ValueError(f"topk_idx: top-k {topk} exceeds max_topk={self.max_topk}")
+            if topk_weights is not None:
+                check_topk_weights("topk_weights", topk_weights, topk_idx)
+            if (num_tokens_per_expert is None) != (is_token_in_rank is None):
+                raise ValueError(
+                    "num_tokens_per_expert, is_token_in_rank: give both (from "
+                    "get_dispatch_layout) or neither"
+                )
+            if is_token_in_rank is None:
+                _, num_tokens_per_expert, is_token_in_rank = dispatch_layout(
+                    topk_idx, self.num_experts, R, self._layout_arrivals
+                )
+            check_tensor(
+                "is_token_in_rank", is_token_in_rank, dtype=torch.bool,
+                shape=(num_tokens, R), device=self.device,
+            )  # fmt: skip
+            check_tensor(
+                "num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32,
+                shape=(self.num_experts,), device=self.device,
+            )  # fmt: skip
+            in_rank = is_token_in_rank
+        self._check_fits_interpreter(num_tokens, config, "x")
+        C = config.num_channels
+
+        # Notify: per-(source, channel) counts, output rows and per-expert counts.
+        if cached:
+            recv_count, recv_start = handle.recv_count, handle.recv_start
+            host_info = handle.host_info
+            num_recv = handle.num_recv_tokens
+            rows = handle.num_rows
+            per_expert = None
+        else:
+            recv_count = torch.empty(R, C, dtype=torch.int32, device=self.device)
+            recv_start = torch.empty(R, C, dtype=torch.int32, device=self.device)
+            host_info = torch.empty(1 + E_local, dtype=torch.int32, device=self.device)
+            self._launch(
+                normal_notify.notify_kernel,
+                R,
+                (
+                    in_rank.view(torch.int8), num_tokens, num_tokens_per_expert,
+                    self.heap.peer_ptrs, self.rank, self.layout.notify, self.state,
+                    self._decoded, recv_count, recv_start, host_info, num_worst_tokens,
+                    self.status, self._timeout_ns,
+                ),
+                dict(
+                    NUM_RANKS=R, NUM_CHANNELS=C, E_LOCAL=E_local, ALIGN=expert_alignment,
+                    ROW=self.layout.notify_row, SET_BYTES=self.layout.notify_set,
+                    USE_CLOCK=use_clock(self.device), BLOCK_N=256,
+                    C_P2=_next_pow2(C + 1), E_P2=_next_pow2(max(E_local, 2)),
+                    R_P2=_next_pow2(max(R, 2)),
+                ),
+            )  # fmt: skip
+            if num_worst_tokens:
+                num_recv, rows = -1, num_worst_tokens
+                per_expert = host_info[1:]
+            else:
+                # The one host synchronization of exact mode: the received count.
+                info = torch.cat([host_info, self.status]).tolist()
+                check_status(info[-4:], self.rank, PHASES, self.timeout_s, "channel {}")
+                num_recv = rows = info[0]
+                per_expert = info[1 : 1 + E_local]
+
+        # Outputs.
+        W = hidden // 4 if use_fp8 else hidden // 2
+        G = hidden // 128 if use_fp8 else 0
+        if use_fp8:
+            recv_x = (
+                self._empty((rows, hidden), torch.float8_e4m3fn),
+                self._empty((rows, G), torch.float32),
+            )
+            x_words, scale_words = x[0].view(torch.int32), x[1].view(torch.int32)
+            out_words, out_scales = recv_x[0].view(torch.int32), recv_x[1].view(torch.int32)
+        else:
+            recv_x = self._empty((rows, hidden), torch.bfloat16)
+            x_words, out_words = x.view(torch.int32), recv_x.view(torch.int32)
+            scale_words = out_scales = out_words
+        has_topk = not cached
+        has_weights = has_topk and topk_weights is not None
+        recv_topk_idx = self._empty((rows, topk), torch.int64) if has_topk else None
+        recv_weights = self._empty((rows, topk), torch.float32) if has_weights else None
+        recv_src_idx = self._empty((rows,), torch.int32)
+        dummy = out_words
+        ring = config.nvl_recv_buffer_tokens
+        tok = _next_pow2(max(1, min(config.nvl_send_chunk, 32)))
+        self._launch(
+            normal_dispatch.normal_dispatch_kernel,
+            2 * C,
+            (
+                x_words, scale_words, topk_idx if has_topk else dummy,
+                topk_weights if has_weights else dummy, in_rank.view(torch.int8), num_tokens,
+                self.heap.peer_ptrs, self.rank, self.layout.dispatch_ring,
+                self.layout.dispatch_tail, self.layout.dispatch_head, self.state, recv_count,
+                recv_start, host_info, out_words, out_scales,
+                recv_topk_idx if has_topk else dummy, recv_weights if has_weights else dummy,
+                recv_src_idx, rows, self.status, self._timeout_ns,
+            ),
+            dict(
+                W=W, G=G, K=topk, E_LOCAL=E_local, NUM_RANKS=R, NUM_CHANNELS=C, RING=ring,
+                RING_STRIDE=self.layout.ring_tokens, SLOT_BYTES=self.layout.dispatch_slot,
+                META_OFF=_align(W + G, 4), HAS_SCALES=use_fp8, HAS_TOPK=has_topk,
+                HAS_WEIGHTS=has_weights, PAD_ROWS=num_recv < 0, USE_CLOCK=use_clock(self.device),
+                TOK=tok, ROWS=max(1, 16 // _next_pow2(R)), BW=min(1024, _next_pow2(W)),
+                R_P2=_next_pow2(max(R, 2)), K_P2=_next_pow2(max(topk, 2)),
+                G_P2=_next_pow2(max(G, 2)),
+                num_warps=8,
+            ),
+        )  # fmt: skip
+        new_handle = NormalHandle(
+            in_rank, recv_count, recv_start, host_info, recv_src_idx, num_recv, rows,
+            num_tokens, hidden, self.num_experts, config,
+        )  # fmt: skip
+        return NormalDispatchOutput(recv_x, recv_topk_idx, recv_weights, per_expert, new_handle)
+
+    # ---------------------------------------------------------------------------- combine
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: NormalHandle,
+        topk_weights: torch.Tensor | None = None,
+        bias: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hand every received row back and sum, per source token, the rows of all ranks.
+
+        Args:
+            x: ``[M, H]`` BF16, one row per row of the dispatch outputs (each rank has already
+                reduced its own experts' outputs for the token into it).
+            handle: from :meth:`dispatch`.
+            topk_weights: ``[M, K]`` float32 summed along with the rows, or None.
+            bias: ``[N, H]`` BF16, or a tuple of up to two, added to the sum.
+        Returns:
+            ``(combined_x [N, H] BF16, combined_topk_weights [N, K] float32 or None)``.
+        """
+        if not isinstance(handle, NormalHandle):
+            raise TypeError(f"handle: expected a NormalHandle, got {type(handle).__name__}")
+        H, N, M = handle.hidden, handle.num_tokens, handle.num_rows
+        check_tensor("x", x, dtype=torch.bfloat16, shape=(M, H), device=self.device)
+        K = 1
+        if topk_weights is not None:
+            check_tensor(
+                "topk_weights", topk_weights, dtype=torch.float32, shape=(M, None),
+                device=self.device,
+            )  # fmt: skip
+            K = topk_weights.shape[1]
+            if not 1 <= K <= self.max_topk:
+                raise ValueError(f"topk_weights: top-k {K} outside [1, {self.max_topk}]")
+        terms = () if bias is None else bias if isinstance(bias, tuple) else (bias,)
+        if len(terms) > 2:
+            raise ValueError(f"bias: at most two tensors, got {len(terms)}")
+        for i, term in enumerate(terms):
+            check_tensor(
+                f"bias[{i}]" if isinstance(bias, tuple) else "bias", term, dtype=torch.bfloat16,
+                shape=(N, H), device=self.device,
+            )  # fmt: skip
+        config = handle.config
+        self._check_fits_interpreter(N, config, "handle")
+        C, R = config.num_channels, self.num_ranks
+        out = self._empty((N, H), torch.bfloat16)
+        out_weights = self._empty((N, K), torch.float32) if topk_weights is not None else None
+        dummy = out
+        self._launch(
+            normal_combine.normal_combine_kernel,
+            2 * C,
+            (
+                x, topk_weights if topk_weights is not None else dummy,
+                handle.is_token_in_rank.view(torch.int8), N,
+                terms[0] if len(terms) > 0 else dummy, terms[1] if len(terms) > 1 else dummy,
+                handle.recv_count, handle.recv_start, self.heap.peer_ptrs, self.rank,
+                self.layout.combine_ring, self.layout.combine_tail, self.layout.combine_head,
+                self.state, out, out_weights if out_weights is not None else dummy,
+                self.status, self._timeout_ns,
+            ),
+            dict(
+                H=H, K=K, NUM_RANKS=R, NUM_CHANNELS=C, RING=config.nvl_recv_buffer_tokens,
+                RING_STRIDE=self.layout.ring_tokens, SLOT_BYTES=self.layout.combine_slot,
+                HAS_WEIGHTS=topk_weights is not None, NUM_BIAS=len(terms),
+                USE_CLOCK=use_clock(self.device),
+                TOK=_next_pow2(max(1, min(config.nvl_send_chunk, 32))),
+                ROWS=max(1, 16 // _next_pow2(R)), BW=min(512, _next_pow2(H // 2)),
+                R_P2=_next_pow2(max(R, 2)), K_P2=_next_pow2(max(K, 2)), num_warps=8,
+                # Sums round as in the reference (no fused multiply-add).
+                enable_fp_fusion=False,
+            ),
+        )  # fmt: skip
+        return out, out_weights
+
+    def destroy(self) -> None:
+        """Release the heap (collective); raises if a wait had timed out."""
+        try:
+            self.check()
+        finally:
+            self.heap.close()

@@ -1,0 +1,222 @@
+"""Normal mode against the reference, on CPU ranks (interpreter) and on GPUs.
+
+Every call poisons its outputs first and uses fresh random inputs whose rows carry their source
+rank and token index. Dispatch must give, bit for bit, the reference's received rows (BF16
+payload, or FP8 bytes and scales), local top-k ids, weights, source indices and per-expert
+counts; combine must give the reference's float32 sums, rounded to BF16, bit for bit (the
+kernel adds the ranks' rows in the same order). Worst-case outputs must pad with ids ``-1``;
+cached dispatches must move new payloads along the old routing.
+"""
+
+import pytest
+import torch
+
+from tests.conftest import gpu_ranks
+from tritonep import reference as ref
+from tritonep.modes import normal as nm
+from tritonep.testing import make_case, tag_rows
+
+nm.POISON_OUTPUTS = True
+
+
+def _payload(case, use_fp8):
+    """Per-rank dispatch inputs on the CPU: BF16 rows, or their FP8 quantization."""
+    if not use_fp8:
+        return list(case.x)
+    return [ref.quantize_fp8(x) for x in case.x]
+
+
+def _to(x, device):
+    return tuple(t.to(device) for t in x) if isinstance(x, tuple) else x.to(device)
+
+
+def _expert_rows(recv_x, rank):
+    """A known function of the received rows, as each rank's experts would hand back."""
+    rows = ref.dequantize_fp8(*recv_x) if isinstance(recv_x, tuple) else recv_x.float()
+    return (rows * ((rank + 1) / 8)).to(torch.bfloat16)
+
+
+def _check_dispatch(me, out, want, use_fp8, worst, alignment):
+    n = want.num_recv_tokens
+    got_x = out.recv_x
+    if use_fp8:
+        ref.assert_bitwise_equal(got_x[0][:n].cpu(), want.recv_x[0], f"rank {me} recv_x")
+        ref.assert_bitwise_equal(got_x[1][:n].cpu(), want.recv_x[1], f"rank {me} recv_x scales")
+    else:
+        ref.assert_bitwise_equal(got_x[:n].cpu(), want.recv_x, f"rank {me} recv_x")
+    ref.assert_bitwise_equal(out.recv_topk_idx[:n].cpu(), want.recv_topk_idx, "recv_topk_idx")
+    ref.assert_bitwise_equal(
+        out.recv_topk_weights[:n].cpu(), want.recv_topk_weights, "recv_topk_weights"
+    )
+    src = out.handle.recv_src_idx[:n].cpu().long()
+    ref.assert_bitwise_equal(src, want.recv_src_idx, f"rank {me} recv_src_idx")
+    per_expert = out.num_recv_tokens_per_expert
+    if worst:
+        assert out.recv_topk_idx.shape[0] == worst
+        assert bool((out.recv_topk_idx[n:] == -1).all()), "padding rows must carry id -1"
+        assert bool((out.recv_topk_weights[n:] == 0).all())
+        assert int(out.handle.host_info[0]) == n
+        per_expert = per_expert.cpu().tolist()
+    else:
+        assert out.recv_topk_idx.shape[0] == n and out.handle.num_recv_tokens == n
+    assert per_expert == want.num_recv_tokens_per_expert, (per_expert, alignment)
+
+
+def _verify(ctx, case, xs, out, combined, combined_w, experts, alignment, worst, bias):
+    """Check one dispatch and its combine of this rank against the reference, bit for bit."""
+    me = ctx.rank
+    use_fp8 = isinstance(xs[0], tuple)
+    wants = ref.normal_dispatch(xs, case.topk_idx, case.topk_weights, experts, alignment)
+    _check_dispatch(me, out, wants[me], use_fp8, worst, alignment)
+    ys = [_expert_rows(w.recv_x, d) for d, w in enumerate(wants)]
+    expected, expected_w = ref.normal_combine(
+        ys, wants, [x.shape[0] for x in case.x], [w.recv_topk_weights for w in wants],
+        [(x * 0.5).to(torch.bfloat16) for x in case.x] if bias else None,
+    )[me]  # fmt: skip
+    ref.assert_bitwise_equal(combined.cpu(), expected, f"rank {me} combined")
+    if combined_w is not None:
+        ref.assert_bitwise_equal(combined_w.cpu(), expected_w, f"rank {me} combined weights")
+    return wants
+
+
+def _combine_input(out, rank):
+    """The experts' rows for the received rows (rows past the received ones: anything)."""
+    y = _expert_rows(out.recv_x, rank)
+    return torch.where(torch.isnan(y), 0, y)  # poisoned padding rows
+
+
+def _normal_body(ctx, calls, tokens, hidden, experts, topk, routing, use_fp8, worst, config):
+    R, me = ctx.world_size, ctx.rank
+    experts *= R
+    mode = nm.NormalMode(
+        None, hidden, experts, max_topk=max(topk, 2), device=ctx.device, timeout_s=60
+    )
+    alignment = 4
+    for call in range(calls):  # calls use fresh inputs; flags are tagged by call
+        case = tag_rows(make_case(100 * call + 11, tokens[:R], hidden, experts, topk, routing))
+        xs = _payload(case, use_fp8)
+        idx = case.topk_idx[me].to(ctx.device)
+        weights = case.topk_weights[me].to(ctx.device)
+        _, per_expert, in_rank = mode.get_dispatch_layout(idx)
+        out = mode.dispatch(
+            _to(xs[me], ctx.device), idx, weights, per_expert, in_rank, None, alignment,
+            worst, config,
+        )  # fmt: skip
+        # Combine: every rank hands back a known function of what it received.
+        bias = (case.x[me] * 0.5).to(torch.bfloat16).to(ctx.device)
+        y = _combine_input(out, me)
+        combined, combined_w = mode.combine(y, out.handle, out.recv_topk_weights, bias)
+        _verify(ctx, case, xs, out, combined, combined_w, experts, alignment, worst, True)
+
+        # Cached: new payloads along the same routing, no notify.
+        new = tag_rows(make_case(100 * call + 12, tokens[:R], hidden, experts, topk, routing))
+        new_xs = _payload(new, use_fp8)
+        again = mode.dispatch(_to(new_xs[me], ctx.device), handle=out.handle)
+        assert again.recv_topk_idx is None and again.num_recv_tokens_per_expert is None
+        want = ref.normal_dispatch(new_xs, case.topk_idx, None, experts)[me]
+        n = want.num_recv_tokens
+        if use_fp8:
+            ref.assert_bitwise_equal(again.recv_x[0][:n].cpu(), want.recv_x[0], "cached x")
+            ref.assert_bitwise_equal(again.recv_x[1][:n].cpu(), want.recv_x[1], "cached scales")
+        else:
+            ref.assert_bitwise_equal(again.recv_x[:n].cpu(), want.recv_x, "cached x")
+    mode.check()
+    mode.destroy()
+    return True
+
+
+CASES = {
+    # name: (tokens per rank, hidden, experts per rank, topk, routing, fp8, worst rows)
+    "bf16-random": ([13, 0, 9, 5], 256, 3, 3, "random", False, 0),
+    "fp8-dropped": ([7, 11, 3, 0], 384, 2, 4, "dropped", True, 0),
+    "bf16-skewed-worst": ([8, 8, 8, 8], 128, 2, 2, "skewed", False, 40),
+    "bf16-h2880-topk1": ([6, 3, 5, 2], 2880, 2, 1, "random", False, 0),
+    "fp8-topk8-worst": ([10, 4, 7, 9], 128, 4, 8, "random", True, 48),
+    "empty": ([4, 0, 3, 2], 128, 2, 2, "empty", False, 0),
+}
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3])
+@pytest.mark.parametrize("name", list(CASES))
+def test_normal_matches_reference(run_ranks, num_ranks, name):
+    tokens, hidden, experts, topk, routing, fp8, worst = CASES[name]
+    results = run_ranks(
+        num_ranks, _normal_body, 2, tokens, hidden, experts, topk, routing, fp8, worst, None
+    )
+    assert results == [True] * num_ranks
+
+
+GPU_CASES = {
+    # name: (tokens per rank, hidden, experts per rank at 4 ranks, topk, routing, fp8, worst,
+    #        (num_sms, ring slots) or None)
+    "bf16-4096-h7168-top8": ([4096] * 4, 7168, 64, 8, "random", False, 0, None),
+    "fp8-4096-h7168-top8": ([4096] * 4, 7168, 64, 8, "random", True, 0, None),
+    "bf16-uneven-h4096-skewed": ([1, 0, 8192, 300], 4096, 16, 4, "skewed", False, 0, None),
+    "bf16-h2880-top1-worst": ([2000, 513, 0, 77], 2880, 8, 1, "dropped", False, 9000, None),
+    "fp8-h2048-small-rings": ([3000, 2500, 10, 0], 2048, 8, 8, "random", True, 0, (4, 8)),
+    "bf16-h2048-empty": ([500, 20, 0, 7], 2048, 8, 4, "empty", False, 0, None),
+}
+
+
+@pytest.mark.gpu(n=2)
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_normal_on_gpus(run_ranks, name):
+    tokens, hidden, experts, topk, routing, fp8, worst, cfg = GPU_CASES[name]
+    R = gpu_ranks()
+    experts = experts * 4 // R
+    config = nm.Config(num_sms=cfg[0], nvl_recv_buffer_tokens=cfg[1]) if cfg else None
+    results = run_ranks(
+        R, _normal_body, 2, tokens, hidden, experts, topk, routing, fp8, worst, config,
+        timeout=240,
+    )  # fmt: skip
+    assert results == [True] * R
+
+
+def _graph_body(ctx, replays):
+    """Worst-case dispatch -> experts -> combine captured in one CUDA graph, replayed with new
+    inputs of the same shapes; every replay is checked against the reference."""
+    R, me = ctx.world_size, ctx.rank
+    N, H, E, K = 256, 1024, 8 * R, 4
+    worst = N * R
+    mode = nm.NormalMode(None, H, E, max_topk=K, device=ctx.device, timeout_s=60)
+    x = torch.empty(N, H, dtype=torch.bfloat16, device=ctx.device)
+    idx = torch.empty(N, K, dtype=torch.int64, device=ctx.device)
+    w = torch.empty(N, K, dtype=torch.float32, device=ctx.device)
+
+    def load(seed):
+        case = tag_rows(make_case(seed, [N] * R, H, E, K, "dropped"))
+        x.copy_(case.x[me])
+        idx.copy_(case.topk_idx[me])
+        w.copy_(case.topk_weights[me])
+        return case
+
+    def step():
+        _, per_expert, in_rank = mode.get_dispatch_layout(idx)
+        out = mode.dispatch(x, idx, w, per_expert, in_rank, None, 1, worst)
+        y = _combine_input(out, me)
+        combined, combined_w = mode.combine(y, out.handle, out.recv_topk_weights)
+        return out, combined, combined_w
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        load(0)
+        step()  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out, combined, combined_w = step()
+    torch.cuda.synchronize()
+    for replay in range(replays):
+        case = load(1 + replay)
+        graph.replay()
+        torch.cuda.synchronize()
+        mode.check()
+        _verify(ctx, case, list(case.x), out, combined, combined_w, E, 1, worst, False)
+    mode.destroy()
+    return replays
+
+
+@pytest.mark.gpu(n=2)
+def test_worst_case_cuda_graph_replayed_50_times_with_new_inputs(run_ranks):
+    assert run_ranks(gpu_ranks(), _graph_body, 50, timeout=240) == [50] * gpu_ranks()
