@@ -158,6 +158,57 @@ KERNELS.append(
     )
 )
 
+FLAGS = {"peer_ptrs": "*i64", "rank": "i32", "ring_offset": "i64", "tail_offset": "i64",
+         "head_offset": "i64", "state_ptr": "*i64"}  # fmt: skip
+NORMAL_DISPATCH = {
+    "x_ptr": "*i32", "scales_ptr": "*i32", "topk_idx_ptr": "*i64", "topk_weights_ptr": "*fp32",
+    "in_rank_ptr": "*i8", "num_tokens": "i32", **FLAGS, "recv_count_ptr": "*i32",
+    "recv_start_ptr": "*i32", "host_info_ptr": "*i32", "out_x_ptr": "*i32",
+    "out_scales_ptr": "*i32", "out_topk_idx_ptr": "*i64", "out_weights_ptr": "*fp32",
+    "out_src_ptr": "*i32", "max_rows": "i32", "status_ptr": "*i32", "timeout_ns": "i64",
+}  # fmt: skip
+NORMAL_DISPATCH_META = dict(
+    W=1792, G=56, K=8, E_LOCAL=64, NUM_RANKS=4, NUM_CHANNELS=12, RING=128, RING_STRIDE=128,
+    SLOT_BYTES=14480, META_OFF=1848, HAS_SCALES=True, HAS_TOPK=True, HAS_WEIGHTS=True,
+    PAD_ROWS=True, USE_CLOCK=True, TOK=8, ROWS=4, BW=1024, R_P2=4, K_P2=8, G_P2=64,
+)  # fmt: skip
+NORMAL_COMBINE = {
+    "x_ptr": "*bf16", "weights_ptr": "*fp32", "in_rank_ptr": "*i8", "num_tokens": "i32",
+    "bias0_ptr": "*bf16", "bias1_ptr": "*bf16", "recv_count_ptr": "*i32",
+    "recv_start_ptr": "*i32", **FLAGS, "out_ptr": "*bf16", "out_weights_ptr": "*fp32",
+    "status_ptr": "*i32", "timeout_ns": "i64",
+}  # fmt: skip
+NORMAL_COMBINE_META = dict(
+    H=7168, K=8, NUM_RANKS=4, NUM_CHANNELS=12, RING=128, RING_STRIDE=128, SLOT_BYTES=14368,
+    HAS_WEIGHTS=True, NUM_BIAS=2, USE_CLOCK=True, TOK=8, ROWS=4, BW=512, R_P2=4, K_P2=8,
+)  # fmt: skip
+NOTIFY = {
+    "in_rank_ptr": "*i8", "num_tokens": "i32", "per_expert_ptr": "*i32", "peer_ptrs": "*i64",
+    "rank": "i32", "notify_offset": "i64", "state_ptr": "*i64", "decoded_ptr": "*i32",
+    "recv_count_ptr": "*i32", "recv_start_ptr": "*i32", "host_info_ptr": "*i32",
+    "max_rows": "i32", "status_ptr": "*i32", "timeout_ns": "i64",
+}  # fmt: skip
+NOTIFY_META = dict(
+    NUM_RANKS=4, NUM_CHANNELS=12, E_LOCAL=64, ALIGN=128, ROW=76, SET_BYTES=1280,
+    USE_CLOCK=True, BLOCK_N=256, C_P2=16, E_P2=64, R_P2=4,
+)  # fmt: skip
+for module, name, sig, meta, options in [
+    ("normal_notify", "notify_kernel", NOTIFY, NOTIFY_META, {}),
+    ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH, NORMAL_DISPATCH_META,
+     {"num_warps": 8}),
+    ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE, NORMAL_COMBINE_META,
+     {"num_warps": 8, "enable_fp_fusion": False}),
+]:  # fmt: skip
+    KERNELS.append(
+        (
+            f"tritonep.kernels.{module}",
+            name,
+            {**sig, **{k: "constexpr" for k in meta}},
+            meta,
+            options,
+        )
+    )
+
 COMPILE = """
 import importlib, json, sys
 import triton
@@ -214,3 +265,21 @@ def test_flags_use_system_scope_release_and_acquire():
     ptx = compile_ptx(*KERNELS[1])
     assert "ld.global.sys.acquire.b32" in ptx  # atomic_add(p, 0, acquire) becomes an acquire load
     assert "%globaltimer" in ptx
+
+
+def _kernel(name):
+    return next(k for k in KERNELS if k[1] == name)
+
+
+def test_normal_mode_moves_16_byte_vectors_and_flags_at_system_scope():
+    dispatch = compile_ptx(*_kernel("normal_dispatch_kernel"))
+    combine = compile_ptx(*_kernel("normal_combine_kernel"))
+    for ptx in (dispatch, combine):
+        assert "st.global.v4.b32" in ptx  # payload stores into peer rings, 16 bytes each
+        assert "ld.global.cg.v4.b32" in ptx  # ring reads bypass L1 (peers wrote them)
+        assert "atom.global.sys.release.exch.b64" in ptx  # tails and heads
+        assert "atom.global.sys.acquire.add.u64" in ptx
+        assert "%globaltimer" in ptx  # every wait is bounded
+    assert "fma.rn.f32" not in combine  # sums round as in the reference
+    notify = compile_ptx(*_kernel("notify_kernel"))
+    assert "ld.volatile.global" in notify  # polls counts that peers store as -n - 1

@@ -23,13 +23,14 @@ CASES = [
 def test_layout_kernel_matches_reference(case):
     tokens, experts, ranks, topk, routing, programs = case
     gen = torch.Generator().manual_seed(tokens * 31 + experts)
-    idx = route(gen, tokens, experts, topk, routing)
-    arrivals = torch.zeros(1, dtype=torch.int32)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    idx = route(gen, tokens, experts, topk, routing).to(device)
+    arrivals = torch.zeros(1, dtype=torch.int32, device=device)
     for _ in range(2):  # the arrival counter is left at zero for the next call
         poisoned = (
-            torch.full((ranks,), -7, dtype=torch.int32),
-            torch.full((experts,), -7, dtype=torch.int32),
-            torch.ones(tokens, ranks, dtype=torch.bool),
+            torch.full((ranks,), -7, dtype=torch.int32, device=device),
+            torch.full((experts,), -7, dtype=torch.int32, device=device),
+            torch.ones(tokens, ranks, dtype=torch.bool, device=device),
         )
         poisoned[2].view(torch.uint8).fill_(0xFF)  # neither False nor a clean True
         per_rank, per_expert, in_rank = dispatch_layout(

@@ -13,6 +13,7 @@ import torch
 
 from tests.conftest import gpu_ranks
 from tritonep import reference as ref
+from tritonep.errors import WaitTimeoutError
 from tritonep.modes import normal as nm
 from tritonep.testing import make_case, tag_rows
 
@@ -220,3 +221,80 @@ def _graph_body(ctx, replays):
 @pytest.mark.gpu(n=2)
 def test_worst_case_cuda_graph_replayed_50_times_with_new_inputs(run_ranks):
     assert run_ranks(gpu_ranks(), _graph_body, 50, timeout=240) == [50] * gpu_ranks()
+
+
+def _skip_dispatch_body(ctx):
+    mode = nm.NormalMode(None, 128, 2 * ctx.world_size, device=ctx.device, timeout_s=1.0)
+    x = torch.randn(3, 128, device=ctx.device).to(torch.bfloat16)
+    idx = torch.tensor([[0, 1], [1, 2], [3, 0]], device=ctx.device)
+    if ctx.rank == 1:
+        return "skipped"
+    try:
+        mode.dispatch(x, idx)
+    except WaitTimeoutError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_rank_that_skips_dispatch_makes_the_others_raise(run_ranks):
+    results = run_ranks(2, _skip_dispatch_body)
+    assert results == [
+        "rank 0 timed out after 1 s in phase 'notify' waiting for peer 1; that peer is stuck, "
+        "crashed, or called with different arguments",
+        "skipped",
+    ]
+
+
+def _bad_input_body(ctx):
+    R, dev = ctx.world_size, ctx.device
+    mode = nm.NormalMode(None, 256, 4 * R, max_topk=4, device=dev)
+    x = torch.randn(5, 256, device=dev).to(torch.bfloat16)
+    idx = torch.zeros(5, 2, dtype=torch.long, device=dev)
+    w = torch.ones(5, 2, device=dev)
+    out = mode.dispatch(x, idx, w)
+    y = torch.zeros(out.handle.num_rows, 256, dtype=torch.bfloat16, device=dev)
+    mode.combine(y, out.handle)  # a good call between the bad ones keeps the ranks in step
+    messages = []
+    for call in [
+        lambda: mode.dispatch(x.float(), idx),
+        lambda: mode.dispatch(x[:, :128].contiguous(), idx),
+        lambda: mode.dispatch(x, idx + 4 * R),
+        lambda: mode.dispatch(x, idx[:4]),
+        lambda: mode.dispatch(x, torch.zeros(5, 5, dtype=torch.long, device=dev)),
+        lambda: mode.dispatch(x, idx, w.double()),
+        lambda: mode.dispatch(x, idx, None, None, torch.zeros(5, R, dtype=torch.bool)),
+        lambda: mode.dispatch(x, idx, num_worst_tokens=-1),
+        lambda: mode.dispatch(x, idx, config=nm.Config(num_sms=64)),
+        lambda: mode.dispatch(x, handle=(1, 2)),
+        lambda: mode.combine(torch.cat([y, y[:1], x[:1]]), out.handle),
+        lambda: mode.combine(y, out.handle, bias=x[:4]),
+        lambda: mode.combine(y, out.handle, topk_weights=torch.ones(y.shape[0], 9, device=dev)),
+    ]:
+        try:
+            call()
+            messages.append("accepted")
+        except (TypeError, ValueError) as e:
+            messages.append(f"{type(e).__name__}: {e}")
+    mode.destroy()
+    return messages, out.handle.num_rows
+
+
+def test_bad_input_raises_before_launch(run_ranks):
+    for messages, rows in run_ranks(2, _bad_input_body):
+        assert messages == [
+            "TypeError: x: expected dtype torch.bfloat16 (FP8 goes as a tuple (x, scales)), "
+            "got torch.float32",
+            "ValueError: x: expected hidden size 256, got 128",
+            "ValueError: topk_idx: expert ids must lie in [-1, 8) (-1 = no expert), found 8",
+            "ValueError: topk_idx: expected shape [5, *], got [4, 2]",
+            "ValueError: topk_idx: top-k 5 exceeds max_topk=4",
+            "TypeError: topk_weights: expected dtype torch.float32, got torch.float64",
+            "ValueError: num_tokens_per_expert, is_token_in_rank: give both (from "
+            "get_dispatch_layout) or neither",
+            "ValueError: num_worst_tokens: expected an int >= 0, got -1",
+            "ValueError: config: num_sms must lie in [2, 4] for this buffer, got 64",
+            "TypeError: handle: expected a NormalHandle, got tuple",
+            f"ValueError: x: expected shape [{rows}, 256], got [{rows + 1 + min(rows, 1)}, 256]",
+            "ValueError: bias: expected shape [5, 256], got [4, 256]",
+            "ValueError: topk_weights: top-k 9 outside [1, 4]",
+        ]

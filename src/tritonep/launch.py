@@ -174,9 +174,9 @@ class RankPool:
     ):
         if backend is None:
             backend = "nccl" if gpus_suffice(num_ranks) else "gloo"
-        if backend == "gloo":
-            # Set before the children start: they build Triton kernels in interpreter mode.
-            os.environ.setdefault("TRITON_INTERPRET", "1")
+        # CPU ranks switch the Triton interpreter on in their own process (init_distributed),
+        # before any kernel is defined; this process's environment stays as it is, so pools
+        # started later (on GPUs) do not inherit the interpreter.
         self.num_ranks, self.backend, self.broken = num_ranks, backend, False
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()

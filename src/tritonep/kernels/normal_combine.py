@@ -110,11 +110,14 @@ def combine_send(
             row = tl.reshape((start[:, None] + sent[:, None] + i).to(tl.int64), (R_P2 * ROWS,))
             live = tl.reshape(i < take[:, None], (R_P2 * ROWS,))
             p = aligned_ptr(dst, tl.int32)
+            rows = x_words + row[:, None] * W
+            v = tl.load(rows + words[None, :], mask=live[:, None] & (words < W)[None, :])
             for w0 in range(0, W, BW):
                 w = w0 + words
-                m2 = live[:, None] & (w < W)[None, :]
-                v = tl.load(x_words + row[:, None] * W + w[None, :], mask=m2)
-                tl.store(p[:, None] + w[None, :], v, mask=m2)
+                wn = w + BW
+                v_next = tl.load(rows + wn[None, :], mask=live[:, None] & (wn < W)[None, :])
+                tl.store(p[:, None] + w[None, :], v, mask=live[:, None] & (w < W)[None, :])
+                v = v_next
             if HAS_WEIGHTS:
                 m2 = live[:, None] & kmask[None, :]
                 wv = tl.load(weights_ptr + row[:, None] * K + ks[None, :], mask=m2)

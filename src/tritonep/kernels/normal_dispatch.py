@@ -161,17 +161,19 @@ def dispatch_send(
         if ok:
             slot = (position % RING).to(tl.int64)
             dst = ring[None, :] + slot * SLOT_BYTES  # [TOK, R_P2] slot addresses
+            # The loads of the next chunk are issued before the stores of this one, so a chunk
+            # costs about one memory latency however many destinations it has.
+            rows = x_ptr + tokens64[:, None] * W
+            v = tl.load(rows + words[None, :], mask=tmask[:, None] & (words < W)[None, :])
             for w0 in range(0, W, BW):
                 w = w0 + words
-                wm = w < W
-                v = tl.load(
-                    x_ptr + tokens64[:, None] * W + w[None, :],
-                    mask=tmask[:, None] & wm[None, :],
-                )
+                wn = w + BW
+                v_next = tl.load(rows + wn[None, :], mask=tmask[:, None] & (wn < W)[None, :])
                 for d in tl.static_range(NUM_RANKS):
                     to_d = column(hit, ranks, d) > 0
                     p = aligned_ptr(column(dst, ranks, d), tl.int32)
-                    tl.store(p[:, None] + w[None, :], v, mask=to_d[:, None] & wm[None, :])
+                    tl.store(p[:, None] + w[None, :], v, mask=to_d[:, None] & (w < W)[None, :])
+                v = v_next
             if HAS_SCALES:
                 s = tl.load(
                     scales_ptr + tokens64[:, None] * G + groups[None, :],
@@ -295,12 +297,17 @@ def dispatch_receive(
             src = tl.reshape(ring[:, None] + slot * SLOT_BYTES, (R_P2 * ROWS,))
             row = tl.reshape(row, (R_P2 * ROWS,))
             live = tl.reshape(live, (R_P2 * ROWS,))
+            p = aligned_ptr(src, tl.int32)[:, None]
+            v = tl.load(p + words[None, :], mask=live[:, None] & (words < W)[None, :],
+                        cache_modifier=".cg")  # fmt: skip
             for w0 in range(0, W, BW):
                 w = w0 + words
+                wn = w + BW
+                mn = live[:, None] & (wn < W)[None, :]
+                v_next = tl.load(p + wn[None, :], mask=mn, cache_modifier=".cg")
                 m2 = live[:, None] & (w < W)[None, :]
-                p = aligned_ptr(src, tl.int32)
-                v = tl.load(p[:, None] + w[None, :], mask=m2, cache_modifier=".cg")
                 tl.store(out_x_ptr + row[:, None] * W + w[None, :], v, mask=m2)
+                v = v_next
             if HAS_SCALES:
                 m2 = live[:, None] & gmask[None, :]
                 p = aligned_ptr(src + W * 4, tl.int32)

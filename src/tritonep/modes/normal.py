@@ -466,7 +466,7 @@ class NormalMode:
                 RING_STRIDE=self.layout.ring_tokens, SLOT_BYTES=self.layout.dispatch_slot,
                 META_OFF=_align(W + G, 4), HAS_SCALES=use_fp8, HAS_TOPK=has_topk,
                 HAS_WEIGHTS=has_weights, PAD_ROWS=num_recv < 0, USE_CLOCK=use_clock(self.device),
-                TOK=tok, ROWS=max(1, 16 // _next_pow2(R)), BW=min(1024, _next_pow2(W)),
+                TOK=tok, ROWS=max(1, 16 // _next_pow2(R)), BW=min(8192 // tok, _next_pow2(W)),
                 R_P2=_next_pow2(max(R, 2)), K_P2=_next_pow2(max(topk, 2)),
                 G_P2=_next_pow2(max(G, 2)),
                 num_warps=8,
