@@ -170,7 +170,7 @@ NORMAL_DISPATCH = {
 NORMAL_DISPATCH_META = dict(
     W=1792, G=56, K=8, E_LOCAL=64, NUM_RANKS=4, NUM_CHANNELS=12, RING=128, RING_STRIDE=128,
     SLOT_BYTES=14480, META_OFF=1848, HAS_SCALES=True, HAS_TOPK=True, HAS_WEIGHTS=True,
-    PAD_ROWS=True, USE_CLOCK=True, TOK=8, ROWS=4, BW=1024, R_P2=4, K_P2=8, G_P2=64,
+    PAD_ROWS=True, USE_CLOCK=True, TOK=8, ROWS=8, BW=512, RBW=256, R_P2=4, K_P2=8, G_P2=64,
 )  # fmt: skip
 NORMAL_COMBINE = {
     "x_ptr": "*bf16", "weights_ptr": "*fp32", "in_rank_ptr": "*i8", "num_tokens": "i32",
@@ -180,7 +180,7 @@ NORMAL_COMBINE = {
 }  # fmt: skip
 NORMAL_COMBINE_META = dict(
     H=7168, K=8, NUM_RANKS=4, NUM_CHANNELS=12, RING=128, RING_STRIDE=128, SLOT_BYTES=14368,
-    HAS_WEIGHTS=True, NUM_BIAS=2, USE_CLOCK=True, TOK=8, ROWS=4, BW=512, R_P2=4, K_P2=8,
+    HAS_WEIGHTS=True, NUM_BIAS=2, USE_CLOCK=True, TOK=8, ROWS=8, BW=512, R_P2=4, K_P2=8,
 )  # fmt: skip
 NOTIFY = {
     "in_rank_ptr": "*i8", "num_tokens": "i32", "per_expert_ptr": "*i32", "peer_ptrs": "*i64",
@@ -195,7 +195,7 @@ NOTIFY_META = dict(
 for module, name, sig, meta, options in [
     ("normal_notify", "notify_kernel", NOTIFY, NOTIFY_META, {}),
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH, NORMAL_DISPATCH_META,
-     {"num_warps": 8}),
+     {"num_warps": 16}),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE, NORMAL_COMBINE_META,
      {"num_warps": 8, "enable_fp_fusion": False}),
 ]:  # fmt: skip
@@ -277,7 +277,8 @@ def test_normal_mode_moves_16_byte_vectors_and_flags_at_system_scope():
     for ptx in (dispatch, combine):
         assert "st.global.v4.b32" in ptx  # payload stores into peer rings, 16 bytes each
         assert "ld.global.cg.v4.b32" in ptx  # ring reads bypass L1 (peers wrote them)
-        assert "atom.global.sys.release.exch.b64" in ptx  # tails and heads
+        assert "atom.global.sys.release.exch.b64" in ptx  # tails publish the rows
+        assert "atom.global.sys.relaxed.exch.b64" in ptx  # heads: the loads have returned
         assert "atom.global.sys.acquire.add.u64" in ptx
         assert "%globaltimer" in ptx  # every wait is bounded
     assert "fma.rn.f32" not in combine  # sums round as in the reference

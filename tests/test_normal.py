@@ -247,7 +247,7 @@ def test_a_rank_that_skips_dispatch_makes_the_others_raise(run_ranks):
 
 def _bad_input_body(ctx):
     R, dev = ctx.world_size, ctx.device
-    mode = nm.NormalMode(None, 256, 4 * R, max_topk=4, device=dev)
+    mode = nm.NormalMode(None, 256, 4 * R, max_topk=4, device=dev, max_sms=4)
     x = torch.randn(5, 256, device=dev).to(torch.bfloat16)
     idx = torch.zeros(5, 2, dtype=torch.long, device=dev)
     w = torch.ones(5, 2, device=dev)

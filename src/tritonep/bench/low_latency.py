@@ -2,67 +2,10 @@
 
 from __future__ import annotations
 
-import statistics
-
 import torch
-import torch.distributed as dist
 
 from ..testing import route
-
-
-def _median_event_ms(pairs):
-    return statistics.median(a.elapsed_time(b) for a, b in pairs)
-
-
-def _time_pair(first, second, iters, warmup):
-    """Median ms of ``first()`` and of ``second()`` when run back to back ``iters`` times."""
-    for _ in range(warmup):
-        first()
-        second()
-    torch.cuda.synchronize()
-    dist.barrier()
-    marks = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(iters)]
-    for m in marks:
-        m[0].record()
-        first()
-        m[1].record()
-        second()
-        m[2].record()
-    torch.cuda.synchronize()
-    return _median_event_ms([(m[0], m[1]) for m in marks]), _median_event_ms(
-        [(m[1], m[2]) for m in marks]
-    )
-
-
-def _time_graph(fn, calls, replays):
-    """ms per call of ``fn`` captured ``calls`` times in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm up (compiles) outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(calls):
-                fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    graph.replay()
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (calls * replays)
-
-
-def _mean_over_ranks(values):
-    t = torch.tensor(values, dtype=torch.float64, device="cuda")
-    dist.all_reduce(t)
-    return (t / dist.get_world_size()).tolist()
+from .timing import mean_over_ranks, time_graph, time_pair
 
 
 def _low_latency_point(ctx, mode, baseline, opts, T, max_tokens):
@@ -89,14 +32,14 @@ def _low_latency_point(ctx, mode, baseline, opts, T, max_tokens):
     def base_combine():
         baseline.low_latency_combine(y, idx, w, state["b"][2])
 
-    t_disp, t_comb = _time_pair(dispatch, combine, opts.iters, 10)
+    t_disp, t_comb = time_pair(dispatch, combine, opts.iters, 10)
     mode.check()
     recv_rows = int(state["d"][1].sum())
-    g_disp, g_comb = _time_graph(dispatch, 10, 20), _time_graph(combine, 10, 20)
+    g_disp, g_comb = time_graph(dispatch, 10, 20), time_graph(combine, 10, 20)
     mode.check()
-    b_disp, b_comb = _time_pair(base_dispatch, base_combine, max(opts.iters // 5, 5), 3)
+    b_disp, b_comb = time_pair(base_dispatch, base_combine, max(opts.iters // 5, 5), 3)
     msg = H + H // 128 * 4 if use_fp8 else 2 * H
-    vals = _mean_over_ranks([t_disp, t_comb, g_disp, g_comb, b_disp, b_comb, recv_rows])
+    vals = mean_over_ranks([t_disp, t_comb, g_disp, g_comb, b_disp, b_comb, recv_rows])
     t_disp, t_comb, g_disp, g_comb, b_disp, b_comb, recv_rows = vals
     return {
         "tokens": T,

@@ -253,8 +253,10 @@ def combine_receive(
             tl.store(out_weights_ptr + at, wacc, mask=tmask[:, None] & kmask[None, :])
         taken += count
         tl.debug_barrier()
+        # Relaxed: the rows' loads have returned (their sums are stored), so a sender's
+        # overwrite cannot reach them; a release would add a system-wide fence per block.
         tl.atomic_xchg(
-            head_flag, tag | taken.to(tl.int64), mask=count > 0, sem="release", scope="sys"
+            head_flag, tag | taken.to(tl.int64), mask=count > 0, sem="relaxed", scope="sys"
         )
     tl.debug_barrier()
     tl.atomic_xchg(head_flag, (call + 1) << 32, mask=rmask, sem="release", scope="sys")

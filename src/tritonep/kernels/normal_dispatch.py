@@ -327,11 +327,14 @@ def dispatch_receive(
                     tl.store(out_weights_ptr + row[:, None] * K + ks[None, :], wv, mask=m2)
             head += take
             tl.debug_barrier()
+            # Relaxed: the slots' loads have returned (their values are stored), so nothing
+            # can move past this store that a sender's overwrite could affect; a release
+            # would add a system-wide fence to every step.
             tl.atomic_xchg(
                 head_flag,
                 tag | head.to(tl.int64),
                 mask=take > 0,
-                sem="release",
+                sem="relaxed",
                 scope="sys",
             )
             clock = start_clock(USE_CLOCK)  # progress: the limit counts idle time only
@@ -402,7 +405,8 @@ def normal_dispatch_kernel(
     USE_CLOCK: tl.constexpr,
     TOK: tl.constexpr,
     ROWS: tl.constexpr,
-    BW: tl.constexpr,
+    BW: tl.constexpr,  # words per row a sender moves per step
+    RBW: tl.constexpr,  # words per row a receiver moves per step
     R_P2: tl.constexpr,
     K_P2: tl.constexpr,
     G_P2: tl.constexpr,
@@ -481,7 +485,7 @@ def normal_dispatch_kernel(
             PAD_ROWS,
             USE_CLOCK,
             ROWS,
-            BW,
+            RBW,
             R_P2,
             K_P2,
             G_P2,

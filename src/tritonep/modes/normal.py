@@ -57,6 +57,17 @@ PHASES = {
 #: SM budget of a call by default on GPUs (DeepEP's default is 20-24).
 DEFAULT_NUM_SMS = 24
 
+# Launch shape, measured on 2x H200 (BENCHMARKS.md). 16 warps with small tiles beat 8 warps
+# with large ones (more warps hide more memory latency; larger tiles only cost registers), and
+# a receiver that moves 32 rows per step, over all its sources, spends fewer of its steps on
+# flag traffic than one that moves 16.
+#: Rows a receiver moves per step, over all its source rings.
+STEP_ROWS = 32
+#: Words (4 bytes) of payload a dispatch sender holds per step, over its ``TOK`` tokens.
+SEND_TILE = 4096
+#: Words of payload a dispatch receiver holds per step, over its ``STEP_ROWS`` rows.
+RECV_TILE = 8192
+
 
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
@@ -449,6 +460,8 @@ class NormalMode:
         dummy = out_words
         ring = config.nvl_recv_buffer_tokens
         tok = _next_pow2(max(1, min(config.nvl_send_chunk, 32)))
+        r_p2 = _next_pow2(max(R, 2))
+        rows_per_source = max(1, STEP_ROWS // r_p2)
         self._launch(
             normal_dispatch.normal_dispatch_kernel,
             2 * C,
@@ -466,10 +479,10 @@ class NormalMode:
                 RING_STRIDE=self.layout.ring_tokens, SLOT_BYTES=self.layout.dispatch_slot,
                 META_OFF=_align(W + G, 4), HAS_SCALES=use_fp8, HAS_TOPK=has_topk,
                 HAS_WEIGHTS=has_weights, PAD_ROWS=num_recv < 0, USE_CLOCK=use_clock(self.device),
-                TOK=tok, ROWS=max(1, 16 // _next_pow2(R)), BW=min(8192 // tok, _next_pow2(W)),
-                R_P2=_next_pow2(max(R, 2)), K_P2=_next_pow2(max(topk, 2)),
-                G_P2=_next_pow2(max(G, 2)),
-                num_warps=8,
+                TOK=tok, ROWS=rows_per_source, BW=min(SEND_TILE // tok, _next_pow2(W)),
+                RBW=min(RECV_TILE // (r_p2 * rows_per_source), _next_pow2(W)), R_P2=r_p2,
+                K_P2=_next_pow2(max(topk, 2)), G_P2=_next_pow2(max(G, 2)),
+                num_warps=16 if r_p2 <= 4 else 8,
             ),
         )  # fmt: skip
         new_handle = NormalHandle(
@@ -542,7 +555,7 @@ class NormalMode:
                 HAS_WEIGHTS=topk_weights is not None, NUM_BIAS=len(terms),
                 USE_CLOCK=use_clock(self.device),
                 TOK=_next_pow2(max(1, min(config.nvl_send_chunk, 32))),
-                ROWS=max(1, 16 // _next_pow2(R)), BW=min(512, _next_pow2(H // 2)),
+                ROWS=max(1, STEP_ROWS // _next_pow2(R)), BW=min(512, _next_pow2(H // 2)),
                 R_P2=_next_pow2(max(R, 2)), K_P2=_next_pow2(max(K, 2)), num_warps=8,
                 # Sums round as in the reference (no fused multiply-add).
                 enable_fp_fusion=False,
