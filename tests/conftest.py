@@ -15,12 +15,20 @@ if not torch.cuda.is_available():
 
 import pytest
 
+from tritonep.heap import shared_gpu
 from tritonep.launch import RankPool, gpus_suffice
+
+
+def machine_gpus() -> int:
+    """GPUs the rank processes may use: with ``TRITONEP_SHARED_GPU=1`` four ranks share GPU 0."""
+    if shared_gpu():
+        return 4
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def gpu_ranks() -> int:
     """Ranks for a GPU test: every GPU of the machine, up to 4."""
-    return min(4, torch.cuda.device_count())
+    return min(4, machine_gpus())
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +53,7 @@ def pytest_collection_modifyitems(config, items):
     # On a GPU machine every rank runs on a GPU: rank counts beyond its GPUs are left to the
     # CPU suite rather than run under the interpreter there.
     skip_cpu = pytest.mark.skip(reason="more ranks than GPUs (covered by the CPU suite)")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = machine_gpus()
     for item in items:
         if "gpu" in item.keywords and not gpus_suffice(
             item.get_closest_marker("gpu").kwargs.get("n", 1)

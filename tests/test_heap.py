@@ -8,6 +8,7 @@ import torch
 from tests.conftest import gpu_ranks
 from tritonep import heap
 from tritonep.errors import WaitTimeoutError
+from tritonep.heap import shared_gpu
 from tritonep.kernels.put_signal import put_signal, wait_signal
 
 DATA_OFFSET, FLAG_OFFSET = 1024, 0
@@ -129,6 +130,7 @@ def test_put_signal_ring_large_block_on_gpus(run_ranks):
 
 
 @pytest.mark.gpu(n=2)
+@pytest.mark.skipif(shared_gpu(), reason="NVSHMEM needs a GPU per rank")
 def test_put_signal_ring_nvshmem_backend():
     from tritonep.launch import spawn
 

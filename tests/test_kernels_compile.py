@@ -66,6 +66,8 @@ LL_DISPATCH = {
     "out_range_ptr": "*i64",
     "status_ptr": "*i32",
     "timeout_ns": "i64",
+    "trace_ptr": "*i64",
+    "wait_stats_ptr": "*i64",
 }
 LL_COMBINE = {
     "x_ptr": "*bf16",
@@ -83,6 +85,8 @@ LL_COMBINE = {
     "state_ptr": "*i64",
     "status_ptr": "*i32",
     "timeout_ns": "i64",
+    "trace_ptr": "*i64",
+    "wait_stats_ptr": "*i64",
 }
 LL_DISPATCH_META = dict(
     H=7168,
@@ -103,6 +107,8 @@ LL_DISPATCH_META = dict(
     G_P2=64,
     MSG_BLOCK=4,
     TOK_BLOCK=2,
+    PROFILE=False,
+    WAIT_STATS=False,
 )
 LL_COMBINE_META = dict(
     H=7168,
@@ -118,10 +124,15 @@ LL_COMBINE_META = dict(
     K_P2=8,
     G_P2=64,
     ROW_BLOCK=2,
+    PROFILE=False,
+    WAIT_STATS=False,
 )
+TRACED = dict(PROFILE=True, WAIT_STATS=True)
 for name, sig, meta in [
     ("ll_dispatch", LL_DISPATCH, LL_DISPATCH_META),
     ("ll_combine", LL_COMBINE, LL_COMBINE_META),
+    ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, **TRACED}),
+    ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, **TRACED}),
 ]:
     KERNELS.append(
         (
@@ -162,35 +173,39 @@ FLAGS = {"peer_ptrs": "*i64", "rank": "i32", "ring_offset": "i64", "tail_offset"
          "head_offset": "i64", "state_ptr": "*i64"}  # fmt: skip
 NORMAL_DISPATCH = {
     "x_ptr": "*i32", "scales_ptr": "*i32", "topk_idx_ptr": "*i64", "topk_weights_ptr": "*fp32",
-    "in_rank_ptr": "*i8", "num_tokens": "i32", **FLAGS, "recv_count_ptr": "*i32",
+    "in_rank_ptr": "*i8", "src_tag_ptr": "*i32", "num_tokens": "i32", **FLAGS,
+    "recv_count_ptr": "*i32",
     "recv_start_ptr": "*i32", "host_info_ptr": "*i32", "out_x_ptr": "*i32",
     "out_scales_ptr": "*i32", "out_topk_idx_ptr": "*i64", "out_weights_ptr": "*fp32",
     "out_src_ptr": "*i32", "max_rows": "i32", "status_ptr": "*i32", "timeout_ns": "i64",
+    "trace_ptr": "*i64",
 }  # fmt: skip
 NORMAL_DISPATCH_META = dict(
     W=1792, G=56, K=8, E_LOCAL=64, NUM_RANKS=4, NUM_CHANNELS=12, RING=128, RING_STRIDE=128,
     SLOT_BYTES=14480, META_OFF=1848, HAS_SCALES=True, HAS_TOPK=True, HAS_WEIGHTS=True,
-    PAD_ROWS=True, USE_CLOCK=True, TOK=8, ROWS=8, BW=512, RBW=256, R_P2=4, K_P2=8, G_P2=64,
+    HAS_TAG=False, PAD_ROWS=True, USE_CLOCK=True, TOK=8, ROWS=8, BW=512, RBW=256, R_P2=4,
+    K_P2=8, G_P2=64, PROFILE=False,
 )  # fmt: skip
 NORMAL_COMBINE = {
     "x_ptr": "*bf16", "weights_ptr": "*fp32", "in_rank_ptr": "*i8", "num_tokens": "i32",
     "bias0_ptr": "*bf16", "bias1_ptr": "*bf16", "recv_count_ptr": "*i32",
     "recv_start_ptr": "*i32", **FLAGS, "out_ptr": "*bf16", "out_weights_ptr": "*fp32",
-    "status_ptr": "*i32", "timeout_ns": "i64",
+    "status_ptr": "*i32", "timeout_ns": "i64", "trace_ptr": "*i64",
 }  # fmt: skip
 NORMAL_COMBINE_META = dict(
     H=7168, K=8, NUM_RANKS=4, NUM_CHANNELS=12, RING=128, RING_STRIDE=128, SLOT_BYTES=14368,
     HAS_WEIGHTS=True, NUM_BIAS=2, USE_CLOCK=True, TOK=8, ROWS=8, BW=512, R_P2=4, K_P2=8,
+    PROFILE=False,
 )  # fmt: skip
 NOTIFY = {
     "in_rank_ptr": "*i8", "num_tokens": "i32", "per_expert_ptr": "*i32", "peer_ptrs": "*i64",
     "rank": "i32", "notify_offset": "i64", "state_ptr": "*i64", "decoded_ptr": "*i32",
     "recv_count_ptr": "*i32", "recv_start_ptr": "*i32", "host_info_ptr": "*i32",
-    "max_rows": "i32", "status_ptr": "*i32", "timeout_ns": "i64",
+    "max_rows": "i32", "status_ptr": "*i32", "timeout_ns": "i64", "trace_ptr": "*i64",
 }  # fmt: skip
 NOTIFY_META = dict(
     NUM_RANKS=4, NUM_CHANNELS=12, E_LOCAL=64, ALIGN=128, ROW=76, SET_BYTES=1280,
-    USE_CLOCK=True, BLOCK_N=256, C_P2=16, E_P2=64, R_P2=4,
+    USE_CLOCK=True, BLOCK_N=256, C_P2=16, E_P2=64, R_P2=4, PROFILE=False,
 )  # fmt: skip
 for module, name, sig, meta, options in [
     ("normal_notify", "notify_kernel", NOTIFY, NOTIFY_META, {}),
@@ -198,6 +213,11 @@ for module, name, sig, meta, options in [
      {"num_warps": 16}),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE, NORMAL_COMBINE_META,
      {"num_warps": 8, "enable_fp_fusion": False}),
+    ("normal_notify", "notify_kernel", NOTIFY, {**NOTIFY_META, "PROFILE": True}, {}),
+    ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
+     {**NORMAL_DISPATCH_META, "PROFILE": True}, {"num_warps": 16}),
+    ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
+     {**NORMAL_COMBINE_META, "PROFILE": True}, {"num_warps": 8, "enable_fp_fusion": False}),
 ]:  # fmt: skip
     KERNELS.append(
         (
@@ -246,7 +266,12 @@ def compile_ptx(module, name, signature, constexprs, options=None):
     return proc.stdout
 
 
-@pytest.mark.parametrize("kernel", KERNELS, ids=[k[1] for k in KERNELS])
+def _id(kernel):
+    traced = kernel[3].get("PROFILE", False)
+    return kernel[1] + ("-traced" if traced else "")
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=[_id(k) for k in KERNELS])
 def test_compiles_for_sm90(kernel):
     assert ".target sm_90" in compile_ptx(*kernel)
 
@@ -271,16 +296,11 @@ def _kernel(name):
     return next(k for k in KERNELS if k[1] == name)
 
 
-def test_normal_mode_moves_16_byte_vectors_and_flags_at_system_scope():
-    dispatch = compile_ptx(*_kernel("normal_dispatch_kernel"))
-    combine = compile_ptx(*_kernel("normal_combine_kernel"))
-    for ptx in (dispatch, combine):
-        assert "st.global.v4.b32" in ptx  # payload stores into peer rings, 16 bytes each
-        assert "ld.global.cg.v4.b32" in ptx  # ring reads bypass L1 (peers wrote them)
-        assert "atom.global.sys.release.exch.b64" in ptx  # tails publish the rows
-        assert "atom.global.sys.relaxed.exch.b64" in ptx  # heads: the loads have returned
-        assert "atom.global.sys.acquire.add.u64" in ptx
-        assert "%globaltimer" in ptx  # every wait is bounded
-    assert "fma.rn.f32" not in combine  # sums round as in the reference
-    notify = compile_ptx(*_kernel("notify_kernel"))
-    assert "ld.volatile.global" in notify  # polls counts that peers store as -n - 1
+def test_traces_are_compiled_out_when_off():
+    plain = [compile_ptx(*KERNELS[i]) for i in (2, 3)]
+    traced = [compile_ptx(*KERNELS[i]) for i in (4, 5)]
+    for off, on in zip(plain, traced, strict=True):
+        # Off: the clock is read only for the bounded waits, and no statistics are added.
+        assert "atom.global.gpu.relaxed.add.u64" not in off
+        assert "atom.global.gpu.relaxed.add.u64" in on  # per-peer wait statistics
+        assert on.count("%globaltimer") > off.count("%globaltimer")

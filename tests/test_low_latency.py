@@ -6,8 +6,6 @@ Everything is bit-exact against the reference, on GPUs and under the interpreter
 kernels round BF16 and e4m3 on the bits there, where the interpreter's conversions are off).
 """
 
-import dataclasses
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,7 +14,7 @@ from tests.conftest import gpu_ranks
 from tritonep import reference as ref
 from tritonep.errors import WaitTimeoutError
 from tritonep.modes import low_latency as ll
-from tritonep.testing import make_case
+from tritonep.testing import make_case, verify_low_latency_call
 
 ll.POISON_OUTPUTS = True
 
@@ -34,23 +32,9 @@ def _expert_fn(rows, global_expert):
 
 def _verify_call(ctx, case, M, use_fp8, ue8m0, recv_x, recv_count, handle, outputs, combined):
     """Check one dispatch and combine of this rank against the reference, bit for bit."""
-    me, experts = ctx.rank, case.num_experts
-    want = ref.low_latency_dispatch(case.x, case.topk_idx, M, experts, use_fp8, ue8m0)[me]
-    got = ref.LowLatencyDispatchResult.from_outputs(recv_x, recv_count, handle)
-    ref.assert_low_latency_dispatch_equal(got, want, me)
-    # The reference combines with the layout each rank actually produced, gathered. Only the
-    # valid rows travel (rows past the largest count are never read).
-    valid = max(int(recv_count.max()) if recv_count.numel() else 0, 1)
-    all_out = _gather(outputs[:, :valid].cpu())
-    compact = dataclasses.replace(
-        got,
-        recv_x=got.recv_x[:, :valid].view(torch.uint8),
-        recv_x_scales=None,
-        recv_src_info=got.recv_src_info[:, :valid],
+    verify_low_latency_call(
+        ctx.rank, case, M, use_fp8, ue8m0, recv_x, recv_count, handle, outputs, combined
     )
-    all_got = _gather(compact)
-    expected = ref.low_latency_combine(all_out, case.topk_idx, case.topk_weights, all_got)[me]
-    ref.assert_bitwise_equal(combined.cpu(), expected, f"rank {me} combined")
 
 
 def _expert_outputs(recv_x, use_fp8, rank):

@@ -39,12 +39,7 @@ def _expert_rows(recv_x, rank):
 
 def _check_dispatch(me, out, want, use_fp8, worst, alignment):
     n = want.num_recv_tokens
-    got_x = out.recv_x
-    if use_fp8:
-        ref.assert_bitwise_equal(got_x[0][:n].cpu(), want.recv_x[0], f"rank {me} recv_x")
-        ref.assert_bitwise_equal(got_x[1][:n].cpu(), want.recv_x[1], f"rank {me} recv_x scales")
-    else:
-        ref.assert_bitwise_equal(got_x[:n].cpu(), want.recv_x, f"rank {me} recv_x")
+    ref.assert_rows_equal(out.recv_x, want.recv_x, n, f"rank {me} recv_x")
     ref.assert_bitwise_equal(out.recv_topk_idx[:n].cpu(), want.recv_topk_idx, "recv_topk_idx")
     ref.assert_bitwise_equal(
         out.recv_topk_weights[:n].cpu(), want.recv_topk_weights, "recv_topk_weights"
@@ -115,12 +110,7 @@ def _normal_body(ctx, calls, tokens, hidden, experts, topk, routing, use_fp8, wo
         again = mode.dispatch(_to(new_xs[me], ctx.device), handle=out.handle)
         assert again.recv_topk_idx is None and again.num_recv_tokens_per_expert is None
         want = ref.normal_dispatch(new_xs, case.topk_idx, None, experts)[me]
-        n = want.num_recv_tokens
-        if use_fp8:
-            ref.assert_bitwise_equal(again.recv_x[0][:n].cpu(), want.recv_x[0], "cached x")
-            ref.assert_bitwise_equal(again.recv_x[1][:n].cpu(), want.recv_x[1], "cached scales")
-        else:
-            ref.assert_bitwise_equal(again.recv_x[:n].cpu(), want.recv_x, "cached x")
+        ref.assert_rows_equal(again.recv_x, want.recv_x, want.num_recv_tokens, "cached x")
     mode.check()
     mode.destroy()
     return True

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -261,3 +262,18 @@ def test_pack_range_round_trip():
     begin, count = ref.unpack_range(packed)
     assert begin.tolist() == [0, 5, 2**20] and count.tolist() == [3, 0, 77]
     assert ref.pack_range(7, 9) == (7 << 32) | 9
+
+
+def test_bitwise_comparison_matches_any_nan_and_nothing_else():
+    neg_nan = (
+        torch.tensor([0xFFC00000], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    )  # x86's NaN
+    pos_nan = torch.tensor([0x7FFFFFFF], dtype=torch.int32).view(torch.float32)  # a GPU's NaN
+    ref.assert_bitwise_equal(neg_nan, pos_nan, "float32 NaNs")
+    fp8_nans = torch.tensor([0x7F, 0xFF], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    ref.assert_bitwise_equal(fp8_nans[:1], fp8_nans[1:], "e4m3 NaNs")
+    for got, want in [(pos_nan, torch.ones(1)), (torch.zeros(1), -torch.zeros(1))]:
+        with pytest.raises(AssertionError, match="1 elements differ"):
+            ref.assert_bitwise_equal(got, want, "values")
+    with pytest.raises(AssertionError, match="1 elements differ"):
+        ref.assert_bitwise_equal(fp8_nans[:1], torch.zeros(1, dtype=torch.float8_e4m3fn), "e4m3")

@@ -145,3 +145,25 @@ def test_torch_backend_rejects_bad_input_on_every_rank(run_ranks):
     ]
     for messages in run_ranks(2, _backend_bad_inputs):
         assert messages == expected
+
+
+def _disagree_body(ctx, which):
+    from tritonep.modes.low_latency import LowLatencyMode
+    from tritonep.modes.normal import NormalMode
+
+    hidden = 384 if ctx.rank == 1 else 256
+    try:
+        if which == "normal":
+            NormalMode(None, hidden, 4 * ctx.world_size, device=ctx.device)
+        else:
+            LowLatencyMode(None, 8, hidden, 4 * ctx.world_size, device=ctx.device)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("which", ["normal", "low_latency"])
+def test_ranks_that_disagree_all_raise_the_same_error(run_ranks, which):
+    messages = run_ranks(3, _disagree_body, which)
+    assert messages[0] is not None and messages == [messages[0]] * 3, messages
+    assert "disagree" in messages[0] and "hidden = [256, 384, 256]" in messages[0]

@@ -4,11 +4,17 @@ Layers, in the order data flows through them:
 
 * :mod:`tritonep.heap` -- the symmetric heap (GPU symmetric memory, or CPU shared memory);
 * :mod:`tritonep.kernels` -- the Triton kernels;
-* :mod:`tritonep.modes` -- host-side orchestration (low-latency mode today);
-* :mod:`tritonep.api` -- public APIs (a DeepEP-like ``Buffer``, the seed layers);
-* :mod:`tritonep.reference` -- the pure-PyTorch oracle every kernel is tested against;
-* :mod:`tritonep.torch_backend` -- the ``all_to_all_single`` baseline;
-* :mod:`tritonep.launch` -- start N ranks (``python -m tritonep.launch -n N script.py``).
+* :mod:`tritonep.modes` -- host-side orchestration: normal mode within a node and across
+  nodes, low-latency mode, kernel traces;
+* :mod:`tritonep.api` -- public APIs: a DeepEP-like ``Buffer``, the seed layers, autograd
+  functions, serving adapters; :mod:`tritonep.deep_ep` -- DeepEP's own names and signatures;
+* :mod:`tritonep.moe` -- an MoE layer on top, and its dense single-process twin.
+
+Around them: :mod:`tritonep.reference` (the pure-PyTorch oracle every kernel is tested
+against), :mod:`tritonep.torch_backend` (the ``all_to_all_single`` baseline),
+:mod:`tritonep.launch` (start N ranks), :mod:`tritonep.bench` (``tritonep bench``),
+:mod:`tritonep.soak` (randomized calls checked against the reference) and
+:mod:`tritonep.costmodel` (predicted times across nodes).
 """
 
 __version__ = "0.1.0"

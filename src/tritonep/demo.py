@@ -1,9 +1,9 @@
 """Demo: dispatch and combine of a small MoE layer on 4 ranks, checked against the reference.
 
 Runs on 4 GPUs when there are at least 4, else on 4 CPU rank processes (gloo, with Triton
-kernels under the interpreter). Each rank routes its tokens with a softmax top-k router, sends
-them to the experts' ranks, applies the experts (one matmul each), brings the results back,
-and compares:
+kernels under the interpreter). Each rank runs the MoE layer of :mod:`tritonep.moe`: it routes
+its tokens with a softmax top-k router, sends them to the experts' ranks, applies the experts
+(one matmul each), brings the results back, and compares:
 
 * what each rank received with :mod:`tritonep.reference` (bit for bit), and
 * the layer's output with a dense single-process computation of the same layer.
@@ -23,41 +23,17 @@ import torch
 import torch.distributed as dist
 
 from . import reference as ref
+from .heap import shared_gpu
 from .launch import gpus_suffice, spawn
+from .moe import dense_moe, init_params, local_experts, route
 
 HIDDEN, EXPERTS, TOPK = 256, 16, 4
 TOKENS = [64, 40, 0, 23, 51, 9, 33, 17]  # per rank; one rank has none
 
 
-def layer_weights(hidden: int, num_experts: int):
-    """Router ``[H, E]`` and experts ``[E, H, H]``, the same on every rank (fixed seed)."""
-    gen = torch.Generator().manual_seed(0)
-    router = torch.randn(hidden, num_experts, generator=gen) / hidden**0.5
-    experts = (torch.randn(num_experts, hidden, hidden, generator=gen) / hidden**0.5).to(
-        torch.bfloat16
-    )
-    return router, experts
-
-
 def rank_tokens(rank: int, num_tokens: int, hidden: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(100 + rank)
     return torch.randn(num_tokens, hidden, generator=gen).to(torch.bfloat16)
-
-
-def route_tokens(x: torch.Tensor, router: torch.Tensor, topk: int):
-    """Top-k over softmax scores: ``(ids [N, K] int64, weights [N, K] float32)``."""
-    probs = torch.softmax(x.float() @ router, dim=-1)
-    weights, ids = probs.topk(topk, dim=-1)
-    return ids, weights
-
-
-def dense_layer(x, ids, weights, experts):
-    """The layer on one process: ``sum_k w_k * (x @ W_{e_k})`` in float32."""
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    for k in range(ids.shape[1]):
-        y = torch.einsum("nh,nhd->nd", x.float(), experts[ids[:, k]].float())
-        out += weights[:, k : k + 1] * y
-    return out
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -74,9 +50,9 @@ def _rank_main(ctx, num_tokens_per_rank):
 
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
     tokens = num_tokens_per_rank[:R]
-    router, experts = layer_weights(HIDDEN, EXPERTS)
+    router, experts = init_params(HIDDEN, EXPERTS)
     xs = [rank_tokens(r, n, HIDDEN) for r, n in enumerate(tokens)]
-    routed = [route_tokens(x, router, TOPK) for x in xs]
+    routed = [route(x, router, TOPK) for x in xs]
     ids_all, w_all = [r[0] for r in routed], [r[1] for r in routed]
     E_local = EXPERTS // R
     my_experts = experts[me * E_local : (me + 1) * E_local].to(dev)
@@ -94,12 +70,7 @@ def _rank_main(ctx, num_tokens_per_rank):
     expected = ref.normal_dispatch(xs, ids_all, w_all, EXPERTS)[me]
     ref.assert_bitwise_equal(recv_x, expected.recv_x.to(dev), f"rank {me} normal recv_x")
     ref.assert_bitwise_equal(recv_ids, expected.recv_topk_idx.to(dev), f"rank {me} recv_topk_idx")
-    y = torch.zeros(recv_x.shape, dtype=torch.float32, device=dev)
-    for k in range(TOPK):
-        local = recv_ids[:, k]
-        mine = local >= 0
-        rows = torch.einsum("nh,nhd->nd", recv_x[mine].float(), my_experts[local[mine]].float())
-        y[mine] += recv_w[mine, k : k + 1] * rows
+    y = local_experts(recv_x, recv_ids, recv_w, my_experts)
     normal_out, _, _ = buffer.combine(y.to(torch.bfloat16), handle)
 
     # Low-latency mode, tritonep's Triton kernels: per-expert slabs (BF16 here), weights
@@ -119,7 +90,7 @@ def _rank_main(ctx, num_tokens_per_rank):
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
 
-    dense = dense_layer(xs[me], ids_all[me], w_all[me], experts)
+    dense = dense_moe(xs[me], router, experts, TOPK)
     normal_err, ll_err = rel_err(normal_out, dense), rel_err(ll_out, dense)
 
     # The symmetric heap: pass a block to the next rank with the put/signal Triton kernel.
@@ -152,7 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     opts = parser.parse_args(argv)
     if not 1 <= opts.ranks <= len(TOKENS) or EXPERTS % opts.ranks:
         parser.error(f"--ranks must divide {EXPERTS} and lie in [1, {len(TOKENS)}]")
-    where = "GPUs (NCCL)" if gpus_suffice(opts.ranks) else "CPU ranks (gloo, Triton interpreter)"
+    if shared_gpu():
+        where = "GPU 0, shared by every rank (gloo, CUDA IPC)"
+    elif gpus_suffice(opts.ranks):
+        where = "GPUs (NCCL)"
+    else:
+        where = "CPU ranks (gloo, Triton interpreter)"
     print(
         f"tritonep demo: MoE layer, hidden {HIDDEN}, {EXPERTS} experts, top-{TOPK}, "
         f"{opts.ranks} ranks on {where}; normal and low-latency modes and the heap ring on "

@@ -14,6 +14,10 @@ with that rank's traceback; ranks left waiting on it are killed, so nothing hang
 
 Without enough GPUs, ranks run on the CPU over gloo and Triton kernels run under the Triton
 interpreter (``TRITON_INTERPRET=1`` is set for the rank processes before any kernel is built).
+With ``TRITONEP_SHARED_GPU=1`` every rank runs on GPU 0 instead (gloo between the processes,
+buffers mapped through CUDA IPC): compiled kernels on real hardware with any number of ranks,
+for checking correctness on a one-GPU machine; timings taken that way mean nothing, since the
+ranks' kernels take turns on the GPU.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import os
 import queue
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -33,6 +38,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .heap import shared_gpu
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -45,7 +52,13 @@ class RankContext:
     world_size: int
     local_rank: int
     device: torch.device
-    group: dist.ProcessGroup
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The default process group. Looked up, not stored: a context kept in a module
+        global would otherwise keep the group alive past ``destroy_process_group`` into
+        interpreter shutdown, where destroying it can abort the process."""
+        return dist.group.WORLD
 
     @property
     def backend(self) -> str:
@@ -53,7 +66,9 @@ class RankContext:
 
 
 def gpus_suffice(num_ranks: int) -> bool:
-    """One GPU per local rank is available."""
+    """One GPU per local rank is available, or ranks share GPU 0 (``TRITONEP_SHARED_GPU=1``)."""
+    if shared_gpu():
+        return True
     return torch.cuda.is_available() and torch.cuda.device_count() >= num_ranks
 
 
@@ -84,16 +99,18 @@ def init_distributed(
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     if backend is None:
-        backend = "nccl" if gpus_suffice(local_world) else "gloo"
-    if backend == "nccl":
-        device = torch.device("cuda", local_rank)
+        backend = "nccl" if gpus_suffice(local_world) and not shared_gpu() else "gloo"
+    if backend == "nccl" or shared_gpu():
+        device = torch.device("cuda", 0 if shared_gpu() else local_rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if not dist.is_initialized():
         kwargs: dict[str, Any] = {}
-        if device.type == "cuda":
+        if backend == "nccl":
+            # Binding a gloo group to a device (ranks sharing a GPU) would make new_group
+            # split it, which gloo cannot do.
             kwargs["device_id"] = device
         dist.init_process_group(
             backend,
@@ -102,7 +119,7 @@ def init_distributed(
             timeout=datetime.timedelta(seconds=timeout_s),
             **kwargs,
         )
-    return RankContext(rank, world_size, local_rank, device, dist.group.WORLD)
+    return RankContext(rank, world_size, local_rank, device)
 
 
 class RankFailure(RuntimeError):
@@ -173,7 +190,7 @@ class RankPool:
         startup_timeout_s: float = 300.0,
     ):
         if backend is None:
-            backend = "nccl" if gpus_suffice(num_ranks) else "gloo"
+            backend = "nccl" if gpus_suffice(num_ranks) and not shared_gpu() else "gloo"
         # CPU ranks switch the Triton interpreter on in their own process (init_distributed),
         # before any kernel is defined; this process's environment stays as it is, so pools
         # started later (on GPUs) do not inherit the interpreter.
@@ -309,33 +326,41 @@ def main(argv: list[str] | None = None) -> int:
     store = _host_store(opts.nproc)
     port = store.port
     cmd = [sys.executable, *(["-m"] if opts.module else []), opts.target, *opts.args]
+    on_cpu = not gpus_suffice(opts.nproc)
     procs = []
     for rank in range(opts.nproc):
         env = dict(os.environ, **_rank_env(rank, opts.nproc, port))
+        if on_cpu:
+            # Kernels run under the interpreter, which must be chosen before any is defined
+            # (a script may import tritonep before calling init_distributed).
+            env.setdefault("TRITON_INTERPRET", "1")
         procs.append(subprocess.Popen(cmd, env=env))
+    # One waiter per rank reports its exit the moment it happens, so the first rank to fail is
+    # the one named: a peer that dies of the broken connection a few milliseconds later must not
+    # be mistaken for the cause (polling would see both exits at once).
+    exits: queue.Queue[tuple[int, int]] = queue.Queue()
+    for rank, p in enumerate(procs):
+        threading.Thread(target=lambda r=rank, q=p: exits.put((r, q.wait())), daemon=True).start()
     deadline = None if opts.timeout is None else time.monotonic() + opts.timeout
-    code = 0
-    while any(p.poll() is None for p in procs):
-        failed = [p for p in procs if p.poll() not in (None, 0)]
-        late = deadline is not None and time.monotonic() > deadline
-        if failed or late:
-            rank = procs.index(failed[0]) if failed else -1
-            why = (
-                f"rank {rank} exited with code {failed[0].returncode}"
-                if failed
-                else "time limit passed"
-            )
-            print(f"tritonep.launch: {why}; stopping the other ranks", file=sys.stderr)
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            code = failed[0].returncode if failed else 124
-            break
-        time.sleep(0.2)
+    code, running = 0, len(procs)
+    while running:
+        wait_s = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        try:
+            rank, returncode = exits.get(timeout=wait_s)
+        except queue.Empty:
+            why, code = "time limit passed", 124
+        else:
+            running -= 1
+            if returncode == 0:
+                continue
+            why, code = f"rank {rank} exited with code {returncode}", returncode
+        print(f"tritonep.launch: {why}; stopping the other ranks", file=sys.stderr)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        break
     for p in procs:
         p.wait()
-        if code == 0 and p.returncode != 0:
-            code = p.returncode
     return code
 
 

@@ -6,9 +6,13 @@ its own outputs against :mod:`tritonep.reference` without gathering anything.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+
+from . import reference as ref
 
 ROUTINGS = ("random", "skewed", "dropped", "empty")
 
@@ -102,3 +106,35 @@ def tag_rows(case: Case) -> Case:
             x[:, 2] = (tokens // 256).to(torch.bfloat16)
         xs.append(x)
     return Case(xs, case.topk_idx, case.topk_weights, case.num_experts)
+
+
+def _gather(obj):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def verify_low_latency_call(
+    rank, case, max_tokens, use_fp8, use_ue8m0, recv_x, recv_count, handle, outputs, combined
+) -> None:
+    """Check one low-latency dispatch and combine of ``rank`` against the reference, bit for
+    bit (collective: every rank calls it). ``outputs`` are the expert outputs combine was
+    given; the reference combines them with the layout each rank actually produced."""
+    experts = case.num_experts
+    want = ref.low_latency_dispatch(case.x, case.topk_idx, max_tokens, experts, use_fp8, use_ue8m0)[
+        rank
+    ]
+    got = ref.LowLatencyDispatchResult.from_outputs(recv_x, recv_count, handle)
+    ref.assert_low_latency_dispatch_equal(got, want, rank)
+    # Only the valid rows travel (rows past the largest count are never read).
+    valid = max(int(recv_count.max()) if recv_count.numel() else 0, 1)
+    all_out = _gather(outputs[:, :valid].cpu())
+    compact = dataclasses.replace(
+        got,
+        recv_x=got.recv_x[:, :valid].view(torch.uint8),
+        recv_x_scales=None,
+        recv_src_info=got.recv_src_info[:, :valid],
+    )
+    all_got = _gather(compact)
+    expected = ref.low_latency_combine(all_out, case.topk_idx, case.topk_weights, all_got)[rank]
+    ref.assert_bitwise_equal(combined.cpu(), expected, f"rank {rank} combined")

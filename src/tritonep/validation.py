@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 
 def check_tensor(
@@ -120,3 +121,23 @@ def check_topk_weights(name: str, topk_weights: object, topk_idx: torch.Tensor) 
     return check_tensor(
         name, topk_weights, dtype=torch.float32, shape=tuple(topk_idx.shape), device=topk_idx.device
     )
+
+
+def check_ranks_agree(group: dist.ProcessGroup, what: str, **config: object) -> None:
+    """Raise the same ``ValueError`` on every rank of ``group`` unless all pass equal values.
+
+    Runs before anything collective is sized from the values: ranks that disagree on, say,
+    the hidden size would otherwise compute different buffer layouts and write into each
+    other's memory at the wrong offsets, or wait for messages that never come.
+    """
+    gathered: list[dict | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, config, group=group)
+    differing = {
+        key: [g[key] for g in gathered]
+        for key in config
+        if any(g[key] != gathered[0][key] for g in gathered)
+    }
+    if differing:
+        detail = "; ".join(f"{key} = {values} on ranks 0..{len(values) - 1}"
+                           for key, values in differing.items())  # fmt: skip
+        raise ValueError(f"{what}: the ranks disagree on the configuration: {detail}")

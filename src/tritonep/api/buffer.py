@@ -8,8 +8,10 @@ same tuples as DeepEP's. Differences, all deliberate:
   size and expert count; low-latency mode from ``num_max_dispatch_tokens_per_rank``, hidden
   size and expert count), so make one eager call before capturing CUDA graphs; later calls
   must use the same sizes;
-* normal mode runs within one node, on any number of ranks; its handle is a
-  :class:`~tritonep.modes.normal.NormalHandle`, not DeepEP's tuple, and in worst-case mode
+* normal mode runs on any number of ranks, within one node or, with ``gpus_per_node``, over
+  nodes (:class:`~tritonep.modes.internode.InternodeMode`); its handle is a
+  :class:`~tritonep.modes.normal.NormalHandle` (or ``InternodeHandle``), not DeepEP's tuple,
+  and in worst-case mode
   (``num_worst_tokens > 0``) the per-expert counts come as an ``[E_local]`` int32 device
   tensor instead of a list (a list would need the host synchronization that mode avoids);
 * normal-mode kernels run on the buffer's communication stream; outputs are allocated there
@@ -18,17 +20,20 @@ same tuples as DeepEP's. Differences, all deliberate:
   integers); any hidden size that is a multiple of 128 and any top-k up to 16 work;
 * ``num_nvl_bytes``, ``num_rdma_bytes`` and ``num_qps_per_rank`` are accepted; the bytes only
   need to cover :meth:`Buffer.get_low_latency_rdma_size_hint` when given;
-* the ``*_wait_recv_cost_stats`` arguments are accepted and ignored for now;
+* the ``*_wait_recv_cost_stats`` tensors accumulate nanoseconds (DeepEP: clock cycles);
 * a wait that times out raises :class:`~tritonep.errors.WaitTimeoutError` from
   :meth:`Buffer.check` or :meth:`Buffer.destroy` instead of trapping the GPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
 from ..kernels.layout import dispatch_layout
+from ..modes.internode import InternodeHandle, InternodeMode, token_in_node
 from ..modes.low_latency import LowLatencyHandle, LowLatencyMode
 from ..modes.normal import Config, NormalHandle, NormalMode
 from ..validation import check_dispatch_x, check_num_experts, check_tensor, check_topk_idx
@@ -38,7 +43,8 @@ class EventOverlap:
     """A CUDA event to wait on (or None when there is nothing to wait for), as in DeepEP.
 
     Args:
-        event: the recorded ``torch.cuda.Event`` or None.
+        event: the recorded ``torch.cuda.Event``, an object holding one as ``.event`` (the
+            DeepEP interface's ``EventHandle``), or None.
         extra_tensors: tensors kept alive until the event is waited on.
     """
 
@@ -46,10 +52,15 @@ class EventOverlap:
         self.event = event
         self.extra_tensors = extra_tensors
 
+    def cuda_event(self) -> torch.cuda.Event | None:
+        """The underlying CUDA event (the event itself, or the one an event handle holds)."""
+        return getattr(self.event, "event", self.event)
+
     def current_stream_wait(self) -> None:
         """Make the current stream wait for the event."""
-        if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
+        event = self.cuda_event()
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
 
     def __enter__(self):
         return self
@@ -88,6 +99,9 @@ class Buffer:
         num_qps_per_rank: accepted and ignored (no RDMA queue pairs here).
         timeout_s: limit of every wait inside the kernels.
         check_ids: read top-k ids on the host to reject out-of-range ids (a GPU sync per call).
+        profile: record kernel traces of every call (:meth:`dump_trace`).
+        gpus_per_node: ranks per node when the group spans several nodes (normal mode then
+            goes through :class:`~tritonep.modes.internode.InternodeMode`); None: one node.
     """
 
     def __init__(
@@ -101,6 +115,8 @@ class Buffer:
         timeout_s: float = 100.0,
         check_ids: bool = True,
         device: torch.device | str | None = None,
+        profile: bool = False,
+        gpus_per_node: int | None = None,
     ):
         self.group = group or dist.group.WORLD
         self.rank = dist.get_rank(self.group)
@@ -108,6 +124,12 @@ class Buffer:
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self.timeout_s, self.check_ids, self.device = timeout_s, check_ids, device
+        self.profile = profile
+        if gpus_per_node is not None and (gpus_per_node < 1 or self.group_size % gpus_per_node):
+            raise ValueError(f"gpus_per_node: expected a divisor of the {self.group_size} ranks, "
+                             f"got {gpus_per_node}")  # fmt: skip
+        self.gpus_per_node = gpus_per_node or self.group_size
+        self.num_nodes = self.group_size // self.gpus_per_node
         self._ll: LowLatencyMode | None = None
         self._normal: NormalMode | None = None
         self._layout_arrivals: torch.Tensor | None = None
@@ -116,22 +138,22 @@ class Buffer:
     #: SM budget of normal-mode calls (DeepEP's class-wide setting).
     num_sms: int = 24
 
-    @staticmethod
-    def set_num_sms(new_num_sms: int) -> None:
+    @classmethod
+    def set_num_sms(cls, new_num_sms: int) -> None:
         """Set the SM budget of later normal-mode calls: an even number, at least 2."""
         if not isinstance(new_num_sms, int) or new_num_sms < 2 or new_num_sms % 2:
             raise ValueError(f"new_num_sms: expected an even int >= 2, got {new_num_sms}")
-        Buffer.num_sms = new_num_sms
+        cls.num_sms = new_num_sms
 
-    @staticmethod
-    def get_dispatch_config(num_ranks: int) -> Config:
+    @classmethod
+    def get_dispatch_config(cls, num_ranks: int) -> Config:
         """The default :class:`~tritonep.modes.normal.Config` of a dispatch."""
-        return Config(num_sms=Buffer.num_sms)
+        return Config(num_sms=cls.num_sms)
 
-    @staticmethod
-    def get_combine_config(num_ranks: int) -> Config:
+    @classmethod
+    def get_combine_config(cls, num_ranks: int) -> Config:
         """The default config of a combine (combine uses its dispatch's channels)."""
-        return Config(num_sms=Buffer.num_sms)
+        return Config(num_sms=cls.num_sms)
 
     @staticmethod
     def capture() -> EventOverlap:
@@ -159,9 +181,9 @@ class Buffer:
             async_finish: return an event recorded after the kernel.
             allocate_on_comm_stream: accepted; the kernel runs on the current stream.
         Returns:
-            ``(num_tokens_per_rank [R] int32, None, num_tokens_per_expert [E] int32,
-            is_token_in_rank [N, R] bool, event)``; the second item is DeepEP's per-RDMA-rank
-            count, None within one node.
+            ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [nodes] int32 or None,
+            num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool, event)``; the
+            second item counts tokens per node, None within one node.
         """
         check_num_experts(num_experts, self.group_size)
         check_topk_idx("topk_idx", topk_idx, None, num_experts, check_range=self.check_ids)
@@ -172,24 +194,30 @@ class Buffer:
         per_rank, per_expert, in_rank = dispatch_layout(
             topk_idx, num_experts, self.group_size, self._layout_arrivals
         )
+        per_node = None
+        if self.num_nodes > 1:
+            per_node = token_in_node(in_rank, self.gpus_per_node).sum(0, dtype=torch.int32)
         event = _event_after(topk_idx.device, async_finish, (topk_idx,))
-        return per_rank, None, per_expert, in_rank, event
+        return per_rank, per_node, per_expert, in_rank, event
 
     # -------------------------------------------------------------------------- normal mode
-    def _normal_mode(self, hidden: int, num_experts: int | None) -> NormalMode:
+    def _normal_mode(self, hidden: int, num_experts: int | None) -> NormalMode | InternodeMode:
         mode = self._normal
         if mode is None:
             if num_experts is None:
                 raise ValueError("handle: no dispatch has run on this buffer yet")
-            mode = self._normal = NormalMode(
-                self.group,
-                hidden,
-                num_experts,
+            common = dict(
                 device=self.device,
                 timeout_s=self.timeout_s,
                 check_ids=self.check_ids,
-                max_sms=max(32, Buffer.num_sms) if torch.cuda.is_available() else None,
+                max_sms=max(32, type(self).num_sms) if torch.cuda.is_available() else None,
             )
+            common["profile"] = self._profile()
+            if self.num_nodes > 1:
+                mode = InternodeMode(self.group, hidden, num_experts, self.gpus_per_node, **common)
+            else:
+                mode = NormalMode(self.group, hidden, num_experts, **common)
+            self._normal = mode
         elif mode.hidden != hidden or (num_experts is not None and mode.num_experts != num_experts):
             raise ValueError(
                 f"hidden and num_experts must stay ({mode.hidden}, {mode.num_experts}) for this "
@@ -206,8 +234,9 @@ class Buffer:
         if self._comm_stream is None:
             self._comm_stream = torch.cuda.Stream(device)
         comm = self._comm_stream
-        if previous_event is not None and previous_event.event is not None:
-            comm.wait_event(previous_event.event)
+        event = previous_event.cuda_event() if previous_event is not None else None
+        if event is not None:
+            comm.wait_event(event)
         else:
             comm.wait_stream(compute)
         with torch.cuda.stream(comm):
@@ -254,7 +283,8 @@ class Buffer:
             handle: a handle of an earlier dispatch: cached mode (same routing, only ``x``
                 moves; no layout arguments needed, no host synchronization).
             num_tokens_per_rank: ``[R]`` int32 from :meth:`get_dispatch_layout` (not needed).
-            num_tokens_per_rdma_rank: must be None (one node).
+            num_tokens_per_rdma_rank: ``[nodes]`` int32 from :meth:`get_dispatch_layout`
+                across nodes (not needed), None within one node.
             is_token_in_rank: ``[N, R]`` bool from :meth:`get_dispatch_layout`.
             num_tokens_per_expert: ``[E]`` int32 from :meth:`get_dispatch_layout`; its length
                 is the number of experts.
@@ -276,8 +306,8 @@ class Buffer:
             :class:`~tritonep.modes.normal.NormalHandle` and an :class:`EventOverlap`. In
             cached mode the three middle outputs are None.
         """
-        if num_tokens_per_rdma_rank is not None:
-            raise ValueError("num_tokens_per_rdma_rank: must be None (normal mode is intranode)")
+        if num_tokens_per_rdma_rank is not None and self.num_nodes == 1:
+            raise ValueError("num_tokens_per_rdma_rank: must be None within one node")
         payload = check_dispatch_x("x", x)
         if handle is not None:
             mode = self._normal_mode(payload.shape[1], None)
@@ -285,8 +315,15 @@ class Buffer:
             check_tensor("num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32,
                          shape=(None,))  # fmt: skip
             mode = self._normal_mode(payload.shape[1], num_tokens_per_expert.shape[0])
-        if config is None and handle is None and mode.device.type == "cuda":
-            config = self.get_dispatch_config(self.group_size)
+        if handle is None:
+            config = config or self.get_dispatch_config(self.group_size)
+            # A config may ask for more ring slots than the buffer has (DeepEP's defaults
+            # ask for 256 and more): it gets them all.
+            slots = min(config.nvl_recv_buffer_tokens, mode.layout.ring_tokens)
+            sms = config.num_sms
+            if mode.device.type != "cuda":  # SM counts mean nothing to the interpreter
+                sms = min(sms, mode.default_config.num_sms)
+            config = dataclasses.replace(config, num_sms=sms, nvl_recv_buffer_tokens=slots)
         inputs = (x, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert)
         out, compute = self._on_comm_stream(
             payload.device,
@@ -340,8 +377,8 @@ class Buffer:
         Returns:
             ``(combined_x [N, H] BF16, combined_topk_weights [N, K] float32 or None, event)``.
         """
-        if not isinstance(handle, NormalHandle):
-            raise TypeError(f"handle: expected a NormalHandle, got {type(handle).__name__}")
+        if not isinstance(handle, NormalHandle | InternodeHandle):
+            raise TypeError(f"handle: expected a dispatch handle, got {type(handle).__name__}")
         mode = self._normal_mode(handle.hidden, handle.num_experts)
         device = x.device if isinstance(x, torch.Tensor) else mode.device
         (out, out_weights), compute = self._on_comm_stream(
@@ -381,6 +418,7 @@ class Buffer:
                 device=self.device,
                 timeout_s=self.timeout_s,
                 check_ids=self.check_ids,
+                profile=self._profile(),
             )
         elif (mode.max_tokens, mode.hidden, mode.num_experts) != (num_max, hidden, num_experts):
             raise ValueError(
@@ -413,7 +451,8 @@ class Buffer:
             num_experts: experts in total.
             cumulative_local_expert_recv_stats: optional ``[E_local]`` int32; the received
                 count of every local expert is added to it.
-            dispatch_wait_recv_cost_stats: accepted, ignored.
+            dispatch_wait_recv_cost_stats: optional ``[R]`` int64; the time this rank waited
+                for each source rank is added to it (ns on GPUs), to find a slow rank.
             use_fp8: FP8 e4m3 payload with float32 scales per 128 channels, else BF16.
             round_scale, use_ue8m0: power-of-two scales.
             async_finish: return an event recorded after the call.
@@ -441,6 +480,7 @@ class Buffer:
             use_fp8=use_fp8,
             use_ue8m0=round_scale or use_ue8m0,
             return_recv_hook=return_recv_hook,
+            wait_stats=dispatch_wait_recv_cost_stats,
         )
         stats = cumulative_local_expert_recv_stats
 
@@ -483,7 +523,7 @@ class Buffer:
             async_finish: return an event recorded after the call.
             return_recv_hook: only send; call the hook to reduce.
             out: optional ``[N, H]`` BF16 output.
-            combine_wait_recv_cost_stats: accepted, ignored.
+            combine_wait_recv_cost_stats: optional ``[R]`` int64, as in dispatch.
         Returns:
             ``(combined_x [N, H] BF16, event, hook)``.
         """
@@ -498,6 +538,7 @@ class Buffer:
             zero_copy=zero_copy,
             return_recv_hook=return_recv_hook,
             out=out,
+            wait_stats=combine_wait_recv_cost_stats,
         )
         event = _event_after(mode.device, async_finish, (x, topk_idx, topk_weights))
         return out, event, hook
@@ -512,6 +553,23 @@ class Buffer:
         if self._ll is None:
             raise RuntimeError("call low_latency_dispatch before the low-latency combine")
         return self._ll
+
+    def dump_trace(self, path: str) -> str:
+        """Write this rank's kernel traces, both modes on one time axis (Chrome trace JSON,
+        for Perfetto), to ``path`` (which may contain ``{rank}``); needs ``profile=True``."""
+        recorder = self._trace_recorder()
+        if recorder is None:
+            raise RuntimeError("profile: construct the Buffer with profile=True and make a call")
+        return str(recorder.dump(path.format(rank=self.rank)))
+
+    def _trace_recorder(self):
+        """The recorder both modes share (one time axis), once a mode exists."""
+        modes = [m for m in (self._normal, self._ll) if m is not None]
+        return modes[0].trace if modes else None
+
+    def _profile(self):
+        """What a new mode gets as ``profile``: the shared recorder, else the flag."""
+        return self._trace_recorder() or self.profile
 
     def check(self) -> None:
         """Wait for the device; raise :class:`WaitTimeoutError` if a kernel wait gave up (or

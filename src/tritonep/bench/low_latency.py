@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..testing import route
+from . import compare
 from .timing import mean_over_ranks, time_graph, time_pair
 
 
-def _low_latency_point(ctx, mode, baseline, opts, T, max_tokens):
+def _low_latency_point(ctx, mode, baseline, rival, opts, T, topk, max_tokens):
     """Time one token count: tritonep per call and in graphs, then the torch backend."""
-    H, E, K = opts.hidden, opts.experts, opts.topk
+    H, E, K = mode.hidden, mode.num_experts, topk
     use_fp8 = not opts.bf16
     gen = torch.Generator().manual_seed(1000 + ctx.rank)
     x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(ctx.device)
@@ -37,11 +40,14 @@ def _low_latency_point(ctx, mode, baseline, opts, T, max_tokens):
     recv_rows = int(state["d"][1].sum())
     g_disp, g_comb = time_graph(dispatch, 10, 20), time_graph(combine, 10, 20)
     mode.check()
-    b_disp, b_comb = time_pair(base_dispatch, base_combine, max(opts.iters // 5, 5), 3)
+    b_disp, b_comb = time_pair(
+        base_dispatch, base_combine, max(opts.iters // 5, min(5, opts.iters)), 3
+    )
     msg = H + H // 128 * 4 if use_fp8 else 2 * H
     vals = mean_over_ranks([t_disp, t_comb, g_disp, g_comb, b_disp, b_comb, recv_rows])
     t_disp, t_comb, g_disp, g_comb, b_disp, b_comb, recv_rows = vals
-    return {
+    row = {
+        "mode": "low-latency",
         "tokens": T,
         "hidden": H,
         "topk": K,
@@ -57,25 +63,31 @@ def _low_latency_point(ctx, mode, baseline, opts, T, max_tokens):
         "dispatch_GBps": recv_rows * msg / (t_disp * 1e-3) / 1e9,
         "combine_GBps": recv_rows * 2 * H / (t_comb * 1e-3) / 1e9,
     }
+    if rival is not None:
+        row.update(compare.low_latency_point(rival, x, idx, w, E, max_tokens, use_fp8, opts.iters))
+    return row
 
 
-def low_latency_rank(ctx, opts):
+def low_latency_rank(ctx, opts, progress):
+    """Every point of the sweep on this rank: a list of rows (rank-averaged)."""
     from ..modes.low_latency import LowLatencyMode
     from ..torch_backend import TorchBackend
 
-    sweep = [int(t) for t in opts.tokens.split(",")]
-    max_tokens = max(sweep)
-    # No host read of the ids per call: that is a GPU sync, which decode loops avoid.
-    mode = LowLatencyMode(
-        None,
-        max_tokens,
-        opts.hidden,
-        opts.experts,
-        max_topk=max(opts.topk, 2),
-        device=ctx.device,
-        check_ids=False,
-    )
+    max_tokens = max(opts.tokens)
     baseline = TorchBackend()
-    rows = [_low_latency_point(ctx, mode, baseline, opts, T, max_tokens) for T in sweep]
-    mode.destroy()
+    rival, note = compare.load(opts.compare)
+    if note and ctx.rank == 0:
+        print(note, flush=True)
+    rows = []
+    for hidden, experts, topk in itertools.product(opts.hidden, opts.experts, opts.topk):
+        # No host read of the ids per call: that is a GPU sync, which decode loops avoid.
+        mode = LowLatencyMode(
+            None, max_tokens, hidden, experts, max_topk=max(topk, 2), device=ctx.device,
+            check_ids=False,
+        )  # fmt: skip
+        for tokens in opts.tokens:
+            row = _low_latency_point(ctx, mode, baseline, rival, opts, tokens, topk, max_tokens)
+            rows.append(row)
+            progress(row)
+        mode.destroy()
     return rows

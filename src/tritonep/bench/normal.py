@@ -16,15 +16,18 @@ remote bytes (received from other ranks) over time.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..reference.fp8 import quantize_fp8
 from ..testing import route
+from . import compare
 from .timing import mean_over_ranks, median_ms, time_graph
 
 
-def _point(ctx, mode, baseline, opts, num_tokens, config):
-    H, E, K, R = opts.hidden, opts.experts, opts.topk, ctx.world_size
+def _point(ctx, mode, baseline, rival, opts, num_tokens, topk, config):
+    H, E, K, R = mode.hidden, mode.num_experts, topk, ctx.world_size
     gen = torch.Generator().manual_seed(2000 + ctx.rank)
     x = torch.randn(num_tokens, H, generator=gen).to(torch.bfloat16).to(ctx.device)
     idx = route(gen, num_tokens, E, K, "random").to(ctx.device)
@@ -55,7 +58,7 @@ def _point(ctx, mode, baseline, opts, num_tokens, config):
 
     base_dispatch()
     y_base = y[: sum(state["b"][4].recv_counts)]
-    base_iters = max(opts.iters // 4, 5)
+    base_iters = max(opts.iters // 4, min(5, opts.iters))
     t_bdisp = median_ms(base_dispatch, base_iters, 2)
     t_bcomb = median_ms(lambda: baseline.combine(y_base, state["b"][4]), base_iters, 2)
 
@@ -70,8 +73,12 @@ def _point(ctx, mode, baseline, opts, num_tokens, config):
     def gbps(rows, row_bytes, ms):
         return rows * row_bytes / (ms * 1e-3) / 1e9
 
-    return {
+    row = {
+        "mode": "normal",
         "tokens": num_tokens,
+        "hidden": H,
+        "topk": K,
+        "experts": E,
         "ranks": R,
         "sms": config.num_sms,
         "dispatch_us": t_bf16 * 1e3,
@@ -89,31 +96,33 @@ def _point(ctx, mode, baseline, opts, num_tokens, config):
         "torch_dispatch_us": t_bdisp * 1e3,
         "torch_combine_us": t_bcomb * 1e3,
     }
+    if rival is not None:
+        row.update(compare.normal_point(rival, x, idx, w, E, opts.iters))
+    return row
 
 
-def _short(value):
-    return round(value, 1) if isinstance(value, float) else value
-
-
-def normal_rank(ctx, opts):
+def normal_rank(ctx, opts, progress):
+    """Every point of the sweep on this rank: a list of rows (rank-averaged)."""
     from ..modes.normal import Config, NormalMode
     from ..torch_backend import TorchBackend
 
-    mode = NormalMode(
-        None, opts.hidden, opts.experts, max_topk=max(opts.topk, 2), device=ctx.device,
-        check_ids=False, max_sms=max(opts.sms_list), ring_tokens=max(opts.ring_list),
-    )  # fmt: skip
     baseline = TorchBackend()
+    rival, note = compare.load(opts.compare)
+    if note and ctx.rank == 0:
+        print(note, flush=True)
     rows = []
-    for tokens in [int(t) for t in opts.tokens.split(",")]:
-        for sms in opts.sms_list:
-            for chunk in opts.chunk_list:
-                for ring in opts.ring_list:
-                    config = Config(num_sms=sms, nvl_send_chunk=chunk, nvl_recv_buffer_tokens=ring)
-                    row = _point(ctx, mode, baseline, opts, tokens, config)
-                    row.update(chunk=chunk, ring=ring)
-                    rows.append(row)
-                    if ctx.rank == 0:
-                        print({k: _short(v) for k, v in row.items()}, flush=True)
-    mode.destroy()
+    for hidden, experts, topk in itertools.product(opts.hidden, opts.experts, opts.topk):
+        mode = NormalMode(
+            None, hidden, experts, max_topk=max(topk, 2), device=ctx.device, check_ids=False,
+            max_sms=max(opts.sms), ring_tokens=max(opts.ring),
+        )  # fmt: skip
+        for tokens, sms, chunk, ring in itertools.product(
+            opts.tokens, opts.sms, opts.chunk, opts.ring
+        ):
+            config = Config(num_sms=sms, nvl_send_chunk=chunk, nvl_recv_buffer_tokens=ring)
+            row = _point(ctx, mode, baseline, rival, opts, tokens, topk, config)
+            row.update(chunk=chunk, ring=ring)
+            rows.append(row)
+            progress(row)
+        mode.destroy()
     return rows

@@ -1,56 +1,73 @@
-"""Timing helpers shared by the benchmarks: CUDA events, medians, CUDA-graph replays."""
+"""Timing helpers shared by the benchmarks: medians of many timed calls, CUDA-graph replays.
+
+On GPUs every call is bracketed by CUDA events (device time, queued back to back); on CPU ranks
+(kernels under the interpreter, synchronous) by the host clock. Ranks start each measurement
+together (a barrier after the warm-up).
+"""
 
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
 
 
-def median_event_ms(pairs) -> float:
-    return statistics.median(a.elapsed_time(b) for a, b in pairs)
+def _on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def _mark():
+    if _on_gpu():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def _ms(start, end) -> float:
+    return start.elapsed_time(end) if _on_gpu() else (end - start) * 1e3
+
+
+def _sync() -> None:
+    if _on_gpu():
+        torch.cuda.synchronize()
 
 
 def median_ms(fn, iters: int, warmup: int) -> float:
-    """Median ms of ``fn()`` over ``iters`` eager calls, after ``warmup`` calls and a barrier."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-             for _ in range(iters)]  # fmt: skip
-    for start, end in marks:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return median_event_ms(marks)
+    """Median ms of ``fn()`` over ``iters`` calls, after ``warmup`` calls and a barrier."""
+    return time_pair(fn, None, iters, warmup)[0]
 
 
 def time_pair(first, second, iters: int, warmup: int) -> tuple[float, float]:
-    """Median ms of ``first()`` and of ``second()`` when run back to back ``iters`` times."""
+    """Median ms of ``first()`` and of ``second()`` (if given) run back to back ``iters``
+    times; ``second``'s median is NaN when it is None."""
+    calls = [first] if second is None else [first, second]
+    if not _on_gpu():
+        warmup = min(warmup, 1)  # the interpreter has nothing to warm up but the compile
     for _ in range(warmup):
-        first()
-        second()
-    torch.cuda.synchronize()
+        for fn in calls:
+            fn()
+    _sync()
     dist.barrier()
-    marks = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(iters)]
-    for m in marks:
-        m[0].record()
-        first()
-        m[1].record()
-        second()
-        m[2].record()
-    torch.cuda.synchronize()
-    return median_event_ms([(m[0], m[1]) for m in marks]), median_event_ms(
-        [(m[1], m[2]) for m in marks]
-    )
+    marks = []
+    for _ in range(iters):
+        row = [_mark()]
+        for fn in calls:
+            fn()
+            row.append(_mark())
+        marks.append(row)
+    _sync()
+    medians = [statistics.median(_ms(m[i], m[i + 1]) for m in marks) for i in range(len(calls))]
+    return medians[0], medians[1] if second is not None else float("nan")
 
 
 def time_graph(fn, calls: int, replays: int) -> float:
     """ms per call of ``fn`` captured ``calls`` times in one CUDA graph: the device time,
-    free of the host's launch overhead."""
+    free of the host's launch overhead. NaN on CPU ranks (no graphs there)."""
+    if not _on_gpu():
+        return float("nan")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -75,6 +92,8 @@ def time_graph(fn, calls: int, replays: int) -> float:
 
 
 def mean_over_ranks(values) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device="cuda")
+    """The mean over ranks of each value (NaN stays NaN)."""
+    device = "cuda" if _on_gpu() and dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return (t / dist.get_world_size()).tolist()

@@ -12,6 +12,8 @@ Two backends behind one interface:
 
 * GPU: PyTorch symmetric memory (``torch.distributed._symmetric_memory``), the CUDA backend by
   default or NVSHMEM on request (:func:`set_backend` before the first allocation of the process);
+  ranks that share one GPU (a gloo group on CUDA devices) map each other's buffers through CUDA
+  IPC handles instead, which symmetric memory does not allow;
 * CPU: files in shared memory mapped by every rank process, so kernels run with
   ``TRITON_INTERPRET=1`` read, write and signal peers exactly as on GPUs. This is the twin the
   CPU test suite runs on.
@@ -21,12 +23,30 @@ A new heap is zero-filled on every rank before :func:`allocate` returns, so flag
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
 from .base import SymmetricHeap
 
-__all__ = ["SymmetricHeap", "allocate", "set_backend"]
+__all__ = ["SymmetricHeap", "allocate", "default_device", "set_backend"]
+
+SHARED_GPU_ENV = "TRITONEP_SHARED_GPU"
+
+
+def shared_gpu() -> bool:
+    """Every rank of this machine runs on GPU 0 (``TRITONEP_SHARED_GPU=1``, for tests)."""
+    return os.environ.get(SHARED_GPU_ENV, "0") not in ("", "0") and torch.cuda.is_available()
+
+
+def default_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a rank of ``group`` keeps its buffers: the current CUDA device for NCCL groups
+    and for ranks sharing a GPU, else the CPU."""
+    group = group or dist.group.WORLD
+    if dist.get_backend(group) == "nccl" or shared_gpu():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def set_backend(name: str) -> None:
@@ -47,17 +67,16 @@ def allocate(
         nbytes: bytes per rank, the same on every rank.
         group: the process group (default: the world).
         device: a CUDA device (symmetric memory) or ``"cpu"`` (shared memory); default: the
-            current CUDA device when the group's backend is NCCL, else the CPU.
+            :func:`default_device` of the group.
     """
     if not isinstance(nbytes, int) or nbytes <= 0:
         raise ValueError(f"nbytes: expected a positive int, got {nbytes!r}")
     group = group or dist.group.WORLD
-    if device is None:
-        on_gpu = dist.get_backend(group) == "nccl"
-        device = (
-            torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        )
-    device = torch.device(device)
+    device = torch.device(device) if device is not None else default_device(group)
+    if device.type == "cuda" and dist.get_backend(group) != "nccl":
+        from .cuda_ipc import allocate_cuda_ipc
+
+        return allocate_cuda_ipc(nbytes, group, device)
     if device.type == "cuda":
         from .cuda import allocate_cuda
 

@@ -27,6 +27,7 @@ class SymmetricHeap:
         peer_ptrs: Sequence[int],
         barrier: Callable[[], None],
         keepalive: object = None,
+        release: Callable[[], None] | None = None,
     ):
         self.group = group
         self.rank = dist.get_rank(group)
@@ -38,6 +39,7 @@ class SymmetricHeap:
         self.peer_ptrs = torch.tensor(list(peer_ptrs), dtype=torch.int64, device=self.device)
         self._barrier = barrier
         self._keepalive = keepalive
+        self._release = release
 
     def view(
         self, rank: int, dtype: torch.dtype, shape: Sequence[int], offset: int = 0
@@ -65,11 +67,14 @@ class SymmetricHeap:
 
     def close(self) -> None:
         """Drop this rank's mappings (collective: call on every rank)."""
-        if self._peers is not None:
-            self.barrier()
+        if self._peers is None:
+            return
+        self.barrier()
         self._peers = None
         self.local = None
         self._keepalive = None
+        if self._release is not None:
+            self._release()
 
     def __repr__(self) -> str:
         return (

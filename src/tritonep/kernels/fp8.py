@@ -43,6 +43,20 @@ def quantize_groups(x, USE_UE8M0: tl.constexpr):
 
 
 @triton.jit
+def from_bf16(x, EMULATE: tl.constexpr):
+    """bfloat16 -> float32, exactly.
+
+    GPUs convert in hardware; the Triton interpreter flushes subnormals to zero, so under it
+    (``EMULATE``) the bits are shifted into place instead.
+    """
+    if EMULATE:
+        bits = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
 def to_bf16(x, EMULATE: tl.constexpr):
     """float32 -> bfloat16 with round-to-nearest-even.
 

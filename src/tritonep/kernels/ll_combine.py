@@ -15,6 +15,9 @@ expert twice reads that expert's single row twice (dispatch sent it once, at the
 Why it is fast: the receive buffer is indexed by (token, top-k column), which is
 ``max_tokens * top-k`` rows instead of ``num_experts * max_tokens`` (32x smaller at 256 experts,
 top-8), every row crosses NVLink once, and the reduction reads local memory only.
+
+Traced launches (``PROFILE``) record, per program, the time spent sending, signalling, waiting
+and reducing; ``WAIT_STATS`` adds the time waited per source rank. Both compile out when off.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fp8 import to_bf16
+from .fp8 import from_bf16, to_bf16
 from .ll_dispatch import finish_launch
 from .sync import add_release, aligned_ptr, record_timeout, wait_flag
+from .trace import read_clock, write_trace
 
 PHASE_COMBINE_RECV = tl.constexpr(3)
 
@@ -50,6 +54,8 @@ def ll_combine_kernel(
     state_ptr,
     status_ptr,
     timeout_ns,
+    trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE), or the clock of WAIT_STATS
+    wait_stats_ptr,  # [R] int64 time spent waiting for each source rank (WAIT_STATS)
     H: tl.constexpr,
     K: tl.constexpr,
     K_MAX: tl.constexpr,
@@ -63,6 +69,8 @@ def ll_combine_kernel(
     K_P2: tl.constexpr,
     G_P2: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
+    PROFILE: tl.constexpr,
+    WAIT_STATS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -74,6 +82,15 @@ def ll_combine_kernel(
     row_mask = (groups < G)[:, None]
     c_send = tl.load(state_ptr + COMBINE_SEND_CALLS, volatile=True)
     c_recv = tl.load(state_ptr + COMBINE_RECV_CALLS, volatile=True)
+    # Trace: sub-phase totals (send, signal, wait, reduce).
+    t_start = tl.zeros((), tl.int64)
+    if PROFILE:
+        t_start = read_clock(trace_ptr, USE_CLOCK)
+    t_send_end = t_start
+    t_send = tl.zeros((), tl.int64)
+    t_signal = tl.zeros((), tl.int64)
+    t_wait = tl.zeros((), tl.int64)
+    t_reduce = tl.zeros((), tl.int64)
 
     if DO_SEND:
         set_off = (c_send % 2) * RECV_SET_BYTES
@@ -85,6 +102,8 @@ def ll_combine_kernel(
         for item in range(pid, E_LOCAL * NUM_RANKS, num_programs):
             local = item // NUM_RANKS
             src = item % NUM_RANKS
+            if PROFILE:
+                t0 = read_clock(trace_ptr, USE_CLOCK)
             packed = tl.load(range_ptr + local * NUM_RANKS + src)
             begin = (packed >> 32).to(tl.int32)
             count = (packed & 0xFFFFFFFF).to(tl.int32)
@@ -99,21 +118,39 @@ def ll_combine_kernel(
                 dst = base + recv_offset + set_off + (token * K_MAX + column) * (H * 2)
                 dst = aligned_ptr(dst, tl.bfloat16)
                 tl.store(dst[:, None] + flat[None, :], y, mask=mask2)
+            if PROFILE:
+                t1 = read_clock(trace_ptr, USE_CLOCK)
             done = base + done_offset + rank * 8
             add_release(done.to(tl.pointer_type(tl.int64)), 1)
+            if PROFILE:
+                t2 = read_clock(trace_ptr, USE_CLOCK)
+                t_send += t1 - t0
+                t_signal += t2 - t1
+        if PROFILE:
+            t_send_end = read_clock(trace_ptr, USE_CLOCK)
 
     if DO_RECV:
         set_off = (c_recv % 2) * RECV_SET_BYTES
         my_base = tl.load(peer_ptrs + rank)
+        if PROFILE:
+            t0 = read_clock(trace_ptr, USE_CLOCK)
         if pid < num_tokens:
             target = (c_recv + 1) * E_LOCAL
             budget = timeout_ns + tl.zeros((), tl.int64)  # later waits give up after a timeout
             for src in range(NUM_RANKS):
                 done = (my_base + done_offset + src * 8).to(tl.pointer_type(tl.int64))
+                if WAIT_STATS:
+                    w0 = read_clock(trace_ptr, USE_CLOCK)
                 _, ok = wait_flag(done, target, budget, USE_CLOCK, AT_LEAST=True)
+                if WAIT_STATS:
+                    waited = read_clock(trace_ptr, USE_CLOCK) - w0
+                    tl.atomic_add(wait_stats_ptr + src, waited, sem="relaxed", scope="gpu")
                 budget = tl.where(ok, budget, 0)
                 if not ok:
                     record_timeout(status_ptr, src, PHASE_COMBINE_RECV)
+        if PROFILE:
+            t1 = read_clock(trace_ptr, USE_CLOCK)
+            t_wait = t1 - t0
         ks = tl.arange(0, K_P2)
         for token in range(pid, num_tokens, num_programs):
             token64 = tl.cast(token, tl.int64)
@@ -127,9 +164,14 @@ def ll_combine_kernel(
                     src = my_base + recv_offset + set_off + (token64 * K_MAX + column) * (H * 2)
                     src = aligned_ptr(src, tl.bfloat16)
                     y = tl.load(src + row_offs, mask=row_mask, cache_modifier=".cg")
-                    acc += weight * y.to(tl.float32)
+                    acc += weight * from_bf16(y, not USE_CLOCK)
             tl.store(out_ptr + token64 * H + row_offs, to_bf16(acc, not USE_CLOCK), mask=row_mask)
+        if PROFILE:
+            t_reduce = read_clock(trace_ptr, USE_CLOCK) - t1
 
+    if PROFILE:
+        t_end = read_clock(trace_ptr, USE_CLOCK)
+        write_trace(trace_ptr, t_start, t_send_end, t_end, t_send, t_signal, t_wait, t_reduce, 0)
     finish_launch(
         state_ptr,
         COMBINE_ARRIVALS,

@@ -24,6 +24,10 @@ Both phases can run in one launch (the GPU default, launched cooperatively so th
 programs are resident) or as two launches (the receive hook, and the Triton interpreter, which
 runs programs one after another). Two buffer sets alternate between calls (``call % 2``); the
 call counters live on the device, so captured CUDA graphs replay correctly.
+
+Traced launches (``PROFILE``) record, per program, the time spent quantizing and sending,
+sending counts, waiting and packing; ``WAIT_STATS`` adds the time waited per source rank
+(:mod:`tritonep.kernels.trace`). Both compile out when off.
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fp8 import e4m3_bits, quantize_groups
+from .fp8 import e4m3_bits, from_bf16, quantize_groups
 from .sync import aligned_ptr, record_timeout, store_release, wait_flag
+from .trace import read_clock, write_trace
 
 PHASE_DISPATCH_RECV = tl.constexpr(2)
 
@@ -85,6 +90,8 @@ def ll_dispatch_kernel(
     out_range_ptr,  # [E_local, R] int64
     status_ptr,  # [4] int32
     timeout_ns,
+    trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE), or the clock of WAIT_STATS
+    wait_stats_ptr,  # [R] int64 time spent waiting for each source rank (WAIT_STATS)
     H: tl.constexpr,
     K: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
@@ -103,6 +110,8 @@ def ll_dispatch_kernel(
     G_P2: tl.constexpr,
     MSG_BLOCK: tl.constexpr,
     TOK_BLOCK: tl.constexpr,
+    PROFILE: tl.constexpr,
+    WAIT_STATS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -115,6 +124,15 @@ def ll_dispatch_kernel(
     row_mask = gmask[:, None]
     c_send = tl.load(state_ptr + DISPATCH_SEND_CALLS, volatile=True)
     c_recv = tl.load(state_ptr + DISPATCH_RECV_CALLS, volatile=True)
+    # Trace: sub-phase totals (quantize and send, count send, wait, pack).
+    t_start = tl.zeros((), tl.int64)
+    if PROFILE:
+        t_start = read_clock(trace_ptr, USE_CLOCK)
+    t_send_end = t_start
+    t_quantize_send = tl.zeros((), tl.int64)
+    t_count_send = tl.zeros((), tl.int64)
+    t_wait = tl.zeros((), tl.int64)
+    t_pack = tl.zeros((), tl.int64)
 
     if DO_SEND:
         set_off = (c_send % 2) * RECV_SET_BYTES
@@ -123,6 +141,8 @@ def ll_dispatch_kernel(
         scratch_k = scratch_tok + M
         ks = tl.arange(0, K_P2)
         for expert in range(pid, NUM_EXPERTS, num_programs):
+            if PROFILE:
+                t0 = read_clock(trace_ptr, USE_CLOCK)
             # Number the tokens that chose this expert, in token order.
             count = tl.zeros((), tl.int32)
             for start in range(0, num_tokens, BLOCK_N):
@@ -159,7 +179,7 @@ def ll_dispatch_kernel(
                 x_src = x_ptr + token.to(tl.int64)[:, None, None] * H + row_offs[None, :, :]
                 x = tl.load(x_src, mask=mask3, other=0.0)
                 if USE_FP8:
-                    flat_groups = tl.reshape(x.to(tl.float32), (TOK_BLOCK * G_P2, 128))
+                    flat_groups = tl.reshape(from_bf16(x, not USE_CLOCK), (TOK_BLOCK * G_P2, 128))
                     q, scale = quantize_groups(flat_groups, USE_UE8M0)
                     q = tl.reshape(e4m3_bits(q, not USE_CLOCK), (TOK_BLOCK, G_P2, 128))
                     q_ptr = aligned_ptr(msg + HEADER_BYTES, tl.uint8)
@@ -171,11 +191,19 @@ def ll_dispatch_kernel(
                 else:
                     x_dst = aligned_ptr(msg + HEADER_BYTES, tl.bfloat16)[:, None, None]
                     tl.store(x_dst + row_offs[None, :, :], x, mask=mask3)
+            if PROFILE:
+                t1 = read_clock(trace_ptr, USE_CLOCK)
             flag = base + flag_offset + flag_set_off + (local * NUM_RANKS + rank) * 8
             store_release(
                 flag.to(tl.pointer_type(tl.int64)), ((c_send + 1) << 32) | count.to(tl.int64)
             )
             tl.debug_barrier()
+            if PROFILE:
+                t2 = read_clock(trace_ptr, USE_CLOCK)
+                t_quantize_send += t1 - t0
+                t_count_send += t2 - t1
+        if PROFILE:
+            t_send_end = read_clock(trace_ptr, USE_CLOCK)
 
     if DO_RECV:
         set_off = (c_recv % 2) * RECV_SET_BYTES
@@ -193,19 +221,29 @@ def ll_dispatch_kernel(
         for item in range(pid, E_LOCAL * NUM_RANKS, num_programs):
             local = item // NUM_RANKS
             me_src = item % NUM_RANKS
+            if PROFILE:
+                t0 = read_clock(trace_ptr, USE_CLOCK)
             begin = tl.zeros((), tl.int32)
             count = tl.zeros((), tl.int32)
             for src in range(0, me_src + 1):
                 flag = my_base + flag_offset + flag_set_off + (local * NUM_RANKS + src) * 8
+                if WAIT_STATS:
+                    w0 = read_clock(trace_ptr, USE_CLOCK)
                 value, ok = wait_flag(
                     flag.to(tl.pointer_type(tl.int64)), c_recv + 1, budget, USE_CLOCK, SHIFT=32
                 )
+                if WAIT_STATS:
+                    waited = read_clock(trace_ptr, USE_CLOCK) - w0
+                    tl.atomic_add(wait_stats_ptr + src, waited, sem="relaxed", scope="gpu")
                 budget = tl.where(ok, budget, 0)
                 if not ok:
                     record_timeout(status_ptr, src, PHASE_DISPATCH_RECV, local)
                 # A timed-out source contributes nothing; the host raises from the status.
                 begin += count
                 count = tl.where(ok, (value & 0xFFFFFFFF).to(tl.int32), 0)
+            if PROFILE:
+                t1 = read_clock(trace_ptr, USE_CLOCK)
+                t_wait += t1 - t0
             block = (local * NUM_RANKS + me_src) * M * MSG_BYTES
             block = my_base + recv_offset + set_off + block
             # MSG_BLOCK messages at a time, so that their loads are in flight together.
@@ -240,7 +278,15 @@ def ll_dispatch_kernel(
             tl.store(out_range_ptr + local * NUM_RANKS + me_src, packed)
             if me_src == NUM_RANKS - 1:
                 tl.store(out_count_ptr + local, begin + count)
+            if PROFILE:
+                t_pack += read_clock(trace_ptr, USE_CLOCK) - t1
 
+    if PROFILE:
+        t_end = read_clock(trace_ptr, USE_CLOCK)
+        write_trace(
+            trace_ptr, t_start, t_send_end, t_end, t_quantize_send, t_count_send, t_wait,
+            t_pack, 0,
+        )  # fmt: skip
     finish_launch(
         state_ptr,
         DISPATCH_ARRIVALS,

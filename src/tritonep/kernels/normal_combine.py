@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fp8 import to_bf16
+from .fp8 import from_bf16, to_bf16
 from .normal_dispatch import column, finish_call, rows_before
 from .sync import (
     aligned_ptr,
@@ -35,6 +35,7 @@ from .sync import (
     start_clock,
     wait_all_at_least,
 )
+from .trace import read_clock, trace_role
 
 PHASE_COMBINE_SEND = tl.constexpr(13)
 PHASE_COMBINE_RECV = tl.constexpr(14)
@@ -229,13 +230,13 @@ def combine_receive(
                     other=0.0,
                     cache_modifier=".cg",
                 )
-                acc += y.to(tl.float32)
+                acc += from_bf16(y, not USE_CLOCK)
             m2 = tmask[:, None] & em[None, :]
             at = tokens64[:, None] * H + e[None, :]
             if NUM_BIAS >= 1:
-                acc += tl.load(bias0_ptr + at, mask=m2, other=0.0).to(tl.float32)
+                acc += from_bf16(tl.load(bias0_ptr + at, mask=m2, other=0.0), not USE_CLOCK)
             if NUM_BIAS >= 2:
-                acc += tl.load(bias1_ptr + at, mask=m2, other=0.0).to(tl.float32)
+                acc += from_bf16(tl.load(bias1_ptr + at, mask=m2, other=0.0), not USE_CLOCK)
             tl.store(out_ptr + at, to_bf16(acc, not USE_CLOCK), mask=m2)
         if HAS_WEIGHTS:
             wacc = tl.zeros((TOK, K_P2), tl.float32)
@@ -282,6 +283,7 @@ def normal_combine_kernel(
     out_weights_ptr,  # [N, K] float32 (optional)
     status_ptr,
     timeout_ns,
+    trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE)
     H: tl.constexpr,
     K: tl.constexpr,
     NUM_RANKS: tl.constexpr,
@@ -297,9 +299,12 @@ def normal_combine_kernel(
     BW: tl.constexpr,  # words (2 BF16 values) per copy step; the sum runs over 2 * BW values
     R_P2: tl.constexpr,
     K_P2: tl.constexpr,
+    PROFILE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     call = tl.load(state_ptr + COMBINE_CALLS, volatile=True)
+    if PROFILE:
+        t_start = read_clock(trace_ptr, USE_CLOCK)
     if pid < NUM_CHANNELS:
         combine_send(
             pid,
@@ -361,4 +366,6 @@ def normal_combine_kernel(
             R_P2,
             K_P2,
         )
+    if PROFILE:
+        trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), pid < NUM_CHANNELS)
     finish_call(state_ptr, call, COMBINE_ARRIVALS, COMBINE_CALLS)

@@ -40,6 +40,7 @@ from .sync import (
     start_clock,
     wait_all_at_least,
 )
+from .trace import read_clock, trace_role
 
 PHASE_DISPATCH_SEND = tl.constexpr(11)
 PHASE_DISPATCH_RECV = tl.constexpr(12)
@@ -85,6 +86,7 @@ def dispatch_send(
     topk_idx_ptr,
     topk_weights_ptr,
     in_rank_ptr,
+    src_tag_ptr,
     num_tokens,
     peer_ptrs,
     rank,
@@ -106,6 +108,7 @@ def dispatch_send(
     HAS_SCALES: tl.constexpr,
     HAS_TOPK: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
+    HAS_TAG: tl.constexpr,
     USE_CLOCK: tl.constexpr,
     TOK: tl.constexpr,
     BW: tl.constexpr,
@@ -197,10 +200,13 @@ def dispatch_send(
                         mask=tmask[:, None] & kmask[None, :],
                         other=0.0,
                     )
+            source = tokens
+            if HAS_TAG:  # a row's origin further back (the internode forwarders use it)
+                source = tl.load(src_tag_ptr + tokens64, mask=tmask, other=0)
             for d in tl.static_range(NUM_RANKS):
                 to_d = column(hit, ranks, d) > 0
                 record = aligned_ptr(column(dst, ranks, d) + META_OFF * 4, tl.int32)
-                tl.store(record, tokens, mask=to_d)
+                tl.store(record, source, mask=to_d)
                 if HAS_TOPK:
                     local = tl.where(owner == d, ids - d * E_LOCAL, -1).to(tl.int32)
                     kto = to_d[:, None] & kmask[None, :]
@@ -370,6 +376,7 @@ def normal_dispatch_kernel(
     topk_idx_ptr,  # [N, K] int64 global expert ids (not in cached mode)
     topk_weights_ptr,  # [N, K] float32 (optional)
     in_rank_ptr,  # [N, R] int8
+    src_tag_ptr,  # [N] int32 recorded as each row's source index instead of its token (HAS_TAG)
     num_tokens,
     peer_ptrs,  # [R] int64 heap base addresses
     rank,
@@ -388,6 +395,7 @@ def normal_dispatch_kernel(
     max_rows,
     status_ptr,  # [4] int32
     timeout_ns,
+    trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE)
     W: tl.constexpr,  # payload words per token
     G: tl.constexpr,  # scale words per token (FP8)
     K: tl.constexpr,
@@ -401,6 +409,7 @@ def normal_dispatch_kernel(
     HAS_SCALES: tl.constexpr,
     HAS_TOPK: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
+    HAS_TAG: tl.constexpr,
     PAD_ROWS: tl.constexpr,  # worst-case outputs: mark rows past the received ones
     USE_CLOCK: tl.constexpr,
     TOK: tl.constexpr,
@@ -410,9 +419,12 @@ def normal_dispatch_kernel(
     R_P2: tl.constexpr,
     K_P2: tl.constexpr,
     G_P2: tl.constexpr,
+    PROFILE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     call = tl.load(state_ptr + DISPATCH_CALLS, volatile=True)
+    if PROFILE:
+        t_start = read_clock(trace_ptr, USE_CLOCK)
     if pid < NUM_CHANNELS:
         dispatch_send(
             pid,
@@ -422,6 +434,7 @@ def normal_dispatch_kernel(
             topk_idx_ptr,
             topk_weights_ptr,
             in_rank_ptr,
+            src_tag_ptr,
             num_tokens,
             peer_ptrs,
             rank,
@@ -443,6 +456,7 @@ def normal_dispatch_kernel(
             HAS_SCALES,
             HAS_TOPK,
             HAS_WEIGHTS,
+            HAS_TAG,
             USE_CLOCK,
             TOK,
             BW,
@@ -490,4 +504,6 @@ def normal_dispatch_kernel(
             K_P2,
             G_P2,
         )
+    if PROFILE:
+        trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), pid < NUM_CHANNELS)
     finish_call(state_ptr, call, DISPATCH_ARRIVALS, DISPATCH_CALLS)

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .sync import STATUS_OVERFLOW, elapsed_ns, record_timeout, start_clock
+from .trace import read_clock, trace_role
 
 PHASE_NOTIFY = tl.constexpr(10)
 
@@ -48,6 +49,7 @@ def notify_kernel(
     max_rows,  # rows the outputs hold (worst-case mode), 0 = unlimited
     status_ptr,  # [4] int32
     timeout_ns,
+    trace_ptr,  # [R * SLOTS + 1] int64 readings (PROFILE)
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
     E_LOCAL: tl.constexpr,
@@ -59,9 +61,12 @@ def notify_kernel(
     C_P2: tl.constexpr,  # power of two > NUM_CHANNELS (the last bin collects other ranks)
     E_P2: tl.constexpr,
     R_P2: tl.constexpr,
+    PROFILE: tl.constexpr,
 ):
     peer = tl.program_id(0)
     call = tl.load(state_ptr + NOTIFY_CALLS, volatile=True)
+    if PROFILE:
+        t_start = read_clock(trace_ptr, USE_CLOCK)
     set_off = (call % 2) * SET_BYTES
     channels = tl.arange(0, C_P2)
     experts = tl.arange(0, E_P2)
@@ -109,6 +114,8 @@ def notify_kernel(
     tl.store(my_row + NUM_CHANNELS + experts, tl.zeros((E_P2,), tl.int32), mask=emask)
 
     # The last program lays out the received rows: source rank major, then channel.
+    if PROFILE:
+        trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), True)
     tl.debug_barrier()
     done = tl.atomic_add(state_ptr + NOTIFY_ARRIVALS, 1, sem="acq_rel", scope="gpu")
     if done == NUM_RANKS - 1:

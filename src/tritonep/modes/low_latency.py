@@ -33,7 +33,14 @@ from ..kernels.sync import (
     timeout_ns,
     use_clock,
 )
-from ..validation import check_hidden, check_num_experts, check_tensor, check_topk_idx
+from ..validation import (
+    check_hidden,
+    check_num_experts,
+    check_ranks_agree,
+    check_tensor,
+    check_topk_idx,
+)
+from .trace import SLOTS, TraceRecorder
 
 #: Fill outputs with a marker before each call (tests set this so unwritten rows show).
 POISON_OUTPUTS = False
@@ -129,6 +136,8 @@ class LowLatencyMode:
             for ids outside ``[-1, num_experts)``. That read waits for the GPU; without it
             (and always inside CUDA-graph capture) out-of-range ids are ignored by the
             kernels, which never write out of bounds.
+        profile: record kernel traces of every launch (``self.trace``); a
+            :class:`~tritonep.modes.trace.TraceRecorder` to share one with another mode.
     """
 
     def __init__(
@@ -142,8 +151,15 @@ class LowLatencyMode:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         num_programs: int | None = None,
         check_ids: bool = True,
+        profile: bool | TraceRecorder = False,
     ):
         self.group = group or dist.group.WORLD
+        check_ranks_agree(
+            self.group, "LowLatencyMode",
+            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank, hidden=hidden,
+            num_experts=num_experts, max_topk=max_topk, num_programs=num_programs,
+            device_type=torch.device(device).type if device is not None else None,
+        )  # fmt: skip
         self.check_ids = check_ids
         self.rank = dist.get_rank(self.group)
         self.num_ranks = dist.get_world_size(self.group)
@@ -181,6 +197,13 @@ class LowLatencyMode:
         )
         self._timeout_ns = timeout_ns(timeout_s)
         self._combine_input: torch.Tensor | None = None
+        on_gpu = use_clock(self.device)
+        #: Kernel traces (``profile=True``): :meth:`TraceRecorder.dump` writes them.
+        self.trace = TraceRecorder.of(profile, self.rank, self.device, on_gpu)
+        # Readings of untraced launches: only the interpreter's logical clock (the last word)
+        # is ever used, by wait statistics.
+        self._untraced = torch.zeros(num_programs * SLOTS + 1, dtype=torch.int64,
+                                     device=self.device)  # fmt: skip
 
     # ------------------------------------------------------------------------------ sizes
     @staticmethod
@@ -197,21 +220,33 @@ class LowLatencyMode:
         ).total
 
     # ---------------------------------------------------------------------------- helpers
-    def _run(self, kernel, args: tuple, meta: dict, return_recv_hook: bool):
+    def _run(self, kernel, name, args: tuple, meta: dict, return_recv_hook: bool, wait_stats):
         """Launch the send and receive phases of ``kernel``; returns the hook or None.
 
         On GPUs without a hook both phases run in one cooperative launch (receivers spin on
         senders of the same launch, so all programs must be resident). With a hook, or under
         the interpreter (which runs programs one after another), they are two launches.
+        ``wait_stats`` (``[R]`` int64 or None) accumulates the time waited per source rank.
         """
         grid = (self.num_programs,)
+
+        def launch(do_send, do_recv, **extra):
+            readings = self._untraced
+            if self.trace is not None:
+                readings = self.trace.buffer(name, self.num_programs, do_send, do_recv)
+            kernel[grid](
+                *args, readings, wait_stats if wait_stats is not None else self.state, **meta,
+                DO_SEND=do_send, DO_RECV=do_recv, PROFILE=self.trace is not None,
+                WAIT_STATS=wait_stats is not None, **extra,
+            )  # fmt: skip
+
         if not return_recv_hook and self.device.type == "cuda":
-            kernel[grid](*args, **meta, DO_SEND=True, DO_RECV=True, launch_cooperative_grid=True)
+            launch(True, True, launch_cooperative_grid=True)
             return None
-        kernel[grid](*args, **meta, DO_SEND=True, DO_RECV=False)
+        launch(True, False)
 
         def receive():
-            kernel[grid](*args, **meta, DO_SEND=False, DO_RECV=True)
+            launch(False, True)
 
         if return_recv_hook:
             return receive
@@ -237,6 +272,7 @@ class LowLatencyMode:
         use_fp8: bool = True,
         use_ue8m0: bool = False,
         return_recv_hook: bool = False,
+        wait_stats: torch.Tensor | None = None,
     ):
         """Send each token to each distinct expert of its top-k.
 
@@ -246,6 +282,8 @@ class LowLatencyMode:
             use_fp8: quantize to e4m3 with float32 scales per 128 channels; else send BF16.
             use_ue8m0: round the scales up to powers of two.
             return_recv_hook: only send; the returned hook receives.
+            wait_stats: optional ``[R]`` int64; the time this rank's receivers waited for
+                each source rank is added to it (ns on GPUs; a slow rank stands out).
         Returns:
             ``(recv_x, recv_count, handle, hook)``: ``recv_x`` is ``[E_local, R * max, H]``
             (with FP8 a tuple with float32 scales ``[E_local, R * max, H / 128]``; rows past
@@ -316,7 +354,11 @@ class LowLatencyMode:
         )
         handle = LowLatencyHandle(src_info, layout_range, M, H, self.num_experts, topk_slot)
         out_x = (recv_x, recv_scales) if use_fp8 else recv_x
-        hook = self._run(ll_dispatch.ll_dispatch_kernel, args, meta, return_recv_hook)
+        self._check_wait_stats(wait_stats)
+        hook = self._run(
+            ll_dispatch.ll_dispatch_kernel, "low-latency dispatch", args, meta,
+            return_recv_hook, wait_stats,
+        )  # fmt: skip
         return out_x, recv_count, handle, hook
 
     # ---------------------------------------------------------------------------- combine
@@ -336,6 +378,7 @@ class LowLatencyMode:
         zero_copy: bool = False,
         return_recv_hook: bool = False,
         out: torch.Tensor | None = None,
+        wait_stats: torch.Tensor | None = None,
     ):
         """Bring expert outputs back and reduce them with the routing weights.
 
@@ -348,6 +391,7 @@ class LowLatencyMode:
                 their peers straight from wherever ``x`` lives, so both paths are the same.
             return_recv_hook: only send; the returned hook reduces.
             out: optional ``[N, H]`` BF16 output.
+            wait_stats: optional ``[R]`` int64, as in :meth:`dispatch`.
         Returns:
             ``(combined [N, H] BF16, hook)``.
         """
@@ -408,7 +452,17 @@ class LowLatencyMode:
             # bit-exact with it.
             enable_fp_fusion=False,
         )
-        return out, self._run(ll_combine.ll_combine_kernel, args, meta, return_recv_hook)
+        self._check_wait_stats(wait_stats)
+        hook = self._run(
+            ll_combine.ll_combine_kernel, "low-latency combine", args, meta, return_recv_hook,
+            wait_stats,
+        )  # fmt: skip
+        return out, hook
+
+    def _check_wait_stats(self, wait_stats: torch.Tensor | None) -> None:
+        if wait_stats is not None:
+            check_tensor("wait_stats", wait_stats, dtype=torch.int64, shape=(self.num_ranks,),
+                         device=self.device)  # fmt: skip
 
     def destroy(self) -> None:
         """Release the heap (collective); raises if a wait had timed out."""

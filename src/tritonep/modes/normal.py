@@ -31,17 +31,19 @@ import torch
 import torch.distributed as dist
 import triton
 
-from ..heap import allocate
+from ..heap import allocate, default_device
 from ..kernels import normal_combine, normal_dispatch, normal_notify
 from ..kernels.layout import dispatch_layout
 from ..kernels.sync import DEFAULT_TIMEOUT_S, check_status, new_status, timeout_ns, use_clock
 from ..validation import (
     check_dispatch_x,
     check_num_experts,
+    check_ranks_agree,
     check_tensor,
     check_topk_idx,
     check_topk_weights,
 )
+from .trace import TraceRecorder
 
 #: Fill outputs with a marker before each call (tests set this so unwritten rows show).
 POISON_OUTPUTS = False
@@ -86,15 +88,29 @@ class Config:
             channels = ``num_sms // 2``.
         nvl_send_chunk: tokens a sender moves per step (rounded to a power of two).
         nvl_recv_buffer_tokens: slots per ring (at most what the buffer was built with).
+        rdma_send_chunk, rdma_recv_buffer_tokens: the same for the network leg of the
+            internode mode (DeepEP's last two fields; unused within a node).
     """
 
     num_sms: int = DEFAULT_NUM_SMS
     nvl_send_chunk: int = 8
     nvl_recv_buffer_tokens: int = 128
+    rdma_send_chunk: int = 8
+    rdma_recv_buffer_tokens: int = 128
 
     @property
     def num_channels(self) -> int:
         return self.num_sms // 2
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of the dispatch and combine rings of one rank for rows of ``hidden_bytes``
+        (row metadata, top-k ids and counters aside)."""
+        rings = self.num_channels * num_ranks * self.nvl_recv_buffer_tokens
+        return 2 * rings * _align(hidden_bytes, 16)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of network buffers: 0 within a node."""
+        return 0
 
 
 @dataclass(frozen=True)
@@ -211,6 +227,9 @@ class NormalMode:
         ring_tokens: slots per ring (the largest ``Config.nvl_recv_buffer_tokens``).
         timeout_s: limit of every wait inside the kernels (idle time, for the rings).
         check_ids: read the top-k ids on the host and reject ids outside ``[-1, E)``.
+        profile: record kernel traces of every launch (``self.trace``); a
+            :class:`~tritonep.modes.trace.TraceRecorder` to share one with another mode.
+        label: what traces call this mode's kernels (``"{label} dispatch"``, ...).
     """
 
     def __init__(
@@ -224,8 +243,16 @@ class NormalMode:
         ring_tokens: int | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         check_ids: bool = True,
+        profile: bool | TraceRecorder = False,
+        label: str = "normal",
     ):
         self.group = group or dist.group.WORLD
+        self.label = label
+        check_ranks_agree(
+            self.group, "NormalMode", hidden=hidden, num_experts=num_experts, max_topk=max_topk,
+            max_sms=max_sms, ring_tokens=ring_tokens,
+            device_type=torch.device(device).type if device is not None else None,
+        )  # fmt: skip
         self.rank = dist.get_rank(self.group)
         self.num_ranks = dist.get_world_size(self.group)
         self.num_local_experts = check_num_experts(num_experts, self.num_ranks)
@@ -235,10 +262,7 @@ class NormalMode:
             raise ValueError(f"max_topk: expected 1 to 64, got {max_topk}")
         self.hidden, self.num_experts, self.max_topk = hidden, num_experts, max_topk
         self.timeout_s, self.check_ids = timeout_s, check_ids
-        if device is None:
-            on_gpu = dist.get_backend(self.group) == "nccl"
-            device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu"
-        device = torch.device(device)
+        device = torch.device(device) if device is not None else default_device(self.group)
         on_gpu = device.type == "cuda"
         if max_sms is None:
             max_sms = 32 if on_gpu else 4
@@ -263,6 +287,8 @@ class NormalMode:
             self.num_ranks, self.num_local_experts, dtype=torch.int32, device=self.device
         )
         self._layout_arrivals = torch.zeros(1, dtype=torch.int32, device=self.device)
+        #: Kernel traces (``profile=True``): :meth:`TraceRecorder.dump` writes them.
+        self.trace = TraceRecorder.of(profile, self.rank, self.device, on_gpu)
 
     # ---------------------------------------------------------------------------- helpers
     def _empty(self, shape, dtype):
@@ -300,10 +326,13 @@ class NormalMode:
                     "channel must fit its ring (the interpreter runs programs one by one)"
                 )
 
-    def _launch(self, kernel, num_programs, args, meta):
+    def _launch(self, kernel, name, num_programs, args, meta):
         if self.device.type == "cuda":
             meta = dict(meta, launch_cooperative_grid=True)
-        kernel[(num_programs,)](*args, **meta)
+        readings = self.state  # placeholder pointer when nothing is recorded
+        if self.trace is not None:
+            readings = self.trace.buffer(name, num_programs, True, True)
+        kernel[(num_programs,)](*args, readings, **meta, PROFILE=self.trace is not None)
 
     def check(self) -> None:
         """Wait for the device; raise if a kernel wait timed out or worst-case rows overflowed."""
@@ -326,6 +355,7 @@ class NormalMode:
         expert_alignment: int = 1,
         num_worst_tokens: int = 0,
         config: Config | None = None,
+        src_tag: torch.Tensor | None = None,
     ) -> NormalDispatchOutput:
         """Send each token once to every rank that holds one of its experts.
 
@@ -343,6 +373,9 @@ class NormalMode:
             num_worst_tokens: if > 0, size the outputs to this many rows and skip the host
                 synchronization (rows past the received ones get top-k ids ``-1``).
             config: SM budget and ring use of this call (default: :attr:`default_config`).
+            src_tag: optional ``[N]`` int32 that receivers record as each row's source index
+                (``handle.recv_src_idx``) instead of the token index: a relay passes on where
+                its rows came from.
         Returns:
             a :class:`NormalDispatchOutput`.
         """
@@ -398,6 +431,9 @@ class NormalMode:
             )  # fmt: skip
             in_rank = is_token_in_rank
         self._check_fits_interpreter(num_tokens, config, "x")
+        if src_tag is not None:
+            check_tensor("src_tag", src_tag, dtype=torch.int32, shape=(num_tokens,),
+                         device=self.device)  # fmt: skip
         C = config.num_channels
 
         # Notify: per-(source, channel) counts, output rows and per-expert counts.
@@ -413,6 +449,7 @@ class NormalMode:
             host_info = torch.empty(1 + E_local, dtype=torch.int32, device=self.device)
             self._launch(
                 normal_notify.notify_kernel,
+                f"{self.label} notify",
                 R,
                 (
                     in_rank.view(torch.int8), num_tokens, num_tokens_per_expert,
@@ -464,10 +501,12 @@ class NormalMode:
         rows_per_source = max(1, STEP_ROWS // r_p2)
         self._launch(
             normal_dispatch.normal_dispatch_kernel,
+            f"{self.label} dispatch",
             2 * C,
             (
                 x_words, scale_words, topk_idx if has_topk else dummy,
-                topk_weights if has_weights else dummy, in_rank.view(torch.int8), num_tokens,
+                topk_weights if has_weights else dummy, in_rank.view(torch.int8),
+                src_tag if src_tag is not None else dummy, num_tokens,
                 self.heap.peer_ptrs, self.rank, self.layout.dispatch_ring,
                 self.layout.dispatch_tail, self.layout.dispatch_head, self.state, recv_count,
                 recv_start, host_info, out_words, out_scales,
@@ -478,7 +517,8 @@ class NormalMode:
                 W=W, G=G, K=topk, E_LOCAL=E_local, NUM_RANKS=R, NUM_CHANNELS=C, RING=ring,
                 RING_STRIDE=self.layout.ring_tokens, SLOT_BYTES=self.layout.dispatch_slot,
                 META_OFF=_align(W + G, 4), HAS_SCALES=use_fp8, HAS_TOPK=has_topk,
-                HAS_WEIGHTS=has_weights, PAD_ROWS=num_recv < 0, USE_CLOCK=use_clock(self.device),
+                HAS_WEIGHTS=has_weights, HAS_TAG=src_tag is not None, PAD_ROWS=num_recv < 0,
+                USE_CLOCK=use_clock(self.device),
                 TOK=tok, ROWS=rows_per_source, BW=min(SEND_TILE // tok, _next_pow2(W)),
                 RBW=min(RECV_TILE // (r_p2 * rows_per_source), _next_pow2(W)), R_P2=r_p2,
                 K_P2=_next_pow2(max(topk, 2)), G_P2=_next_pow2(max(G, 2)),
@@ -539,6 +579,7 @@ class NormalMode:
         dummy = out
         self._launch(
             normal_combine.normal_combine_kernel,
+            f"{self.label} combine",
             2 * C,
             (
                 x, topk_weights if topk_weights is not None else dummy,

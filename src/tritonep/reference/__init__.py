@@ -10,7 +10,7 @@ tests compare each Triton kernel against these functions; keep them slow and obv
 * :mod:`.compare` -- strict, block-order-independent comparisons.
 """
 
-from .compare import assert_bitwise_equal, assert_low_latency_dispatch_equal
+from .compare import assert_bitwise_equal, assert_low_latency_dispatch_equal, assert_rows_equal
 from .fp8 import AMAX_FLOOR, FP8_MAX, dequantize_fp8, fp8_scales, quantize_fp8, round_scale_to_pow2
 from .layout import DispatchLayout, dispatch_layout, expert_owner
 from .low_latency import (
@@ -31,6 +31,7 @@ __all__ = [
     "align_up",
     "assert_bitwise_equal",
     "assert_low_latency_dispatch_equal",
+    "assert_rows_equal",
     "dequantize_fp8",
     "dispatch_layout",
     "expert_owner",

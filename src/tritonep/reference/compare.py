@@ -1,5 +1,7 @@
 """Comparisons that tests use against the reference, strict about every valid byte.
 
+Values compare bit for bit (``-0`` differs from ``+0``), except that any NaN matches any NaN.
+
 Low-latency receive slabs may hold their per-source blocks in any order, so they are compared
 block by block through the layout ranges; the blocks must also tile ``[0, recv_count)`` exactly.
 """
@@ -12,7 +14,7 @@ from .low_latency import LowLatencyDispatchResult, unpack_range
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    """Bit pattern of a tensor, so NaNs compare equal to themselves and -0 differs from +0."""
+    """Bit pattern of a tensor, so -0 differs from +0."""
     if t.dtype.is_floating_point:
         return t.view(
             {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
@@ -26,10 +28,25 @@ def assert_bitwise_equal(got: torch.Tensor, expected: torch.Tensor, what: str) -
             f"{what}: got {tuple(got.shape)} {got.dtype}, expected "
             f"{tuple(expected.shape)} {expected.dtype}"
         )
-    diff = _bits(got.cpu()) != _bits(expected.cpu())
+    got, expected = got.cpu(), expected.cpu()
+    diff = _bits(got) != _bits(expected)
+    if got.dtype.is_floating_point:
+        # A NaN matches any NaN: IEEE leaves the sign and payload of a NaN that arithmetic
+        # makes to the hardware (x86 CPUs make a negative one, NVIDIA GPUs a positive one).
+        diff &= ~(got.float().isnan() & expected.float().isnan())
     if diff.any():
         where = diff.nonzero()[:5].tolist()
         raise AssertionError(f"{what}: {int(diff.sum())} elements differ, first at {where}")
+
+
+def assert_rows_equal(got, expected, rows: int, what: str) -> None:
+    """The first ``rows`` rows of ``got`` against ``expected``, bit for bit; both are a tensor
+    or an FP8 pair (payload, scales), as dispatch outputs are."""
+    if isinstance(expected, tuple):
+        assert_bitwise_equal(got[0][:rows].cpu(), expected[0], what)
+        assert_bitwise_equal(got[1][:rows].cpu(), expected[1], f"{what} scales")
+    else:
+        assert_bitwise_equal(got[:rows].cpu(), expected, what)
 
 
 def assert_low_latency_dispatch_equal(

@@ -1,0 +1,157 @@
+"""Benchmark results out: the terminal table, CSV, a PNG plot and the tables of BENCHMARKS.md.
+
+The CSV is the record; the plot and the markdown tables are generated from it, so a figure in
+BENCHMARKS.md can always be traced to a file and the command that wrote it.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+from pathlib import Path
+
+#: Columns of the markdown tables, in order, with their headings (those present are used).
+TABLE_COLUMNS = {
+    "ranks": "ranks",
+    "tokens": "tokens",
+    "hidden": "hidden",
+    "topk": "top-k",
+    "experts": "experts",
+    "gpus_per_node": "GPUs per node",
+    "sms": "SMs",
+    "dispatch_us": "dispatch us",
+    "dispatch_GBps": "dispatch GB/s",
+    "dispatch_remote_GBps": "remote GB/s",
+    "fp8_dispatch_us": "FP8 dispatch us",
+    "fp8_dispatch_GBps": "FP8 GB/s",
+    "combine_us": "combine us",
+    "combine_GBps": "combine GB/s",
+    "combine_remote_GBps": "combine remote GB/s",
+    "rail_leg_us": "network leg us",
+    "node_leg_us": "NVLink leg us",
+    "network_MB": "network MB",
+    "nvlink_MB": "NVLink MB",
+    "model_dispatch_us": "model us",
+    "graph_dispatch_us": "graph dispatch us",
+    "graph_combine_us": "graph combine us",
+    "torch_dispatch_us": "torch dispatch us",
+    "torch_combine_us": "torch combine us",
+    "deep_ep_dispatch_us": "DeepEP dispatch us",
+    "deep_ep_combine_us": "DeepEP combine us",
+}
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return "-" if math.isnan(value) else f"{value:.1f}"
+    return str(value)
+
+
+def print_table(rows: list[dict]) -> None:
+    """Every column of ``rows``, aligned, on the terminal."""
+    cols = list(dict.fromkeys(c for row in rows for c in row))
+    cells = [[_cell(row.get(c, "")) for c in cols] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
+    print("  ".join(f"{c:>{w}}" for c, w in zip(cols, widths, strict=True)))
+    for r in cells:
+        print("  ".join(f"{v:>{w}}" for v, w in zip(r, widths, strict=True)))
+
+
+def write_csv(rows: list[dict], path: str | Path) -> None:
+    cols = list(dict.fromkeys(c for row in rows for c in row))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=cols)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def read_csv(path: str | Path) -> list[dict]:
+    """Rows with numbers parsed back (ints stay ints)."""
+
+    def parse(value: str):
+        for kind in (int, float):
+            try:
+                return kind(value)
+            except ValueError:
+                pass
+        return value
+
+    with open(path, newline="") as f:
+        return [{k: parse(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """A markdown table of the known columns present in ``rows``."""
+    cols = [c for c in TABLE_COLUMNS if any(c in row for row in rows)]
+    lines = [
+        "| " + " | ".join(TABLE_COLUMNS[c] for c in cols) + " |",
+        "|" + "---|" * len(cols),
+    ]
+    lines += ["| " + " | ".join(_cell(row.get(c, "")) for c in cols) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def update_markdown(path: str | Path, section: str, text: str) -> None:
+    """Replace what lies between ``<!-- bench:SECTION -->`` and ``<!-- /bench:SECTION -->`` in
+    ``path`` with ``text`` (the markers are appended first if missing)."""
+    path = Path(path)
+    doc = path.read_text() if path.exists() else ""
+    begin, end = f"<!-- bench:{section} -->", f"<!-- /bench:{section} -->"
+    block = f"{begin}\n{text}\n{end}"
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.DOTALL)
+    if pattern.search(doc):
+        doc = pattern.sub(lambda _: block, doc)
+    else:
+        doc = doc.rstrip("\n") + f"\n\n{block}\n"
+    path.write_text(doc)
+
+
+def plot(rows: list[dict], path: str | Path, ceiling_gbps: float | None = None) -> None:
+    """Latency and bandwidth against tokens per rank, tritonep beside the baselines, with the
+    measured NVLink ceiling (remote GB/s per rank) as a line. Needs matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:  # an optional extra
+        raise RuntimeError("plotting needs matplotlib: pip install 'tritonep[extras]'") from e
+    rows = sorted(rows, key=lambda r: r["tokens"])
+    tokens = [r["tokens"] for r in rows]
+    fig, (lat, bw) = plt.subplots(1, 2, figsize=(12, 4.5))
+    series = [
+        ("dispatch_us", "tritonep dispatch", "C0", "-"),
+        ("combine_us", "tritonep combine", "C1", "-"),
+        ("torch_dispatch_us", "torch dispatch", "C0", ":"),
+        ("torch_combine_us", "torch combine", "C1", ":"),
+        ("deep_ep_dispatch_us", "DeepEP dispatch", "C0", "--"),
+        ("deep_ep_combine_us", "DeepEP combine", "C1", "--"),
+    ]
+    for key, label, color, style in series:
+        if key in rows[0]:
+            lat.plot(tokens, [r[key] for r in rows], style, color=color, marker="o", label=label)
+    lat.set_xscale("log", base=2)
+    lat.set(yscale="log", xlabel="tokens per rank", ylabel="time per call (us)")
+    lat.legend(fontsize=8)
+    for key, label, color in [
+        ("dispatch_remote_GBps", "dispatch (remote)", "C0"),
+        ("combine_remote_GBps", "combine (remote)", "C1"),
+        ("dispatch_GBps", "dispatch (DeepEP accounting)", "C2"),
+        ("combine_GBps", "combine (DeepEP accounting)", "C3"),
+    ]:
+        if key in rows[0]:
+            bw.plot(tokens, [r[key] for r in rows], color=color, marker="o", label=label)
+    if ceiling_gbps:
+        bw.axhline(ceiling_gbps, color="k", ls="--", lw=1, label="NVLink ceiling (remote)")
+    bw.set_xscale("log", base=2)
+    bw.set(xlabel="tokens per rank", ylabel="GB/s per rank")
+    bw.legend(fontsize=8)
+    first = rows[0]
+    fig.suptitle(
+        f"tritonep {first.get('mode', '')}: {first.get('ranks')} ranks, hidden "
+        f"{first.get('hidden')}, top-{first.get('topk')}, {first.get('experts')} experts"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

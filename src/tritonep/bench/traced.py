@@ -1,0 +1,42 @@
+"""``--trace PATH``: a few traced calls after the sweep, written as Chrome trace JSON per rank.
+
+The calls use the sweep's first shape and a buffer built with ``profile=True``, so their
+timings come from timer readings inside the kernels (see :mod:`tritonep.modes.trace`); the
+sweep itself always runs untraced.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..api import Buffer
+from ..testing import route
+
+
+def trace_calls(ctx, mode: str, opts, path: str, calls: int = 3) -> str:
+    """Run ``calls`` dispatch + combine pairs traced; returns this rank's trace file."""
+    tokens, hidden, experts, topk = opts.tokens[0], opts.hidden[0], opts.experts[0], opts.topk[0]
+    gen = torch.Generator().manual_seed(3000 + ctx.rank)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(ctx.device)
+    idx = route(gen, tokens, experts, topk, "random").to(ctx.device)
+    w = torch.rand(tokens, topk, generator=gen).to(ctx.device)
+    buffer = Buffer(device=ctx.device, profile=True, check_ids=False)
+    for _ in range(calls):
+        if mode == "normal":
+            _, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, experts)
+            recv_x, _, _, _, handle, _ = buffer.dispatch(
+                x, topk_idx=idx, topk_weights=w, num_tokens_per_expert=per_expert,
+                is_token_in_rank=in_rank,
+            )  # fmt: skip
+            buffer.combine(recv_x, handle)
+        else:
+            recv, _, handle, _, _ = buffer.low_latency_dispatch(
+                x, idx, max(opts.tokens), experts, use_fp8=not opts.bf16
+            )
+            y = torch.ones(recv[0].shape if isinstance(recv, tuple) else recv.shape,
+                           dtype=torch.bfloat16, device=ctx.device)  # fmt: skip
+            buffer.low_latency_combine(y, idx, w, handle)
+    buffer.check()
+    written = buffer.dump_trace(path)
+    buffer.destroy()
+    return written

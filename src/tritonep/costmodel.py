@@ -1,0 +1,155 @@
+"""A cost model of hierarchical (RDMA + NVLink) dispatch and combine across nodes.
+
+The internode design sends each token over the network once per destination node, to the GPU
+with the same local index there, which forwards it over NVLink to every GPU of that node that
+holds one of its experts; combine walks the same path backwards, reducing within the node
+first. So per GPU and call:
+
+* network rows = tokens x (other nodes the token goes to): ``N (M - 1) p_node``;
+* NVLink rows = for every source node, the rows its tokens fan out to the node's other GPUs:
+  ``N M (G - 1) p_rank`` (the forwarder sends what arrived from the network plus its own);
+
+where ``M`` nodes of ``G`` GPUs, ``N`` tokens per GPU, and ``p_node`` / ``p_rank`` are the
+probabilities that a token has at least one of its top-k experts on a given node / GPU. With
+uniform routing over ``E`` experts (``k`` distinct per token),
+``p_rank = 1 - C(E - E/(MG), k) / C(E, k)`` and likewise ``p_node`` with ``E/M``. Measured
+routing replaces both by counts (:func:`measured_traffic`).
+
+The legs are pipelined (forwarders start while rows still arrive), so a call takes the slower
+leg's time plus a fixed cost (launches, the count exchange):
+``t = fixed + max(network_bytes / B_net, nvlink_bytes / B_nvl)``. On one host that emulates
+nodes, the "network" leg runs over the same NVLink, so the legs share it and their bytes add
+up instead (``shared_links=True``). ``python -m tritonep.costmodel`` prints predictions for 2 to
+32 nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from math import comb
+
+import torch
+
+
+@dataclass(frozen=True)
+class Links:
+    """Per-GPU bandwidths (GB/s, one direction) and the fixed cost of a call (us).
+
+    Defaults: NVLink at the all-to-all ceiling measured on 4x H200 (370 GB/s remote per GPU),
+    a 400 Gb/s NIC per GPU at 90% (45 GB/s), and 25 us of launches and count exchange.
+    """
+
+    nvlink_gbps: float = 370.0
+    network_gbps: float = 45.0
+    fixed_us: float = 25.0
+
+
+def uniform_probabilities(num_experts: int, topk: int, num_nodes: int, gpus_per_node: int):
+    """``(p_node, p_rank)`` for uniform routing of ``topk`` distinct experts per token."""
+    ranks = num_nodes * gpus_per_node
+    if num_experts % ranks:
+        raise ValueError(f"num_experts: {num_experts} is not a multiple of {ranks} GPUs")
+
+    def p_hit(owned: int) -> float:
+        return 1.0 - comb(num_experts - owned, topk) / comb(num_experts, topk)
+
+    return p_hit(num_experts // num_nodes), p_hit(num_experts // ranks)
+
+
+def row_bytes(hidden: int, use_fp8: bool) -> int:
+    """Bytes of one token's payload: BF16, or e4m3 plus a float32 scale per 128 channels."""
+    return hidden + hidden // 128 * 4 if use_fp8 else 2 * hidden
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Rows one GPU moves per call, on average over GPUs."""
+
+    network_rows: float
+    nvlink_rows: float
+    received_rows: float  # rows in the dispatch output (local rank included)
+
+
+def uniform_traffic(tokens, num_experts, topk, num_nodes, gpus_per_node) -> Traffic:
+    p_node, p_rank = uniform_probabilities(num_experts, topk, num_nodes, gpus_per_node)
+    ranks = num_nodes * gpus_per_node
+    return Traffic(
+        network_rows=tokens * (num_nodes - 1) * p_node,
+        nvlink_rows=tokens * num_nodes * (gpus_per_node - 1) * p_rank,
+        received_rows=tokens * ranks * p_rank,
+    )
+
+
+def measured_traffic(topk_idx: list[torch.Tensor], num_experts: int, gpus_per_node: int):
+    """Exact average rows per GPU for given routing: ``topk_idx[r]`` is rank ``r``'s
+    ``[N_r, K]`` ids (``-1`` = none)."""
+    ranks = len(topk_idx)
+    nodes = ranks // gpus_per_node
+    per_rank = num_experts // ranks
+    network = nvlink = received = 0
+    for r, idx in enumerate(topk_idx):
+        owner = torch.where(idx >= 0, idx // per_rank, -1)
+        in_rank = torch.stack([(owner == d).any(1) for d in range(ranks)], 1)  # [N, R]
+        in_node = in_rank.view(-1, nodes, gpus_per_node).any(2)  # [N, M]
+        my_node, my_local = divmod(r, gpus_per_node)
+        network += int(in_node.sum()) - int(in_node[:, my_node].sum())
+        # The forwarder on each destination node sends to that node's GPUs other than itself.
+        fanout = in_rank.view(-1, nodes, gpus_per_node).clone()
+        fanout[:, :, my_local] = False
+        nvlink += int(fanout.sum())
+        received += int(in_rank.sum())
+    return Traffic(network / ranks, nvlink / ranks, received / ranks)
+
+
+def predict(
+    traffic: Traffic,
+    hidden: int,
+    use_fp8: bool = False,
+    links: Links | None = None,
+    shared_links: bool = False,
+) -> dict:
+    """Predicted dispatch and combine times (us) and the bytes of each leg per GPU."""
+    links = links or Links()
+    out = {}
+    for op, fp8 in (("dispatch", use_fp8), ("combine", False)):
+        size = row_bytes(hidden, fp8)
+        net_bytes, nvl_bytes = traffic.network_rows * size, traffic.nvlink_rows * size
+        t_net = net_bytes / (links.nvlink_gbps if shared_links else links.network_gbps) / 1e3
+        t_nvl = nvl_bytes / links.nvlink_gbps / 1e3
+        t = links.fixed_us + (t_net + t_nvl if shared_links else max(t_net, t_nvl))
+        out[f"{op}_us"] = t
+        out[f"{op}_network_MB"] = net_bytes / 1e6
+        out[f"{op}_nvlink_MB"] = nvl_bytes / 1e6
+        # DeepEP's accounting: received rows (local rank included) x row bytes / time.
+        out[f"{op}_GBps"] = traffic.received_rows * size / t / 1e3
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tritonep.costmodel", description=__doc__)
+    parser.add_argument("--nodes", default="1,2,4,8,16,32")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--fp8", action="store_true")
+    parser.add_argument("--nvlink-gbps", type=float, default=Links.nvlink_gbps)
+    parser.add_argument("--network-gbps", type=float, default=Links.network_gbps)
+    parser.add_argument("--fixed-us", type=float, default=Links.fixed_us)
+    parser.add_argument("--emulated", action="store_true", help="legs share NVLink (one host)")
+    opts = parser.parse_args(argv)
+    links = Links(opts.nvlink_gbps, opts.network_gbps, opts.fixed_us)
+    cols = ["nodes", "dispatch_us", "dispatch_GBps", "combine_us", "combine_GBps",
+            "dispatch_network_MB", "dispatch_nvlink_MB"]  # fmt: skip
+    print("  ".join(f"{c:>19}" for c in cols))
+    for nodes in (int(v) for v in opts.nodes.split(",")):
+        traffic = uniform_traffic(opts.tokens, opts.experts, opts.topk, nodes, opts.gpus_per_node)
+        row = {"nodes": nodes, **predict(traffic, opts.hidden, opts.fp8, links, opts.emulated)}
+        print("  ".join(f"{row[c]:>19.1f}" if c != "nodes" else f"{nodes:>19}" for c in cols))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

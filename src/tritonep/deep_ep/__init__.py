@@ -1,0 +1,102 @@
+"""DeepEP's Python interface on tritonep: ``import tritonep.deep_ep as deep_ep``.
+
+Code written for DeepEP's ``Buffer`` (the V1 API that vLLM, SGLang and Megatron-Core use) runs
+unchanged: the same class and method names, argument names, defaults and return tuples,
+shapes and dtypes. Names: :class:`Buffer`, :class:`Config`, :class:`EventOverlap`,
+:class:`EventHandle` (also in :mod:`tritonep.deep_ep.utils`).
+
+Behavioural differences, all documented here and in :mod:`tritonep.api.buffer`:
+
+* normal mode runs on any number of ranks per node (DeepEP: 2, 4 or 8); a group larger than
+  ``LOCAL_WORLD_SIZE`` (set by torchrun) spans nodes of that many GPUs and goes through
+  :class:`~tritonep.modes.internode.InternodeMode` (both legs within reach of symmetric
+  memory for now: one host or one NVLink domain, see ``docs/multinode.md``);
+* each mode's memory is sized on its first call; ``num_nvl_bytes`` is accepted and need not
+  be given, ``num_rdma_bytes`` (if given) must cover
+  :meth:`Buffer.get_low_latency_rdma_size_hint`; later calls must keep the hidden size,
+  expert count and (low-latency) ``num_max_dispatch_tokens_per_rank`` of the first;
+* the normal-mode handle is a :class:`~tritonep.modes.normal.NormalHandle` rather than a
+  tuple (code that only passes it back, as all integrations do, does not notice); the
+  low-latency handle is a tuple whose first five items are DeepEP's (``src_info``,
+  ``layout_range``, ``num_max_dispatch_tokens_per_rank``, ``hidden``, ``num_experts``);
+* with ``num_worst_tokens > 0`` the per-expert counts come as an ``[E_local]`` int32 device
+  tensor (a list would need the host synchronization that mode avoids);
+* configs asking for more ring slots than the buffer has get the buffer's ring (128 slots on
+  GPUs); ``num_sms`` defaults to 20 as in DeepEP and must be even;
+* ``round_scale`` / ``use_ue8m0`` give power-of-two float32 scales, not packed UE8M0 bytes;
+  ``use_logfmt`` is not supported; any hidden size that is a multiple of 128 and any top-k up
+  to 16 work in low-latency mode (DeepEP: a fixed list of hidden sizes, top-k <= 11);
+* the ``*_wait_recv_cost_stats`` tensors accumulate nanoseconds (DeepEP: cycles);
+* ``num_qps_per_rank``,
+  ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``, ``enable_shrink``
+  and ``comm`` are accepted and have no effect;
+* a wait that times out (100 s by default) raises
+  :class:`~tritonep.errors.WaitTimeoutError` from :meth:`Buffer.check` or
+  :meth:`Buffer.destroy` instead of trapping the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+from ..api.buffer import Buffer as _Buffer
+from ..modes.normal import Config
+from .utils import EventHandle, EventOverlap
+
+__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap"]
+
+
+class Buffer(_Buffer):
+    """DeepEP's ``Buffer``: one communication buffer per expert-parallel group.
+
+    Args:
+        group: the process group; every rank constructs the buffer together.
+        num_nvl_bytes: accepted (normal-mode memory is sized on the first dispatch).
+        num_rdma_bytes: if non-zero, must cover the low-latency size hint of the first call.
+        low_latency_mode: accepted; both modes work on any buffer.
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric,
+            enable_shrink, comm: accepted, no effect.
+        explicitly_destroy: accepted; :meth:`destroy` releases the memory either way.
+
+    Every method is that of :class:`tritonep.api.Buffer`: ``get_dispatch_layout``,
+    ``dispatch``, ``combine``, ``low_latency_dispatch``, ``low_latency_combine``,
+    ``get_next_low_latency_combine_buffer``, ``clean_low_latency_buffer``,
+    ``get_low_latency_rdma_size_hint``, ``set_num_sms``, ``get_dispatch_config``,
+    ``get_combine_config``, ``capture`` and ``destroy``, with DeepEP's signatures.
+    """
+
+    #: SM budget of normal-mode calls (DeepEP's default).
+    num_sms: int = 20
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
+        allow_nvlink_for_low_latency_mode: bool = True,
+        allow_mnnvl: bool = False,
+        use_fabric: bool = False,
+        explicitly_destroy: bool = False,
+        enable_shrink: bool = False,
+        comm: object = None,
+    ):
+        size = dist.get_world_size(group)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+        spans_nodes = 0 < local < size and size % local == 0
+        super().__init__(
+            group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
+            explicitly_destroy, gpus_per_node=local if spans_nodes else None,
+        )  # fmt: skip
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """True: the kernels are compiled at run time for whatever GPU is present."""
+        return True
+
+    def get_comm_stream(self):
+        """The stream normal-mode kernels run on (created on first use)."""
+        return self._comm_stream

@@ -1,0 +1,165 @@
+"""Kernel traces as Chrome trace JSON (open in Perfetto or chrome://tracing).
+
+A mode built with ``profile=True`` hands every launch a fresh readings buffer
+(:func:`TraceRecorder.buffer`) that the kernel fills (:mod:`tritonep.kernels.trace`). Nothing
+is read back until :meth:`TraceRecorder.dump`, so profiling adds no host synchronization to the
+calls themselves.
+
+In the trace, a process is a rank and a thread is a program (one SM) of a kernel. Each launch
+shows, per program, its send and receive phases as slices, and inside them the program's
+sub-phases (for example quantize and send, count send, wait, pack) laid end to end with their
+summed durations, since a program interleaves them over its work items. On GPUs times are
+in microseconds of the GPU's global timer; on CPU ranks (the Triton interpreter has no clock)
+they are logical ticks that show the order only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..kernels import trace as kt
+
+SLOTS, START, SEND_END, END, FIRST_PHASE = (
+    int(v.value) for v in (kt.SLOTS, kt.START, kt.SEND_END, kt.END, kt.FIRST_PHASE)
+)
+
+#: Each traced kernel's two phases, as (name, sub-phase names): the send phase, the receive
+#: phase. Normal-mode programs either send or receive, so each shows one of the two.
+PHASES = {
+    "low-latency dispatch": (("send", ("quantize and send", "count send")),
+                             ("receive", ("wait", "pack"))),
+    "low-latency combine": (("send", ("send", "signal")), ("receive", ("wait", "reduce"))),
+    "normal notify": (("notify", ()), ("receive", ())),
+    "normal dispatch": (("send", ()), ("receive", ())),
+    "normal combine": (("send", ()), ("receive and reduce", ())),
+}  # fmt: skip
+
+
+def phases(kernel: str):
+    """The phases of ``kernel``; normal-mode kernels of any label (``"rail dispatch"``, the
+    internode legs) have those of ``"normal dispatch"``."""
+    return PHASES.get(kernel) or PHASES["normal " + kernel.split()[-1]]
+
+
+@dataclass
+class _Launch:
+    kernel: str
+    call: int
+    readings: torch.Tensor  # [P * SLOTS + 1] int64
+    phases: tuple[bool, bool]  # (ran the send phase, ran the receive phase)
+
+
+class TraceRecorder:
+    """The readings of every traced launch of one mode on one rank.
+
+    Args:
+        rank: this rank (the trace's process id).
+        device: where the readings buffers live.
+        scale_us: microseconds per reading unit (1e-3 for GPU nanoseconds).
+    """
+
+    def __init__(self, rank: int, device: torch.device, scale_us: float):
+        self.rank, self.device, self.scale_us = rank, device, scale_us
+        self.launches: list[_Launch] = []
+        self.calls: dict[str, int] = {}
+
+    @staticmethod
+    def of(profile, rank: int, device: torch.device, on_gpu: bool) -> TraceRecorder | None:
+        """The recorder a mode uses for ``profile``: the one given, a new one, or None."""
+        if isinstance(profile, TraceRecorder):
+            return profile
+        return TraceRecorder(rank, device, 1e-3 if on_gpu else 1.0) if profile else None
+
+    def buffer(self, kernel: str, num_programs: int, send: bool, receive: bool) -> torch.Tensor:
+        """A zeroed readings buffer for a launch of ``kernel`` that runs the send and/or the
+        receive phase, kept for the dump."""
+        if send or kernel not in self.calls:
+            self.calls[kernel] = self.calls.get(kernel, -1) + 1
+        readings = torch.zeros(num_programs * SLOTS + 1, dtype=torch.int64, device=self.device)
+        if self.launches:
+            # The logical clock of the interpreter runs on from launch to launch.
+            readings[-1:].copy_(self.launches[-1].readings[-1:])
+        self.launches.append(_Launch(kernel, self.calls[kernel], readings, (send, receive)))
+        return readings
+
+    def _tables(self, kernels):
+        launches = [lc for lc in self.launches if kernels is None or lc.kernel in kernels]
+        return launches, [lc.readings[:-1].view(-1, SLOTS).cpu() for lc in launches]
+
+    def origin(self, kernels: tuple[str, ...] | None = None) -> int | None:
+        """The earliest reading of the launches of ``kernels``, or None."""
+        _, tables = self._tables(kernels)
+        starts = [
+            int(t[:, START][t[:, END] > 0].min()) for t in tables if bool((t[:, END] > 0).any())
+        ]
+        return min(starts) if starts else None
+
+    def events(self, kernels: tuple[str, ...] | None = None, origin: int | None = None):
+        """Chrome trace events of the launches of ``kernels`` (all when None), with times
+        counted from ``origin`` (default: this recorder's earliest reading)."""
+        launches, tables = self._tables(kernels)
+        origin = self.origin(kernels) if origin is None else origin
+        if origin is None:
+            return []
+        events = [{"ph": "M", "name": "process_name", "pid": self.rank,
+                   "args": {"name": f"rank {self.rank}"}}]  # fmt: skip
+        for launch, table in zip(launches, tables, strict=True):
+            (send_name, send_subs), (recv_name, recv_subs) = phases(launch.kernel)
+            for program, row in enumerate(table.tolist()):
+                start, send_end, end = row[START], row[SEND_END], row[END]
+                if end == 0:
+                    continue  # the program did not run (or the launch never finished)
+                totals = row[FIRST_PHASE:]
+                spans = [
+                    (send_name, start, send_end, send_subs, totals[: len(send_subs)]),
+                    (recv_name, send_end, end, recv_subs,
+                     totals[len(send_subs) : len(send_subs) + len(recv_subs)]),
+                ]  # fmt: skip
+                for ran, (name, begin, finish, subnames, subtotals) in zip(
+                    launch.phases, spans, strict=True
+                ):
+                    if not ran or (finish <= begin and not any(subtotals)):
+                        continue
+                    args = {"kernel": launch.kernel, "call": launch.call, "program": program}
+                    events.append(self._slice(f"{launch.kernel}: {name}", begin, finish - begin,
+                                              origin, program, args))  # fmt: skip
+                    at = begin
+                    for subname, total in zip(subnames, subtotals, strict=True):
+                        if total > 0:
+                            events.append(self._slice(subname, at, total, origin, program, args))
+                            at += total
+        return events
+
+    def _slice(self, name, begin, duration, origin, program, args) -> dict:
+        return {
+            "name": name,
+            "ph": "X",
+            "pid": self.rank,
+            "tid": program,
+            "ts": (begin - origin) * self.scale_us,
+            "dur": duration * self.scale_us,
+            "args": args,
+        }
+
+    def dump(self, path: str | Path, kernels: tuple[str, ...] | None = None) -> Path:
+        """Write the Chrome trace JSON of this rank's launches (of ``kernels``) to ``path``."""
+        return write_chrome_trace(path, [self], kernels)
+
+    def clear(self) -> None:
+        self.launches.clear()
+
+
+def write_chrome_trace(
+    path: str | Path, recorders: list[TraceRecorder], kernels: tuple[str, ...] | None = None
+) -> Path:
+    """Write the launches of several recorders (the modes of one rank) on one time axis."""
+    origins = [o for r in recorders if (o := r.origin(kernels)) is not None]
+    origin = min(origins) if origins else 0
+    events = [e for r in recorders for e in r.events(kernels, origin)]
+    path = Path(path)
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path

@@ -1,0 +1,89 @@
+"""The benchmark tool end to end on CPU ranks: sweep, table, CSV, markdown, plot, comparison.
+
+Times measured here mean nothing (the kernels run under the interpreter); the test checks that
+every column is produced and consistent, not how fast anything is.
+"""
+
+import math
+
+import pytest
+
+from tritonep.bench import cli, report
+from tritonep.cli import main as tritonep_main
+
+
+def _run(tmp_path, mode, *extra):
+    out = tmp_path / f"{mode}.csv"
+    code = cli.main([mode, "--ranks", "2", "--iters", "1", "--quiet", "--csv", str(out), *extra])
+    assert code == 0
+    return report.read_csv(out)
+
+
+def test_normal_sweep_with_comparison(tmp_path, capfd):
+    rows = _run(tmp_path, "normal", "--tokens", "4,12", "--compare", "tritonep.deep_ep")
+    assert [r["tokens"] for r in rows] == [4, 12]
+    for row in rows:
+        assert row["mode"] == "normal" and row["ranks"] == 2 and row["hidden"] == 256
+        for key in ("dispatch_us", "fp8_dispatch_us", "combine_us", "torch_dispatch_us",
+                    "torch_combine_us", "deep_ep_dispatch_us", "deep_ep_combine_us"):  # fmt: skip
+            assert row[key] > 0, key
+        assert math.isnan(row["graph_dispatch_us"])  # no CUDA graphs on CPU ranks
+        # DeepEP's accounting counts the local rank too, so it bounds the remote figure.
+        assert row["dispatch_GBps"] >= row["dispatch_remote_GBps"] >= 0
+    assert "torch_combine_us" in capfd.readouterr().out  # the terminal table
+
+    md = tmp_path / "BENCH.md"
+    md.write_text("# Results\n\nkept\n")
+    assert cli.main(["report", str(tmp_path / "normal.csv"), "--markdown", str(md),
+                     "--section", "cpu"]) == 0  # fmt: skip
+    assert cli.main(["report", str(tmp_path / "normal.csv"), "--markdown", str(md),
+                     "--section", "cpu"]) == 0  # fmt: skip
+    text = md.read_text()
+    assert text.startswith("# Results\n\nkept\n")
+    assert text.count("<!-- bench:cpu -->") == 1  # a second report replaces the first
+    assert "| 2 | 12 | 256 |" in text
+
+
+def test_low_latency_sweep_over_topk_and_an_absent_rival(tmp_path, capfd):
+    trace = str(tmp_path / "trace-{rank}.json")
+    rows = _run(tmp_path, "low-latency", "--tokens", "3", "--topk", "1,2", "--bf16",
+                "--compare", "no_such_module", "--trace", trace)  # fmt: skip
+    for rank in range(2):
+        text = (tmp_path / f"trace-{rank}.json").read_text()
+        assert "low-latency dispatch: send" in text and "pack" in text
+    assert [(r["tokens"], r["topk"]) for r in rows] == [(3, 1), (3, 2)]
+    assert all(r["dispatch_us"] > 0 and r["torch_combine_us"] > 0 for r in rows)
+    assert "deep_ep_dispatch_us" not in rows[0]
+    assert "not importable" in capfd.readouterr().out
+
+
+def test_internode_legs(tmp_path):
+    out = tmp_path / "internode.csv"
+    args = ["internode", "--ranks", "4", "--gpus-per-node", "2", "--tokens", "24",
+            "--iters", "1", "--quiet", "--csv", str(out)]  # fmt: skip
+    assert cli.main(args) == 0
+    (row,) = report.read_csv(out)
+    assert row["gpus_per_node"] == 2 and row["tokens"] == 24
+    for key in ("dispatch_us", "combine_us", "rail_leg_us", "node_leg_us", "torch_dispatch_us"):
+        assert row[key] > 0, key
+    # 24 tokens of 256 BF16 channels, top-4 of 16 experts: some rows cross each leg.
+    assert row["network_MB"] > 0 and row["nvlink_MB"] > 0
+    assert row["model_dispatch_us"] > 25  # the fixed cost plus the bytes
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [
+        {"mode": "normal", "ranks": 4, "hidden": 7168, "topk": 8, "experts": 256, "tokens": t,
+         "dispatch_us": 100.0 * t, "combine_us": 90.0 * t, "torch_dispatch_us": 300.0 * t,
+         "torch_combine_us": 250.0 * t, "dispatch_remote_GBps": 150.0, "dispatch_GBps": 200.0}
+        for t in (128, 1024, 4096)
+    ]  # fmt: skip
+    path = tmp_path / "plot.png"
+    report.plot(rows, path, ceiling_gbps=370)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_console_script_names_its_commands(capfd):
+    assert tritonep_main([]) == 2
+    assert "bench" in capfd.readouterr().err

@@ -1,0 +1,173 @@
+"""Internode normal mode on emulated nodes: groups of CPU ranks (or GPUs) act as nodes.
+
+Outputs must equal the single-node reference bit for bit (rows, local ids, weights, source
+indices, per-expert counts, in (source rank, token) order); combine sums within each node
+first, so it is compared within two BF16 roundings.
+"""
+
+import pytest
+import torch
+
+from tritonep import reference as ref
+from tritonep.modes import normal as nm
+from tritonep.modes.internode import InternodeMode
+from tritonep.testing import make_case, tag_rows
+
+nm.POISON_OUTPUTS = True
+
+
+def _body(ctx, gpus_per_node, tokens, hidden, experts_per_rank, topk, routing, use_fp8,
+          worst=False):  # fmt: skip
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    E = experts_per_rank * R
+    mode = InternodeMode(None, hidden, E, gpus_per_node, max_topk=topk, device=dev,
+                         timeout_s=60)  # fmt: skip
+    for call in range(2):
+        case = tag_rows(make_case(40 + call, tokens[:R], hidden, E, topk, routing))
+        xs = [ref.quantize_fp8(x) for x in case.x] if use_fp8 else list(case.x)
+        x = tuple(t.to(dev) for t in xs[me]) if use_fp8 else xs[me].to(dev)
+        idx, w = case.topk_idx[me].to(dev), case.topk_weights[me].to(dev)
+        rows = sum(tokens[:R]) if worst else 0  # bounds both legs here
+        out = mode.dispatch(x, idx, w, expert_alignment=2, num_worst_tokens=rows)
+        want = ref.normal_dispatch(xs, case.topk_idx, case.topk_weights, E, 2)[me]
+        n = want.num_recv_tokens
+        ref.assert_rows_equal(out.recv_x, want.recv_x, n, f"rank {me} recv_x")
+        ids, weights = out.recv_topk_idx, out.recv_topk_weights
+        ref.assert_bitwise_equal(ids[:n].cpu(), want.recv_topk_idx, "recv_topk_idx")
+        ref.assert_bitwise_equal(weights[:n].cpu(), want.recv_topk_weights, "weights")
+        src = out.handle.recv_src_idx.cpu().long()
+        assert src[:n].tolist() == want.recv_src_idx.tolist()
+        per_expert = out.num_recv_tokens_per_expert
+        if worst:
+            assert ids.shape[0] == rows and bool((ids[n:] == -1).all())
+            assert bool((src[n:] == -1).all()) and int(out.handle.host_info[0]) == n
+            per_expert = per_expert.cpu().tolist()
+        assert per_expert == want.num_recv_tokens_per_expert
+
+        # Combine: each row comes back scaled by its receiver; sums within 2 BF16 roundings.
+        rows = ref.dequantize_fp8(*out.recv_x) if use_fp8 else out.recv_x.float()
+        y = torch.nan_to_num(rows * (me + 1) / 4).to(torch.bfloat16)  # padding: poisoned
+        combined, combined_w = mode.combine(y, out.handle, out.recv_topk_weights)
+        expected = torch.zeros(case.x[me].shape, dtype=torch.float64)
+        base = ref.dequantize_fp8(*xs[me]) if use_fp8 else xs[me].float()
+        owner = torch.where(case.topk_idx[me] >= 0, case.topk_idx[me] // experts_per_rank, -1)
+        for d in range(R):
+            went = (owner == d).any(dim=1, keepdim=True)
+            expected += torch.where(went, base.double() * (d + 1) / 4, 0.0)
+        if expected.numel():
+            err = float((combined.double().cpu() - expected).abs().max())
+            assert err <= 2e-2 * float(expected.abs().max().clamp_min(1e-6)), (me, err)
+        kept = case.topk_idx[me] >= 0
+        torch.testing.assert_close(combined_w.cpu()[kept], case.topk_weights[me][kept])
+
+        # Cached: new rows along the same routing.
+        again = mode.dispatch(
+            tuple(t.to(dev) for t in xs[me]) if use_fp8 else (xs[me].float() * 2).to(
+                torch.bfloat16).to(dev), handle=out.handle,
+        )  # fmt: skip
+        if not use_fp8:
+            doubled = (want.recv_x.float() * 2).to(torch.bfloat16)
+            ref.assert_bitwise_equal(again.recv_x[:n].cpu(), doubled, f"rank {me} cached")
+    mode.check()
+    mode.destroy()
+    return True
+
+
+@pytest.mark.parametrize(
+    "num_ranks, gpus_per_node",
+    [(4, 2), (4, 1), (4, 4), (3, 1)],
+    ids=["2x2", "4x1", "1x4", "3x1"],
+)
+@pytest.mark.parametrize(
+    "routing, use_fp8", [("random", False), ("dropped", True)], ids=["bf16", "fp8-dropped"]
+)
+def test_internode_matches_the_single_node_reference(
+    run_ranks, num_ranks, gpus_per_node, routing, use_fp8
+):
+    tokens = [7, 4, 5, 0]  # ranks 1 and 2 both send: the legs deliver them out of order
+    results = run_ranks(num_ranks, _body, gpus_per_node, tokens, 128, 2, 3, routing, use_fp8,
+                        timeout=600)  # fmt: skip
+    assert results == [True] * num_ranks
+
+
+@pytest.mark.parametrize("num_ranks, gpus_per_node", [(4, 2), (3, 1)], ids=["2x2", "3x1"])
+def test_internode_worst_case_sizes(run_ranks, num_ranks, gpus_per_node):
+    results = run_ranks(num_ranks, _body, gpus_per_node, [7, 4, 5, 0], 128, 2, 3, "dropped",
+                        False, True, timeout=600)  # fmt: skip
+    assert results == [True] * num_ranks
+
+
+@pytest.mark.gpu(n=4)
+@pytest.mark.parametrize(
+    "use_fp8, worst", [(False, False), (True, False), (False, True)],
+    ids=["bf16", "fp8", "bf16-worst"],
+)  # fmt: skip
+def test_internode_on_4_gpus_as_2_nodes(run_ranks, use_fp8, worst):
+    tokens = [4096, 100, 0, 2000]
+    results = run_ranks(4, _body, 2, tokens, 7168, 64, 8, "random", use_fp8, worst,
+                        timeout=300)  # fmt: skip
+    assert results == [True] * 4
+
+
+def _buffer_body(ctx):
+    """Through the DeepEP-like Buffer: per-node counts, dispatch, combine, cached dispatch."""
+    from tritonep.api import Buffer
+
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    E, tokens = 2 * R, [6, 0, 5, 4]
+    case = tag_rows(make_case(9, tokens, 128, E, 3, "dropped"))
+    buffer = Buffer(device=dev, gpus_per_node=2)
+    x, idx, w = case.x[me].to(dev), case.topk_idx[me].to(dev), case.topk_weights[me].to(dev)
+    per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, E)
+    owner_node = torch.where(case.topk_idx[me] >= 0, case.topk_idx[me] // 4, -1)
+    assert per_node.cpu().tolist() == [int((owner_node == n).any(1).sum()) for n in range(2)]
+    recv_x, recv_idx, _, counts, handle, _ = buffer.dispatch(
+        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
+        is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
+    )  # fmt: skip
+    want = ref.normal_dispatch(case.x, case.topk_idx, case.topk_weights, E)[me]
+    ref.assert_bitwise_equal(recv_x.cpu(), want.recv_x, f"rank {me} recv_x")
+    ref.assert_bitwise_equal(recv_idx.cpu(), want.recv_topk_idx, f"rank {me} recv_topk_idx")
+    assert counts == want.num_recv_tokens_per_expert
+    combined, _, _ = buffer.combine(recv_x, handle)
+    went = in_rank.sum(1, keepdim=True).clamp_min(1).cpu()
+    sent = in_rank.any(1).cpu()
+    back = combined.float().cpu()[sent] / went[sent]
+    torch.testing.assert_close(back, case.x[me].float()[sent], rtol=1e-2, atol=0)
+    again, *_ = buffer.dispatch(x, handle=handle)
+    ref.assert_bitwise_equal(again.cpu(), want.recv_x, f"rank {me} cached")
+    buffer.destroy()
+    return True
+
+
+def test_buffer_spans_emulated_nodes(run_ranks):
+    assert run_ranks(4, _buffer_body) == [True] * 4
+
+
+def _trace_body(ctx, tmp):
+    import json
+
+    from tritonep.api import Buffer
+
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    case = make_case(2, [4, 3, 0, 5], 128, 2 * R, 2)
+    buffer = Buffer(device=dev, gpus_per_node=2, profile=True)
+    x, idx = case.x[me].to(dev), case.topk_idx[me].to(dev)
+    _, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, 2 * R)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(
+        x, topk_idx=idx, num_tokens_per_expert=per_expert, is_token_in_rank=in_rank
+    )
+    buffer.combine(recv_x, handle)
+    path = buffer.dump_trace(f"{tmp}/internode-{{rank}}.json")
+    buffer.destroy()
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in events} == {me}
+    return sorted({e["name"] for e in events})
+
+
+def test_internode_traces_show_both_legs(run_ranks, tmp_path):
+    for names in run_ranks(4, _trace_body, str(tmp_path)):
+        for leg in ("rail", "node"):
+            for op in ("notify: notify", "dispatch: send", "dispatch: receive", "combine: send"):
+                assert f"{leg} {op}" in names, (leg, op, names)

@@ -1,0 +1,320 @@
+"""Numerical edge cases: finite inputs never become NaN, NaN and Inf rows pass through.
+
+Rows hold zeros, subnormals, the largest BF16 values, a NaN, +Inf and -Inf, and both modes
+(BF16 and FP8) must match the reference bit for bit, with a NaN wherever it has one (the sign
+and payload of a NaN are the hardware's choice). Then, explicitly: no finite input row turns
+into NaN anywhere (an all-zero 128-group keeps a non-zero scale), and a row that holds NaN or
+Inf stays non-finite instead of crashing or spreading to other rows.
+FP8 e4m3 has no infinity, so in FP8 an infinite value arrives as NaN (its group's scale is
+infinite); in BF16 every bit arrives as sent.
+"""
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+from tests import test_low_latency as tll
+from tests import test_normal as tn
+from tests.conftest import gpu_ranks
+from tritonep import reference as ref
+from tritonep.heap import shared_gpu
+from tritonep.modes import low_latency as ll
+from tritonep.modes import normal as nm
+from tritonep.testing import Case, make_case
+
+BF16_MAX = torch.finfo(torch.bfloat16).max
+BF16_TINY = torch.finfo(torch.bfloat16).smallest_normal / 4  # a subnormal
+SPECIAL = {"nan": 5, "inf": 6, "-inf": 7}  # rows that hold a non-finite value
+
+
+def extreme_case(num_ranks: int, hidden: int, experts: int, topk: int) -> Case:
+    """Every rank: 9 rows of edge values (row 8 is ordinary), random routing."""
+    case = make_case(31, [9] * num_ranks, hidden, experts, topk)
+    xs = []
+    for x in case.x:
+        x = x.clone()
+        x[0] = 0
+        x[1] = BF16_TINY
+        x[2, 0::2], x[2, 1::2] = BF16_MAX, -BF16_MAX
+        x[3] = x[3] * 1e-30
+        x[4] = x[4] * 1e30
+        x[SPECIAL["nan"], 3] = float("nan")
+        x[SPECIAL["inf"], 130 % hidden] = float("inf")
+        x[SPECIAL["-inf"], 0] = float("-inf")
+        xs.append(x)
+    return Case(xs, case.topk_idx, case.topk_weights, case.num_experts)
+
+
+def _finite_rows(x: torch.Tensor) -> torch.Tensor:
+    return torch.isfinite(x.float()).all(dim=1)
+
+
+def _low_latency_body(ctx, use_fp8):
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    hidden, experts, topk = 256, 2 * R, 2
+    case = extreme_case(R, hidden, experts, topk)
+    mode = ll.LowLatencyMode(None, 9, hidden, experts, max_topk=topk, device=dev, timeout_s=60)
+    recv_x, recv_count, handle, _ = mode.dispatch(
+        case.x[me].to(dev), case.topk_idx[me].to(dev), use_fp8=use_fp8
+    )
+    rows = ref.dequantize_fp8(*recv_x) if use_fp8 else recv_x.float()
+    outputs = rows.to(torch.bfloat16)  # identity experts: the rows go back as they came
+    combined, _ = mode.combine(
+        outputs, case.topk_idx[me].to(dev), case.topk_weights[me].to(dev), handle
+    )
+    mode.check()
+    tll._verify_call(ctx, case, 9, use_fp8, False, recv_x, recv_count, handle, outputs, combined)
+    # Every received row: non-finite exactly when its source row was.
+    for e in range(experts // R):
+        n = int(recv_count[e])
+        tokens = handle.recv_src_info[e, :n].long().cpu()
+        sources = _source_ranks(handle.recv_layout_range[e].cpu(), n)
+        sent_finite = torch.stack([_finite_rows(case.x[s][t : t + 1])[0]
+                                   for s, t in zip(sources, tokens.tolist(), strict=True)]
+                                  ) if n else torch.zeros(0, dtype=torch.bool)  # fmt: skip
+        assert torch.equal(_finite_rows(rows[e, :n].cpu()), sent_finite), f"rank {me} expert {e}"
+    _check_combined(case, me, combined)
+    mode.destroy()
+    return True
+
+
+def _source_ranks(packed_ranges: torch.Tensor, n: int) -> list[int]:
+    begin, count = ref.unpack_range(packed_ranges)
+    owner = [0] * n
+    for src, (b, c) in enumerate(zip(begin.tolist(), count.tolist(), strict=True)):
+        owner[b : b + c] = [src] * c
+    return owner
+
+
+def _check_combined(case, me, combined):
+    """Tokens with finite rows combine to values without NaN; the others do not crash."""
+    finite_in = _finite_rows(case.x[me])
+    got = combined.float().cpu()
+    assert not torch.isnan(got[finite_in]).any(), f"rank {me}: NaN from finite inputs"
+    routed = (case.topk_idx[me] >= 0).any(dim=1)
+    for row in SPECIAL.values():
+        if routed[row]:
+            assert not torch.isfinite(got[row]).all(), f"rank {me}: row {row} became finite"
+
+
+def _normal_body(ctx, use_fp8):
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    hidden, experts, topk = 256, 2 * R, 2
+    case = extreme_case(R, hidden, experts, topk)
+    xs = [ref.quantize_fp8(x) for x in case.x] if use_fp8 else list(case.x)
+    mode = nm.NormalMode(None, hidden, experts, max_topk=topk, device=dev, timeout_s=60)
+    idx, w = case.topk_idx[me].to(dev), case.topk_weights[me].to(dev)
+    _, per_expert, in_rank = mode.get_dispatch_layout(idx)
+    x = tuple(t.to(dev) for t in xs[me]) if use_fp8 else xs[me].to(dev)
+    out = mode.dispatch(x, idx, w, per_expert, in_rank)
+    rows = ref.dequantize_fp8(*out.recv_x) if use_fp8 else out.recv_x.float()
+    y = rows.to(torch.bfloat16)
+    combined, _ = mode.combine(y, out.handle)
+    mode.check()
+    wants = ref.normal_dispatch(xs, case.topk_idx, case.topk_weights, experts)
+    tn._check_dispatch(me, out, wants[me], use_fp8, 0, 1)
+    ys = [
+        (ref.dequantize_fp8(*want.recv_x) if use_fp8 else want.recv_x.float()).to(torch.bfloat16)
+        for want in wants
+    ]
+    expected, _ = ref.normal_combine(ys, wants, [x.shape[0] for x in case.x])[me]
+    ref.assert_bitwise_equal(combined.cpu(), expected, f"rank {me} combined")
+    _check_combined(case, me, combined)
+    mode.destroy()
+    return True
+
+
+@pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_edge_values_match_the_reference_and_stay_contained(run_ranks, mode, use_fp8):
+    body = _normal_body if mode == "normal" else _low_latency_body
+    assert run_ranks(2, body, use_fp8) == [True, True]
+
+
+# ----------------------------------------------------------------------- fault injection
+def _recover_body(ctx, mode_name):
+    """Rank 1 skips a call: rank 0 raises within the timeout, naming the phase and the peer;
+    then both ranks destroy the buffer, build a new one and get correct results."""
+    import time
+
+    from tritonep.errors import WaitTimeoutError
+
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    hidden, experts, topk = 128, 2 * R, 2
+    case = make_case(3, [4] * R, hidden, experts, topk)
+    x, idx = case.x[me].to(dev), case.topk_idx[me].to(dev)
+
+    def build():
+        if mode_name == "normal":
+            return nm.NormalMode(None, hidden, experts, max_topk=topk, device=dev, timeout_s=1.0)
+        return ll.LowLatencyMode(None, 4, hidden, experts, max_topk=topk, device=dev,
+                                 timeout_s=1.0)  # fmt: skip
+
+    def call(mode):
+        if mode_name == "normal":
+            return mode.dispatch(x, idx).recv_x
+        recv_x, _, _, _ = mode.dispatch(x, idx, use_fp8=False)
+        mode.check()
+        return recv_x
+
+    mode = build()
+    error, took = None, 0.0
+    if me == 0:
+        start = time.monotonic()
+        try:
+            call(mode)
+        except WaitTimeoutError as e:
+            error = str(e)
+        took = time.monotonic() - start
+    with contextlib.suppress(WaitTimeoutError):  # the same timeout, reported again
+        mode.destroy()
+    mode = build()
+    got = call(mode)
+    mode.destroy()
+    if mode_name == "normal":
+        want = ref.normal_dispatch(case.x, case.topk_idx, None, experts)[me].recv_x
+        ref.assert_bitwise_equal(got.cpu(), want, f"rank {me} after recovery")
+    return error, took
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_a_skipped_call_raises_then_a_new_buffer_works(run_ranks, mode):
+    (error, took), (none, _) = run_ranks(2, _recover_body, mode)
+    assert none is None
+    assert error.startswith("rank 0 timed out after 1 s in phase") and "peer 1" in error
+    assert took < 30
+
+
+def _slow_rank_body(ctx):
+    """One rank arrives 2 s late; everyone's results stay exact."""
+    import time
+
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    case = make_case(8, [5] * R, 128, 2 * R, 2)
+    mode = nm.NormalMode(None, 128, 2 * R, max_topk=2, device=dev, timeout_s=60)
+    if me == R - 1:
+        time.sleep(2)
+    out = mode.dispatch(case.x[me].to(dev), case.topk_idx[me].to(dev))
+    want = ref.normal_dispatch(case.x, case.topk_idx, None, 2 * R)[me].recv_x
+    ref.assert_bitwise_equal(out.recv_x.cpu(), want, f"rank {me}")
+    mode.destroy()
+    return True
+
+
+def test_a_slow_rank_does_not_change_results(run_ranks):
+    assert run_ranks(3, _slow_rank_body) == [True] * 3
+
+
+def _cycles_body(ctx, cycles):
+    """Create and destroy both modes many times; no mapping of a heap may stay behind."""
+    import gc
+
+    def heap_mappings() -> int:
+        with open("/proc/self/maps") as f:
+            return sum("tritonep-" in line for line in f)
+
+    R, dev = ctx.world_size, ctx.device
+    before = heap_mappings()
+    kept = []  # destroyed modes stay referenced: destroy itself must release the memory
+    for _ in range(cycles):
+        for mode in (
+            nm.NormalMode(None, 128, 2 * R, max_topk=2, device=dev),
+            ll.LowLatencyMode(None, 8, 128, 2 * R, max_topk=2, device=dev),
+        ):
+            mode.destroy()
+            kept.append(mode)
+    gc.collect()
+    return before, heap_mappings()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc")
+def test_destroy_releases_every_heap(run_ranks):
+    for before, after in run_ranks(2, _cycles_body, 50):
+        assert after == before == 0, (before, after)
+
+
+def test_soak_across_emulated_nodes(capfd):
+    from tritonep.soak import main
+
+    args = ["--ranks", "4", "--modes", "internode", "--calls", "8", "--check-every", "1"]
+    assert main(args) == 0
+    assert "'internode': {'calls': 8, 'checked': 8" in capfd.readouterr().out
+
+
+def test_soak_checks_every_call_on_cpu_ranks(capfd):
+    from tritonep.soak import main
+
+    assert main(["--ranks", "3", "--calls", "20", "--check-every", "1", "--seed", "77"]) == 0
+    out = capfd.readouterr().out
+    assert "'normal': {'calls': 20, 'checked': 20" in out
+    assert "'low_latency': {'calls': 20, 'checked': 20" in out
+
+
+# -------------------------------------------------------------------------- on GPUs only
+def _sleep_kernel_body(ctx):
+    """The last rank's stream is held up by a sleep kernel before each call (about 50 ms);
+    results stay exact and nothing times out."""
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    case = make_case(12, [300] * R, 1024, 8 * R, 4)
+    normal = nm.NormalMode(None, 1024, 8 * R, max_topk=4, device=dev, timeout_s=30)
+    low = ll.LowLatencyMode(None, 300, 1024, 8 * R, max_topk=4, device=dev, timeout_s=30)
+    x, idx = case.x[me].to(dev), case.topk_idx[me].to(dev)
+    for _ in range(3):
+        if me == R - 1:
+            torch.cuda._sleep(100_000_000)  # cycles: tens of ms at GPU clocks
+        out = normal.dispatch(x, idx)
+        want = ref.normal_dispatch(case.x, case.topk_idx, None, 8 * R)[me].recv_x
+        ref.assert_bitwise_equal(out.recv_x.cpu(), want, f"rank {me} normal")
+        if me == R - 1:
+            torch.cuda._sleep(100_000_000)
+        recv_x, count, handle, _ = low.dispatch(x, idx, use_fp8=False)
+        low.check()
+        got = ref.LowLatencyDispatchResult.from_outputs(recv_x, count, handle)
+        want_ll = ref.low_latency_dispatch(case.x, case.topk_idx, 300, 8 * R, False)[me]
+        ref.assert_low_latency_dispatch_equal(got, want_ll, me)
+    normal.destroy()
+    low.destroy()
+    return True
+
+
+@pytest.mark.gpu(n=2)
+def test_a_rank_slowed_by_a_sleep_kernel_stays_exact(run_ranks):
+    R = gpu_ranks()
+    assert run_ranks(R, _sleep_kernel_body, timeout=240) == [True] * R
+
+
+def _gpu_cycles_body(ctx, cycles):
+    R, dev = ctx.world_size, ctx.device
+
+    # Symmetric memory has its own allocator: watch the device's free memory, not only
+    # PyTorch's caching allocator. The first cycle warms up (kernels, allocator pools).
+    def used():
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info(dev)
+        return total - free, torch.cuda.memory_allocated(dev)
+
+    def cycle():
+        for mode in (
+            nm.NormalMode(None, 2048, 8 * R, max_topk=8, device=dev),
+            ll.LowLatencyMode(None, 128, 2048, 8 * R, max_topk=8, device=dev),
+        ):
+            mode.destroy()
+
+    cycle()
+    before = used()
+    for _ in range(cycles):
+        cycle()
+    return before, used()
+
+
+@pytest.mark.gpu(n=2)
+@pytest.mark.skipif(shared_gpu(), reason="ranks sharing a GPU see each other's memory")
+def test_destroy_releases_gpu_memory(run_ranks):
+    for (device_before, torch_before), (device_after, torch_after) in run_ranks(
+        gpu_ranks(), _gpu_cycles_body, 50, timeout=300
+    ):
+        assert torch_after <= torch_before + (1 << 20), (torch_before, torch_after)
+        # One buffer set is about 100 MB here: 50 leaked ones would be gigabytes.
+        assert device_after <= device_before + (64 << 20), (device_before, device_after)

@@ -1,0 +1,134 @@
+"""Kernel traces and wait statistics on CPU ranks (the interpreter's logical clock).
+
+The trace of every rank must hold, for every program that ran, the send and receive slices of
+each call, in order, with the kernel's sub-phases inside them; the JSON must be what Perfetto
+reads (``traceEvents`` of complete events). Wait statistics must name every source rank.
+"""
+
+import json
+
+import pytest
+import torch
+
+from tritonep.api import Buffer, EPLowLatencyAllToAllLayer
+from tritonep.modes.trace import PHASES
+from tritonep.testing import make_case
+
+
+def _trace_body(ctx, tmp):
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    tokens, hidden, experts, topk = [6, 0, 5][:R], 256, 4 * R, 3
+    layer = EPLowLatencyAllToAllLayer(max(tokens), hidden, topk, True, me, experts, R, R,
+                                      enable_profiling=True)  # fmt: skip
+    for call in range(2):
+        case = make_case(call, tokens, hidden, experts, topk)
+        idx, w = case.topk_idx[me].to(dev), case.topk_weights[me].to(dev)
+        recv, _, _, meta = layer.dispatch(case.x[me].to(dev), None, idx)
+        y = torch.ones(recv.shape, dtype=torch.bfloat16, device=dev)
+        layer.combine(y, idx, w, meta)
+    paths = [layer.dump_dispatch_trace(f"{tmp}/dispatch-{{rank}}.json"),
+             layer.dump_combine_trace(f"{tmp}/combine-{{rank}}.json")]  # fmt: skip
+    layer.finalize()
+    return paths
+
+
+# Traces hold microseconds as floats with nanosecond digits; their sums round.
+ROUNDING_US = 1e-6
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3])
+def test_traces_show_every_phase_in_order(run_ranks, num_ranks, tmp_path):
+    results = run_ranks(num_ranks, _trace_body, str(tmp_path))
+    for rank, paths in enumerate(results):
+        for path, kernel in zip(
+            paths, ["low-latency dispatch", "low-latency combine"], strict=True
+        ):
+            assert path == f"{tmp_path}/{kernel.split()[1]}-{rank}.json"
+            with open(path) as f:
+                events = json.load(f)["traceEvents"]
+            slices = [e for e in events if e["ph"] == "X"]
+            assert all(e["pid"] == rank and e["dur"] >= 0 for e in slices)
+            (_, send_names), (_, recv_names) = PHASES[kernel]
+            names = {e["name"] for e in slices}
+            assert {f"{kernel}: send", f"{kernel}: receive"} <= names
+            assert set(send_names) | set(recv_names) <= names, names - {f"{kernel}: send"}
+            for call in (0, 1):
+                for program in {e["tid"] for e in slices}:
+                    mine = [e for e in slices if e["tid"] == program and e["args"]["call"] == call]
+                    envelopes = {e["name"].split(": ")[1]: e for e in mine if ": " in e["name"]}
+                    send, recv = envelopes["send"], envelopes["receive"]
+                    assert send["ts"] + send["dur"] <= recv["ts"] + ROUNDING_US  # send first
+                    for e in mine:
+                        if e["name"] in send_names:
+                            parent = send
+                        elif e["name"] in recv_names:
+                            parent = recv
+                        else:
+                            continue
+                        assert parent["ts"] <= e["ts"] + ROUNDING_US
+                        assert e["ts"] + e["dur"] <= parent["ts"] + parent["dur"] + ROUNDING_US
+
+
+def _stats_body(ctx):
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    tokens, hidden, experts, topk = [4, 3, 0][:R], 128, 2 * R, 2
+    case = make_case(5, tokens, hidden, experts, topk)
+    buffer = Buffer(device=dev)
+    idx, w = case.topk_idx[me].to(dev), case.topk_weights[me].to(dev)
+    dispatch_waits = torch.zeros(R, dtype=torch.int64, device=dev)
+    combine_waits = torch.zeros(R, dtype=torch.int64, device=dev)
+    recv, _, handle, _, _ = buffer.low_latency_dispatch(
+        case.x[me].to(dev), idx, max(tokens), experts, use_fp8=False,
+        dispatch_wait_recv_cost_stats=dispatch_waits,
+    )  # fmt: skip
+    buffer.low_latency_combine(recv, idx, w, handle, combine_wait_recv_cost_stats=combine_waits)
+    with pytest.raises(ValueError, match="wait_stats"):
+        buffer.low_latency_combine(
+            recv, idx, w, handle, combine_wait_recv_cost_stats=dispatch_waits[:1]
+        )
+    buffer.check()
+    buffer.destroy()
+    return dispatch_waits.tolist(), combine_waits.tolist()
+
+
+def test_wait_statistics_cover_every_source_rank(run_ranks):
+    results = run_ranks(3, _stats_body)
+    for tokens, (dispatch_waits, combine_waits) in zip([4, 3, 0], results, strict=True):
+        assert all(v > 0 for v in dispatch_waits), dispatch_waits
+        # Combine receivers wait only for tokens they have.
+        assert all((v > 0) == (tokens > 0) for v in combine_waits), combine_waits
+
+
+def _buffer_trace_body(ctx, tmp):
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    tokens, hidden, experts, topk = [5, 3, 0][:R], 128, 2 * R, 2
+    case = make_case(7, tokens, hidden, experts, topk)
+    buffer = Buffer(device=dev, profile=True)
+    x, idx, w = case.x[me].to(dev), case.topk_idx[me].to(dev), case.topk_weights[me].to(dev)
+    _, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, experts)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(
+        x, topk_idx=idx, topk_weights=w, num_tokens_per_expert=per_expert,
+        is_token_in_rank=in_rank,
+    )  # fmt: skip
+    buffer.combine(recv_x, handle)
+    buffer.low_latency_dispatch(x, idx, max(tokens), experts)
+    path = buffer.dump_trace(f"{tmp}/buffer-{{rank}}.json")
+    buffer.destroy()
+    with open(path) as f:
+        return [(e["name"], e["ts"], e["dur"]) for e in json.load(f)["traceEvents"]
+                if e["ph"] == "X"]  # fmt: skip
+
+
+def test_buffer_traces_both_modes_on_one_time_axis(run_ranks, tmp_path):
+    for slices in run_ranks(2, _buffer_trace_body, str(tmp_path)):
+        names = [name for name, _, _ in slices]
+        for name in ["normal notify: notify", "normal dispatch: send", "normal dispatch: receive",
+                     "normal combine: send", "normal combine: receive and reduce",
+                     "low-latency dispatch: send", "quantize and send"]:  # fmt: skip
+            assert name in names, name
+        first = {}
+        for name, ts, _ in slices:
+            first.setdefault(name.split(":")[0], ts)
+        # Calls appear in the order they were made.
+        order = ["normal notify", "normal dispatch", "normal combine", "low-latency dispatch"]
+        assert [first[k] for k in order] == sorted(first[k] for k in order)
