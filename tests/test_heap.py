@@ -14,8 +14,8 @@ from tritonep.kernels.put_signal import put_signal, wait_signal
 DATA_OFFSET, FLAG_OFFSET = 1024, 0
 
 
-def _ring_body(ctx, rounds, num_elems, backend=None):
-    """Each rank stores a block into the next rank and raises its flag, for several rounds."""
+def _ring_body(ctx, rounds, num_elems, backend=None, via="store"):
+    """Each rank puts a block into the next rank and raises its flag, for several rounds."""
     if backend is not None:
         heap.set_backend(backend)
     h = heap.allocate(DATA_OFFSET + 4 * num_elems, device=ctx.device)
@@ -34,7 +34,7 @@ def _ring_body(ctx, rounds, num_elems, backend=None):
         # Poison my receive area so a missing write shows.
         h.view(me, torch.int32, (num_elems,), DATA_OFFSET).fill_(-7)
         h.barrier()
-        put_signal(h, blocks[me].to(ctx.device), nxt, DATA_OFFSET, FLAG_OFFSET, value=it)
+        put_signal(h, blocks[me].to(ctx.device), nxt, DATA_OFFSET, FLAG_OFFSET, it, via=via)
         wait_signal(h, FLAG_OFFSET, value=it, peer=prev, timeout_s=30)
         got = h.view(me, torch.int32, (num_elems,), DATA_OFFSET).cpu()
         assert torch.equal(got, blocks[prev]), f"rank {me} round {it}: wrong block from {prev}"
@@ -131,8 +131,27 @@ def test_put_signal_ring_large_block_on_gpus(run_ranks):
 
 @pytest.mark.gpu(n=2)
 @pytest.mark.skipif(shared_gpu(), reason="NVSHMEM needs a GPU per rank")
-def test_put_signal_ring_nvshmem_backend():
+@pytest.mark.parametrize("via", ["store", "nvshmem"])
+def test_put_signal_ring_nvshmem_backend(via):
     from tritonep.launch import spawn
 
     n = gpu_ranks()
-    assert spawn(_ring_body, n, 3, 1 << 16, "NVSHMEM", backend="nccl", timeout=300) == [True] * n
+    results = spawn(_ring_body, n, 3, 1 << 16, "NVSHMEM", via, backend="nccl", timeout=300)
+    assert results == [True] * n
+
+
+def _nvshmem_refused_body(ctx):
+    h = heap.allocate(4096, device=ctx.device)
+    assert h.backend in ("CPU", "IPC", "CUDA")
+    try:
+        with pytest.raises(ValueError, match="via: 'nvshmem' needs a heap of the NVSHMEM"):
+            put_signal(h, torch.ones(4, device=ctx.device), 0, 1024, 0, 1, via="nvshmem")
+        with pytest.raises(ValueError, match="via: expected 'store' or 'nvshmem'"):
+            put_signal(h, torch.ones(4, device=ctx.device), 0, 1024, 0, 1, via="rdma")
+    finally:
+        h.close()
+    return True
+
+
+def test_nvshmem_puts_need_an_nvshmem_heap(run_ranks):
+    assert run_ranks(2, _nvshmem_refused_body) == [True, True]

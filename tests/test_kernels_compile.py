@@ -304,3 +304,39 @@ def test_traces_are_compiled_out_when_off():
         assert "atom.global.gpu.relaxed.add.u64" not in off
         assert "atom.global.gpu.relaxed.add.u64" in on  # per-peer wait statistics
         assert on.count("%globaltimer") > off.count("%globaltimer")
+
+
+def _nvshmem_device_library():
+    """NVSHMEM's device bitcode, where this machine has it (GPU machines do)."""
+    dirs = [os.environ.get("NVSHMEM_LIB_DIR", "")]
+    try:
+        import nvidia.nvshmem
+
+        dirs += [os.path.join(p, "lib") for p in nvidia.nvshmem.__path__]
+    except ImportError:
+        pass
+    for d in filter(None, dirs):
+        path = os.path.join(d, "libnvshmem_device.bc")
+        if os.path.exists(path):
+            return path
+    pytest.skip("NVSHMEM's device library is not installed (set NVSHMEM_LIB_DIR)")
+
+
+def test_nvshmem_put_links_nvshmems_device_library():
+    signature = {
+        "src_ptr": "*i32",
+        "nbytes": "i64",
+        "peer_ptrs": "*i64",
+        "rank": "i32",
+        "pe": "i32",
+        "data_offset": "i64",
+        "flag_offset": "i64",
+        "value": "i32",
+    }
+    options = {"extern_libs": [["libnvshmem_device", _nvshmem_device_library()]]}
+    ptx = compile_ptx(
+        "tritonep.kernels.put_signal", "put_signal_nvshmem_kernel", signature, {}, options
+    )
+    assert ".target sm_90" in ptx
+    # The put and its signal come from NVSHMEM's library, linked into the kernel.
+    assert "nvshmemi_transfer_amo_nonfetch" in ptx

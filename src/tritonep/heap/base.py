@@ -16,6 +16,8 @@ class SymmetricHeap:
         world_size: ranks in the group.
         nbytes: bytes per rank.
         device: where the buffers live.
+        backend: ``"CUDA"`` or ``"NVSHMEM"`` (symmetric memory), ``"IPC"`` (ranks sharing a
+            GPU) or ``"CPU"`` (shared memory); only NVSHMEM heaps take NVSHMEM puts.
         local: ``uint8 [nbytes]``, this rank's buffer.
         peer_ptrs: ``int64 [world_size]`` on ``device``, base address of each rank's buffer.
     """
@@ -28,6 +30,7 @@ class SymmetricHeap:
         barrier: Callable[[], None],
         keepalive: object = None,
         release: Callable[[], None] | None = None,
+        backend: str = "CPU",
     ):
         self.group = group
         self.rank = dist.get_rank(group)
@@ -40,6 +43,7 @@ class SymmetricHeap:
         self._barrier = barrier
         self._keepalive = keepalive
         self._release = release
+        self.backend = backend
 
     def view(
         self, rank: int, dtype: torch.dtype, shape: Sequence[int], offset: int = 0
@@ -79,5 +83,5 @@ class SymmetricHeap:
     def __repr__(self) -> str:
         return (
             f"SymmetricHeap(rank={self.rank}, world_size={self.world_size}, "
-            f"nbytes={self.nbytes}, device={self.device})"
+            f"nbytes={self.nbytes}, device={self.device}, backend={self.backend})"
         )

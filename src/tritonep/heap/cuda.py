@@ -17,6 +17,17 @@ def set_backend(name: str) -> None:
     if name == "NVSHMEM" and not symm_mem.is_nvshmem_available():
         raise RuntimeError("the NVSHMEM backend is not available in this PyTorch build")
     symm_mem.set_backend(name)
+    global _chosen
+    _chosen = name
+
+
+_chosen = "CUDA"
+
+
+def backend_of(device: torch.device) -> str:
+    """The symmetric-memory backend of ``device`` (it may also be chosen outside this module)."""
+    get = getattr(symm_mem, "get_backend", None)
+    return (get(device) if get is not None else None) or _chosen
 
 
 def allocate_cuda(nbytes: int, group: dist.ProcessGroup, device: torch.device) -> SymmetricHeap:
@@ -40,4 +51,7 @@ def allocate_cuda(nbytes: int, group: dist.ProcessGroup, device: torch.device) -
 
     local.zero_()
     barrier()
-    return SymmetricHeap(group, peers, list(handle.buffer_ptrs), barrier, keepalive=handle)
+    return SymmetricHeap(
+        group, peers, list(handle.buffer_ptrs), barrier, keepalive=handle,
+        backend=backend_of(device),
+    )  # fmt: skip

@@ -42,4 +42,6 @@ def allocate_cuda_ipc(nbytes: int, group: dist.ProcessGroup, device: torch.devic
         torch.cuda.ipc_collect()
 
     barrier()
-    return SymmetricHeap(group, peers, [p.data_ptr() for p in peers], barrier, release=release)
+    return SymmetricHeap(
+        group, peers, [p.data_ptr() for p in peers], barrier, release=release, backend="IPC"
+    )

@@ -4,15 +4,26 @@ The smallest complete use of the symmetric heap, and the pattern every mode buil
 sender's program writes the payload with plain stores, then publishes it with a system-scope
 release on the receiver's flag; the receiver acquires the flag (bounded wait) and may then read
 the payload. One program per call: this is a correctness building block, not a fast copy.
+
+Plain stores reach the peers whose memory this GPU can map (one host, or one NVLink domain).
+Across a network the same step is one NVSHMEM ``putmem_signal``: the payload, then the flag set
+on the peer once the payload is there (``via="nvshmem"``, on heaps of the NVSHMEM backend).
+The receiving side is the same wait either way. Over InfiniBand the source must lie in the
+NVSHMEM heap too (or be registered with NVSHMEM), which is why the modes stage rows in their
+own heap before putting them.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.distributed as dist
 import triton
 import triton.language as tl
 
 from ..heap import SymmetricHeap
+from .nvshmem import SIGNAL_SET, putmem_signal_block, requires_nvshmem
 from .sync import (
     DEFAULT_TIMEOUT_S,
     new_status,
@@ -42,6 +53,22 @@ def put_signal_kernel(
 
 
 @triton.jit
+def put_signal_nvshmem_kernel(
+    src_ptr, nbytes, peer_ptrs, rank, pe, data_offset, flag_offset, value
+):
+    # NVSHMEM names the destination by this rank's own (symmetric) address plus the peer's PE.
+    base = tl.load(peer_ptrs + rank)
+    putmem_signal_block(
+        base + data_offset, src_ptr, nbytes, base + flag_offset, value, SIGNAL_SET, pe
+    )
+
+
+@functools.cache
+def _nvshmem_put_signal():
+    return requires_nvshmem(put_signal_nvshmem_kernel)
+
+
+@triton.jit
 def wait_signal_kernel(
     peer_ptrs, rank, peer, flag_offset, value, timeout, status_ptr, USE_CLOCK: tl.constexpr
 ):
@@ -67,6 +94,7 @@ def put_signal(
     data_offset: int,
     flag_offset: int,
     value: int,
+    via: str = "store",
 ) -> None:
     """Copy ``src`` into ``peer``'s heap at ``data_offset``, then set its int32 flag to ``value``.
 
@@ -75,15 +103,34 @@ def put_signal(
         src: contiguous tensor on the heap's device (any dtype).
         peer: destination rank.
         data_offset: byte offset of the payload in the peer's heap (multiple of 16).
-        flag_offset: byte offset of the int32 flag in the peer's heap (multiple of 4).
+        flag_offset: byte offset of the int32 flag in the peer's heap (multiple of 4; of 8
+            with ``via="nvshmem"``, whose signals are 64-bit: the flag's next 4 bytes are
+            zeroed).
         value: non-zero int32 flag value (a phase tag).
+        via: ``"store"`` (the GPU stores into the mapped peer memory) or ``"nvshmem"`` (one
+            NVSHMEM put with signal; needs a heap of the NVSHMEM backend).
     """
+    if via not in ("store", "nvshmem"):
+        raise ValueError(f"via: expected 'store' or 'nvshmem', got {via!r}")
+    if via == "nvshmem" and heap.backend != "NVSHMEM":
+        raise ValueError(
+            f"via: 'nvshmem' needs a heap of the NVSHMEM backend (heap.set_backend('NVSHMEM') "
+            f"before the first allocation); this heap's backend is {heap.backend}"
+        )
     if src.device != heap.device or not src.is_contiguous():
         raise ValueError(f"src: expected a contiguous tensor on {heap.device}")
     if not 0 <= peer < heap.world_size:
         raise ValueError(f"peer: expected a rank in [0, {heap.world_size}), got {peer}")
-    _check_offset("data_offset", heap, data_offset, src.numel() * src.element_size(), 16)
-    _check_offset("flag_offset", heap, flag_offset, 4, 4)
+    nbytes = src.numel() * src.element_size()
+    _check_offset("data_offset", heap, data_offset, nbytes, 16)
+    _check_offset("flag_offset", heap, flag_offset, 8 if via == "nvshmem" else 4,
+                  8 if via == "nvshmem" else 4)  # fmt: skip
+    if via == "nvshmem":
+        pe = dist.get_global_rank(heap.group, peer)  # NVSHMEM numbers PEs by world rank
+        _nvshmem_put_signal()[(1,)](
+            src, nbytes, heap.peer_ptrs, heap.rank, pe, data_offset, flag_offset, value
+        )
+        return
     put_signal_kernel[(1,)](
         src, src.numel(), heap.peer_ptrs, peer, data_offset, flag_offset, value, BLOCK=1024
     )
