@@ -81,7 +81,8 @@ def test_seed_low_latency_layer(run_ranks, fp8):
 
 def _layer_arg_errors(ctx):
     messages = []
-    for kwargs in [dict(rank=5), dict(fp8_gsize=64), dict(dtype=torch.float16)]:
+    bad = [dict(rank=5), dict(fp8_gsize=64), dict(dtype=torch.float16), dict(local_world_size=3)]
+    for kwargs in bad:
         args = dict(
             max_m=4,
             hidden=128,
@@ -101,7 +102,8 @@ def _layer_arg_errors(ctx):
 
 
 def test_seed_layer_rejects_bad_arguments(run_ranks):
-    assert run_ranks(2, _layer_arg_errors) == [["rank, world_size", "fp8_gsize", "dtype"]] * 2
+    want = ["rank, world_size", "fp8_gsize", "dtype", "local_world_size"]
+    assert run_ranks(2, _layer_arg_errors) == [want] * 2
 
 
 def _layout_body(ctx):

@@ -1,14 +1,17 @@
-"""Internode normal mode on emulated nodes: groups of CPU ranks (or GPUs) act as nodes.
+"""Internode modes on emulated nodes: groups of CPU ranks (or GPUs) act as nodes.
 
-Outputs must equal the single-node reference bit for bit (rows, local ids, weights, source
-indices, per-expert counts, in (source rank, token) order); combine sums within each node
-first, so it is compared within two BF16 roundings.
+Normal mode: outputs must equal the single-node reference bit for bit (rows, local ids,
+weights, source indices, per-expert counts, in (source rank, token) order); combine sums within
+each node first, so it is compared within two BF16 roundings. Low-latency mode: peers on other
+nodes are reached through staging and puts, and everything is bit-exact with the reference.
 """
 
 import pytest
 import torch
 
+from tests import test_low_latency as tll
 from tritonep import reference as ref
+from tritonep.heap import shared_gpu
 from tritonep.modes import normal as nm
 from tritonep.modes.internode import InternodeMode
 from tritonep.testing import make_case, tag_rows
@@ -109,8 +112,43 @@ def test_internode_on_4_gpus_as_2_nodes(run_ranks, use_fp8, worst):
     assert results == [True] * 4
 
 
+@pytest.mark.parametrize(
+    "num_ranks, gpus_per_node", [(4, 2), (3, 1)], ids=["2x2", "3x1"]
+)  # fmt: skip
+@pytest.mark.parametrize("name", ["fp8-ue8m0-hook", "bf16-skewed-dup"])
+def test_low_latency_across_emulated_nodes(run_ranks, num_ranks, gpus_per_node, name):
+    tokens, hidden, experts, topk, routing, fp8, ue8m0, hook, dup = tll.CASES[name]
+    results = run_ranks(
+        num_ranks, tll._ll_body, 2, tokens, hidden, experts, topk, routing, fp8, ue8m0, hook,
+        dup, gpus_per_node,
+    )  # fmt: skip
+    assert results == [True] * num_ranks
+
+
+def _nvshmem_ll_body(ctx, name):
+    from tritonep import heap
+
+    heap.set_backend("NVSHMEM")  # before this process's first symmetric allocation
+    _, _, experts, topk, routing, fp8, ue8m0, hook, dup = tll.CASES[name]
+    result = tll._ll_body(ctx, 3, [128, 0, 77, 128], 7168 if fp8 else 2048, experts * 4, topk,
+                          routing, fp8, ue8m0, hook, dup, 2)  # fmt: skip
+    assert result
+    return heap.allocate(4096, device=ctx.device).backend
+
+
+@pytest.mark.gpu(n=4)
+@pytest.mark.skipif(shared_gpu(), reason="NVSHMEM needs a GPU per rank")
+@pytest.mark.parametrize("name", ["fp8-random", "bf16-skewed-dup", "fp8-ue8m0-hook"])
+def test_low_latency_across_2_nodes_of_2_gpus_with_nvshmem_puts(name):
+    from tritonep.launch import spawn
+
+    # Fresh processes: the NVSHMEM backend must be chosen before any allocation.
+    assert spawn(_nvshmem_ll_body, 4, name, backend="nccl", timeout=400) == ["NVSHMEM"] * 4
+
+
 def _buffer_body(ctx):
-    """Through the DeepEP-like Buffer: per-node counts, dispatch, combine, cached dispatch."""
+    """Through the DeepEP-like Buffer: per-node counts, dispatch, combine, cached dispatch,
+    then low-latency dispatch and combine across the nodes."""
     from tritonep.api import Buffer
 
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
@@ -136,6 +174,17 @@ def _buffer_body(ctx):
     torch.testing.assert_close(back, case.x[me].float()[sent], rtol=1e-2, atol=0)
     again, *_ = buffer.dispatch(x, handle=handle)
     ref.assert_bitwise_equal(again.cpu(), want.recv_x, f"rank {me} cached")
+    # Low-latency calls reach the other node through staging: identity experts give back
+    # x times the sum of the valid weights (DeepEP's check), bit for bit with the reference.
+    recv, count, ll_handle, _, _ = buffer.low_latency_dispatch(x, idx, 8, E, use_fp8=False)
+    got = ref.LowLatencyDispatchResult.from_outputs(recv, count, ll_handle)
+    ll_want = ref.low_latency_dispatch(case.x, case.topk_idx, 8, E, use_fp8=False)[me]
+    ref.assert_low_latency_dispatch_equal(got, ll_want, me)
+    combined, _, _ = buffer.low_latency_combine(recv, idx, w, ll_handle)
+    weight = torch.where(case.topk_idx[me] >= 0, case.topk_weights[me], 0).sum(1, keepdim=True)
+    expected = (case.x[me].float() * weight).to(torch.bfloat16)
+    torch.testing.assert_close(combined.cpu(), expected, rtol=1e-2, atol=1e-2)
+    assert buffer._ll.num_nodes == 2
     buffer.destroy()
     return True
 

@@ -56,6 +56,9 @@ LL_DISPATCH = {
     "rank": "i32",
     "recv_offset": "i64",
     "flag_offset": "i64",
+    "stage_offset": "i64",
+    "gpus_per_node": "i32",
+    "pe_ptr": "*i32",
     "state_ptr": "*i64",
     "scratch_ptr": "*i32",
     "out_x_ptr": "*u8",
@@ -82,6 +85,9 @@ LL_COMBINE = {
     "rank": "i32",
     "recv_offset": "i64",
     "done_offset": "i64",
+    "stage_offset": "i64",
+    "gpus_per_node": "i32",
+    "pe_ptr": "*i32",
     "state_ptr": "*i64",
     "status_ptr": "*i32",
     "timeout_ns": "i64",
@@ -109,6 +115,7 @@ LL_DISPATCH_META = dict(
     TOK_BLOCK=2,
     PROFILE=False,
     WAIT_STATS=False,
+    VIA=0,
 )
 LL_COMBINE_META = dict(
     H=7168,
@@ -126,6 +133,7 @@ LL_COMBINE_META = dict(
     ROW_BLOCK=2,
     PROFILE=False,
     WAIT_STATS=False,
+    VIA=0,
 )
 TRACED = dict(PROFILE=True, WAIT_STATS=True)
 for name, sig, meta in [
@@ -133,6 +141,9 @@ for name, sig, meta in [
     ("ll_combine", LL_COMBINE, LL_COMBINE_META),
     ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, **TRACED}),
     ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, **TRACED}),
+    # Across nodes, emulated (copies from the staging slabs)
+    ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "VIA": 1}),
+    ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, "VIA": 1}),
 ]:
     KERNELS.append(
         (
@@ -268,7 +279,7 @@ def compile_ptx(module, name, signature, constexprs, options=None):
 
 def _id(kernel):
     traced = kernel[3].get("PROFILE", False)
-    return kernel[1] + ("-traced" if traced else "")
+    return kernel[1] + ("-traced" if traced else "") + ("-staged" if kernel[3].get("VIA") else "")
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=[_id(k) for k in KERNELS])
@@ -320,6 +331,16 @@ def _nvshmem_device_library():
         if os.path.exists(path):
             return path
     pytest.skip("NVSHMEM's device library is not installed (set NVSHMEM_LIB_DIR)")
+
+
+@pytest.mark.parametrize("name", ["ll_dispatch", "ll_combine"])
+def test_low_latency_kernels_put_to_other_nodes_with_nvshmem(name):
+    module, kernel, signature, meta, options = next(
+        k for k in KERNELS if k[1] == f"{name}_kernel" and k[3].get("VIA") == 1
+    )
+    options = {**options, "extern_libs": [["libnvshmem_device", _nvshmem_device_library()]]}
+    ptx = compile_ptx(module, kernel, signature, {**meta, "VIA": 2}, options)
+    assert "nvshmemi_transfer_amo_nonfetch" in ptx  # the signal after the puts
 
 
 def test_nvshmem_put_links_nvshmems_device_library():

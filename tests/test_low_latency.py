@@ -47,13 +47,17 @@ def _expert_outputs(recv_x, use_fp8, rank):
     return torch.where(torch.isnan(outputs), 0, outputs)  # poisoned rows past the count
 
 
-def _ll_body(ctx, calls, tokens, hidden, experts, topk, routing, use_fp8, ue8m0, hook, dup):
+def _ll_body(
+    ctx, calls, tokens, hidden, experts, topk, routing, use_fp8, ue8m0, hook, dup,
+    gpus_per_node=None,
+):  # fmt: skip
     R, me = ctx.world_size, ctx.rank
     experts = experts * R
     M = max(max(tokens), 1)
     mode = ll.LowLatencyMode(
-        None, M, hidden, experts, max_topk=max(topk, 2), device=ctx.device, timeout_s=60
-    )
+        None, M, hidden, experts, max_topk=max(topk, 2), device=ctx.device, timeout_s=60,
+        gpus_per_node=gpus_per_node,
+    )  # fmt: skip
     for call in range(calls):  # odd and even calls use different buffer sets
         case = make_case(1000 * call + 7, tokens[:R], hidden, experts, topk, routing)
         if dup:  # a token that names one expert twice is sent there once

@@ -8,8 +8,8 @@ same tuples as DeepEP's. Differences, all deliberate:
   size and expert count; low-latency mode from ``num_max_dispatch_tokens_per_rank``, hidden
   size and expert count), so make one eager call before capturing CUDA graphs; later calls
   must use the same sizes;
-* normal mode runs on any number of ranks, within one node or, with ``gpus_per_node``, over
-  nodes (:class:`~tritonep.modes.internode.InternodeMode`); its handle is a
+* both modes run on any number of ranks, within one node or, with ``gpus_per_node``, over
+  nodes (normal mode through :class:`~tritonep.modes.internode.InternodeMode`); its handle is a
   :class:`~tritonep.modes.normal.NormalHandle` (or ``InternodeHandle``), not DeepEP's tuple,
   and in worst-case mode
   (``num_worst_tokens > 0``) the per-expert counts come as an ``[E_local]`` int32 device
@@ -101,7 +101,8 @@ class Buffer:
         check_ids: read top-k ids on the host to reject out-of-range ids (a GPU sync per call).
         profile: record kernel traces of every call (:meth:`dump_trace`).
         gpus_per_node: ranks per node when the group spans several nodes (normal mode then
-            goes through :class:`~tritonep.modes.internode.InternodeMode`); None: one node.
+            goes through :class:`~tritonep.modes.internode.InternodeMode`, low-latency mode
+            stages what goes to other nodes and puts it there); None: one node.
     """
 
     def __init__(
@@ -392,18 +393,23 @@ class Buffer:
 
     @staticmethod
     def get_low_latency_rdma_size_hint(
-        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+        num_max_dispatch_tokens_per_rank: int,
+        hidden: int,
+        num_ranks: int,
+        num_experts: int,
+        num_nodes: int = 1,
     ) -> int:
-        """Bytes of symmetric memory per rank that the low-latency mode needs."""
+        """Bytes of symmetric memory per rank that the low-latency mode needs (``num_nodes``,
+        not in DeepEP's signature: across nodes a staging region is added)."""
         return LowLatencyMode.size_hint(
-            num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts
+            num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, num_nodes=num_nodes
         )
 
     def _low_latency(self, num_max: int, hidden: int, num_experts: int) -> LowLatencyMode:
         mode = self._ll
         if mode is None:
             need = self.get_low_latency_rdma_size_hint(
-                num_max, hidden, self.group_size, num_experts
+                num_max, hidden, self.group_size, num_experts, self.num_nodes
             )
             if self.num_rdma_bytes and self.num_rdma_bytes < need:
                 raise ValueError(
@@ -419,6 +425,7 @@ class Buffer:
                 timeout_s=self.timeout_s,
                 check_ids=self.check_ids,
                 profile=self._profile(),
+                gpus_per_node=self.gpus_per_node,
             )
         elif (mode.max_tokens, mode.hidden, mode.num_experts) != (num_max, hidden, num_experts):
             raise ValueError(

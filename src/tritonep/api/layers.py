@@ -208,7 +208,8 @@ class EPLowLatencyAllToAllLayer:
         topk: experts per token (1 to 16).
         online_quant_fp8: quantize to FP8 inside dispatch; False sends BF16.
         rank, num_experts, local_world_size, world_size: the group's shape; ``rank`` and
-            ``world_size`` must match the process group.
+            ``world_size`` must match the process group; ``local_world_size`` ranks share a
+            node (peers on other nodes are reached through staging and puts).
         fp8_gsize: channels per scale; must be 128.
         dtype: token dtype; must be ``torch.bfloat16``.
         enable_profiling: record kernel traces (per-program phase timings) of every call, for
@@ -237,11 +238,21 @@ class EPLowLatencyAllToAllLayer:
             raise ValueError(f"fp8_gsize: only 128 is supported, got {fp8_gsize}")
         if dtype != torch.bfloat16:
             raise TypeError(f"dtype: expected torch.bfloat16, got {dtype}")
+        if (
+            not isinstance(local_world_size, int)
+            or local_world_size < 1
+            or (world_size % local_world_size)
+        ):
+            raise ValueError(
+                f"local_world_size: expected a divisor of world_size ({world_size}), "
+                f"got {local_world_size}"
+            )
         self.topk, self.online_quant_fp8 = topk, online_quant_fp8
         self.local_world_size = local_world_size
         self.mode = LowLatencyMode(
-            group, max_m, hidden, num_experts, max_topk=max(topk, 1), profile=enable_profiling
-        )
+            group, max_m, hidden, num_experts, max_topk=max(topk, 1), profile=enable_profiling,
+            gpus_per_node=local_world_size,
+        )  # fmt: skip
 
     def dispatch(
         self,

@@ -8,6 +8,10 @@ system-scope release. The
 counters only grow (every call adds ``E_local`` per sender), so a receiver waits until its
 counter of every sender reaches ``(call + 1) * E_local``: no reset, no tags.
 
+Across nodes (``VIA`` other than ``VIA_STORE``), rows for a source rank on another node are
+staged in this rank's heap, put row by row into their slots there, and the counter is then
+raised by a signal ordered after the puts (:mod:`tritonep.kernels.transport`).
+
 Receive phase. Program ``p`` owns tokens ``p, p + P, ...``: once every sender is done, each
 token gets ``sum_k w[t, k] * row(t, k)`` in float32, cast to BF16. A token that names one
 expert twice reads that expert's single row twice (dispatch sent it once, at the first column).
@@ -29,6 +33,7 @@ from .fp8 import from_bf16, to_bf16
 from .ll_dispatch import finish_launch
 from .sync import add_release, aligned_ptr, record_timeout, wait_flag
 from .trace import read_clock, write_trace
+from .transport import SIGNAL_ADD, VIA_STORE, put_block, signal
 
 PHASE_COMBINE_RECV = tl.constexpr(3)
 
@@ -51,6 +56,9 @@ def ll_combine_kernel(
     rank,
     recv_offset,  # byte offset of buffer set 0 of [M][K_MAX][H] bf16 rows in the heap
     done_offset,  # byte offset of the [R] int64 done counters
+    stage_offset,  # byte offset of the staging rows [E_local * R * M][H] (VIA != VIA_STORE)
+    gpus_per_node,  # ranks r and r' share a node when r // gpus_per_node == r' // gpus_per_node
+    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
     state_ptr,
     status_ptr,
     timeout_ns,
@@ -71,6 +79,7 @@ def ll_combine_kernel(
     ROW_BLOCK: tl.constexpr,
     PROFILE: tl.constexpr,
     WAIT_STATS: tl.constexpr,
+    VIA: tl.constexpr = VIA_STORE,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -108,6 +117,8 @@ def ll_combine_kernel(
             begin = (packed >> 32).to(tl.int32)
             count = (packed & 0xFFFFFFFF).to(tl.int32)
             base = tl.load(peer_ptrs + src)
+            my_base = tl.load(peer_ptrs + rank)
+            remote = (src // gpus_per_node) != (rank // gpus_per_node)
             for first in range(0, count, ROW_BLOCK):
                 rmask = (first + rows_in_block) < count
                 rows = (local * NUM_RANKS * M + begin + first + rows_in_block).to(tl.int64)
@@ -116,12 +127,28 @@ def ll_combine_kernel(
                 mask2 = rmask[:, None] & flat_mask[None, :]
                 y = tl.load(x_ptr + rows[:, None] * H + flat[None, :], mask=mask2)
                 dst = base + recv_offset + set_off + (token * K_MAX + column) * (H * 2)
+                if VIA != VIA_STORE:
+                    # A source on another node: stage the rows in this rank's heap first.
+                    dst = tl.where(remote, my_base + stage_offset + rows * (H * 2), dst)
                 dst = aligned_ptr(dst, tl.bfloat16)
                 tl.store(dst[:, None] + flat[None, :], y, mask=mask2)
+            if VIA != VIA_STORE:  # noqa: SIM102 - compiled out without a transport
+                if remote:
+                    pe = tl.load(pe_ptr + src)
+                    for r in range(0, count):
+                        row = (local * NUM_RANKS * M + begin + r).to(tl.int64)
+                        token = tl.load(src_ptr + row).to(tl.int64)
+                        column = tl.load(slot_ptr + row).to(tl.int64)
+                        offset = recv_offset + set_off + (token * K_MAX + column) * (H * 2)
+                        stage = my_base + stage_offset + row * (H * 2)
+                        put_block(my_base, base, offset, stage, H * 2, pe, VIA)
             if PROFILE:
                 t1 = read_clock(trace_ptr, USE_CLOCK)
-            done = base + done_offset + rank * 8
-            add_release(done.to(tl.pointer_type(tl.int64)), 1)
+            if VIA == VIA_STORE:
+                add_release((base + done_offset + rank * 8).to(tl.pointer_type(tl.int64)), 1)
+            else:
+                signal(my_base, base, done_offset + rank * 8, 1, SIGNAL_ADD,
+                       tl.load(pe_ptr + src), VIA)  # fmt: skip
             if PROFILE:
                 t2 = read_clock(trace_ptr, USE_CLOCK)
                 t_send += t1 - t0

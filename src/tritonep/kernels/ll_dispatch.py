@@ -16,6 +16,10 @@ time, into the packed output ``recv_x[expert, begin : begin + count]`` and recor
 ``(begin, count)``. Blocks are therefore in source-rank order, the same order as the
 reference, and outputs are deterministic.
 
+Across nodes (``VIA`` other than ``VIA_STORE``), messages for an owner on another node are
+built in this rank's staging slab ``[expert][slot]`` instead, then moved in one put whose signal
+is the count (:mod:`tritonep.kernels.transport`); owners on this node still get plain stores.
+
 Why it is fast: one launch, no host synchronization, no count exchange before the data (the
 count follows the data on the same path), every byte crosses NVLink once, and the work of
 one expert stays in one program so slot numbering needs no atomics.
@@ -38,6 +42,7 @@ import triton.language as tl
 from .fp8 import e4m3_bits, from_bf16, quantize_groups
 from .sync import aligned_ptr, record_timeout, store_release, wait_flag
 from .trace import read_clock, write_trace
+from .transport import SIGNAL_SET, VIA_STORE, put_block_signal
 
 PHASE_DISPATCH_RECV = tl.constexpr(2)
 
@@ -80,6 +85,9 @@ def ll_dispatch_kernel(
     rank,
     recv_offset,  # byte offset of buffer set 0 of the receive slabs in the heap
     flag_offset,  # byte offset of buffer set 0 of the count flags
+    stage_offset,  # byte offset of the staging slabs [E][M] messages (VIA != VIA_STORE)
+    gpus_per_node,  # ranks r and r' share a node when r // gpus_per_node == r' // gpus_per_node
+    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
     state_ptr,  # [8] int64 local call counters
     scratch_ptr,  # [P, 2, M] int32 per-program token lists
     out_x_ptr,  # [E_local, R * M, H] bf16, or the e4m3 output viewed as uint8
@@ -112,6 +120,7 @@ def ll_dispatch_kernel(
     TOK_BLOCK: tl.constexpr,
     PROFILE: tl.constexpr,
     WAIT_STATS: tl.constexpr,
+    VIA: tl.constexpr = VIA_STORE,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -165,7 +174,14 @@ def ll_dispatch_kernel(
             owner = expert // E_LOCAL
             local = expert % E_LOCAL
             base = tl.load(peer_ptrs + owner)
-            block = base + recv_offset + set_off + ((local * NUM_RANKS + rank) * M) * MSG_BYTES
+            dst_offset = recv_offset + set_off + ((local * NUM_RANKS + rank) * M) * MSG_BYTES
+            block = base + dst_offset
+            remote = (owner // gpus_per_node) != (rank // gpus_per_node)
+            if VIA != VIA_STORE:
+                # An owner on another node: build the messages in this rank's staging slab,
+                # then put them there in one piece with the count as its signal.
+                stage = tl.load(peer_ptrs + rank) + stage_offset + expert * M * MSG_BYTES
+                block = tl.where(remote, stage, block)
             # TOK_BLOCK tokens at a time, so that their loads and stores overlap.
             for first in range(0, count, TOK_BLOCK):
                 j = first + tl.arange(0, TOK_BLOCK)
@@ -193,10 +209,19 @@ def ll_dispatch_kernel(
                     tl.store(x_dst + row_offs[None, :, :], x, mask=mask3)
             if PROFILE:
                 t1 = read_clock(trace_ptr, USE_CLOCK)
-            flag = base + flag_offset + flag_set_off + (local * NUM_RANKS + rank) * 8
-            store_release(
-                flag.to(tl.pointer_type(tl.int64)), ((c_send + 1) << 32) | count.to(tl.int64)
-            )
+            flag = flag_offset + flag_set_off + (local * NUM_RANKS + rank) * 8
+            value = ((c_send + 1) << 32) | count.to(tl.int64)
+            if VIA == VIA_STORE:
+                store_release((base + flag).to(tl.pointer_type(tl.int64)), value)
+            else:
+                if remote:
+                    put_block_signal(
+                        tl.load(peer_ptrs + rank), base, dst_offset, block,
+                        count.to(tl.int64) * MSG_BYTES, flag, value, SIGNAL_SET,
+                        tl.load(pe_ptr + owner), VIA,
+                    )  # fmt: skip
+                else:
+                    store_release((base + flag).to(tl.pointer_type(tl.int64)), value)
             tl.debug_barrier()
             if PROFILE:
                 t2 = read_clock(trace_ptr, USE_CLOCK)

@@ -43,6 +43,49 @@ def _putmem_signal_block(dst, src, nbytes, signal, value, sig_op, pe, _semantic=
     )
 
 
+@core.extern
+def _putmem_block(dst, src, nbytes, pe, _semantic=None):
+    return core.extern_elementwise(
+        "",
+        "",
+        [dst, src, nbytes, pe],
+        {
+            (core.dtype("int64"), core.dtype("int64"), core.dtype("int64"), core.dtype("int32")): (
+                "nvshmemx_putmem_block",
+                core.dtype("int32"),
+            )
+        },
+        is_pure=False,
+        _semantic=_semantic,
+    )
+
+
+@core.extern
+def _signal_op(signal, value, sig_op, pe, _semantic=None):
+    return core.extern_elementwise(
+        "",
+        "",
+        [signal, value, sig_op, pe],
+        {
+            (core.dtype("int64"), core.dtype("int64"), core.dtype("int32"), core.dtype("int32")): (
+                "nvshmemx_signal_op",
+                core.dtype("int32"),
+            )
+        },
+        is_pure=False,
+        _semantic=_semantic,
+    )
+
+
+@core.extern
+def fence(_semantic=None):
+    """Order this PE's earlier puts and signals to each PE before its later ones."""
+    return core.extern_elementwise(
+        "", "", [], {(): ("nvshmem_fence", core.dtype("int32"))}, is_pure=False,
+        _semantic=_semantic,
+    )  # fmt: skip
+
+
 @triton.jit
 def putmem_signal_block(dst_addr, src_ptr, nbytes, signal_addr, value, SIG_OP: tl.constexpr, pe):
     """Copy ``nbytes`` from local ``src_ptr`` to PE ``pe``, then update its 64-bit signal.
@@ -59,6 +102,31 @@ def putmem_signal_block(dst_addr, src_ptr, nbytes, signal_addr, value, SIG_OP: t
         nbytes + tl.zeros((), tl.int64),
         signal_addr + tl.zeros((), tl.int64),
         (value + tl.zeros((), tl.int64)).to(tl.uint64),
+        tl.full((), SIG_OP, tl.int32),
+        pe + tl.zeros((), tl.int32),
+    )
+
+
+@triton.jit
+def putmem_block(dst_addr, src_ptr, nbytes, pe):
+    """Copy ``nbytes`` from local ``src_ptr`` to PE ``pe`` at this PE's symmetric ``dst_addr``.
+    Blocking: ``src_ptr`` may be reused on return; ordered before later signals by
+    :func:`fence`."""
+    return _putmem_block(
+        dst_addr + tl.zeros((), tl.int64),
+        src_ptr.to(tl.int64),
+        nbytes + tl.zeros((), tl.int64),
+        pe + tl.zeros((), tl.int32),
+    )
+
+
+@triton.jit
+def signal_op(signal_addr, value, SIG_OP: tl.constexpr, pe):
+    """Set (``SIGNAL_SET``) or add to (``SIGNAL_ADD``) the 64-bit signal ``signal_addr``
+    (this PE's symmetric address) on PE ``pe``."""
+    return _signal_op(
+        signal_addr + tl.zeros((), tl.int64),
+        value + tl.zeros((), tl.int64),
         tl.full((), SIG_OP, tl.int32),
         pe + tl.zeros((), tl.int32),
     )

@@ -12,6 +12,12 @@ between them):
 plus ``[R]`` combine counters. Call counters live in a small device tensor, so calls need no
 host synchronization and a captured CUDA graph can be replayed any number of times.
 
+Across nodes (``gpus_per_node`` smaller than the group), peers on this rank's node are written
+as above; for peers on other nodes, messages and rows are first built in a staging region of
+this rank's heap (``[E][max_tokens]`` messages, also used for combine rows) and then moved with
+NVSHMEM puts on heaps of the NVSHMEM backend, or copied from there where every heap is mapped
+(emulated nodes on one host or on CPU ranks): :mod:`tritonep.kernels.transport`.
+
 Outputs are allocated per call (``torch.empty``: rows past ``recv_count`` are undefined).
 At most two dispatches (and two combines) may be in flight at once, and every rank must make
 the same sequence of calls, as with DeepEP.
@@ -25,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from ..heap import allocate
-from ..kernels import ll_combine, ll_dispatch
+from ..kernels import ll_combine, ll_dispatch, transport
+from ..kernels.nvshmem import requires_nvshmem
 from ..kernels.sync import (
     DEFAULT_TIMEOUT_S,
     new_status,
@@ -83,10 +90,18 @@ class LowLatencyLayout(NamedTuple):
     combine: int
     combine_set: int
     done: int
+    stage: int
     total: int
 
     @staticmethod
-    def of(max_tokens: int, hidden: int, num_ranks: int, num_experts: int, max_topk: int):
+    def of(
+        max_tokens: int,
+        hidden: int,
+        num_ranks: int,
+        num_experts: int,
+        max_topk: int,
+        num_nodes: int = 1,
+    ):
         e_local = num_experts // num_ranks
         recv_set = _align(e_local * num_ranks * max_tokens * message_bytes(hidden, False))
         flags_set = _align(e_local * num_ranks * 8)
@@ -95,8 +110,13 @@ class LowLatencyLayout(NamedTuple):
         flags = recv + 2 * recv_set
         combine = flags + 2 * flags_set
         done = combine + 2 * combine_set
-        total = done + _align(num_ranks * 8)
-        return LowLatencyLayout(recv, recv_set, flags, flags_set, combine, combine_set, done, total)
+        stage = done + _align(num_ranks * 8)
+        # Staging for peers on other nodes: dispatch messages [E][max_tokens]; combine rows
+        # [E_local * R * max_tokens][H] take less.
+        total = stage + (recv_set if num_nodes > 1 else 0)
+        return LowLatencyLayout(
+            recv, recv_set, flags, flags_set, combine, combine_set, done, stage, total
+        )
 
 
 class LowLatencyHandle(NamedTuple):
@@ -138,6 +158,8 @@ class LowLatencyMode:
             kernels, which never write out of bounds.
         profile: record kernel traces of every launch (``self.trace``); a
             :class:`~tritonep.modes.trace.TraceRecorder` to share one with another mode.
+        gpus_per_node: ranks per node (consecutive ranks share a node); None: the whole
+            group is one node. Peers on other nodes are reached through staging and puts.
     """
 
     def __init__(
@@ -152,6 +174,7 @@ class LowLatencyMode:
         num_programs: int | None = None,
         check_ids: bool = True,
         profile: bool | TraceRecorder = False,
+        gpus_per_node: int | None = None,
     ):
         self.group = group or dist.group.WORLD
         check_ranks_agree(
@@ -159,6 +182,7 @@ class LowLatencyMode:
             num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank, hidden=hidden,
             num_experts=num_experts, max_topk=max_topk, num_programs=num_programs,
             device_type=torch.device(device).type if device is not None else None,
+            gpus_per_node=gpus_per_node,
         )  # fmt: skip
         self.check_ids = check_ids
         self.rank = dist.get_rank(self.group)
@@ -175,11 +199,34 @@ class LowLatencyMode:
         self.max_tokens = num_max_dispatch_tokens_per_rank
         self.hidden, self.num_experts, self.max_topk = hidden, num_experts, max_topk
         self.timeout_s = timeout_s
+        if gpus_per_node is None:
+            gpus_per_node = self.num_ranks
+        if gpus_per_node < 1 or self.num_ranks % gpus_per_node:
+            raise ValueError(
+                f"gpus_per_node: expected a divisor of the {self.num_ranks} ranks, "
+                f"got {gpus_per_node}"
+            )
+        self.gpus_per_node = gpus_per_node
+        self.num_nodes = self.num_ranks // gpus_per_node
         self.layout = LowLatencyLayout.of(
-            self.max_tokens, hidden, self.num_ranks, num_experts, max_topk
+            self.max_tokens, hidden, self.num_ranks, num_experts, max_topk, self.num_nodes
         )
         self.heap = allocate(self.layout.total, self.group, device)
         self.device = self.heap.device
+        #: How peers on other nodes are reached (:mod:`tritonep.kernels.transport`).
+        self.via = transport.VIA_STORE.value
+        if self.num_nodes > 1:
+            nvshmem = self.heap.backend == "NVSHMEM"
+            self.via = (transport.VIA_NVSHMEM if nvshmem else transport.VIA_COPY).value
+        self._pes = torch.tensor(
+            [dist.get_global_rank(self.group, r) for r in range(self.num_ranks)],
+            dtype=torch.int32, device=self.device,
+        )  # fmt: skip
+        self._kernels = {
+            name: requires_nvshmem(k) if self.via == transport.VIA_NVSHMEM.value else k
+            for name, k in (("dispatch", ll_dispatch.ll_dispatch_kernel),
+                            ("combine", ll_combine.ll_combine_kernel))
+        }  # fmt: skip
         if num_programs is None:
             if self.device.type == "cuda":
                 # A few SMs stay free (as DeepEP leaves 4 of 132): a cooperative launch that
@@ -213,10 +260,11 @@ class LowLatencyMode:
         num_ranks: int,
         num_experts: int,
         max_topk: int = MAX_TOPK,
+        num_nodes: int = 1,
     ) -> int:
         """Bytes of symmetric memory each rank needs."""
         return LowLatencyLayout.of(
-            num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, max_topk
+            num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, max_topk, num_nodes
         ).total
 
     # ---------------------------------------------------------------------------- helpers
@@ -237,7 +285,7 @@ class LowLatencyMode:
             kernel[grid](
                 *args, readings, wait_stats if wait_stats is not None else self.state, **meta,
                 DO_SEND=do_send, DO_RECV=do_recv, PROFILE=self.trace is not None,
-                WAIT_STATS=wait_stats is not None, **extra,
+                WAIT_STATS=wait_stats is not None, VIA=self.via, **extra,
             )  # fmt: skip
 
         if not return_recv_hook and self.device.type == "cuda":
@@ -320,6 +368,9 @@ class LowLatencyMode:
             self.rank,
             self.layout.recv,
             self.layout.flags,
+            self.layout.stage,
+            self.gpus_per_node,
+            self._pes,
             self.state,
             self.scratch,
             recv_x.view(torch.uint8) if use_fp8 else recv_x,
@@ -356,7 +407,7 @@ class LowLatencyMode:
         out_x = (recv_x, recv_scales) if use_fp8 else recv_x
         self._check_wait_stats(wait_stats)
         hook = self._run(
-            ll_dispatch.ll_dispatch_kernel, "low-latency dispatch", args, meta,
+            self._kernels["dispatch"], "low-latency dispatch", args, meta,
             return_recv_hook, wait_stats,
         )  # fmt: skip
         return out_x, recv_count, handle, hook
@@ -431,6 +482,9 @@ class LowLatencyMode:
             self.rank,
             self.layout.combine,
             self.layout.done,
+            self.layout.stage,
+            self.gpus_per_node,
+            self._pes,
             self.state,
             self.status,
             self._timeout_ns,
@@ -454,7 +508,7 @@ class LowLatencyMode:
         )
         self._check_wait_stats(wait_stats)
         hook = self._run(
-            ll_combine.ll_combine_kernel, "low-latency combine", args, meta, return_recv_hook,
+            self._kernels["combine"], "low-latency combine", args, meta, return_recv_hook,
             wait_stats,
         )  # fmt: skip
         return out, hook

@@ -1,0 +1,96 @@
+"""How a program hands a block to a peer on another node: stage it, put it, then signal.
+
+Peers of the same node are reached with plain stores into their mapped memory (and a release
+on their flag). Peers on other nodes may not be mapped at all, so the kernels write such blocks
+into this rank's own heap first (*staging*: an InfiniBand NIC reads only registered memory, and
+the heap is registered) and then move them with one of two transports, chosen at compile time:
+
+* ``VIA_NVSHMEM``: NVSHMEM puts from the staged block, then the signal: ``putmem_signal`` for
+  a contiguous block, or row puts, a fence and a signal operation;
+* ``VIA_COPY``: the same steps as loads from the staged block and stores into the peer's
+  mapped memory, then a release on its flag. This is how emulated nodes run where NVSHMEM does
+  not (CPU ranks, CUDA IPC heaps), so the staged path is tested everywhere.
+
+Destinations are given twice: as an offset into the peer's heap (``peer_base`` is its mapped
+base, which only ``VIA_COPY`` uses) and through this rank's own base (``my_base``), which is
+how NVSHMEM names the same offset on another PE. Signals are 64-bit.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import nvshmem
+from .sync import add_release, aligned_ptr, store_release
+
+#: Transports (``VIA``): every peer on this node (no staging), copies, NVSHMEM puts.
+VIA_STORE = tl.constexpr(0)
+VIA_COPY = tl.constexpr(1)
+VIA_NVSHMEM = tl.constexpr(2)
+
+SIGNAL_SET = nvshmem.SIGNAL_SET
+SIGNAL_ADD = nvshmem.SIGNAL_ADD
+
+COPY_WORDS = tl.constexpr(1024)
+
+
+@triton.jit
+def copy_bytes(dst_addr, src_addr, nbytes):
+    """Copy ``nbytes`` (a multiple of 16) between 16-byte aligned addresses, after every
+    thread's earlier stores to ``src_addr``."""
+    tl.debug_barrier()
+    src = aligned_ptr(src_addr, tl.int32)
+    dst = aligned_ptr(dst_addr, tl.int32)
+    words = nbytes // 4
+    offs = tl.arange(0, COPY_WORDS)
+    for start in range(0, words, COPY_WORDS):
+        mask = start + offs < words
+        tl.store(dst + start + offs, tl.load(src + start + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def put_block_signal(
+    my_base, peer_base, dst_offset, src_addr, nbytes, signal_offset, value, SIG_OP: tl.constexpr,
+    pe, VIA: tl.constexpr,
+):  # fmt: skip
+    """Move a staged block to a peer, then set or add to its 64-bit signal."""
+    if VIA == VIA_NVSHMEM:
+        tl.debug_barrier()  # every thread's staging stores come before the put
+        nvshmem.putmem_signal_block(
+            my_base + dst_offset, src_addr, nbytes,
+            my_base + signal_offset, value, SIG_OP, pe,
+        )  # fmt: skip
+    else:
+        copy_bytes(peer_base + dst_offset, src_addr, nbytes)
+        signal = (peer_base + signal_offset).to(tl.pointer_type(tl.int64))
+        if SIG_OP == SIGNAL_SET:
+            store_release(signal, value)
+        else:
+            add_release(signal, value)
+
+
+@triton.jit
+def put_block(my_base, peer_base, dst_offset, src_addr, nbytes, pe, VIA: tl.constexpr):
+    """Move a staged block to a peer; a later :func:`signal` orders it before the signal."""
+    if VIA == VIA_NVSHMEM:
+        tl.debug_barrier()
+        nvshmem.putmem_block(my_base + dst_offset, src_addr,
+                             nbytes, pe)  # fmt: skip
+    else:
+        copy_bytes(peer_base + dst_offset, src_addr, nbytes)
+
+
+@triton.jit
+def signal(my_base, peer_base, signal_offset, value, SIG_OP: tl.constexpr, pe, VIA: tl.constexpr):
+    """Set or add to a peer's 64-bit signal after this program's earlier puts to it."""
+    if VIA == VIA_NVSHMEM:
+        tl.debug_barrier()
+        nvshmem.fence()
+        nvshmem.signal_op(my_base + signal_offset, value, SIG_OP, pe)
+    else:
+        flag = (peer_base + signal_offset).to(tl.pointer_type(tl.int64))
+        if SIG_OP == SIGNAL_SET:
+            store_release(flag, value)
+        else:
+            add_release(flag, value)
