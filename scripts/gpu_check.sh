@@ -46,6 +46,10 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     timeout "${INTERNODE_LIMIT_S:-150}" python3 -m tritonep.bench internode --ranks "$ranks" \
       --gpus-per-node $((ranks / 2)) --tokens "${INTERNODE_TOKENS:-4096}" --iters 20 \
       --csv "$out/internode.csv" 2>&1 | tee "$out/bench_internode.log" | grep -v -i warn | tail -4 || status=1
+    # Low-latency across 2 emulated nodes: NVSHMEM puts to the other node, stores within.
+    timeout "${LL_INTERNODE_LIMIT_S:-120}" python3 -m tritonep.bench low-latency --ranks "$ranks" \
+      --gpus-per-node $((ranks / 2)) --nvshmem --tokens 128 --iters 30 \
+      --csv "$out/ll_internode.csv" 2>&1 | tee "$out/bench_ll_internode.log" | grep -v -i warn | tail -4 || status=1
   fi
   [ -n "${SKIP_LL:-}" ] || timeout "${LL_LIMIT_S:-150}" python3 -m tritonep.bench low-latency --ranks "$ranks" --tokens "${LL_TOKENS:-128,1,32,256}" \
     --iters 30 --csv "$out/ll.csv" --plot "$out/ll.png" --trace "$out/trace-ll-{rank}.json" 2>&1 | tee "$out/bench_ll.log" | grep -v -i warn | tail -8 || status=1

@@ -238,9 +238,12 @@ def test_destroy_releases_every_heap(run_ranks):
 def test_soak_across_emulated_nodes(capfd):
     from tritonep.soak import main
 
-    args = ["--ranks", "4", "--modes", "internode", "--calls", "8", "--check-every", "1"]
+    args = ["--ranks", "4", "--modes", "internode,low_latency_internode", "--calls", "8",
+            "--check-every", "1"]  # fmt: skip
     assert main(args) == 0
-    assert "'internode': {'calls': 8, 'checked': 8" in capfd.readouterr().out
+    out = capfd.readouterr().out
+    assert "'internode': {'calls': 8, 'checked': 8" in out
+    assert "'low_latency_internode': {'calls': 8, 'checked': 8" in out
 
 
 def test_soak_checks_every_call_on_cpu_ranks(capfd):

@@ -6,6 +6,8 @@ FP8 payloads and, in normal mode, worst-case or exact sizing and cached calls. E
 the same parameters from the call's seed, so they stay in step without talking; every
 ``check_every``-th call (and the first and last) is compared with :mod:`tritonep.reference`
 bit for bit. Any mismatch or timeout stops the run with the call's seed, so it can be replayed.
+Modes ``internode`` and ``low_latency_internode`` treat groups of ``--gpus-per-node`` ranks
+as nodes.
 """
 
 from __future__ import annotations
@@ -98,9 +100,11 @@ def _rank_main(ctx, opts):
                                  timeout_s=opts.timeout)  # fmt: skip
             step = _normal_call
         else:
+            nodes = name == "low_latency_internode"
             mode = LowLatencyMode(None, opts.tokens, opts.hidden, opts.experts,
-                                  max_topk=opts.topk, device=ctx.device,
-                                  timeout_s=opts.timeout)  # fmt: skip
+                                  max_topk=opts.topk, device=ctx.device, timeout_s=opts.timeout,
+                                  gpus_per_node=opts.gpus_per_node if nodes else None,
+                                  )  # fmt: skip
             step = _low_latency_call
         start, checks = time.monotonic(), 0
         for call in range(opts.calls):
@@ -118,9 +122,12 @@ def _rank_main(ctx, opts):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tritonep.soak", description=__doc__)
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--modes", default="normal,low_latency",
-                        help="any of normal, low_latency, internode")  # fmt: skip
-    parser.add_argument("--gpus-per-node", type=int, default=2, help="internode: node size")
+    parser.add_argument(
+        "--modes", default="normal,low_latency",
+        help="any of normal, low_latency, internode, low_latency_internode",
+    )  # fmt: skip
+    parser.add_argument("--gpus-per-node", type=int, default=2,
+                        help="node size of the *internode modes")  # fmt: skip
     parser.add_argument("--calls", type=int, default=10000, help="calls per mode")
     parser.add_argument("--check-every", type=int, default=100)
     parser.add_argument("--tokens", type=int, default=None, help="most tokens per rank")

@@ -20,6 +20,7 @@ import argparse
 import sys
 import types
 
+from ..heap import shared_gpu
 from ..launch import gpus_suffice, spawn
 from . import report
 
@@ -122,6 +123,10 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--ring", default=None, help="ring slots (default 128; CPU: 64)")
         elif mode == "low-latency":
             p.add_argument("--bf16", action="store_true", help="dispatch BF16 instead of FP8")
+            p.add_argument("--gpus-per-node", type=int, default=None,
+                           help="ranks per emulated node (default: one node)")  # fmt: skip
+            p.add_argument("--nvshmem", action="store_true",
+                           help="NVSHMEM heaps: NVSHMEM puts to other nodes")  # fmt: skip
         else:
             p.add_argument("--gpus-per-node", type=int, default=2, help="GPUs per emulated node")
     r = sub.add_parser("report", help="CSV -> table, markdown section, plot")
@@ -153,6 +158,8 @@ def _options(args: argparse.Namespace, on_gpu: bool) -> types.SimpleNamespace:
         opts.ring = _ints(args.ring or ("128" if on_gpu else "64"))
     elif args.mode == "low-latency":
         opts.bf16 = args.bf16
+        opts.gpus_per_node = args.gpus_per_node
+        opts.nvshmem = args.nvshmem
     else:
         opts.gpus_per_node = args.gpus_per_node
     return opts
@@ -168,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             report.plot(rows, args.plot, args.ceiling)
         return 0
+    if shared_gpu():
+        print("tritonep bench: ranks that share one GPU (TRITONEP_SHARED_GPU) take turns on it, "
+              "so nothing can be timed that way", file=sys.stderr)  # fmt: skip
+        return 2
     rows = []
     for ranks in _ints(args.ranks):
         on_gpu = gpus_suffice(ranks)

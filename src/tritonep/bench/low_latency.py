@@ -53,6 +53,8 @@ def _low_latency_point(ctx, mode, baseline, rival, opts, T, topk, max_tokens):
         "topk": K,
         "experts": E,
         "ranks": mode.num_ranks,
+        "gpus_per_node": mode.gpus_per_node,
+        "transport": ["store", "copy", "nvshmem"][mode.via],
         "dispatch_us": t_disp * 1e3,
         "combine_us": t_comb * 1e3,
         "graph_dispatch_us": g_disp * 1e3,
@@ -79,11 +81,15 @@ def low_latency_rank(ctx, opts, progress):
     if note and ctx.rank == 0:
         print(note, flush=True)
     rows = []
+    if getattr(opts, "nvshmem", False):
+        from ..heap import set_backend
+
+        set_backend("NVSHMEM")  # this rank process has not allocated yet
     for hidden, experts, topk in itertools.product(opts.hidden, opts.experts, opts.topk):
         # No host read of the ids per call: that is a GPU sync, which decode loops avoid.
         mode = LowLatencyMode(
             None, max_tokens, hidden, experts, max_topk=max(topk, 2), device=ctx.device,
-            check_ids=False,
+            check_ids=False, gpus_per_node=getattr(opts, "gpus_per_node", None),
         )  # fmt: skip
         for tokens in opts.tokens:
             row = _low_latency_point(ctx, mode, baseline, rival, opts, tokens, topk, max_tokens)
