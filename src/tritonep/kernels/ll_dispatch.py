@@ -180,7 +180,8 @@ def ll_dispatch_kernel(
             if VIA != VIA_STORE:
                 # An owner on another node: build the messages in this rank's staging slab,
                 # then put them there in one piece with the count as its signal.
-                stage = tl.load(peer_ptrs + rank) + stage_offset + expert * M * MSG_BYTES
+                stage = tl.load(peer_ptrs + rank) + stage_offset
+                stage += tl.cast(expert, tl.int64) * (M * MSG_BYTES)
                 block = tl.where(remote, stage, block)
             # TOK_BLOCK tokens at a time, so that their loads and stores overlap.
             for first in range(0, count, TOK_BLOCK):
