@@ -10,7 +10,9 @@ Behavioural differences, all documented here and in :mod:`tritonep.api.buffer`:
 * normal mode runs on any number of ranks per node (DeepEP: 2, 4 or 8); a group larger than
   ``LOCAL_WORLD_SIZE`` (set by torchrun) spans nodes of that many GPUs and goes through
   :class:`~tritonep.modes.internode.InternodeMode` (both legs within reach of symmetric
-  memory for now: one host or one NVLink domain, see ``docs/multinode.md``);
+  memory for now: one host or one NVLink domain, see ``docs/multinode.md``); the low-latency
+  mode reaches other nodes through staging and NVSHMEM puts on NVSHMEM heaps
+  (``tritonep.heap.set_backend("NVSHMEM")`` before the first call);
 * each mode's memory is sized on its first call; ``num_nvl_bytes`` is accepted and need not
   be given, ``num_rdma_bytes`` (if given) must cover
   :meth:`Buffer.get_low_latency_rdma_size_hint`; later calls must keep the hidden size,

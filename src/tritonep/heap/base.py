@@ -19,7 +19,8 @@ class SymmetricHeap:
         backend: ``"CUDA"`` or ``"NVSHMEM"`` (symmetric memory), ``"IPC"`` (ranks sharing a
             GPU) or ``"CPU"`` (shared memory); only NVSHMEM heaps take NVSHMEM puts.
         local: ``uint8 [nbytes]``, this rank's buffer.
-        peer_ptrs: ``int64 [world_size]`` on ``device``, base address of each rank's buffer.
+        peer_ptrs: ``int64 [world_size]`` on ``device``, base address of each rank's buffer
+            (0 for an NVSHMEM peer that this GPU cannot map, on another node).
     """
 
     def __init__(
@@ -40,6 +41,8 @@ class SymmetricHeap:
         self.nbytes = self.local.numel()
         self.device = self.local.device
         self.peer_ptrs = torch.tensor(list(peer_ptrs), dtype=torch.int64, device=self.device)
+        #: Every peer's buffer is mapped here, so kernels may store into any of them.
+        self.all_mapped = all(p is not None for p in self._peers)
         self._barrier = barrier
         self._keepalive = keepalive
         self._release = release
@@ -61,6 +64,11 @@ class SymmetricHeap:
             raise ValueError(
                 f"offset: [{offset}, {offset + count * itemsize}) lies outside the heap of "
                 f"{self.nbytes} bytes"
+            )
+        if self._peers[rank] is None:
+            raise ValueError(
+                f"rank: rank {rank}'s heap is not mapped on this GPU (another node); "
+                "it is reached through NVSHMEM puts only"
             )
         raw = self._peers[rank][offset : offset + count * itemsize]
         return raw.view(dtype).view(tuple(shape))

@@ -39,10 +39,16 @@ def allocate_cuda(nbytes: int, group: dist.ProcessGroup, device: torch.device) -
     handle = symm_mem.rendezvous(local, group.group_name)
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    peers = [
-        local if r == rank else handle.get_buffer(r, (nbytes,), torch.uint8)
-        for r in range(world_size)
-    ]
+    ptrs = list(handle.buffer_ptrs)
+    peers = []
+    for r in range(world_size):
+        if r == rank:
+            peers.append(local)
+        elif ptrs[r] == 0:
+            # An NVSHMEM peer this GPU cannot map (another node): reached by puts only.
+            peers.append(None)
+        else:
+            peers.append(handle.get_buffer(r, (nbytes,), torch.uint8))
 
     def barrier() -> None:
         # Host-side barrier: symmetric-memory device barriers do nothing under NVSHMEM.
@@ -52,6 +58,6 @@ def allocate_cuda(nbytes: int, group: dist.ProcessGroup, device: torch.device) -
     local.zero_()
     barrier()
     return SymmetricHeap(
-        group, peers, list(handle.buffer_ptrs), barrier, keepalive=handle,
+        group, peers, ptrs, barrier, keepalive=handle,
         backend=backend_of(device),
     )  # fmt: skip

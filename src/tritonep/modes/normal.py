@@ -279,6 +279,13 @@ class NormalMode:
             hidden, self.num_ranks, self.num_local_experts, max_topk, max_sms // 2, ring_tokens
         )
         self.heap = allocate(self.layout.total, self.group, device)
+        if not self.heap.all_mapped:
+            self.heap.close()
+            raise RuntimeError(
+                "group: some ranks' memory is not mapped on this GPU (other nodes of an NVSHMEM "
+                "heap); the normal mode stores into every peer, so its groups must lie within "
+                "one host or NVLink domain for now (docs/multinode.md)"
+            )
         self.device = self.heap.device
         self.state = torch.zeros(8, dtype=torch.int64, device=self.device)
         self.status = new_status(self.device)
