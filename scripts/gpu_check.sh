@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check in one call: the GPU test suite, the demo, then the benchmarks, on N ranks.
 # Run from the repository root on a GPU machine:
-#   bash scripts/gpu_check.sh [N] [tests|tests-core|tests-layers|bench|soak|all]
+#   bash scripts/gpu_check.sh [N] [tests|tests-core|tests-layers|tests-a|-b|-c|bench|soak|all]
 # N defaults to every GPU of the machine. Logs and CSVs go to $OUT (when set) or ./out.
 # The whole suite compiles many kernel variants; split it over two calls of the 10-minute
 # device limit with tests-core (kernels, modes, demo) and tests-layers (APIs on top).
@@ -22,6 +22,10 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 case "$what" in
   tests-core) TESTS=${TESTS:-"tests/test_heap.py tests/test_layout.py tests/test_normal.py tests/test_low_latency.py tests/test_api.py tests/test_demo.py"}; what=tests ;;
   tests-layers) TESTS=${TESTS:-"tests/test_layers.py tests/test_deep_ep.py tests/test_internode.py tests/test_trace.py tests/test_reliability.py"}; what=tests ;;
+  # Ranks sharing one GPU run slower (they take turns): the suite in three calls instead.
+  tests-a) TESTS=${TESTS:-"tests/test_heap.py tests/test_layout.py tests/test_normal.py"}; what=tests ;;
+  tests-b) TESTS=${TESTS:-"tests/test_low_latency.py tests/test_api.py tests/test_trace.py tests/test_demo.py"}; what=tests ;;
+  tests-c) TESTS=${TESTS:-"tests/test_layers.py tests/test_deep_ep.py tests/test_internode.py tests/test_reliability.py"}; what=tests ;;
 esac
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # --timeout (pytest-timeout, on the GPU image): a stuck test fails with its stacks instead of
