@@ -88,5 +88,14 @@ def test_plot(tmp_path):
 
 
 def test_console_script_names_its_commands(capfd):
+    import tritonep
+
     assert tritonep_main([]) == 2
-    assert "bench" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert all(name in err for name in ("bench", "soak", "demo"))
+    assert tritonep_main(["--help"]) == 0 and "soak" in capfd.readouterr().out
+    assert tritonep_main(["--version"]) == 0
+    assert capfd.readouterr().out == f"tritonep {tritonep.__version__}\n"
+    with pytest.raises(SystemExit) as info:  # each command parses its own options
+        tritonep_main(["soak", "--help"])
+    assert info.value.code == 0 and "--gpus-per-node" in capfd.readouterr().out

@@ -1,23 +1,37 @@
-"""The ``tritonep`` command: ``tritonep bench ...`` and ``tritonep demo ...``."""
+"""The ``tritonep`` command: ``tritonep bench``, ``tritonep soak``, ``tritonep demo``."""
 
 from __future__ import annotations
 
 import sys
 
+COMMANDS = {
+    "bench": "benchmarks beside the torch backend (see tritonep bench -h)",
+    "soak": "randomized calls checked against the reference (see tritonep soak -h)",
+    "demo": "the MoE demo, checked against a dense layer",
+}
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"bench": "benchmarks (see tritonep bench -h)", "demo": "the MoE demo"}
-    if not argv or argv[0] not in commands:
-        print("usage: tritonep {bench,demo} ...", file=sys.stderr)
-        for name, what in commands.items():
-            print(f"  {name:6} {what}", file=sys.stderr)
-        return 2
+    if argv[:1] == ["--version"]:
+        from . import __version__
+
+        print(f"tritonep {__version__}")
+        return 0
+    if not argv or argv[0] not in COMMANDS:
+        asked = argv[:1] in (["-h"], ["--help"])
+        out = sys.stdout if asked else sys.stderr
+        print("usage: tritonep {bench,soak,demo} ... | --version", file=out)
+        for name, what in COMMANDS.items():
+            print(f"  {name:6} {what}", file=out)
+        return 0 if asked else 2
     if argv[0] == "bench":
-        from .bench.cli import main as bench
+        from .bench.cli import main as command
+    elif argv[0] == "soak":
+        from .soak import main as command
     else:
-        from .demo import main as bench
-    return bench(argv[1:])
+        from .demo import main as command
+    return command(argv[1:])
 
 
 if __name__ == "__main__":
