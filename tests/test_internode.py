@@ -12,6 +12,7 @@ import torch
 from tests import test_low_latency as tll
 from tritonep import reference as ref
 from tritonep.heap import shared_gpu
+from tritonep.kernels.transport import VIA_STORE
 from tritonep.modes import normal as nm
 from tritonep.modes.internode import InternodeMode
 from tritonep.testing import make_case, tag_rows
@@ -25,6 +26,8 @@ def _body(ctx, gpus_per_node, tokens, hidden, experts_per_rank, topk, routing, u
     E = experts_per_rank * R
     mode = InternodeMode(None, hidden, E, gpus_per_node, max_topk=topk, device=dev,
                          timeout_s=60)  # fmt: skip
+    # The rail leg goes through staging (copies or NVSHMEM puts); the node leg stores.
+    assert mode.rail.via != VIA_STORE.value and mode.node.via == VIA_STORE.value
     for call in range(2):
         case = tag_rows(make_case(40 + call, tokens[:R], hidden, E, topk, routing))
         xs = [ref.quantize_fp8(x) for x in case.x] if use_fp8 else list(case.x)
@@ -123,6 +126,28 @@ def test_low_latency_across_emulated_nodes(run_ranks, num_ranks, gpus_per_node, 
         dup, gpus_per_node,
     )  # fmt: skip
     assert results == [True] * num_ranks
+
+
+def _nvshmem_normal_body(ctx, use_fp8):
+    from tritonep import heap
+
+    heap.set_backend("NVSHMEM")  # before this process's first symmetric allocation
+    assert _body(ctx, 2, [4096, 100, 0, 2000], 7168, 64, 8, "random", use_fp8)
+    mode = InternodeMode(None, 1024, 64, 2, max_topk=8, device=ctx.device)
+    via = (mode.rail.via, mode.node.via)
+    mode.destroy()
+    return via
+
+
+@pytest.mark.gpu(n=4)
+@pytest.mark.skipif(shared_gpu(), reason="NVSHMEM needs a GPU per rank")
+@pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
+def test_internode_rail_leg_with_nvshmem_puts_on_4_gpus(use_fp8):
+    from tritonep.kernels.transport import VIA_NVSHMEM
+    from tritonep.launch import spawn
+
+    results = spawn(_nvshmem_normal_body, 4, use_fp8, backend="nccl", timeout=400)
+    assert results == [(VIA_NVSHMEM.value, VIA_STORE.value)] * 4
 
 
 def _nvshmem_ll_body(ctx, name):

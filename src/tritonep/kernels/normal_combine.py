@@ -36,6 +36,7 @@ from .sync import (
     wait_all_at_least,
 )
 from .trace import read_clock, trace_role
+from .transport import VIA_STORE, lane, put_ring_slots, set_peer_flags
 
 PHASE_COMBINE_SEND = tl.constexpr(13)
 PHASE_COMBINE_RECV = tl.constexpr(14)
@@ -57,6 +58,8 @@ def combine_send(
     ring_offset,
     tail_offset,
     head_offset,
+    stage_offset,
+    pe_ptr,
     status_ptr,
     timeout_ns,
     H: tl.constexpr,
@@ -72,6 +75,7 @@ def combine_send(
     BW: tl.constexpr,
     R_P2: tl.constexpr,
     K_P2: tl.constexpr,
+    VIA: tl.constexpr,
 ):
     """The sender of channel ``channel``: stream rows back to every source rank."""
     W: tl.constexpr = H // 2
@@ -87,7 +91,12 @@ def combine_send(
     count = tl.load(recv_count_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
     start = tl.load(recv_start_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
     pair = channel * NUM_RANKS + rank
-    ring = peer_base + ring_offset + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)
+    ring_at = ring_offset + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)  # in each peer
+    ring = peer_base + ring_at
+    if VIA != VIA_STORE:
+        # Rows are built in this rank's mirror of each source rank's ring, then put there.
+        mirror_pairs = (channel * NUM_RANKS + ranks).to(tl.int64)
+        ring = my_base + stage_offset + mirror_pairs * (RING_STRIDE * SLOT_BYTES)
     tail_flag = (peer_base + tail_offset + pair * 8).to(tl.pointer_type(tl.int64))
     head_flag = my_base + head_offset + (channel * NUM_RANKS + ranks) * 8
     head_flag = head_flag.to(tl.pointer_type(tl.int64))
@@ -126,9 +135,18 @@ def combine_send(
                 tl.store(wp[:, None] + W + ks[None, :], wv, mask=m2)
             sent += take
             tl.debug_barrier()
-            tl.atomic_xchg(
-                tail_flag, tag | sent.to(tl.int64), mask=take > 0, sem="release", scope="sys"
-            )
+            if VIA == VIA_STORE:
+                tl.atomic_xchg(
+                    tail_flag, tag | sent.to(tl.int64), mask=take > 0, sem="release", scope="sys"
+                )
+            else:
+                for d in tl.static_range(NUM_RANKS):
+                    last_d = lane(sent, ranks, d)
+                    put_ring_slots(
+                        my_base, lane(peer_base, ranks, d), ring_at, lane(ring, ranks, d),
+                        last_d - lane(take, ranks, d), last_d, tail_offset + pair * 8, tag,
+                        tl.load(pe_ptr + d), RING, SLOT_BYTES, VIA,
+                    )  # fmt: skip
             clock = start_clock(USE_CLOCK)
             spins = tl.zeros((), tl.int64)
         else:
@@ -151,6 +169,7 @@ def combine_receive(
     ring_offset,
     tail_offset,
     head_offset,
+    pe_ptr,
     out_ptr,
     out_weights_ptr,
     status_ptr,
@@ -169,6 +188,7 @@ def combine_receive(
     BW: tl.constexpr,
     R_P2: tl.constexpr,
     K_P2: tl.constexpr,
+    VIA: tl.constexpr,
 ):
     """The receiver of channel ``channel``: sum each token's rows from all ranks."""
     W: tl.constexpr = H // 2
@@ -186,8 +206,8 @@ def combine_receive(
     pair = channel * NUM_RANKS + ranks
     ring = my_base + ring_offset + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)
     tail_flag = (my_base + tail_offset + pair * 8).to(tl.pointer_type(tl.int64))
-    head_flag = peer_base + head_offset + (channel * NUM_RANKS + rank) * 8
-    head_flag = head_flag.to(tl.pointer_type(tl.int64))
+    head_at = head_offset + (channel * NUM_RANKS + rank) * 8  # in each expert rank's heap
+    head_flag = (peer_base + head_at).to(tl.pointer_type(tl.int64))
     taken = tl.zeros((R_P2,), tl.int32)
     arrived = tl.zeros((R_P2,), tl.int64)  # last tail value read, per expert rank
     budget = timeout_ns + tl.zeros((), tl.int64)
@@ -256,11 +276,19 @@ def combine_receive(
         tl.debug_barrier()
         # Relaxed: the rows' loads have returned (their sums are stored), so a sender's
         # overwrite cannot reach them; a release would add a system-wide fence per block.
-        tl.atomic_xchg(
-            head_flag, tag | taken.to(tl.int64), mask=count > 0, sem="relaxed", scope="sys"
-        )
+        if VIA == VIA_STORE:
+            tl.atomic_xchg(
+                head_flag, tag | taken.to(tl.int64), mask=count > 0, sem="relaxed", scope="sys"
+            )
+        else:
+            set_peer_flags(my_base, peer_base, ranks, head_at, tag | taken.to(tl.int64),
+                           count > 0, pe_ptr, NUM_RANKS, VIA)  # fmt: skip
     tl.debug_barrier()
-    tl.atomic_xchg(head_flag, (call + 1) << 32, mask=rmask, sem="release", scope="sys")
+    if VIA == VIA_STORE:
+        tl.atomic_xchg(head_flag, (call + 1) << 32, mask=rmask, sem="release", scope="sys")
+    else:
+        freed = tl.zeros((R_P2,), tl.int64) + ((call + 1) << 32)
+        set_peer_flags(my_base, peer_base, ranks, head_at, freed, rmask, pe_ptr, NUM_RANKS, VIA)
 
 
 @triton.jit
@@ -278,6 +306,8 @@ def normal_combine_kernel(
     ring_offset,  # byte offset of the rings [C][R expert rank][RING][SLOT_BYTES]
     tail_offset,  # [C][R expert rank] int64 on the token owner (written by senders)
     head_offset,  # [C][R token owner] int64 on the expert rank (written by receivers)
+    stage_offset,  # byte offset of the mirror rings [C][R token owner] (VIA != VIA_STORE)
+    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
     state_ptr,
     out_ptr,  # [N, H] bf16
     out_weights_ptr,  # [N, K] float32 (optional)
@@ -300,6 +330,7 @@ def normal_combine_kernel(
     R_P2: tl.constexpr,
     K_P2: tl.constexpr,
     PROFILE: tl.constexpr,
+    VIA: tl.constexpr = VIA_STORE,
 ):
     pid = tl.program_id(0)
     call = tl.load(state_ptr + COMBINE_CALLS, volatile=True)
@@ -318,6 +349,8 @@ def normal_combine_kernel(
             ring_offset,
             tail_offset,
             head_offset,
+            stage_offset,
+            pe_ptr,
             status_ptr,
             timeout_ns,
             H,
@@ -333,6 +366,7 @@ def normal_combine_kernel(
             BW,
             R_P2,
             K_P2,
+            VIA,
         )
     else:
         combine_receive(
@@ -347,6 +381,7 @@ def normal_combine_kernel(
             ring_offset,
             tail_offset,
             head_offset,
+            pe_ptr,
             out_ptr,
             out_weights_ptr,
             status_ptr,
@@ -365,6 +400,7 @@ def normal_combine_kernel(
             BW,
             R_P2,
             K_P2,
+            VIA,
         )
     if PROFILE:
         trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), pid < NUM_CHANNELS)

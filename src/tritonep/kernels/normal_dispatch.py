@@ -41,6 +41,7 @@ from .sync import (
     wait_all_at_least,
 )
 from .trace import read_clock, trace_role
+from .transport import VIA_STORE, lane, put_ring_slots, set_peer_flags
 
 PHASE_DISPATCH_SEND = tl.constexpr(11)
 PHASE_DISPATCH_RECV = tl.constexpr(12)
@@ -93,6 +94,8 @@ def dispatch_send(
     ring_offset,
     tail_offset,
     head_offset,
+    stage_offset,
+    pe_ptr,
     status_ptr,
     timeout_ns,
     W: tl.constexpr,
@@ -115,6 +118,7 @@ def dispatch_send(
     R_P2: tl.constexpr,
     K_P2: tl.constexpr,
     G_P2: tl.constexpr,
+    VIA: tl.constexpr,
 ):
     """The sender of channel ``channel``: walk its tokens, feed every destination ring."""
     ranks = tl.arange(0, R_P2)
@@ -131,7 +135,12 @@ def dispatch_send(
     t0 = channel * chunk
     t1 = tl.minimum(t0 + chunk, num_tokens)
     pair = channel * NUM_RANKS + rank
-    ring = peer_base + ring_offset + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)
+    ring_at = ring_offset + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)  # in each peer
+    ring = peer_base + ring_at
+    if VIA != VIA_STORE:
+        # Rows are built in this rank's mirror of each destination's ring, then put there.
+        mirror_pairs = (channel * NUM_RANKS + ranks).to(tl.int64)
+        ring = my_base + stage_offset + mirror_pairs * (RING_STRIDE * SLOT_BYTES)
     tail_flag = (peer_base + tail_offset + pair * 8).to(tl.pointer_type(tl.int64))
     head_flag = my_base + head_offset + (channel * NUM_RANKS + ranks) * 8
     head_flag = head_flag.to(tl.pointer_type(tl.int64))
@@ -216,13 +225,22 @@ def dispatch_send(
                         mine = tl.where(owner == d, weights, 0.0)
                         tl.store(wrec[:, None] + 1 + K + ks[None, :], mine, mask=kto)
             tl.debug_barrier()
-            tl.atomic_xchg(
-                tail_flag,
-                tag | (sent + count).to(tl.int64),
-                mask=count > 0,
-                sem="release",
-                scope="sys",
-            )
+            if VIA == VIA_STORE:
+                tl.atomic_xchg(
+                    tail_flag,
+                    tag | (sent + count).to(tl.int64),
+                    mask=count > 0,
+                    sem="release",
+                    scope="sys",
+                )
+            else:
+                for d in tl.static_range(NUM_RANKS):
+                    first_d = lane(sent, ranks, d)
+                    put_ring_slots(
+                        my_base, lane(peer_base, ranks, d), ring_at, lane(ring, ranks, d),
+                        first_d, first_d + lane(count, ranks, d), tail_offset + pair * 8, tag,
+                        tl.load(pe_ptr + d), RING, SLOT_BYTES, VIA,
+                    )  # fmt: skip
         sent += count
 
 
@@ -235,6 +253,7 @@ def dispatch_receive(
     ring_offset,
     tail_offset,
     head_offset,
+    pe_ptr,
     recv_count_ptr,
     recv_start_ptr,
     host_info_ptr,
@@ -265,6 +284,7 @@ def dispatch_receive(
     R_P2: tl.constexpr,
     K_P2: tl.constexpr,
     G_P2: tl.constexpr,
+    VIA: tl.constexpr,
 ):
     """The receiver of channel ``channel``: drain the rings of every source into the outputs."""
     ranks = tl.arange(0, R_P2)
@@ -282,8 +302,8 @@ def dispatch_receive(
     pair = channel * NUM_RANKS + ranks
     ring = my_base + ring_offset + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)
     tail_flag = (my_base + tail_offset + pair * 8).to(tl.pointer_type(tl.int64))
-    head_flag = peer_base + head_offset + (channel * NUM_RANKS + rank) * 8
-    head_flag = head_flag.to(tl.pointer_type(tl.int64))
+    head_at = head_offset + (channel * NUM_RANKS + rank) * 8  # in each source's heap
+    head_flag = (peer_base + head_at).to(tl.pointer_type(tl.int64))
     head = tl.zeros((R_P2,), tl.int32)
     steps = tl.arange(0, ROWS)
     clock = start_clock(USE_CLOCK)
@@ -336,13 +356,17 @@ def dispatch_receive(
             # Relaxed: the slots' loads have returned (their values are stored), so nothing
             # can move past this store that a sender's overwrite could affect; a release
             # would add a system-wide fence to every step.
-            tl.atomic_xchg(
-                head_flag,
-                tag | head.to(tl.int64),
-                mask=take > 0,
-                sem="relaxed",
-                scope="sys",
-            )
+            if VIA == VIA_STORE:
+                tl.atomic_xchg(
+                    head_flag,
+                    tag | head.to(tl.int64),
+                    mask=take > 0,
+                    sem="relaxed",
+                    scope="sys",
+                )
+            else:
+                set_peer_flags(my_base, peer_base, ranks, head_at, tag | head.to(tl.int64),
+                               take > 0, pe_ptr, NUM_RANKS, VIA)  # fmt: skip
             clock = start_clock(USE_CLOCK)  # progress: the limit counts idle time only
             spins = tl.zeros((), tl.int64)
         else:
@@ -353,7 +377,11 @@ def dispatch_receive(
         record_timeout(status_ptr, peer, PHASE_DISPATCH_RECV, channel)
     # Every ring of this channel is free for the next call, whatever it carried.
     tl.debug_barrier()
-    tl.atomic_xchg(head_flag, (call + 1) << 32, mask=rmask, sem="release", scope="sys")
+    if VIA == VIA_STORE:
+        tl.atomic_xchg(head_flag, (call + 1) << 32, mask=rmask, sem="release", scope="sys")
+    else:
+        freed = tl.zeros((R_P2,), tl.int64) + ((call + 1) << 32)
+        set_peer_flags(my_base, peer_base, ranks, head_at, freed, rmask, pe_ptr, NUM_RANKS, VIA)
     if PAD_ROWS:
         total = tl.load(host_info_ptr)
         pad = tl.arange(0, 128)
@@ -383,6 +411,8 @@ def normal_dispatch_kernel(
     ring_offset,  # byte offset of the rings [C][R source][RING][SLOT_BYTES]
     tail_offset,  # byte offset of the tails [C][R source] int64 (written by senders)
     head_offset,  # byte offset of the heads [C][R destination] int64 (written by receivers)
+    stage_offset,  # byte offset of the mirror rings [C][R destination] (VIA != VIA_STORE)
+    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
     state_ptr,  # [8] int64 device call counters
     recv_count_ptr,  # [R, C] int32 tokens each (source, channel) sends here
     recv_start_ptr,  # [R, C] int32 first output row of each (source, channel)
@@ -420,6 +450,7 @@ def normal_dispatch_kernel(
     K_P2: tl.constexpr,
     G_P2: tl.constexpr,
     PROFILE: tl.constexpr,
+    VIA: tl.constexpr = VIA_STORE,
 ):
     pid = tl.program_id(0)
     call = tl.load(state_ptr + DISPATCH_CALLS, volatile=True)
@@ -441,6 +472,8 @@ def normal_dispatch_kernel(
             ring_offset,
             tail_offset,
             head_offset,
+            stage_offset,
+            pe_ptr,
             status_ptr,
             timeout_ns,
             W,
@@ -463,6 +496,7 @@ def normal_dispatch_kernel(
             R_P2,
             K_P2,
             G_P2,
+            VIA,
         )
     else:
         dispatch_receive(
@@ -473,6 +507,7 @@ def normal_dispatch_kernel(
             ring_offset,
             tail_offset,
             head_offset,
+            pe_ptr,
             recv_count_ptr,
             recv_start_ptr,
             host_info_ptr,
@@ -503,6 +538,7 @@ def normal_dispatch_kernel(
             R_P2,
             K_P2,
             G_P2,
+            VIA,
         )
     if PROFILE:
         trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), pid < NUM_CHANNELS)

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from .sync import STATUS_OVERFLOW, elapsed_ns, record_timeout, start_clock
 from .trace import read_clock, trace_role
+from .transport import VIA_STORE, put_block
 
 PHASE_NOTIFY = tl.constexpr(10)
 
@@ -41,6 +42,8 @@ def notify_kernel(
     peer_ptrs,  # [R] int64 heap base addresses
     rank,
     notify_offset,  # byte offset of set 0 of the notify rows [R][ROW] int32
+    stage_offset,  # byte offset of the staged rows [R destination][ROW] (VIA != VIA_STORE)
+    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
     state_ptr,  # [8] int64 device call counters
     decoded_ptr,  # [R, E_LOCAL] int32 workspace: expert counts from each source
     recv_count_ptr,  # [R, C] int32 out
@@ -62,6 +65,7 @@ def notify_kernel(
     E_P2: tl.constexpr,
     R_P2: tl.constexpr,
     PROFILE: tl.constexpr,
+    VIA: tl.constexpr = VIA_STORE,
 ):
     peer = tl.program_id(0)
     call = tl.load(state_ptr + NOTIFY_CALLS, volatile=True)
@@ -80,11 +84,19 @@ def notify_kernel(
         hit = tl.load(column, mask=tokens < num_tokens, other=0)
         channel = tl.where(hit != 0, tokens // tl.maximum(chunk, 1), C_P2 - 1)
         counts += tl.histogram(channel, C_P2)
-    peer_row = tl.load(peer_ptrs + peer) + notify_offset + set_off + rank * ROW * 4
-    peer_row = peer_row.to(tl.pointer_type(tl.int32))
+    peer_base = tl.load(peer_ptrs + peer)
+    row_offset = notify_offset + set_off + rank * ROW * 4
+    row = peer_base + row_offset
+    if VIA != VIA_STORE:  # staged in this rank's heap, then put into the peer's row
+        row = tl.load(peer_ptrs + rank) + stage_offset + peer * ROW * 4
+    peer_row = row.to(tl.pointer_type(tl.int32))
     tl.store(peer_row + channels, -counts - 1, mask=channels < NUM_CHANNELS)
     entries = tl.load(per_expert_ptr + peer * E_LOCAL + experts, mask=experts < E_LOCAL)
     tl.store(peer_row + NUM_CHANNELS + experts, -entries - 1, mask=experts < E_LOCAL)
+    if VIA != VIA_STORE:
+        # No signal: the receiver waits for every word to be non-zero.
+        put_block(tl.load(peer_ptrs + rank), peer_base, row_offset, row, ROW * 4,
+                  tl.load(pe_ptr + peer), VIA)  # fmt: skip
 
     # Receive the row of source `peer`: every value is non-zero once it has arrived.
     my_row = tl.load(peer_ptrs + rank) + notify_offset + set_off + peer * ROW * 4

@@ -94,3 +94,43 @@ def signal(my_base, peer_base, signal_offset, value, SIG_OP: tl.constexpr, pe, V
             store_release(flag, value)
         else:
             add_release(flag, value)
+
+
+@triton.jit
+def lane(vector, lanes, index):
+    """Element ``index`` of a small vector (Triton has no dynamic indexing)."""
+    return tl.sum(tl.where(lanes == index, vector, 0), 0)
+
+
+@triton.jit
+def put_ring_slots(
+    my_base, peer_base, ring_offset, mirror, first, last, tail_offset, tag, pe,
+    RING: tl.constexpr, SLOT_BYTES: tl.constexpr, VIA: tl.constexpr,
+):  # fmt: skip
+    """Ring positions ``[first, last)`` of a staged mirror ring go to the same slots of the
+    peer's ring at ``ring_offset`` (two puts when they wrap around its end); then the peer's
+    tail becomes ``tag | last``."""
+    if last > first:
+        n = last - first
+        at = first % RING
+        part = tl.minimum(n, RING - at)
+        offset = at.to(tl.int64) * SLOT_BYTES
+        put_block(my_base, peer_base, ring_offset + offset, mirror + offset,
+                  part.to(tl.int64) * SLOT_BYTES, pe, VIA)  # fmt: skip
+        if n > part:
+            put_block(my_base, peer_base, ring_offset, mirror,
+                      (n - part).to(tl.int64) * SLOT_BYTES, pe, VIA)  # fmt: skip
+        signal(my_base, peer_base, tail_offset, tag | last.to(tl.int64), SIGNAL_SET, pe, VIA)
+
+
+@triton.jit
+def set_peer_flags(
+    my_base, peer_base, lanes, flag_offset, values, mask, pe_ptr, NUM_RANKS: tl.constexpr,
+    VIA: tl.constexpr,
+):  # fmt: skip
+    """Set the 64-bit flag at ``flag_offset`` on every peer ``p`` with ``mask[p]`` to
+    ``values[p]``, one signal per peer (``peer_base`` and ``values`` are ``[lanes]``)."""
+    for p in tl.static_range(NUM_RANKS):
+        if lane(mask.to(tl.int32), lanes, p) > 0:
+            signal(my_base, lane(peer_base, lanes, p), flag_offset, lane(values, lanes, p),
+                   SIGNAL_SET, tl.load(pe_ptr + p), VIA)  # fmt: skip

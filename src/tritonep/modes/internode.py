@@ -131,8 +131,10 @@ class InternodeMode:
         nodes = [dist.new_group([members[n * G + g] for g in range(G)]) for n in range(M)]
         legs = dict(max_topk=max_topk, device=device, max_sms=max_sms, ring_tokens=ring_tokens,
                     timeout_s=timeout_s, check_ids=False)  # fmt: skip
+        # The rail leg crosses the network: staged in this rank's heap, then put (NVSHMEM
+        # heaps) or copied (emulated nodes), so the same protocol runs either way.
         self.rail = NormalMode(rails[self.local_index], hidden, num_experts, **legs,
-                               label="rail")  # fmt: skip
+                               label="rail", staged=True)  # fmt: skip
         self.node = NormalMode(nodes[self.node_index], hidden, num_experts // M, **legs,
                                label="node")  # fmt: skip
         self.device = self.rail.device

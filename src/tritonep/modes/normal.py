@@ -21,6 +21,11 @@ sizes come two ways:
 Call counters live on the device (graph-safe). Every rank must make the same sequence of
 calls. Under the Triton interpreter (CPU ranks) programs of a launch run one after another, so
 there a channel's tokens must fit one ring (checked before launch).
+
+With ``staged=True`` (the network leg of :class:`~tritonep.modes.internode.InternodeMode`)
+nothing is stored into a peer directly: counts and rows are built in this rank's heap (a notify
+row and a mirror ring per destination) and moved with the tails and heads by
+:mod:`tritonep.kernels.transport`, NVSHMEM puts on NVSHMEM heaps, copies elsewhere.
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ import torch.distributed as dist
 import triton
 
 from ..heap import allocate, default_device
-from ..kernels import normal_combine, normal_dispatch, normal_notify
+from ..kernels import normal_combine, normal_dispatch, normal_notify, transport
 from ..kernels.layout import dispatch_layout
+from ..kernels.nvshmem import requires_nvshmem
 from ..kernels.sync import DEFAULT_TIMEOUT_S, check_status, new_status, timeout_ns, use_clock
 from ..validation import (
     check_dispatch_x,
@@ -130,10 +136,12 @@ class NormalLayout:
     combine_slot: int
     ring_tokens: int
     max_channels: int
+    stage_notify: int  # staged notify rows [R destination][ROW] (staged transport)
+    stage_rings: int  # mirror rings [C][R destination][ring][slot] (staged transport)
     total: int
 
     @staticmethod
-    def of(hidden, num_ranks, num_local_experts, max_topk, max_channels, ring_tokens):
+    def of(hidden, num_ranks, num_local_experts, max_topk, max_channels, ring_tokens, staged=False):
         groups = hidden // 128 if hidden % 128 == 0 else 0
         record = _align(1 + 2 * max_topk, 4)
         dispatch_slot = 4 * (_align(hidden // 2 + groups, 4) + record)
@@ -152,9 +160,14 @@ class NormalLayout:
         rings = max_channels * num_ranks * ring_tokens
         d_ring, d_tail, d_head = take(rings * dispatch_slot), take(flags), take(flags)
         c_ring, c_tail, c_head = take(rings * combine_slot), take(flags), take(flags)
+        # Staged transport: what goes to peers is built here first (dispatch and combine
+        # take turns on the mirror rings).
+        stage_notify = take(num_ranks * notify_row * 4 if staged else 0)
+        stage_rings = take(rings * max(dispatch_slot, combine_slot) if staged else 0)
         return NormalLayout(
             notify, notify_set, notify_row, d_ring, d_tail, d_head, dispatch_slot,
-            c_ring, c_tail, c_head, combine_slot, ring_tokens, max_channels, offset,
+            c_ring, c_tail, c_head, combine_slot, ring_tokens, max_channels, stage_notify,
+            stage_rings, offset,
         )  # fmt: skip
 
 
@@ -230,6 +243,9 @@ class NormalMode:
         profile: record kernel traces of every launch (``self.trace``); a
             :class:`~tritonep.modes.trace.TraceRecorder` to share one with another mode.
         label: what traces call this mode's kernels (``"{label} dispatch"``, ...).
+        staged: reach every peer through staging in this rank's heap and puts
+            (:mod:`tritonep.kernels.transport`: NVSHMEM puts on NVSHMEM heaps, else copies),
+            as a group whose peers are on other nodes needs; default: stores into peers.
     """
 
     def __init__(
@@ -245,12 +261,13 @@ class NormalMode:
         check_ids: bool = True,
         profile: bool | TraceRecorder = False,
         label: str = "normal",
+        staged: bool = False,
     ):
         self.group = group or dist.group.WORLD
         self.label = label
         check_ranks_agree(
             self.group, "NormalMode", hidden=hidden, num_experts=num_experts, max_topk=max_topk,
-            max_sms=max_sms, ring_tokens=ring_tokens,
+            max_sms=max_sms, ring_tokens=ring_tokens, staged=staged,
             device_type=torch.device(device).type if device is not None else None,
         )  # fmt: skip
         self.rank = dist.get_rank(self.group)
@@ -276,17 +293,32 @@ class NormalMode:
             nvl_recv_buffer_tokens=ring_tokens,
         )
         self.layout = NormalLayout.of(
-            hidden, self.num_ranks, self.num_local_experts, max_topk, max_sms // 2, ring_tokens
-        )
+            hidden, self.num_ranks, self.num_local_experts, max_topk, max_sms // 2, ring_tokens,
+            staged,
+        )  # fmt: skip
         self.heap = allocate(self.layout.total, self.group, device)
-        if not self.heap.all_mapped:
+        if not self.heap.all_mapped and not staged:
             self.heap.close()
             raise RuntimeError(
-                "group: some ranks' memory is not mapped on this GPU (other nodes of an NVSHMEM "
-                "heap); the normal mode stores into every peer, so its groups must lie within "
-                "one host or NVLink domain for now (docs/multinode.md)"
+                "staged: some ranks' memory is not mapped on this GPU (other nodes of an "
+                "NVSHMEM heap); reach them with staged=True"
             )
         self.device = self.heap.device
+        #: How peers are reached (:mod:`tritonep.kernels.transport`).
+        self.via = transport.VIA_STORE.value
+        if staged:
+            nvshmem = self.heap.backend == "NVSHMEM"
+            self.via = (transport.VIA_NVSHMEM if nvshmem else transport.VIA_COPY).value
+        self._pes = torch.tensor(
+            [dist.get_global_rank(self.group, r) for r in range(self.num_ranks)],
+            dtype=torch.int32, device=self.device,
+        )  # fmt: skip
+        linked = {}
+        for kernel in (normal_notify.notify_kernel, normal_dispatch.normal_dispatch_kernel,
+                       normal_combine.normal_combine_kernel):  # fmt: skip
+            nvshmem_via = self.via == transport.VIA_NVSHMEM.value
+            linked[kernel] = requires_nvshmem(kernel) if nvshmem_via else kernel
+        self._kernels = linked
         self.state = torch.zeros(8, dtype=torch.int64, device=self.device)
         self.status = new_status(self.device)
         self._timeout_ns = timeout_ns(timeout_s)
@@ -339,7 +371,9 @@ class NormalMode:
         readings = self.state  # placeholder pointer when nothing is recorded
         if self.trace is not None:
             readings = self.trace.buffer(name, num_programs, True, True)
-        kernel[(num_programs,)](*args, readings, **meta, PROFILE=self.trace is not None)
+        self._kernels.get(kernel, kernel)[(num_programs,)](
+            *args, readings, **meta, PROFILE=self.trace is not None, VIA=self.via
+        )
 
     def check(self) -> None:
         """Wait for the device; raise if a kernel wait timed out or worst-case rows overflowed."""
@@ -460,7 +494,8 @@ class NormalMode:
                 R,
                 (
                     in_rank.view(torch.int8), num_tokens, num_tokens_per_expert,
-                    self.heap.peer_ptrs, self.rank, self.layout.notify, self.state,
+                    self.heap.peer_ptrs, self.rank, self.layout.notify,
+                    self.layout.stage_notify, self._pes, self.state,
                     self._decoded, recv_count, recv_start, host_info, num_worst_tokens,
                     self.status, self._timeout_ns,
                 ),
@@ -515,7 +550,8 @@ class NormalMode:
                 topk_weights if has_weights else dummy, in_rank.view(torch.int8),
                 src_tag if src_tag is not None else dummy, num_tokens,
                 self.heap.peer_ptrs, self.rank, self.layout.dispatch_ring,
-                self.layout.dispatch_tail, self.layout.dispatch_head, self.state, recv_count,
+                self.layout.dispatch_tail, self.layout.dispatch_head, self.layout.stage_rings,
+                self._pes, self.state, recv_count,
                 recv_start, host_info, out_words, out_scales,
                 recv_topk_idx if has_topk else dummy, recv_weights if has_weights else dummy,
                 recv_src_idx, rows, self.status, self._timeout_ns,
@@ -594,6 +630,7 @@ class NormalMode:
                 terms[0] if len(terms) > 0 else dummy, terms[1] if len(terms) > 1 else dummy,
                 handle.recv_count, handle.recv_start, self.heap.peer_ptrs, self.rank,
                 self.layout.combine_ring, self.layout.combine_tail, self.layout.combine_head,
+                self.layout.stage_rings, self._pes,
                 self.state, out, out_weights if out_weights is not None else dummy,
                 self.status, self._timeout_ns,
             ),
