@@ -130,7 +130,7 @@ def set_peer_flags(
 ):  # fmt: skip
     """Set the 64-bit flag at ``flag_offset`` on every peer ``p`` with ``mask[p]`` to
     ``values[p]``, one signal per peer (``peer_base`` and ``values`` are ``[lanes]``)."""
-    for p in tl.static_range(NUM_RANKS):
+    for p in range(NUM_RANKS):  # a loop, not unrolled
         if lane(mask.to(tl.int32), lanes, p) > 0:
             signal(my_base, lane(peer_base, lanes, p), flag_offset, lane(values, lanes, p),
                    SIGNAL_SET, tl.load(pe_ptr + p), VIA)  # fmt: skip
