@@ -27,7 +27,7 @@ def _body(ctx, gpus_per_node, tokens, hidden, experts_per_rank, topk, routing, u
     mode = InternodeMode(None, hidden, E, gpus_per_node, max_topk=topk, device=dev,
                          timeout_s=60)  # fmt: skip
     # The rail leg goes through staging (copies or NVSHMEM puts); the node leg stores.
-    assert mode.rail.via != VIA_STORE.value and mode.node.via == VIA_STORE.value
+    assert mode.rail.transport.via != VIA_STORE.value and mode.node.transport.via == VIA_STORE.value
     for call in range(2):
         case = tag_rows(make_case(40 + call, tokens[:R], hidden, E, topk, routing))
         xs = [ref.quantize_fp8(x) for x in case.x] if use_fp8 else list(case.x)
@@ -134,7 +134,7 @@ def _nvshmem_normal_body(ctx, use_fp8):
     heap.set_backend("NVSHMEM")  # before this process's first symmetric allocation
     assert _body(ctx, 2, [4096, 100, 0, 2000], 7168, 64, 8, "random", use_fp8)
     mode = InternodeMode(None, 1024, 64, 2, max_topk=8, device=ctx.device)
-    via = (mode.rail.via, mode.node.via)
+    via = (mode.rail.transport.via, mode.node.transport.via)
     mode.destroy()
     return via
 

@@ -72,6 +72,11 @@ def gpus_suffice(num_ranks: int) -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() >= num_ranks
 
 
+def default_backend(num_ranks: int) -> str:
+    """NCCL with a GPU per local rank; gloo on CPU ranks and for ranks sharing one GPU."""
+    return "nccl" if gpus_suffice(num_ranks) and not shared_gpu() else "gloo"
+
+
 def _host_store(world_size: int) -> dist.TCPStore:
     """The rendezvous store, hosted by the launching process as torchrun's agent hosts it.
 
@@ -99,7 +104,7 @@ def init_distributed(
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     if backend is None:
-        backend = "nccl" if gpus_suffice(local_world) and not shared_gpu() else "gloo"
+        backend = default_backend(local_world)
     if backend == "nccl" or shared_gpu():
         device = torch.device("cuda", 0 if shared_gpu() else local_rank)
         torch.cuda.set_device(device)
@@ -190,7 +195,7 @@ class RankPool:
         startup_timeout_s: float = 300.0,
     ):
         if backend is None:
-            backend = "nccl" if gpus_suffice(num_ranks) and not shared_gpu() else "gloo"
+            backend = default_backend(num_ranks)
         # CPU ranks switch the Triton interpreter on in their own process (init_distributed),
         # before any kernel is defined; this process's environment stays as it is, so pools
         # started later (on GPUs) do not inherit the interpreter.

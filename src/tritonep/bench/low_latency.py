@@ -54,7 +54,7 @@ def _low_latency_point(ctx, mode, baseline, rival, opts, T, topk, max_tokens):
         "experts": E,
         "ranks": mode.num_ranks,
         "gpus_per_node": mode.gpus_per_node,
-        "transport": ["store", "copy", "nvshmem"][mode.via],
+        "transport": mode.transport.name,
         "dispatch_us": t_disp * 1e3,
         "combine_us": t_comb * 1e3,
         "graph_dispatch_us": g_disp * 1e3,

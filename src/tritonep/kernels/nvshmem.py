@@ -12,6 +12,8 @@ arguments, which is what a Triton scalar call does.
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 from triton.language import core
@@ -21,69 +23,38 @@ SIGNAL_SET = core.constexpr(0)
 SIGNAL_ADD = core.constexpr(5)
 
 
+def _call(symbol, arg_types, args, _semantic):
+    """An NVSHMEM device function returning int32, called with every thread of the program."""
+    signature = tuple(core.dtype(t) for t in arg_types)
+    return core.extern_elementwise(
+        "", "", args, {signature: (symbol, core.dtype("int32"))}, is_pure=False,
+        _semantic=_semantic,
+    )  # fmt: skip
+
+
 @core.extern
 def _putmem_signal_block(dst, src, nbytes, signal, value, sig_op, pe, _semantic=None):
-    return core.extern_elementwise(
-        "",
-        "",
-        [dst, src, nbytes, signal, value, sig_op, pe],
-        {
-            (
-                core.dtype("int64"),
-                core.dtype("int64"),
-                core.dtype("int64"),
-                core.dtype("int64"),
-                core.dtype("uint64"),
-                core.dtype("int32"),
-                core.dtype("int32"),
-            ): ("nvshmemx_putmem_signal_block", core.dtype("int32"))
-        },
-        is_pure=False,
-        _semantic=_semantic,
-    )
+    types = ("int64", "int64", "int64", "int64", "uint64", "int32", "int32")
+    args = [dst, src, nbytes, signal, value, sig_op, pe]
+    return _call("nvshmemx_putmem_signal_block", types, args, _semantic)
 
 
 @core.extern
 def _putmem_block(dst, src, nbytes, pe, _semantic=None):
-    return core.extern_elementwise(
-        "",
-        "",
-        [dst, src, nbytes, pe],
-        {
-            (core.dtype("int64"), core.dtype("int64"), core.dtype("int64"), core.dtype("int32")): (
-                "nvshmemx_putmem_block",
-                core.dtype("int32"),
-            )
-        },
-        is_pure=False,
-        _semantic=_semantic,
-    )
+    types = ("int64", "int64", "int64", "int32")
+    return _call("nvshmemx_putmem_block", types, [dst, src, nbytes, pe], _semantic)
 
 
 @core.extern
 def _signal_op(signal, value, sig_op, pe, _semantic=None):
-    return core.extern_elementwise(
-        "",
-        "",
-        [signal, value, sig_op, pe],
-        {
-            (core.dtype("int64"), core.dtype("int64"), core.dtype("int32"), core.dtype("int32")): (
-                "nvshmemx_signal_op",
-                core.dtype("int32"),
-            )
-        },
-        is_pure=False,
-        _semantic=_semantic,
-    )
+    types = ("int64", "int64", "int32", "int32")
+    return _call("nvshmemx_signal_op", types, [signal, value, sig_op, pe], _semantic)
 
 
 @core.extern
 def fence(_semantic=None):
     """Order this PE's earlier puts and signals to each PE before its later ones."""
-    return core.extern_elementwise(
-        "", "", [], {(): ("nvshmem_fence", core.dtype("int32"))}, is_pure=False,
-        _semantic=_semantic,
-    )  # fmt: skip
+    return _call("nvshmem_fence", (), [], _semantic)
 
 
 @triton.jit
@@ -132,8 +103,10 @@ def signal_op(signal_addr, value, SIG_OP: tl.constexpr, pe):
     )
 
 
+@functools.cache
 def requires_nvshmem(kernel):
-    """``kernel`` launched with NVSHMEM's device library linked and its module initialized."""
+    """``kernel`` launched with NVSHMEM's device library linked and its module initialized
+    (one wrapper per kernel, however many modes use it)."""
     try:
         from torch.distributed._symmetric_memory._nvshmem_triton import (
             requires_nvshmem as link,

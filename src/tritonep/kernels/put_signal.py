@@ -15,8 +15,6 @@ own heap before putting them.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 import triton
@@ -61,11 +59,6 @@ def put_signal_nvshmem_kernel(
     putmem_signal_block(
         base + data_offset, src_ptr, nbytes, base + flag_offset, value, SIGNAL_SET, pe
     )
-
-
-@functools.cache
-def _nvshmem_put_signal():
-    return requires_nvshmem(put_signal_nvshmem_kernel)
 
 
 @triton.jit
@@ -127,7 +120,7 @@ def put_signal(
                   8 if via == "nvshmem" else 4)  # fmt: skip
     if via == "nvshmem":
         pe = dist.get_global_rank(heap.group, peer)  # NVSHMEM numbers PEs by world rank
-        _nvshmem_put_signal()[(1,)](
+        requires_nvshmem(put_signal_nvshmem_kernel)[(1,)](
             src, nbytes, heap.peer_ptrs, heap.rank, pe, data_offset, flag_offset, value
         )
         return

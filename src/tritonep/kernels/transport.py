@@ -18,6 +18,8 @@ how NVSHMEM names the same offset on another PE. Signals are 64-bit.
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 import triton
 import triton.language as tl
 
@@ -33,6 +35,44 @@ SIGNAL_SET = nvshmem.SIGNAL_SET
 SIGNAL_ADD = nvshmem.SIGNAL_ADD
 
 COPY_WORDS = tl.constexpr(1024)
+
+
+class PeerTransport:
+    """How a mode's kernels reach its peers: the host side of the choice above.
+
+    Args:
+        heap: the mode's symmetric heap.
+        staged: whether any peer is reached through staging (peers on other nodes).
+        argument: the mode's argument that decides ``staged``, for the error below.
+    Attributes:
+        via: ``VIA_STORE`` without staging; else ``VIA_NVSHMEM`` on NVSHMEM heaps and
+            ``VIA_COPY`` elsewhere (emulated nodes), as an int for the kernels' ``VIA``.
+        name: ``"store"``, ``"copy"`` or ``"nvshmem"``.
+        pes: ``[R]`` int32 NVSHMEM PE (world rank) of each rank of the heap's group.
+    Raises:
+        ValueError: a peer's memory is not mapped here (another node) and nothing is
+            staged: kernels would store through a null address. The heap is closed first.
+    """
+
+    def __init__(self, heap, staged: bool, argument: str):
+        if not staged and not heap.all_mapped:
+            heap.close()
+            raise ValueError(
+                f"{argument}: some ranks' memory is not mapped on this GPU (other nodes of an "
+                "NVSHMEM heap), so they must be reached through staging and puts"
+            )
+        via = VIA_STORE
+        if staged:
+            via = VIA_NVSHMEM if heap.backend == "NVSHMEM" else VIA_COPY
+        self.via = via.value
+        self.name = ("store", "copy", "nvshmem")[self.via]
+        ranks = range(heap.world_size)
+        self.pes = torch.tensor([dist.get_global_rank(heap.group, r) for r in ranks],
+                                dtype=torch.int32, device=heap.device)  # fmt: skip
+
+    def kernel(self, kernel):
+        """``kernel`` as it must be launched: linked with NVSHMEM when it puts with it."""
+        return nvshmem.requires_nvshmem(kernel) if self.via == VIA_NVSHMEM.value else kernel
 
 
 @triton.jit
@@ -63,11 +103,7 @@ def put_block_signal(
         )  # fmt: skip
     else:
         copy_bytes(peer_base + dst_offset, src_addr, nbytes)
-        signal = (peer_base + signal_offset).to(tl.pointer_type(tl.int64))
-        if SIG_OP == SIGNAL_SET:
-            store_release(signal, value)
-        else:
-            add_release(signal, value)
+        signal(my_base, peer_base, signal_offset, value, SIG_OP, pe, VIA)
 
 
 @triton.jit

@@ -32,7 +32,6 @@ import torch.distributed as dist
 
 from ..heap import allocate
 from ..kernels import ll_combine, ll_dispatch, transport
-from ..kernels.nvshmem import requires_nvshmem
 from ..kernels.sync import (
     DEFAULT_TIMEOUT_S,
     new_status,
@@ -214,19 +213,7 @@ class LowLatencyMode:
         self.heap = allocate(self.layout.total, self.group, device)
         self.device = self.heap.device
         #: How peers on other nodes are reached (:mod:`tritonep.kernels.transport`).
-        self.via = transport.VIA_STORE.value
-        if self.num_nodes > 1:
-            nvshmem = self.heap.backend == "NVSHMEM"
-            self.via = (transport.VIA_NVSHMEM if nvshmem else transport.VIA_COPY).value
-        self._pes = torch.tensor(
-            [dist.get_global_rank(self.group, r) for r in range(self.num_ranks)],
-            dtype=torch.int32, device=self.device,
-        )  # fmt: skip
-        self._kernels = {
-            name: requires_nvshmem(k) if self.via == transport.VIA_NVSHMEM.value else k
-            for name, k in (("dispatch", ll_dispatch.ll_dispatch_kernel),
-                            ("combine", ll_combine.ll_combine_kernel))
-        }  # fmt: skip
+        self.transport = transport.PeerTransport(self.heap, self.num_nodes > 1, "gpus_per_node")
         if num_programs is None:
             if self.device.type == "cuda":
                 # A few SMs stay free (as DeepEP leaves 4 of 132): a cooperative launch that
@@ -285,7 +272,7 @@ class LowLatencyMode:
             kernel[grid](
                 *args, readings, wait_stats if wait_stats is not None else self.state, **meta,
                 DO_SEND=do_send, DO_RECV=do_recv, PROFILE=self.trace is not None,
-                WAIT_STATS=wait_stats is not None, VIA=self.via, **extra,
+                WAIT_STATS=wait_stats is not None, VIA=self.transport.via, **extra,
             )  # fmt: skip
 
         if not return_recv_hook and self.device.type == "cuda":
@@ -370,7 +357,7 @@ class LowLatencyMode:
             self.layout.flags,
             self.layout.stage,
             self.gpus_per_node,
-            self._pes,
+            self.transport.pes,
             self.state,
             self.scratch,
             recv_x.view(torch.uint8) if use_fp8 else recv_x,
@@ -407,7 +394,8 @@ class LowLatencyMode:
         out_x = (recv_x, recv_scales) if use_fp8 else recv_x
         self._check_wait_stats(wait_stats)
         hook = self._run(
-            self._kernels["dispatch"], "low-latency dispatch", args, meta,
+            self.transport.kernel(ll_dispatch.ll_dispatch_kernel), "low-latency dispatch", args,
+            meta,
             return_recv_hook, wait_stats,
         )  # fmt: skip
         return out_x, recv_count, handle, hook
@@ -484,7 +472,7 @@ class LowLatencyMode:
             self.layout.done,
             self.layout.stage,
             self.gpus_per_node,
-            self._pes,
+            self.transport.pes,
             self.state,
             self.status,
             self._timeout_ns,
@@ -508,7 +496,8 @@ class LowLatencyMode:
         )
         self._check_wait_stats(wait_stats)
         hook = self._run(
-            self._kernels["combine"], "low-latency combine", args, meta, return_recv_hook,
+            self.transport.kernel(ll_combine.ll_combine_kernel), "low-latency combine", args,
+            meta, return_recv_hook,
             wait_stats,
         )  # fmt: skip
         return out, hook

@@ -39,7 +39,6 @@ import triton
 from ..heap import allocate, default_device
 from ..kernels import normal_combine, normal_dispatch, normal_notify, transport
 from ..kernels.layout import dispatch_layout
-from ..kernels.nvshmem import requires_nvshmem
 from ..kernels.sync import DEFAULT_TIMEOUT_S, check_status, new_status, timeout_ns, use_clock
 from ..validation import (
     check_dispatch_x,
@@ -297,28 +296,9 @@ class NormalMode:
             staged,
         )  # fmt: skip
         self.heap = allocate(self.layout.total, self.group, device)
-        if not self.heap.all_mapped and not staged:
-            self.heap.close()
-            raise RuntimeError(
-                "staged: some ranks' memory is not mapped on this GPU (other nodes of an "
-                "NVSHMEM heap); reach them with staged=True"
-            )
         self.device = self.heap.device
         #: How peers are reached (:mod:`tritonep.kernels.transport`).
-        self.via = transport.VIA_STORE.value
-        if staged:
-            nvshmem = self.heap.backend == "NVSHMEM"
-            self.via = (transport.VIA_NVSHMEM if nvshmem else transport.VIA_COPY).value
-        self._pes = torch.tensor(
-            [dist.get_global_rank(self.group, r) for r in range(self.num_ranks)],
-            dtype=torch.int32, device=self.device,
-        )  # fmt: skip
-        linked = {}
-        for kernel in (normal_notify.notify_kernel, normal_dispatch.normal_dispatch_kernel,
-                       normal_combine.normal_combine_kernel):  # fmt: skip
-            nvshmem_via = self.via == transport.VIA_NVSHMEM.value
-            linked[kernel] = requires_nvshmem(kernel) if nvshmem_via else kernel
-        self._kernels = linked
+        self.transport = transport.PeerTransport(self.heap, staged, "staged")
         self.state = torch.zeros(8, dtype=torch.int64, device=self.device)
         self.status = new_status(self.device)
         self._timeout_ns = timeout_ns(timeout_s)
@@ -371,8 +351,8 @@ class NormalMode:
         readings = self.state  # placeholder pointer when nothing is recorded
         if self.trace is not None:
             readings = self.trace.buffer(name, num_programs, True, True)
-        self._kernels.get(kernel, kernel)[(num_programs,)](
-            *args, readings, **meta, PROFILE=self.trace is not None, VIA=self.via
+        self.transport.kernel(kernel)[(num_programs,)](
+            *args, readings, **meta, PROFILE=self.trace is not None, VIA=self.transport.via
         )
 
     def check(self) -> None:
@@ -495,7 +475,7 @@ class NormalMode:
                 (
                     in_rank.view(torch.int8), num_tokens, num_tokens_per_expert,
                     self.heap.peer_ptrs, self.rank, self.layout.notify,
-                    self.layout.stage_notify, self._pes, self.state,
+                    self.layout.stage_notify, self.transport.pes, self.state,
                     self._decoded, recv_count, recv_start, host_info, num_worst_tokens,
                     self.status, self._timeout_ns,
                 ),
@@ -551,7 +531,7 @@ class NormalMode:
                 src_tag if src_tag is not None else dummy, num_tokens,
                 self.heap.peer_ptrs, self.rank, self.layout.dispatch_ring,
                 self.layout.dispatch_tail, self.layout.dispatch_head, self.layout.stage_rings,
-                self._pes, self.state, recv_count,
+                self.transport.pes, self.state, recv_count,
                 recv_start, host_info, out_words, out_scales,
                 recv_topk_idx if has_topk else dummy, recv_weights if has_weights else dummy,
                 recv_src_idx, rows, self.status, self._timeout_ns,
@@ -630,7 +610,7 @@ class NormalMode:
                 terms[0] if len(terms) > 0 else dummy, terms[1] if len(terms) > 1 else dummy,
                 handle.recv_count, handle.recv_start, self.heap.peer_ptrs, self.rank,
                 self.layout.combine_ring, self.layout.combine_tail, self.layout.combine_head,
-                self.layout.stage_rings, self._pes,
+                self.layout.stage_rings, self.transport.pes,
                 self.state, out, out_weights if out_weights is not None else dummy,
                 self.status, self._timeout_ns,
             ),
