@@ -193,10 +193,10 @@ NORMAL_DISPATCH = {
     "trace_ptr": "*i64",
 }  # fmt: skip
 NORMAL_DISPATCH_META = dict(
-    W=1792, G=56, K=8, E_LOCAL=64, NUM_RANKS=4, NUM_CHANNELS=12, RING=128, RING_STRIDE=128,
-    SLOT_BYTES=14480, META_OFF=1848, HAS_SCALES=True, HAS_TOPK=True, HAS_WEIGHTS=True,
-    HAS_TAG=False, PAD_ROWS=True, USE_CLOCK=True, TOK=8, ROWS=8, BW=512, RBW=256, R_P2=4,
-    K_P2=8, G_P2=64, PROFILE=False, VIA=0,
+    W=1792, G=56, K=8, E_LOCAL=64, NUM_RANKS=4, NUM_CHANNELS=12, MAX_CHANNELS=16, RING=128,
+    RING_STRIDE=128, SLOT_BYTES=14480, META_OFF=1848, HAS_SCALES=True, HAS_TOPK=True,
+    HAS_WEIGHTS=True, HAS_TAG=False, PAD_ROWS=True, USE_CLOCK=True, TOK=8, ROWS=8, BW=512,
+    RBW=256, R_P2=4, K_P2=8, G_P2=64, PROFILE=False, VIA=0,
 )  # fmt: skip
 NORMAL_COMBINE = {
     "x_ptr": "*bf16", "weights_ptr": "*fp32", "in_rank_ptr": "*i8", "num_tokens": "i32",
@@ -205,9 +205,9 @@ NORMAL_COMBINE = {
     "status_ptr": "*i32", "timeout_ns": "i64", "trace_ptr": "*i64",
 }  # fmt: skip
 NORMAL_COMBINE_META = dict(
-    H=7168, K=8, NUM_RANKS=4, NUM_CHANNELS=12, RING=128, RING_STRIDE=128, SLOT_BYTES=14368,
-    HAS_WEIGHTS=True, NUM_BIAS=2, USE_CLOCK=True, TOK=8, ROWS=8, BW=512, R_P2=4, K_P2=8,
-    PROFILE=False, VIA=0,
+    H=7168, K=8, NUM_RANKS=4, NUM_CHANNELS=12, MAX_CHANNELS=16, RING=128, RING_STRIDE=128,
+    SLOT_BYTES=14368, HAS_WEIGHTS=True, NUM_BIAS=2, USE_CLOCK=True, TOK=8, ROWS=8, BW=256,
+    R_P2=4, K_P2=8, PROFILE=False, VIA=0,
 )  # fmt: skip
 NOTIFY = {
     "in_rank_ptr": "*i8", "num_tokens": "i32", "per_expert_ptr": "*i32", "peer_ptrs": "*i64",
@@ -225,18 +225,18 @@ for module, name, sig, meta, options in [
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH, NORMAL_DISPATCH_META,
      {"num_warps": 16}),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE, NORMAL_COMBINE_META,
-     {"num_warps": 8, "enable_fp_fusion": False}),
+     {"num_warps": 16, "enable_fp_fusion": False}),
     ("normal_notify", "notify_kernel", NOTIFY, {**NOTIFY_META, "PROFILE": True}, {}),
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
      {**NORMAL_DISPATCH_META, "PROFILE": True}, {"num_warps": 16}),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
-     {**NORMAL_COMBINE_META, "PROFILE": True}, {"num_warps": 8, "enable_fp_fusion": False}),
+     {**NORMAL_COMBINE_META, "PROFILE": True}, {"num_warps": 16, "enable_fp_fusion": False}),
     # The staged transport of the internode rail leg (copies from the mirror rings)
     ("normal_notify", "notify_kernel", NOTIFY, {**NOTIFY_META, "VIA": 1}, {}),
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
      {**NORMAL_DISPATCH_META, "VIA": 1}, {"num_warps": 16}),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
-     {**NORMAL_COMBINE_META, "VIA": 1}, {"num_warps": 8, "enable_fp_fusion": False}),
+     {**NORMAL_COMBINE_META, "VIA": 1}, {"num_warps": 16, "enable_fp_fusion": False}),
 ]:  # fmt: skip
     KERNELS.append(
         (

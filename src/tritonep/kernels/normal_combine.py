@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .fp8 import from_bf16, to_bf16
-from .normal_dispatch import column, finish_call, rows_before
+from .normal_dispatch import column, finish_call, free_rings, rows_before
 from .sync import (
     aligned_ptr,
     elapsed_ns,
@@ -178,6 +178,7 @@ def combine_receive(
     K: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
+    MAX_CHANNELS: tl.constexpr,  # channels the rings are allocated for
     RING: tl.constexpr,
     RING_STRIDE: tl.constexpr,
     SLOT_BYTES: tl.constexpr,
@@ -284,11 +285,8 @@ def combine_receive(
             set_peer_flags(my_base, peer_base, ranks, head_at, tag | taken.to(tl.int64),
                            count > 0, pe_ptr, NUM_RANKS, VIA)  # fmt: skip
     tl.debug_barrier()
-    if VIA == VIA_STORE:
-        tl.atomic_xchg(head_flag, (call + 1) << 32, mask=rmask, sem="release", scope="sys")
-    else:
-        freed = tl.zeros((R_P2,), tl.int64) + ((call + 1) << 32)
-        set_peer_flags(my_base, peer_base, ranks, head_at, freed, rmask, pe_ptr, NUM_RANKS, VIA)
+    free_rings(call, channel, head_offset, rank, my_base, peer_base, ranks, rmask, pe_ptr,
+               NUM_RANKS, NUM_CHANNELS, MAX_CHANNELS, VIA)  # fmt: skip
 
 
 @triton.jit
@@ -318,6 +316,7 @@ def normal_combine_kernel(
     K: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
+    MAX_CHANNELS: tl.constexpr,
     RING: tl.constexpr,
     RING_STRIDE: tl.constexpr,
     SLOT_BYTES: tl.constexpr,
@@ -390,6 +389,7 @@ def normal_combine_kernel(
             K,
             NUM_RANKS,
             NUM_CHANNELS,
+            MAX_CHANNELS,
             RING,
             RING_STRIDE,
             SLOT_BYTES,

@@ -20,7 +20,8 @@ source rank, then by source token. After each step it returns the new heads to t
 Flags are tagged with the call number (``call << 32 | position``), so a stale flag of an
 earlier call never passes for a new one and nothing is reset between calls. At the end of a
 call every receiver stores ``(call + 1) << 32`` into the heads of its sources: the ring is
-free for the next call, which senders check before their first store.
+free for the next call, which senders check before their first store. It does the same for
+the channels the call leaves unused, so the next call may use a larger SM budget.
 
 Why it is fast: senders and receivers run at once (one cooperative launch), a token's payload
 is read from memory once whatever its number of destinations, all destinations are fed in
@@ -76,6 +77,27 @@ def finish_call(state_ptr, call, ARRIVALS: tl.constexpr, CALLS: tl.constexpr):
     if arrived == tl.num_programs(0) - 1:
         tl.store(state_ptr + ARRIVALS, 0)
         tl.store(state_ptr + CALLS, call + 1)
+
+
+@triton.jit
+def free_rings(call, channel, head_offset, rank, my_base, peer_base, ranks, rmask, pe_ptr,
+               NUM_RANKS: tl.constexpr, NUM_CHANNELS: tl.constexpr, MAX_CHANNELS: tl.constexpr,
+               VIA: tl.constexpr):  # fmt: skip
+    """Mark the rings this receiver drains free for the next call, in every source's heads.
+
+    The receiver of channel ``c`` also frees channels ``c + C, c + 2 C, ...`` that this call
+    leaves unused: a later call may use more channels (a larger SM budget), and its senders
+    wait for a head tagged with their call before the first store into any ring.
+    """
+    freed = tl.zeros((ranks.shape[0],), tl.int64) + ((call + 1) << 32)
+    for c in range(channel, MAX_CHANNELS, NUM_CHANNELS):
+        head_at = head_offset + (c * NUM_RANKS + rank) * 8  # in each source's heap
+        if VIA == VIA_STORE:
+            head_flag = (peer_base + head_at).to(tl.pointer_type(tl.int64))
+            tl.atomic_xchg(head_flag, freed, mask=rmask, sem="release", scope="sys")
+        else:
+            set_peer_flags(my_base, peer_base, ranks, head_at, freed, rmask, pe_ptr, NUM_RANKS,
+                           VIA)  # fmt: skip
 
 
 @triton.jit
@@ -270,6 +292,7 @@ def dispatch_receive(
     K: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
+    MAX_CHANNELS: tl.constexpr,  # channels the rings are allocated for
     RING: tl.constexpr,
     RING_STRIDE: tl.constexpr,
     SLOT_BYTES: tl.constexpr,
@@ -377,11 +400,8 @@ def dispatch_receive(
         record_timeout(status_ptr, peer, PHASE_DISPATCH_RECV, channel)
     # Every ring of this channel is free for the next call, whatever it carried.
     tl.debug_barrier()
-    if VIA == VIA_STORE:
-        tl.atomic_xchg(head_flag, (call + 1) << 32, mask=rmask, sem="release", scope="sys")
-    else:
-        freed = tl.zeros((R_P2,), tl.int64) + ((call + 1) << 32)
-        set_peer_flags(my_base, peer_base, ranks, head_at, freed, rmask, pe_ptr, NUM_RANKS, VIA)
+    free_rings(call, channel, head_offset, rank, my_base, peer_base, ranks, rmask, pe_ptr,
+               NUM_RANKS, NUM_CHANNELS, MAX_CHANNELS, VIA)  # fmt: skip
     if PAD_ROWS:
         total = tl.load(host_info_ptr)
         pad = tl.arange(0, 128)
@@ -432,6 +452,7 @@ def normal_dispatch_kernel(
     E_LOCAL: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
+    MAX_CHANNELS: tl.constexpr,
     RING: tl.constexpr,  # slots used per ring in this call
     RING_STRIDE: tl.constexpr,  # slots allocated per ring
     SLOT_BYTES: tl.constexpr,
@@ -524,6 +545,7 @@ def normal_dispatch_kernel(
             K,
             NUM_RANKS,
             NUM_CHANNELS,
+            MAX_CHANNELS,
             RING,
             RING_STRIDE,
             SLOT_BYTES,

@@ -16,11 +16,11 @@ back: the node leg sums a token's rows of every GPU of the node in float32 (one 
 node), and only that sum crosses the network, where the rail leg adds the nodes' sums.
 
 Both legs are the intranode kernels, so the count exchange, exact output sizes and cached
-mode come with them. Present limits, on the way to DeepEP's pipelined design (forwarders
-consuming the network rings while they fill, see ``docs/multinode.md``): the legs run one
-after the other; the rail leg stores into peers' symmetric memory directly, which reaches GPUs
-of one host (emulated nodes, the test setup) but not other hosts, where NVSHMEM puts must take
-over.
+mode come with them. The rail leg runs on the staged transport: its notify rows and ring slots
+are built in mirrors in this rank's heap and moved, with their tails and heads, by NVSHMEM puts
+and signals (NVSHMEM heaps, real nodes) or by copies (emulated nodes). The present limit, on
+the way to DeepEP's pipelined design (forwarders consuming the network rings while they fill,
+see ``docs/multinode.md``): the legs run one after the other.
 
 Worst-case sizing (``num_worst_tokens``) sizes both legs' outputs to that many rows (a
 forwarder relays at most ``nodes x tokens per rank`` rows, which the usual

@@ -74,6 +74,13 @@ STEP_ROWS = 32
 SEND_TILE = 4096
 #: Words of payload a dispatch receiver holds per step, over its ``STEP_ROWS`` rows.
 RECV_TILE = 8192
+#: Words a combine program moves per row and step, and its warps.
+COMBINE_BW = 256
+COMBINE_WARPS = 16
+#: Words a combine sender holds per step, over its ranks x ``ROWS`` rows. At 16 384 (8 warps)
+#: the compiler ran out of registers and serialized the copies: combine took 9x dispatch's time
+#: on one H100; 8192 over 16 warps brought it level (see BENCHMARKS.md).
+COMBINE_SEND_TILE = 8192
 
 
 def _align(n: int, a: int) -> int:
@@ -537,7 +544,8 @@ class NormalMode:
                 recv_src_idx, rows, self.status, self._timeout_ns,
             ),
             dict(
-                W=W, G=G, K=topk, E_LOCAL=E_local, NUM_RANKS=R, NUM_CHANNELS=C, RING=ring,
+                W=W, G=G, K=topk, E_LOCAL=E_local, NUM_RANKS=R, NUM_CHANNELS=C,
+                MAX_CHANNELS=self.layout.max_channels, RING=ring,
                 RING_STRIDE=self.layout.ring_tokens, SLOT_BYTES=self.layout.dispatch_slot,
                 META_OFF=_align(W + G, 4), HAS_SCALES=use_fp8, HAS_TOPK=has_topk,
                 HAS_WEIGHTS=has_weights, HAS_TAG=src_tag is not None, PAD_ROWS=num_recv < 0,
@@ -600,6 +608,10 @@ class NormalMode:
         out = self._empty((N, H), torch.bfloat16)
         out_weights = self._empty((N, K), torch.float32) if topk_weights is not None else None
         dummy = out
+        # A sender step holds [ranks x ROWS, BW] words: bounded, fewer rows rather than
+        # narrower ones (a step's rows are contiguous).
+        r_p2, bw = _next_pow2(max(R, 2)), min(COMBINE_BW, _next_pow2(H // 2))
+        rows = max(1, min(STEP_ROWS // r_p2, COMBINE_SEND_TILE // (r_p2 * bw)))
         self._launch(
             normal_combine.normal_combine_kernel,
             f"{self.label} combine",
@@ -615,13 +627,13 @@ class NormalMode:
                 self.status, self._timeout_ns,
             ),
             dict(
-                H=H, K=K, NUM_RANKS=R, NUM_CHANNELS=C, RING=config.nvl_recv_buffer_tokens,
+                H=H, K=K, NUM_RANKS=R, NUM_CHANNELS=C, MAX_CHANNELS=self.layout.max_channels,
+                RING=config.nvl_recv_buffer_tokens,
                 RING_STRIDE=self.layout.ring_tokens, SLOT_BYTES=self.layout.combine_slot,
                 HAS_WEIGHTS=topk_weights is not None, NUM_BIAS=len(terms),
                 USE_CLOCK=use_clock(self.device),
                 TOK=_next_pow2(max(1, min(config.nvl_send_chunk, 32))),
-                ROWS=max(1, STEP_ROWS // _next_pow2(R)), BW=min(512, _next_pow2(H // 2)),
-                R_P2=_next_pow2(max(R, 2)), K_P2=_next_pow2(max(K, 2)), num_warps=8,
+                ROWS=rows, BW=bw, R_P2=r_p2, K_P2=_next_pow2(max(K, 2)), num_warps=COMBINE_WARPS,
                 # Sums round as in the reference (no fused multiply-add).
                 enable_fp_fusion=False,
             ),
