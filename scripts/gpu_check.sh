@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check in one call: the GPU test suite, the demo, then the benchmarks, on N ranks.
 # Run from the repository root on a GPU machine:
-#   bash scripts/gpu_check.sh [N] [tests|tests-core|tests-layers|tests-a|-b|-c|bench|soak|all]
+#   bash scripts/gpu_check.sh [N] [tests|tests-core|tests-layers|tests-a|-b|-c|bench|tune|soak|all]
 # N defaults to every GPU of the machine. Logs and CSVs go to $OUT (when set) or ./out.
 # The whole suite compiles many kernel variants; split it over two calls of the 10-minute
 # device limit with tests-core (kernels, modes, demo) and tests-layers (APIs on top).
@@ -57,6 +57,21 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   fi
   [ -n "${SKIP_LL:-}" ] || timeout "${LL_LIMIT_S:-150}" python3 -m tritonep.bench low-latency --ranks "$ranks" --tokens "${LL_TOKENS:-128,1,32,256}" \
     --iters 30 --csv "$out/ll.csv" --plot "$out/ll.png" --trace "$out/trace-ll-{rank}.json" 2>&1 | tee "$out/bench_ll.log" | grep -v -i warn | tail -8 || status=1
+fi
+if [ "$what" = tune ]; then
+  # Launch shapes of the normal mode side by side (tritonep.modes.normal.LAUNCH_CONSTANTS):
+  # TUNE holds ';'-separated variants of space-separated NAME=VALUE; the empty one is the
+  # default. One CSV per variant, rows labelled with their constants.
+  IFS=';' read -ra variants <<< "${TUNE:-;COMBINE_SEND_TILE=16384 COMBINE_BW=512 COMBINE_WARPS=8}"
+  i=0
+  for variant in "${variants[@]}"; do
+    flags=""
+    for setting in $variant; do flags="$flags --launch $setting"; done
+    timeout "${TUNE_LIMIT_S:-120}" python3 -m tritonep.bench normal --ranks "$ranks" \
+      --tokens "${NORMAL_TOKENS:-4096}" --iters 20 --quiet $flags --csv "$out/tune-$i.csv" 2>&1 \
+      | grep -v -i warn | tail -3 || status=1
+    i=$((i + 1))
+  done
 fi
 if [ "$what" = soak ]; then
   timeout "${SOAK_LIMIT_S:-500}" python3 -m tritonep.soak --ranks "$ranks" --calls "${SOAK_CALLS:-10000}" \

@@ -99,3 +99,17 @@ def test_console_script_names_its_commands(capfd):
     with pytest.raises(SystemExit) as info:  # each command parses its own options
         tritonep_main(["soak", "--help"])
     assert info.value.code == 0 and "--gpus-per-node" in capfd.readouterr().out
+
+
+def test_launch_constants_label_the_rows_and_bad_ones_stop_the_run(tmp_path):
+    from tritonep.modes import normal
+
+    rows = _run(tmp_path, "normal", "--tokens", "9", "--launch", "COMBINE_SEND_TILE=64",
+                "--launch", "STEP_ROWS=2")  # fmt: skip
+    (row,) = rows
+    assert row["launch"] == "COMBINE_SEND_TILE=64 STEP_ROWS=2" and row["combine_us"] > 0
+    assert (normal.COMBINE_SEND_TILE, normal.STEP_ROWS) == (8192, 32)  # this process: unchanged
+    for bad, says in [("SEND_TILE=3", "power of two"), ("NUM_SMS=4", "not a launch constant"),
+                      ("STEP_ROWS", "NAME=VALUE")]:  # fmt: skip
+        with pytest.raises(SystemExit, match=says):
+            cli.main(["normal", "--ranks", "2", "--launch", bad])

@@ -6,6 +6,7 @@
     tritonep bench normal --ranks 4 --tokens sweep --csv normal.csv --plot normal.png
     tritonep bench low-latency --ranks 2,4 --tokens 1,32,128,256 --topk 4,8
     tritonep bench internode --ranks 4 --gpus-per-node 2     # 2 emulated nodes of 2 GPUs
+    tritonep bench normal --ranks 4 --launch COMBINE_SEND_TILE=16384 --launch COMBINE_WARPS=8
     tritonep bench report normal.csv --markdown BENCHMARKS.md --section normal-4xh200
 
 Every option that takes a value takes a comma-separated list; the sweep is their product (one
@@ -81,6 +82,10 @@ def _rank_main(ctx, mode: str, opts: types.SimpleNamespace) -> list[dict]:
     points = len(opts.tokens) * len(opts.hidden) * len(opts.topk) * len(opts.experts)
     if mode == "normal":
         points *= len(opts.sms) * len(opts.chunk) * len(opts.ring)
+    from ..modes import normal as normal_mode
+
+    launch = getattr(opts, "launch", {})
+    normal_mode.set_launch_constants(**launch)
     progress = _Progress(points, enabled=ctx.rank == 0 and not opts.quiet)
     try:
         run = {"normal": normal_rank, "low-latency": low_latency_rank,
@@ -88,6 +93,9 @@ def _rank_main(ctx, mode: str, opts: types.SimpleNamespace) -> list[dict]:
         rows = run(ctx, opts, progress)
     finally:
         progress.close()
+    if launch:  # rows say which launch shape they measured (as the kernels read it)
+        tag = " ".join(f"{k}={getattr(normal_mode, k)}" for k in launch)
+        rows = [dict(row, launch=tag) for row in rows]
     if opts.trace and mode != "internode":  # (internode traces: Buffer(profile=True))
         from .traced import trace_calls
 
@@ -117,6 +125,10 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--compare", default=None, help="also time this DeepEP-like module")
         p.add_argument("--quiet", action="store_true", help="no progress output")
         p.add_argument("--trace", default=None, help="trace a few calls into this file ({rank})")
+        if mode in ("normal", "internode"):
+            p.add_argument("--launch", action="append", default=[], metavar="NAME=VALUE",
+                           help="set a launch constant of the normal-mode kernels (repeatable; "
+                           "tritonep.modes.normal.LAUNCH_CONSTANTS)")  # fmt: skip
         if mode == "normal":
             p.add_argument("--sms", default=None, help="SM budgets (default 24; CPU: 4)")
             p.add_argument("--chunk", default="8", help="tokens per sender step")
@@ -138,6 +150,24 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _launch_constants(settings: list[str]) -> dict[str, int]:
+    """``["NAME=VALUE", ...]`` -> ``{NAME: VALUE}``, checked here before any rank starts."""
+    from ..modes.normal import LAUNCH_CONSTANTS, set_launch_constants
+
+    values = {}
+    for setting in settings:
+        name, sep, value = setting.partition("=")
+        if not sep or not value.strip().isdigit():
+            raise SystemExit(f"tritonep bench: --launch expects NAME=VALUE with NAME one of "
+                             f"{', '.join(LAUNCH_CONSTANTS)}, got {setting!r}")  # fmt: skip
+        values[name.strip()] = int(value)
+    try:
+        set_launch_constants(**set_launch_constants(**values))  # checks, then restores
+    except ValueError as e:
+        raise SystemExit(f"tritonep bench: --launch {e}") from None
+    return values
+
+
 def _options(args: argparse.Namespace, on_gpu: bool) -> types.SimpleNamespace:
     pick = 0 if on_gpu else 1
     defaults = DEFAULTS[args.mode]
@@ -152,6 +182,8 @@ def _options(args: argparse.Namespace, on_gpu: bool) -> types.SimpleNamespace:
         quiet=args.quiet,
         trace=args.trace,
     )
+    if args.mode in ("normal", "internode"):
+        opts.launch = _launch_constants(args.launch)
     if args.mode == "normal":
         opts.sms = _ints(args.sms or ("24" if on_gpu else "4"))
         opts.chunk = _ints(args.chunk)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 #: Columns of the markdown tables, in order, with their headings (those present are used).
 TABLE_COLUMNS = {
+    "launch": "launch constants",
     "ranks": "ranks",
     "tokens": "tokens",
     "hidden": "hidden",

@@ -81,6 +81,28 @@ COMBINE_WARPS = 16
 #: the compiler ran out of registers and serialized the copies: combine took 9x dispatch's time
 #: on one H100; 8192 over 16 warps brought it level (see BENCHMARKS.md).
 COMBINE_SEND_TILE = 8192
+#: The launch constants above: what :func:`set_launch_constants` (and ``tritonep bench
+#: --launch``) may change, to compare launch shapes on a GPU without editing the code.
+LAUNCH_CONSTANTS = (
+    "STEP_ROWS", "SEND_TILE", "RECV_TILE", "COMBINE_BW", "COMBINE_WARPS", "COMBINE_SEND_TILE",
+)  # fmt: skip
+
+
+def set_launch_constants(**values: int) -> dict[str, int]:
+    """Change launch constants of this process's normal (and internode) modes from the next
+    launch on; returns their previous values. Each must be a power of two (rows, words and
+    warps of a Triton launch); results do not depend on them, only speed does."""
+    for name, value in values.items():
+        if name not in LAUNCH_CONSTANTS:
+            known = ", ".join(LAUNCH_CONSTANTS)
+            raise ValueError(f"{name}: not a launch constant (one of {known})")
+        if not isinstance(value, int) or value < 1 or value & (value - 1):
+            raise ValueError(f"{name}: expected a power of two, got {value!r}")
+    if values.get("COMBINE_WARPS", 4) not in (4, 8, 16, 32):
+        raise ValueError(f"COMBINE_WARPS: expected 4, 8, 16 or 32, got {values['COMBINE_WARPS']}")
+    old = {name: globals()[name] for name in values}
+    globals().update(values)
+    return old
 
 
 def _align(n: int, a: int) -> int:
