@@ -152,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _launch_constants(settings: list[str]) -> dict[str, int]:
     """``["NAME=VALUE", ...]`` -> ``{NAME: VALUE}``, checked here before any rank starts."""
-    from ..modes.normal import LAUNCH_CONSTANTS, set_launch_constants
+    from ..modes.normal import LAUNCH_CONSTANTS, check_launch_constants
 
     values = {}
     for setting in settings:
@@ -162,7 +162,7 @@ def _launch_constants(settings: list[str]) -> dict[str, int]:
                              f"{', '.join(LAUNCH_CONSTANTS)}, got {setting!r}")  # fmt: skip
         values[name.strip()] = int(value)
     try:
-        set_launch_constants(**set_launch_constants(**values))  # checks, then restores
+        check_launch_constants(values)
     except ValueError as e:
         raise SystemExit(f"tritonep bench: --launch {e}") from None
     return values

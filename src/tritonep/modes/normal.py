@@ -88,18 +88,23 @@ LAUNCH_CONSTANTS = (
 )  # fmt: skip
 
 
-def set_launch_constants(**values: int) -> dict[str, int]:
-    """Change launch constants of this process's normal (and internode) modes from the next
-    launch on; returns their previous values. Each must be a power of two (rows, words and
-    warps of a Triton launch); results do not depend on them, only speed does."""
+def check_launch_constants(values: dict[str, int]) -> None:
+    """Raise ``ValueError`` naming the first of ``values`` that is not a launch constant or not
+    a power of two (rows, words and warps of a Triton launch; warps at most 32)."""
     for name, value in values.items():
         if name not in LAUNCH_CONSTANTS:
             known = ", ".join(LAUNCH_CONSTANTS)
             raise ValueError(f"{name}: not a launch constant (one of {known})")
         if not isinstance(value, int) or value < 1 or value & (value - 1):
             raise ValueError(f"{name}: expected a power of two, got {value!r}")
-    if values.get("COMBINE_WARPS", 4) not in (4, 8, 16, 32):
-        raise ValueError(f"COMBINE_WARPS: expected 4, 8, 16 or 32, got {values['COMBINE_WARPS']}")
+        if name == "COMBINE_WARPS" and not 4 <= value <= 32:
+            raise ValueError(f"COMBINE_WARPS: expected 4, 8, 16 or 32, got {value}")
+
+
+def set_launch_constants(**values: int) -> dict[str, int]:
+    """Change launch constants of this process's normal (and internode) modes from the next
+    launch on; returns their previous values. Results do not depend on them, only speed does."""
+    check_launch_constants(values)
     old = {name: globals()[name] for name in values}
     globals().update(values)
     return old
