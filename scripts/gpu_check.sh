@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check in one call: the GPU test suite, the demo, then the benchmarks, on N ranks.
 # Run from the repository root on a GPU machine:
-#   bash scripts/gpu_check.sh [N] [tests|tests-core|tests-layers|tests-a|-b|-c|bench|tune|soak|all]
+#   bash scripts/gpu_check.sh [N] [tests|tests-core|tests-layers|tests-a|-b|-c|bench|tune|soak|host|all]
 # N defaults to every GPU of the machine. Logs and CSVs go to $OUT (when set) or ./out.
 # The whole suite compiles many kernel variants; split it over two calls of the 10-minute
 # device limit with tests-core (kernels, modes, demo) and tests-layers (APIs on top).
@@ -57,6 +57,14 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   fi
   [ -n "${SKIP_LL:-}" ] || timeout "${LL_LIMIT_S:-150}" python3 -m tritonep.bench low-latency --ranks "$ranks" --tokens "${LL_TOKENS:-128,1,32,256}" \
     --iters 30 --csv "$out/ll.csv" --plot "$out/ll.png" --trace "$out/trace-ll-{rank}.json" 2>&1 | tee "$out/bench_ll.log" | grep -v -i warn | tail -8 || status=1
+  # Where the kernels spend their time, per phase (median and slowest program).
+  for mode in normal ll; do
+    ls "$out"/trace-$mode-*.json >/dev/null 2>&1 && python3 -m tritonep.bench trace-summary "$out"/trace-$mode-*.json
+  done
+fi
+if [ "$what" = host ]; then
+  # Host time of eager calls (one rank): where Python spends it, function by function.
+  timeout 300 python3 scripts/host_profile.py --tokens "${HOST_TOKENS:-512}" 2>&1 | tee "$out/host_profile.log" | grep "===" || status=1
 fi
 if [ "$what" = tune ]; then
   # Launch shapes of the normal mode side by side (tritonep.modes.normal.LAUNCH_CONSTANTS):

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from tritonep.bench import cli, report
+from tritonep.bench import cli, report, traced
 from tritonep.cli import main as tritonep_main
 
 
@@ -55,9 +55,20 @@ def test_low_latency_sweep_over_topk_and_an_absent_rival(tmp_path, capfd):
         assert "low-latency dispatch: send" in text and "pack" in text
     assert [(r["tokens"], r["topk"]) for r in rows] == [(3, 1), (3, 2)]
     assert all(r["gpus_per_node"] == 1 and r["transport"] == "copy" for r in rows)
+    assert all(r["dispatch_dtype"] == "bf16" for r in rows)
     assert all(r["dispatch_us"] > 0 and r["torch_combine_us"] > 0 for r in rows)
     assert "deep_ep_dispatch_us" not in rows[0]
     assert "not importable" in capfd.readouterr().out
+
+    paths = [trace.format(rank=r) for r in range(2)]
+    summary = {(r["kernel"], r["slice"]): r for r in traced.summarize(paths)}
+    # 3 traced dispatch + combine pairs per rank; every phase of both kernels is there.
+    for key in [("low-latency dispatch", "quantize and send"), ("low-latency dispatch", "pack"),
+                ("low-latency combine", "reduce")]:  # fmt: skip
+        assert summary[key]["launches"] == 6 and summary[key]["programs"] >= 1, summary[key]
+        assert summary[key]["launch_span_us"] >= summary[key]["max_us"] > 0
+    assert cli.main(["trace-summary", *paths]) == 0
+    assert "quantize and send" in capfd.readouterr().out
 
 
 def test_internode_legs(tmp_path):

@@ -8,6 +8,8 @@
     tritonep bench internode --ranks 4 --gpus-per-node 2     # 2 emulated nodes of 2 GPUs
     tritonep bench normal --ranks 4 --launch COMBINE_SEND_TILE=16384 --launch COMBINE_WARPS=8
     tritonep bench report normal.csv --markdown BENCHMARKS.md --section normal-4xh200
+    tritonep bench low-latency --ranks 4 --trace trace-{rank}.json
+    tritonep bench trace-summary trace-*.json   # time per kernel and phase, over programs
 
 Every option that takes a value takes a comma-separated list; the sweep is their product (one
 spawn of ranks per rank count). On a machine without enough GPUs the ranks run on the CPU
@@ -147,6 +149,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--section", default="results", help="section marker name in it")
     r.add_argument("--plot", default=None)
     r.add_argument("--ceiling", type=float, default=NVLINK_CEILING_GBPS)
+    t = sub.add_parser("trace-summary", help="kernel trace files -> time per kernel and phase")
+    t.add_argument("traces", nargs="+", help="Chrome trace JSON files written by --trace")
     return parser
 
 
@@ -206,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
             report.update_markdown(args.markdown, args.section, report.markdown_table(rows))
         if args.plot:
             report.plot(rows, args.plot, args.ceiling)
+        return 0
+    if args.mode == "trace-summary":
+        from .traced import summarize
+
+        report.print_table(summarize(args.traces))
         return 0
     if shared_gpu():
         print("tritonep bench: ranks that share one GPU (TRITONEP_SHARED_GPU) take turns on it, "

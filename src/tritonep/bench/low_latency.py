@@ -55,6 +55,7 @@ def _low_latency_point(ctx, mode, baseline, rival, opts, T, topk, max_tokens):
         "ranks": mode.num_ranks,
         "gpus_per_node": mode.gpus_per_node,
         "transport": mode.transport.name,
+        "dispatch_dtype": "fp8" if use_fp8 else "bf16",
         "dispatch_us": t_disp * 1e3,
         "combine_us": t_comb * 1e3,
         "graph_dispatch_us": g_disp * 1e3,

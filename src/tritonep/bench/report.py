@@ -21,6 +21,7 @@ TABLE_COLUMNS = {
     "experts": "experts",
     "gpus_per_node": "GPUs per node",
     "sms": "SMs",
+    "dispatch_dtype": "dispatch dtype",
     "dispatch_us": "dispatch us",
     "dispatch_GBps": "dispatch GB/s",
     "dispatch_remote_GBps": "remote GB/s",

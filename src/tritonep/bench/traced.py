@@ -40,3 +40,47 @@ def trace_calls(ctx, mode: str, opts, path: str, calls: int = 3) -> str:
     written = buffer.dump_trace(path)
     buffer.destroy()
     return written
+
+
+def summarize(paths: list[str]) -> list[dict]:
+    """Per kernel and slice of trace files: how long its programs spent there.
+
+    For every launch, a slice's duration is taken over the programs that have it (median and
+    largest), and the launch's span from its first program start to its last program end;
+    each figure is then the median over the launches (calls and ranks) of that kernel.
+    Durations are microseconds on GPUs, logical ticks on CPU ranks.
+    """
+    import json
+    import statistics
+
+    per_launch: dict[tuple, list[float]] = {}
+    spans: dict[tuple, list[float]] = {}
+    for path in paths:
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        for e in events:
+            if e.get("ph") != "X":
+                continue
+            launch = (e["args"]["kernel"], e["pid"], e["args"]["call"])
+            per_launch.setdefault((*launch, e["name"]), []).append(e["dur"])
+            begin, end = spans.get(launch, (e["ts"], e["ts"] + e["dur"]))
+            spans[launch] = (min(begin, e["ts"]), max(end, e["ts"] + e["dur"]))
+    rows: dict[tuple, dict] = {}
+    for (kernel, _rank, _call, name), durations in per_launch.items():
+        row = rows.setdefault((kernel, name), {"kernel": kernel, "slice": name, "launches": 0,
+                                               "programs": [], "median": [], "max": [],
+                                               "span": []})  # fmt: skip
+        begin, end = spans[(kernel, _rank, _call)]
+        row["launches"] += 1
+        row["programs"].append(len(durations))
+        row["median"].append(statistics.median(durations))
+        row["max"].append(max(durations))
+        row["span"].append(end - begin)
+    return [
+        {"kernel": r["kernel"], "slice": r["slice"], "launches": r["launches"],
+         "programs": int(statistics.median(r["programs"])),
+         "median_us": round(statistics.median(r["median"]), 2),
+         "max_us": round(statistics.median(r["max"]), 2),
+         "launch_span_us": round(statistics.median(r["span"]), 2)}
+        for r in rows.values()
+    ]  # fmt: skip

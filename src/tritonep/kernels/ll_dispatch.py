@@ -1,13 +1,20 @@
 """Low-latency dispatch: quantize each token on the fly and store it straight into the owner's slot.
 
-Send phase. Program ``p`` owns the global experts ``p, p + P, ...``. For each, it scans the
-top-k ids (a few KB), numbers the tokens that chose the expert in token order (a token that
-names the expert twice counts once) and stores one message per token into the owner's receive
-slab ``[local_expert][source_rank][slot]`` with plain NVLink stores: a 16-byte header (token
-index, top-k column), the payload (FP8 e4m3 quantized here, per 128 channels, or BF16) and the
-scales, a few tokens at a time. Then it publishes the count with one system-scope release store of
-``call << 32 | count``: the call number tags the value, so a stale count of an earlier call is
-never mistaken for a new one and nothing needs resetting between calls.
+Send phase, token-major. Program ``p`` owns a contiguous run of tokens. It first counts, with
+two histograms of the top-k ids (a few KB), the tokens per expert of the whole batch and of the
+tokens before its run, so it knows the slot of each of its tokens in each expert's block
+without asking any other program: slots follow token order (a token that names an expert
+twice is sent there once). Then, per token, it loads the row once, quantizes it once (FP8
+e4m3 per 128 channels, or keeps BF16) and stores one message per distinct expert into the
+owner's receive slab ``[local_expert][source_rank][slot]`` with plain NVLink stores: a 16-byte
+header (token index, top-k column), the payload and the scales.
+
+Counts. Each program adds the messages it stored for each expert to a per-expert counter
+(release). The program whose add brings an expert to its total publishes that expert's count
+with a system-scope release of ``call << 32 | count`` on the owner's flag; an expert that no
+token chose gets its zero count from program ``e % P``. No program ever waits for another in
+this phase. The call number tags the flag value, so a stale count of an earlier call is never
+mistaken for a new one and no flag needs resetting between calls.
 
 Receive phase. Work items are (local expert, source rank) pairs, spread over the programs.
 An item waits (bounded) for the counts of its source and of the earlier sources, so its block
@@ -17,12 +24,15 @@ time, into the packed output ``recv_x[expert, begin : begin + count]`` and recor
 reference, and outputs are deterministic.
 
 Across nodes (``VIA`` other than ``VIA_STORE``), messages for an owner on another node are
-built in this rank's staging slab ``[expert][slot]`` instead, then moved in one put whose signal
-is the count (:mod:`tritonep.kernels.transport`); owners on this node still get plain stores.
+built in this rank's staging slab ``[expert][slot]`` instead; the program that publishes the
+expert's count moves the block in one put whose signal is the count
+(:mod:`tritonep.kernels.transport`). Owners on this node still get plain stores.
 
 Why it is fast: one launch, no host synchronization, no count exchange before the data (the
-count follows the data on the same path), every byte crosses NVLink once, and the work of
-one expert stays in one program so slot numbering needs no atomics.
+count follows the data on the same path), every byte crosses NVLink once, and every token is
+read and quantized once however many experts it goes to (the exact per-element division of
+the quantization is the costly part; an expert-major send repeats it top-k times per token).
+Slot numbering needs no atomics, so outputs are deterministic.
 
 Both phases can run in one launch (the GPU default, launched cooperatively so that all
 programs are resident) or as two launches (the receive hook, and the Triton interpreter, which
@@ -40,7 +50,7 @@ import triton
 import triton.language as tl
 
 from .fp8 import e4m3_bits, from_bf16, quantize_groups
-from .sync import aligned_ptr, record_timeout, store_release, wait_flag
+from .sync import aligned_ptr, record_timeout, wait_flag
 from .trace import read_clock, write_trace
 from .transport import SIGNAL_SET, VIA_STORE, put_block_signal
 
@@ -52,6 +62,9 @@ DISPATCH_RECV_CALLS = tl.constexpr(1)
 DISPATCH_ARRIVALS = tl.constexpr(4)
 
 HEADER_BYTES = tl.constexpr(16)
+#: int32 words of a sender program's scratch row after its three ``[BINS]`` lists: room for
+#: the destination addresses of one token's messages (int64, top-k at most 16).
+DEST_WORDS = tl.constexpr(32)
 
 
 @triton.jit
@@ -77,6 +90,17 @@ def finish_launch(
 
 
 @triton.jit
+def first_choices(ids, ks, K: tl.constexpr, NUM_EXPERTS: tl.constexpr):
+    """Which of ``[T, K_P2]`` top-k ids get a message: ids of an expert that no earlier
+    column of the same row names (a token that names an expert twice is sent once)."""
+    valid = (ids >= 0) & (ids < NUM_EXPERTS) & (ks[None, :] < K)
+    for j in tl.static_range(K - 1):
+        column = tl.sum(tl.where(ks[None, :] == j, ids, 0), axis=1)
+        valid = valid & ~((ids == column[:, None]) & (ks[None, :] > j))
+    return valid
+
+
+@triton.jit
 def ll_dispatch_kernel(
     x_ptr,  # [N, H] bf16
     topk_idx_ptr,  # [N, K] int64
@@ -89,7 +113,8 @@ def ll_dispatch_kernel(
     gpus_per_node,  # ranks r and r' share a node when r // gpus_per_node == r' // gpus_per_node
     pe_ptr,  # [R] int32 NVSHMEM PE of each rank
     state_ptr,  # [8] int64 local call counters
-    scratch_ptr,  # [P, 2, M] int32 per-program token lists
+    scratch_ptr,  # [P, 3 * BINS + DEST_WORDS] int32 per-program slot counters and lists
+    expert_done_ptr,  # [BINS] int32 messages stored per expert in this launch, zero between
     out_x_ptr,  # [E_local, R * M, H] bf16, or the e4m3 output viewed as uint8
     out_scales_ptr,  # [E_local, R * M, G] float32
     out_src_ptr,  # [E_local, R * M] int32
@@ -116,8 +141,8 @@ def ll_dispatch_kernel(
     BLOCK_N: tl.constexpr,
     K_P2: tl.constexpr,
     G_P2: tl.constexpr,
+    BINS: tl.constexpr,  # power of two > NUM_EXPERTS: the last bin collects "no expert"
     MSG_BLOCK: tl.constexpr,
-    TOK_BLOCK: tl.constexpr,
     PROFILE: tl.constexpr,
     WAIT_STATS: tl.constexpr,
     VIA: tl.constexpr = VIA_STORE,
@@ -146,90 +171,128 @@ def ll_dispatch_kernel(
     if DO_SEND:
         set_off = (c_send % 2) * RECV_SET_BYTES
         flag_set_off = (c_send % 2) * FLAG_SET_BYTES
-        scratch_tok = scratch_ptr + pid * 2 * M
-        scratch_k = scratch_tok + M
+        if PROFILE:
+            t0 = read_clock(trace_ptr, USE_CLOCK)
         ks = tl.arange(0, K_P2)
-        for expert in range(pid, NUM_EXPERTS, num_programs):
-            if PROFILE:
-                t0 = read_clock(trace_ptr, USE_CLOCK)
-            # Number the tokens that chose this expert, in token order.
-            count = tl.zeros((), tl.int32)
-            for start in range(0, num_tokens, BLOCK_N):
-                tokens = start + tl.arange(0, BLOCK_N)
-                tmask = tokens < num_tokens
-                ids = tl.load(
-                    topk_idx_ptr + tokens[:, None] * K + ks[None, :],
-                    mask=tmask[:, None] & (ks[None, :] < K),
-                    other=-1,
-                )
-                match = ids == expert
-                hit = tl.max(match.to(tl.int32), axis=1)
-                first_k = tl.min(tl.where(match, ks[None, :], K_P2), axis=1)
-                slot = count + tl.cumsum(hit, axis=0) - hit
-                tl.store(scratch_tok + slot, tokens, mask=hit > 0)
-                tl.store(scratch_k + slot, first_k, mask=hit > 0)
-                count += tl.sum(hit, axis=0)
+        experts = tl.arange(0, BINS)
+        my_base = tl.load(peer_ptrs + rank)
+        # This program's tokens: a contiguous run, so that slots follow token order.
+        per_program = tl.cdiv(num_tokens, num_programs)
+        first_token = tl.minimum(pid * per_program, num_tokens)
+        last_token = tl.minimum(first_token + per_program, num_tokens)
+        expert_owners = experts // E_LOCAL
+        owner_bases = tl.load(peer_ptrs + expert_owners, mask=experts < NUM_EXPERTS, other=0)
+        # Tokens per expert, of the whole batch and of the tokens before this program's.
+        total = tl.zeros((BINS,), tl.int32)
+        before = tl.zeros((BINS,), tl.int32)
+        for start in range(0, num_tokens, BLOCK_N):
+            tokens = start + tl.arange(0, BLOCK_N)
+            ids = tl.load(
+                topk_idx_ptr + tokens[:, None].to(tl.int64) * K + ks[None, :],
+                mask=(tokens[:, None] < num_tokens) & (ks[None, :] < K),
+                other=-1,
+            )
+            binned = tl.where(first_choices(ids, ks, K, NUM_EXPERTS), ids, BINS - 1).to(tl.int32)
+            total += tl.histogram(tl.reshape(binned, (BLOCK_N * K_P2,)), BINS)
+            binned = tl.where(tokens[:, None] < first_token, binned, BINS - 1)
+            before += tl.histogram(tl.reshape(binned, (BLOCK_N * K_P2,)), BINS)
+        # next_slot[e]: the slot of this program's next token for expert e.
+        next_slot = scratch_ptr + pid * (3 * BINS + DEST_WORDS)
+        dests = (next_slot + 3 * BINS).to(tl.pointer_type(tl.int64))
+        tl.store(next_slot + experts, before)
+        tl.debug_barrier()
+        for token in range(first_token, last_token):
+            ids = tl.load(topk_idx_ptr + tl.cast(token, tl.int64) * K + ks, mask=ks < K, other=-1)
+            valid = tl.reshape(first_choices(ids[None, :], ks, K, NUM_EXPERTS), (K_P2,))
+            ids = tl.where(valid, ids, 0).to(tl.int32)
+            slots = tl.load(next_slot + ids, mask=valid, other=0)
             tl.debug_barrier()
-
-            owner = expert // E_LOCAL
-            local = expert % E_LOCAL
-            base = tl.load(peer_ptrs + owner)
-            dst_offset = recv_offset + set_off + ((local * NUM_RANKS + rank) * M) * MSG_BYTES
-            block = base + dst_offset
-            remote = (owner // gpus_per_node) != (rank // gpus_per_node)
+            tl.store(next_slot + ids, slots + 1, mask=valid)
+            # Load and quantize the token once, then store it to each of its experts.
+            x = tl.load(x_ptr + tl.cast(token, tl.int64) * H + row_offs, mask=row_mask, other=0.0)
+            if USE_FP8:
+                q, scale = quantize_groups(from_bf16(x, not USE_CLOCK), USE_UE8M0)
+                q = e4m3_bits(q, not USE_CLOCK)
+            # Where each message goes, computed for all columns at once; then one message per
+            # column, its address read back (scalar loads, no cross-warp reductions).
+            owners = ids // E_LOCAL
+            msgs = tl.load(peer_ptrs + owners, mask=valid, other=0) + recv_offset + set_off
+            msgs += (((ids % E_LOCAL) * NUM_RANKS + rank) * M).to(tl.int64) * MSG_BYTES
             if VIA != VIA_STORE:
-                # An owner on another node: build the messages in this rank's staging slab,
-                # then put them there in one piece with the count as its signal.
-                stage = tl.load(peer_ptrs + rank) + stage_offset
-                stage += tl.cast(expert, tl.int64) * (M * MSG_BYTES)
-                block = tl.where(remote, stage, block)
-            # TOK_BLOCK tokens at a time, so that their loads and stores overlap.
-            for first in range(0, count, TOK_BLOCK):
-                j = first + tl.arange(0, TOK_BLOCK)
-                jmask = j < count
-                token = tl.load(scratch_tok + j, mask=jmask, other=0)
-                msg = block + j.to(tl.int64) * MSG_BYTES
-                header = aligned_ptr(msg, tl.int32)
-                tl.store(header, token, mask=jmask)
-                tl.store(header + 1, tl.load(scratch_k + j, mask=jmask), mask=jmask)
-                mask3 = jmask[:, None, None] & row_mask[None, :, :]
-                x_src = x_ptr + token.to(tl.int64)[:, None, None] * H + row_offs[None, :, :]
-                x = tl.load(x_src, mask=mask3, other=0.0)
-                if USE_FP8:
-                    flat_groups = tl.reshape(from_bf16(x, not USE_CLOCK), (TOK_BLOCK * G_P2, 128))
-                    q, scale = quantize_groups(flat_groups, USE_UE8M0)
-                    q = tl.reshape(e4m3_bits(q, not USE_CLOCK), (TOK_BLOCK, G_P2, 128))
-                    q_ptr = aligned_ptr(msg + HEADER_BYTES, tl.uint8)
-                    tl.store(q_ptr[:, None, None] + row_offs[None, :, :], q, mask=mask3)
-                    scale_ptr = aligned_ptr(msg + HEADER_BYTES + H, tl.float32)
-                    scale = tl.reshape(scale, (TOK_BLOCK, G_P2))
-                    smask = jmask[:, None] & gmask[None, :]
-                    tl.store(scale_ptr[:, None] + groups[None, :], scale, mask=smask)
-                else:
-                    x_dst = aligned_ptr(msg + HEADER_BYTES, tl.bfloat16)[:, None, None]
-                    tl.store(x_dst + row_offs[None, :, :], x, mask=mask3)
-            if PROFILE:
-                t1 = read_clock(trace_ptr, USE_CLOCK)
-            flag = flag_offset + flag_set_off + (local * NUM_RANKS + rank) * 8
-            value = ((c_send + 1) << 32) | count.to(tl.int64)
-            if VIA == VIA_STORE:
-                store_release((base + flag).to(tl.pointer_type(tl.int64)), value)
-            else:
-                if remote:
-                    put_block_signal(
-                        tl.load(peer_ptrs + rank), base, dst_offset, block,
-                        count.to(tl.int64) * MSG_BYTES, flag, value, SIGNAL_SET,
-                        tl.load(pe_ptr + owner), VIA,
-                    )  # fmt: skip
-                else:
-                    store_release((base + flag).to(tl.pointer_type(tl.int64)), value)
+                # An owner on another node: the message goes to this rank's staging slab,
+                # whose block of the expert is put there once the block is complete.
+                far = (owners // gpus_per_node) != (rank // gpus_per_node)
+                staged = my_base + stage_offset + ids.to(tl.int64) * (M * MSG_BYTES)
+                msgs = tl.where(far, staged, msgs)
+            msgs += slots.to(tl.int64) * MSG_BYTES
+            tl.store(dests + ks, tl.where(valid, msgs, 0), mask=ks < K)
             tl.debug_barrier()
-            if PROFILE:
-                t2 = read_clock(trace_ptr, USE_CLOCK)
-                t_quantize_send += t1 - t0
-                t_count_send += t2 - t1
+            for k in tl.static_range(K):
+                msg = tl.load(dests + k)
+                if msg != 0:
+                    header = aligned_ptr(msg, tl.int32)
+                    tl.store(header, token)
+                    tl.store(header + 1, k)
+                    if USE_FP8:
+                        q_ptr = aligned_ptr(msg + HEADER_BYTES, tl.uint8)
+                        tl.store(q_ptr + row_offs, q, mask=row_mask)
+                        scale_ptr = aligned_ptr(msg + HEADER_BYTES + H, tl.float32)
+                        tl.store(scale_ptr + groups, scale, mask=gmask)
+                    else:
+                        x_dst = aligned_ptr(msg + HEADER_BYTES, tl.bfloat16)
+                        tl.store(x_dst + row_offs, x, mask=row_mask)
+            tl.debug_barrier()
+        if PROFILE:
+            t1 = read_clock(trace_ptr, USE_CLOCK)
+        # Count this program's messages as stored. The program whose add completes an expert
+        # (brings its count to the total) publishes the count; program e % P publishes the
+        # zero count of an expert that no token chose. Nothing waits here.
+        mine = tl.load(next_slot + experts) - before
+        tl.debug_barrier()
+        done = tl.atomic_add(expert_done_ptr + experts, mine, mask=mine > 0, sem="acq_rel",
+                             scope="sys")  # fmt: skip
+        completed = (mine > 0) & (done + mine == total)
+        tl.store(expert_done_ptr + experts, 0, mask=completed)  # ready for the next call
+        publish = completed | (
+            (total == 0) & (experts % num_programs == pid) & (experts < NUM_EXPERTS)
+        )
+        flags = flag_offset + flag_set_off + ((experts % E_LOCAL) * NUM_RANKS + rank) * 8
+        values = ((c_send + 1) << 32) | total.to(tl.int64)
+        nearby = publish
+        if VIA != VIA_STORE:
+            nearby = publish & ((expert_owners // gpus_per_node) == (rank // gpus_per_node))
+        peer_base = tl.where(nearby, owner_bases, 0)
+        tl.debug_barrier()
+        tl.atomic_xchg((peer_base + flags).to(tl.pointer_type(tl.int64)), values, mask=nearby,
+                       sem="release", scope="sys")  # fmt: skip
+        if VIA != VIA_STORE:
+            # Experts on other nodes: one put of the staged block each, the count its signal.
+            far = (publish & ~nearby).to(tl.int32)
+            listed = tl.cumsum(far, axis=0) - far
+            far_experts = next_slot + BINS
+            far_totals = far_experts + BINS
+            tl.store(far_experts + listed, experts, mask=far > 0)
+            tl.store(far_totals + listed, total, mask=far > 0)
+            tl.debug_barrier()
+            for i in range(tl.sum(far, axis=0)):
+                expert = tl.load(far_experts + i)
+                count = tl.load(far_totals + i)
+                owner = expert // E_LOCAL
+                local = expert % E_LOCAL
+                put_block_signal(
+                    my_base, tl.load(peer_ptrs + owner),
+                    recv_offset + set_off + ((local * NUM_RANKS + rank) * M) * MSG_BYTES,
+                    my_base + stage_offset + expert.to(tl.int64) * (M * MSG_BYTES),
+                    count.to(tl.int64) * MSG_BYTES,
+                    flag_offset + flag_set_off + (local * NUM_RANKS + rank) * 8,
+                    ((c_send + 1) << 32) | count.to(tl.int64), SIGNAL_SET,
+                    tl.load(pe_ptr + owner), VIA,
+                )  # fmt: skip
+        tl.debug_barrier()
         if PROFILE:
             t_send_end = read_clock(trace_ptr, USE_CLOCK)
+            t_quantize_send += t1 - t0
+            t_count_send += t_send_end - t1
 
     if DO_RECV:
         set_off = (c_recv % 2) * RECV_SET_BYTES
@@ -278,9 +341,9 @@ def ll_dispatch_kernel(
                 msg = block + (first + msgs).to(tl.int64) * MSG_BYTES
                 rows = (local * NUM_RANKS * M + begin + first + msgs).to(tl.int64)
                 header = aligned_ptr(msg, tl.int32)
-                token = tl.load(header, mask=mmask, cache_modifier=".cg")
+                source_token = tl.load(header, mask=mmask, cache_modifier=".cg")
                 column = tl.load(header + 1, mask=mmask, cache_modifier=".cg")
-                tl.store(out_src_ptr + rows, token, mask=mmask)
+                tl.store(out_src_ptr + rows, source_token, mask=mmask)
                 tl.store(out_slot_ptr + rows, column, mask=mmask)
                 mask2 = mmask[:, None] & flat_mask[None, :]
                 dst = rows[:, None] * H + flat[None, :]

@@ -226,9 +226,12 @@ class LowLatencyMode:
         self.num_programs = num_programs
         self.state = torch.zeros(8, dtype=torch.int64, device=self.device)
         self.status = new_status(self.device)
-        self.scratch = torch.empty(
-            num_programs, 2, self.max_tokens, dtype=torch.int32, device=self.device
-        )
+        # Dispatch senders: per-program slot counters and lists, and per-expert counts of
+        # stored messages (the completing program zeroes each for the next call).
+        self._bins = _next_pow2(num_experts + 1)
+        self.scratch = torch.empty(num_programs, 3 * self._bins + ll_dispatch.DEST_WORDS.value,
+                                   dtype=torch.int32, device=self.device)  # fmt: skip
+        self.expert_done = torch.zeros(self._bins, dtype=torch.int32, device=self.device)
         self._timeout_ns = timeout_ns(timeout_s)
         self._combine_input: torch.Tensor | None = None
         on_gpu = use_clock(self.device)
@@ -360,6 +363,7 @@ class LowLatencyMode:
             self.transport.pes,
             self.state,
             self.scratch,
+            self.expert_done,
             recv_x.view(torch.uint8) if use_fp8 else recv_x,
             recv_scales if use_fp8 else recv_count,  # unused pointer without FP8
             src_info,
@@ -384,9 +388,8 @@ class LowLatencyMode:
             BLOCK_N=min(128, _next_pow2(max(M, 16))),
             K_P2=_next_pow2(max(topk, 2)),
             G_P2=_next_pow2(H // 128),
-            # Tokens quantized and sent together (register-bound), messages copied
-            # together on receive.
-            TOK_BLOCK=2 if H > 4096 else 4,
+            BINS=self._bins,
+            # Messages copied together on receive.
             MSG_BLOCK=_rows_in_flight(H, 1 if use_fp8 else 2),
             num_warps=8,
         )
