@@ -70,7 +70,7 @@ if [ "$what" = tune ]; then
   # Launch shapes of the normal mode side by side (tritonep.modes.normal.LAUNCH_CONSTANTS):
   # TUNE holds ';'-separated variants of space-separated NAME=VALUE; the empty one is the
   # default. One CSV per variant, rows labelled with their constants.
-  IFS=';' read -ra variants <<< "${TUNE:-;COMBINE_SEND_TILE=16384 COMBINE_BW=512 COMBINE_WARPS=8}"
+  IFS=";" read -ra variants <<< "${TUNE:-;COMBINE_SEND_TILE=8192 COMBINE_BW=256 COMBINE_WARPS=16}"
   i=0
   for variant in "${variants[@]}"; do
     flags=""

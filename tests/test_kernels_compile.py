@@ -207,9 +207,11 @@ NORMAL_COMBINE = {
 }  # fmt: skip
 NORMAL_COMBINE_META = dict(
     H=7168, K=8, NUM_RANKS=4, NUM_CHANNELS=12, MAX_CHANNELS=16, RING=128, RING_STRIDE=128,
-    SLOT_BYTES=14368, HAS_WEIGHTS=True, NUM_BIAS=2, USE_CLOCK=True, TOK=8, ROWS=8, BW=256,
+    SLOT_BYTES=14368, HAS_WEIGHTS=True, NUM_BIAS=2, USE_CLOCK=True, TOK=8, ROWS=8, BW=512,
     R_P2=4, K_P2=8, PROFILE=False, VIA=0,
 )  # fmt: skip
+#: The combine shape of a group of one rank (modes.normal.ONE_RANK_COMBINE).
+ONE_RANK_COMBINE_META = {**NORMAL_COMBINE_META, "NUM_RANKS": 1, "R_P2": 2, "ROWS": 16, "BW": 256}
 NOTIFY = {
     "in_rank_ptr": "*i8", "num_tokens": "i32", "per_expert_ptr": "*i32", "peer_ptrs": "*i64",
     "rank": "i32", "notify_offset": "i64", "stage_offset": "i64", "pe_ptr": "*i32",
@@ -226,18 +228,20 @@ for module, name, sig, meta, options in [
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH, NORMAL_DISPATCH_META,
      {"num_warps": 16}),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE, NORMAL_COMBINE_META,
+     {"num_warps": 8, "enable_fp_fusion": False}),
+    ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE, ONE_RANK_COMBINE_META,
      {"num_warps": 16, "enable_fp_fusion": False}),
     ("normal_notify", "notify_kernel", NOTIFY, {**NOTIFY_META, "PROFILE": True}, {}),
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
      {**NORMAL_DISPATCH_META, "PROFILE": True}, {"num_warps": 16}),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
-     {**NORMAL_COMBINE_META, "PROFILE": True}, {"num_warps": 16, "enable_fp_fusion": False}),
+     {**NORMAL_COMBINE_META, "PROFILE": True}, {"num_warps": 8, "enable_fp_fusion": False}),
     # The staged transport of the internode rail leg (copies from the mirror rings)
     ("normal_notify", "notify_kernel", NOTIFY, {**NOTIFY_META, "VIA": 1}, {}),
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
      {**NORMAL_DISPATCH_META, "VIA": 1}, {"num_warps": 16}),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
-     {**NORMAL_COMBINE_META, "VIA": 1}, {"num_warps": 16, "enable_fp_fusion": False}),
+     {**NORMAL_COMBINE_META, "VIA": 1}, {"num_warps": 8, "enable_fp_fusion": False}),
 ]:  # fmt: skip
     KERNELS.append(
         (
@@ -288,7 +292,9 @@ def compile_ptx(module, name, signature, constexprs, options=None):
 
 def _id(kernel):
     traced = kernel[3].get("PROFILE", False)
-    return kernel[1] + ("-traced" if traced else "") + ("-staged" if kernel[3].get("VIA") else "")
+    one_rank = kernel[3].get("NUM_RANKS") == 1
+    return (kernel[1] + ("-traced" if traced else "") + ("-staged" if kernel[3].get("VIA") else "")
+            + ("-one-rank" if one_rank else ""))  # fmt: skip
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=[_id(k) for k in KERNELS])

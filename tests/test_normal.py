@@ -138,6 +138,14 @@ def test_normal_matches_reference(run_ranks, num_ranks, name):
     assert results == [True] * num_ranks
 
 
+@pytest.mark.parametrize("name", ["bf16-random", "bf16-skewed-worst"])
+def test_one_rank_matches_reference(run_ranks, name):
+    # A group of one rank: every row stays local, and combine takes its one-rank launch shape.
+    tokens, hidden, experts, topk, routing, fp8, worst = CASES[name]
+    assert run_ranks(1, _normal_body, 2, tokens, hidden, experts, topk, routing, fp8, worst,
+                     None) == [True]  # fmt: skip
+
+
 GPU_CASES = {
     # name: (tokens per rank, hidden, experts per rank at 4 ranks, topk, routing, fp8, worst,
     #        (num_sms, ring slots) or None)
