@@ -210,8 +210,6 @@ NORMAL_COMBINE_META = dict(
     SLOT_BYTES=14368, HAS_WEIGHTS=True, NUM_BIAS=2, USE_CLOCK=True, TOK=8, ROWS=8, BW=512,
     R_P2=4, K_P2=8, PROFILE=False, VIA=0,
 )  # fmt: skip
-#: The combine shape of a group of one rank (modes.normal.ONE_RANK_COMBINE).
-ONE_RANK_COMBINE_META = {**NORMAL_COMBINE_META, "NUM_RANKS": 1, "R_P2": 2, "ROWS": 16, "BW": 256}
 NOTIFY = {
     "in_rank_ptr": "*i8", "num_tokens": "i32", "per_expert_ptr": "*i32", "peer_ptrs": "*i64",
     "rank": "i32", "notify_offset": "i64", "stage_offset": "i64", "pe_ptr": "*i32",
@@ -229,8 +227,6 @@ for module, name, sig, meta, options in [
      {"num_warps": 16}),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE, NORMAL_COMBINE_META,
      {"num_warps": 8, "enable_fp_fusion": False}),
-    ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE, ONE_RANK_COMBINE_META,
-     {"num_warps": 16, "enable_fp_fusion": False}),
     ("normal_notify", "notify_kernel", NOTIFY, {**NOTIFY_META, "PROFILE": True}, {}),
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
      {**NORMAL_DISPATCH_META, "PROFILE": True}, {"num_warps": 16}),
@@ -292,9 +288,7 @@ def compile_ptx(module, name, signature, constexprs, options=None):
 
 def _id(kernel):
     traced = kernel[3].get("PROFILE", False)
-    one_rank = kernel[3].get("NUM_RANKS") == 1
-    return (kernel[1] + ("-traced" if traced else "") + ("-staged" if kernel[3].get("VIA") else "")
-            + ("-one-rank" if one_rank else ""))  # fmt: skip
+    return kernel[1] + ("-traced" if traced else "") + ("-staged" if kernel[3].get("VIA") else "")
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=[_id(k) for k in KERNELS])

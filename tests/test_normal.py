@@ -140,7 +140,7 @@ def test_normal_matches_reference(run_ranks, num_ranks, name):
 
 @pytest.mark.parametrize("name", ["bf16-random", "bf16-skewed-worst"])
 def test_one_rank_matches_reference(run_ranks, name):
-    # A group of one rank: every row stays local, and combine takes its one-rank launch shape.
+    # A group of one rank: every row stays local (the rank lanes of a step are half masked).
     tokens, hidden, experts, topk, routing, fp8, worst = CASES[name]
     assert run_ranks(1, _normal_body, 2, tokens, hidden, experts, topk, routing, fp8, worst,
                      None) == [True]  # fmt: skip

@@ -54,7 +54,7 @@ def summarize(paths: list[str]) -> list[dict]:
     import statistics
 
     per_launch: dict[tuple, list[float]] = {}
-    spans: dict[tuple, list[float]] = {}
+    spans: dict[tuple, tuple[float, float]] = {}
     for path in paths:
         with open(path) as f:
             events = json.load(f)["traceEvents"]
@@ -66,11 +66,11 @@ def summarize(paths: list[str]) -> list[dict]:
             begin, end = spans.get(launch, (e["ts"], e["ts"] + e["dur"]))
             spans[launch] = (min(begin, e["ts"]), max(end, e["ts"] + e["dur"]))
     rows: dict[tuple, dict] = {}
-    for (kernel, _rank, _call, name), durations in per_launch.items():
+    for (kernel, rank, call, name), durations in per_launch.items():
         row = rows.setdefault((kernel, name), {"kernel": kernel, "slice": name, "launches": 0,
                                                "programs": [], "median": [], "max": [],
                                                "span": []})  # fmt: skip
-        begin, end = spans[(kernel, _rank, _call)]
+        begin, end = spans[(kernel, rank, call)]
         row["launches"] += 1
         row["programs"].append(len(durations))
         row["median"].append(statistics.median(durations))

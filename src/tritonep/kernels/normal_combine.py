@@ -36,7 +36,7 @@ from .sync import (
     wait_all_at_least,
 )
 from .trace import read_clock, trace_role
-from .transport import VIA_STORE, lane, put_ring_slots, set_peer_flags
+from .transport import VIA_STORE, put_rings, set_peer_flags
 
 PHASE_COMBINE_SEND = tl.constexpr(13)
 PHASE_COMBINE_RECV = tl.constexpr(14)
@@ -97,7 +97,6 @@ def combine_send(
         # Rows are built in this rank's mirror of each source rank's ring, then put there.
         mirror_pairs = (channel * NUM_RANKS + ranks).to(tl.int64)
         ring = my_base + stage_offset + mirror_pairs * (RING_STRIDE * SLOT_BYTES)
-    tail_flag = (peer_base + tail_offset + pair * 8).to(tl.pointer_type(tl.int64))
     head_flag = my_base + head_offset + (channel * NUM_RANKS + ranks) * 8
     head_flag = head_flag.to(tl.pointer_type(tl.int64))
     sent = tl.zeros((R_P2,), tl.int32)
@@ -135,18 +134,9 @@ def combine_send(
                 tl.store(wp[:, None] + W + ks[None, :], wv, mask=m2)
             sent += take
             tl.debug_barrier()
-            if VIA == VIA_STORE:
-                tl.atomic_xchg(
-                    tail_flag, tag | sent.to(tl.int64), mask=take > 0, sem="release", scope="sys"
-                )
-            else:
-                for d in range(NUM_RANKS):  # a loop, not unrolled: one put body
-                    last_d = lane(sent, ranks, d)
-                    put_ring_slots(
-                        my_base, lane(peer_base, ranks, d), ring_at, lane(ring, ranks, d),
-                        last_d - lane(take, ranks, d), last_d, tail_offset + pair * 8, tag,
-                        tl.load(pe_ptr + d), RING, SLOT_BYTES, VIA,
-                    )  # fmt: skip
+            put_rings(my_base, peer_base, ranks, ring_at, ring, sent - take, sent,
+                      tail_offset + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
+                      VIA)  # fmt: skip
             clock = start_clock(USE_CLOCK)
             spins = tl.zeros((), tl.int64)
         else:
@@ -208,7 +198,6 @@ def combine_receive(
     ring = my_base + ring_offset + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)
     tail_flag = (my_base + tail_offset + pair * 8).to(tl.pointer_type(tl.int64))
     head_at = head_offset + (channel * NUM_RANKS + rank) * 8  # in each expert rank's heap
-    head_flag = (peer_base + head_at).to(tl.pointer_type(tl.int64))
     taken = tl.zeros((R_P2,), tl.int32)
     arrived = tl.zeros((R_P2,), tl.int64)  # last tail value read, per expert rank
     budget = timeout_ns + tl.zeros((), tl.int64)
@@ -277,13 +266,8 @@ def combine_receive(
         tl.debug_barrier()
         # Relaxed: the rows' loads have returned (their sums are stored), so a sender's
         # overwrite cannot reach them; a release would add a system-wide fence per block.
-        if VIA == VIA_STORE:
-            tl.atomic_xchg(
-                head_flag, tag | taken.to(tl.int64), mask=count > 0, sem="relaxed", scope="sys"
-            )
-        else:
-            set_peer_flags(my_base, peer_base, ranks, head_at, tag | taken.to(tl.int64),
-                           count > 0, pe_ptr, NUM_RANKS, VIA)  # fmt: skip
+        set_peer_flags(my_base, peer_base, ranks, head_at, tag | taken.to(tl.int64),
+                       count > 0, pe_ptr, NUM_RANKS, VIA, SEM="relaxed")  # fmt: skip
     tl.debug_barrier()
     free_rings(call, channel, head_offset, rank, my_base, peer_base, ranks, rmask, pe_ptr,
                NUM_RANKS, NUM_CHANNELS, MAX_CHANNELS, VIA)  # fmt: skip

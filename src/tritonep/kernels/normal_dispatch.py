@@ -42,7 +42,7 @@ from .sync import (
     wait_all_at_least,
 )
 from .trace import read_clock, trace_role
-from .transport import VIA_STORE, lane, put_ring_slots, set_peer_flags
+from .transport import VIA_STORE, put_rings, set_peer_flags
 
 PHASE_DISPATCH_SEND = tl.constexpr(11)
 PHASE_DISPATCH_RECV = tl.constexpr(12)
@@ -92,12 +92,8 @@ def free_rings(call, channel, head_offset, rank, my_base, peer_base, ranks, rmas
     freed = tl.zeros((ranks.shape[0],), tl.int64) + ((call + 1) << 32)
     for c in range(channel, MAX_CHANNELS, NUM_CHANNELS):
         head_at = head_offset + (c * NUM_RANKS + rank) * 8  # in each source's heap
-        if VIA == VIA_STORE:
-            head_flag = (peer_base + head_at).to(tl.pointer_type(tl.int64))
-            tl.atomic_xchg(head_flag, freed, mask=rmask, sem="release", scope="sys")
-        else:
-            set_peer_flags(my_base, peer_base, ranks, head_at, freed, rmask, pe_ptr, NUM_RANKS,
-                           VIA)  # fmt: skip
+        set_peer_flags(my_base, peer_base, ranks, head_at, freed, rmask, pe_ptr, NUM_RANKS, VIA,
+                       SEM="release")  # fmt: skip
 
 
 @triton.jit
@@ -163,7 +159,6 @@ def dispatch_send(
         # Rows are built in this rank's mirror of each destination's ring, then put there.
         mirror_pairs = (channel * NUM_RANKS + ranks).to(tl.int64)
         ring = my_base + stage_offset + mirror_pairs * (RING_STRIDE * SLOT_BYTES)
-    tail_flag = (peer_base + tail_offset + pair * 8).to(tl.pointer_type(tl.int64))
     head_flag = my_base + head_offset + (channel * NUM_RANKS + ranks) * 8
     head_flag = head_flag.to(tl.pointer_type(tl.int64))
     sent = tl.zeros((R_P2,), tl.int32)
@@ -247,22 +242,9 @@ def dispatch_send(
                         mine = tl.where(owner == d, weights, 0.0)
                         tl.store(wrec[:, None] + 1 + K + ks[None, :], mine, mask=kto)
             tl.debug_barrier()
-            if VIA == VIA_STORE:
-                tl.atomic_xchg(
-                    tail_flag,
-                    tag | (sent + count).to(tl.int64),
-                    mask=count > 0,
-                    sem="release",
-                    scope="sys",
-                )
-            else:
-                for d in range(NUM_RANKS):  # a loop, not unrolled: one put body
-                    first_d = lane(sent, ranks, d)
-                    put_ring_slots(
-                        my_base, lane(peer_base, ranks, d), ring_at, lane(ring, ranks, d),
-                        first_d, first_d + lane(count, ranks, d), tail_offset + pair * 8, tag,
-                        tl.load(pe_ptr + d), RING, SLOT_BYTES, VIA,
-                    )  # fmt: skip
+            put_rings(my_base, peer_base, ranks, ring_at, ring, sent, sent + count,
+                      tail_offset + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
+                      VIA)  # fmt: skip
         sent += count
 
 
@@ -326,7 +308,6 @@ def dispatch_receive(
     ring = my_base + ring_offset + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)
     tail_flag = (my_base + tail_offset + pair * 8).to(tl.pointer_type(tl.int64))
     head_at = head_offset + (channel * NUM_RANKS + rank) * 8  # in each source's heap
-    head_flag = (peer_base + head_at).to(tl.pointer_type(tl.int64))
     head = tl.zeros((R_P2,), tl.int32)
     steps = tl.arange(0, ROWS)
     clock = start_clock(USE_CLOCK)
@@ -379,17 +360,8 @@ def dispatch_receive(
             # Relaxed: the slots' loads have returned (their values are stored), so nothing
             # can move past this store that a sender's overwrite could affect; a release
             # would add a system-wide fence to every step.
-            if VIA == VIA_STORE:
-                tl.atomic_xchg(
-                    head_flag,
-                    tag | head.to(tl.int64),
-                    mask=take > 0,
-                    sem="relaxed",
-                    scope="sys",
-                )
-            else:
-                set_peer_flags(my_base, peer_base, ranks, head_at, tag | head.to(tl.int64),
-                               take > 0, pe_ptr, NUM_RANKS, VIA)  # fmt: skip
+            set_peer_flags(my_base, peer_base, ranks, head_at, tag | head.to(tl.int64),
+                           take > 0, pe_ptr, NUM_RANKS, VIA, SEM="relaxed")  # fmt: skip
             clock = start_clock(USE_CLOCK)  # progress: the limit counts idle time only
             spins = tl.zeros((), tl.int64)
         else:

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from . import nvshmem
-from .sync import add_release, aligned_ptr, store_release
+from .sync import add_release, aligned_ptr, lane, store_release
 
 #: Transports (``VIA``): every peer on this node (no staging), copies, NVSHMEM puts.
 VIA_STORE = tl.constexpr(0)
@@ -133,12 +133,6 @@ def signal(my_base, peer_base, signal_offset, value, SIG_OP: tl.constexpr, pe, V
 
 
 @triton.jit
-def lane(vector, lanes, index):
-    """Element ``index`` of a small vector (Triton has no dynamic indexing)."""
-    return tl.sum(tl.where(lanes == index, vector, 0), 0)
-
-
-@triton.jit
 def put_ring_slots(
     my_base, peer_base, ring_offset, mirror, first, last, tail_offset, tag, pe,
     RING: tl.constexpr, SLOT_BYTES: tl.constexpr, VIA: tl.constexpr,
@@ -160,13 +154,40 @@ def put_ring_slots(
 
 
 @triton.jit
+def put_rings(
+    my_base, peer_base, lanes, ring_offset, rings, first, last, tail_offset, tag, pe_ptr,
+    NUM_RANKS: tl.constexpr, RING: tl.constexpr, SLOT_BYTES: tl.constexpr, VIA: tl.constexpr,
+):  # fmt: skip
+    """A sender's step is complete: every peer ``p`` with ``last[p] > first[p]`` gets its tail
+    at ``tail_offset`` set to ``tag | last[p]`` (release), after the ring positions
+    ``[first[p], last[p])``. With ``VIA_STORE`` the rows are already in the peers' rings
+    (``rings`` point there); staged, they are put from this rank's mirrors ``rings``."""
+    if VIA == VIA_STORE:
+        tail = (peer_base + tail_offset).to(tl.pointer_type(tl.int64))
+        tl.atomic_xchg(tail, tag | last.to(tl.int64), mask=last > first, sem="release",
+                       scope="sys")  # fmt: skip
+    else:
+        for p in range(NUM_RANKS):  # a loop, not unrolled: one put body
+            put_ring_slots(
+                my_base, lane(peer_base, lanes, p), ring_offset, lane(rings, lanes, p),
+                lane(first, lanes, p), lane(last, lanes, p), tail_offset, tag,
+                tl.load(pe_ptr + p), RING, SLOT_BYTES, VIA,
+            )  # fmt: skip
+
+
+@triton.jit
 def set_peer_flags(
     my_base, peer_base, lanes, flag_offset, values, mask, pe_ptr, NUM_RANKS: tl.constexpr,
-    VIA: tl.constexpr,
+    VIA: tl.constexpr, SEM: tl.constexpr,
 ):  # fmt: skip
     """Set the 64-bit flag at ``flag_offset`` on every peer ``p`` with ``mask[p]`` to
-    ``values[p]``, one signal per peer (``peer_base`` and ``values`` are ``[lanes]``)."""
-    for p in range(NUM_RANKS):  # a loop, not unrolled
-        if lane(mask.to(tl.int32), lanes, p) > 0:
-            signal(my_base, lane(peer_base, lanes, p), flag_offset, lane(values, lanes, p),
-                   SIGNAL_SET, tl.load(pe_ptr + p), VIA)  # fmt: skip
+    ``values[p]`` (``peer_base`` and ``values`` are ``[lanes]``): one vector store with ``SEM``
+    into mapped peers, else one signal (a release) per peer."""
+    if VIA == VIA_STORE:
+        flags = (peer_base + flag_offset).to(tl.pointer_type(tl.int64))
+        tl.atomic_xchg(flags, values, mask=mask, sem=SEM, scope="sys")
+    else:
+        for p in range(NUM_RANKS):  # a loop, not unrolled
+            if lane(mask.to(tl.int32), lanes, p) > 0:
+                signal(my_base, lane(peer_base, lanes, p), flag_offset, lane(values, lanes, p),
+                       SIGNAL_SET, tl.load(pe_ptr + p), VIA)  # fmt: skip

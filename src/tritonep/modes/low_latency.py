@@ -396,11 +396,8 @@ class LowLatencyMode:
         handle = LowLatencyHandle(src_info, layout_range, M, H, self.num_experts, topk_slot)
         out_x = (recv_x, recv_scales) if use_fp8 else recv_x
         self._check_wait_stats(wait_stats)
-        hook = self._run(
-            self.transport.kernel(ll_dispatch.ll_dispatch_kernel), "low-latency dispatch", args,
-            meta,
-            return_recv_hook, wait_stats,
-        )  # fmt: skip
+        kernel = self.transport.kernel(ll_dispatch.ll_dispatch_kernel)
+        hook = self._run(kernel, "low-latency dispatch", args, meta, return_recv_hook, wait_stats)
         return out_x, recv_count, handle, hook
 
     # ---------------------------------------------------------------------------- combine
@@ -498,11 +495,8 @@ class LowLatencyMode:
             enable_fp_fusion=False,
         )
         self._check_wait_stats(wait_stats)
-        hook = self._run(
-            self.transport.kernel(ll_combine.ll_combine_kernel), "low-latency combine", args,
-            meta, return_recv_hook,
-            wait_stats,
-        )  # fmt: skip
+        kernel = self.transport.kernel(ll_combine.ll_combine_kernel)
+        hook = self._run(kernel, "low-latency combine", args, meta, return_recv_hook, wait_stats)
         return out, hook
 
     def _check_wait_stats(self, wait_stats: torch.Tensor | None) -> None:

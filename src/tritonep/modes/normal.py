@@ -77,15 +77,12 @@ RECV_TILE = 8192
 #: Words a combine program moves per row and step, and its warps.
 COMBINE_BW = 512
 COMBINE_WARPS = 8
-#: Words a combine sender holds per step, over its ranks x ``ROWS`` rows. On 2x H200 this shape
-#: (16 384 words, 512 per row, 8 warps) combines 4096 tokens in 343 us, a narrower one (8192,
-#: 256, 16 warps) in 428 us; but a group of one rank, whose step leaves half its rank lanes
-#: masked, takes 2660 us with it (234 us with the narrower one), so one rank gets
-#: :data:`ONE_RANK_COMBINE` instead (BENCHMARKS.md).
+#: Words a combine sender holds per step, over its ``R_P2`` rank lanes x ``ROWS`` rows. On 2x
+#: H200 this shape (16 384 words, 512 per row, 8 warps) combines 4096 tokens in 343 us, a
+#: narrower one (8192, 256, 16 warps) in 428 us. The bound matters: rows once came from the
+#: rank count rounded up (1 for one rank) while the lanes were at least 2, so one rank held
+#: 32 768 words and took 2660 us (BENCHMARKS.md).
 COMBINE_SEND_TILE = 16384
-#: ``(COMBINE_SEND_TILE, COMBINE_BW, COMBINE_WARPS)`` of a group of one rank (an upper bound on
-#: the tile and row words, a lower bound on the warps). Unmeasured: 3 ranks (one lane masked).
-ONE_RANK_COMBINE = (8192, 256, 16)
 #: The launch constants above: what :func:`set_launch_constants` (and ``tritonep bench
 #: --launch``) may change, to compare launch shapes on a GPU without editing the code.
 LAUNCH_CONSTANTS = (
@@ -642,12 +639,8 @@ class NormalMode:
         dummy = out
         # A sender step holds [ranks x ROWS, BW] words: bounded, fewer rows rather than
         # narrower ones (a step's rows are contiguous).
-        tile, bw, warps = COMBINE_SEND_TILE, COMBINE_BW, COMBINE_WARPS
-        if R == 1:
-            tile, bw = min(tile, ONE_RANK_COMBINE[0]), min(bw, ONE_RANK_COMBINE[1])
-            warps = max(warps, ONE_RANK_COMBINE[2])
-        r_p2, bw = _next_pow2(max(R, 2)), min(bw, _next_pow2(H // 2))
-        rows = max(1, min(STEP_ROWS // r_p2, tile // (r_p2 * bw)))
+        r_p2, bw = _next_pow2(max(R, 2)), min(COMBINE_BW, _next_pow2(H // 2))
+        rows = max(1, min(STEP_ROWS // r_p2, COMBINE_SEND_TILE // (r_p2 * bw)))
         self._launch(
             normal_combine.normal_combine_kernel,
             f"{self.label} combine",
@@ -669,7 +662,7 @@ class NormalMode:
                 HAS_WEIGHTS=topk_weights is not None, NUM_BIAS=len(terms),
                 USE_CLOCK=use_clock(self.device),
                 TOK=_next_pow2(max(1, min(config.nvl_send_chunk, 32))),
-                ROWS=rows, BW=bw, R_P2=r_p2, K_P2=_next_pow2(max(K, 2)), num_warps=warps,
+                ROWS=rows, BW=bw, R_P2=r_p2, K_P2=_next_pow2(max(K, 2)), num_warps=COMBINE_WARPS,
                 # Sums round as in the reference (no fused multiply-add).
                 enable_fp_fusion=False,
             ),
