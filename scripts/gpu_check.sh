@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check in one call: the GPU test suite, the demo, then the benchmarks, on N ranks.
 # Run from the repository root on a GPU machine:
-#   bash scripts/gpu_check.sh [N] [tests|tests-core|tests-layers|tests-a|-b|-c|bench|tune|soak|host|all]
+#   bash scripts/gpu_check.sh [N] [tests|tests-core|tests-layers|tests-a|-b|-c|bench|tune|soak|host|probe|all]
 # N defaults to every GPU of the machine. Logs and CSVs go to $OUT (when set) or ./out.
 # The whole suite compiles many kernel variants; split it over two calls of the 10-minute
 # device limit with tests-core (kernels, modes, demo) and tests-layers (APIs on top).
@@ -65,6 +65,11 @@ fi
 if [ "$what" = host ]; then
   # Host time of eager calls (one rank): where Python spends it, function by function.
   timeout 300 python3 scripts/host_profile.py --tokens "${HOST_TOKENS:-512}" 2>&1 | tee "$out/host_profile.log" | grep "===" || status=1
+fi
+if [ "$what" = probe ]; then
+  # How fast one program copies rows (formulations of the kernels' copy loop), one GPU.
+  timeout "${PROBE_LIMIT_S:-300}" python3 scripts/copy_probe.py --programs "${PROBE_PROGRAMS:-12}" 2>&1 \
+    | tee "$out/copy_probe.log" | grep -v -i warn || status=1
 fi
 if [ "$what" = tune ]; then
   # Launch shapes of the normal mode side by side (tritonep.modes.normal.LAUNCH_CONSTANTS):

@@ -5,8 +5,12 @@
 One rank (GPU 0, or a CPU rank under the interpreter, where it means little). For each of
 normal cached dispatch, normal combine, normal full dispatch, low-latency dispatch and
 low-latency combine it prints the host time per call (wall clock of the calls issued back to
-back, then one device sync) beside the device time of the same call replayed from a CUDA graph
-where it can be, and the functions with the most own time under cProfile.
+back, then one device sync), split into this project's Python work (the same calls with the
+kernel launches left out) and the launch: the recorded launches issued again through Triton's
+path (``kernel[grid](...)``, with its binding and cache key timed alone), through
+``tritonep.kernels.launcher.launch`` (what the modes use), and through the bare compiled
+kernel,
+then the functions with the most own time under cProfile.
 """
 
 from __future__ import annotations
@@ -48,6 +52,105 @@ def _profile(name, fn, calls, top):
     print("\n".join(lines[start : start + top + 1]))
 
 
+class _Recorder:
+    """Stands in for a mode's ``transport.kernel``: records launches, optionally skips them."""
+
+    def __init__(self, transport):
+        self.transport, self.launches, self.skip, self.jit = transport, [], False, None
+
+    def kernel(self, jit):
+        self.jit = jit
+        return self
+
+    def __getitem__(self, grid):
+        self.grid = grid
+        return self._call
+
+    def _call(self, *args, **kwargs):
+        if self.skip:
+            return None
+        self.launches.append((self.jit, self.grid, args, kwargs))
+        return self.transport.kernel(self.jit)[self.grid](*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.transport, name)
+
+
+def _per_call_us(fn, calls):
+    for _ in range(3):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    issued = time.perf_counter() - start
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return issued / calls * 1e6
+
+
+def _breakdown(name, mode, fn, calls):
+    """Host time of ``fn`` (one op of ``mode``) split into our work, Triton's and the launch."""
+    recorder = _Recorder(mode.transport)
+    mode.transport = recorder
+    try:
+        fn()
+        launches = list(recorder.launches)
+        recorder.skip = True
+        ours = _per_call_us(fn, calls)
+    finally:
+        mode.transport = recorder.transport
+    whole = _per_call_us(fn, calls)
+
+    def triton_path():
+        for jit, grid, args, kwargs in launches:
+            jit[grid](*args, **kwargs)
+
+    bound = []
+    for jit, grid, args, kwargs in launches:
+        compiled = jit[grid](*args, **kwargs)
+        device = torch.cuda.current_device()
+        binder = jit.device_caches[device][4]
+        bound_args, _, _ = binder(*args, **kwargs)
+        grid3 = tuple(grid) + (1,) * (3 - len(grid))
+        bound.append((compiled[grid3], tuple(bound_args.values())))
+
+    def launcher_only():
+        for runner, values in bound:
+            runner(*values)
+
+    from triton.runtime.jit import compute_cache_key
+
+    def binder_only():
+        for jit, _, args, kwargs in launches:
+            jit.device_caches[torch.cuda.current_device()][4](*args, **kwargs)
+
+    def binder_and_key():
+        for jit, _, args, kwargs in launches:
+            caches = jit.device_caches[torch.cuda.current_device()]
+            _, specialization, options = caches[4](*args, **kwargs)
+            compute_cache_key(caches[1], specialization, options)
+
+    from tritonep.kernels import launcher
+
+    def fast_path():
+        for jit, grid, args, kwargs in launches:
+            launcher.launch(jit, grid, args, kwargs)
+
+    triton_us = _per_call_us(triton_path, calls)
+    fast_us = _per_call_us(fast_path, calls)
+    launcher_us = _per_call_us(launcher_only, calls)
+    binder_us = _per_call_us(binder_only, calls)
+    key_us = _per_call_us(binder_and_key, calls)
+    print(f"\n=== {name}: {whole:.1f} us/call issued = ours {ours:.1f} + the launch; "
+          f"launches through Triton's path {triton_us:.1f} (binding {binder_us:.1f}, with the "
+          f"cache key {key_us:.1f}), through tritonep's launcher {fast_us:.1f}, bare "
+          f"{launcher_us:.1f}; {len(launches)} launch(es), "
+          f"{sum(len(a) for _, _, a, _ in launches)} arguments, "
+          f"{sum(len(k) for _, _, _, k in launches)} keywords")  # fmt: skip
+
+
 def _rank(ctx, tokens, calls, top):
     from tritonep.modes.low_latency import LowLatencyMode
     from tritonep.modes.normal import NormalMode
@@ -64,10 +167,18 @@ def _rank(ctx, tokens, calls, top):
     _, per_expert, in_rank = mode.get_dispatch_layout(idx)
     out = mode.dispatch(x, idx, w, per_expert, in_rank, config=config)
     y = out.recv_x.clone()
+    if ctx.device.type == "cuda":
+        _breakdown("normal cached dispatch", mode, lambda: mode.dispatch(x, handle=out.handle),
+                   calls)  # fmt: skip
+        _breakdown("normal combine", mode, lambda: mode.combine(y, out.handle), calls)
     _profile("normal cached dispatch", lambda: mode.dispatch(x, handle=out.handle), calls, top)
     _profile("normal combine", lambda: mode.combine(y, out.handle), calls, top)
-    _profile("normal full dispatch",
-             lambda: mode.dispatch(x, idx, w, per_expert, in_rank, config=config), calls, top)
+    _profile(
+        "normal full dispatch",
+        lambda: mode.dispatch(x, idx, w, per_expert, in_rank, config=config),
+        calls,
+        top,
+    )
     mode.check()
     mode.destroy()
 
@@ -82,6 +193,10 @@ def _rank(ctx, tokens, calls, top):
     expert_out = torch.zeros(state["d"][0][0].shape, dtype=torch.bfloat16, device=ctx.device)
     _profile("low-latency dispatch", ll_dispatch, calls, top)
     handle = state["d"][2]
+    if ctx.device.type == "cuda":
+        _breakdown("low-latency dispatch", ll, ll_dispatch, calls)
+        _breakdown("low-latency combine", ll, lambda: ll.combine(expert_out, idx, w, handle),
+                   calls)  # fmt: skip
     _profile("low-latency combine", lambda: ll.combine(expert_out, idx, w, handle), calls, top)
     ll.destroy()
 

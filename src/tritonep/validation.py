@@ -105,8 +105,11 @@ def check_topk_idx(
         raise ValueError(
             f"{name}: expected at least one top-k column, got shape {list(topk_idx.shape)}"
         )
-    capturing = topk_idx.is_cuda and torch.cuda.is_current_stream_capturing()
-    if check_range and topk_idx.numel() and not capturing:
+    if (
+        check_range
+        and topk_idx.numel()
+        and not (topk_idx.is_cuda and torch.cuda.is_current_stream_capturing())
+    ):
         lo, hi = (int(v) for v in torch.stack(torch.aminmax(topk_idx)).tolist())  # one sync
         if lo < -1 or hi >= num_experts:
             bad = lo if lo < -1 else hi

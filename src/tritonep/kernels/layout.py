@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launcher import launch
+
 
 @triton.jit
 def dispatch_layout_kernel(
@@ -119,21 +121,19 @@ def dispatch_layout(
     partial = torch.empty(num_programs, bins + r_p2, dtype=torch.int32, device=device)
     if arrivals is None:
         arrivals = torch.zeros(1, dtype=torch.int32, device=device)
-    dispatch_layout_kernel[(num_programs,)](
-        topk_idx,
-        num_tokens,
-        per_rank,
-        per_expert,
-        in_rank.view(torch.int8),
-        partial,
-        arrivals,
-        K=topk,
-        NUM_EXPERTS=num_experts,
-        NUM_RANKS=num_ranks,
-        BLOCK_N=block_n,
-        K_P2=_next_pow2(max(topk, 2)),
-        R_P2=r_p2,
-        BINS=bins,
-        P_P2=_next_pow2(max(num_programs, 2)),
+    launch(
+        dispatch_layout_kernel,
+        (num_programs,),
+        (topk_idx, num_tokens, per_rank, per_expert, in_rank.view(torch.int8), partial, arrivals),
+        dict(
+            K=topk,
+            NUM_EXPERTS=num_experts,
+            NUM_RANKS=num_ranks,
+            BLOCK_N=block_n,
+            K_P2=_next_pow2(max(topk, 2)),
+            R_P2=r_p2,
+            BINS=bins,
+            P_P2=_next_pow2(max(num_programs, 2)),
+        ),
     )
     return per_rank, per_expert, in_rank

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..heap import allocate
-from ..kernels import ll_combine, ll_dispatch, transport
+from ..kernels import launcher, ll_combine, ll_dispatch, transport
 from ..kernels.sync import (
     DEFAULT_TIMEOUT_S,
     new_status,
@@ -234,6 +234,7 @@ class LowLatencyMode:
         self.expert_done = torch.zeros(self._bins, dtype=torch.int32, device=self.device)
         self._timeout_ns = timeout_ns(timeout_s)
         self._combine_input: torch.Tensor | None = None
+        self._metas: dict[tuple, dict] = {}  # launch options per configuration (_run)
         on_gpu = use_clock(self.device)
         #: Kernel traces (``profile=True``): :meth:`TraceRecorder.dump` writes them.
         self.trace = TraceRecorder.of(profile, self.rank, self.device, on_gpu)
@@ -258,28 +259,37 @@ class LowLatencyMode:
         ).total
 
     # ---------------------------------------------------------------------------- helpers
-    def _run(self, kernel, name, args: tuple, meta: dict, return_recv_hook: bool, wait_stats):
+    def _run(self, kernel, name, args: tuple, key, build_meta, return_recv_hook, wait_stats):
         """Launch the send and receive phases of ``kernel``; returns the hook or None.
 
         On GPUs without a hook both phases run in one cooperative launch (receivers spin on
         senders of the same launch, so all programs must be resident). With a hook, or under
         the interpreter (which runs programs one after another), they are two launches.
-        ``wait_stats`` (``[R]`` int64 or None) accumulates the time waited per source rank.
+        ``build_meta()`` gives the constexprs and options, built once per ``key`` (what they
+        depend on besides the mode). ``wait_stats`` (``[R]`` int64 or None) accumulates the
+        time waited per source rank.
         """
         grid = (self.num_programs,)
+        traced = self.trace is not None
 
-        def launch(do_send, do_recv, **extra):
+        def launch(do_send, do_recv, cooperative=False):
+            meta_key = (name, key, do_send, do_recv, cooperative, traced, wait_stats is not None)
+            meta = self._metas.get(meta_key)
+            if meta is None:
+                meta = self._metas[meta_key] = dict(
+                    build_meta(), DO_SEND=do_send, DO_RECV=do_recv, PROFILE=traced,
+                    WAIT_STATS=wait_stats is not None, VIA=self.transport.via,
+                )  # fmt: skip
+                if cooperative:
+                    meta["launch_cooperative_grid"] = True
             readings = self._untraced
-            if self.trace is not None:
+            if traced:
                 readings = self.trace.buffer(name, self.num_programs, do_send, do_recv)
-            kernel[grid](
-                *args, readings, wait_stats if wait_stats is not None else self.state, **meta,
-                DO_SEND=do_send, DO_RECV=do_recv, PROFILE=self.trace is not None,
-                WAIT_STATS=wait_stats is not None, VIA=self.transport.via, **extra,
-            )  # fmt: skip
+            stats = wait_stats if wait_stats is not None else self.state
+            launcher.launch(kernel, grid, (*args, readings, stats), meta)
 
         if not return_recv_hook and self.device.type == "cuda":
-            launch(True, True, launch_cooperative_grid=True)
+            launch(True, True, cooperative=True)
             return None
         launch(True, False)
 
@@ -373,7 +383,7 @@ class LowLatencyMode:
             self.status,
             self._timeout_ns,
         )
-        meta = dict(
+        meta = lambda: dict(  # built once per (use_fp8, use_ue8m0, top-k): _run
             H=H,
             K=topk,
             NUM_EXPERTS=self.num_experts,
@@ -397,7 +407,8 @@ class LowLatencyMode:
         out_x = (recv_x, recv_scales) if use_fp8 else recv_x
         self._check_wait_stats(wait_stats)
         kernel = self.transport.kernel(ll_dispatch.ll_dispatch_kernel)
-        hook = self._run(kernel, "low-latency dispatch", args, meta, return_recv_hook, wait_stats)
+        hook = self._run(kernel, "low-latency dispatch", args, (use_fp8, use_ue8m0, topk),
+                         meta, return_recv_hook, wait_stats)  # fmt: skip
         return out_x, recv_count, handle, hook
 
     # ---------------------------------------------------------------------------- combine
@@ -477,7 +488,7 @@ class LowLatencyMode:
             self.status,
             self._timeout_ns,
         )
-        meta = dict(
+        meta = lambda: dict(  # built once per top-k: _run
             H=H,
             K=topk,
             K_MAX=self.max_topk,
@@ -496,7 +507,8 @@ class LowLatencyMode:
         )
         self._check_wait_stats(wait_stats)
         kernel = self.transport.kernel(ll_combine.ll_combine_kernel)
-        hook = self._run(kernel, "low-latency combine", args, meta, return_recv_hook, wait_stats)
+        hook = self._run(kernel, "low-latency combine", args, topk, meta, return_recv_hook,
+                         wait_stats)  # fmt: skip
         return out, hook
 
     def _check_wait_stats(self, wait_stats: torch.Tensor | None) -> None:

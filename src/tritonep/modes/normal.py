@@ -38,6 +38,7 @@ import triton
 
 from ..heap import allocate, default_device
 from ..kernels import normal_combine, normal_dispatch, normal_notify, transport
+from ..kernels.launcher import launch
 from ..kernels.layout import dispatch_layout
 from ..kernels.sync import DEFAULT_TIMEOUT_S, check_status, new_status, timeout_ns, use_clock
 from ..validation import (
@@ -90,6 +91,9 @@ LAUNCH_CONSTANTS = (
 )  # fmt: skip
 
 
+_launch_version = 0
+
+
 def check_launch_constants(values: dict[str, int]) -> None:
     """Raise ``ValueError`` naming the first of ``values`` that is not a launch constant or not
     a power of two (rows, words and warps of a Triton launch; warps at most 32)."""
@@ -106,9 +110,11 @@ def check_launch_constants(values: dict[str, int]) -> None:
 def set_launch_constants(**values: int) -> dict[str, int]:
     """Change launch constants of this process's normal (and internode) modes from the next
     launch on; returns their previous values. Results do not depend on them, only speed does."""
+    global _launch_version
     check_launch_constants(values)
     old = {name: globals()[name] for name in values}
     globals().update(values)
+    _launch_version += 1  # modes build their launch options anew
     return old
 
 
@@ -342,6 +348,7 @@ class NormalMode:
             self.num_ranks, self.num_local_experts, dtype=torch.int32, device=self.device
         )
         self._layout_arrivals = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._metas: dict[tuple, dict] = {}  # launch options per configuration (_launch)
         #: Kernel traces (``profile=True``): :meth:`TraceRecorder.dump` writes them.
         self.trace = TraceRecorder.of(profile, self.rank, self.device, on_gpu)
 
@@ -381,15 +388,22 @@ class NormalMode:
                     "channel must fit its ring (the interpreter runs programs one by one)"
                 )
 
-    def _launch(self, kernel, name, num_programs, args, meta):
-        if self.device.type == "cuda":
-            meta = dict(meta, launch_cooperative_grid=True)
+    def _launch(self, kernel, name, num_programs, args, key, build_meta):
+        """Launch ``kernel`` with ``args`` and the constexprs and options ``build_meta()``
+        returns, built once per ``key`` (everything they depend on besides the mode): one
+        dict per configuration, which also lets the launcher skip re-reading it."""
+        traced = self.trace is not None
+        meta = self._metas.get((name, key, traced, _launch_version))
+        if meta is None:
+            meta = build_meta()
+            if self.device.type == "cuda":
+                meta["launch_cooperative_grid"] = True
+            meta.update(PROFILE=traced, VIA=self.transport.via)
+            self._metas[(name, key, traced, _launch_version)] = meta
         readings = self.state  # placeholder pointer when nothing is recorded
-        if self.trace is not None:
+        if traced:
             readings = self.trace.buffer(name, num_programs, True, True)
-        self.transport.kernel(kernel)[(num_programs,)](
-            *args, readings, **meta, PROFILE=self.trace is not None, VIA=self.transport.via
-        )
+        launch(self.transport.kernel(kernel), (num_programs,), (*args, readings), meta)
 
     def check(self) -> None:
         """Wait for the device; raise if a kernel wait timed out or worst-case rows overflowed."""
@@ -515,7 +529,8 @@ class NormalMode:
                     self._decoded, recv_count, recv_start, host_info, num_worst_tokens,
                     self.status, self._timeout_ns,
                 ),
-                dict(
+                (C, expert_alignment),
+                lambda: dict(
                     NUM_RANKS=R, NUM_CHANNELS=C, E_LOCAL=E_local, ALIGN=expert_alignment,
                     ROW=self.layout.notify_row, SET_BYTES=self.layout.notify_set,
                     USE_CLOCK=use_clock(self.device), BLOCK_N=256,
@@ -572,7 +587,8 @@ class NormalMode:
                 recv_topk_idx if has_topk else dummy, recv_weights if has_weights else dummy,
                 recv_src_idx, rows, self.status, self._timeout_ns,
             ),
-            dict(
+            (config, use_fp8, topk, has_topk, has_weights, src_tag is not None, num_recv < 0),
+            lambda: dict(
                 W=W, G=G, K=topk, E_LOCAL=E_local, NUM_RANKS=R, NUM_CHANNELS=C,
                 MAX_CHANNELS=self.layout.max_channels, RING=ring,
                 RING_STRIDE=self.layout.ring_tokens, SLOT_BYTES=self.layout.dispatch_slot,
@@ -655,7 +671,8 @@ class NormalMode:
                 self.state, out, out_weights if out_weights is not None else dummy,
                 self.status, self._timeout_ns,
             ),
-            dict(
+            (config, H, K, topk_weights is not None, len(terms)),
+            lambda: dict(
                 H=H, K=K, NUM_RANKS=R, NUM_CHANNELS=C, MAX_CHANNELS=self.layout.max_channels,
                 RING=config.nvl_recv_buffer_tokens,
                 RING_STRIDE=self.layout.ring_tokens, SLOT_BYTES=self.layout.combine_slot,

@@ -1,0 +1,164 @@
+"""How fast one program copies rows: the limit the normal-mode kernels run into.
+
+    PYTHONPATH=src python scripts/copy_probe.py [--rows 4096] [--programs 12]
+
+The normal mode moves every row twice inside its programs (a sender loads a token and stores it
+into the destination rings, a receiver copies it from its ring into the output), with a budget
+of 24 SMs: 12 senders and 12 receivers. Each program moves about 25 GB/s (BENCHMARKS.md), so
+the copy loop of one program, not NVLink, sets the pace. This probe times formulations of that
+copy loop on one GPU (rows of 7168 BF16 = 3584 words, each program a contiguous run of rows),
+as the time of a launch replayed from a CUDA graph, and prints per-program GB/s (bytes copied
+over time over programs):
+
+* ``tile``: a ``[TOK, BW]`` tile per step, the next one loaded before the current one is
+  stored (the kernels' loop today), for several tile shapes and warp counts;
+* ``pipelined``: the same loop as one ``tl.range`` with ``num_stages`` (asynchronous copies
+  into shared memory);
+* ``tma``: tensor-memory-accelerator loads and stores through device-side descriptors,
+  pipelined the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def copy_tile(src, dst, n_rows, W: tl.constexpr, TOK: tl.constexpr, BW: tl.constexpr):
+    pid = tl.program_id(0)
+    chunk = tl.cdiv(n_rows, tl.num_programs(0))
+    r0 = pid * chunk
+    r1 = tl.minimum(r0 + chunk, n_rows)
+    words = tl.arange(0, BW)
+    for first in range(r0, r1, TOK):
+        rows = (first + tl.arange(0, TOK)).to(tl.int64)
+        rmask = rows < r1
+        s = src + rows[:, None] * W
+        d = dst + rows[:, None] * W
+        v = tl.load(s + words[None, :], mask=rmask[:, None] & (words < W)[None, :])
+        for w0 in range(0, W, BW):
+            w = w0 + words
+            wn = w + BW
+            v_next = tl.load(s + wn[None, :], mask=rmask[:, None] & (wn < W)[None, :])
+            tl.store(d + w[None, :], v, mask=rmask[:, None] & (w < W)[None, :])
+            v = v_next
+
+
+@triton.jit
+def copy_pipelined(
+    src, dst, n_rows, W: tl.constexpr, TOK: tl.constexpr, BW: tl.constexpr, STAGES: tl.constexpr
+):
+    pid = tl.program_id(0)
+    chunk = tl.cdiv(n_rows, tl.num_programs(0))
+    r0 = pid * chunk
+    r1 = tl.minimum(r0 + chunk, n_rows)
+    words = tl.arange(0, BW)
+    n_w: tl.constexpr = (W + BW - 1) // BW
+    steps = tl.cdiv(r1 - r0, TOK) * n_w
+    for i in tl.range(0, steps, num_stages=STAGES):
+        rows = (r0 + (i // n_w) * TOK + tl.arange(0, TOK)).to(tl.int64)
+        w = (i % n_w) * BW + words
+        m = (rows < r1)[:, None] & (w < W)[None, :]
+        v = tl.load(src + rows[:, None] * W + w[None, :], mask=m)
+        tl.store(dst + rows[:, None] * W + w[None, :], v, mask=m)
+
+
+@triton.jit
+def copy_tma(
+    src, dst, n_rows, W: tl.constexpr, TOK: tl.constexpr, BW: tl.constexpr, STAGES: tl.constexpr
+):
+    pid = tl.program_id(0)
+    chunk = tl.cdiv(n_rows, tl.num_programs(0))
+    r0 = pid * chunk
+    r1 = tl.minimum(r0 + chunk, n_rows)
+    sdesc = tl.make_tensor_descriptor(src, shape=[r1, W], strides=[W, 1], block_shape=[TOK, BW])
+    ddesc = tl.make_tensor_descriptor(dst, shape=[r1, W], strides=[W, 1], block_shape=[TOK, BW])
+    n_w: tl.constexpr = (W + BW - 1) // BW
+    steps = tl.cdiv(r1 - r0, TOK) * n_w
+    for i in tl.range(0, steps, num_stages=STAGES):
+        r = r0 + (i // n_w) * TOK
+        w = (i % n_w) * BW
+        ddesc.store([r, w], sdesc.load([r, w]))
+
+
+def _graph_time_us(launch, reps=20):
+    launch()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for _ in range(reps):
+            launch()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=4096)
+    parser.add_argument("--programs", type=str, default="12")
+    parser.add_argument("--words", type=int, default=3584)
+    args = parser.parse_args()
+    triton.set_allocator(
+        lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda")
+    )
+    W, n = args.words, args.rows
+    src = torch.randint(-(2**30), 2**30, (n, W), dtype=torch.int32, device="cuda")
+    dst = torch.empty_like(src)
+    nbytes = src.numel() * 4
+    variants = []
+    for warps in (4, 8, 16, 32):
+        for tok, bw in ((8, 512), (8, 1024), (16, 512), (32, 256), (4, 2048), (32, 512)):
+            variants.append((f"tile {tok}x{bw} w{warps}", copy_tile, dict(TOK=tok, BW=bw),
+                             warps))  # fmt: skip
+    for warps in (4, 8, 16):
+        for tok, bw in ((8, 512), (32, 256), (16, 1024)):
+            for stages in (2, 3, 4):
+                variants.append((f"pipelined {tok}x{bw} s{stages} w{warps}", copy_pipelined,
+                                 dict(TOK=tok, BW=bw, STAGES=stages), warps))  # fmt: skip
+    for warps in (1, 4, 8):
+        for tok, bw in ((8, 256), (32, 256), (64, 128), (16, 256)):
+            for stages in (2, 4, 6):
+                variants.append((f"tma {tok}x{bw} s{stages} w{warps}", copy_tma,
+                                 dict(TOK=tok, BW=bw, STAGES=stages), warps))  # fmt: skip
+    print(f"{n} rows x {W} words ({nbytes / 1e6:.1f} MB), torch {torch.__version__}, "
+          f"triton {triton.__version__}, {torch.cuda.get_device_name()}")  # fmt: skip
+    t = _graph_time_us(lambda: dst.copy_(src))
+    print(f"torch copy_ (whole GPU): {t:.1f} us, {nbytes / t / 1e3:.0f} GB/s")
+    for programs in (int(p) for p in args.programs.split(",")):
+        print(f"\n{programs} programs; per-program GB/s = bytes / time / programs")
+        results = []
+        for name, kernel, meta, warps in variants:
+            dst.fill_(0)
+
+            def launch(kernel=kernel, meta=meta, warps=warps, programs=programs):
+                kernel[(programs,)](src, dst, n, W=W, **meta, num_warps=warps)
+
+            try:
+                t = _graph_time_us(launch)
+                ok = torch.equal(src, dst)
+            except Exception as e:  # a shape a variant cannot compile: say so, go on
+                print(f"  {name:34s} failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+                continue
+            results.append((t, name, ok))
+            print(f"  {name:34s} {t:8.1f} us  {nbytes / t / 1e3 / programs:6.1f} GB/s/program"
+                  f"{'' if ok else '  WRONG RESULT'}", flush=True)  # fmt: skip
+        results.sort()
+        print("fastest:", ", ".join(f"{name} {t:.1f} us" for t, name, _ in results[:5]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Launch a Triton kernel with little host time: Triton's path once per shape, then its launcher.
+
+``kernel[grid](*args, **meta)`` runs Triton's generic launch path on every call: it binds
+every parameter (here 40 to 60, most of them constexprs), specializes each argument, builds a
+cache key from all of them, checks the module globals the kernel read, and only then calls
+the compiled kernel's launcher. On the GPU hosts that path took 35 to 45 us per launch, more
+than the device time of a small dispatch (BENCHMARKS.md, host profile).
+
+:func:`launch` keeps, per kernel, the compiled variants it has launched, keyed by the
+constexprs and options (``meta``) and by the specialization of the runtime arguments. That
+specialization is computed with Triton's own function (the one its binder calls: tensor dtype
+and 16-byte alignment, integer width, divisibility and the value 1), so a variant is reused
+exactly when Triton would pick it. A shape seen for the first time goes through
+``kernel[grid]`` (compiling if needed); the result is checked against Triton's own binding,
+and any disagreement turns the fast path off for that kernel.
+
+Falls back to ``kernel[grid](*args, **meta)`` whenever the fast path does not apply: under the
+interpreter, for wrapped kernels (NVSHMEM linking), while Triton's launch hooks are set (as
+profilers set them), or when a kernel's runtime parameters are not exactly the positional
+arguments.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from triton.runtime.jit import JITFunction
+
+try:  # Triton's per-argument specialization (what its generated binder calls)
+    from triton._C.libtriton import native_specialize_impl
+except ImportError:  # pragma: no cover - other Triton builds take the plain path
+    native_specialize_impl = None
+
+
+class _Variants:
+    """The compiled variants of one kernel on one device, and how to specialize its arguments."""
+
+    def __init__(self, fn: JITFunction, device: int, num_args: int):
+        _, _, _, backend, binder = fn.device_caches[device]
+        self.fn, self.num_args, self.backend, self.binder = fn, num_args, backend, binder
+        params = fn.params
+        self.usable = (
+            native_specialize_impl is not None
+            and len(params) >= num_args
+            and all(not p.is_constexpr and not p.annotation_type for p in params[:num_args])
+            and all(p.is_constexpr for p in params[num_args:])
+        )
+        self.flags = [(p.is_const, not p.do_not_specialize, not p.do_not_specialize_on_alignment)
+                      for p in params[:num_args]]  # fmt: skip
+        #: (meta, options, specialization) -> (compiled kernel, constexpr values in order)
+        self.compiled: dict[tuple, tuple[Any, tuple]] = {}
+        self.held: list[Any] = [None] * num_args  # weakref.ref or _Const per position
+        self.specs: list[tuple] = [()] * num_args
+        self.seen: list[int] = [0] * num_args
+        self.varying = [False] * num_args
+        self.last_meta: dict | None = None
+        self.last_meta_key: tuple = ()
+
+    def key(self, args: tuple, meta: dict, knobs) -> tuple:
+        if len(args) != self.num_args:
+            raise TypeError(f"{self.fn}: expected {self.num_args} runtime arguments")
+        specialize = self._specialize
+        specialization = tuple(specialize(i, a, flags) for i, (a, flags) in enumerate(
+            zip(args, self.flags, strict=True)))  # fmt: skip
+        if meta is not self.last_meta:  # modes keep one meta dict per configuration
+            self.last_meta, self.last_meta_key = meta, tuple(meta.items())
+        # Triton's key also holds the debug and instrumentation settings of the moment.
+        options = (knobs.runtime.debug, knobs.compilation.instrumentation_mode)
+        return self.last_meta_key, options, specialization
+
+    def _specialize(self, i: int, a: Any, flags: tuple) -> tuple:
+        """Triton's specialization of argument ``i``, reused while it is the same object.
+
+        Specializing a tensor costs about a microsecond, and a mode passes the same heap
+        tensors and offsets on every call. A position whose object was the same on two calls
+        in a row is remembered (a weak reference to a tensor: it is not kept alive), and while
+        the same live object comes again its specialization stands (a tensor's dtype and
+        storage do not change). The first time a remembered position differs it is never
+        remembered again.
+        """
+        held = self.held[i]
+        if held is not None and held() is a:
+            return self.specs[i]
+        spec = native_specialize_impl(self.backend, a, *flags)
+        if held is not None:
+            self.held[i] = None
+            self.varying[i] = True
+        elif not self.varying[i]:
+            if self.seen[i] == id(a):
+                self.held[i] = weakref.ref(a) if isinstance(a, torch.Tensor) else _Const(a)
+            self.seen[i] = id(a)
+        self.specs[i] = spec
+        return spec
+
+    def record(self, key: tuple, args: tuple, meta: dict, compiled) -> None:
+        """Keep what ``fn[grid](*args, **meta)`` just launched, if Triton bound it as assumed."""
+        bound, specialization, _ = self.binder(*args, **meta)
+        if specialization[: self.num_args] != list(key[2]):
+            self.usable = False  # Triton specializes differently than assumed: never guess
+            return
+        if hasattr(compiled, "result"):  # compiled asynchronously
+            compiled = compiled.result()
+        self.compiled[key] = (compiled, tuple(bound.values())[self.num_args :])
+
+
+class _Const:
+    """A strong reference with ``weakref.ref``'s call, for immutable arguments (ints)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __call__(self):
+        return self.value
+
+
+_variants: dict[tuple[int, int, int], _Variants] = {}
+
+
+def variants_of(fn, device: int, num_args: int) -> _Variants | None:
+    """The variants :func:`launch` keeps for ``fn`` (tests look at them)."""
+    return _variants.get((id(fn), device, num_args))
+
+
+def launch(fn, grid: tuple[int, ...], args: tuple, meta: dict[str, Any]) -> None:
+    """``fn[grid](*args, **meta)``: ``args`` are the kernel's runtime parameters in order,
+    ``meta`` its constexprs and launch options (values hashable)."""
+    if not isinstance(fn, JITFunction):
+        fn[grid](*args, **meta)
+        return
+    from triton import knobs
+    from triton.runtime.driver import driver
+
+    if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+        fn[grid](*args, **meta)
+        return
+    device = driver.active.get_current_device()
+    variants = _variants.get((id(fn), device, len(args)))
+    if variants is None:
+        compiled = fn[grid](*args, **meta)  # creates Triton's caches for this device
+        variants = _variants[(id(fn), device, len(args))] = _Variants(fn, device, len(args))
+        if variants.usable:
+            variants.record(variants.key(args, meta, knobs), args, meta, compiled)
+        return
+    if not variants.usable:
+        fn[grid](*args, **meta)
+        return
+    key = variants.key(args, meta, knobs)
+    entry = variants.compiled.get(key)
+    if entry is None:
+        variants.record(key, args, meta, fn[grid](*args, **meta))
+        return
+    compiled, constexprs = entry
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    stream = driver.active.get_current_stream(device)
+    compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
+                 None, None, None, *args, *constexprs)  # fmt: skip

@@ -1,0 +1,62 @@
+"""The fast launch path gives what ``kernel[grid]`` gives, and skips Triton's binding on repeats."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from tritonep.kernels import launcher
+
+
+@triton.jit
+def scaled_copy(src, dst, n, factor, BLOCK: tl.constexpr, ADD: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(dst + offs, tl.load(src + offs, mask=mask) * factor + ADD, mask=mask)
+
+
+# (offset into the source and destination, elements, factor, ADD): aligned and unaligned
+# pointers, an element count that Triton turns into a constant (1), one divisible by 16.
+CALLS = [(0, 100, 2, 0), (1, 99, 3, 0), (0, 1, 2, 0), (0, 64, -1, 0), (3, 77, 2, 5), (0, 100, 4, 0)]
+
+
+def _launch_all(device, repeats):
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randint(-1000, 1000, (256,), generator=gen, dtype=torch.int32).to(device)
+    for _ in range(repeats):
+        for offset, n, factor, add in CALLS:
+            src = base[offset : offset + n]
+            out = torch.full((256,), -7, dtype=torch.int32, device=device)  # poisoned
+            dst = out[offset : offset + n]
+            launcher.launch(scaled_copy, (triton.cdiv(n, 32),), (src, dst, n, factor),
+                            dict(BLOCK=32, ADD=add, num_warps=1))  # fmt: skip
+            assert torch.equal(dst, src * factor + add), (offset, n, factor, add)
+            assert bool((out[:offset] == -7).all()) and bool((out[offset + n :] == -7).all())
+
+
+def test_launch_matches_the_kernel_everywhere():
+    _launch_all("cuda" if torch.cuda.is_available() else "cpu", repeats=2)
+
+
+@pytest.mark.gpu
+def test_repeated_shapes_skip_tritons_binding(monkeypatch):
+    """After the first launch of each specialization, launches go straight to the compiled
+    kernel: ``JITFunction.run`` (Triton's binding path) is not called again."""
+    _launch_all("cuda", repeats=1)
+    device = torch.cuda.current_device()
+    variants = launcher.variants_of(scaled_copy, device, 4)
+    assert variants is not None and variants.usable
+    # Aligned and unaligned pointers, n == 1 (a constant), n % 16 == 0, another ADD: the six
+    # calls but the last (the first one's shapes with another factor) need their own variant.
+    assert len(variants.compiled) == 5, [key[2] for key in variants.compiled]
+    calls = []
+    original = type(scaled_copy).run
+
+    def counting_run(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(scaled_copy), "run", counting_run)
+    _launch_all("cuda", repeats=2)
+    assert len(calls) == 0, f"{len(calls)} launches went through Triton's binding"
+    assert len(variants.compiled) == 5
