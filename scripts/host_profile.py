@@ -101,7 +101,20 @@ def _breakdown(name, mode, fn, calls):
         ours = _per_call_us(fn, calls)
     finally:
         mode.transport = recorder.transport
-    whole = _per_call_us(fn, calls)
+    from triton.runtime.jit import JITFunction
+
+    slow = []
+    original = JITFunction.run
+
+    def counting_run(self, *args, **kwargs):
+        slow.append(1)
+        return original(self, *args, **kwargs)
+
+    JITFunction.run = counting_run
+    try:
+        whole = _per_call_us(fn, calls)
+    finally:
+        JITFunction.run = original
 
     def triton_path():
         for jit, grid, args, kwargs in launches:
@@ -148,7 +161,8 @@ def _breakdown(name, mode, fn, calls):
           f"cache key {key_us:.1f}), through tritonep's launcher {fast_us:.1f}, bare "
           f"{launcher_us:.1f}; {len(launches)} launch(es), "
           f"{sum(len(a) for _, _, a, _ in launches)} arguments, "
-          f"{sum(len(k) for _, _, _, k in launches)} keywords")  # fmt: skip
+          f"{sum(len(k) for _, _, _, k in launches)} keywords; {len(slow)} of "
+          f"{(calls + 3) * len(launches)} launches went through Triton's binding")  # fmt: skip
 
 
 def _rank(ctx, tokens, calls, top):

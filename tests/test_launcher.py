@@ -60,3 +60,35 @@ def test_repeated_shapes_skip_tritons_binding(monkeypatch):
     _launch_all("cuda", repeats=2)
     assert len(calls) == 0, f"{len(calls)} launches went through Triton's binding"
     assert len(variants.compiled) == 5
+
+
+def test_launch_hooks_count_only_when_set():
+    from triton import knobs
+
+    chain = knobs.runtime.launch_enter_hook
+    assert not launcher._hooked(chain) and not launcher._hooked(None)
+    seen = []
+    hook = lambda metadata: seen.append(metadata)
+    chain.add(hook)
+    try:
+        assert launcher._hooked(chain)
+        if torch.cuda.is_available():  # a profiler's hook still sees every launch
+            _launch_all("cuda", repeats=2)
+            assert len(seen) == 2 * len(CALLS)
+    finally:
+        chain.remove(hook)
+
+
+@pytest.mark.gpu
+def test_a_remembered_argument_gives_way_to_a_new_one():
+    """The same tensor twice is remembered; an unaligned view in its place must still be
+    specialized as unaligned (a wrong guess would read and write at the wrong addresses)."""
+    base = torch.arange(300, dtype=torch.int32, device="cuda")
+    out = torch.full((300,), -7, dtype=torch.int32, device="cuda")
+    for src, dst in [(base, out), (base, out), (base, out), (base[1:], out[1:]), (base, out)]:
+        out.fill_(-7)
+        n = src.numel()
+        launcher.launch(scaled_copy, (triton.cdiv(n, 32),), (src, dst, n, 3),
+                        dict(BLOCK=32, ADD=1, num_warps=1))  # fmt: skip
+        assert torch.equal(dst, src * 3 + 1)
+        assert int(out[0]) == (-7 if n == 299 else 1)

@@ -30,14 +30,18 @@ def check_tensor(
             want = " or ".join(str(d) for d in allowed)
             raise TypeError(f"{name}: expected dtype {want}, got {t.dtype}")
     if shape is not None:
-        ok = t.dim() == len(shape) and all(
-            want is None or got == want for got, want in zip(t.shape, shape, strict=True)
+        got = t.shape
+        ok = len(got) == len(shape) and all(
+            want is None or g == want for g, want in zip(got, shape, strict=True)
         )
         if not ok:
             want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
             raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
-    if device is not None and t.device != torch.device(device):
-        raise ValueError(f"{name}: expected a tensor on {torch.device(device)}, got {t.device}")
+    if device is not None:
+        if not isinstance(device, torch.device):
+            device = torch.device(device)
+        if t.device != device:
+            raise ValueError(f"{name}: expected a tensor on {device}, got {t.device}")
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor (call .contiguous() first)")
     return t

@@ -54,7 +54,6 @@ class _Variants:
         self.held: list[Any] = [None] * num_args  # weakref.ref or _Const per position
         self.specs: list[tuple] = [()] * num_args
         self.seen: list[int] = [0] * num_args
-        self.varying = [False] * num_args
         self.last_meta: dict | None = None
         self.last_meta_key: tuple = ()
 
@@ -77,20 +76,18 @@ class _Variants:
         tensors and offsets on every call. A position whose object was the same on two calls
         in a row is remembered (a weak reference to a tensor: it is not kept alive), and while
         the same live object comes again its specialization stands (a tensor's dtype and
-        storage do not change). The first time a remembered position differs it is never
-        remembered again.
+        storage do not change). A position whose object changes is learned again, so a new
+        mode's tensors are remembered after its second call.
         """
         held = self.held[i]
         if held is not None and held() is a:
             return self.specs[i]
         spec = native_specialize_impl(self.backend, a, *flags)
-        if held is not None:
+        if self.seen[i] == id(a):
+            self.held[i] = weakref.ref(a) if isinstance(a, torch.Tensor) else _Const(a)
+        else:
             self.held[i] = None
-            self.varying[i] = True
-        elif not self.varying[i]:
-            if self.seen[i] == id(a):
-                self.held[i] = weakref.ref(a) if isinstance(a, torch.Tensor) else _Const(a)
-            self.seen[i] = id(a)
+        self.seen[i] = id(a)
         self.specs[i] = spec
         return spec
 
@@ -125,6 +122,12 @@ def variants_of(fn, device: int, num_args: int) -> _Variants | None:
     return _variants.get((id(fn), device, num_args))
 
 
+def _hooked(hook) -> bool:
+    """Whether a launch hook is set: Triton 3.6 keeps a chain of hooks (empty when none),
+    earlier releases None or one callable."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def launch(fn, grid: tuple[int, ...], args: tuple, meta: dict[str, Any]) -> None:
     """``fn[grid](*args, **meta)``: ``args`` are the kernel's runtime parameters in order,
     ``meta`` its constexprs and launch options (values hashable)."""
@@ -134,7 +137,7 @@ def launch(fn, grid: tuple[int, ...], args: tuple, meta: dict[str, Any]) -> None
     from triton import knobs
     from triton.runtime.driver import driver
 
-    if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+    if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
         fn[grid](*args, **meta)
         return
     device = driver.active.get_current_device()
