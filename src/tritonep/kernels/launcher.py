@@ -3,14 +3,17 @@
 ``kernel[grid](*args, **meta)`` runs Triton's generic launch path on every call: it binds
 every parameter (here 40 to 60, most of them constexprs), specializes each argument, builds a
 cache key from all of them, checks the module globals the kernel read, and only then calls
-the compiled kernel's launcher. On the GPU hosts that path took 35 to 45 us per launch, more
-than the device time of a small dispatch (BENCHMARKS.md, host profile).
+the compiled kernel's launcher. On the GPU hosts that path added 20 to 50 us per launch to
+the launcher's own 11 to 19 us, more than the device time of a small dispatch (BENCHMARKS.md,
+host time of eager calls).
 
 :func:`launch` keeps, per kernel, the compiled variants it has launched, keyed by the
 constexprs and options (``meta``) and by the specialization of the runtime arguments. That
 specialization is computed with Triton's own function (the one its binder calls: tensor dtype
 and 16-byte alignment, integer width, divisibility and the value 1), so a variant is reused
-exactly when Triton would pick it. A shape seen for the first time goes through
+exactly when Triton would pick it (an argument that is the same live object as before keeps
+its specialization: replacing a tensor's storage in place with ``set_`` between launches is
+the one change this would miss). A shape seen for the first time goes through
 ``kernel[grid]`` (compiling if needed); the result is checked against Triton's own binding,
 and any disagreement turns the fast path off for that kernel.
 
@@ -58,8 +61,6 @@ class _Variants:
         self.last_meta_key: tuple = ()
 
     def key(self, args: tuple, meta: dict, knobs) -> tuple:
-        if len(args) != self.num_args:
-            raise TypeError(f"{self.fn}: expected {self.num_args} runtime arguments")
         specialize = self._specialize
         specialization = tuple(specialize(i, a, flags) for i, (a, flags) in enumerate(
             zip(args, self.flags, strict=True)))  # fmt: skip

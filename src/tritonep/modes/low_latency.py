@@ -383,7 +383,7 @@ class LowLatencyMode:
             self.status,
             self._timeout_ns,
         )
-        meta = lambda: dict(  # built once per (use_fp8, use_ue8m0, top-k): _run
+        build_meta = lambda: dict(  # once per (use_fp8, use_ue8m0, top-k): _run
             H=H,
             K=topk,
             NUM_EXPERTS=self.num_experts,
@@ -408,7 +408,7 @@ class LowLatencyMode:
         self._check_wait_stats(wait_stats)
         kernel = self.transport.kernel(ll_dispatch.ll_dispatch_kernel)
         hook = self._run(kernel, "low-latency dispatch", args, (use_fp8, use_ue8m0, topk),
-                         meta, return_recv_hook, wait_stats)  # fmt: skip
+                         build_meta, return_recv_hook, wait_stats)  # fmt: skip
         return out_x, recv_count, handle, hook
 
     # ---------------------------------------------------------------------------- combine
@@ -488,7 +488,7 @@ class LowLatencyMode:
             self.status,
             self._timeout_ns,
         )
-        meta = lambda: dict(  # built once per top-k: _run
+        build_meta = lambda: dict(  # once per top-k: _run
             H=H,
             K=topk,
             K_MAX=self.max_topk,
@@ -507,8 +507,8 @@ class LowLatencyMode:
         )
         self._check_wait_stats(wait_stats)
         kernel = self.transport.kernel(ll_combine.ll_combine_kernel)
-        hook = self._run(kernel, "low-latency combine", args, topk, meta, return_recv_hook,
-                         wait_stats)  # fmt: skip
+        hook = self._run(kernel, "low-latency combine", args, topk, build_meta,
+                         return_recv_hook, wait_stats)  # fmt: skip
         return out, hook
 
     def _check_wait_stats(self, wait_stats: torch.Tensor | None) -> None:
