@@ -43,7 +43,7 @@ if [ "${TRITONEP_SHARED_GPU:-0}" != 0 ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout "${BENCH_LIMIT_S:-200}" python3 -m tritonep.bench normal --ranks "$ranks" \
-    --tokens "${NORMAL_TOKENS:-4096}" --sms "${NORMAL_SMS:-24}" --chunk "${NORMAL_CHUNK:-8}" \
+    --tokens "${NORMAL_TOKENS:-4096}" --sms "${NORMAL_SMS:-24}" --chunk "${NORMAL_CHUNK:-16}" \
     --ring "${NORMAL_RING:-128}" --iters 20 --csv "$out/normal.csv" --plot "$out/normal.png" --trace "$out/trace-normal-{rank}.json" 2>&1 \
     | tee "$out/bench_normal.log" | grep -v -i warn | tail -12 || status=1
   if [ "$ranks" -ge 4 ] && [ $((ranks % 2)) -eq 0 ]; then

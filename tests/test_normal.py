@@ -193,6 +193,20 @@ def _changing_budget_body(ctx, budgets):
     return True
 
 
+def test_sender_steps_fit_the_ring_and_the_tile():
+    """A step of more tokens than the ring has slots would wait for slots only its own later
+    rows free (on a GPU: a timeout; the interpreter's guard keeps CPU ranks from reaching it)."""
+    for ring in (1, 3, 8, 12, 100, 128):
+        for chunk in (1, 6, 8, 16, 32, 64):
+            config = nm.Config(nvl_send_chunk=chunk, nvl_recv_buffer_tokens=ring)
+            for tile in (4, 8, 64):
+                tok = nm._step_tokens(config, tile)
+                assert tok & (tok - 1) == 0 and 1 <= tok <= min(ring, tile, 32), (ring, chunk)
+                assert tok >= min(chunk, 32, tile, 1 << (ring.bit_length() - 1)), (ring, chunk)
+    assert nm._step_tokens(nm.Config(), 16) == 16
+    assert nm._step_tokens(nm.Config(nvl_send_chunk=6, nvl_recv_buffer_tokens=6), 16) == 4
+
+
 def test_calls_may_change_the_sm_budget(run_ranks):
     assert run_ranks(2, _changing_budget_body, [2, 6, 4, 2, 6]) == [True, True]
 

@@ -133,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
                            "tritonep.modes.normal.LAUNCH_CONSTANTS)")  # fmt: skip
         if mode == "normal":
             p.add_argument("--sms", default=None, help="SM budgets (default 24; CPU: 4)")
-            p.add_argument("--chunk", default="8", help="tokens per sender step")
+            p.add_argument("--chunk", default="16", help="tokens per sender step")
             p.add_argument("--ring", default=None, help="ring slots (default 128; CPU: 64)")
         elif mode == "low-latency":
             p.add_argument("--bf16", action="store_true", help="dispatch BF16 instead of FP8")

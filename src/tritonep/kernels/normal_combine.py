@@ -46,6 +46,19 @@ COMBINE_ARRIVALS = tl.constexpr(5)
 
 
 @triton.jit
+def first_tile(x_words, start, sent, count, steps, words, W: tl.constexpr, R_P2: tl.constexpr,
+               ROWS: tl.constexpr):  # fmt: skip
+    """The first payload tile ``[R_P2 * ROWS, BW]`` of a sender step: for every source rank,
+    the next rows it still wants (``start + sent`` on, at most ``ROWS``, fewer than
+    ``count - sent`` read as nothing)."""
+    i = steps[None, :]
+    row = tl.reshape((start[:, None] + sent[:, None] + i).to(tl.int64), (R_P2 * ROWS,))
+    want = tl.reshape(i < (count - sent)[:, None], (R_P2 * ROWS,))
+    at = x_words + row[:, None] * W + words[None, :]
+    return tl.load(at, mask=want[:, None] & (words < W)[None, :])
+
+
+@triton.jit
 def combine_send(
     channel,
     call,
@@ -102,12 +115,17 @@ def combine_send(
     sent = tl.zeros((R_P2,), tl.int32)
     steps = tl.arange(0, ROWS)
     x_words = x_ptr.to(tl.pointer_type(tl.int32))
+    LAST: tl.constexpr = (W - 1) // BW * BW  # first word of a row's last tile
     clock = start_clock(USE_CLOCK)
     spins = tl.zeros((), tl.int64)
     pending = tl.sum(count, 0)
+    # A step's heads and first tile are read before the previous step's release (a tile holds
+    # every row a source still wants, up to ``ROWS``; a full ring only masks its stores), so
+    # a step costs about one memory latency.
+    heads = tl.atomic_add(head_flag, 0, mask=sent < count, sem="acquire", scope="sys")
+    v = first_tile(x_words, start, sent, count, steps, words, W, R_P2, ROWS)
     while (pending > 0) & (elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns):
         waiting = sent < count
-        heads = tl.atomic_add(head_flag, 0, mask=waiting, sem="acquire", scope="sys")
         # Free slots in this call; a head still tagged with an earlier call frees none.
         consumed = (heads & 0xFFFFFFFF).to(tl.int32)
         space = tl.where(waiting & ((heads >> 32) == call), RING - (sent - consumed), 0)
@@ -120,19 +138,24 @@ def combine_send(
             live = tl.reshape(i < take[:, None], (R_P2 * ROWS,))
             p = aligned_ptr(dst, tl.int32)
             rows = x_words + row[:, None] * W
-            v = tl.load(rows + words[None, :], mask=live[:, None] & (words < W)[None, :])
-            for w0 in range(0, W, BW):
+            if HAS_WEIGHTS:
+                m2 = live[:, None] & kmask[None, :]
+                wv = tl.load(weights_ptr + row[:, None] * K + ks[None, :], mask=m2)
+            for w0 in range(0, LAST, BW):
                 w = w0 + words
                 wn = w + BW
                 v_next = tl.load(rows + wn[None, :], mask=live[:, None] & (wn < W)[None, :])
                 tl.store(p[:, None] + w[None, :], v, mask=live[:, None] & (w < W)[None, :])
                 v = v_next
+            v_next = first_tile(x_words, start, sent + take, count, steps, words, W, R_P2, ROWS)
+            w = LAST + words
+            tl.store(p[:, None] + w[None, :], v, mask=live[:, None] & (w < W)[None, :])
+            v = v_next
             if HAS_WEIGHTS:
-                m2 = live[:, None] & kmask[None, :]
-                wv = tl.load(weights_ptr + row[:, None] * K + ks[None, :], mask=m2)
                 wp = p.to(tl.pointer_type(tl.float32))
                 tl.store(wp[:, None] + W + ks[None, :], wv, mask=m2)
             sent += take
+            heads = tl.atomic_add(head_flag, 0, mask=sent < count, sem="acquire", scope="sys")
             tl.debug_barrier()
             put_rings(my_base, peer_base, ranks, ring_at, ring, sent - take, sent,
                       tail_offset + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
@@ -140,6 +163,7 @@ def combine_send(
             clock = start_clock(USE_CLOCK)
             spins = tl.zeros((), tl.int64)
         else:
+            heads = tl.atomic_add(head_flag, 0, mask=waiting, sem="acquire", scope="sys")
             spins += 1
         pending = tl.sum(count - sent, 0)
     if pending > 0:

@@ -71,8 +71,14 @@ DEFAULT_NUM_SMS = 24
 # flag traffic than one that moves 16.
 #: Rows a receiver moves per step, over all its source rings.
 STEP_ROWS = 32
-#: Words (4 bytes) of payload a dispatch sender holds per step, over its ``TOK`` tokens.
-SEND_TILE = 4096
+#: Words (4 bytes) of payload a dispatch sender holds per 16 warps, over its tokens of a step;
+#: with it the send chunk is bounded (tokens per step at most ``SEND_TILE // SEND_BW``).
+#: A step has a fixed cost whatever its size (the release of its tails, barriers, slot
+#: arithmetic: about 1.5 us on one H100), so steps of 16 tokens dispatch 4096 tokens 16% faster
+#: than steps of 8 there (BENCHMARKS.md).
+SEND_TILE = 8192
+#: Words per row a dispatch sender moves per tile (rows narrower than 512 words were slower).
+SEND_BW = 512
 #: Words of payload a dispatch receiver holds per step, over its ``STEP_ROWS`` rows.
 RECV_TILE = 8192
 #: Words a combine program moves per row and step, and its warps.
@@ -84,10 +90,14 @@ COMBINE_WARPS = 8
 #: rank count rounded up (1 for one rank) while the lanes were at least 2, so one rank held
 #: 32 768 words and took 2660 us (BENCHMARKS.md).
 COMBINE_SEND_TILE = 16384
+#: Float32 sums a combine receiver holds per step (``[tokens, 2 * COMBINE_BW]``): bounds its
+#: tokens per step below the send chunk.
+COMBINE_RECV_TILE = 8192
 #: The launch constants above: what :func:`set_launch_constants` (and ``tritonep bench
 #: --launch``) may change, to compare launch shapes on a GPU without editing the code.
 LAUNCH_CONSTANTS = (
-    "STEP_ROWS", "SEND_TILE", "RECV_TILE", "COMBINE_BW", "COMBINE_WARPS", "COMBINE_SEND_TILE",
+    "STEP_ROWS", "SEND_TILE", "SEND_BW", "RECV_TILE", "COMBINE_BW", "COMBINE_WARPS",
+    "COMBINE_SEND_TILE", "COMBINE_RECV_TILE",
 )  # fmt: skip
 
 
@@ -126,6 +136,15 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _step_tokens(config: Config, tile_tokens: int) -> int:
+    """Tokens a sender (or combine receiver) moves per step: the send chunk rounded up to a
+    power of two, at most ``tile_tokens`` (what a step's tile holds) and at most the ring, so
+    that a step never waits for slots that only its own later rows would free."""
+    ring = config.nvl_recv_buffer_tokens
+    chunk = _next_pow2(max(1, min(config.nvl_send_chunk, 32)))
+    return max(1, min(chunk, tile_tokens, 1 << (ring.bit_length() - 1)))
+
+
 @dataclass(frozen=True)
 class Config:
     """Per-call tuning, as DeepEP's ``Config``.
@@ -133,14 +152,16 @@ class Config:
     Attributes:
         num_sms: programs of a dispatch or combine launch, half senders and half receivers;
             channels = ``num_sms // 2``.
-        nvl_send_chunk: tokens a sender moves per step (rounded to a power of two).
+        nvl_send_chunk: tokens a sender moves per step, between two releases of its tails
+            (rounded up to a power of two; fewer where a step's tile would not fit in
+            registers, ``SEND_TILE`` and ``COMBINE_RECV_TILE``, or in a ring).
         nvl_recv_buffer_tokens: slots per ring (at most what the buffer was built with).
         rdma_send_chunk, rdma_recv_buffer_tokens: the same for the network leg of the
             internode mode (DeepEP's last two fields; unused within a node).
     """
 
     num_sms: int = DEFAULT_NUM_SMS
-    nvl_send_chunk: int = 8
+    nvl_send_chunk: int = 16
     nvl_recv_buffer_tokens: int = 128
     rdma_send_chunk: int = 8
     rdma_recv_buffer_tokens: int = 128
@@ -569,8 +590,10 @@ class NormalMode:
         recv_src_idx = self._empty((rows,), torch.int32)
         dummy = out_words
         ring = config.nvl_recv_buffer_tokens
-        tok = _next_pow2(max(1, min(config.nvl_send_chunk, 32)))
         r_p2 = _next_pow2(max(R, 2))
+        warps = 16 if r_p2 <= 4 else 8
+        bw = min(SEND_BW, _next_pow2(W))
+        tok = _step_tokens(config, SEND_TILE * warps // 16 // bw)
         rows_per_source = max(1, STEP_ROWS // r_p2)
         self._launch(
             normal_dispatch.normal_dispatch_kernel,
@@ -595,10 +618,10 @@ class NormalMode:
                 META_OFF=_align(W + G, 4), HAS_SCALES=use_fp8, HAS_TOPK=has_topk,
                 HAS_WEIGHTS=has_weights, HAS_TAG=src_tag is not None, PAD_ROWS=num_recv < 0,
                 USE_CLOCK=use_clock(self.device),
-                TOK=tok, ROWS=rows_per_source, BW=min(SEND_TILE // tok, _next_pow2(W)),
+                TOK=tok, ROWS=rows_per_source, BW=bw,
                 RBW=min(RECV_TILE // (r_p2 * rows_per_source), _next_pow2(W)), R_P2=r_p2,
                 K_P2=_next_pow2(max(topk, 2)), G_P2=_next_pow2(max(G, 2)),
-                num_warps=16 if r_p2 <= 4 else 8,
+                num_warps=warps,
             ),
         )  # fmt: skip
         new_handle = NormalHandle(
@@ -678,7 +701,7 @@ class NormalMode:
                 RING_STRIDE=self.layout.ring_tokens, SLOT_BYTES=self.layout.combine_slot,
                 HAS_WEIGHTS=topk_weights is not None, NUM_BIAS=len(terms),
                 USE_CLOCK=use_clock(self.device),
-                TOK=_next_pow2(max(1, min(config.nvl_send_chunk, 32))),
+                TOK=_step_tokens(config, COMBINE_RECV_TILE // (2 * bw)),
                 ROWS=rows, BW=bw, R_P2=r_p2, K_P2=_next_pow2(max(K, 2)), num_warps=COMBINE_WARPS,
                 # Sums round as in the reference (no fused multiply-add).
                 enable_fp_fusion=False,
