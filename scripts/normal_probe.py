@@ -1,7 +1,7 @@
 """Which side of a normal-mode channel sets the pace: senders or receivers.
 
     PYTHONPATH=src python scripts/normal_probe.py [--ranks 1] [--tokens 4096] [--rings 128,512]
-        [--chunks 8] [--launch NAME=VALUE ...]
+        [--chunks 16] [--launch NAME=VALUE ...]
 
 For each ring size and send chunk, times cached BF16 dispatch, FP8 dispatch and combine
 (CUDA events, median) and then runs a few traced calls of each, printing per kernel the median
@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--sms", type=int, default=24)
     parser.add_argument("--rings", default="128,512")
-    parser.add_argument("--chunks", default="8")
+    parser.add_argument("--chunks", default="16")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--launch", action="append", default=[], metavar="NAME=VALUE")
     args = parser.parse_args()
