@@ -74,8 +74,9 @@ fi
 if [ "$what" = tune ]; then
   # Launch shapes of the normal mode side by side (tritonep.modes.normal.LAUNCH_CONSTANTS):
   # TUNE holds ';'-separated variants of space-separated NAME=VALUE; the empty one is the
-  # default. One CSV per variant, rows labelled with their constants.
-  IFS=";" read -ra variants <<< "${TUNE:-;COMBINE_SEND_TILE=8192 COMBINE_BW=256 COMBINE_WARPS=16}"
+  # default. One CSV per variant, rows labelled with their constants. By default: the
+  # dispatch sender's steps of 16 tokens against the earlier 8 (on up to 4 ranks).
+  IFS=";" read -ra variants <<< "${TUNE:-;SEND_TILE=4096}"
   i=0
   for variant in "${variants[@]}"; do
     flags=""
