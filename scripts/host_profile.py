@@ -25,17 +25,7 @@ import torch
 
 
 def _profile(name, fn, calls, top):
-    for _ in range(5):
-        fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    issued = time.perf_counter() - start
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    total = time.perf_counter() - start
+    issued, total = _host_us(fn, calls)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(calls):
@@ -45,8 +35,8 @@ def _profile(name, fn, calls, top):
         torch.cuda.synchronize()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
-    print(f"\n=== {name}: {issued / calls * 1e6:.1f} us/call issued, "
-          f"{total / calls * 1e6:.1f} us/call with the final sync")  # fmt: skip
+    print(f"\n=== {name}: {issued:.1f} us/call issued, "
+          f"{total:.1f} us/call with the final sync")  # fmt: skip
     lines = text.getvalue().splitlines()
     start = next(i for i, line in enumerate(lines) if "ncalls" in line)
     print("\n".join(lines[start : start + top + 1]))
@@ -76,7 +66,9 @@ class _Recorder:
         return getattr(self.transport, name)
 
 
-def _per_call_us(fn, calls):
+def _host_us(fn, calls):
+    """Host microseconds per call of ``fn`` issued back to back (after a warm-up), and per
+    call including the final device synchronization."""
     for _ in range(3):
         fn()
     if torch.cuda.is_available():
@@ -84,10 +76,14 @@ def _per_call_us(fn, calls):
     start = time.perf_counter()
     for _ in range(calls):
         fn()
-    issued = time.perf_counter() - start
+    issued = (time.perf_counter() - start) / calls * 1e6
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return issued / calls * 1e6
+    return issued, (time.perf_counter() - start) / calls * 1e6
+
+
+def _per_call_us(fn, calls):
+    return _host_us(fn, calls)[0]
 
 
 def _breakdown(name, mode, fn, calls):

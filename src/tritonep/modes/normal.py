@@ -589,12 +589,25 @@ class NormalMode:
         recv_weights = self._empty((rows, topk), torch.float32) if has_weights else None
         recv_src_idx = self._empty((rows,), torch.int32)
         dummy = out_words
-        ring = config.nvl_recv_buffer_tokens
-        r_p2 = _next_pow2(max(R, 2))
-        warps = 16 if r_p2 <= 4 else 8
-        bw = min(SEND_BW, _next_pow2(W))
-        tok = _step_tokens(config, SEND_TILE * warps // 16 // bw)
-        rows_per_source = max(1, STEP_ROWS // r_p2)
+
+        def build_meta():  # once per configuration: _launch
+            r_p2 = _next_pow2(max(R, 2))
+            warps = 16 if r_p2 <= 4 else 8
+            bw = min(SEND_BW, _next_pow2(W))
+            rows_per_source = max(1, STEP_ROWS // r_p2)
+            return dict(
+                W=W, G=G, K=topk, E_LOCAL=E_local, NUM_RANKS=R, NUM_CHANNELS=C,
+                MAX_CHANNELS=self.layout.max_channels, RING=config.nvl_recv_buffer_tokens,
+                RING_STRIDE=self.layout.ring_tokens, SLOT_BYTES=self.layout.dispatch_slot,
+                META_OFF=_align(W + G, 4), HAS_SCALES=use_fp8, HAS_TOPK=has_topk,
+                HAS_WEIGHTS=has_weights, HAS_TAG=src_tag is not None, PAD_ROWS=num_recv < 0,
+                USE_CLOCK=use_clock(self.device),
+                TOK=_step_tokens(config, SEND_TILE * warps // 16 // bw), ROWS=rows_per_source,
+                BW=bw, RBW=min(RECV_TILE // (r_p2 * rows_per_source), _next_pow2(W)),
+                R_P2=r_p2, K_P2=_next_pow2(max(topk, 2)), G_P2=_next_pow2(max(G, 2)),
+                num_warps=warps,
+            )  # fmt: skip
+
         self._launch(
             normal_dispatch.normal_dispatch_kernel,
             f"{self.label} dispatch",
@@ -611,18 +624,7 @@ class NormalMode:
                 recv_src_idx, rows, self.status, self._timeout_ns,
             ),
             (config, use_fp8, topk, has_topk, has_weights, src_tag is not None, num_recv < 0),
-            lambda: dict(
-                W=W, G=G, K=topk, E_LOCAL=E_local, NUM_RANKS=R, NUM_CHANNELS=C,
-                MAX_CHANNELS=self.layout.max_channels, RING=ring,
-                RING_STRIDE=self.layout.ring_tokens, SLOT_BYTES=self.layout.dispatch_slot,
-                META_OFF=_align(W + G, 4), HAS_SCALES=use_fp8, HAS_TOPK=has_topk,
-                HAS_WEIGHTS=has_weights, HAS_TAG=src_tag is not None, PAD_ROWS=num_recv < 0,
-                USE_CLOCK=use_clock(self.device),
-                TOK=tok, ROWS=rows_per_source, BW=bw,
-                RBW=min(RECV_TILE // (r_p2 * rows_per_source), _next_pow2(W)), R_P2=r_p2,
-                K_P2=_next_pow2(max(topk, 2)), G_P2=_next_pow2(max(G, 2)),
-                num_warps=warps,
-            ),
+            build_meta,
         )  # fmt: skip
         new_handle = NormalHandle(
             in_rank, recv_count, recv_start, host_info, recv_src_idx, num_recv, rows,
@@ -676,10 +678,24 @@ class NormalMode:
         out = self._empty((N, H), torch.bfloat16)
         out_weights = self._empty((N, K), torch.float32) if topk_weights is not None else None
         dummy = out
-        # A sender step holds [ranks x ROWS, BW] words: bounded, fewer rows rather than
-        # narrower ones (a step's rows are contiguous).
-        r_p2, bw = _next_pow2(max(R, 2)), min(COMBINE_BW, _next_pow2(H // 2))
-        rows = max(1, min(STEP_ROWS // r_p2, COMBINE_SEND_TILE // (r_p2 * bw)))
+
+        def build_meta():  # once per configuration: _launch
+            # A sender step holds [ranks x ROWS, BW] words: bounded, fewer rows rather than
+            # narrower ones (a step's rows are contiguous).
+            r_p2, bw = _next_pow2(max(R, 2)), min(COMBINE_BW, _next_pow2(H // 2))
+            rows = max(1, min(STEP_ROWS // r_p2, COMBINE_SEND_TILE // (r_p2 * bw)))
+            return dict(
+                H=H, K=K, NUM_RANKS=R, NUM_CHANNELS=C, MAX_CHANNELS=self.layout.max_channels,
+                RING=config.nvl_recv_buffer_tokens,
+                RING_STRIDE=self.layout.ring_tokens, SLOT_BYTES=self.layout.combine_slot,
+                HAS_WEIGHTS=topk_weights is not None, NUM_BIAS=len(terms),
+                USE_CLOCK=use_clock(self.device),
+                TOK=_step_tokens(config, COMBINE_RECV_TILE // (2 * bw)),
+                ROWS=rows, BW=bw, R_P2=r_p2, K_P2=_next_pow2(max(K, 2)), num_warps=COMBINE_WARPS,
+                # Sums round as in the reference (no fused multiply-add).
+                enable_fp_fusion=False,
+            )  # fmt: skip
+
         self._launch(
             normal_combine.normal_combine_kernel,
             f"{self.label} combine",
@@ -695,17 +711,7 @@ class NormalMode:
                 self.status, self._timeout_ns,
             ),
             (config, H, K, topk_weights is not None, len(terms)),
-            lambda: dict(
-                H=H, K=K, NUM_RANKS=R, NUM_CHANNELS=C, MAX_CHANNELS=self.layout.max_channels,
-                RING=config.nvl_recv_buffer_tokens,
-                RING_STRIDE=self.layout.ring_tokens, SLOT_BYTES=self.layout.combine_slot,
-                HAS_WEIGHTS=topk_weights is not None, NUM_BIAS=len(terms),
-                USE_CLOCK=use_clock(self.device),
-                TOK=_step_tokens(config, COMBINE_RECV_TILE // (2 * bw)),
-                ROWS=rows, BW=bw, R_P2=r_p2, K_P2=_next_pow2(max(K, 2)), num_warps=COMBINE_WARPS,
-                # Sums round as in the reference (no fused multiply-add).
-                enable_fp_fusion=False,
-            ),
+            build_meta,
         )  # fmt: skip
         return out, out_weights
 
