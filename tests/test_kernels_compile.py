@@ -112,7 +112,7 @@ LL_DISPATCH_META = dict(
     BLOCK_N=128,
     K_P2=8,
     G_P2=64,
-    BINS=512,
+    BINS=256,
     MSG_BLOCK=4,
     PROFILE=False,
     WAIT_STATS=False,
@@ -177,7 +177,7 @@ KERNELS.append(
             "BINS": "constexpr",
             "P_P2": "constexpr",
         },
-        dict(K=8, NUM_EXPERTS=256, NUM_RANKS=4, BLOCK_N=64, K_P2=8, R_P2=4, BINS=512, P_P2=128),
+        dict(K=8, NUM_EXPERTS=256, NUM_RANKS=4, BLOCK_N=64, K_P2=8, R_P2=4, BINS=256, P_P2=128),
     )
 )
 

@@ -31,7 +31,7 @@ def dispatch_layout_kernel(
     BLOCK_N: tl.constexpr,
     K_P2: tl.constexpr,
     R_P2: tl.constexpr,
-    BINS: tl.constexpr,  # power of two > NUM_EXPERTS: the last bin collects "no expert"
+    BINS: tl.constexpr,  # power of two >= NUM_EXPERTS: one bin per expert
     P_P2: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -57,8 +57,8 @@ def dispatch_layout_kernel(
         dst = in_rank_ptr + tokens[:, None].to(tl.int64) * NUM_RANKS + ranks[None, :]
         tl.store(dst, in_rank.to(tl.int8), mask=tmask[:, None] & (ranks[None, :] < NUM_RANKS))
         rank_counts += tl.sum(in_rank, axis=0)
-        binned = tl.where(valid, ids, BINS - 1).to(tl.int32)
-        expert_counts += tl.histogram(tl.reshape(binned, (BLOCK_N * K_P2,)), BINS)
+        binned = tl.reshape(tl.where(valid, ids, 0).to(tl.int32), (BLOCK_N * K_P2,))
+        expert_counts += tl.histogram(binned, BINS, mask=tl.reshape(valid, (BLOCK_N * K_P2,)))
     row = partial_ptr + pid * (BINS + R_P2)
     tl.store(row + bins, expert_counts)
     tl.store(row + BINS + ranks, rank_counts)
@@ -109,7 +109,7 @@ def dispatch_layout(
             else 4
         )
         num_programs = max(1, min(limit, triton.cdiv(num_tokens, block_n)))
-    bins = _next_pow2(num_experts + 1)
+    bins = _next_pow2(num_experts)
     r_p2 = _next_pow2(max(num_ranks, 2))
     if out is None:
         out = (

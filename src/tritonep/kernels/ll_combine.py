@@ -3,8 +3,8 @@
 Send phase. Work items are (local expert, source rank) blocks of the slab, spread over the
 programs. Each row came from one (source rank, token, top-k column); the program stores it,
 several rows at a time, into that source rank's receive buffer ``[token][column][H]`` with
-plain NVLink stores, and after each block adds 1 to a counter on the source rank with a
-system-scope release. The
+plain NVLink stores; once all its blocks are stored, it adds the number of its blocks for
+each source rank to a counter on that rank with one system-scope release. The
 counters only grow (every call adds ``E_local`` per sender), so a receiver waits until its
 counter of every sender reaches ``(call + 1) * E_local``: no reset, no tags.
 
@@ -143,18 +143,28 @@ def ll_combine_kernel(
                         stage = my_base + stage_offset + row * (H * 2)
                         put_block(my_base, base, offset, stage, H * 2, pe, VIA)
             if PROFILE:
-                t1 = read_clock(trace_ptr, USE_CLOCK)
-            if VIA == VIA_STORE:
-                add_release((base + done_offset + rank * 8).to(tl.pointer_type(tl.int64)), 1)
-            else:
-                signal(my_base, base, done_offset + rank * 8, 1, SIGNAL_ADD,
-                       tl.load(pe_ptr + src), VIA)  # fmt: skip
-            if PROFILE:
-                t2 = read_clock(trace_ptr, USE_CLOCK)
-                t_send += t1 - t0
-                t_signal += t2 - t1
+                t_send += read_clock(trace_ptr, USE_CLOCK) - t0
+        # One counter update per source rank for all of this program's blocks to it (one
+        # system-scope release each): its receiver needs every block anyway, so signalling
+        # each block as it is stored would only add releases.
+        if PROFILE:
+            t1 = read_clock(trace_ptr, USE_CLOCK)
+        for peer in range(NUM_RANKS):
+            blocks = tl.zeros((), tl.int64)
+            for item in range(pid, E_LOCAL * NUM_RANKS, num_programs):
+                if item % NUM_RANKS == peer:
+                    blocks += 1
+            if blocks > 0:
+                base = tl.load(peer_ptrs + peer)
+                if VIA == VIA_STORE:
+                    add_release((base + done_offset + rank * 8).to(tl.pointer_type(tl.int64)),
+                                blocks)  # fmt: skip
+                else:
+                    signal(tl.load(peer_ptrs + rank), base, done_offset + rank * 8,
+                           blocks, SIGNAL_ADD, tl.load(pe_ptr + peer), VIA)  # fmt: skip
         if PROFILE:
             t_send_end = read_clock(trace_ptr, USE_CLOCK)
+            t_signal = t_send_end - t1
 
     if DO_RECV:
         set_off = (c_recv % 2) * RECV_SET_BYTES
