@@ -74,9 +74,9 @@ def ll_combine_kernel(
     DO_SEND: tl.constexpr,
     DO_RECV: tl.constexpr,
     USE_CLOCK: tl.constexpr,
-    K_P2: tl.constexpr,
     G_P2: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
+    REDUCE_BW: tl.constexpr,  # channels of a token reduced at a time (power of two)
     PROFILE: tl.constexpr,
     WAIT_STATS: tl.constexpr,
     VIA: tl.constexpr = VIA_STORE,
@@ -84,11 +84,6 @@ def ll_combine_kernel(
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     E_LOCAL: tl.constexpr = NUM_EXPERTS // NUM_RANKS
-    G: tl.constexpr = H // 128
-    groups = tl.arange(0, G_P2)
-    channels = tl.arange(0, 128)
-    row_offs = groups[:, None] * 128 + channels[None, :]
-    row_mask = (groups < G)[:, None]
     c_send = tl.load(state_ptr + COMBINE_SEND_CALLS, volatile=True)
     c_recv = tl.load(state_ptr + COMBINE_RECV_CALLS, volatile=True)
     # Trace: sub-phase totals (send, signal, wait, reduce).
@@ -188,21 +183,30 @@ def ll_combine_kernel(
         if PROFILE:
             t1 = read_clock(trace_ptr, USE_CLOCK)
             t_wait = t1 - t0
-        ks = tl.arange(0, K_P2)
         for token in range(pid, num_tokens, num_programs):
             token64 = tl.cast(token, tl.int64)
-            ids = tl.load(topk_idx_ptr + token64 * K + ks, mask=ks < K, other=-1)
-            acc = tl.zeros((G_P2, 128), tl.float32)
-            for k in range(K):
-                expert = tl.load(topk_idx_ptr + token64 * K + k)
-                if (expert >= 0) & (expert < NUM_EXPERTS):
+            ids_ptr = topk_idx_ptr + token64 * K
+            rows = my_base + recv_offset + set_off + token64 * K_MAX * (H * 2)
+            # A chunk of REDUCE_BW channels at a time; within it every top-k row is loaded
+            # without a branch (all K loads in flight together) and summed in top-k order, as
+            # the reference sums.
+            for c0 in range(0, H, REDUCE_BW):
+                cols = c0 + tl.arange(0, REDUCE_BW)
+                cmask = cols < H
+                acc = tl.zeros((REDUCE_BW,), tl.float32)
+                for k in tl.static_range(K):
+                    expert = tl.load(ids_ptr + k)
+                    valid = (expert >= 0) & (expert < NUM_EXPERTS)
+                    # A token that names an expert twice got its row once, at the first column.
+                    column = tl.full((), k, tl.int64)
+                    for j in tl.static_range(k):
+                        first = (tl.load(ids_ptr + j) == expert) & (column == k)
+                        column = tl.where(first, j, column)
                     weight = tl.load(topk_weights_ptr + token64 * K + k)
-                    column = tl.min(tl.where(ids == expert, ks, K_P2), axis=0).to(tl.int64)
-                    src = my_base + recv_offset + set_off + (token64 * K_MAX + column) * (H * 2)
-                    src = aligned_ptr(src, tl.bfloat16)
-                    y = tl.load(src + row_offs, mask=row_mask, cache_modifier=".cg")
-                    acc += weight * from_bf16(y, not USE_CLOCK)
-            tl.store(out_ptr + token64 * H + row_offs, to_bf16(acc, not USE_CLOCK), mask=row_mask)
+                    row = aligned_ptr(rows + column * (H * 2), tl.bfloat16)
+                    y = tl.load(row + cols, mask=cmask & valid, other=0.0, cache_modifier=".cg")
+                    acc = tl.where(valid, acc + weight * from_bf16(y, not USE_CLOCK), acc)
+                tl.store(out_ptr + token64 * H + cols, to_bf16(acc, not USE_CLOCK), mask=cmask)
         if PROFILE:
             t_reduce = read_clock(trace_ptr, USE_CLOCK) - t1
 
