@@ -141,7 +141,7 @@ def ll_dispatch_kernel(
     BLOCK_N: tl.constexpr,
     K_P2: tl.constexpr,
     G_P2: tl.constexpr,
-    BINS: tl.constexpr,  # power of two >= NUM_EXPERTS: one bin per expert
+    BINS: tl.constexpr,  # power of two >= max(NUM_EXPERTS, 2): one bin per expert
     MSG_BLOCK: tl.constexpr,
     PROFILE: tl.constexpr,
     WAIT_STATS: tl.constexpr,
