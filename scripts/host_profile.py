@@ -43,27 +43,16 @@ def _profile(name, fn, calls, top):
 
 
 class _Recorder:
-    """Stands in for a mode's ``transport.kernel``: records launches, optionally skips them."""
+    """Stands in for the launcher the modes call: records launches, optionally skips them."""
 
-    def __init__(self, transport):
-        self.transport, self.launches, self.skip, self.jit = transport, [], False, None
+    def __init__(self):
+        self.launches, self.skip = [], False
 
-    def kernel(self, jit):
-        self.jit = jit
-        return self
-
-    def __getitem__(self, grid):
-        self.grid = grid
-        return self._call
-
-    def _call(self, *args, **kwargs):
+    def __call__(self, fn, grid, args, meta):
         if self.skip:
             return None
-        self.launches.append((self.jit, self.grid, args, kwargs))
-        return self.transport.kernel(self.jit)[self.grid](*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.transport, name)
+        self.launches.append((fn, grid, args, meta))
+        return fn[grid](*args, **meta)
 
 
 def _host_us(fn, calls):
@@ -88,15 +77,17 @@ def _per_call_us(fn, calls):
 
 def _breakdown(name, mode, fn, calls):
     """Host time of ``fn`` (one op of ``mode``) split into our work, Triton's and the launch."""
-    recorder = _Recorder(mode.transport)
-    mode.transport = recorder
+    from tritonep.kernels import launcher
+
+    recorder, original_launch = _Recorder(), launcher.launch
+    launcher.launch = recorder
     try:
         fn()
         launches = list(recorder.launches)
         recorder.skip = True
         ours = _per_call_us(fn, calls)
     finally:
-        mode.transport = recorder.transport
+        launcher.launch = original_launch
     from triton.runtime.jit import JITFunction
 
     slow = []

@@ -37,6 +37,10 @@ def run_ranks():
     pools: dict[int, RankPool] = {}
 
     def run(num_ranks, fn, *args, timeout=300.0, **kwargs):
+        gpus = machine_gpus()
+        if gpus and num_ranks > gpus:
+            # As for parametrized rank counts below: on a GPU machine every rank gets a GPU.
+            pytest.skip(f"{num_ranks} ranks, {gpus} GPUs (covered by the CPU suite)")
         pool = pools.get(num_ranks)
         if pool is None or pool.broken:
             pool = pools[num_ranks] = RankPool(num_ranks)

@@ -35,7 +35,18 @@ def _ring_body(ctx, rounds, num_elems, backend=None, via="store"):
         h.view(me, torch.int32, (num_elems,), DATA_OFFSET).fill_(-7)
         h.barrier()
         put_signal(h, blocks[me].to(ctx.device), nxt, DATA_OFFSET, FLAG_OFFSET, it, via=via)
-        wait_signal(h, FLAG_OFFSET, value=it, peer=prev, timeout_s=30)
+        try:
+            wait_signal(h, FLAG_OFFSET, value=it, peer=prev, timeout_s=30)
+        except WaitTimeoutError as e:
+            # What did arrive: the flag word, the block, or the put landed in this rank's own
+            # buffer (a destination translated wrongly)?
+            flag = int(h.view(me, torch.int64, (1,), FLAG_OFFSET).cpu()[0])
+            got = h.view(me, torch.int32, (num_elems,), DATA_OFFSET).cpu()
+            raise AssertionError(
+                f"rank {me} round {it} via {via}: flag {flag}, block from {prev} "
+                f"{'arrived' if torch.equal(got, blocks[prev]) else 'missing'}, own block "
+                f"{'here' if torch.equal(got, blocks[me]) else 'not here'}"
+            ) from e
         got = h.view(me, torch.int32, (num_elems,), DATA_OFFSET).cpu()
         assert torch.equal(got, blocks[prev]), f"rank {me} round {it}: wrong block from {prev}"
         # The peer's view of my buffer sees the same bytes.

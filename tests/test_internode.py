@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests import test_low_latency as tll
+from tests.conftest import gpu_ranks
 from tritonep import reference as ref
 from tritonep.heap import shared_gpu
 from tritonep.kernels.transport import VIA_STORE
@@ -103,16 +104,23 @@ def test_internode_worst_case_sizes(run_ranks, num_ranks, gpus_per_node):
     assert results == [True] * num_ranks
 
 
-@pytest.mark.gpu(n=4)
+def _gpu_nodes():
+    """Ranks and GPUs per node of the GPU tests: the machine's GPUs (up to 4) as 2 nodes."""
+    ranks = gpu_ranks()
+    return ranks, max(ranks // 2, 1)
+
+
+@pytest.mark.gpu(n=2)
 @pytest.mark.parametrize(
     "use_fp8, worst", [(False, False), (True, False), (False, True)],
     ids=["bf16", "fp8", "bf16-worst"],
 )  # fmt: skip
-def test_internode_on_4_gpus_as_2_nodes(run_ranks, use_fp8, worst):
+def test_internode_on_gpus_as_2_nodes(run_ranks, use_fp8, worst):
+    ranks, per_node = _gpu_nodes()
     tokens = [4096, 100, 0, 2000]
-    results = run_ranks(4, _body, 2, tokens, 7168, 64, 8, "random", use_fp8, worst,
+    results = run_ranks(ranks, _body, per_node, tokens, 7168, 64, 8, "random", use_fp8, worst,
                         timeout=300)  # fmt: skip
-    assert results == [True] * 4
+    assert results == [True] * ranks
 
 
 @pytest.mark.parametrize(
@@ -128,47 +136,50 @@ def test_low_latency_across_emulated_nodes(run_ranks, num_ranks, gpus_per_node, 
     assert results == [True] * num_ranks
 
 
-def _nvshmem_normal_body(ctx, use_fp8):
+def _nvshmem_normal_body(ctx, use_fp8, per_node):
     from tritonep import heap
 
     heap.set_backend("NVSHMEM")  # before this process's first symmetric allocation
-    assert _body(ctx, 2, [4096, 100, 0, 2000], 7168, 64, 8, "random", use_fp8)
-    mode = InternodeMode(None, 1024, 64, 2, max_topk=8, device=ctx.device)
+    assert _body(ctx, per_node, [4096, 100, 0, 2000], 7168, 64, 8, "random", use_fp8)
+    mode = InternodeMode(None, 1024, 64, per_node, max_topk=8, device=ctx.device)
     via = (mode.rail.transport.via, mode.node.transport.via)
     mode.destroy()
     return via
 
 
-@pytest.mark.gpu(n=4)
+@pytest.mark.gpu(n=2)
 @pytest.mark.skipif(shared_gpu(), reason="NVSHMEM needs a GPU per rank")
 @pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
-def test_internode_rail_leg_with_nvshmem_puts_on_4_gpus(use_fp8):
+def test_internode_rail_leg_with_nvshmem_puts_on_gpus(use_fp8):
     from tritonep.kernels.transport import VIA_NVSHMEM
     from tritonep.launch import spawn
 
-    results = spawn(_nvshmem_normal_body, 4, use_fp8, backend="nccl", timeout=400)
-    assert results == [(VIA_NVSHMEM.value, VIA_STORE.value)] * 4
+    ranks, per_node = _gpu_nodes()
+    results = spawn(_nvshmem_normal_body, ranks, use_fp8, per_node, backend="nccl", timeout=400)
+    assert results == [(VIA_NVSHMEM.value, VIA_STORE.value)] * ranks
 
 
-def _nvshmem_ll_body(ctx, name):
+def _nvshmem_ll_body(ctx, name, per_node):
     from tritonep import heap
 
     heap.set_backend("NVSHMEM")  # before this process's first symmetric allocation
     _, _, experts, topk, routing, fp8, ue8m0, hook, dup = tll.CASES[name]
     result = tll._ll_body(ctx, 3, [128, 0, 77, 128], 7168 if fp8 else 2048, experts * 4, topk,
-                          routing, fp8, ue8m0, hook, dup, 2)  # fmt: skip
+                          routing, fp8, ue8m0, hook, dup, per_node)  # fmt: skip
     assert result
     return heap.allocate(4096, device=ctx.device).backend
 
 
-@pytest.mark.gpu(n=4)
+@pytest.mark.gpu(n=2)
 @pytest.mark.skipif(shared_gpu(), reason="NVSHMEM needs a GPU per rank")
 @pytest.mark.parametrize("name", ["fp8-random", "bf16-skewed-dup", "fp8-ue8m0-hook"])
-def test_low_latency_across_2_nodes_of_2_gpus_with_nvshmem_puts(name):
+def test_low_latency_across_2_nodes_with_nvshmem_puts(name):
     from tritonep.launch import spawn
 
     # Fresh processes: the NVSHMEM backend must be chosen before any allocation.
-    assert spawn(_nvshmem_ll_body, 4, name, backend="nccl", timeout=400) == ["NVSHMEM"] * 4
+    ranks, per_node = _gpu_nodes()
+    results = spawn(_nvshmem_ll_body, ranks, name, per_node, backend="nccl", timeout=400)
+    assert results == ["NVSHMEM"] * ranks
 
 
 def _buffer_body(ctx):

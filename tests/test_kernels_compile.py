@@ -354,6 +354,26 @@ def test_staged_kernels_put_to_other_nodes_with_nvshmem(name):
     options = {**options, "extern_libs": [["libnvshmem_device", _nvshmem_device_library()]]}
     ptx = compile_ptx(module, kernel, signature, {**meta, "VIA": 2}, options)
     assert ".target sm_90" in ptx and "nvshmem" in ptx  # NVSHMEM's puts, linked in
+    # What the launch hook looks for before it initializes the module for NVSHMEM.
+    assert nvshmem_device_state() in ptx
+
+
+def nvshmem_device_state():
+    from tritonep.kernels.nvshmem import _DEVICE_STATE
+
+    return _DEVICE_STATE
+
+
+@pytest.mark.parametrize("name", ["ll_dispatch_kernel", "ll_combine_kernel"])
+def test_receive_only_launches_need_no_nvshmem(name):
+    """A hook's receive launch puts nothing: it compiles without NVSHMEM's library, so no
+    module of it is initialized for NVSHMEM (which would fail)."""
+    module, kernel, signature, meta, options = next(
+        k for k in KERNELS if k[1] == name and k[3].get("VIA") == 1
+    )
+    meta = {**meta, "VIA": 2, "DO_SEND": False, "DO_RECV": True}
+    ptx = compile_ptx(module, kernel, signature, meta, options)
+    assert ".target sm_90" in ptx and "nvshmem" not in ptx
 
 
 def test_nvshmem_put_links_nvshmems_device_library():
@@ -373,4 +393,7 @@ def test_nvshmem_put_links_nvshmems_device_library():
     )
     assert ".target sm_90" in ptx
     # The put and its signal come from NVSHMEM's library, linked into the kernel.
-    assert "nvshmemi_transfer_amo_nonfetch" in ptx
+    assert "nvshmemx_putmem_signal_block" in ptx and "nvshmemi_transfer_put_signal" in ptx
+    # NVSHMEM_SIGNAL_SET is a store into the signal word: a ``sig_op`` value that NVSHMEM
+    # does not know (0 was passed here once) is folded into an atomic addition instead.
+    assert "nvshmemi_transfer_amo_nonfetch" not in ptx

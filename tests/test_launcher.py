@@ -92,3 +92,45 @@ def test_a_remembered_argument_gives_way_to_a_new_one():
                         dict(BLOCK=32, ADD=1, num_warps=1))  # fmt: skip
         assert torch.equal(dst, src * 3 + 1)
         assert int(out[0]) == (-7 if n == 299 else 1)
+
+
+class _Built:
+    """A compiled kernel as the post-compile hook finds it in Triton's cache."""
+
+    def __init__(self, ptx):
+        self.asm, self.module, self.loaded = {"ptx": ptx}, object(), False
+
+    @property
+    def run(self):
+        self.loaded = True
+        return None
+
+
+def test_nvshmem_modules_are_initialized_only_where_they_use_nvshmem(monkeypatch):
+    """Variants linked with NVSHMEM that reference its device state get their module
+    initialized; a variant of the same kernel that puts nothing (receive-only, or every peer
+    mapped), linked or not, is left alone: initializing it fails on the device."""
+    import types
+
+    from tritonep.kernels import nvshmem
+
+    initialized = []
+    c10d = types.SimpleNamespace(_nvshmemx_cumodule_init=initialized.append)
+    monkeypatch.setitem(__import__("sys").modules, "torch._C._distributed_c10d", c10d)
+    linked = (("libnvshmem_device", "/lib/libnvshmem_device.bc"),)
+    cases = [
+        (linked, ".global .align 8 .b8 nvshmemi_device_state_d[512];", True),
+        (linked, ".visible .entry ll_combine_kernel()", False),  # the library was not used
+        ((), ".global .align 8 .b8 nvshmemi_device_state_d[512];", False),
+        (None, ".visible .entry ll_combine_kernel()", False),
+    ]
+    for libs, ptx, expect in cases:
+        built = _Built(ptx)
+        jit = types.SimpleNamespace(device_caches={0: ({"key": built},)})
+        options = {"extern_libs": libs, "device": 0}
+        nvshmem._initialize_module(
+            {"compile": options, "fn": types.SimpleNamespace(jit_function=jit), "key": "key"}
+        )
+        assert (initialized[-1:] == [built.module]) == expect, (libs, ptx)
+        assert built.loaded == expect
+        initialized.clear()

@@ -35,10 +35,16 @@ def allocate_cuda(nbytes: int, group: dist.ProcessGroup, device: torch.device) -
     dist.all_gather_object(sizes, nbytes, group=group)
     if len(set(sizes)) != 1:
         raise ValueError(f"nbytes: every rank must allocate the same size, got {sizes}")
-    local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-    handle = symm_mem.rendezvous(local, group.group_name)
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
+    if world_size == 1:
+        # A group of one rank (a node of one GPU, the rail of one node) has no peer to map:
+        # plain device memory (the NVSHMEM backend cannot rendezvous a group of one).
+        local = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        return SymmetricHeap(group, [local], [local.data_ptr()],
+                             lambda: torch.cuda.synchronize(device), backend="CUDA")  # fmt: skip
+    local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(local, group.group_name)
     ptrs = list(handle.buffer_ptrs)
     peers = []
     for r in range(world_size):

@@ -18,9 +18,10 @@ the one change this would miss). A shape seen for the first time goes through
 and any disagreement turns the fast path off for that kernel.
 
 Falls back to ``kernel[grid](*args, **meta)`` whenever the fast path does not apply: under the
-interpreter, for wrapped kernels (NVSHMEM linking), while Triton's launch hooks are set (as
-profilers set them), or when a kernel's runtime parameters are not exactly the positional
-arguments.
+interpreter, for objects that are not plain Triton kernels, while Triton's launch hooks are set
+(as profilers set them), or when a kernel's runtime parameters are not exactly the positional
+arguments. Launch options such as NVSHMEM linking (``extern_libs``) travel in ``meta`` like
+the constexprs, so such launches take the fast path too.
 """
 
 from __future__ import annotations

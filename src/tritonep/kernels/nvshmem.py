@@ -1,13 +1,19 @@
-"""NVSHMEM device calls for Triton kernels, and the launch wrapper that links them.
+"""NVSHMEM device calls for Triton kernels, and the launch options that link them.
 
 The calls are declared here, not taken from PyTorch's private wrappers, so that kernels using
 them compile anywhere Triton's CUDA compiler runs (the CPU suite compiles every kernel for
-sm_90) and do not follow that module's changes between releases. Linking NVSHMEM's device
-library into a kernel and initializing its module once built are PyTorch's job
-(:func:`requires_nvshmem`, which needs the NVSHMEM backend's library at first use).
+sm_90) and do not follow that module's changes between releases.
 
 NVSHMEM's block-scoped calls expect every thread of the program to call them with the same
-arguments, which is what a Triton scalar call does.
+arguments, which is what a Triton scalar call does; its thread-level calls (such as
+``nvshmemx_signal_op``) would run once per thread, so none is declared here.
+
+Linking: a launch that puts passes :func:`link_options` (NVSHMEM's device library as an
+extern library). Each module built that way must then be initialized for NVSHMEM before it
+runs; a post-compile hook does it for every module that references NVSHMEM's device state,
+and for no other. (PyTorch's own wrapper initializes every module of a kernel *name* once
+that name was wrapped, which breaks the variants of the same kernel that put nothing: a
+receive-only launch, or a leg of the mode whose peers are all mapped.)
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ import triton
 import triton.language as tl
 from triton.language import core
 
-#: ``sig_op`` values of :func:`putmem_signal_block`.
-SIGNAL_SET = core.constexpr(0)
-SIGNAL_ADD = core.constexpr(5)
+#: ``sig_op`` values of :func:`putmem_signal_block`: NVSHMEM's ``NVSHMEM_SIGNAL_SET`` and
+#: ``NVSHMEM_SIGNAL_ADD`` (any other value is taken as an addition).
+SIGNAL_SET = core.constexpr(9)
+SIGNAL_ADD = core.constexpr(10)
 
 
 def _call(symbol, arg_types, args, _semantic):
@@ -43,12 +50,6 @@ def _putmem_signal_block(dst, src, nbytes, signal, value, sig_op, pe, _semantic=
 def _putmem_block(dst, src, nbytes, pe, _semantic=None):
     types = ("int64", "int64", "int64", "int32")
     return _call("nvshmemx_putmem_block", types, [dst, src, nbytes, pe], _semantic)
-
-
-@core.extern
-def _signal_op(signal, value, sig_op, pe, _semantic=None):
-    types = ("int64", "int64", "int32", "int32")
-    return _call("nvshmemx_signal_op", types, [signal, value, sig_op, pe], _semantic)
 
 
 @core.extern
@@ -94,23 +95,59 @@ def putmem_block(dst_addr, src_ptr, nbytes, pe):
 @triton.jit
 def signal_op(signal_addr, value, SIG_OP: tl.constexpr, pe):
     """Set (``SIGNAL_SET``) or add to (``SIGNAL_ADD``) the 64-bit signal ``signal_addr``
-    (this PE's symmetric address) on PE ``pe``."""
-    return _signal_op(
-        signal_addr + tl.zeros((), tl.int64),
-        value + tl.zeros((), tl.int64),
-        tl.full((), SIG_OP, tl.int32),
-        pe + tl.zeros((), tl.int32),
-    )
+    (this PE's symmetric address) on PE ``pe``, once per program.
+
+    NVSHMEM's own ``nvshmemx_signal_op`` is a thread-level call: made the Triton way (by every
+    thread of the program) an addition would land once per thread. A put of zero bytes with a
+    signal is block-scoped: one signal for the program, after the threads have synchronized.
+    """
+    return putmem_signal_block(signal_addr, signal_addr, 0, signal_addr, value, SIG_OP, pe)
+
+
+#: The symbol every module that uses NVSHMEM's device library holds, and that its
+#: initialization fills in.
+_DEVICE_STATE = "nvshmemi_device_state_d"
 
 
 @functools.cache
-def requires_nvshmem(kernel):
-    """``kernel`` launched with NVSHMEM's device library linked and its module initialized
-    (one wrapper per kernel, however many modes use it)."""
+def link_options() -> dict:
+    """Launch options that link NVSHMEM's device library into a kernel (hashable values, so
+    they can sit in a mode's constexpr dict), after installing the module-initializing hook."""
     try:
-        from torch.distributed._symmetric_memory._nvshmem_triton import (
-            requires_nvshmem as link,
-        )
+        from torch.distributed._symmetric_memory._nvshmem_triton import NvshmemLibFinder
     except ImportError as e:  # pragma: no cover - depends on the PyTorch build
         raise RuntimeError("this PyTorch build cannot link NVSHMEM into Triton kernels") from e
-    return link(kernel)
+    path = NvshmemLibFinder.find_device_library()
+    _install_hook()
+    return {"extern_libs": (("libnvshmem_device", path),)}
+
+
+def _install_hook() -> None:
+    from triton import knobs
+
+    previous = knobs.runtime.jit_post_compile_hook
+    if getattr(previous, "_tritonep", False):
+        return
+
+    def hook(*args, **kwargs):
+        _initialize_module(kwargs)
+        return previous(*args, **kwargs) if previous is not None else None
+
+    hook._tritonep = True
+    knobs.runtime.jit_post_compile_hook = hook
+
+
+def _initialize_module(kwargs: dict) -> None:
+    """Initialize a just-built module for NVSHMEM if it was linked with its device library and
+    kept a reference to it (a variant that puts nothing keeps none, and has nothing to set)."""
+    options = kwargs["compile"]
+    if "libnvshmem_device" not in dict(options.get("extern_libs") or ()):
+        return
+    device = options["device"]
+    kernel = kwargs["fn"].jit_function.device_caches[device][0].get(kwargs["key"])
+    if kernel is None or _DEVICE_STATE not in kernel.asm.get("ptx", ""):
+        return
+    from torch._C._distributed_c10d import _nvshmemx_cumodule_init
+
+    kernel.run  # noqa: B018 - loads the module, which Triton does lazily
+    _nvshmemx_cumodule_init(kernel.module)

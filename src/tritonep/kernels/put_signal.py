@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ..heap import SymmetricHeap
-from .nvshmem import SIGNAL_SET, putmem_signal_block, requires_nvshmem
+from .nvshmem import SIGNAL_SET, link_options, putmem_signal_block
 from .sync import (
     DEFAULT_TIMEOUT_S,
     new_status,
@@ -120,8 +120,16 @@ def put_signal(
                   8 if via == "nvshmem" else 4)  # fmt: skip
     if via == "nvshmem":
         pe = dist.get_global_rank(heap.group, peer)  # NVSHMEM numbers PEs by world rank
-        requires_nvshmem(put_signal_nvshmem_kernel)[(1,)](
-            src, nbytes, heap.peer_ptrs, heap.rank, pe, data_offset, flag_offset, value
+        put_signal_nvshmem_kernel[(1,)](
+            src,
+            nbytes,
+            heap.peer_ptrs,
+            heap.rank,
+            pe,
+            data_offset,
+            flag_offset,
+            value,
+            **link_options(),
         )
         return
     put_signal_kernel[(1,)](

@@ -70,9 +70,11 @@ class PeerTransport:
         self.pes = torch.tensor([dist.get_global_rank(heap.group, r) for r in ranks],
                                 dtype=torch.int32, device=heap.device)  # fmt: skip
 
-    def kernel(self, kernel):
-        """``kernel`` as it must be launched: linked with NVSHMEM when it puts with it."""
-        return nvshmem.requires_nvshmem(kernel) if self.via == VIA_NVSHMEM.value else kernel
+    @property
+    def options(self) -> dict:
+        """Launch options of a kernel that puts through this transport: NVSHMEM's device
+        library linked for ``VIA_NVSHMEM``, nothing otherwise."""
+        return nvshmem.link_options() if self.via == VIA_NVSHMEM.value else {}
 
 
 @triton.jit

@@ -269,7 +269,8 @@ class LowLatencyMode:
         the interpreter (which runs programs one after another), they are two launches.
         ``build_meta()`` gives the constexprs and options, built once per ``key`` (what they
         depend on besides the mode). ``wait_stats`` (``[R]`` int64 or None) accumulates the
-        time waited per source rank.
+        time waited per source rank. A launch that only receives puts nothing, so it is not
+        linked with NVSHMEM.
         """
         grid = (self.num_programs,)
         traced = self.trace is not None
@@ -281,6 +282,7 @@ class LowLatencyMode:
                 meta = self._metas[meta_key] = dict(
                     build_meta(), DO_SEND=do_send, DO_RECV=do_recv, PROFILE=traced,
                     WAIT_STATS=wait_stats is not None, VIA=self.transport.via,
+                    **(self.transport.options if do_send else {}),
                 )  # fmt: skip
                 if cooperative:
                     meta["launch_cooperative_grid"] = True
@@ -408,9 +410,9 @@ class LowLatencyMode:
         handle = LowLatencyHandle(src_info, layout_range, M, H, self.num_experts, topk_slot)
         out_x = (recv_x, recv_scales) if use_fp8 else recv_x
         self._check_wait_stats(wait_stats)
-        kernel = self.transport.kernel(ll_dispatch.ll_dispatch_kernel)
-        hook = self._run(kernel, "low-latency dispatch", args, (use_fp8, use_ue8m0, topk),
-                         build_meta, return_recv_hook, wait_stats)  # fmt: skip
+        hook = self._run(ll_dispatch.ll_dispatch_kernel, "low-latency dispatch", args,
+                         (use_fp8, use_ue8m0, topk), build_meta, return_recv_hook,
+                         wait_stats)  # fmt: skip
         return out_x, recv_count, handle, hook
 
     # ---------------------------------------------------------------------------- combine
@@ -509,9 +511,8 @@ class LowLatencyMode:
             enable_fp_fusion=False,
         )
         self._check_wait_stats(wait_stats)
-        kernel = self.transport.kernel(ll_combine.ll_combine_kernel)
-        hook = self._run(kernel, "low-latency combine", args, topk, build_meta,
-                         return_recv_hook, wait_stats)  # fmt: skip
+        hook = self._run(ll_combine.ll_combine_kernel, "low-latency combine", args, topk,
+                         build_meta, return_recv_hook, wait_stats)  # fmt: skip
         return out, hook
 
     def _check_wait_stats(self, wait_stats: torch.Tensor | None) -> None:

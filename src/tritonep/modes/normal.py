@@ -37,8 +37,7 @@ import torch.distributed as dist
 import triton
 
 from ..heap import allocate, default_device
-from ..kernels import normal_combine, normal_dispatch, normal_notify, transport
-from ..kernels.launcher import launch
+from ..kernels import launcher, normal_combine, normal_dispatch, normal_notify, transport
 from ..kernels.layout import dispatch_layout
 from ..kernels.sync import DEFAULT_TIMEOUT_S, check_status, new_status, timeout_ns, use_clock
 from ..validation import (
@@ -419,12 +418,12 @@ class NormalMode:
             meta = build_meta()
             if self.device.type == "cuda":
                 meta["launch_cooperative_grid"] = True
-            meta.update(PROFILE=traced, VIA=self.transport.via)
+            meta.update(PROFILE=traced, VIA=self.transport.via, **self.transport.options)
             self._metas[(name, key, traced, _launch_version)] = meta
         readings = self.state  # placeholder pointer when nothing is recorded
         if traced:
             readings = self.trace.buffer(name, num_programs, True, True)
-        launch(self.transport.kernel(kernel), (num_programs,), (*args, readings), meta)
+        launcher.launch(kernel, (num_programs,), (*args, readings), meta)
 
     def check(self) -> None:
         """Wait for the device; raise if a kernel wait timed out or worst-case rows overflowed."""
