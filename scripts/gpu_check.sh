@@ -46,7 +46,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     --tokens "${NORMAL_TOKENS:-4096}" --sms "${NORMAL_SMS:-24}" --chunk "${NORMAL_CHUNK:-16}" \
     --ring "${NORMAL_RING:-128}" --iters 20 --csv "$out/normal.csv" --plot "$out/normal.png" --trace "$out/trace-normal-{rank}.json" 2>&1 \
     | tee "$out/bench_normal.log" | grep -v -i warn | tail -12 || status=1
-  if [ "$ranks" -ge 4 ] && [ $((ranks % 2)) -eq 0 ]; then
+  if [ "$ranks" -ge 2 ] && [ $((ranks % 2)) -eq 0 ]; then
     timeout "${INTERNODE_LIMIT_S:-150}" python3 -m tritonep.bench internode --ranks "$ranks" \
       --gpus-per-node $((ranks / 2)) --tokens "${INTERNODE_TOKENS:-4096}" --iters 20 \
       --csv "$out/internode.csv" 2>&1 | tee "$out/bench_internode.log" | grep -v -i warn | tail -4 || status=1
