@@ -134,3 +134,20 @@ def test_nvshmem_modules_are_initialized_only_where_they_use_nvshmem(monkeypatch
         assert (initialized[-1:] == [built.module]) == expect, (libs, ptx)
         assert built.loaded == expect
         initialized.clear()
+
+
+def test_nvshmem_hook_is_installed_once_and_keeps_the_previous_one(monkeypatch):
+    from triton import knobs
+
+    from tritonep.kernels import nvshmem
+
+    monkeypatch.setattr(nvshmem, "_device_library", lambda: "/lib/libnvshmem_device.bc")
+    earlier = []
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: earlier.append(kw))
+    libs = (("libnvshmem_device", "/lib/libnvshmem_device.bc"),)
+    assert nvshmem.link_options() == {"extern_libs": libs}
+    hook = knobs.runtime.jit_post_compile_hook
+    assert nvshmem.link_options() == {"extern_libs": libs}
+    assert knobs.runtime.jit_post_compile_hook is hook  # not wrapped twice
+    hook(compile={"extern_libs": None, "device": 0}, key="key", fn=None)
+    assert len(earlier) == 1  # a hook set before (a profiler's, PyTorch's) still runs

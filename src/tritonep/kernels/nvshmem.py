@@ -109,17 +109,21 @@ def signal_op(signal_addr, value, SIG_OP: tl.constexpr, pe):
 _DEVICE_STATE = "nvshmemi_device_state_d"
 
 
-@functools.cache
 def link_options() -> dict:
     """Launch options that link NVSHMEM's device library into a kernel (hashable values, so
-    they can sit in a mode's constexpr dict), after installing the module-initializing hook."""
+    they can sit in a mode's constexpr dict). Installs the module-initializing hook, again if
+    something replaced it since (PyTorch's own NVSHMEM wrapper sets a hook of its own)."""
+    _install_hook()
+    return {"extern_libs": (("libnvshmem_device", _device_library()),)}
+
+
+@functools.cache
+def _device_library() -> str:
     try:
         from torch.distributed._symmetric_memory._nvshmem_triton import NvshmemLibFinder
     except ImportError as e:  # pragma: no cover - depends on the PyTorch build
         raise RuntimeError("this PyTorch build cannot link NVSHMEM into Triton kernels") from e
-    path = NvshmemLibFinder.find_device_library()
-    _install_hook()
-    return {"extern_libs": (("libnvshmem_device", path),)}
+    return NvshmemLibFinder.find_device_library()
 
 
 def _install_hook() -> None:
