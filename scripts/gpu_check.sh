@@ -50,6 +50,10 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     timeout "${INTERNODE_LIMIT_S:-150}" python3 -m tritonep.bench internode --ranks "$ranks" \
       --gpus-per-node $((ranks / 2)) --tokens "${INTERNODE_TOKENS:-4096}" --iters 20 \
       --csv "$out/internode.csv" 2>&1 | tee "$out/bench_internode.log" | grep -v -i warn | tail -4 || status=1
+    # The same with NVSHMEM puts on the network leg (the cluster's path, here over NVLink).
+    timeout "${INTERNODE_LIMIT_S:-150}" python3 -m tritonep.bench internode --ranks "$ranks" \
+      --gpus-per-node $((ranks / 2)) --nvshmem --tokens "${INTERNODE_TOKENS:-4096}" --iters 20 \
+      --csv "$out/internode_nvshmem.csv" 2>&1 | tee "$out/bench_internode_nvshmem.log" | grep -v -i warn | tail -4 || status=1
     # Low-latency across 2 emulated nodes: NVSHMEM puts to the other node, stores within.
     timeout "${LL_INTERNODE_LIMIT_S:-120}" python3 -m tritonep.bench low-latency --ranks "$ranks" \
       --gpus-per-node $((ranks / 2)) --nvshmem --tokens 128 --iters 30 \

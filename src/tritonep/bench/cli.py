@@ -139,10 +139,12 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--bf16", action="store_true", help="dispatch BF16 instead of FP8")
             p.add_argument("--gpus-per-node", type=int, default=None,
                            help="ranks per emulated node (default: one node)")  # fmt: skip
-            p.add_argument("--nvshmem", action="store_true",
-                           help="NVSHMEM heaps: NVSHMEM puts to other nodes")  # fmt: skip
         else:
             p.add_argument("--gpus-per-node", type=int, default=2, help="GPUs per emulated node")
+        if mode in ("low-latency", "internode"):
+            p.add_argument("--nvshmem", action="store_true",
+                           help="NVSHMEM heaps: NVSHMEM puts to other nodes (as on a cluster) "
+                           "instead of staged copies")  # fmt: skip
     r = sub.add_parser("report", help="CSV -> table, markdown section, plot")
     r.add_argument("csv")
     r.add_argument("--markdown", default=None, help="update this markdown file")
@@ -194,10 +196,9 @@ def _options(args: argparse.Namespace, on_gpu: bool) -> types.SimpleNamespace:
         opts.ring = _ints(args.ring or ("128" if on_gpu else "64"))
     elif args.mode == "low-latency":
         opts.bf16 = args.bf16
+    if args.mode in ("low-latency", "internode"):
         opts.gpus_per_node = args.gpus_per_node
         opts.nvshmem = args.nvshmem
-    else:
-        opts.gpus_per_node = args.gpus_per_node
     return opts
 
 

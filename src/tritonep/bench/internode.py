@@ -1,5 +1,8 @@
 """Internode benchmark (emulated nodes on one host): time and bytes of each leg, one rank.
 
+The rail (network) leg is staged and copied over NVLink by default, or NVSHMEM puts with
+``--nvshmem`` (the path a cluster takes; on one host NVSHMEM moves them over NVLink).
+
 At each token count: the cached dispatch and the combine of
 :class:`~tritonep.modes.internode.InternodeMode`, and each leg alone in cached mode (the rail
 leg: the network leg of a real cluster; the node leg: NVLink), with the rows and bytes each
@@ -57,6 +60,7 @@ def _point(ctx, mode, baseline, opts, num_tokens, topk):
         "experts": E,
         "ranks": ctx.world_size,
         "gpus_per_node": mode.gpus_per_node,
+        "transport": mode.rail.transport.name,
         "dispatch_us": t_disp * 1e3,
         "dispatch_GBps": rows * row_bytes / (t_disp * 1e-3) / 1e9,
         "combine_us": t_comb * 1e3,
@@ -76,6 +80,10 @@ def internode_rank(ctx, opts, progress):
 
     baseline = TorchBackend()
     rows = []
+    if getattr(opts, "nvshmem", False):
+        from ..heap import set_backend
+
+        set_backend("NVSHMEM")  # this rank process has not allocated yet
     for hidden, experts, topk in itertools.product(opts.hidden, opts.experts, opts.topk):
         mode = InternodeMode(None, hidden, experts, opts.gpus_per_node, max_topk=max(topk, 2),
                              device=ctx.device, check_ids=False)  # fmt: skip

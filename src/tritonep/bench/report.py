@@ -20,6 +20,7 @@ TABLE_COLUMNS = {
     "topk": "top-k",
     "experts": "experts",
     "gpus_per_node": "GPUs per node",
+    "transport": "to other nodes",
     "sms": "SMs",
     "dispatch_dtype": "dispatch dtype",
     "dispatch_us": "dispatch us",
