@@ -39,7 +39,8 @@ def run_ranks():
     def run(num_ranks, fn, *args, timeout=300.0, **kwargs):
         gpus = machine_gpus()
         if gpus and num_ranks > gpus:
-            # As for parametrized rank counts below: on a GPU machine every rank gets a GPU.
+            # On a GPU machine every rank runs on a GPU: rank counts beyond its GPUs are left
+            # to the CPU suite rather than run under the interpreter there.
             pytest.skip(f"{num_ranks} ranks, {gpus} GPUs (covered by the CPU suite)")
         pool = pools.get(num_ranks)
         if pool is None or pool.broken:
@@ -54,15 +55,8 @@ def run_ranks():
 
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs CUDA GPUs")
-    # On a GPU machine every rank runs on a GPU: rank counts beyond its GPUs are left to the
-    # CPU suite rather than run under the interpreter there.
-    skip_cpu = pytest.mark.skip(reason="more ranks than GPUs (covered by the CPU suite)")
-    gpus = machine_gpus()
     for item in items:
         if "gpu" in item.keywords and not gpus_suffice(
             item.get_closest_marker("gpu").kwargs.get("n", 1)
         ):
             item.add_marker(skip)
-        params = getattr(item, "callspec", None)
-        if gpus and params is not None and params.params.get("num_ranks", 0) > gpus:
-            item.add_marker(skip_cpu)

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from tritonep.kernels.nvshmem import _DEVICE_STATE
+
 pytest.importorskip("triton.backends.nvidia")
 
 # kernel module, kernel name, signature, constexprs
@@ -355,13 +357,7 @@ def test_staged_kernels_put_to_other_nodes_with_nvshmem(name):
     ptx = compile_ptx(module, kernel, signature, {**meta, "VIA": 2}, options)
     assert ".target sm_90" in ptx and "nvshmem" in ptx  # NVSHMEM's puts, linked in
     # What the launch hook looks for before it initializes the module for NVSHMEM.
-    assert nvshmem_device_state() in ptx
-
-
-def nvshmem_device_state():
-    from tritonep.kernels.nvshmem import _DEVICE_STATE
-
-    return _DEVICE_STATE
+    assert _DEVICE_STATE in ptx
 
 
 @pytest.mark.parametrize("name", ["ll_dispatch_kernel", "ll_combine_kernel"])
