@@ -15,7 +15,12 @@ over time over programs):
 * ``pipelined``: the same loop as one ``tl.range`` with ``num_stages`` (asynchronous copies
   into shared memory);
 * ``tma``: tensor-memory-accelerator loads and stores through device-side descriptors,
-  pipelined the same way.
+  pipelined the same way;
+* ``staged``: the staged transport's ``copy_bytes`` (emulated nodes move their network leg
+  with it), each program one contiguous byte range, beside ``staged words``, its earlier form
+  (4-byte accesses, no tile in flight).
+
+``--only staged`` runs the variants whose name starts with that word.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import argparse
 import torch
 import triton
 import triton.language as tl
+
+from tritonep.kernels.transport import copy_bytes
 
 
 @triton.jit
@@ -85,6 +92,29 @@ def copy_tma(
         ddesc.store([r, w], sdesc.load([r, w]))
 
 
+@triton.jit
+def copy_staged(src, dst, n_rows, W: tl.constexpr):
+    chunk = tl.cdiv(n_rows, tl.num_programs(0)).to(tl.int64) * W * 4
+    first = tl.program_id(0) * chunk
+    nbytes = tl.minimum(chunk, n_rows.to(tl.int64) * W * 4 - first)
+    if nbytes > 0:
+        base_src = src.to(tl.int64, bitcast=True) + first
+        base_dst = dst.to(tl.int64, bitcast=True) + first
+        copy_bytes(base_dst, base_src, nbytes)
+
+
+@triton.jit
+def copy_staged_words(src, dst, n_rows, W: tl.constexpr):
+    chunk = tl.cdiv(n_rows, tl.num_programs(0)).to(tl.int64) * W
+    first = tl.program_id(0) * chunk
+    words = tl.minimum(chunk, n_rows.to(tl.int64) * W - first)
+    offs = tl.arange(0, 1024)
+    for start in range(0, words, 1024):
+        mask = start + offs < words
+        tl.store(dst + first + start + offs, tl.load(src + first + start + offs, mask=mask),
+                 mask=mask)  # fmt: skip
+
+
 def _graph_time_us(launch, reps=20):
     launch()
     torch.cuda.synchronize()
@@ -111,6 +141,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4096)
     parser.add_argument("--programs", type=str, default="12")
     parser.add_argument("--words", type=int, default=3584)
+    parser.add_argument("--only", default="", help="variants whose name starts with this")
     args = parser.parse_args()
     triton.set_allocator(
         lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda")
@@ -134,6 +165,10 @@ def main() -> None:
             for stages in (2, 4, 6):
                 variants.append((f"tma {tok}x{bw} s{stages} w{warps}", copy_tma,
                                  dict(TOK=tok, BW=bw, STAGES=stages), warps))  # fmt: skip
+    for warps in (4, 8, 16):
+        variants.append((f"staged w{warps}", copy_staged, {}, warps))
+        variants.append((f"staged words w{warps}", copy_staged_words, {}, warps))
+    variants = [v for v in variants if v[0].startswith(args.only)]
     print(f"{n} rows x {W} words ({nbytes / 1e6:.1f} MB), torch {torch.__version__}, "
           f"triton {triton.__version__}, {torch.cuda.get_device_name()}")  # fmt: skip
     t = _graph_time_us(lambda: dst.copy_(src))

@@ -72,7 +72,7 @@ if [ "$what" = host ]; then
 fi
 if [ "$what" = probe ]; then
   # How fast one program copies rows (formulations of the kernels' copy loop), one GPU.
-  timeout "${PROBE_LIMIT_S:-300}" python3 scripts/copy_probe.py --programs "${PROBE_PROGRAMS:-12}" 2>&1 \
+  timeout "${PROBE_LIMIT_S:-300}" python3 scripts/copy_probe.py --programs "${PROBE_PROGRAMS:-12}" ${PROBE_ARGS:-} 2>&1 \
     | tee "$out/copy_probe.log" | grep -v -i warn || status=1
 fi
 if [ "$what" = tune ]; then
@@ -92,7 +92,7 @@ if [ "$what" = tune ]; then
   done
 fi
 if [ "$what" = soak ]; then
-  timeout "${SOAK_LIMIT_S:-500}" python3 -m tritonep.soak --ranks "$ranks" --calls "${SOAK_CALLS:-10000}" \
+  timeout "${SOAK_LIMIT_S:-500}" python3 -m tritonep.soak --ranks "$ranks" --calls "${SOAK_CALLS:-10000}" ${SOAK_ARGS:-} \
     --check-every 100 2>&1 | tee "$out/soak.log" | grep -v -i warn | tail -6 || status=1
 fi
 exit $status

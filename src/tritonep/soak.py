@@ -6,6 +6,8 @@ FP8 payloads and, in normal mode, worst-case or exact sizing and cached calls. E
 the same parameters from the call's seed, so they stay in step without talking; every
 ``check_every``-th call (and the first and last) is compared with :mod:`tritonep.reference`
 bit for bit. Any mismatch or timeout stops the run with the call's seed, so it can be replayed.
+Call ``c`` draws from seed ``--seed + c``, so a long soak can be split into runs that continue
+one another (``--seed 4000 --calls 6000`` after ``--calls 4000``).
 Modes ``internode`` and ``low_latency_internode`` treat groups of ``--gpus-per-node`` ranks
 as nodes.
 """
@@ -19,6 +21,7 @@ import time
 import torch
 
 from . import reference as ref
+from .heap import shared_gpu
 from .launch import gpus_suffice, spawn
 from .testing import ROUTINGS, make_case, verify_low_latency_call
 
@@ -112,7 +115,8 @@ def _rank_main(ctx, opts):
             step(ctx, mode, opts.seed + call, opts, check)
             checks += check
             if ctx.rank == 0 and opts.progress and (call + 1) % opts.progress == 0:
-                print(f"{name}: {call + 1}/{opts.calls} calls", flush=True)
+                print(f"{name}: {call + 1}/{opts.calls} calls, "
+                      f"{time.monotonic() - start:.0f} s", flush=True)  # fmt: skip
         mode.destroy()  # raises if any wait timed out
         report[name] = {"calls": opts.calls, "checked": checks,
                         "seconds": round(time.monotonic() - start, 1)}  # fmt: skip
@@ -144,7 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     opts.hidden = opts.hidden or (2048 if on_gpu else 128)
     opts.experts = opts.experts or 8 * opts.ranks
     reports = spawn(_rank_main, opts.ranks, opts, timeout=24 * 3600)
-    print(f"soak on {opts.ranks} {'GPUs' if on_gpu else 'CPU ranks'}: {reports[0]}")
+    where = "CPU ranks"
+    if on_gpu:
+        where = "ranks sharing GPU 0" if shared_gpu() else "GPUs"
+    print(f"soak on {opts.ranks} {where}: {reports[0]}")
     print("every checked call matched the reference")
     return 0
 

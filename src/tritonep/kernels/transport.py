@@ -34,7 +34,7 @@ VIA_NVSHMEM = tl.constexpr(2)
 SIGNAL_SET = nvshmem.SIGNAL_SET
 SIGNAL_ADD = nvshmem.SIGNAL_ADD
 
-COPY_WORDS = tl.constexpr(1024)
+COPY_WORDS = tl.constexpr(4096)
 
 
 class PeerTransport:
@@ -80,15 +80,23 @@ class PeerTransport:
 @triton.jit
 def copy_bytes(dst_addr, src_addr, nbytes):
     """Copy ``nbytes`` (a multiple of 16) between 16-byte aligned addresses, after every
-    thread's earlier stores to ``src_addr``."""
+    thread's earlier stores to ``src_addr``.
+
+    16-byte vectors (the word count is declared a multiple of 4, else the mask splits every
+    access into words), and the next tile loaded before the current one is stored: one
+    program moves a tile per load latency, so a tile in flight sets its rate.
+    """
     tl.debug_barrier()
     src = aligned_ptr(src_addr, tl.int32)
     dst = aligned_ptr(dst_addr, tl.int32)
-    words = nbytes // 4
+    words = tl.multiple_of((tl.cast(nbytes, tl.int64) // 16) * 4, 4)
     offs = tl.arange(0, COPY_WORDS)
+    tile = tl.load(src + offs, mask=offs < words)
     for start in range(0, words, COPY_WORDS):
-        mask = start + offs < words
-        tl.store(dst + start + offs, tl.load(src + start + offs, mask=mask), mask=mask)
+        ahead = start + COPY_WORDS + offs
+        tile_ahead = tl.load(src + ahead, mask=ahead < words)
+        tl.store(dst + start + offs, tile, mask=start + offs < words)
+        tile = tile_ahead
 
 
 @triton.jit
