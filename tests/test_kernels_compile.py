@@ -11,8 +11,11 @@ import subprocess
 import sys
 
 import pytest
+import triton
+import triton.language as tl
 
 from tritonep.kernels.nvshmem import _DEVICE_STATE
+from tritonep.kernels.transport import copy_bytes
 
 pytest.importorskip("triton.backends.nvidia")
 
@@ -393,3 +396,17 @@ def test_nvshmem_put_links_nvshmems_device_library():
     # NVSHMEM_SIGNAL_SET is a store into the signal word: a ``sig_op`` value that NVSHMEM
     # does not know (0 was passed here once) is folded into an atomic addition instead.
     assert "nvshmemi_transfer_amo_nonfetch" not in ptx
+
+
+@triton.jit
+def staged_copy_kernel(src_ptr, dst_ptr, nbytes):
+    copy_bytes(dst_ptr.to(tl.int64, bitcast=True), src_ptr.to(tl.int64, bitcast=True), nbytes)
+
+
+def test_staged_copies_move_16_byte_vectors():
+    """The emulated network leg copies a byte count known only at run time: its accesses stay
+    16-byte vectors (they were split into words once, a third of the rate)."""
+    signature = {"src_ptr": "*i32", "dst_ptr": "*i32", "nbytes": "i64"}
+    ptx = compile_ptx(__name__, "staged_copy_kernel", signature, {}, {"num_warps": 16})
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
+    assert "ld.global.b32" not in ptx and "st.global.b32" not in ptx
