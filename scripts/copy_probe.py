@@ -115,6 +115,32 @@ def copy_staged_words(src, dst, n_rows, W: tl.constexpr):
                  mask=mask)  # fmt: skip
 
 
+@triton.jit
+def copy_staged_ahead(src, dst, n_rows, W: tl.constexpr, TILE: tl.constexpr, AHEAD: tl.constexpr):
+    """``copy_bytes`` with a tile size and one or two tiles in flight ahead of the stores."""
+    chunk = tl.cdiv(n_rows, tl.num_programs(0)).to(tl.int64) * W
+    first = tl.program_id(0) * chunk
+    words = tl.multiple_of(tl.minimum(chunk, n_rows.to(tl.int64) * W - first) // 4 * 4, 4)
+    s = tl.multiple_of(src + first, 16)
+    d = tl.multiple_of(dst + first, 16)
+    offs = tl.arange(0, TILE)
+    t0 = tl.load(s + offs, mask=offs < words)
+    if AHEAD == 1:
+        for start in range(0, words, TILE):
+            nxt = start + TILE + offs
+            t1 = tl.load(s + nxt, mask=nxt < words)
+            tl.store(d + start + offs, t0, mask=start + offs < words)
+            t0 = t1
+    else:
+        t1 = tl.load(s + TILE + offs, mask=TILE + offs < words)
+        for start in range(0, words, TILE):
+            nxt = start + 2 * TILE + offs
+            t2 = tl.load(s + nxt, mask=nxt < words)
+            tl.store(d + start + offs, t0, mask=start + offs < words)
+            t0 = t1
+            t1 = t2
+
+
 def _graph_time_us(launch, reps=20):
     launch()
     torch.cuda.synchronize()
@@ -168,6 +194,9 @@ def main() -> None:
     for warps in (4, 8, 16):
         variants.append((f"staged w{warps}", copy_staged, {}, warps))
         variants.append((f"staged words w{warps}", copy_staged_words, {}, warps))
+        for tile, ahead in ((4096, 1), (8192, 1), (4096, 2), (2048, 2), (16384, 1)):
+            variants.append((f"staged tile {tile} ahead {ahead} w{warps}", copy_staged_ahead,
+                             dict(TILE=tile, AHEAD=ahead), warps))  # fmt: skip
     variants = [v for v in variants if v[0].startswith(args.only)]
     print(f"{n} rows x {W} words ({nbytes / 1e6:.1f} MB), torch {torch.__version__}, "
           f"triton {triton.__version__}, {torch.cuda.get_device_name()}")  # fmt: skip
