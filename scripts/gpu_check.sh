@@ -92,6 +92,9 @@ if [ "$what" = tune ]; then
   done
 fi
 if [ "$what" = soak ]; then
+  # Compiling the soak's shapes takes minutes on a fresh machine: within one call's 10 minutes,
+  # run one mode per call (SOAK_ARGS="--modes normal"), and continue a stopped run with
+  # SOAK_ARGS="--seed C" SOAK_CALLS=$((10000 - C)) after call C.
   timeout "${SOAK_LIMIT_S:-500}" python3 -m tritonep.soak --ranks "$ranks" --calls "${SOAK_CALLS:-10000}" ${SOAK_ARGS:-} \
     --check-every 100 2>&1 | tee "$out/soak.log" | grep -v -i warn | tail -6 || status=1
 fi
