@@ -117,21 +117,20 @@ def copy_staged_words(src, dst, n_rows, W: tl.constexpr):
 
 @triton.jit
 def copy_staged_ahead(src, dst, n_rows, W: tl.constexpr, TILE: tl.constexpr, AHEAD: tl.constexpr):
-    """``copy_bytes`` with a tile size and one or two tiles in flight ahead of the stores."""
+    """``copy_bytes`` with ``TILE``-word tiles, one (its own loop) or two tiles in flight."""
     chunk = tl.cdiv(n_rows, tl.num_programs(0)).to(tl.int64) * W
     first = tl.program_id(0) * chunk
     words = tl.multiple_of(tl.minimum(chunk, n_rows.to(tl.int64) * W - first) // 4 * 4, 4)
-    s = tl.multiple_of(src + first, 16)
-    d = tl.multiple_of(dst + first, 16)
-    offs = tl.arange(0, TILE)
-    t0 = tl.load(s + offs, mask=offs < words)
     if AHEAD == 1:
-        for start in range(0, words, TILE):
-            nxt = start + TILE + offs
-            t1 = tl.load(s + nxt, mask=nxt < words)
-            tl.store(d + start + offs, t0, mask=start + offs < words)
-            t0 = t1
+        base_src = src.to(tl.int64, bitcast=True) + first * 4
+        base_dst = dst.to(tl.int64, bitcast=True) + first * 4
+        if words > 0:
+            copy_bytes(base_dst, base_src, words * 4, TILE)
     else:
+        s = tl.multiple_of(src + first, 16)
+        d = tl.multiple_of(dst + first, 16)
+        offs = tl.arange(0, TILE)
+        t0 = tl.load(s + offs, mask=offs < words)
         t1 = tl.load(s + TILE + offs, mask=TILE + offs < words)
         for start in range(0, words, TILE):
             nxt = start + 2 * TILE + offs

@@ -88,6 +88,10 @@ def _rank_main(ctx, mode: str, opts: types.SimpleNamespace) -> list[dict]:
 
     launch = getattr(opts, "launch", {})
     normal_mode.set_launch_constants(**launch)
+    if getattr(opts, "nvshmem", False):  # --nvshmem: before this rank process allocates
+        from ..heap import set_backend
+
+        set_backend("NVSHMEM")
     progress = _Progress(points, enabled=ctx.rank == 0 and not opts.quiet)
     try:
         run = {"normal": normal_rank, "low-latency": low_latency_rank,

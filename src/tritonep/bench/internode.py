@@ -80,10 +80,6 @@ def internode_rank(ctx, opts, progress):
 
     baseline = TorchBackend()
     rows = []
-    if getattr(opts, "nvshmem", False):
-        from ..heap import set_backend
-
-        set_backend("NVSHMEM")  # this rank process has not allocated yet
     for hidden, experts, topk in itertools.product(opts.hidden, opts.experts, opts.topk):
         mode = InternodeMode(None, hidden, experts, opts.gpus_per_node, max_topk=max(topk, 2),
                              device=ctx.device, check_ids=False)  # fmt: skip

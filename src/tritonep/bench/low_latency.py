@@ -82,10 +82,6 @@ def low_latency_rank(ctx, opts, progress):
     if note and ctx.rank == 0:
         print(note, flush=True)
     rows = []
-    if getattr(opts, "nvshmem", False):
-        from ..heap import set_backend
-
-        set_backend("NVSHMEM")  # this rank process has not allocated yet
     for hidden, experts, topk in itertools.product(opts.hidden, opts.experts, opts.topk):
         # No host read of the ids per call: that is a GPU sync, which decode loops avoid.
         mode = LowLatencyMode(

@@ -101,6 +101,7 @@ def ll_combine_kernel(
         rows_in_block = tl.arange(0, ROW_BLOCK)
         flat = tl.arange(0, G_P2 * 128)
         flat_mask = flat < H
+        my_base = tl.load(peer_ptrs + rank)
         # One work item per (local expert, source rank) block; ROW_BLOCK rows at a time so
         # that their loads and remote stores are in flight together.
         for item in range(pid, E_LOCAL * NUM_RANKS, num_programs):
@@ -112,7 +113,6 @@ def ll_combine_kernel(
             begin = (packed >> 32).to(tl.int32)
             count = (packed & 0xFFFFFFFF).to(tl.int32)
             base = tl.load(peer_ptrs + src)
-            my_base = tl.load(peer_ptrs + rank)
             remote = (src // gpus_per_node) != (rank // gpus_per_node)
             for first in range(0, count, ROW_BLOCK):
                 rmask = (first + rows_in_block) < count
@@ -155,7 +155,7 @@ def ll_combine_kernel(
                     add_release((base + done_offset + rank * 8).to(tl.pointer_type(tl.int64)),
                                 blocks)  # fmt: skip
                 else:
-                    signal(tl.load(peer_ptrs + rank), base, done_offset + rank * 8,
+                    signal(my_base, base, done_offset + rank * 8,
                            blocks, SIGNAL_ADD, tl.load(pe_ptr + peer), VIA)  # fmt: skip
         if PROFILE:
             t_send_end = read_clock(trace_ptr, USE_CLOCK)

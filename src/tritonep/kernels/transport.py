@@ -78,22 +78,23 @@ class PeerTransport:
 
 
 @triton.jit
-def copy_bytes(dst_addr, src_addr, nbytes):
+def copy_bytes(dst_addr, src_addr, nbytes, TILE: tl.constexpr = COPY_WORDS):
     """Copy ``nbytes`` (a multiple of 16) between 16-byte aligned addresses, after every
     thread's earlier stores to ``src_addr``.
 
     16-byte vectors (the word count is declared a multiple of 4, else the mask splits every
     access into words), and the next tile loaded before the current one is stored: one
-    program moves a tile per load latency, so a tile in flight sets its rate.
+    program moves a tile per load latency, so a tile in flight sets its rate. ``TILE`` words
+    (int32) per step: larger tiles copy faster and take more registers.
     """
     tl.debug_barrier()
     src = aligned_ptr(src_addr, tl.int32)
     dst = aligned_ptr(dst_addr, tl.int32)
     words = tl.multiple_of((tl.cast(nbytes, tl.int64) // 16) * 4, 4)
-    offs = tl.arange(0, COPY_WORDS)
+    offs = tl.arange(0, TILE)
     tile = tl.load(src + offs, mask=offs < words)
-    for start in range(0, words, COPY_WORDS):
-        ahead = start + COPY_WORDS + offs
+    for start in range(0, words, TILE):
+        ahead = start + TILE + offs
         tile_ahead = tl.load(src + ahead, mask=ahead < words)
         tl.store(dst + start + offs, tile, mask=start + offs < words)
         tile = tile_ahead
