@@ -104,6 +104,30 @@ def test_internode_worst_case_sizes(run_ranks, num_ranks, gpus_per_node):
     assert results == [True] * num_ranks
 
 
+def _overflow_body(ctx, rows):
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    E = 2 * R
+    mode = InternodeMode(None, 128, E, 2, max_topk=3, device=dev, timeout_s=20)
+    case = make_case(7, [7, 6, 5, 0], 128, E, 3, "random")
+    want = ref.normal_dispatch(list(case.x), case.topk_idx, case.topk_weights, E)[me]
+    x, idx = case.x[me].to(dev), case.topk_idx[me].to(dev)
+    mode.dispatch(x, idx, num_worst_tokens=rows)
+    try:
+        mode.check()
+    except ValueError as e:  # a WaitTimeoutError (a hang, bounded) fails the test
+        assert "num_worst_tokens" in str(e), e
+        return "overflow"
+    assert want.num_recv_tokens <= rows
+    return "fits"
+
+
+def test_internode_worst_case_overflow_is_reported_not_waited_for(run_ranks):
+    """Outputs too small for what arrives: the rank says so; a forwarder whose rows overflow
+    relays none of them, so no GPU of its node waits for rows that were dropped."""
+    results = run_ranks(4, _overflow_body, 4, timeout=300)
+    assert "overflow" in results, results
+
+
 def _gpu_nodes():
     """Ranks and GPUs per node of the GPU tests: the machine's GPUs (up to 4) as 2 nodes."""
     ranks = gpu_ranks()
@@ -256,3 +280,55 @@ def test_internode_traces_show_both_legs(run_ranks, tmp_path):
         for leg in ("rail", "node"):
             for op in ("notify: notify", "dispatch: send", "dispatch: receive", "combine: send"):
                 assert f"{leg} {op}" in names, (leg, op, names)
+
+
+def _overlap_body(ctx, tmp):
+    import json
+
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    per_node = max(R // 2, 1)
+    E = 16 * R
+    mode = InternodeMode(None, 7168, E, per_node, max_topk=8, device=dev, profile=True)
+    case = make_case(5, [4096] * R, 7168, E, 8, "random")
+    x, idx = case.x[me].to(dev), case.topk_idx[me].to(dev)
+    w = case.topk_weights[me].to(dev)
+    for _ in range(2):  # the second call, traced, runs compiled kernels
+        mode.trace.clear()
+        out = mode.dispatch(x, idx, w, num_worst_tokens=4096 * R)
+        mode.combine(torch.nan_to_num(out.recv_x), out.handle)
+    mode.check()
+    path = mode.trace.dump(f"{tmp}/overlap-{me}.json")
+    mode.destroy()
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+
+    def span(name):
+        picked = [e for e in events if e["name"] == name]
+        return min(e["ts"] for e in picked), max(e["ts"] + e["dur"] for e in picked)
+
+    # The reading leg starts while the writing leg still runs: both kernels are resident.
+    spans = {
+        name: span(name)
+        for name in (
+            "rail dispatch: receive",
+            "node dispatch: send",
+            "node combine: receive and reduce",
+            "rail combine: send",
+        )
+    }
+    print(f"overlap rank {me} (us):", {k: (round(a), round(b)) for k, (a, b) in spans.items()})
+    dispatch = spans["node dispatch: send"][0] < spans["rail dispatch: receive"][1]
+    combine = spans["rail combine: send"][0] < spans["node combine: receive and reduce"][1]
+    return dispatch, combine
+
+
+@pytest.mark.gpu(n=2)
+def test_internode_legs_run_at_once_on_gpus(run_ranks, tmp_path):
+    """The relay reads the network leg's rows while they arrive (and combine likewise): the
+    two legs' kernels run at the same time, not one after the other."""
+    if shared_gpu():
+        # Ranks that share a GPU take turns on it (time slices per process): a rank's second
+        # launch can wait for other ranks' slices, whatever this rank's streams allow.
+        pytest.skip("needs a GPU per rank (ranks sharing a GPU take turns)")
+    ranks, _ = _gpu_nodes()
+    assert run_ranks(ranks, _overlap_body, str(tmp_path), timeout=300) == [(True, True)] * ranks

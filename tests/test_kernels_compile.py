@@ -196,35 +196,39 @@ NORMAL_DISPATCH = {
     "recv_start_ptr": "*i32", "host_info_ptr": "*i32", "out_x_ptr": "*i32",
     "out_scales_ptr": "*i32", "out_topk_idx_ptr": "*i64", "out_weights_ptr": "*fp32",
     "out_src_ptr": "*i32", "max_rows": "i32", "status_ptr": "*i32", "timeout_ns": "i64",
-    "trace_ptr": "*i64",
+    "bounds_ptr": "*i32", "ready_ptr": "*i32", "relay_call_ptr": "*i64", "trace_ptr": "*i64",
 }  # fmt: skip
 NORMAL_DISPATCH_META = dict(
     W=1792, G=56, K=8, E_LOCAL=64, NUM_RANKS=4, NUM_CHANNELS=12, MAX_CHANNELS=16, RING=128,
     RING_STRIDE=128, SLOT_BYTES=14480, META_OFF=1848, HAS_SCALES=True, HAS_TOPK=True,
     HAS_WEIGHTS=True, HAS_TAG=False, PAD_ROWS=True, USE_CLOCK=True, TOK=8, ROWS=8, BW=512,
-    RBW=256, R_P2=4, K_P2=8, G_P2=64, PROFILE=False, VIA=0,
+    RBW=256, R_P2=4, K_P2=8, G_P2=64, PROFILE=False, VIA=0, BOUNDS=False, AWAIT=False,
+    RANKS_FROM_IDS=False, PUBLISH=False,
 )  # fmt: skip
 NORMAL_COMBINE = {
     "x_ptr": "*bf16", "weights_ptr": "*fp32", "in_rank_ptr": "*i8", "num_tokens": "i32",
     "bias0_ptr": "*bf16", "bias1_ptr": "*bf16", "recv_count_ptr": "*i32",
     "recv_start_ptr": "*i32", **FLAGS, "out_ptr": "*bf16", "out_weights_ptr": "*fp32",
-    "status_ptr": "*i32", "timeout_ns": "i64", "trace_ptr": "*i64",
+    "status_ptr": "*i32", "timeout_ns": "i64", "bounds_ptr": "*i32", "ready_ptr": "*i32",
+    "relay_call_ptr": "*i64", "trace_ptr": "*i64",
 }  # fmt: skip
 NORMAL_COMBINE_META = dict(
     H=7168, K=8, NUM_RANKS=4, NUM_CHANNELS=12, MAX_CHANNELS=16, RING=128, RING_STRIDE=128,
     SLOT_BYTES=14368, HAS_WEIGHTS=True, NUM_BIAS=2, USE_CLOCK=True, TOK=8, ROWS=8, BW=512,
-    R_P2=4, K_P2=8, PROFILE=False, VIA=0,
+    R_P2=4, K_P2=8, PROFILE=False, VIA=0, BOUNDS=False, AWAIT=False, PUBLISH=False,
 )  # fmt: skip
 NOTIFY = {
     "in_rank_ptr": "*i8", "num_tokens": "i32", "per_expert_ptr": "*i32", "peer_ptrs": "*i64",
     "rank": "i32", "notify_offset": "i64", "stage_offset": "i64", "pe_ptr": "*i32",
     "state_ptr": "*i64", "decoded_ptr": "*i32",
     "recv_count_ptr": "*i32", "recv_start_ptr": "*i32", "host_info_ptr": "*i32",
-    "max_rows": "i32", "status_ptr": "*i32", "timeout_ns": "i64", "trace_ptr": "*i64",
+    "max_rows": "i32", "extra_ptr": "*i32", "extra_out_ptr": "*i32", "status_ptr": "*i32",
+    "timeout_ns": "i64", "trace_ptr": "*i64",
 }  # fmt: skip
 NOTIFY_META = dict(
     NUM_RANKS=4, NUM_CHANNELS=12, E_LOCAL=64, ALIGN=128, ROW=76, SET_BYTES=1280,
     USE_CLOCK=True, BLOCK_N=256, C_P2=16, E_P2=64, R_P2=4, PROFILE=False, VIA=0,
+    COUNTS_GIVEN=False, EXTRA=0, X_P2=2, CHANNEL_MAJOR=False,
 )  # fmt: skip
 for module, name, sig, meta, options in [
     ("normal_notify", "notify_kernel", NOTIFY, NOTIFY_META, {}),
@@ -243,6 +247,23 @@ for module, name, sig, meta, options in [
      {**NORMAL_DISPATCH_META, "VIA": 1}, {"num_warps": 16}),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
      {**NORMAL_COMBINE_META, "VIA": 1}, {"num_warps": 8, "enable_fp_fusion": False}),
+    # The relay between the internode legs: the network leg flags the rows it writes (and
+    # its notify carries the forwarding counts); the NVLink leg waits for them.
+    ("normal_notify", "notify_kernel", NOTIFY,
+     {**NOTIFY_META, "VIA": 1, "EXTRA": 96, "X_P2": 128, "CHANNEL_MAJOR": True, "ROW": 172,
+      "SET_BYTES": 2816}, {}),
+    ("normal_notify", "notify_kernel", NOTIFY, {**NOTIFY_META, "COUNTS_GIVEN": True}, {}),
+    ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
+     {**NORMAL_DISPATCH_META, "VIA": 1, "HAS_TAG": True, "PUBLISH": True}, {"num_warps": 16}),
+    ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
+     {**NORMAL_DISPATCH_META, "HAS_TAG": True, "BOUNDS": True, "AWAIT": True,
+      "RANKS_FROM_IDS": True}, {"num_warps": 16}),
+    ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
+     {**NORMAL_COMBINE_META, "BOUNDS": True, "PUBLISH": True},
+     {"num_warps": 8, "enable_fp_fusion": False}),
+    ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
+     {**NORMAL_COMBINE_META, "VIA": 1, "AWAIT": True, "ROWS": 4},
+     {"num_warps": 8, "enable_fp_fusion": False}),
 ]:  # fmt: skip
     KERNELS.append(
         (
@@ -291,9 +312,18 @@ def compile_ptx(module, name, signature, constexprs, options=None):
     return proc.stdout
 
 
+RELAY = ("BOUNDS", "AWAIT", "PUBLISH", "COUNTS_GIVEN", "EXTRA")
+
+
 def _id(kernel):
-    traced = kernel[3].get("PROFILE", False)
-    return kernel[1] + ("-traced" if traced else "") + ("-staged" if kernel[3].get("VIA") else "")
+    meta = kernel[3]
+    relay = (
+        "-relay-" + "-".join(k.lower() for k in RELAY if meta.get(k))
+        if any(meta.get(k) for k in RELAY)
+        else ""
+    )
+    traced = "-traced" if meta.get("PROFILE", False) else ""
+    return kernel[1] + traced + ("-staged" if meta.get("VIA") else "") + relay
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=[_id(k) for k in KERNELS])

@@ -31,6 +31,7 @@ from .sync import (
     aligned_ptr,
     elapsed_ns,
     first_lane,
+    publish_rows,
     record_timeout,
     start_clock,
     wait_all_at_least,
@@ -40,6 +41,7 @@ from .transport import VIA_STORE, put_rings, set_peer_flags
 
 PHASE_COMBINE_SEND = tl.constexpr(13)
 PHASE_COMBINE_RECV = tl.constexpr(14)
+PHASE_COMBINE_RELAY = tl.constexpr(16)
 
 COMBINE_CALLS = tl.constexpr(4)
 COMBINE_ARRIVALS = tl.constexpr(5)
@@ -75,6 +77,7 @@ def combine_send(
     pe_ptr,
     status_ptr,
     timeout_ns,
+    ready_ptr,
     H: tl.constexpr,
     K: tl.constexpr,
     NUM_RANKS: tl.constexpr,
@@ -89,6 +92,7 @@ def combine_send(
     R_P2: tl.constexpr,
     K_P2: tl.constexpr,
     VIA: tl.constexpr,
+    AWAIT: tl.constexpr,
 ):
     """The sender of channel ``channel``: stream rows back to every source rank."""
     W: tl.constexpr = H // 2
@@ -123,13 +127,27 @@ def combine_send(
     # every row a source still wants, up to ``ROWS``; a full ring only masks its stores), so
     # a step costs about one memory latency.
     heads = tl.atomic_add(head_flag, 0, mask=sent < count, sem="acquire", scope="sys")
-    v = first_tile(x_words, start, sent, count, steps, words, W, R_P2, ROWS)
+    if not AWAIT:
+        v = first_tile(x_words, start, sent, count, steps, words, W, R_P2, ROWS)
+    starved = pending < 0  # waiting on the other leg's rows rather than on a peer
     while (pending > 0) & (elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns):
         waiting = sent < count
         # Free slots in this call; a head still tagged with an earlier call frees none.
         consumed = (heads & 0xFFFFFFFF).to(tl.int32)
         space = tl.where(waiting & ((heads >> 32) == call), RING - (sent - consumed), 0)
         take = tl.minimum(tl.minimum(space, count - sent), ROWS)
+        if AWAIT:
+            # Relayed rows: only those the other leg has flagged (a prefix per source; the
+            # tile is read again after the flags, never before).
+            nth = steps[None, :]
+            at = (start[:, None] + sent[:, None] + nth).to(tl.int64)
+            want = nth < take[:, None]
+            flag = tl.atomic_add(ready_ptr + at, 0, mask=want, sem="acquire", scope="gpu")
+            ready = tl.min(tl.where(want & (flag != (call + 1).to(tl.int32)), nth, ROWS), 1)
+            starved = tl.max(take - ready, 0) > 0
+            take = tl.minimum(take, ready)
+            tl.debug_barrier()
+            v = first_tile(x_words, start, sent, sent + take, steps, words, W, R_P2, ROWS)
         if tl.max(take, 0) > 0:
             i = steps[None, :]
             slot = ((sent[:, None] + i) % RING).to(tl.int64)
@@ -147,10 +165,14 @@ def combine_send(
                 v_next = tl.load(rows + wn[None, :], mask=live[:, None] & (wn < W)[None, :])
                 tl.store(p[:, None] + w[None, :], v, mask=live[:, None] & (w < W)[None, :])
                 v = v_next
-            v_next = first_tile(x_words, start, sent + take, count, steps, words, W, R_P2, ROWS)
             w = LAST + words
-            tl.store(p[:, None] + w[None, :], v, mask=live[:, None] & (w < W)[None, :])
-            v = v_next
+            if AWAIT:  # the next tile is read after its flags, at the top of the next step
+                tl.store(p[:, None] + w[None, :], v, mask=live[:, None] & (w < W)[None, :])
+            else:
+                v_next = first_tile(x_words, start, sent + take, count, steps, words, W, R_P2,
+                                    ROWS)  # fmt: skip
+                tl.store(p[:, None] + w[None, :], v, mask=live[:, None] & (w < W)[None, :])
+                v = v_next
             if HAS_WEIGHTS:
                 wp = p.to(tl.pointer_type(tl.float32))
                 tl.store(wp[:, None] + W + ks[None, :], wv, mask=m2)
@@ -167,7 +189,11 @@ def combine_send(
             spins += 1
         pending = tl.sum(count - sent, 0)
     if pending > 0:
-        record_timeout(status_ptr, first_lane(sent < count, ranks), PHASE_COMBINE_SEND, channel)
+        if starved:
+            record_timeout(status_ptr, -1, PHASE_COMBINE_RELAY, channel)
+        else:
+            peer = first_lane(sent < count, ranks)
+            record_timeout(status_ptr, peer, PHASE_COMBINE_SEND, channel)
 
 
 @triton.jit
@@ -188,6 +214,9 @@ def combine_receive(
     out_weights_ptr,
     status_ptr,
     timeout_ns,
+    bounds_ptr,
+    ready_ptr,
+    relay_call_ptr,
     H: tl.constexpr,
     K: tl.constexpr,
     NUM_RANKS: tl.constexpr,
@@ -204,6 +233,8 @@ def combine_receive(
     R_P2: tl.constexpr,
     K_P2: tl.constexpr,
     VIA: tl.constexpr,
+    BOUNDS: tl.constexpr,
+    PUBLISH: tl.constexpr,
 ):
     """The receiver of channel ``channel``: sum each token's rows from all ranks."""
     W: tl.constexpr = H // 2
@@ -215,9 +246,16 @@ def combine_receive(
     ks = tl.arange(0, K_P2)
     kmask = ks < K
 
-    chunk = tl.cdiv(num_tokens, NUM_CHANNELS)
-    t0 = channel * chunk
-    t1 = tl.minimum(t0 + chunk, num_tokens)
+    if BOUNDS:  # a relay's channel: the rows one channel of the network leg delivered
+        t0 = tl.load(bounds_ptr + channel)
+        t1 = tl.load(bounds_ptr + channel + 1)
+    else:
+        chunk = tl.cdiv(num_tokens, NUM_CHANNELS)
+        t0 = channel * chunk
+        t1 = tl.minimum(t0 + chunk, num_tokens)
+    if PUBLISH:
+        # The relay's call: it cannot end before this program has flagged its rows.
+        published = (tl.load(relay_call_ptr, volatile=True) + 1).to(tl.int32)
     pair = channel * NUM_RANKS + ranks
     ring = my_base + ring_offset + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)
     tail_flag = (my_base + tail_offset + pair * 8).to(tl.pointer_type(tl.int64))
@@ -286,6 +324,8 @@ def combine_receive(
                 wacc += wv
             at = tokens64[:, None] * K + ks[None, :]
             tl.store(out_weights_ptr + at, wacc, mask=tmask[:, None] & kmask[None, :])
+        if PUBLISH:
+            publish_rows(ready_ptr + tokens64, published, tmask)
         taken += count
         tl.debug_barrier()
         # Relaxed: the rows' loads have returned (their sums are stored), so a sender's
@@ -319,6 +359,9 @@ def normal_combine_kernel(
     out_weights_ptr,  # [N, K] float32 (optional)
     status_ptr,
     timeout_ns,
+    bounds_ptr,  # [C + 1] int32 first token of each channel (BOUNDS)
+    ready_ptr,  # [rows] int32 per-row flags: awaited on the input (AWAIT), set on the output
+    relay_call_ptr,  # int64 call counter of the launch that awaits the flags set here (PUBLISH)
     trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE)
     H: tl.constexpr,
     K: tl.constexpr,
@@ -338,6 +381,9 @@ def normal_combine_kernel(
     K_P2: tl.constexpr,
     PROFILE: tl.constexpr,
     VIA: tl.constexpr = VIA_STORE,
+    BOUNDS: tl.constexpr = False,  # token channels are the ranges in bounds_ptr
+    AWAIT: tl.constexpr = False,  # wait for each input row's flag (call + 1) before sending it
+    PUBLISH: tl.constexpr = False,  # flag each output token once summed
 ):
     pid = tl.program_id(0)
     call = tl.load(state_ptr + COMBINE_CALLS, volatile=True)
@@ -360,6 +406,7 @@ def normal_combine_kernel(
             pe_ptr,
             status_ptr,
             timeout_ns,
+            ready_ptr,
             H,
             K,
             NUM_RANKS,
@@ -374,6 +421,7 @@ def normal_combine_kernel(
             R_P2,
             K_P2,
             VIA,
+            AWAIT,
         )
     else:
         combine_receive(
@@ -393,6 +441,9 @@ def normal_combine_kernel(
             out_weights_ptr,
             status_ptr,
             timeout_ns,
+            bounds_ptr,
+            ready_ptr,
+            relay_call_ptr,
             H,
             K,
             NUM_RANKS,
@@ -409,6 +460,8 @@ def normal_combine_kernel(
             R_P2,
             K_P2,
             VIA,
+            BOUNDS,
+            PUBLISH,
         )
     if PROFILE:
         trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), pid < NUM_CHANNELS)

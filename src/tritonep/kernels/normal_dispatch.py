@@ -37,15 +37,18 @@ from .sync import (
     aligned_ptr,
     elapsed_ns,
     first_lane,
+    publish_rows,
     record_timeout,
     start_clock,
     wait_all_at_least,
+    wait_rows_ready,
 )
 from .trace import read_clock, trace_role
 from .transport import VIA_STORE, put_rings, set_peer_flags
 
 PHASE_DISPATCH_SEND = tl.constexpr(11)
 PHASE_DISPATCH_RECV = tl.constexpr(12)
+PHASE_DISPATCH_RELAY = tl.constexpr(15)
 
 DISPATCH_CALLS = tl.constexpr(2)
 DISPATCH_ARRIVALS = tl.constexpr(3)
@@ -116,6 +119,8 @@ def dispatch_send(
     pe_ptr,
     status_ptr,
     timeout_ns,
+    bounds_ptr,
+    ready_ptr,
     W: tl.constexpr,
     G: tl.constexpr,
     K: tl.constexpr,
@@ -137,6 +142,9 @@ def dispatch_send(
     K_P2: tl.constexpr,
     G_P2: tl.constexpr,
     VIA: tl.constexpr,
+    BOUNDS: tl.constexpr,
+    AWAIT: tl.constexpr,
+    RANKS_FROM_IDS: tl.constexpr,
 ):
     """The sender of channel ``channel``: walk its tokens, feed every destination ring."""
     ranks = tl.arange(0, R_P2)
@@ -149,9 +157,13 @@ def dispatch_send(
     groups = tl.arange(0, G_P2)
     gmask = groups < G
     tag = call << 32
-    chunk = tl.cdiv(num_tokens, NUM_CHANNELS)
-    t0 = channel * chunk
-    t1 = tl.minimum(t0 + chunk, num_tokens)
+    if BOUNDS:  # a relay's channel: the rows one channel of the network leg delivered
+        t0 = tl.load(bounds_ptr + channel)
+        t1 = tl.load(bounds_ptr + channel + 1)
+    else:
+        chunk = tl.cdiv(num_tokens, NUM_CHANNELS)
+        t0 = channel * chunk
+        t1 = tl.minimum(t0 + chunk, num_tokens)
     pair = channel * NUM_RANKS + rank
     ring_at = ring_offset + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)  # in each peer
     ring = peer_base + ring_at
@@ -168,11 +180,26 @@ def dispatch_send(
         tokens = first + tl.arange(0, TOK)
         tmask = tokens < t1
         tokens64 = tokens.to(tl.int64)
-        hit = tl.load(
-            in_rank_ptr + tokens64[:, None] * NUM_RANKS + ranks[None, :],
-            mask=tmask[:, None] & rmask[None, :],
-            other=0,
-        )
+        if AWAIT:  # relayed rows: wait until the network leg has written them here
+            arrived = wait_rows_ready(ready_ptr + tokens64, (call + 1).to(tl.int32), tmask,
+                                      budget, USE_CLOCK)  # fmt: skip
+            if not arrived:
+                record_timeout(status_ptr, -1, PHASE_DISPATCH_RELAY, channel)
+                budget = tl.zeros((), tl.int64)
+            tmask = tmask & arrived
+        at_rank = tokens64[:, None] * NUM_RANKS + ranks[None, :]
+        if RANKS_FROM_IDS:  # a relay learns the destinations from the rows themselves
+            ids = tl.load(
+                topk_idx_ptr + tokens64[:, None] * K + ks[None, :],
+                mask=tmask[:, None] & kmask[None, :],
+                other=-1,
+            )
+            owner = tl.where(ids >= 0, ids // E_LOCAL, -1)
+            hit = tl.max((owner[:, :, None] == ranks[None, None, :]).to(tl.int32), 1)
+            tl.store(in_rank_ptr + at_rank, hit.to(tl.int8),
+                     mask=(tokens < t1)[:, None] & rmask[None, :])  # fmt: skip
+        else:
+            hit = tl.load(in_rank_ptr + at_rank, mask=tmask[:, None] & rmask[None, :], other=0)
         hit = (hit != 0).to(tl.int32)
         count = tl.sum(hit, 0)
         position = sent[None, :] + rows_before(hit, TOK)
@@ -269,6 +296,8 @@ def dispatch_receive(
     max_rows,
     status_ptr,
     timeout_ns,
+    ready_ptr,
+    relay_call_ptr,
     W: tl.constexpr,
     G: tl.constexpr,
     K: tl.constexpr,
@@ -290,6 +319,7 @@ def dispatch_receive(
     K_P2: tl.constexpr,
     G_P2: tl.constexpr,
     VIA: tl.constexpr,
+    PUBLISH: tl.constexpr,
 ):
     """The receiver of channel ``channel``: drain the rings of every source into the outputs."""
     ranks = tl.arange(0, R_P2)
@@ -313,6 +343,9 @@ def dispatch_receive(
     clock = start_clock(USE_CLOCK)
     spins = tl.zeros((), tl.int64)
     pending = tl.sum(count, 0)
+    if PUBLISH:
+        # The relay's call: it cannot end before this program has flagged its rows.
+        published = (tl.load(relay_call_ptr, volatile=True) + 1).to(tl.int32)
     while (pending > 0) & (elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns):
         waiting = head < count
         tails = tl.atomic_add(tail_flag, 0, mask=waiting, sem="acquire", scope="sys")
@@ -355,6 +388,8 @@ def dispatch_receive(
                     at = record.to(tl.pointer_type(tl.float32))[:, None] + 1 + K + ks[None, :]
                     wv = tl.load(at, mask=m2, cache_modifier=".cg")
                     tl.store(out_weights_ptr + row[:, None] * K + ks[None, :], wv, mask=m2)
+            if PUBLISH:
+                publish_rows(ready_ptr + row, published, live)
             head += take
             tl.debug_barrier()
             # Relaxed: the slots' loads have returned (their values are stored), so nothing
@@ -417,6 +452,9 @@ def normal_dispatch_kernel(
     max_rows,
     status_ptr,  # [4] int32
     timeout_ns,
+    bounds_ptr,  # [C + 1] int32 first token of each channel (BOUNDS)
+    ready_ptr,  # [rows] int32 per-row flags: awaited on the input (AWAIT), set on the output
+    relay_call_ptr,  # int64 call counter of the launch that awaits the flags set here (PUBLISH)
     trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE)
     W: tl.constexpr,  # payload words per token
     G: tl.constexpr,  # scale words per token (FP8)
@@ -444,6 +482,10 @@ def normal_dispatch_kernel(
     G_P2: tl.constexpr,
     PROFILE: tl.constexpr,
     VIA: tl.constexpr = VIA_STORE,
+    BOUNDS: tl.constexpr = False,  # channels are the ranges in bounds_ptr, not equal splits
+    AWAIT: tl.constexpr = False,  # wait for each input row's flag (call + 1) before reading it
+    RANKS_FROM_IDS: tl.constexpr = False,  # compute is_token_in_rank from the ids, and store it
+    PUBLISH: tl.constexpr = False,  # flag each output row once written
 ):
     pid = tl.program_id(0)
     call = tl.load(state_ptr + DISPATCH_CALLS, volatile=True)
@@ -469,6 +511,8 @@ def normal_dispatch_kernel(
             pe_ptr,
             status_ptr,
             timeout_ns,
+            bounds_ptr,
+            ready_ptr,
             W,
             G,
             K,
@@ -490,6 +534,9 @@ def normal_dispatch_kernel(
             K_P2,
             G_P2,
             VIA,
+            BOUNDS,
+            AWAIT,
+            RANKS_FROM_IDS,
         )
     else:
         dispatch_receive(
@@ -512,6 +559,8 @@ def normal_dispatch_kernel(
             max_rows,
             status_ptr,
             timeout_ns,
+            ready_ptr,
+            relay_call_ptr,
             W,
             G,
             K,
@@ -533,6 +582,7 @@ def normal_dispatch_kernel(
             K_P2,
             G_P2,
             VIA,
+            PUBLISH,
         )
     if PROFILE:
         trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), pid < NUM_CHANNELS)

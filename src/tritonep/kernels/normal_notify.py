@@ -13,6 +13,13 @@ program to arrive turns the rows of all sources into the receiver's layout:
 * ``host_info = [total rows, tokens per local expert rounded up to the alignment...]``, the
   only numbers the host reads in exact mode.
 
+Two options serve the relay across nodes (:mod:`tritonep.modes.internode`): the per-channel
+counts may be given instead of counted (``COUNTS_GIVEN``: a relay knows what it will forward
+before its rows arrive), and a row may carry ``EXTRA`` more words per peer (``extra_ptr`` sent,
+``extra_out_ptr`` received), with which a source tells the relay what to forward where.
+``CHANNEL_MAJOR`` lays the received rows out channel by channel (then by source), so that each
+channel's rows are one contiguous range.
+
 Why it is cheap: one small launch of ``R`` programs, a few hundred bytes per peer, no atomics
 on data. Rows alternate between two sets by call parity; a rank can only store into a set
 again after every peer has finished the call that last read it, so the zeroing never races.
@@ -35,8 +42,18 @@ NOTIFY_ARRIVALS = tl.constexpr(1)
 
 
 @triton.jit
+def all_nonzero(a, b, c):
+    """Whether no word of three masked vectors (masked lanes read ``-1``) is zero."""
+    return (
+        tl.min(tl.where(a != 0, 1, 0), 0)
+        * tl.min(tl.where(b != 0, 1, 0), 0)
+        * tl.min(tl.where(c != 0, 1, 0), 0)
+    ) > 0
+
+
+@triton.jit
 def notify_kernel(
-    in_rank_ptr,  # [N, R] int8 (is_token_in_rank)
+    in_rank_ptr,  # [N, R] int8 (is_token_in_rank), or [R, C] int32 counts (COUNTS_GIVEN)
     num_tokens,
     per_expert_ptr,  # [E] int32 top-k entries per global expert on this rank
     peer_ptrs,  # [R] int64 heap base addresses
@@ -50,6 +67,8 @@ def notify_kernel(
     recv_start_ptr,  # [R, C] int32 out
     host_info_ptr,  # [1 + E_LOCAL] int32 out: total rows, aligned tokens per local expert
     max_rows,  # rows the outputs hold (worst-case mode), 0 = unlimited
+    extra_ptr,  # [R, EXTRA] int32 sent to each peer (EXTRA > 0)
+    extra_out_ptr,  # [R, EXTRA] int32 received from each source (EXTRA > 0)
     status_ptr,  # [4] int32
     timeout_ns,
     trace_ptr,  # [R * SLOTS + 1] int64 readings (PROFILE)
@@ -66,6 +85,10 @@ def notify_kernel(
     R_P2: tl.constexpr,
     PROFILE: tl.constexpr,
     VIA: tl.constexpr = VIA_STORE,
+    COUNTS_GIVEN: tl.constexpr = False,
+    EXTRA: tl.constexpr = 0,  # extra words per row (at NUM_CHANNELS + E_LOCAL)
+    X_P2: tl.constexpr = 2,
+    CHANNEL_MAJOR: tl.constexpr = False,
 ):
     peer = tl.program_id(0)
     call = tl.load(state_ptr + NOTIFY_CALLS, volatile=True)
@@ -76,14 +99,18 @@ def notify_kernel(
     experts = tl.arange(0, E_P2)
 
     # Send: per-channel token counts and per-expert entry counts for rank `peer`.
-    chunk = tl.cdiv(num_tokens, NUM_CHANNELS)
-    counts = tl.zeros((C_P2,), tl.int32)
-    for first in range(0, num_tokens, BLOCK_N):
-        tokens = first + tl.arange(0, BLOCK_N)
-        column = in_rank_ptr + tokens.to(tl.int64) * NUM_RANKS + peer
-        hit = tl.load(column, mask=tokens < num_tokens, other=0)
-        channel = tl.where(hit != 0, tokens // tl.maximum(chunk, 1), C_P2 - 1)
-        counts += tl.histogram(channel, C_P2)
+    if COUNTS_GIVEN:
+        given = in_rank_ptr.to(tl.pointer_type(tl.int32)) + peer * NUM_CHANNELS
+        counts = tl.load(given + channels, mask=channels < NUM_CHANNELS, other=0)
+    else:
+        chunk = tl.cdiv(num_tokens, NUM_CHANNELS)
+        counts = tl.zeros((C_P2,), tl.int32)
+        for first in range(0, num_tokens, BLOCK_N):
+            tokens = first + tl.arange(0, BLOCK_N)
+            column = in_rank_ptr + tokens.to(tl.int64) * NUM_RANKS + peer
+            hit = tl.load(column, mask=tokens < num_tokens, other=0)
+            channel = tl.where(hit != 0, tokens // tl.maximum(chunk, 1), C_P2 - 1)
+            counts += tl.histogram(channel, C_P2)
     peer_base = tl.load(peer_ptrs + peer)
     row_offset = notify_offset + set_off + rank * ROW * 4
     row = peer_base + row_offset
@@ -93,6 +120,11 @@ def notify_kernel(
     tl.store(peer_row + channels, -counts - 1, mask=channels < NUM_CHANNELS)
     entries = tl.load(per_expert_ptr + peer * E_LOCAL + experts, mask=experts < E_LOCAL)
     tl.store(peer_row + NUM_CHANNELS + experts, -entries - 1, mask=experts < E_LOCAL)
+    xs = tl.arange(0, X_P2)
+    xmask = xs < EXTRA
+    if EXTRA > 0:
+        more = tl.load(extra_ptr + peer * EXTRA + xs, mask=xmask)
+        tl.store(peer_row + NUM_CHANNELS + E_LOCAL + xs, -more - 1, mask=xmask)
     if VIA != VIA_STORE:
         # No signal: the receiver waits for every word to be non-zero.
         put_block(tl.load(peer_ptrs + rank), peer_base, row_offset, row, ROW * 4,
@@ -105,16 +137,17 @@ def notify_kernel(
     emask = experts < E_LOCAL
     clock = start_clock(USE_CLOCK)
     spins = tl.zeros((), tl.int64)
+    my_extra = my_row + NUM_CHANNELS + E_LOCAL
     got_c = tl.load(my_row + channels, mask=cmask, other=-1, volatile=True)
     got_e = tl.load(my_row + NUM_CHANNELS + experts, mask=emask, other=-1, volatile=True)
-    arrived = (tl.min(tl.where(got_c != 0, 1, 0), 0) * tl.min(tl.where(got_e != 0, 1, 0), 0)) > 0
+    got_x = tl.load(my_extra + xs, mask=xmask, other=-1, volatile=True)
+    arrived = all_nonzero(got_c, got_e, got_x)
     while (not arrived) & (elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns):
         spins += 1
         got_c = tl.load(my_row + channels, mask=cmask, other=-1, volatile=True)
         got_e = tl.load(my_row + NUM_CHANNELS + experts, mask=emask, other=-1, volatile=True)
-        arrived = (
-            tl.min(tl.where(got_c != 0, 1, 0), 0) * tl.min(tl.where(got_e != 0, 1, 0), 0)
-        ) > 0
+        got_x = tl.load(my_extra + xs, mask=xmask, other=-1, volatile=True)
+        arrived = all_nonzero(got_c, got_e, got_x)
     if not arrived:
         record_timeout(status_ptr, peer, PHASE_NOTIFY)
     # A source that never arrived counts as sending nothing; the host raises from the status.
@@ -124,6 +157,9 @@ def notify_kernel(
     tl.store(decoded_ptr + peer * E_LOCAL + experts, got_e, mask=emask)
     tl.store(my_row + channels, tl.zeros((C_P2,), tl.int32), mask=cmask)
     tl.store(my_row + NUM_CHANNELS + experts, tl.zeros((E_P2,), tl.int32), mask=emask)
+    if EXTRA > 0:
+        tl.store(extra_out_ptr + peer * EXTRA + xs, tl.where(arrived, -got_x - 1, 0), mask=xmask)
+        tl.store(my_extra + xs, tl.zeros((X_P2,), tl.int32), mask=xmask)
 
     # The last program lays out the received rows: source rank major, then channel.
     if PROFILE:
@@ -135,8 +171,12 @@ def notify_kernel(
         grid = ranks[:, None] * NUM_CHANNELS + channels[None, :]
         gmask = (ranks[:, None] < NUM_RANKS) & cmask[None, :]
         n = tl.load(recv_count_ptr + grid, mask=gmask, other=0, volatile=True)
-        flat = tl.reshape(n, (R_P2 * C_P2,))
-        start = tl.reshape(tl.cumsum(flat, 0) - flat, (R_P2, C_P2))
+        if CHANNEL_MAJOR:
+            flat = tl.reshape(tl.trans(n), (C_P2 * R_P2,))
+            start = tl.trans(tl.reshape(tl.cumsum(flat, 0) - flat, (C_P2, R_P2)))
+        else:
+            flat = tl.reshape(n, (R_P2 * C_P2,))
+            start = tl.reshape(tl.cumsum(flat, 0) - flat, (R_P2, C_P2))
         tl.store(recv_start_ptr + grid, start, mask=gmask)
         total = tl.sum(flat, 0)
         per_source = tl.load(

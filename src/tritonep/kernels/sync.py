@@ -132,6 +132,33 @@ def wait_all_at_least(ptrs, targets, active, timeout_ns, USE_CLOCK: tl.constexpr
 
 
 @triton.jit
+def wait_rows_ready(flags, expect, active, timeout_ns, USE_CLOCK: tl.constexpr):
+    """Spin (GPU-scope acquire) until ``flags[i] == expect`` for every ``active`` lane.
+
+    Per-row int32 flags that another launch on this GPU sets once it has written the rows (a
+    relay between two legs, :mod:`tritonep.modes.internode`). Returns whether they all did
+    before ``timeout_ns`` passed.
+    """
+    start = start_clock(USE_CLOCK)
+    spins = tl.zeros((), tl.int64)
+    values = tl.atomic_add(flags, 0, mask=active, sem="acquire", scope="gpu")
+    done = tl.min(tl.where(active & (values != expect), 0, 1), 0) > 0
+    while (not done) & (elapsed_ns(start, spins, USE_CLOCK) < timeout_ns):
+        spins += 1
+        values = tl.atomic_add(flags, 0, mask=active, sem="acquire", scope="gpu")
+        done = tl.min(tl.where(active & (values != expect), 0, 1), 0) > 0
+    tl.debug_barrier()
+    return done
+
+
+@triton.jit
+def publish_rows(flags, value, active):
+    """Set the per-row flags of rows this program has written (after all its stores)."""
+    tl.debug_barrier()
+    tl.atomic_xchg(flags, value, mask=active, sem="release", scope="gpu")
+
+
+@triton.jit
 def first_lane(cond, lanes):
     """The lowest lane index where ``cond`` holds (``-1`` where it holds nowhere)."""
     lane = tl.min(tl.where(cond, lanes, 1 << 30), 0)

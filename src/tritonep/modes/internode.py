@@ -1,4 +1,4 @@
-"""Normal mode across nodes: a network leg, then an NVLink leg, each a channel-ring dispatch.
+"""Normal mode across nodes: a network leg and an NVLink leg, channel-ring dispatches pipelined.
 
 The GPUs of the group form nodes of ``gpus_per_node`` (a parameter, not a constant 8); GPU
 ``r`` is local index ``r % G`` of node ``r // G``. A token travels
@@ -15,30 +15,52 @@ output equals that of the single-node mode (and the reference) bit for bit. Comb
 back: the node leg sums a token's rows of every GPU of the node in float32 (one BF16 row per
 node), and only that sum crosses the network, where the rail leg adds the nodes' sums.
 
-Both legs are the intranode kernels, so the count exchange, exact output sizes and cached
-mode come with them. The rail leg runs on the staged transport: its notify rows and ring slots
+Both legs are the intranode kernels (channel rings, the count exchange, exact or worst-case
+sizes, cached mode). The rail leg runs on the staged transport: its notify rows and ring slots
 are built in mirrors in this rank's heap and moved, with their tails and heads, by NVSHMEM puts
-and signals (NVSHMEM heaps, real nodes) or by copies (emulated nodes). The present limit, on
-the way to DeepEP's pipelined design (forwarders consuming the network rings while they fill,
-see ``docs/multinode.md``): the legs run one after the other.
+and signals (NVSHMEM heaps, real nodes) or by copies (emulated nodes).
+
+The legs run at once, pipelined through the forwarder's memory:
+
+* the count exchange of the rail leg also carries, per channel, how many of the rows a source
+  sends will go on to each GPU of the destination node, so the forwarder learns the node
+  leg's counts (its notify) before any row arrives;
+* the rail leg lays the rows it receives out channel by channel (then by source node), and its
+  receivers flag each row once written (:class:`~tritonep.modes.normal.Relay`);
+* the node leg's channel ``c`` forwards exactly the rows that channel ``c`` of the rail leg
+  delivers, one range, and its senders wait for each row's flag: they forward rows while the
+  network still delivers later ones. The rail leg runs on a side stream, the node leg on the
+  caller's; each has the call's SM budget, so the call occupies twice ``num_sms`` SMs;
+* combine likewise: the node leg's receivers flag each node sum as they finish it, and the rail
+  leg's senders put sums on the network as they are flagged.
+
+A relayed row goes through the forwarder's memory, not a ring-to-ring copy as in DeepEP: a
+few microseconds of HBM traffic per megabyte, and the network leg never waits for the NVLink
+leg (its rows land in the output, not in a ring the NVLink leg must drain first).
 
 Worst-case sizing (``num_worst_tokens``) sizes both legs' outputs to that many rows (a
 forwarder relays at most ``nodes x tokens per rank`` rows, which the usual
-``tokens x ranks`` bound covers; more rows are reported, never written out of bounds), and
-nothing synchronizes with the host: the reordering runs on the device, padding rows last.
+``tokens x ranks`` bound covers; more rows are reported, never written out of bounds, and a
+forwarder that overflows relays none, so nothing waits for rows it dropped), and nothing
+synchronizes with the host: the reordering runs on the device, padding rows last.
+Exact sizing reads the host twice (each leg's received count), the second while the network
+leg already moves rows.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..kernels.layout import dispatch_layout
+from ..kernels.normal_combine import COMBINE_CALLS
+from ..kernels.normal_dispatch import DISPATCH_CALLS
 from ..kernels.sync import DEFAULT_TIMEOUT_S
 from ..validation import check_dispatch_x, check_ranks_agree, check_tensor, check_topk_idx
-from .normal import Config, NormalDispatchOutput, NormalHandle, NormalMode
+from .normal import Config, NormalDispatchOutput, NormalHandle, NormalMode, Relay
 from .trace import TraceRecorder
 
 #: Bits of a source tag that hold the token index (the rest hold the source node).
@@ -131,12 +153,14 @@ class InternodeMode:
         nodes = [dist.new_group([members[n * G + g] for g in range(G)]) for n in range(M)]
         legs = dict(max_topk=max_topk, device=device, max_sms=max_sms, ring_tokens=ring_tokens,
                     timeout_s=timeout_s, check_ids=False)  # fmt: skip
-        # The rail leg crosses the network: staged in this rank's heap, then put (NVSHMEM
-        # heaps) or copied (emulated nodes), so the same protocol runs either way.
-        self.rail = NormalMode(rails[self.local_index], hidden, num_experts, **legs,
-                               label="rail", staged=True)  # fmt: skip
         self.node = NormalMode(nodes[self.node_index], hidden, num_experts // M, **legs,
                                label="node")  # fmt: skip
+        # The rail leg crosses the network: staged in this rank's heap, then put (NVSHMEM
+        # heaps) or copied (emulated nodes), so the same protocol runs either way. Its notify
+        # rows also carry, per channel, the rows the relay forwards to each GPU of its node.
+        self.rail = NormalMode(rails[self.local_index], hidden, num_experts, **legs,
+                               label="rail", staged=True,
+                               notify_extra=self.node.layout.max_channels * G)  # fmt: skip
         self.device = self.rail.device
         #: Kernel traces of both legs on one time axis ("rail ..." and "node ..." kernels),
         #: under this rank's number in the whole group.
@@ -146,6 +170,32 @@ class InternodeMode:
         # What callers of a normal mode read: ring sizes and defaults (the legs share them).
         self.layout, self.default_config = self.rail.layout, self.rail.default_config
         self._arrivals = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._streams = _Streams(self.device)
+        self._relay_flags: dict[str, torch.Tensor] = {}
+
+    def _flags(self, kind: str, rows: int) -> torch.Tensor:
+        """Per-row flags of the relay of ``kind`` (dispatch and combine tag theirs with
+        different call counters, so each has its own), grown on demand; fresh flags are zero,
+        which no call's tag is."""
+        flags = self._relay_flags.get(kind)
+        if flags is None or flags.numel() < rows:
+            size = max(rows, 2 * flags.numel() if flags is not None else 1024)
+            flags = torch.zeros(size, dtype=torch.int32, device=self.device)
+            self._relay_flags[kind] = flags
+        return flags
+
+    @staticmethod
+    def _calls(mode: NormalMode, counter) -> torch.Tensor:
+        """A one-element view of one of a leg's device call counters."""
+        return mode.state[counter.value : counter.value + 1]
+
+    def _check_budget(self, config: Config) -> None:
+        # Both legs run at once: the relay's reader spins while its writer must find SMs.
+        if self.device.type == "cuda":
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            if 2 * config.num_sms > sms:
+                raise ValueError(f"config: num_sms={config.num_sms} per leg, twice that "
+                                 f"exceeds the {sms} SMs (both legs run at once)")  # fmt: skip
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor):
         """``(num_tokens_per_rank [R], num_tokens_per_expert [E], is_token_in_rank [N, R])``."""
@@ -184,8 +234,15 @@ class InternodeMode:
         if handle is not None:
             if not isinstance(handle, InternodeHandle):
                 raise TypeError(f"handle: expected an InternodeHandle, got {type(handle).__name__}")
-            rail = self.rail.dispatch(x, handle=handle.rail)
-            node = self.node.dispatch(rail.recv_x, handle=handle.node, src_tag=handle.tag)
+            streams = self._streams
+            streams.fork()
+            flags = self._flags("dispatch", handle.rail.num_rows)
+            with streams.producer():
+                calls = self._calls(self.node, DISPATCH_CALLS)
+                rail = self.rail.dispatch(x, handle=handle.rail, relay=Relay(flags, calls))
+            node = self.node.dispatch(rail.recv_x, handle=handle.node, src_tag=handle.tag,
+                                      relay=Relay(flags, await_rows=True))  # fmt: skip
+            streams.join(rail.recv_x, rail.handle.recv_src_idx)
             recv_x = _rows(node.recv_x, handle.order)
             return NormalDispatchOutput(recv_x, None, None, None, handle)
 
@@ -208,20 +265,47 @@ class InternodeMode:
                          shape=(num_tokens, self.num_ranks), device=self.device)  # fmt: skip
             check_tensor("num_tokens_per_expert", per_expert, dtype=torch.int32,
                          shape=(self.num_experts,), device=self.device)  # fmt: skip
+        config = self.rail._config(config)
+        self._check_budget(config)
+        C = config.num_channels
+        self.rail._check_fits_interpreter(num_tokens, config, "x")
         in_node = token_in_node(in_rank, G)
-        rail = self.rail.dispatch(x, topk_idx, topk_weights, per_expert, in_node,
-                                  num_worst_tokens=num_worst_tokens, config=config)  # fmt: skip
-        # Each forwarded row carries its origin: (source node, token index on the source).
-        from_node = _owners(rail.handle.recv_count, rail.handle.num_rows)
-        tag = ((from_node << TOKEN_BITS) | rail.handle.recv_src_idx).to(torch.int32)
-        node_ids = rail.recv_topk_idx  # node-local expert ids, -1 for other nodes
-        _, per_expert2, in_rank2 = self.node.get_dispatch_layout(node_ids)
-        node = self.node.dispatch(
-            rail.recv_x, node_ids, rail.recv_topk_weights, per_expert2, in_rank2,
-            expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
-            config=config, src_tag=tag,
+        # Each row carries its origin through the relay: (source node, token index).
+        tag = (self.node_index << TOKEN_BITS) | torch.arange(
+            num_tokens, dtype=torch.int32, device=self.device
+        )
+        streams = self._streams
+        streams.fork()
+        with streams.producer():
+            # With the counts, each source tells each destination node's relay how many rows
+            # of every channel it will forward to each GPU there: the NVLink leg's counts are
+            # known before any row arrives.
+            rail_plan = self.rail.notify(
+                in_node, per_expert, num_tokens, 1, num_worst_tokens, config,
+                extra=forward_counts(in_rank, C, G), channel_major=True,
+            )  # fmt: skip
+            notified = streams.mark()
+            flags = self._flags("dispatch", rail_plan.num_rows)
+            rail = self.rail.dispatch(
+                x, topk_idx, topk_weights, handle=rail_plan, src_tag=tag,
+                relay=Relay(flags, publish_to=self._calls(self.node, DISPATCH_CALLS)),
+            )  # fmt: skip
+        streams.wait(notified)
+        send_counts, bounds = relay_layout(rail_plan, C, G)
+        node_plan = self.node.notify(
+            None, rail_plan.host_info[1:], rail_plan.num_rows, expert_alignment,
+            num_worst_tokens, config, send_counts=send_counts,
         )  # fmt: skip
-        # Rows arrive per forwarder (local index), each forwarder's in (node, token) order;
+        node_plan.bounds = bounds
+        if self.device.type != "cuda":
+            self.node._check_fits_interpreter_bounds(bounds, config)
+        node = self.node.dispatch(
+            rail.recv_x, rail.recv_topk_idx, rail.recv_topk_weights, handle=node_plan,
+            src_tag=rail.handle.recv_src_idx, relay=Relay(flags, await_rows=True),
+        )  # fmt: skip
+        streams.join(rail.recv_x, rail.recv_topk_idx, rail.recv_topk_weights,
+                     *_tensors(rail.handle))  # fmt: skip
+        # Rows arrive per relay (local index), each relay's in (channel, node, token) order;
         # outputs go in (source rank, token) order, padding rows (tag -1) last.
         forwarder = _owners(node.handle.recv_count, node.handle.num_rows)
         tags = node.handle.recv_src_idx.long()
@@ -231,8 +315,9 @@ class InternodeMode:
         key = torch.where(padding, self.num_ranks << TOKEN_BITS, src_rank << TOKEN_BITS | token)
         order = torch.argsort(key, stable=True)
         new_handle = InternodeHandle(
-            rail.handle, node.handle, tag, order, token[order].to(torch.int32),
-            src_rank[order].to(torch.int32), num_tokens, self.hidden, self.num_experts,
+            rail.handle, node.handle, rail.handle.recv_src_idx, order,
+            token[order].to(torch.int32), src_rank[order].to(torch.int32), num_tokens,
+            self.hidden, self.num_experts,
         )  # fmt: skip
         weights = node.recv_topk_weights
         return NormalDispatchOutput(
@@ -265,8 +350,17 @@ class InternodeMode:
                          shape=(handle.num_rows, None), device=self.device)  # fmt: skip
             weights = torch.empty_like(topk_weights)
             weights[handle.order] = topk_weights
-        per_node, per_node_w = self.node.combine(back, handle.node, weights)
-        return self.rail.combine(per_node, handle.rail, per_node_w, bias)
+        streams = self._streams
+        streams.fork()
+        flags = self._flags("combine", handle.rail.num_rows)
+        with streams.producer():
+            calls = self._calls(self.rail, COMBINE_CALLS)
+            per_node, per_node_w = self.node.combine(back, handle.node, weights,
+                                                     relay=Relay(flags, calls))  # fmt: skip
+        out = self.rail.combine(per_node, handle.rail, per_node_w, bias,
+                                relay=Relay(flags, await_rows=True))  # fmt: skip
+        streams.join(per_node, per_node_w)
+        return out
 
     def destroy(self) -> None:
         """Release both legs' memory (collective)."""
@@ -274,6 +368,78 @@ class InternodeMode:
             self.rail.destroy()
         finally:
             self.node.destroy()
+
+
+class _Streams:
+    """The legs run at once: the writing leg on a side stream, the reading one on the caller's."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.main = None
+
+    def fork(self) -> None:
+        if self.side is not None:
+            self.main = torch.cuda.current_stream(self.device)
+            self.side.wait_stream(self.main)
+
+    def producer(self):
+        return torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext()
+
+    def mark(self):
+        """An event after the work queued on the side stream so far."""
+        if self.side is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.side)
+        return event
+
+    def wait(self, event) -> None:
+        if event is not None:
+            self.main.wait_event(event)
+
+    def join(self, *tensors) -> None:
+        """The caller's stream waits for the side stream; tensors made on the side stream are
+        then in use on the caller's (so their memory is not reused too early)."""
+        if self.side is None:
+            return
+        self.main.wait_stream(self.side)
+        for t in tensors:
+            for u in t if isinstance(t, tuple) else (t,):
+                if u is not None:
+                    u.record_stream(self.main)
+
+
+def forward_counts(is_token_in_rank: torch.Tensor, channels: int, gpus_per_node: int):
+    """``[nodes, C * G]`` int32: for each destination node, the tokens of each channel that
+    its relay will forward to each of its GPUs (what the relay's NVLink notify sends)."""
+    n, ranks = is_token_in_rank.shape
+    channel = torch.arange(n, device=is_token_in_rank.device) // max(-(-n // channels), 1)
+    counts = torch.zeros(channels, ranks, dtype=torch.int32, device=is_token_in_rank.device)
+    counts.index_add_(0, channel, is_token_in_rank.to(torch.int32))
+    nodes = ranks // gpus_per_node
+    return (
+        counts.view(channels, nodes, gpus_per_node).transpose(0, 1).reshape(nodes, -1).contiguous()
+    )
+
+
+def relay_layout(rail_plan: NormalHandle, channels: int, gpus_per_node: int):
+    """The NVLink leg of a relay from its network leg's notify, on the device: ``[G, C]``
+    int32 rows each channel forwards to each GPU of the node, and ``[C + 1]`` int32 channel
+    bounds over the relayed rows (channel-major: channel ``c`` relays the rows that channel
+    ``c`` of every source node delivered). Rows past the network leg's outputs (worst-case
+    sizing too small) are not relayed: the network leg reports the overflow."""
+    sources = rail_plan.extra.shape[0]
+    counts = rail_plan.extra.view(sources, channels, gpus_per_node).sum(0, dtype=torch.int32)
+    total = rail_plan.host_info[:1]
+    fits = (total <= rail_plan.num_rows).to(torch.int32)
+    bounds = torch.cat([rail_plan.recv_start[0], total]) * fits
+    return (counts.t() * fits).contiguous(), bounds
+
+
+def _tensors(handle: NormalHandle):
+    return (handle.recv_count, handle.recv_start, handle.host_info, handle.recv_src_idx,
+            handle.extra)  # fmt: skip
 
 
 def token_in_node(is_token_in_rank: torch.Tensor, gpus_per_node: int) -> torch.Tensor:

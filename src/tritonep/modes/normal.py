@@ -59,6 +59,8 @@ PHASES = {
     normal_dispatch.PHASE_DISPATCH_RECV.value: "dispatch receive",
     normal_combine.PHASE_COMBINE_SEND.value: "combine send",
     normal_combine.PHASE_COMBINE_RECV.value: "combine receive",
+    normal_dispatch.PHASE_DISPATCH_RELAY.value: "dispatch relay (rows from the network leg)",
+    normal_combine.PHASE_COMBINE_RELAY.value: "combine relay (sums from the NVLink leg)",
 }
 
 #: SM budget of a call by default on GPUs (DeepEP's default is 20-24).
@@ -202,12 +204,13 @@ class NormalLayout:
     total: int
 
     @staticmethod
-    def of(hidden, num_ranks, num_local_experts, max_topk, max_channels, ring_tokens, staged=False):
+    def of(hidden, num_ranks, num_local_experts, max_topk, max_channels, ring_tokens, staged=False,
+           notify_extra=0):  # fmt: skip
         groups = hidden // 128 if hidden % 128 == 0 else 0
         record = _align(1 + 2 * max_topk, 4)
         dispatch_slot = 4 * (_align(hidden // 2 + groups, 4) + record)
         combine_slot = _align(2 * hidden + 4 * max_topk, 16)
-        notify_row = _align(max_channels + num_local_experts, 4)
+        notify_row = _align(max_channels + num_local_experts + notify_extra, 4)
         notify_set = _align(num_ranks * notify_row * 4, 128)
         flags = _align(max_channels * num_ranks * 8, 128)
         offset = 0
@@ -251,6 +254,13 @@ class NormalHandle:
         hidden: hidden size.
         num_experts: experts in total.
         config: the call's :class:`Config` (combine uses the same channels).
+        num_recv_tokens_per_expert: as in :class:`NormalDispatchOutput` (None once cached).
+        extra: ``[R, X]`` int32, the extra words each source's notify row carried, or None.
+        bounds: ``[C + 1]`` int32, the first token of each channel when channels are given
+            ranges (a relay's), else None (``C`` equal splits of the tokens).
+        ranks_from_ids: whether the next dispatch with this handle computes
+            ``is_token_in_rank`` from the ids it moves (a handle from :meth:`NormalMode.notify`
+            with ``send_counts``).
     """
 
     is_token_in_rank: torch.Tensor
@@ -264,6 +274,27 @@ class NormalHandle:
     hidden: int
     num_experts: int
     config: Config
+    num_recv_tokens_per_expert: list[int] | torch.Tensor | None = None
+    extra: torch.Tensor | None = None
+    bounds: torch.Tensor | None = None
+    ranks_from_ids: bool = False
+
+
+@dataclass
+class Relay:
+    """Per-row flags between two launches on this GPU: one writes rows, the other reads them
+    as they come (the two legs of :class:`~tritonep.modes.internode.InternodeMode`).
+
+    Attributes:
+        flags: ``[rows]`` int32, one flag per row of the relayed tensor.
+        publish_to: set by the writing side: a one-element int64 view of the reading launch's
+            call counter; each written row's flag becomes its value + 1.
+        await_rows: set by the reading side: wait for each row's flag (its own call + 1).
+    """
+
+    flags: torch.Tensor
+    publish_to: torch.Tensor | None = None
+    await_rows: bool = False
 
 
 @dataclass
@@ -307,6 +338,8 @@ class NormalMode:
         staged: reach every peer through staging in this rank's heap and puts
             (:mod:`tritonep.kernels.transport`: NVSHMEM puts on NVSHMEM heaps, else copies),
             as a group whose peers are on other nodes needs; default: stores into peers.
+        notify_extra: int32 words a notify row may carry besides the counts
+            (:meth:`notify`'s ``extra``).
     """
 
     def __init__(
@@ -323,12 +356,13 @@ class NormalMode:
         profile: bool | TraceRecorder = False,
         label: str = "normal",
         staged: bool = False,
+        notify_extra: int = 0,
     ):
         self.group = group or dist.group.WORLD
         self.label = label
         check_ranks_agree(
             self.group, "NormalMode", hidden=hidden, num_experts=num_experts, max_topk=max_topk,
-            max_sms=max_sms, ring_tokens=ring_tokens, staged=staged,
+            max_sms=max_sms, ring_tokens=ring_tokens, staged=staged, notify_extra=notify_extra,
             device_type=torch.device(device).type if device is not None else None,
         )  # fmt: skip
         self.rank = dist.get_rank(self.group)
@@ -355,8 +389,9 @@ class NormalMode:
         )
         self.layout = NormalLayout.of(
             hidden, self.num_ranks, self.num_local_experts, max_topk, max_sms // 2, ring_tokens,
-            staged,
+            staged, notify_extra,
         )  # fmt: skip
+        self.notify_extra = notify_extra
         self.heap = allocate(self.layout.total, self.group, device)
         self.device = self.heap.device
         #: How peers are reached (:mod:`tritonep.kernels.transport`).
@@ -408,6 +443,16 @@ class NormalMode:
                     "channel must fit its ring (the interpreter runs programs one by one)"
                 )
 
+    def _check_fits_interpreter_bounds(self, bounds: torch.Tensor, config: Config) -> None:
+        """:meth:`_check_fits_interpreter` for channels given as ranges (CPU ranks only)."""
+        widest = int((bounds[1:] - bounds[:-1]).max()) if bounds.numel() > 1 else 0
+        if widest > config.nvl_recv_buffer_tokens:
+            raise ValueError(
+                f"x: a channel of {widest} relayed tokens exceeds the ring of "
+                f"{config.nvl_recv_buffer_tokens} slots; on CPU ranks a channel must fit its "
+                "ring (the interpreter runs programs one by one)"
+            )
+
     def _launch(self, kernel, name, num_programs, args, key, build_meta):
         """Launch ``kernel`` with ``args`` and the constexprs and options ``build_meta()``
         returns, built once per ``key`` (everything they depend on besides the mode): one
@@ -434,6 +479,95 @@ class NormalMode:
         check_topk_idx("topk_idx", topk_idx, None, self.num_experts, self.device, self.check_ids)
         return dispatch_layout(topk_idx, self.num_experts, self.num_ranks, self._layout_arrivals)
 
+    def notify(
+        self,
+        is_token_in_rank: torch.Tensor | None,
+        num_tokens_per_expert: torch.Tensor,
+        num_tokens: int,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Config | None = None,
+        send_counts: torch.Tensor | None = None,
+        extra: torch.Tensor | None = None,
+        channel_major: bool = False,
+    ) -> NormalHandle:
+        """The count exchange alone: a handle with which :meth:`dispatch` then moves the
+        tokens (given their ids: ``dispatch(x, topk_idx, ..., handle=handle)``).
+
+        Args:
+            is_token_in_rank: ``[N, R]`` bool, or None with ``send_counts``.
+            num_tokens_per_expert: ``[E]`` int32, top-k entries per expert of this group.
+            num_tokens: ``N``.
+            expert_alignment, num_worst_tokens, config: as for :meth:`dispatch`.
+            send_counts: ``[R, C]`` int32 tokens each channel will send to each rank, given
+                instead of ``is_token_in_rank`` by a relay that learns its rows later; the
+                next dispatch computes ``is_token_in_rank`` from the ids it moves.
+            extra: ``[R, X]`` int32 (``X <= notify_extra``) sent to each rank with the counts;
+                the handle's ``extra`` holds what each source sent here.
+            channel_major: order received rows by channel, then source (each channel's rows
+                one range), instead of by source, then channel.
+        Returns:
+            a :class:`NormalHandle` (exact mode: after one host read of the received count).
+        """
+        config = self._config(config)
+        R, E_local, C = self.num_ranks, self.num_local_experts, config.num_channels
+        if send_counts is not None:
+            check_tensor("send_counts", send_counts, dtype=torch.int32, shape=(R, C),
+                         device=self.device)  # fmt: skip
+            in_rank = torch.zeros(num_tokens, R, dtype=torch.bool, device=self.device)
+            counted = send_counts
+        else:
+            in_rank = is_token_in_rank
+            counted = in_rank.view(torch.int8)
+        X = 0
+        if extra is not None:
+            X = extra.shape[1]
+            if not 1 <= X <= self.notify_extra:
+                raise ValueError(
+                    f"extra: expected 1 to {self.notify_extra} words per rank, got {X}"
+                )
+            check_tensor("extra", extra, dtype=torch.int32, shape=(R, X), device=self.device)
+        recv_count = torch.empty(R, C, dtype=torch.int32, device=self.device)
+        recv_start = torch.empty(R, C, dtype=torch.int32, device=self.device)
+        host_info = torch.empty(1 + E_local, dtype=torch.int32, device=self.device)
+        extra_out = torch.empty(R, max(X, 1), dtype=torch.int32, device=self.device)
+        self._launch(
+            normal_notify.notify_kernel,
+            f"{self.label} notify",
+            R,
+            (
+                counted, num_tokens, num_tokens_per_expert,
+                self.heap.peer_ptrs, self.rank, self.layout.notify,
+                self.layout.stage_notify, self.transport.pes, self.state,
+                self._decoded, recv_count, recv_start, host_info, num_worst_tokens,
+                extra if extra is not None else extra_out, extra_out,
+                self.status, self._timeout_ns,
+            ),
+            (C, expert_alignment, send_counts is not None, X, channel_major),
+            lambda: dict(
+                NUM_RANKS=R, NUM_CHANNELS=C, E_LOCAL=E_local, ALIGN=expert_alignment,
+                ROW=self.layout.notify_row, SET_BYTES=self.layout.notify_set,
+                USE_CLOCK=use_clock(self.device), BLOCK_N=256,
+                C_P2=_next_pow2(C + 1), E_P2=_next_pow2(max(E_local, 2)),
+                R_P2=_next_pow2(max(R, 2)), COUNTS_GIVEN=send_counts is not None, EXTRA=X,
+                X_P2=_next_pow2(max(X, 2)), CHANNEL_MAJOR=channel_major,
+            ),
+        )  # fmt: skip
+        if num_worst_tokens:
+            num_recv, rows = -1, num_worst_tokens
+            per_expert = host_info[1:]
+        else:
+            # The one host synchronization of exact mode: the received count.
+            info = torch.cat([host_info, self.status]).tolist()
+            check_status(info[-4:], self.rank, PHASES, self.timeout_s, "channel {}")
+            num_recv = rows = info[0]
+            per_expert = info[1 : 1 + E_local]
+        return NormalHandle(
+            in_rank, recv_count, recv_start, host_info, None, num_recv, rows, num_tokens,
+            self.hidden, self.num_experts, config, per_expert,
+            extra_out if extra is not None else None, None, send_counts is not None,
+        )  # fmt: skip
+
     # --------------------------------------------------------------------------- dispatch
     def dispatch(
         self,
@@ -447,6 +581,7 @@ class NormalMode:
         num_worst_tokens: int = 0,
         config: Config | None = None,
         src_tag: torch.Tensor | None = None,
+        relay: Relay | None = None,
     ) -> NormalDispatchOutput:
         """Send each token once to every rank that holds one of its experts.
 
@@ -459,7 +594,9 @@ class NormalMode:
                 here when None).
             is_token_in_rank: ``[N, R]`` bool from :meth:`get_dispatch_layout` (likewise).
             handle: a handle of an earlier dispatch with the same routing: cached mode, only
-                ``x`` moves (no notify, no host synchronization).
+                ``x`` moves (no notify, no host synchronization; ``topk_idx`` and
+                ``topk_weights`` are ignored). A handle from :meth:`notify` with
+                ``topk_idx`` (and weights): the ids move too.
             expert_alignment: round the per-expert counts up to a multiple of this.
             num_worst_tokens: if > 0, size the outputs to this many rows and skip the host
                 synchronization (rows past the received ones get top-k ids ``-1``).
@@ -467,6 +604,9 @@ class NormalMode:
             src_tag: optional ``[N]`` int32 that receivers record as each row's source index
                 (``handle.recv_src_idx``) instead of the token index: a relay passes on where
                 its rows came from.
+            relay: per-row flags shared with another launch on this GPU: the senders wait
+                for each token's flag (``await_rows``), or the receivers flag each row they
+                write (``publish_to``).
         Returns:
             a :class:`NormalDispatchOutput`.
         """
@@ -482,27 +622,31 @@ class NormalMode:
         if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
             raise ValueError(f"num_worst_tokens: expected an int >= 0, got {num_worst_tokens}")
         R, E_local = self.num_ranks, self.num_local_experts
-        cached = handle is not None
-        if cached:
+        if handle is not None:
             if not isinstance(handle, NormalHandle):
                 raise TypeError(f"handle: expected a NormalHandle, got {type(handle).__name__}")
             if handle.num_tokens != num_tokens:
                 raise ValueError(
                     f"x: the handle is for {handle.num_tokens} tokens, got {num_tokens}"
                 )
-            config = handle.config
-            in_rank = handle.is_token_in_rank
-            topk = 1
-        else:
-            config = self._config(config)
+            if handle.ranks_from_ids and topk_idx is None:
+                raise ValueError("topk_idx: required with a handle from notify(send_counts=...)")
+            if handle.recv_src_idx is not None:  # cached mode: the ids stay (as DeepEP's)
+                topk_idx = topk_weights = None
+        has_topk = topk_idx is not None
+        if has_topk:
             topk_idx = check_topk_idx(
                 "topk_idx", topk_idx, num_tokens, self.num_experts, self.device, self.check_ids
             )
-            topk = topk_idx.shape[1]
-            if topk > self.max_topk:
-                raise ValueError(f"topk_idx: top-k {topk} exceeds max_topk={self.max_topk}")
+            if topk_idx.shape[1] > self.max_topk:
+                raise ValueError(
+                    f"topk_idx: top-k {topk_idx.shape[1]} exceeds max_topk={self.max_topk}"
+                )
             if topk_weights is not None:
                 check_topk_weights("topk_weights", topk_weights, topk_idx)
+        if handle is None:
+            if not has_topk:
+                raise ValueError("topk_idx: required without a handle")
             if (num_tokens_per_expert is None) != (is_token_in_rank is None):
                 raise ValueError(
                     "num_tokens_per_expert, is_token_in_rank: give both (from "
@@ -520,53 +664,18 @@ class NormalMode:
                 "num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32,
                 shape=(self.num_experts,), device=self.device,
             )  # fmt: skip
-            in_rank = is_token_in_rank
-        self._check_fits_interpreter(num_tokens, config, "x")
+            self._check_fits_interpreter(num_tokens, self._config(config), "x")
+            handle = self.notify(is_token_in_rank, num_tokens_per_expert, num_tokens,
+                                 expert_alignment, num_worst_tokens, config)  # fmt: skip
+        elif handle.bounds is None:
+            self._check_fits_interpreter(num_tokens, handle.config, "x")
         if src_tag is not None:
             check_tensor("src_tag", src_tag, dtype=torch.int32, shape=(num_tokens,),
                          device=self.device)  # fmt: skip
+        config, in_rank = handle.config, handle.is_token_in_rank
         C = config.num_channels
-
-        # Notify: per-(source, channel) counts, output rows and per-expert counts.
-        if cached:
-            recv_count, recv_start = handle.recv_count, handle.recv_start
-            host_info = handle.host_info
-            num_recv = handle.num_recv_tokens
-            rows = handle.num_rows
-            per_expert = None
-        else:
-            recv_count = torch.empty(R, C, dtype=torch.int32, device=self.device)
-            recv_start = torch.empty(R, C, dtype=torch.int32, device=self.device)
-            host_info = torch.empty(1 + E_local, dtype=torch.int32, device=self.device)
-            self._launch(
-                normal_notify.notify_kernel,
-                f"{self.label} notify",
-                R,
-                (
-                    in_rank.view(torch.int8), num_tokens, num_tokens_per_expert,
-                    self.heap.peer_ptrs, self.rank, self.layout.notify,
-                    self.layout.stage_notify, self.transport.pes, self.state,
-                    self._decoded, recv_count, recv_start, host_info, num_worst_tokens,
-                    self.status, self._timeout_ns,
-                ),
-                (C, expert_alignment),
-                lambda: dict(
-                    NUM_RANKS=R, NUM_CHANNELS=C, E_LOCAL=E_local, ALIGN=expert_alignment,
-                    ROW=self.layout.notify_row, SET_BYTES=self.layout.notify_set,
-                    USE_CLOCK=use_clock(self.device), BLOCK_N=256,
-                    C_P2=_next_pow2(C + 1), E_P2=_next_pow2(max(E_local, 2)),
-                    R_P2=_next_pow2(max(R, 2)),
-                ),
-            )  # fmt: skip
-            if num_worst_tokens:
-                num_recv, rows = -1, num_worst_tokens
-                per_expert = host_info[1:]
-            else:
-                # The one host synchronization of exact mode: the received count.
-                info = torch.cat([host_info, self.status]).tolist()
-                check_status(info[-4:], self.rank, PHASES, self.timeout_s, "channel {}")
-                num_recv = rows = info[0]
-                per_expert = info[1 : 1 + E_local]
+        topk = topk_idx.shape[1] if has_topk else 1
+        num_recv, rows = handle.num_recv_tokens, handle.num_rows
 
         # Outputs.
         W = hidden // 4 if use_fp8 else hidden // 2
@@ -582,12 +691,15 @@ class NormalMode:
             recv_x = self._empty((rows, hidden), torch.bfloat16)
             x_words, out_words = x.view(torch.int32), recv_x.view(torch.int32)
             scale_words = out_scales = out_words
-        has_topk = not cached
         has_weights = has_topk and topk_weights is not None
         recv_topk_idx = self._empty((rows, topk), torch.int64) if has_topk else None
         recv_weights = self._empty((rows, topk), torch.float32) if has_weights else None
         recv_src_idx = self._empty((rows,), torch.int32)
         dummy = out_words
+        ranks_from_ids = handle.ranks_from_ids and has_topk
+        bounds = handle.bounds
+        awaits = relay is not None and relay.await_rows
+        publish = relay is not None and relay.publish_to is not None
 
         def build_meta():  # once per configuration: _launch
             r_p2 = _next_pow2(max(R, 2))
@@ -604,7 +716,8 @@ class NormalMode:
                 TOK=_step_tokens(config, SEND_TILE * warps // 16 // bw), ROWS=rows_per_source,
                 BW=bw, RBW=min(RECV_TILE // (r_p2 * rows_per_source), _next_pow2(W)),
                 R_P2=r_p2, K_P2=_next_pow2(max(topk, 2)), G_P2=_next_pow2(max(G, 2)),
-                num_warps=warps,
+                BOUNDS=bounds is not None, AWAIT=awaits, RANKS_FROM_IDS=ranks_from_ids,
+                PUBLISH=publish, num_warps=warps,
             )  # fmt: skip
 
         self._launch(
@@ -617,18 +730,24 @@ class NormalMode:
                 src_tag if src_tag is not None else dummy, num_tokens,
                 self.heap.peer_ptrs, self.rank, self.layout.dispatch_ring,
                 self.layout.dispatch_tail, self.layout.dispatch_head, self.layout.stage_rings,
-                self.transport.pes, self.state, recv_count,
-                recv_start, host_info, out_words, out_scales,
+                self.transport.pes, self.state, handle.recv_count,
+                handle.recv_start, handle.host_info, out_words, out_scales,
                 recv_topk_idx if has_topk else dummy, recv_weights if has_weights else dummy,
                 recv_src_idx, rows, self.status, self._timeout_ns,
+                bounds if bounds is not None else handle.recv_count,
+                relay.flags if relay is not None else handle.recv_count,
+                relay.publish_to if publish else self.state,
             ),
-            (config, use_fp8, topk, has_topk, has_weights, src_tag is not None, num_recv < 0),
+            (config, use_fp8, topk, has_topk, has_weights, src_tag is not None, num_recv < 0,
+             bounds is not None, awaits, ranks_from_ids, publish),
             build_meta,
         )  # fmt: skip
         new_handle = NormalHandle(
-            in_rank, recv_count, recv_start, host_info, recv_src_idx, num_recv, rows,
-            num_tokens, hidden, self.num_experts, config,
+            in_rank, handle.recv_count, handle.recv_start, handle.host_info, recv_src_idx,
+            num_recv, rows, num_tokens, hidden, self.num_experts, config,
+            bounds=bounds, extra=handle.extra,
         )  # fmt: skip
+        per_expert = handle.num_recv_tokens_per_expert if has_topk else None
         return NormalDispatchOutput(recv_x, recv_topk_idx, recv_weights, per_expert, new_handle)
 
     # ---------------------------------------------------------------------------- combine
@@ -638,6 +757,7 @@ class NormalMode:
         handle: NormalHandle,
         topk_weights: torch.Tensor | None = None,
         bias: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
+        relay: Relay | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hand every received row back and sum, per source token, the rows of all ranks.
 
@@ -647,6 +767,9 @@ class NormalMode:
             handle: from :meth:`dispatch`.
             topk_weights: ``[M, K]`` float32 summed along with the rows, or None.
             bias: ``[N, H]`` BF16, or a tuple of up to two, added to the sum.
+            relay: per-row flags shared with another launch on this GPU: the senders wait
+                for each row's flag (``await_rows``), or the receivers flag each token they
+                sum (``publish_to``).
         Returns:
             ``(combined_x [N, H] BF16, combined_topk_weights [N, K] float32 or None)``.
         """
@@ -672,8 +795,11 @@ class NormalMode:
                 shape=(N, H), device=self.device,
             )  # fmt: skip
         config = handle.config
-        self._check_fits_interpreter(N, config, "handle")
+        if handle.bounds is None:
+            self._check_fits_interpreter(N, config, "handle")
         C, R = config.num_channels, self.num_ranks
+        awaits = relay is not None and relay.await_rows
+        publish = relay is not None and relay.publish_to is not None
         out = self._empty((N, H), torch.bfloat16)
         out_weights = self._empty((N, K), torch.float32) if topk_weights is not None else None
         dummy = out
@@ -683,6 +809,8 @@ class NormalMode:
             # narrower ones (a step's rows are contiguous).
             r_p2, bw = _next_pow2(max(R, 2)), min(COMBINE_BW, _next_pow2(H // 2))
             rows = max(1, min(STEP_ROWS // r_p2, COMBINE_SEND_TILE // (r_p2 * bw)))
+            if awaits:  # reading a relay's rows (no tile in flight): half the rows, no spill
+                rows = max(1, rows // 2)
             return dict(
                 H=H, K=K, NUM_RANKS=R, NUM_CHANNELS=C, MAX_CHANNELS=self.layout.max_channels,
                 RING=config.nvl_recv_buffer_tokens,
@@ -691,6 +819,7 @@ class NormalMode:
                 USE_CLOCK=use_clock(self.device),
                 TOK=_step_tokens(config, COMBINE_RECV_TILE // (2 * bw)),
                 ROWS=rows, BW=bw, R_P2=r_p2, K_P2=_next_pow2(max(K, 2)), num_warps=COMBINE_WARPS,
+                BOUNDS=handle.bounds is not None, AWAIT=awaits, PUBLISH=publish,
                 # Sums round as in the reference (no fused multiply-add).
                 enable_fp_fusion=False,
             )  # fmt: skip
@@ -708,8 +837,12 @@ class NormalMode:
                 self.layout.stage_rings, self.transport.pes,
                 self.state, out, out_weights if out_weights is not None else dummy,
                 self.status, self._timeout_ns,
+                handle.bounds if handle.bounds is not None else handle.recv_count,
+                relay.flags if relay is not None else handle.recv_count,
+                relay.publish_to if publish else self.state,
             ),
-            (config, H, K, topk_weights is not None, len(terms)),
+            (config, H, K, topk_weights is not None, len(terms), handle.bounds is not None,
+             awaits, publish),
             build_meta,
         )  # fmt: skip
         return out, out_weights
