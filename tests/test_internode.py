@@ -111,7 +111,9 @@ def _overflow_body(ctx, rows):
     case = make_case(7, [7, 6, 5, 0], 128, E, 3, "random")
     want = ref.normal_dispatch(list(case.x), case.topk_idx, case.topk_weights, E)[me]
     x, idx = case.x[me].to(dev), case.topk_idx[me].to(dev)
-    mode.dispatch(x, idx, num_worst_tokens=rows)
+    out = mode.dispatch(x, idx, num_worst_tokens=rows)
+    combined, _ = mode.combine(torch.nan_to_num(out.recv_x), out.handle)  # must not wait
+    assert not bool(combined.isnan().any())
     try:
         mode.check()
     except ValueError as e:  # a WaitTimeoutError (a hang, bounded) fails the test

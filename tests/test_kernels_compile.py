@@ -207,6 +207,7 @@ NORMAL_DISPATCH_META = dict(
 )  # fmt: skip
 NORMAL_COMBINE = {
     "x_ptr": "*bf16", "weights_ptr": "*fp32", "in_rank_ptr": "*i8", "num_tokens": "i32",
+    "num_rows": "i32",
     "bias0_ptr": "*bf16", "bias1_ptr": "*bf16", "recv_count_ptr": "*i32",
     "recv_start_ptr": "*i32", **FLAGS, "out_ptr": "*bf16", "out_weights_ptr": "*fp32",
     "status_ptr": "*i32", "timeout_ns": "i64", "bounds_ptr": "*i32", "ready_ptr": "*i32",

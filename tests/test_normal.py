@@ -211,6 +211,37 @@ def test_calls_may_change_the_sm_budget(run_ranks):
     assert run_ranks(2, _changing_budget_body, [2, 6, 4, 2, 6]) == [True, True]
 
 
+def _overflow_body(ctx, rows):
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    experts = 2 * R
+    mode = nm.NormalMode(None, 128, experts, max_topk=2, device=dev, timeout_s=20)
+    case = make_case(9, [9, 7, 8][:R], 128, experts, 2, "random")
+    want = ref.normal_dispatch(list(case.x), case.topk_idx, case.topk_weights, experts)[me]
+    x, idx = case.x[me].to(dev), case.topk_idx[me].to(dev)
+    out = mode.dispatch(x, idx, num_worst_tokens=rows)
+    # The combine input sits in front of NaN rows: a sender that reads past its rows (to hand
+    # back the ones that overflowed) would sum NaN into some token.
+    padded = torch.full((rows + 64, 128), float("nan"), dtype=torch.bfloat16, device=dev)
+    padded[:rows] = torch.nan_to_num(out.recv_x)
+    combined, _ = mode.combine(padded[:rows], out.handle)
+    assert not bool(combined.isnan().any()), f"rank {me} read past the combine input"
+    try:
+        mode.check()
+    except ValueError as e:  # a wait that timed out (WaitTimeoutError) fails the test
+        assert "num_worst_tokens" in str(e), e
+        assert want.num_recv_tokens > rows
+        return "overflow"
+    assert want.num_recv_tokens <= rows
+    return "fits"
+
+
+def test_worst_case_overflow_is_reported_and_combine_stays_in_bounds(run_ranks):
+    """More rows arrive than worst-case outputs hold: the rank says so, and combine neither
+    waits for the dropped rows nor reads past its input."""
+    results = run_ranks(3, _overflow_body, 6, timeout=300)
+    assert "overflow" in results, results
+
+
 def _graph_body(ctx, replays):
     """Worst-case dispatch -> experts -> combine captured in one CUDA graph, replayed with new
     inputs of the same shapes; every replay is checked against the reference."""

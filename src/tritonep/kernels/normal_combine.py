@@ -48,16 +48,21 @@ COMBINE_ARRIVALS = tl.constexpr(5)
 
 
 @triton.jit
-def first_tile(x_words, start, sent, count, steps, words, W: tl.constexpr, R_P2: tl.constexpr,
-               ROWS: tl.constexpr):  # fmt: skip
+def first_tile(x_words, start, sent, count, limit, steps, words, W: tl.constexpr,
+               R_P2: tl.constexpr, ROWS: tl.constexpr, ZEROS: tl.constexpr):  # fmt: skip
     """The first payload tile ``[R_P2 * ROWS, BW]`` of a sender step: for every source rank,
     the next rows it still wants (``start + sent`` on, at most ``ROWS``, fewer than
-    ``count - sent`` read as nothing)."""
+    ``count - sent`` read as nothing). Rows from ``limit`` on read as zeros (``ZEROS``) or as
+    row ``limit - 1`` (fewer registers)."""
     i = steps[None, :]
     row = tl.reshape((start[:, None] + sent[:, None] + i).to(tl.int64), (R_P2 * ROWS,))
     want = tl.reshape(i < (count - sent)[:, None], (R_P2 * ROWS,))
+    if ZEROS:
+        want = want & (row < limit)
+    else:
+        row = tl.minimum(row, tl.maximum(limit - 1, 0))
     at = x_words + row[:, None] * W + words[None, :]
-    return tl.load(at, mask=want[:, None] & (words < W)[None, :])
+    return tl.load(at, mask=want[:, None] & (words < W)[None, :], other=0)
 
 
 @triton.jit
@@ -77,6 +82,8 @@ def combine_send(
     pe_ptr,
     status_ptr,
     timeout_ns,
+    num_rows,
+    bounds_ptr,
     ready_ptr,
     H: tl.constexpr,
     K: tl.constexpr,
@@ -123,12 +130,19 @@ def combine_send(
     clock = start_clock(USE_CLOCK)
     spins = tl.zeros((), tl.int64)
     pending = tl.sum(count, 0)
+    # Rows past the input (worst-case outputs that overflowed) or past what the relay will
+    # flag (a relay that dropped its rows) are not read: the last row goes back in their
+    # place, or zeros from a relay (whose rows past the limit were never written); the
+    # overflow is reported, no source waits and nothing is read out of bounds.
+    limit = num_rows
+    if AWAIT:
+        limit = tl.minimum(limit, tl.load(bounds_ptr + NUM_CHANNELS))
     # A step's heads and first tile are read before the previous step's release (a tile holds
     # every row a source still wants, up to ``ROWS``; a full ring only masks its stores), so
     # a step costs about one memory latency.
     heads = tl.atomic_add(head_flag, 0, mask=sent < count, sem="acquire", scope="sys")
     if not AWAIT:
-        v = first_tile(x_words, start, sent, count, steps, words, W, R_P2, ROWS)
+        v = first_tile(x_words, start, sent, count, limit, steps, words, W, R_P2, ROWS, AWAIT)
     starved = pending < 0  # waiting on the other leg's rows rather than on a peer
     while (pending > 0) & (elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns):
         waiting = sent < count
@@ -143,34 +157,43 @@ def combine_send(
             at = (start[:, None] + sent[:, None] + nth).to(tl.int64)
             want = nth < take[:, None]
             flag = tl.atomic_add(ready_ptr + at, 0, mask=want, sem="acquire", scope="gpu")
-            ready = tl.min(tl.where(want & (flag != (call + 1).to(tl.int32)), nth, ROWS), 1)
+            late = want & (at < limit) & (flag != (call + 1).to(tl.int32))
+            ready = tl.min(tl.where(late, nth, ROWS), 1)
             starved = tl.max(take - ready, 0) > 0
             take = tl.minimum(take, ready)
             tl.debug_barrier()
-            v = first_tile(x_words, start, sent, sent + take, steps, words, W, R_P2, ROWS)
+            v = first_tile(x_words, start, sent, sent + take, limit, steps, words, W, R_P2,
+                           ROWS, AWAIT)  # fmt: skip
         if tl.max(take, 0) > 0:
             i = steps[None, :]
             slot = ((sent[:, None] + i) % RING).to(tl.int64)
             dst = tl.reshape(ring[:, None] + slot * SLOT_BYTES, (R_P2 * ROWS,))
             row = tl.reshape((start[:, None] + sent[:, None] + i).to(tl.int64), (R_P2 * ROWS,))
             live = tl.reshape(i < take[:, None], (R_P2 * ROWS,))
+            held = live
+            if AWAIT:
+                held = live & (row < limit)
+            else:
+                row = tl.minimum(row, tl.maximum(limit - 1, 0))
             p = aligned_ptr(dst, tl.int32)
             rows = x_words + row[:, None] * W
             if HAS_WEIGHTS:
                 m2 = live[:, None] & kmask[None, :]
-                wv = tl.load(weights_ptr + row[:, None] * K + ks[None, :], mask=m2)
+                wv = tl.load(weights_ptr + row[:, None] * K + ks[None, :],
+                             mask=held[:, None] & kmask[None, :], other=0.0)  # fmt: skip
             for w0 in range(0, LAST, BW):
                 w = w0 + words
                 wn = w + BW
-                v_next = tl.load(rows + wn[None, :], mask=live[:, None] & (wn < W)[None, :])
+                v_next = tl.load(rows + wn[None, :], mask=held[:, None] & (wn < W)[None, :],
+                                 other=0)  # fmt: skip
                 tl.store(p[:, None] + w[None, :], v, mask=live[:, None] & (w < W)[None, :])
                 v = v_next
             w = LAST + words
             if AWAIT:  # the next tile is read after its flags, at the top of the next step
                 tl.store(p[:, None] + w[None, :], v, mask=live[:, None] & (w < W)[None, :])
             else:
-                v_next = first_tile(x_words, start, sent + take, count, steps, words, W, R_P2,
-                                    ROWS)  # fmt: skip
+                v_next = first_tile(x_words, start, sent + take, count, limit, steps, words, W,
+                                    R_P2, ROWS, AWAIT)  # fmt: skip
                 tl.store(p[:, None] + w[None, :], v, mask=live[:, None] & (w < W)[None, :])
                 v = v_next
             if HAS_WEIGHTS:
@@ -343,6 +366,7 @@ def normal_combine_kernel(
     weights_ptr,  # [M, K] float32 weights handed back with the rows (optional)
     in_rank_ptr,  # [N, R] int8 is_token_in_rank of the dispatch
     num_tokens,
+    num_rows,  # M
     bias0_ptr,  # [N, H] bf16 (optional)
     bias1_ptr,  # [N, H] bf16 (optional)
     recv_count_ptr,  # [R, C] int32 rows each (source, channel) delivered here
@@ -359,7 +383,8 @@ def normal_combine_kernel(
     out_weights_ptr,  # [N, K] float32 (optional)
     status_ptr,
     timeout_ns,
-    bounds_ptr,  # [C + 1] int32 first token of each channel (BOUNDS)
+    bounds_ptr,  # [C + 1] int32 first token of each channel (BOUNDS); with AWAIT, [C] is the
+    # number of input rows the relay flags (the others are not read)
     ready_ptr,  # [rows] int32 per-row flags: awaited on the input (AWAIT), set on the output
     relay_call_ptr,  # int64 call counter of the launch that awaits the flags set here (PUBLISH)
     trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE)
@@ -406,6 +431,8 @@ def normal_combine_kernel(
             pe_ptr,
             status_ptr,
             timeout_ns,
+            num_rows,
+            bounds_ptr,
             ready_ptr,
             H,
             K,

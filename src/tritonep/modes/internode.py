@@ -357,8 +357,8 @@ class InternodeMode:
             calls = self._calls(self.rail, COMBINE_CALLS)
             per_node, per_node_w = self.node.combine(back, handle.node, weights,
                                                      relay=Relay(flags, calls))  # fmt: skip
-        out = self.rail.combine(per_node, handle.rail, per_node_w, bias,
-                                relay=Relay(flags, await_rows=True))  # fmt: skip
+        relay = Relay(flags, await_rows=True, limit=handle.node.bounds)
+        out = self.rail.combine(per_node, handle.rail, per_node_w, bias, relay=relay)
         streams.join(per_node, per_node_w)
         return out
 

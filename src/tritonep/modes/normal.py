@@ -290,11 +290,14 @@ class Relay:
         publish_to: set by the writing side: a one-element int64 view of the reading launch's
             call counter; each written row's flag becomes its value + 1.
         await_rows: set by the reading side: wait for each row's flag (its own call + 1).
+        limit: with ``await_rows`` in combine, ``[C + 1]`` int32 whose last value is the
+            number of rows the writing side will flag (the rest are not awaited).
     """
 
     flags: torch.Tensor
     publish_to: torch.Tensor | None = None
     await_rows: bool = False
+    limit: torch.Tensor | None = None
 
 
 @dataclass
@@ -800,6 +803,8 @@ class NormalMode:
         C, R = config.num_channels, self.num_ranks
         awaits = relay is not None and relay.await_rows
         publish = relay is not None and relay.publish_to is not None
+        if awaits and relay.limit is None:
+            raise ValueError("relay: a combine that awaits rows needs the relay's limit")
         out = self._empty((N, H), torch.bfloat16)
         out_weights = self._empty((N, K), torch.float32) if topk_weights is not None else None
         dummy = out
@@ -830,14 +835,15 @@ class NormalMode:
             2 * C,
             (
                 x, topk_weights if topk_weights is not None else dummy,
-                handle.is_token_in_rank.view(torch.int8), N,
+                handle.is_token_in_rank.view(torch.int8), N, M,
                 terms[0] if len(terms) > 0 else dummy, terms[1] if len(terms) > 1 else dummy,
                 handle.recv_count, handle.recv_start, self.heap.peer_ptrs, self.rank,
                 self.layout.combine_ring, self.layout.combine_tail, self.layout.combine_head,
                 self.layout.stage_rings, self.transport.pes,
                 self.state, out, out_weights if out_weights is not None else dummy,
                 self.status, self._timeout_ns,
-                handle.bounds if handle.bounds is not None else handle.recv_count,
+                relay.limit if awaits else handle.bounds if handle.bounds is not None
+                else handle.recv_count,
                 relay.flags if relay is not None else handle.recv_count,
                 relay.publish_to if publish else self.state,
             ),
