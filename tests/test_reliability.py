@@ -324,3 +324,14 @@ def test_destroy_releases_gpu_memory(run_ranks):
         assert torch_after <= torch_before + (1 << 20), (torch_before, torch_after)
         # One buffer set is about 100 MB here: 50 leaked ones would be gigabytes.
         assert device_after <= device_before + (64 << 20), (device_before, device_after)
+
+
+def test_a_timeout_without_a_single_peer_says_so():
+    """The relay between the internode legs waits on its own GPU: no peer to blame there (the
+    network leg's own timeout names the peer)."""
+    from tritonep.errors import WaitTimeoutError
+
+    relay = str(WaitTimeoutError(3, -1, "dispatch relay (rows from the network leg)", 2.0))
+    assert relay.startswith("rank 3 timed out after 2 s in phase 'dispatch relay")
+    assert "no single peer" in relay and "peer -1" not in relay
+    assert "waiting for peer 1; that peer is stuck" in str(WaitTimeoutError(0, 1, "notify", 1))
