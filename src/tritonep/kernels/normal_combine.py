@@ -26,13 +26,14 @@ import triton
 import triton.language as tl
 
 from .fp8 import from_bf16, to_bf16
-from .normal_dispatch import column, finish_call, free_rings, rows_before
+from .normal_dispatch import channel_tokens, column, finish_call, free_rings, rows_before
 from .sync import (
     aligned_ptr,
     elapsed_ns,
     first_lane,
     publish_rows,
     record_timeout,
+    relay_flag,
     start_clock,
     wait_all_at_least,
 )
@@ -269,16 +270,9 @@ def combine_receive(
     ks = tl.arange(0, K_P2)
     kmask = ks < K
 
-    if BOUNDS:  # a relay's channel: the rows one channel of the network leg delivered
-        t0 = tl.load(bounds_ptr + channel)
-        t1 = tl.load(bounds_ptr + channel + 1)
-    else:
-        chunk = tl.cdiv(num_tokens, NUM_CHANNELS)
-        t0 = channel * chunk
-        t1 = tl.minimum(t0 + chunk, num_tokens)
+    t0, t1 = channel_tokens(channel, num_tokens, bounds_ptr, NUM_CHANNELS, BOUNDS)
     if PUBLISH:
-        # The relay's call: it cannot end before this program has flagged its rows.
-        published = (tl.load(relay_call_ptr, volatile=True) + 1).to(tl.int32)
+        published = relay_flag(relay_call_ptr)
     pair = channel * NUM_RANKS + ranks
     ring = my_base + ring_offset + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)
     tail_flag = (my_base + tail_offset + pair * 8).to(tl.pointer_type(tl.int64))

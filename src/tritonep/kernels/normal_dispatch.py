@@ -39,6 +39,7 @@ from .sync import (
     first_lane,
     publish_rows,
     record_timeout,
+    relay_flag,
     start_clock,
     wait_all_at_least,
     wait_rows_ready,
@@ -70,6 +71,22 @@ def rows_before(hit, ROWS: tl.constexpr):
     rows = tl.arange(0, ROWS)
     earlier = (rows[None, :] < rows[:, None]).to(tl.int32)  # [row, earlier row]
     return tl.sum(earlier[:, :, None] * hit[None, :, :], 1)
+
+
+@triton.jit
+def channel_tokens(channel, num_tokens, bounds_ptr, NUM_CHANNELS: tl.constexpr,
+                   BOUNDS: tl.constexpr):  # fmt: skip
+    """``(first, end)`` tokens of a channel: an equal split of the tokens, or with ``BOUNDS``
+    the range ``bounds_ptr`` gives (a relay's channel: the rows that one channel of the network
+    leg delivered)."""
+    if BOUNDS:
+        t0 = tl.load(bounds_ptr + channel)
+        t1 = tl.load(bounds_ptr + channel + 1)
+    else:
+        chunk = tl.cdiv(num_tokens, NUM_CHANNELS)
+        t0 = channel * chunk
+        t1 = tl.minimum(t0 + chunk, num_tokens)
+    return t0, t1
 
 
 @triton.jit
@@ -157,13 +174,7 @@ def dispatch_send(
     groups = tl.arange(0, G_P2)
     gmask = groups < G
     tag = call << 32
-    if BOUNDS:  # a relay's channel: the rows one channel of the network leg delivered
-        t0 = tl.load(bounds_ptr + channel)
-        t1 = tl.load(bounds_ptr + channel + 1)
-    else:
-        chunk = tl.cdiv(num_tokens, NUM_CHANNELS)
-        t0 = channel * chunk
-        t1 = tl.minimum(t0 + chunk, num_tokens)
+    t0, t1 = channel_tokens(channel, num_tokens, bounds_ptr, NUM_CHANNELS, BOUNDS)
     pair = channel * NUM_RANKS + rank
     ring_at = ring_offset + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)  # in each peer
     ring = peer_base + ring_at
@@ -344,8 +355,7 @@ def dispatch_receive(
     spins = tl.zeros((), tl.int64)
     pending = tl.sum(count, 0)
     if PUBLISH:
-        # The relay's call: it cannot end before this program has flagged its rows.
-        published = (tl.load(relay_call_ptr, volatile=True) + 1).to(tl.int32)
+        published = relay_flag(relay_call_ptr)
     while (pending > 0) & (elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns):
         waiting = head < count
         tails = tl.atomic_add(tail_flag, 0, mask=waiting, sem="acquire", scope="sys")

@@ -152,6 +152,14 @@ def wait_rows_ready(flags, expect, active, timeout_ns, USE_CLOCK: tl.constexpr):
 
 
 @triton.jit
+def relay_flag(relay_call_ptr):
+    """The flag value of this call's rows: the reading launch's call counter + 1. Read once
+    by the writing program; the reading launch cannot end (and count on) before every row it
+    waits for is flagged, so the counter cannot move under the writer."""
+    return (tl.load(relay_call_ptr, volatile=True) + 1).to(tl.int32)
+
+
+@triton.jit
 def publish_rows(flags, value, active):
     """Set the per-row flags of rows this program has written (after all its stores)."""
     tl.debug_barrier()

@@ -268,7 +268,6 @@ class InternodeMode:
         config = self.rail._config(config)
         self._check_budget(config)
         C = config.num_channels
-        self.rail._check_fits_interpreter(num_tokens, config, "x")
         in_node = token_in_node(in_rank, G)
         # Each row carries its origin through the relay: (source node, token index).
         tag = (self.node_index << TOKEN_BITS) | torch.arange(

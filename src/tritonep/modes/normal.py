@@ -520,6 +520,8 @@ class NormalMode:
             in_rank = torch.zeros(num_tokens, R, dtype=torch.bool, device=self.device)
             counted = send_counts
         else:
+            # Counted channels are equal splits: each must fit its ring on CPU ranks.
+            self._check_fits_interpreter(num_tokens, config, "x")
             in_rank = is_token_in_rank
             counted = in_rank.view(torch.int8)
         X = 0
@@ -533,7 +535,7 @@ class NormalMode:
         recv_count = torch.empty(R, C, dtype=torch.int32, device=self.device)
         recv_start = torch.empty(R, C, dtype=torch.int32, device=self.device)
         host_info = torch.empty(1 + E_local, dtype=torch.int32, device=self.device)
-        extra_out = torch.empty(R, max(X, 1), dtype=torch.int32, device=self.device)
+        extra_out = torch.empty(R, X, dtype=torch.int32, device=self.device) if X else None
         self._launch(
             normal_notify.notify_kernel,
             f"{self.label} notify",
@@ -543,7 +545,7 @@ class NormalMode:
                 self.heap.peer_ptrs, self.rank, self.layout.notify,
                 self.layout.stage_notify, self.transport.pes, self.state,
                 self._decoded, recv_count, recv_start, host_info, num_worst_tokens,
-                extra if extra is not None else extra_out, extra_out,
+                extra if X else recv_count, extra_out if X else recv_count,
                 self.status, self._timeout_ns,
             ),
             (C, expert_alignment, send_counts is not None, X, channel_major),
@@ -568,7 +570,7 @@ class NormalMode:
         return NormalHandle(
             in_rank, recv_count, recv_start, host_info, None, num_recv, rows, num_tokens,
             self.hidden, self.num_experts, config, per_expert,
-            extra_out if extra is not None else None, None, send_counts is not None,
+            extra_out, None, send_counts is not None,
         )  # fmt: skip
 
     # --------------------------------------------------------------------------- dispatch
@@ -667,11 +669,8 @@ class NormalMode:
                 "num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32,
                 shape=(self.num_experts,), device=self.device,
             )  # fmt: skip
-            self._check_fits_interpreter(num_tokens, self._config(config), "x")
             handle = self.notify(is_token_in_rank, num_tokens_per_expert, num_tokens,
                                  expert_alignment, num_worst_tokens, config)  # fmt: skip
-        elif handle.bounds is None:
-            self._check_fits_interpreter(num_tokens, handle.config, "x")
         if src_tag is not None:
             check_tensor("src_tag", src_tag, dtype=torch.int32, shape=(num_tokens,),
                          device=self.device)  # fmt: skip
