@@ -108,18 +108,29 @@ def tag_rows(case: Case) -> Case:
     return Case(xs, case.topk_idx, case.topk_weights, case.num_experts)
 
 
-def _gather(obj):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+def _gather(obj, group=None):
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
 def verify_low_latency_call(
-    rank, case, max_tokens, use_fp8, use_ue8m0, recv_x, recv_count, handle, outputs, combined
+    rank,
+    case,
+    max_tokens,
+    use_fp8,
+    use_ue8m0,
+    recv_x,
+    recv_count,
+    handle,
+    outputs,
+    combined,
+    group=None,
 ) -> None:
     """Check one low-latency dispatch and combine of ``rank`` against the reference, bit for
     bit (collective: every rank calls it). ``outputs`` are the expert outputs combine was
-    given; the reference combines them with the layout each rank actually produced."""
+    given; the reference combines them with the layout each rank actually produced. ``rank``
+    is this rank's number in ``group`` (default: the whole world), whose members gather."""
     experts = case.num_experts
     want = ref.low_latency_dispatch(case.x, case.topk_idx, max_tokens, experts, use_fp8, use_ue8m0)[
         rank
@@ -128,13 +139,13 @@ def verify_low_latency_call(
     ref.assert_low_latency_dispatch_equal(got, want, rank)
     # Only the valid rows travel (rows past the largest count are never read).
     valid = max(int(recv_count.max()) if recv_count.numel() else 0, 1)
-    all_out = _gather(outputs[:, :valid].cpu())
+    all_out = _gather(outputs[:, :valid].cpu(), group)
     compact = dataclasses.replace(
         got,
         recv_x=got.recv_x[:, :valid].view(torch.uint8),
         recv_x_scales=None,
         recv_src_info=got.recv_src_info[:, :valid],
     )
-    all_got = _gather(compact)
+    all_got = _gather(compact, group)
     expected = ref.low_latency_combine(all_out, case.topk_idx, case.topk_weights, all_got)[rank]
     ref.assert_bitwise_equal(combined.cpu(), expected, f"rank {rank} combined")

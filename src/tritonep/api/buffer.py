@@ -92,7 +92,8 @@ class Buffer:
     """The communication buffer of one expert-parallel group.
 
     Args:
-        group: the process group (every rank constructs the buffer together).
+        group: the process group (every rank constructs the buffer together); it may be part
+            of a larger world (data parallel x expert parallel), each group with its buffer.
         num_nvl_bytes: accepted for DeepEP compatibility (normal mode sizes itself).
         num_rdma_bytes: if non-zero, must cover the low-latency size hint of the first call.
         low_latency_mode: accepted; the low-latency calls work either way.
@@ -100,7 +101,8 @@ class Buffer:
         timeout_s: limit of every wait inside the kernels.
         check_ids: read top-k ids on the host to reject out-of-range ids (a GPU sync per call).
         profile: record kernel traces of every call (:meth:`dump_trace`).
-        gpus_per_node: ranks per node when the group spans several nodes (normal mode then
+        gpus_per_node: ranks per node when the group spans several nodes, group ranks
+            ``n * G`` to ``n * G + G - 1`` being node ``n`` (normal mode then
             goes through :class:`~tritonep.modes.internode.InternodeMode`, low-latency mode
             stages what goes to other nodes and puts it there); None: one node.
     """

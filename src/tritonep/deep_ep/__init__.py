@@ -7,8 +7,9 @@ shapes and dtypes. Names: :class:`Buffer`, :class:`Config`, :class:`EventOverlap
 
 Behavioural differences, all documented here and in :mod:`tritonep.api.buffer`:
 
-* normal mode runs on any number of ranks per node (DeepEP: 2, 4 or 8); a group larger than
-  ``LOCAL_WORLD_SIZE`` (set by torchrun) spans nodes of that many GPUs and goes through
+* normal mode runs on any number of ranks per node (DeepEP: 2, 4 or 8); a group whose ranks
+  lie on several nodes (world rank ``r`` on node ``r // LOCAL_WORLD_SIZE``, as torchrun
+  numbers them; the group's ranks node by node, as many on each) goes through
   :class:`~tritonep.modes.internode.InternodeMode` (both legs within reach of symmetric
   memory for now: one host or one NVLink domain, see ``docs/multinode.md``); the low-latency
   mode reaches other nodes through staging and NVSHMEM puts on NVSHMEM heaps
@@ -50,6 +51,31 @@ from .utils import EventHandle, EventOverlap
 __all__ = ["Buffer", "Config", "EventHandle", "EventOverlap"]
 
 
+def _ranks_per_node(group: dist.ProcessGroup) -> int | None:
+    """Members of ``group`` per node, or None when they share one node.
+
+    World rank ``r`` is on node ``r // LOCAL_WORLD_SIZE``, as torchrun numbers ranks; the
+    group may be part of the world (data parallel x expert parallel), but its ranks must come
+    node by node, as many on each node, because the internode mode takes group ranks
+    ``n * G`` to ``n * G + G - 1`` as node ``n``.
+    """
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    if local <= 0:
+        return None
+    size = dist.get_world_size(group)
+    nodes = [dist.get_global_rank(group, i) // local for i in range(size)]
+    if len(set(nodes)) == 1:
+        return None
+    per_node = size // len(set(nodes))
+    blocks = [nodes[i * per_node : (i + 1) * per_node] for i in range(len(set(nodes)))]
+    if size % len(set(nodes)) or any(len(set(block)) != 1 for block in blocks):
+        raise ValueError(
+            f"group: its ranks must come node by node, as many on each node; group ranks "
+            f"0..{size - 1} are on nodes {nodes} (world rank // LOCAL_WORLD_SIZE={local})"
+        )
+    return per_node
+
+
 class Buffer(_Buffer):
     """DeepEP's ``Buffer``: one communication buffer per expert-parallel group.
 
@@ -86,12 +112,9 @@ class Buffer(_Buffer):
         enable_shrink: bool = False,
         comm: object = None,
     ):
-        size = dist.get_world_size(group)
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-        spans_nodes = 0 < local < size and size % local == 0
         super().__init__(
             group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
-            explicitly_destroy, gpus_per_node=local if spans_nodes else None,
+            explicitly_destroy, gpus_per_node=_ranks_per_node(group),
         )  # fmt: skip
 
     @staticmethod

@@ -50,6 +50,7 @@ leg already moves rows.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -148,17 +149,16 @@ class InternodeMode:
         self.node_index, self.local_index = divmod(self.rank, G)
         self.hidden, self.num_experts, self.check_ids = hidden, num_experts, check_ids
         members = [dist.get_global_rank(group, i) for i in range(R)]
-        # Every rank creates every subgroup, in the same order, as torch.distributed requires.
-        rails = [dist.new_group([members[n * G + g] for n in range(M)]) for g in range(G)]
-        nodes = [dist.new_group([members[n * G + g] for g in range(G)]) for n in range(M)]
+        rail, node = _leg_groups(group, [members[n * G + self.local_index] for n in range(M)],
+                                 [members[self.node_index * G + g] for g in range(G)])  # fmt: skip
         legs = dict(max_topk=max_topk, device=device, max_sms=max_sms, ring_tokens=ring_tokens,
                     timeout_s=timeout_s, check_ids=False)  # fmt: skip
-        self.node = NormalMode(nodes[self.node_index], hidden, num_experts // M, **legs,
+        self.node = NormalMode(node, hidden, num_experts // M, **legs,
                                label="node")  # fmt: skip
         # The rail leg crosses the network: staged in this rank's heap, then put (NVSHMEM
         # heaps) or copied (emulated nodes), so the same protocol runs either way. Its notify
         # rows also carry, per channel, the rows the relay forwards to each GPU of its node.
-        self.rail = NormalMode(rails[self.local_index], hidden, num_experts, **legs,
+        self.rail = NormalMode(rail, hidden, num_experts, **legs,
                                label="rail", staged=True,
                                notify_extra=self.node.layout.max_channels * G)  # fmt: skip
         self.device = self.rail.device
@@ -367,6 +367,38 @@ class InternodeMode:
             self.rail.destroy()
         finally:
             self.node.destroy()
+
+
+#: Groups made for the legs, by world ranks; torch.distributed holds them until the process
+#: group is destroyed, and so does this cache (weakly), no longer.
+_subgroups: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _leg_groups(group: dist.ProcessGroup, rail: list[int], node: list[int]):
+    """The process groups of this rank's rail and node (world ranks), made by members only.
+
+    Made by their members alone (local synchronization), so expert-parallel groups that are
+    parts of a larger world (data parallel x expert parallel) make their legs' groups at the
+    same time without the other groups' ranks; every member makes its rail group before its
+    node group, so no two members wait on each other in opposite orders. torch.distributed
+    names such a group after its ranks and the number of groups its maker already knows, so
+    members that know different numbers would never meet: ranks of ``group`` that know fewer
+    first make groups of themselves alone. Groups are kept for later modes over the same
+    ranks, so a buffer made and destroyed in a loop makes no new communicators.
+    """
+    known = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None)
+    if known is not None:
+        counts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(counts, len(known), group=group)
+        for _ in range(max(counts) - len(known)):
+            dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    out = []
+    for ranks in (rail, node):
+        made = _subgroups.get(tuple(ranks))
+        if made is None:
+            made = _subgroups[tuple(ranks)] = dist.new_group(ranks, use_local_synchronization=True)
+        out.append(made)
+    return out
 
 
 class _Streams:

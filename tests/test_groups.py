@@ -1,0 +1,141 @@
+"""Expert-parallel groups smaller than the world (data parallel x expert parallel).
+
+Four ranks form two expert-parallel groups of two, strided ({0, 2} and {1, 3}) so that a
+rank's number in its group differs from its world rank. Both groups run at once, each on its
+own inputs, and every output is checked against the reference of its group. Across nodes each
+group spans two nodes of one GPU, so the mode makes its rail and node groups inside one
+expert-parallel group while the other group makes its own.
+"""
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests import test_low_latency as tll
+from tests import test_normal as tn
+from tritonep import reference as ref
+from tritonep.api import Buffer
+from tritonep.modes import normal as nm
+from tritonep.modes.internode import InternodeMode
+from tritonep.modes.low_latency import LowLatencyMode
+from tritonep.testing import make_case, tag_rows, verify_low_latency_call
+
+nm.POISON_OUTPUTS = True
+
+H, EXPERTS_PER_RANK, TOPK = 128, 2, 3
+
+
+def _ep_group(ctx):
+    """This rank's group; every rank creates every group, in the same order."""
+    groups = [dist.new_group(list(range(i, ctx.world_size, 2))) for i in range(2)]
+    return groups[ctx.rank % 2], ctx.rank % 2
+
+
+def _normal(ctx, group, which, internode):
+    me, R, dev = dist.get_rank(group), dist.get_world_size(group), ctx.device
+    E = EXPERTS_PER_RANK * R
+    if internode:
+        mode = InternodeMode(group, H, E, 1, max_topk=TOPK, device=dev, timeout_s=60)
+    else:
+        mode = nm.NormalMode(group, H, E, max_topk=TOPK, device=dev, timeout_s=60)
+    for call in range(2):
+        # The groups route differently (the seed) and send different numbers of tokens.
+        tokens = [[6, 9], [0, 4]][which]
+        case = tag_rows(make_case(300 + 10 * which + call, tokens, H, E, TOPK, "dropped"))
+        idx, w = case.topk_idx[me].to(dev), case.topk_weights[me].to(dev)
+        out = mode.dispatch(case.x[me].to(dev), idx, w, expert_alignment=2)
+        bias = (case.x[me] * 0.5).to(torch.bfloat16).to(dev)
+        y = tn._combine_input(out, me)
+        if internode:
+            # Combine sums within a node first: checked on dispatch and weights only.
+            want = ref.normal_dispatch(case.x, case.topk_idx, case.topk_weights, E, 2)[me]
+            tn._check_dispatch(me, out, want, False, 0, 2)
+            _, combined_w = mode.combine(y, out.handle, out.recv_topk_weights)
+            kept = case.topk_idx[me] >= 0
+            torch.testing.assert_close(combined_w.cpu()[kept], case.topk_weights[me][kept])
+        else:
+            combined, combined_w = mode.combine(y, out.handle, out.recv_topk_weights, bias)
+            tn._verify(SimpleNamespace(rank=me), case, list(case.x), out, combined, combined_w,
+                       E, 2, 0, True)  # fmt: skip
+    mode.check()
+    mode.destroy()
+
+
+def _low_latency(ctx, group, which):
+    me, R, dev = dist.get_rank(group), dist.get_world_size(group), ctx.device
+    E, M = EXPERTS_PER_RANK * R, 8
+    mode = LowLatencyMode(group, M, H, E, max_topk=TOPK, device=dev, timeout_s=60)
+    for call in range(2):  # both buffer sets
+        case = make_case(400 + 10 * which + call, [[5, 8], [3, 0]][which], H, E, TOPK)
+        dev_case = case.to(dev)
+        recv_x, recv_count, handle, _ = mode.dispatch(dev_case.x[me], dev_case.topk_idx[me])
+        outputs = tll._expert_outputs(recv_x, True, me)
+        combined, _ = mode.combine(outputs, dev_case.topk_idx[me], dev_case.topk_weights[me],
+                                   handle)  # fmt: skip
+        mode.check()
+        verify_low_latency_call(me, case, M, True, False, recv_x, recv_count, handle, outputs,
+                                combined, group=group)  # fmt: skip
+    mode.destroy()
+
+
+def _layout(ctx, group, which):
+    """The public buffer's layout counts ranks of its group, not of the world."""
+    buffer = Buffer(group, device=ctx.device)
+    R = dist.get_world_size(group)
+    idx = make_case(500 + which, [7] * R, H, EXPERTS_PER_RANK * R, TOPK).topk_idx[0]
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(
+        idx.to(ctx.device), EXPERTS_PER_RANK * R
+    )
+    want = ref.dispatch_layout(idx, EXPERTS_PER_RANK * R, R)
+    ref.assert_bitwise_equal(per_rank.cpu(), want.num_tokens_per_rank, "per rank")
+    ref.assert_bitwise_equal(per_expert.cpu(), want.num_tokens_per_expert, "per expert")
+    assert in_rank.shape == (7, R)
+    buffer.destroy()
+
+
+def _nodes_body(ctx):
+    """How the DeepEP interface finds a group's nodes: world rank // LOCAL_WORLD_SIZE."""
+    from tritonep.deep_ep import _ranks_per_node
+
+    group, _ = _ep_group(ctx)
+    uneven = dist.new_group([0, 1, 2])  # every rank makes it; rank 3 is no member
+    saved = os.environ["LOCAL_WORLD_SIZE"]
+    try:
+        os.environ["LOCAL_WORLD_SIZE"] = "2"  # nodes {0, 1} and {2, 3}
+        found = [_ranks_per_node(group), _ranks_per_node(dist.group.WORLD)]
+        if ctx.rank != 3:
+            with pytest.raises(ValueError, match="node by node, as many on each node"):
+                _ranks_per_node(uneven)
+        os.environ["LOCAL_WORLD_SIZE"] = "4"
+        found.append(_ranks_per_node(group))
+    finally:
+        os.environ["LOCAL_WORLD_SIZE"] = saved
+    return found
+
+
+def test_the_deep_ep_interface_finds_a_groups_nodes(run_ranks):
+    # A strided group has one rank on each node: two nodes of one GPU; the world: two of two.
+    assert run_ranks(4, _nodes_body) == [[1, 2, None]] * 4
+
+
+def _body(ctx, kind):
+    group, which = _ep_group(ctx)
+    if kind == "internode":
+        # Rank 3 is no member, so it knows one group fewer than the others: the legs' groups
+        # (named by torch.distributed after that number) must still meet.
+        dist.new_group([0, 1, 2])
+    if kind == "low_latency":
+        _low_latency(ctx, group, which)
+    elif kind == "layout":
+        _layout(ctx, group, which)
+    else:
+        _normal(ctx, group, which, internode=kind == "internode")
+    return dist.get_rank(group)
+
+
+@pytest.mark.parametrize("kind", ["normal", "low_latency", "internode", "layout"])
+def test_expert_parallel_groups_inside_the_world(run_ranks, kind):
+    assert run_ranks(4, _body, kind, timeout=300) == [0, 0, 1, 1]
