@@ -148,9 +148,10 @@ class InternodeMode:
         self.gpus_per_node, self.num_nodes = G, M
         self.node_index, self.local_index = divmod(self.rank, G)
         self.hidden, self.num_experts, self.check_ids = hidden, num_experts, check_ids
-        members = [dist.get_global_rank(group, i) for i in range(R)]
-        rail, node = _leg_groups(group, [members[n * G + self.local_index] for n in range(M)],
-                                 [members[self.node_index * G + g] for g in range(G)])  # fmt: skip
+        rail, node = _leg_groups(group, [
+            [[n * G + g for n in range(M)] for g in range(G)],  # the ranks of one local index
+            [[n * G + g for g in range(G)] for n in range(M)],  # the ranks of one node
+        ])  # fmt: skip
         legs = dict(max_topk=max_topk, device=device, max_sms=max_sms, ring_tokens=ring_tokens,
                     timeout_s=timeout_s, check_ids=False)  # fmt: skip
         self.node = NormalMode(node, hidden, num_experts // M, **legs,
@@ -369,34 +370,59 @@ class InternodeMode:
             self.node.destroy()
 
 
-#: Groups made for the legs, by world ranks; torch.distributed holds them until the process
-#: group is destroyed, and so does this cache (weakly), no longer.
+#: Groups made for the legs of expert-parallel groups smaller than the world, by world
+#: ranks; torch.distributed holds them until the process group is destroyed, and so does this
+#: cache (weakly), no longer.
 _subgroups: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def _leg_groups(group: dist.ProcessGroup, rail: list[int], node: list[int]):
-    """The process groups of this rank's rail and node (world ranks), made by members only.
+def _leg_groups(group: dist.ProcessGroup, splits: list[list[list[int]]]) -> list:
+    """For each list of ``splits`` (disjoint lists of ranks of ``group``), the process group
+    of the one that holds this rank.
 
-    Made by their members alone (local synchronization), so expert-parallel groups that are
-    parts of a larger world (data parallel x expert parallel) make their legs' groups at the
-    same time without the other groups' ranks; every member makes its rail group before its
-    node group, so no two members wait on each other in opposite orders. torch.distributed
-    names such a group after its ranks and the number of groups its maker already knows, so
-    members that know different numbers would never meet: ranks of ``group`` that know fewer
-    first make groups of themselves alone. Groups are kept for later modes over the same
-    ranks, so a buffer made and destroyed in a loop makes no new communicators.
+    A group that is the whole world makes every group on every rank, in the same order, as
+    ``dist.new_group`` requires. A smaller one (data parallel x expert parallel: other groups
+    build their buffers at the same time) must not involve the other groups' ranks:
+
+    * NCCL under a default group bound to a device: ``dist.split_group`` from ``group``
+      (new NCCL groups there are split from the world's communicator, which every world rank
+      would have to join);
+    * otherwise groups made by their members alone (local synchronization). torch.distributed
+      names such a group after its ranks and the number of groups its maker already knows, so
+      members that know different numbers would never meet: ranks that know fewer first make
+      groups of themselves alone. Every member makes its groups in the order of ``splits``,
+      so no two wait on each other in opposite orders.
+
+    Groups of smaller expert-parallel groups are kept for later modes over the same ranks, so
+    a buffer made and destroyed in a loop makes no new communicators.
     """
-    known = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None)
-    if known is not None:
-        counts = [None] * dist.get_world_size(group)
-        dist.all_gather_object(counts, len(known), group=group)
-        for _ in range(max(counts) - len(known)):
-            dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    world = [dist.get_global_rank(group, r) for r in range(size)]
+    if size == dist.get_world_size():
+        out = []
+        for split in splits:
+            made = [dist.new_group([world[r] for r in ranks]) for ranks in split]
+            out.append(next(g for g, ranks in zip(made, split, strict=True) if rank in ranks))
+        return out
+    mine = [tuple(world[r] for r in next(ranks for ranks in split if rank in ranks))
+            for split in splits]  # fmt: skip
+    kept = [_subgroups.get(ranks) for ranks in mine]
+    known = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", ())
+    views = [None] * size
+    dist.all_gather_object(views, (len(known), all(g is not None for g in kept)), group=group)
+    if all(have for _, have in views):
+        return kept
+    for _ in range(max(count for count, _ in views) - len(known)):
+        dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    by_split = (dist.get_backend(group) == "nccl"
+                and getattr(dist.group.WORLD, "bound_device_id", None) is not None)  # fmt: skip
     out = []
-    for ranks in (rail, node):
-        made = _subgroups.get(tuple(ranks))
-        if made is None:
-            made = _subgroups[tuple(ranks)] = dist.new_group(ranks, use_local_synchronization=True)
+    for split, ranks in zip(splits, mine, strict=True):
+        if by_split:
+            made = dist.split_group(parent_pg=group, split_ranks=split)
+        else:
+            made = dist.new_group(list(ranks), use_local_synchronization=True)
+        _subgroups[ranks] = made
         out.append(made)
     return out
 
