@@ -21,11 +21,11 @@ nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 case "$what" in
   tests-core) TESTS=${TESTS:-"tests/test_heap.py tests/test_layout.py tests/test_normal.py tests/test_low_latency.py tests/test_api.py tests/test_demo.py"}; what=tests ;;
-  tests-layers) TESTS=${TESTS:-"tests/test_layers.py tests/test_deep_ep.py tests/test_internode.py tests/test_trace.py tests/test_reliability.py"}; what=tests ;;
+  tests-layers) TESTS=${TESTS:-"tests/test_layers.py tests/test_deep_ep.py tests/test_groups.py tests/test_internode.py tests/test_trace.py tests/test_reliability.py"}; what=tests ;;
   # Ranks sharing one GPU run slower (they take turns): the suite in three calls instead.
   tests-a) TESTS=${TESTS:-"tests/test_heap.py tests/test_layout.py tests/test_normal.py"}; what=tests ;;
   tests-b) TESTS=${TESTS:-"tests/test_low_latency.py tests/test_api.py tests/test_trace.py tests/test_demo.py"}; what=tests ;;
-  tests-c) TESTS=${TESTS:-"tests/test_layers.py tests/test_deep_ep.py tests/test_internode.py tests/test_reliability.py"}; what=tests ;;
+  tests-c) TESTS=${TESTS:-"tests/test_layers.py tests/test_deep_ep.py tests/test_groups.py tests/test_internode.py tests/test_reliability.py"}; what=tests ;;
 esac
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # --timeout (pytest-timeout, on the GPU image): a stuck test fails with its stacks instead of
