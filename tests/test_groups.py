@@ -122,6 +122,22 @@ def test_the_deep_ep_interface_finds_a_groups_nodes(run_ranks):
     assert run_ranks(4, _nodes_body) == [[1, 2, None]] * 4
 
 
+def _cycles_body(ctx):
+    """Modes made and destroyed in a loop make their legs' groups once."""
+    known = dist.distributed_c10d._world.pg_names
+    group, _ = _ep_group(ctx)
+    counts = []
+    for ep, per_node in [(dist.group.WORLD, 2), (group, 1)]:
+        for _ in range(3):
+            InternodeMode(ep, H, 8, per_node, max_topk=TOPK, device=ctx.device).destroy()
+            counts.append(len(known))
+    return counts[1:3] == counts[:1] * 2 and counts[4:] == counts[3:4] * 2
+
+
+def test_modes_made_in_a_loop_make_no_new_groups(run_ranks):
+    assert run_ranks(4, _cycles_body) == [True] * 4
+
+
 def _body(ctx, kind):
     group, which = _ep_group(ctx)
     if kind == "internode":

@@ -370,9 +370,8 @@ class InternodeMode:
             self.node.destroy()
 
 
-#: Groups made for the legs of expert-parallel groups smaller than the world, by world
-#: ranks; torch.distributed holds them until the process group is destroyed, and so does this
-#: cache (weakly), no longer.
+#: Groups made for the legs, by world ranks; torch.distributed holds them until the process
+#: group is destroyed, and so does this cache (weakly), no longer.
 _subgroups: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
@@ -380,9 +379,12 @@ def _leg_groups(group: dist.ProcessGroup, splits: list[list[list[int]]]) -> list
     """For each list of ``splits`` (disjoint lists of ranks of ``group``), the process group
     of the one that holds this rank.
 
-    A group that is the whole world makes every group on every rank, in the same order, as
-    ``dist.new_group`` requires. A smaller one (data parallel x expert parallel: other groups
-    build their buffers at the same time) must not involve the other groups' ranks:
+    Groups are made once and kept for later modes over the same ranks (when every rank of
+    ``group`` still has its own), so a buffer made and destroyed in a loop makes no new
+    communicators. A group that is the whole world makes every group on every rank, in the
+    same order, as ``dist.new_group`` requires. A smaller one (data parallel x expert
+    parallel: other groups build their buffers at the same time) must not involve the other
+    groups' ranks:
 
     * NCCL under a default group bound to a device: ``dist.split_group`` from ``group``
       (new NCCL groups there are split from the world's communicator, which every world rank
@@ -392,18 +394,9 @@ def _leg_groups(group: dist.ProcessGroup, splits: list[list[list[int]]]) -> list
       members that know different numbers would never meet: ranks that know fewer first make
       groups of themselves alone. Every member makes its groups in the order of ``splits``,
       so no two wait on each other in opposite orders.
-
-    Groups of smaller expert-parallel groups are kept for later modes over the same ranks, so
-    a buffer made and destroyed in a loop makes no new communicators.
     """
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     world = [dist.get_global_rank(group, r) for r in range(size)]
-    if size == dist.get_world_size():
-        out = []
-        for split in splits:
-            made = [dist.new_group([world[r] for r in ranks]) for ranks in split]
-            out.append(next(g for g, ranks in zip(made, split, strict=True) if rank in ranks))
-        return out
     mine = [tuple(world[r] for r in next(ranks for ranks in split if rank in ranks))
             for split in splits]  # fmt: skip
     kept = [_subgroups.get(ranks) for ranks in mine]
@@ -412,6 +405,13 @@ def _leg_groups(group: dist.ProcessGroup, splits: list[list[list[int]]]) -> list
     dist.all_gather_object(views, (len(known), all(g is not None for g in kept)), group=group)
     if all(have for _, have in views):
         return kept
+    if size == dist.get_world_size():
+        for split, ranks in zip(splits, mine, strict=True):
+            for other in split:
+                made = dist.new_group([world[r] for r in other])
+                if rank in other:
+                    _subgroups[ranks] = made
+        return [_subgroups[ranks] for ranks in mine]
     for _ in range(max(count for count, _ in views) - len(known)):
         dist.new_group([dist.get_rank()], use_local_synchronization=True)
     by_split = (dist.get_backend(group) == "nccl"
