@@ -18,6 +18,7 @@ from tests import test_low_latency as tll
 from tests import test_normal as tn
 from tritonep import reference as ref
 from tritonep.api import Buffer
+from tritonep.api.buffer import ranks_per_node
 from tritonep.modes import normal as nm
 from tritonep.modes.internode import InternodeMode
 from tritonep.modes.low_latency import LowLatencyMode
@@ -98,26 +99,24 @@ def _layout(ctx, group, which):
 
 
 def _nodes_body(ctx):
-    """How the DeepEP interface finds a group's nodes: world rank // LOCAL_WORLD_SIZE."""
-    from tritonep.deep_ep import _ranks_per_node
-
+    """How buffers find a group's nodes: world rank // LOCAL_WORLD_SIZE."""
     group, _ = _ep_group(ctx)
     uneven = dist.new_group([0, 1, 2])  # every rank makes it; rank 3 is no member
     saved = os.environ["LOCAL_WORLD_SIZE"]
     try:
         os.environ["LOCAL_WORLD_SIZE"] = "2"  # nodes {0, 1} and {2, 3}
-        found = [_ranks_per_node(group), _ranks_per_node(dist.group.WORLD)]
+        found = [ranks_per_node(group), ranks_per_node(dist.group.WORLD)]
         if ctx.rank != 3:
             with pytest.raises(ValueError, match="node by node, as many on each node"):
-                _ranks_per_node(uneven)
+                ranks_per_node(uneven)
         os.environ["LOCAL_WORLD_SIZE"] = "4"
-        found.append(_ranks_per_node(group))
+        found.append(ranks_per_node(group))
     finally:
         os.environ["LOCAL_WORLD_SIZE"] = saved
     return found
 
 
-def test_the_deep_ep_interface_finds_a_groups_nodes(run_ranks):
+def test_buffers_find_a_groups_nodes(run_ranks):
     # A strided group has one rank on each node: two nodes of one GPU; the world: two of two.
     assert run_ranks(4, _nodes_body) == [[1, 2, None]] * 4
 

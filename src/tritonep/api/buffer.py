@@ -28,6 +28,7 @@ same tuples as DeepEP's. Differences, all deliberate:
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,31 @@ from ..modes.internode import InternodeHandle, InternodeMode, token_in_node
 from ..modes.low_latency import LowLatencyHandle, LowLatencyMode
 from ..modes.normal import Config, NormalHandle, NormalMode
 from ..validation import check_dispatch_x, check_num_experts, check_tensor, check_topk_idx
+
+
+def ranks_per_node(group: dist.ProcessGroup) -> int | None:
+    """Members of ``group`` per node, or None when they share one node.
+
+    World rank ``r`` is on node ``r // LOCAL_WORLD_SIZE``, as torchrun numbers ranks; the
+    group may be part of the world (data parallel x expert parallel), but its ranks must come
+    node by node, as many on each node, because the internode mode takes group ranks
+    ``n * G`` to ``n * G + G - 1`` as node ``n``.
+    """
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    if local <= 0:
+        return None
+    size = dist.get_world_size(group)
+    nodes = [dist.get_global_rank(group, i) // local for i in range(size)]
+    if len(set(nodes)) == 1:
+        return None
+    per_node = size // len(set(nodes))
+    blocks = [nodes[i * per_node : (i + 1) * per_node] for i in range(len(set(nodes)))]
+    if size % len(set(nodes)) or any(len(set(block)) != 1 for block in blocks):
+        raise ValueError(
+            f"group: its ranks must come node by node, as many on each node; group ranks "
+            f"0..{size - 1} are on nodes {nodes} (world rank // LOCAL_WORLD_SIZE={local})"
+        )
+    return per_node
 
 
 class EventOverlap:
@@ -104,7 +130,9 @@ class Buffer:
         gpus_per_node: ranks per node when the group spans several nodes, group ranks
             ``n * G`` to ``n * G + G - 1`` being node ``n`` (normal mode then
             goes through :class:`~tritonep.modes.internode.InternodeMode`, low-latency mode
-            stages what goes to other nodes and puts it there); None: one node.
+            stages what goes to other nodes and puts it there); None: found from where the
+            ranks run (world rank ``r`` on node ``r // LOCAL_WORLD_SIZE``, as torchrun numbers
+            them; one node without that variable).
     """
 
     def __init__(
@@ -128,6 +156,8 @@ class Buffer:
         self.low_latency_mode = low_latency_mode
         self.timeout_s, self.check_ids, self.device = timeout_s, check_ids, device
         self.profile = profile
+        if gpus_per_node is None:
+            gpus_per_node = ranks_per_node(self.group)
         if gpus_per_node is not None and (gpus_per_node < 1 or self.group_size % gpus_per_node):
             raise ValueError(f"gpus_per_node: expected a divisor of the {self.group_size} ranks, "
                              f"got {gpus_per_node}")  # fmt: skip

@@ -40,40 +40,14 @@ Behavioural differences, all documented here and in :mod:`tritonep.api.buffer`:
 
 from __future__ import annotations
 
-import os
-
 import torch.distributed as dist
 
 from ..api.buffer import Buffer as _Buffer
+from ..api.buffer import ranks_per_node
 from ..modes.normal import Config
 from .utils import EventHandle, EventOverlap
 
 __all__ = ["Buffer", "Config", "EventHandle", "EventOverlap"]
-
-
-def _ranks_per_node(group: dist.ProcessGroup) -> int | None:
-    """Members of ``group`` per node, or None when they share one node.
-
-    World rank ``r`` is on node ``r // LOCAL_WORLD_SIZE``, as torchrun numbers ranks; the
-    group may be part of the world (data parallel x expert parallel), but its ranks must come
-    node by node, as many on each node, because the internode mode takes group ranks
-    ``n * G`` to ``n * G + G - 1`` as node ``n``.
-    """
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-    if local <= 0:
-        return None
-    size = dist.get_world_size(group)
-    nodes = [dist.get_global_rank(group, i) // local for i in range(size)]
-    if len(set(nodes)) == 1:
-        return None
-    per_node = size // len(set(nodes))
-    blocks = [nodes[i * per_node : (i + 1) * per_node] for i in range(len(set(nodes)))]
-    if size % len(set(nodes)) or any(len(set(block)) != 1 for block in blocks):
-        raise ValueError(
-            f"group: its ranks must come node by node, as many on each node; group ranks "
-            f"0..{size - 1} are on nodes {nodes} (world rank // LOCAL_WORLD_SIZE={local})"
-        )
-    return per_node
 
 
 class Buffer(_Buffer):
@@ -114,7 +88,7 @@ class Buffer(_Buffer):
     ):
         super().__init__(
             group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
-            explicitly_destroy, gpus_per_node=_ranks_per_node(group),
+            explicitly_destroy, gpus_per_node=ranks_per_node(group),
         )  # fmt: skip
 
     @staticmethod
