@@ -171,6 +171,43 @@ def _graph_body(ctx, replays):
     return replays
 
 
+def _two_batch_body(ctx, use_fp8, hook):
+    """Two micro-batches in flight, as two-batch overlap runs them: dispatch A, dispatch B,
+    then combine A, combine B, each send before the other's receive when hooks are used."""
+    R, me = ctx.world_size, ctx.rank
+    M, H, E, K = 6, 256, 3 * R, 3
+    mode = ll.LowLatencyMode(None, M, H, E, max_topk=K, device=ctx.device, timeout_s=60)
+    for step in range(2):  # the second step starts on the other buffer set's parity
+        cases = [make_case(70 + 10 * step + b, [6, 2, 5, 0][:R], H, E, K, "dropped")
+                 for b in range(2)]  # fmt: skip
+        devs = [case.to(ctx.device) for case in cases]
+        sent = [mode.dispatch(d.x[me], d.topk_idx[me], use_fp8=use_fp8, return_recv_hook=hook)
+                for d in devs]  # fmt: skip
+        if hook:
+            for *_, recv_hook in sent:
+                recv_hook()
+        outputs = [_expert_outputs(recv_x, use_fp8, me) for recv_x, *_ in sent]
+        combined = [
+            mode.combine(y, d.topk_idx[me], d.topk_weights[me], handle, return_recv_hook=hook)
+            for y, d, (_, _, handle, _) in zip(outputs, devs, sent, strict=True)
+        ]
+        if hook:
+            for _, comb_hook in combined:
+                comb_hook()
+        mode.check()
+        for case, (recv_x, count, handle, _), y, (out, _) in zip(
+            cases, sent, outputs, combined, strict=True
+        ):
+            _verify_call(ctx, case, M, use_fp8, False, recv_x, count, handle, y, out)
+    mode.destroy()
+    return True
+
+
+@pytest.mark.parametrize("use_fp8, hook", [(True, True), (False, False)])
+def test_two_micro_batches_in_flight(run_ranks, use_fp8, hook):
+    assert run_ranks(2, _two_batch_body, use_fp8, hook) == [True, True]
+
+
 @pytest.mark.gpu(n=2)
 def test_cuda_graph_replayed_100_times_with_new_inputs(run_ranks):
     n = gpu_ranks()
