@@ -8,6 +8,8 @@ kernel adds the ranks' rows in the same order). Worst-case outputs must pad with
 cached dispatches must move new payloads along the old routing.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -240,6 +242,39 @@ def test_worst_case_overflow_is_reported_and_combine_stays_in_bounds(run_ranks):
     waits for the dropped rows nor reads past its input."""
     results = run_ranks(3, _overflow_body, 6, timeout=300)
     assert "overflow" in results, results
+
+
+def _two_batch_body(ctx, worst):
+    """Two micro-batches, as two-batch overlap runs them: dispatch A, dispatch B, combine A,
+    combine B, then cached dispatches along A's and B's handles: each handle stays valid after
+    the other batch's calls."""
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    H, E, K = 256, 3 * R, 3
+    mode = nm.NormalMode(None, H, E, max_topk=K, device=dev, timeout_s=60)
+    cases = [tag_rows(make_case(80 + b, [[7, 3, 9], [2, 8, 0]][b][:R], H, E, K, "dropped"))
+             for b in range(2)]  # fmt: skip
+    rows = 40 if worst else 0
+    outs = [mode.dispatch(c.x[me].to(dev), c.topk_idx[me].to(dev), c.topk_weights[me].to(dev),
+                          num_worst_tokens=rows) for c in cases]  # fmt: skip
+    combined = [mode.combine(_combine_input(out, me), out.handle, out.recv_topk_weights)
+                for out in outs]  # fmt: skip
+    for case, out, (y, y_w) in zip(cases, outs, combined, strict=True):
+        _verify(SimpleNamespace(rank=me), case, list(case.x), out, y, y_w, E, 1, rows, False)
+    for case, out in zip(cases, outs, strict=True):
+        again = mode.dispatch((case.x[me].float() * 2).to(torch.bfloat16).to(dev),
+                              handle=out.handle)  # fmt: skip
+        want = ref.normal_dispatch(list(case.x), case.topk_idx, None, E)[me]
+        n = want.num_recv_tokens
+        doubled = (want.recv_x.float() * 2).to(torch.bfloat16)
+        ref.assert_bitwise_equal(again.recv_x[:n].cpu(), doubled, f"rank {me} cached")
+    mode.check()
+    mode.destroy()
+    return True
+
+
+@pytest.mark.parametrize("worst", [False, True])
+def test_two_micro_batches_in_flight(run_ranks, worst):
+    assert run_ranks(3, _two_batch_body, worst) == [True] * 3
 
 
 def _graph_body(ctx, replays):
