@@ -53,11 +53,12 @@ def ranks_per_node(group: dist.ProcessGroup) -> int | None:
         return None
     size = dist.get_world_size(group)
     nodes = [dist.get_global_rank(group, i) // local for i in range(size)]
-    if len(set(nodes)) == 1:
+    num_nodes = len(set(nodes))
+    if num_nodes == 1:
         return None
-    per_node = size // len(set(nodes))
-    blocks = [nodes[i * per_node : (i + 1) * per_node] for i in range(len(set(nodes)))]
-    if size % len(set(nodes)) or any(len(set(block)) != 1 for block in blocks):
+    per_node = size // num_nodes
+    blocks = [nodes[n * per_node : (n + 1) * per_node] for n in range(num_nodes)]
+    if size % num_nodes or any(len(set(block)) != 1 for block in blocks):
         raise ValueError(
             f"group: its ranks must come node by node, as many on each node; group ranks "
             f"0..{size - 1} are on nodes {nodes} (world rank // LOCAL_WORLD_SIZE={local})"
