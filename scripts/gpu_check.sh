@@ -96,6 +96,6 @@ if [ "$what" = soak ]; then
   # run one mode per call (SOAK_ARGS="--modes normal"), and continue a stopped run with
   # SOAK_ARGS="--seed C" SOAK_CALLS=$((10000 - C)) after call C.
   timeout "${SOAK_LIMIT_S:-500}" python3 -m tritonep.soak --ranks "$ranks" --calls "${SOAK_CALLS:-10000}" ${SOAK_ARGS:-} \
-    --check-every 100 2>&1 | tee "$out/soak.log" | grep -v -i warn | tail -6 || status=1
+    --check-every "${SOAK_CHECK_EVERY:-100}" 2>&1 | tee "$out/soak.log" | grep -v -i warn | tail -6 || status=1
 fi
 exit $status
