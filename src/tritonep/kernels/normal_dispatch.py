@@ -42,7 +42,6 @@ from .sync import (
     relay_flag,
     start_clock,
     wait_all_at_least,
-    wait_rows_ready,
 )
 from .trace import read_clock, trace_role
 from .transport import VIA_STORE, put_rings, set_peer_flags
@@ -192,8 +191,9 @@ def dispatch_send(
         tmask = tokens < t1
         tokens64 = tokens.to(tl.int64)
         if AWAIT:  # relayed rows: wait until the network leg has written them here
-            arrived = wait_rows_ready(ready_ptr + tokens64, (call + 1).to(tl.int32), tmask,
-                                      budget, USE_CLOCK)  # fmt: skip
+            # Flags only grow (the reading launch's call + 1), so "at least" is "this call's".
+            _, arrived = wait_all_at_least(ready_ptr + tokens64, (call + 1).to(tl.int32), tmask,
+                                           budget, USE_CLOCK, True)  # fmt: skip
             if not arrived:
                 record_timeout(status_ptr, -1, PHASE_DISPATCH_RELAY, channel)
                 budget = tl.zeros((), tl.int64)

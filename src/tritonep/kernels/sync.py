@@ -113,42 +113,33 @@ def wait_flag(
 
 
 @triton.jit
-def wait_all_at_least(ptrs, targets, active, timeout_ns, USE_CLOCK: tl.constexpr):
-    """Spin (acquire) until ``ptrs[i] >= targets[i]`` for every ``active`` lane (int64 flags).
-
-    One vector of flags, one per peer, polled together. Returns ``(values, ok)`` where ``ok``
-    says every active lane got there before ``timeout_ns`` passed.
-    """
-    start = start_clock(USE_CLOCK)
-    spins = tl.zeros((), tl.int64)
-    values = tl.atomic_add(ptrs, 0, mask=active, sem="acquire", scope="sys")
-    done = tl.min(tl.where(active & (values < targets), 0, 1), 0) > 0
-    while (not done) & (elapsed_ns(start, spins, USE_CLOCK) < timeout_ns):
-        spins += 1
-        values = tl.atomic_add(ptrs, 0, mask=active, sem="acquire", scope="sys")
-        done = tl.min(tl.where(active & (values < targets), 0, 1), 0) > 0
-    tl.debug_barrier()
-    return values, done
+def poll_acquire(ptrs, active, GPU_SCOPE: tl.constexpr):
+    """One acquire read of every ``active`` flag, at system or (``GPU_SCOPE``) GPU scope."""
+    if GPU_SCOPE:
+        return tl.atomic_add(ptrs, 0, mask=active, sem="acquire", scope="gpu")
+    return tl.atomic_add(ptrs, 0, mask=active, sem="acquire", scope="sys")
 
 
 @triton.jit
-def wait_rows_ready(flags, expect, active, timeout_ns, USE_CLOCK: tl.constexpr):
-    """Spin (GPU-scope acquire) until ``flags[i] == expect`` for every ``active`` lane.
+def wait_all_at_least(ptrs, targets, active, timeout_ns, USE_CLOCK: tl.constexpr,
+                      GPU_SCOPE: tl.constexpr = False):  # fmt: skip
+    """Spin (acquire) until ``ptrs[i] >= targets[i]`` for every ``active`` lane.
 
-    Per-row int32 flags that another launch on this GPU sets once it has written the rows (a
-    relay between two legs, :mod:`tritonep.modes.internode`). Returns whether they all did
-    before ``timeout_ns`` passed.
+    One vector of flags polled together: int64 ring counters, one per peer, or
+    (``GPU_SCOPE``) the int32 per-row flags that another launch on this GPU sets once it has
+    written the rows (a relay between two legs, :mod:`tritonep.modes.internode`). Returns
+    ``(values, ok)`` where ``ok`` says every active lane got there before ``timeout_ns``.
     """
     start = start_clock(USE_CLOCK)
     spins = tl.zeros((), tl.int64)
-    values = tl.atomic_add(flags, 0, mask=active, sem="acquire", scope="gpu")
-    done = tl.min(tl.where(active & (values != expect), 0, 1), 0) > 0
+    values = poll_acquire(ptrs, active, GPU_SCOPE)
+    done = tl.min(tl.where(active & (values < targets), 0, 1), 0) > 0
     while (not done) & (elapsed_ns(start, spins, USE_CLOCK) < timeout_ns):
         spins += 1
-        values = tl.atomic_add(flags, 0, mask=active, sem="acquire", scope="gpu")
-        done = tl.min(tl.where(active & (values != expect), 0, 1), 0) > 0
+        values = poll_acquire(ptrs, active, GPU_SCOPE)
+        done = tl.min(tl.where(active & (values < targets), 0, 1), 0) > 0
     tl.debug_barrier()
-    return done
+    return values, done
 
 
 @triton.jit

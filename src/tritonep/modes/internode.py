@@ -294,11 +294,8 @@ class InternodeMode:
         send_counts, bounds = relay_layout(rail_plan, C, G)
         node_plan = self.node.notify(
             None, rail_plan.host_info[1:], rail_plan.num_rows, expert_alignment,
-            num_worst_tokens, config, send_counts=send_counts,
+            num_worst_tokens, config, send_counts=send_counts, bounds=bounds,
         )  # fmt: skip
-        node_plan.bounds = bounds
-        if self.device.type != "cuda":
-            self.node._check_fits_interpreter_bounds(bounds, config)
         node = self.node.dispatch(
             rail.recv_x, rail.recv_topk_idx, rail.recv_topk_weights, handle=node_plan,
             src_tag=rail.handle.recv_src_idx, relay=Relay(flags, await_rows=True),

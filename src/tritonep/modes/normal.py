@@ -436,22 +436,19 @@ class NormalMode:
                 raise ValueError(f"config: num_sms={config.num_sms} exceeds the {sms} SMs")
         return config
 
-    def _check_fits_interpreter(self, num_tokens: int, config: Config, what: str) -> None:
-        if self.device.type != "cuda":
-            per_channel = triton.cdiv(num_tokens, config.num_channels)
-            if per_channel > config.nvl_recv_buffer_tokens:
-                raise ValueError(
-                    f"{what}: {num_tokens} tokens over {config.num_channels} channels exceed "
-                    f"the ring of {config.nvl_recv_buffer_tokens} slots; on CPU ranks a "
-                    "channel must fit its ring (the interpreter runs programs one by one)"
-                )
-
-    def _check_fits_interpreter_bounds(self, bounds: torch.Tensor, config: Config) -> None:
-        """:meth:`_check_fits_interpreter` for channels given as ranges (CPU ranks only)."""
-        widest = int((bounds[1:] - bounds[:-1]).max()) if bounds.numel() > 1 else 0
+    def _check_fits_interpreter(self, config: Config, what: str, num_tokens: int,
+                                bounds: torch.Tensor | None = None) -> None:  # fmt: skip
+        """On CPU ranks every channel's tokens must fit its ring: the interpreter runs programs
+        one by one. Channels are equal splits of ``num_tokens``, or the ranges ``bounds``."""
+        if self.device.type == "cuda":
+            return
+        if bounds is None:
+            widest = triton.cdiv(num_tokens, config.num_channels)
+        else:
+            widest = int((bounds[1:] - bounds[:-1]).max()) if bounds.numel() > 1 else 0
         if widest > config.nvl_recv_buffer_tokens:
             raise ValueError(
-                f"x: a channel of {widest} relayed tokens exceeds the ring of "
+                f"{what}: a channel of {widest} tokens exceeds the ring of "
                 f"{config.nvl_recv_buffer_tokens} slots; on CPU ranks a channel must fit its "
                 "ring (the interpreter runs programs one by one)"
             )
@@ -491,6 +488,7 @@ class NormalMode:
         num_worst_tokens: int = 0,
         config: Config | None = None,
         send_counts: torch.Tensor | None = None,
+        bounds: torch.Tensor | None = None,
         extra: torch.Tensor | None = None,
         channel_major: bool = False,
     ) -> NormalHandle:
@@ -505,6 +503,8 @@ class NormalMode:
             send_counts: ``[R, C]`` int32 tokens each channel will send to each rank, given
                 instead of ``is_token_in_rank`` by a relay that learns its rows later; the
                 next dispatch computes ``is_token_in_rank`` from the ids it moves.
+            bounds: ``[C + 1]`` int32 first token of each channel, with ``send_counts``: the
+                next dispatch's channels are these ranges instead of equal splits.
             extra: ``[R, X]`` int32 (``X <= notify_extra``) sent to each rank with the counts;
                 the handle's ``extra`` holds what each source sent here.
             channel_major: order received rows by channel, then source (each channel's rows
@@ -520,10 +520,11 @@ class NormalMode:
             in_rank = torch.zeros(num_tokens, R, dtype=torch.bool, device=self.device)
             counted = send_counts
         else:
-            # Counted channels are equal splits: each must fit its ring on CPU ranks.
-            self._check_fits_interpreter(num_tokens, config, "x")
             in_rank = is_token_in_rank
             counted = in_rank.view(torch.int8)
+        if bounds is not None:
+            check_tensor("bounds", bounds, dtype=torch.int32, shape=(C + 1,), device=self.device)
+        self._check_fits_interpreter(config, "x", num_tokens, bounds)
         X = 0
         if extra is not None:
             X = extra.shape[1]
@@ -570,7 +571,7 @@ class NormalMode:
         return NormalHandle(
             in_rank, recv_count, recv_start, host_info, None, num_recv, rows, num_tokens,
             self.hidden, self.num_experts, config, per_expert,
-            extra_out, None, send_counts is not None,
+            extra_out, bounds, send_counts is not None,
         )  # fmt: skip
 
     # --------------------------------------------------------------------------- dispatch
@@ -797,8 +798,7 @@ class NormalMode:
                 shape=(N, H), device=self.device,
             )  # fmt: skip
         config = handle.config
-        if handle.bounds is None:
-            self._check_fits_interpreter(N, config, "handle")
+        self._check_fits_interpreter(config, "handle", N, handle.bounds)
         C, R = config.num_channels, self.num_ranks
         awaits = relay is not None and relay.await_rows
         publish = relay is not None and relay.publish_to is not None
