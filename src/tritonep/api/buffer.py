@@ -28,7 +28,9 @@ same tuples as DeepEP's. Differences, all deliberate:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -64,6 +66,19 @@ def ranks_per_node(group: dist.ProcessGroup) -> int | None:
             f"0..{size - 1} are on nodes {nodes} (world rank // LOCAL_WORLD_SIZE={local})"
         )
     return per_node
+
+
+#: Live buffers by :attr:`Buffer.key`: the autograd operators name their buffer by number.
+_BUFFERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+def buffer_by_key(key: int) -> Buffer:
+    """The live :class:`Buffer` whose :attr:`~Buffer.key` is ``key``."""
+    buffer = _BUFFERS.get(key)
+    if buffer is None:
+        raise ValueError(f"buffer: no live Buffer with key {key} (destroyed or collected)")
+    return buffer
 
 
 class EventOverlap:
@@ -168,6 +183,9 @@ class Buffer:
         self._normal: NormalMode | None = None
         self._layout_arrivals: torch.Tensor | None = None
         self._comm_stream: torch.cuda.Stream | None = None
+        #: A number naming this buffer in operators (:mod:`tritonep.api.autograd`).
+        self.key = next(_KEYS)
+        _BUFFERS[self.key] = self
 
     #: SM budget of normal-mode calls (DeepEP's class-wide setting).
     num_sms: int = 24
