@@ -342,6 +342,9 @@ def test_autograd_handles_are_checked():
         autograd.combine(buffer, torch.zeros(1, 8, dtype=torch.bfloat16), object())
     with pytest.raises(TypeError, match="num_experts: expected an int"):
         autograd.dispatch(buffer, torch.zeros(1, 8), torch.zeros(1, 1, dtype=torch.long))
+    other = autograd.DispatchHandle(torch.tensor([1]), -2, 1, 1)
+    with pytest.raises(ValueError, match="handle: made by the buffer with key -2"):
+        autograd.combine(buffer, torch.zeros(1, 8, dtype=torch.bfloat16), other)
     released = autograd.DispatchHandle(torch.tensor([-5]), -1, 1, 1)
     with pytest.raises(ValueError, match="handle: no dispatch handle -5"):
         torch.ops.tritonep.combine(torch.zeros(1, 8), released.id, None, -1, 1)

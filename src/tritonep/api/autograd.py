@@ -284,6 +284,15 @@ _combine.register_autograd(_combine_backward, setup_context=_combine_setup)
 # --- the functions callers use --------------------------------------------------------------
 
 
+def _check_handle(buffer: Buffer, handle) -> None:
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError(f"handle: expected a DispatchHandle from tritonep.api.autograd."
+                        f"dispatch, got {type(handle).__name__}")  # fmt: skip
+    if handle.buffer_key != buffer.key:
+        raise ValueError(f"handle: made by the buffer with key {handle.buffer_key}, not this "
+                         f"one (key {buffer.key})")  # fmt: skip
+
+
 def dispatch(
     buffer: Buffer,
     x: torch.Tensor,
@@ -318,9 +327,7 @@ def dispatch(
         tensor with exact sizes and a device tensor in worst-case mode.
     """
     if handle is not None:
-        if not isinstance(handle, DispatchHandle):
-            raise TypeError(f"handle: expected a DispatchHandle from tritonep.api.autograd."
-                            f"dispatch, got {type(handle).__name__}")  # fmt: skip
+        _check_handle(buffer, handle)
         recv_x = torch.ops.tritonep.dispatch_cached(
             x, handle.id, buffer.key, handle.num_rows, use_fp8
         )
@@ -347,8 +354,6 @@ def combine(buffer: Buffer, x: torch.Tensor, handle: DispatchHandle) -> torch.Te
     Returns:
         ``[N, H]`` BF16, the sum over ranks of the rows of each token.
     """
-    if not isinstance(handle, DispatchHandle):
-        raise TypeError(f"handle: expected a DispatchHandle from tritonep.api.autograd."
-                        f"dispatch, got {type(handle).__name__}")  # fmt: skip
+    _check_handle(buffer, handle)
     out, _ = torch.ops.tritonep.combine(x, handle.id, None, buffer.key, handle.num_tokens)
     return out
