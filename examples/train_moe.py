@@ -3,21 +3,33 @@
 Run it like any torchrun script (GPUs when every rank has one, else CPU ranks):
 
     python -m tritonep.launch -n 4 examples/train_moe.py [--steps 3] [--gpus-per-node 2]
-    torchrun --nproc_per_node=4 examples/train_moe.py
+    torchrun --nproc_per_node=4 examples/train_moe.py [--compile] [--checkpoint selective]
 
 Each rank holds E/R experts and a copy of the router. Every step routes the rank's tokens,
 dispatches them (tritonep.api.autograd), applies its experts, combines, takes a loss and steps
 an optimizer; gradients of the replicated router are all-reduced as data parallelism would.
 The first step's loss and gradients are compared with the same layer computed densely on one
 process, which every rank can do because the inputs come from fixed seeds.
+
+``--compile`` runs the layer through ``torch.compile`` (Inductor on GPUs, ``aot_eager`` on CPU
+ranks): dispatch and combine are registered operators, traced without a graph break.
+``--checkpoint full`` recomputes the layer's forward in the backward pass (the dispatch runs
+again); ``--checkpoint selective`` recomputes everything except the dispatch and the combine,
+whose outputs are saved (no bytes move twice).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from tritonep.api import Buffer
 from tritonep.launch import init_distributed
@@ -30,6 +42,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--gpus-per-node", type=int, default=None, help="emulate nodes")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the layer")
+    parser.add_argument("--checkpoint", choices=["none", "full", "selective"], default="none")
     opts = parser.parse_args()
     ctx = init_distributed()
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
@@ -38,13 +52,14 @@ def main() -> None:
     buffer = Buffer(device=dev, gpus_per_node=opts.gpus_per_node)
     layer = MoELayer(buffer, router.to(dev), experts.to(dev), TOPK)
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    forward = _wrapped(layer, opts, dev)
     gen = torch.Generator().manual_seed(1)
     xs = [torch.randn(TOKENS, HIDDEN, generator=gen).to(torch.bfloat16) for _ in range(R)]
     targets = [torch.randn(TOKENS, HIDDEN, generator=gen) for _ in range(R)]
 
     for step in range(opts.steps):
         optimizer.zero_grad()
-        out = layer(xs[me].to(dev))
+        out = forward(xs[me].to(dev))
         loss = ((out.float() - targets[me].to(dev)) ** 2).mean()
         loss.backward()
         dist.all_reduce(layer.router.grad)  # the router is replicated
@@ -74,6 +89,32 @@ def main() -> None:
         print("first step matches the dense layer (loss, router and expert gradients)")
     dist.barrier()
     dist.destroy_process_group()
+
+
+#: Operators whose outputs selective checkpointing keeps: the communication.
+SAVED = {torch.ops.tritonep.dispatch.default, torch.ops.tritonep.combine.default}
+
+
+def _policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in SAVED else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+#: What ``checkpoint`` calls for a selective context (a partial, which Dynamo can trace).
+SELECTIVE = functools.partial(create_selective_checkpoint_contexts, _policy)
+
+
+def _wrapped(layer, opts, device):
+    """The layer's forward with the requested activation checkpointing and compilation."""
+
+    def forward(x):
+        if opts.checkpoint == "none":
+            return layer(x)
+        extra = {"context_fn": SELECTIVE} if opts.checkpoint == "selective" else {}
+        return checkpoint(layer, x, use_reentrant=False, **extra)
+
+    if opts.compile:
+        return torch.compile(forward, backend="inductor" if device.type == "cuda" else "aot_eager")
+    return forward
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -9,7 +9,11 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-@pytest.mark.parametrize("extra", [[], ["--gpus-per-node", "1"]], ids=["one-node", "2-nodes"])
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--gpus-per-node", "1"], ["--compile", "--checkpoint", "selective"]],
+    ids=["one-node", "2-nodes", "compiled-selective-checkpoint"],
+)
 def test_train_moe_example(extra):
     cmd = [sys.executable, "-m", "tritonep.launch", "-n", "2", "--timeout", "300",
            str(EXAMPLES / "train_moe.py"), "--steps", "2", *extra]  # fmt: skip
