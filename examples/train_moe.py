@@ -71,6 +71,7 @@ def main() -> None:
             dense = dense_moe(torch.cat(xs).float(), r, e, TOPK)
             per_rank = ((dense - torch.cat(targets)) ** 2).mean(dim=1).view(R, TOKENS).mean(1)
             per_rank.mean().backward()  # the mean of the ranks' losses
+            per_rank = per_rank.detach()
             mine = slice(me * EXPERTS_PER_RANK, (me + 1) * EXPERTS_PER_RANK)
             errors = {
                 "loss": abs(loss.item() - float(per_rank[me])) / float(per_rank[me]),
