@@ -117,16 +117,22 @@ def _lookup(handle_id: torch.Tensor) -> NormalHandle | InternodeHandle:
     return handle
 
 
-def _zero_padding(rows: torch.Tensor, handle) -> torch.Tensor:
-    """Worst-case outputs: rows past the received count become zero (exact outputs: as is)."""
-    if handle.num_recv_tokens >= 0:
-        return rows
-    index = torch.arange(handle.num_rows, device=rows.device)
-    return rows.masked_fill((index >= handle.host_info[0]).unsqueeze(1), 0)
+def _expert_rows(recv_x, use_fp8: bool, handle) -> torch.Tensor:
+    """What the experts get: BF16 rows (de-quantized from FP8), padding rows of worst-case
+    outputs zero. ``recv_x`` is the dispatch's own fresh output, so it is zeroed in place."""
+    rows = dequantize_fp8(*recv_x).to(torch.bfloat16) if use_fp8 else recv_x
+    if handle.num_recv_tokens < 0:
+        index = torch.arange(handle.num_rows, device=rows.device)
+        rows.masked_fill_((index >= handle.host_info[0]).unsqueeze(1), 0)
+    return rows
 
 
-def _bf16_rows(recv_x, use_fp8: bool) -> torch.Tensor:
-    return dequantize_fp8(*recv_x).to(torch.bfloat16) if use_fp8 else recv_x
+def _rows_back(ctx, handle_id, grad_rows: torch.Tensor, weights: torch.Tensor | None):
+    """The backward of both dispatches: a combine of the rows' gradients (and weights')."""
+    return torch.ops.tritonep.combine(
+        grad_rows.to(torch.bfloat16).contiguous(), handle_id, weights, ctx.buffer_key,
+        ctx.num_tokens,
+    )  # fmt: skip
 
 
 # --- dispatch -------------------------------------------------------------------------------
@@ -149,7 +155,7 @@ def _dispatch(
         num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert,
         is_token_in_rank=in_rank, num_worst_tokens=num_worst_tokens,
     )  # fmt: skip
-    recv_x = _zero_padding(_bf16_rows(recv_x, use_fp8), handle)
+    recv_x = _expert_rows(recv_x, use_fp8, handle)
     if recv_w is None:
         recv_w = recv_x.new_empty(recv_x.shape[0], 0, dtype=torch.float32)
     if isinstance(counts, torch.Tensor):
@@ -177,9 +183,10 @@ def _(x, topk_idx, topk_weights, buffer_key, num_experts, use_fp8, num_worst_tok
 def _dispatch_setup(ctx, inputs, output):
     x, _, topk_weights, buffer_key, *_ = inputs
     _, recv_idx, _, _, handle_id = output
-    ctx.save_for_backward(recv_idx, handle_id)
-    ctx.buffer_key, ctx.num_tokens = buffer_key, x.shape[0]
     ctx.has_weights = topk_weights is not None
+    # The ids only mask the weights' gradient: kept when there are weights.
+    ctx.save_for_backward(recv_idx if ctx.has_weights else None, handle_id)
+    ctx.buffer_key, ctx.num_tokens = buffer_key, x.shape[0]
 
 
 def _dispatch_backward(ctx, grad_recv_x, _grad_idx, grad_recv_w, _grad_counts, _grad_id):
@@ -188,10 +195,7 @@ def _dispatch_backward(ctx, grad_recv_x, _grad_idx, grad_recv_w, _grad_counts, _
     if ctx.has_weights and ctx.needs_input_grad[2]:
         # A rank's weight for an expert it does not own is a constant zero, not the weight.
         weights = torch.where(recv_idx >= 0, grad_recv_w.float(), 0.0).contiguous()
-    grad_x, grad_w = torch.ops.tritonep.combine(
-        grad_recv_x.to(torch.bfloat16).contiguous(), handle_id, weights, ctx.buffer_key,
-        ctx.num_tokens,
-    )  # fmt: skip
+    grad_x, grad_w = _rows_back(ctx, handle_id, grad_recv_x, weights)
     return grad_x, None, grad_w if weights is not None else None, None, None, None, None
 
 
@@ -209,7 +213,7 @@ def _dispatch_cached(
     recv_x, *_ = buffer_by_key(buffer_key).dispatch(
         quantize_fp8(x) if use_fp8 else x, handle=handle
     )
-    return _zero_padding(_bf16_rows(recv_x, use_fp8), handle)
+    return _expert_rows(recv_x, use_fp8, handle)
 
 
 @_dispatch_cached.register_fake
@@ -225,10 +229,7 @@ def _dispatch_cached_setup(ctx, inputs, output):
 
 def _dispatch_cached_backward(ctx, grad_recv_x):
     (handle_id,) = ctx.saved_tensors
-    grad_x, _ = torch.ops.tritonep.combine(
-        grad_recv_x.to(torch.bfloat16).contiguous(), handle_id, None, ctx.buffer_key,
-        ctx.num_tokens,
-    )  # fmt: skip
+    grad_x, _ = _rows_back(ctx, handle_id, grad_recv_x, None)
     return grad_x, None, None, None, None
 
 
