@@ -201,6 +201,82 @@ def _low_latency_body(ctx, tokens, hidden, experts_per_rank, topk, use_fp8):
     return True
 
 
+def _shrink_body(ctx, use_fp8):
+    """DeepEP's shrink checks with the mask set by hand: the last rank and the others mask
+    each other, so counts, rows and the combine leave the masked side out; once every rank
+    unmasks at the same call, everything is whole again."""
+    R, rank, dev = ctx.world_size, ctx.rank, ctx.device
+    experts_per_rank, hidden, num_max = 2, 256, 6
+    num_experts = experts_per_rank * R
+    N = [6, 0, 5, 4][rank]
+    _, topk_idx, topk_weights = _inputs(rank, N, hidden, num_experts, 3, dev, seed=11)
+    x = torch.full((N, hidden), float(rank), dtype=torch.bfloat16, device=dev)
+    all_idx = [None] * R
+    dist.all_gather_object(all_idx, topk_idx.cpu())
+    rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(num_max, hidden, R, num_experts)
+    buffer = deep_ep.Buffer(dist.group.WORLD, 0, rdma, low_latency_mode=True, enable_shrink=True)
+    last = R - 1
+    for peer in range(last) if rank == last else [last]:
+        buffer.low_latency_update_mask_buffer(peer, True)
+    mask_status = torch.zeros(R, dtype=torch.int32, device=dev)
+    masks = []
+    for masked_call in (True, False):
+        buffer.low_latency_query_mask_buffer(mask_status)
+        masks.append(mask_status.tolist())
+        live = [s for s in range(R) if not mask_status[s]]
+        recv_x, recv_count, handle, _, hook = buffer.low_latency_dispatch(
+            x, topk_idx, num_max, num_experts, use_fp8=use_fp8, return_recv_hook=True
+        )
+        hook()
+        rows = deep_ep_dequant(recv_x) if use_fp8 else recv_x.float()
+        for e in range(experts_per_rank):
+            expert = rank * experts_per_rank + e
+            want = sum(int((all_idx[s] == expert).any(1).sum()) for s in live)
+            assert int(recv_count[e]) == want
+            count = (handle[1][e].cpu() & 0xFFFFFFFF).tolist()
+            begin = (handle[1][e].cpu() >> 32).tolist()
+            for s in range(R):
+                block = rows[e, begin[s] : begin[s] + count[s], 0].cpu()
+                assert count[s] == 0 if s not in live else bool((block == s).all())
+        combined, _, hook = buffer.low_latency_combine(
+            rows.to(torch.bfloat16), topk_idx, topk_weights, handle, return_recv_hook=True
+        )
+        hook()
+        owner_live = torch.tensor([s in live for s in range(R)], device=dev)
+        valid = (topk_idx >= 0) & owner_live[topk_idx.clamp(min=0) // experts_per_rank]
+        expected = x.float() * (topk_weights * valid).sum(1, keepdim=True)
+        if N:
+            assert calc_diff(combined.float(), expected) < 1e-5
+        if masked_call:
+            buffer.low_latency_clean_mask_buffer()
+    errors = []
+    for call in [
+        lambda: buffer.low_latency_update_mask_buffer(R, True),
+        lambda: buffer.low_latency_query_mask_buffer(mask_status.long()),
+        lambda: deep_ep.Buffer(dist.group.WORLD).low_latency_clean_mask_buffer(),
+    ]:
+        try:
+            call()
+            errors.append("accepted")
+        except (TypeError, ValueError, RuntimeError) as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    buffer.destroy()
+    return masks, errors
+
+
+@pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
+def test_shrink_like_deep_ep(run_ranks, use_fp8):
+    for rank, (masks, errors) in enumerate(run_ranks(3, _shrink_body, use_fp8)):
+        assert masks[0] == ([1, 1, 0] if rank == 2 else [0, 0, 1])
+        assert masks[1] == [0, 0, 0]
+        assert errors == [
+            "ValueError: rank_to_mask: expected a rank in [0, 3), got 3",
+            "TypeError: mask_status: expected dtype torch.int32, got torch.int64",
+            "RuntimeError: low_latency_clean_mask_buffer: needs a Buffer constructed with "
+            "enable_shrink=True",
+        ]
+
+
 def deep_ep_dequant(recv_x):
     q, scales = recv_x
     groups = q.float().unflatten(-1, (q.shape[-1] // 128, 128))
@@ -242,9 +318,13 @@ def test_signatures_match_deep_ep():
         "get_dispatch_layout", "dispatch", "combine", "low_latency_dispatch",
         "low_latency_combine", "get_next_low_latency_combine_buffer", "clean_low_latency_buffer",
         "get_low_latency_rdma_size_hint", "set_num_sms", "get_dispatch_config",
-        "get_combine_config", "capture", "destroy",
+        "get_combine_config", "capture", "destroy", "low_latency_update_mask_buffer",
+        "low_latency_query_mask_buffer", "low_latency_clean_mask_buffer",
     ]:  # fmt: skip
         assert callable(getattr(deep_ep.Buffer, name)), name
+    update = inspect.signature(deep_ep.Buffer.low_latency_update_mask_buffer).parameters
+    assert list(update)[1:] == ["rank_to_mask", "mask"] and update["mask"].default is False
+    assert "enable_shrink" in params
     dispatch = inspect.signature(deep_ep.Buffer.dispatch).parameters
     assert list(dispatch)[1:] == [
         "x", "handle", "num_tokens_per_rank", "num_tokens_per_rdma_rank", "is_token_in_rank",

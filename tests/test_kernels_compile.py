@@ -77,6 +77,8 @@ LL_DISPATCH = {
     "timeout_ns": "i64",
     "trace_ptr": "*i64",
     "wait_stats_ptr": "*i64",
+    "mask_ptr": "*i32",
+    "verdict_ptr": "*i64",
 }
 LL_COMBINE = {
     "x_ptr": "*bf16",
@@ -99,6 +101,9 @@ LL_COMBINE = {
     "timeout_ns": "i64",
     "trace_ptr": "*i64",
     "wait_stats_ptr": "*i64",
+    "mask_ptr": "*i32",
+    "verdict_ptr": "*i64",
+    "skipped_ptr": "*i64",
 }
 LL_DISPATCH_META = dict(
     H=7168,
@@ -121,6 +126,7 @@ LL_DISPATCH_META = dict(
     MSG_BLOCK=4,
     PROFILE=False,
     WAIT_STATS=False,
+    SHRINK=False,
     VIA=0,
 )
 LL_COMBINE_META = dict(
@@ -139,6 +145,7 @@ LL_COMBINE_META = dict(
     REDUCE_BW=4096,
     PROFILE=False,
     WAIT_STATS=False,
+    SHRINK=False,
     VIA=0,
 )
 TRACED = dict(PROFILE=True, WAIT_STATS=True)
@@ -150,6 +157,11 @@ for name, sig, meta in [
     # Across nodes, emulated (copies from the staging slabs)
     ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "VIA": 1}),
     ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, "VIA": 1}),
+    # Shrink mode (masked peers skipped, timeouts mask), within a node and across nodes
+    ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "SHRINK": True}),
+    ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, "SHRINK": True}),
+    ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "SHRINK": True, "VIA": 1}),
+    ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, "SHRINK": True, "VIA": 1}),
 ]:
     KERNELS.append(
         (
@@ -324,7 +336,8 @@ def _id(kernel):
         else ""
     )
     traced = "-traced" if meta.get("PROFILE", False) else ""
-    return kernel[1] + traced + ("-staged" if meta.get("VIA") else "") + relay
+    shrink = "-shrink" if meta.get("SHRINK") else ""
+    return kernel[1] + traced + ("-staged" if meta.get("VIA") else "") + shrink + relay
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=[_id(k) for k in KERNELS])
@@ -360,6 +373,14 @@ def test_traces_are_compiled_out_when_off():
         assert "atom.global.gpu.relaxed.add.u64" not in off
         assert "atom.global.gpu.relaxed.add.u64" in on  # per-peer wait statistics
         assert on.count("%globaltimer") > off.count("%globaltimer")
+
+
+def test_shrink_mode_is_compiled_out_when_off():
+    shrink = [k for k in KERNELS if k[3].get("SHRINK") and not k[3].get("VIA")]
+    for plain, masked in zip((KERNELS[2], KERNELS[3]), shrink, strict=True):
+        off, on = compile_ptx(*plain), compile_ptx(*masked)
+        assert "atom.global.acq_rel.gpu.cas.b64" in on  # the verdicts, one per peer and call
+        assert "cas.b64" not in off
 
 
 def _nvshmem_device_library():

@@ -149,6 +149,12 @@ class Buffer:
             stages what goes to other nodes and puts it there); None: found from where the
             ranks run (world rank ``r`` on node ``r // LOCAL_WORLD_SIZE``, as torchrun numbers
             them; one node without that variable).
+        enable_shrink: low-latency shrink mode (as DeepEP's): a rank that stops answering is
+            masked when a wait for it times out, instead of raising, and the calls go on
+            without it; :meth:`low_latency_update_mask_buffer` masks and unmasks ranks by hand.
+            A masked rank is neither sent to nor waited for, and the top-k choices of its
+            experts are dropped (as if their ids were ``-1``). Every rank must pass the same
+            value. The normal mode is not affected.
     """
 
     def __init__(
@@ -164,6 +170,7 @@ class Buffer:
         device: torch.device | str | None = None,
         profile: bool = False,
         gpus_per_node: int | None = None,
+        enable_shrink: bool = False,
     ):
         self.group = group or dist.group.WORLD
         self.rank = dist.get_rank(self.group)
@@ -172,6 +179,9 @@ class Buffer:
         self.low_latency_mode = low_latency_mode
         self.timeout_s, self.check_ids, self.device = timeout_s, check_ids, device
         self.profile = profile
+        self.enable_shrink = bool(enable_shrink)
+        # Masked ranks set before the low-latency mode exists (it is built on the first call).
+        self._pending_mask = [0] * self.group_size
         if gpus_per_node is None:
             gpus_per_node = ranks_per_node(self.group)
         if gpus_per_node is not None and (gpus_per_node < 1 or self.group_size % gpus_per_node):
@@ -477,7 +487,10 @@ class Buffer:
                 check_ids=self.check_ids,
                 profile=self._profile(),
                 gpus_per_node=self.gpus_per_node,
+                enable_shrink=self.enable_shrink,
             )
+            if any(self._pending_mask):
+                mode.peer_mask.copy_(torch.tensor(self._pending_mask, dtype=torch.int32))
         elif (mode.max_tokens, mode.hidden, mode.num_experts) != (num_max, hidden, num_experts):
             raise ValueError(
                 "num_max_dispatch_tokens_per_rank, hidden and num_experts must stay "
@@ -606,6 +619,49 @@ class Buffer:
     ) -> None:
         """Nothing to clean: signals are tagged with the call number and never reset."""
         self._low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (``mask=True``) or unmask one rank of the group in low-latency calls.
+
+        Needs ``enable_shrink=True``. The change applies to calls issued after it, in stream
+        order (no host synchronization, capturable). Unmask only a rank that is in step with
+        this one: one that made the same calls (two ranks that masked each other at the same
+        call and unmask each other at the same call are); a rank masked because it stopped
+        answering comes back only with a new buffer on every rank.
+
+        Args:
+            rank_to_mask: the rank, ``0 <= rank_to_mask < group size``.
+            mask: True masks it, False unmasks it.
+        """
+        self._require_shrink("low_latency_update_mask_buffer")
+        if not isinstance(rank_to_mask, int) or not 0 <= rank_to_mask < self.group_size:
+            raise ValueError(f"rank_to_mask: expected a rank in [0, {self.group_size}), "
+                             f"got {rank_to_mask!r}")  # fmt: skip
+        if self._ll is None:
+            self._pending_mask[rank_to_mask] = int(bool(mask))
+        else:
+            self._ll.peer_mask[rank_to_mask] = int(bool(mask))
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Write which ranks are masked into ``mask_status``: ``[R]`` int32, 1 = masked (on
+        any device; a copy in stream order, synchronous for a host tensor)."""
+        self._require_shrink("low_latency_query_mask_buffer")
+        check_tensor("mask_status", mask_status, dtype=torch.int32, shape=(self.group_size,))
+        if self._ll is None:
+            mask_status.copy_(torch.tensor(self._pending_mask, dtype=torch.int32))
+        else:
+            mask_status.copy_(self._ll.peer_mask)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank (see :meth:`low_latency_update_mask_buffer` for when it is safe)."""
+        self._require_shrink("low_latency_clean_mask_buffer")
+        self._pending_mask = [0] * self.group_size
+        if self._ll is not None:
+            self._ll.peer_mask.zero_()
+
+    def _require_shrink(self, what: str) -> None:
+        if not self.enable_shrink:
+            raise RuntimeError(f"{what}: needs a Buffer constructed with enable_shrink=True")
 
     def _require_ll(self) -> LowLatencyMode:
         if self._ll is None:

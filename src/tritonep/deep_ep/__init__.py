@@ -31,11 +31,15 @@ Behavioural differences, all documented here and in :mod:`tritonep.api.buffer`:
   to 16 work in low-latency mode (DeepEP: a fixed list of hidden sizes, top-k <= 11);
 * the ``*_wait_recv_cost_stats`` tensors accumulate nanoseconds (DeepEP: cycles);
 * ``num_qps_per_rank``,
-  ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``, ``enable_shrink``
-  and ``comm`` are accepted and have no effect;
+  ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric`` and ``comm`` are
+  accepted and have no effect;
+* ``enable_shrink`` works as in DeepEP (a low-latency wait that times out masks the rank;
+  ``low_latency_update_mask_buffer``, ``low_latency_query_mask_buffer`` and
+  ``low_latency_clean_mask_buffer``), except that nothing is printed: query the mask;
 * a wait that times out (100 s by default) raises
   :class:`~tritonep.errors.WaitTimeoutError` from :meth:`Buffer.check` or
-  :meth:`Buffer.destroy` instead of trapping the GPU.
+  :meth:`Buffer.destroy` instead of trapping the GPU (in low-latency shrink mode it masks
+  the rank instead).
 """
 
 from __future__ import annotations
@@ -59,14 +63,17 @@ class Buffer(_Buffer):
         num_rdma_bytes: if non-zero, must cover the low-latency size hint of the first call.
         low_latency_mode: accepted; both modes work on any buffer.
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric,
-            enable_shrink, comm: accepted, no effect.
+            comm: accepted, no effect.
+        enable_shrink: low-latency shrink mode (see :class:`tritonep.api.Buffer`).
         explicitly_destroy: accepted; :meth:`destroy` releases the memory either way.
 
     Every method is that of :class:`tritonep.api.Buffer`: ``get_dispatch_layout``,
     ``dispatch``, ``combine``, ``low_latency_dispatch``, ``low_latency_combine``,
     ``get_next_low_latency_combine_buffer``, ``clean_low_latency_buffer``,
-    ``get_low_latency_rdma_size_hint``, ``set_num_sms``, ``get_dispatch_config``,
-    ``get_combine_config``, ``capture`` and ``destroy``, with DeepEP's signatures.
+    ``get_low_latency_rdma_size_hint``, ``low_latency_update_mask_buffer``,
+    ``low_latency_query_mask_buffer``, ``low_latency_clean_mask_buffer``, ``set_num_sms``,
+    ``get_dispatch_config``, ``get_combine_config``, ``capture`` and ``destroy``, with
+    DeepEP's signatures.
     """
 
     #: SM budget of normal-mode calls (DeepEP's default).
@@ -88,7 +95,7 @@ class Buffer(_Buffer):
     ):
         super().__init__(
             group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
-            explicitly_destroy, gpus_per_node=ranks_per_node(group),
+            explicitly_destroy, gpus_per_node=ranks_per_node(group), enable_shrink=enable_shrink,
         )  # fmt: skip
 
     @staticmethod

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from .fp8 import from_bf16, to_bf16
 from .ll_dispatch import finish_launch
+from .peer_mask import gave_up, mask_timed_out, masked, wait_peer
 from .sync import add_release, aligned_ptr, record_timeout, wait_flag
 from .trace import read_clock, write_trace
 from .transport import SIGNAL_ADD, VIA_STORE, put_block, signal
@@ -64,6 +65,9 @@ def ll_combine_kernel(
     timeout_ns,
     trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE), or the clock of WAIT_STATS
     wait_stats_ptr,  # [R] int64 time spent waiting for each source rank (WAIT_STATS)
+    mask_ptr,  # [R] int32 masked peers (SHRINK)
+    verdict_ptr,  # [R] int64 this launch's verdict on each source rank (SHRINK)
+    skipped_ptr,  # [R] int64 calls whose signal from each rank was not waited for (SHRINK)
     H: tl.constexpr,
     K: tl.constexpr,
     K_MAX: tl.constexpr,
@@ -79,6 +83,7 @@ def ll_combine_kernel(
     REDUCE_BW: tl.constexpr,  # channels of a token reduced at a time (power of two)
     PROFILE: tl.constexpr,
     WAIT_STATS: tl.constexpr,
+    SHRINK: tl.constexpr = False,  # masked peers are skipped, timeouts mask (peer_mask)
     VIA: tl.constexpr = VIA_STORE,
 ):
     pid = tl.program_id(0)
@@ -112,6 +117,8 @@ def ll_combine_kernel(
             packed = tl.load(range_ptr + local * NUM_RANKS + src)
             begin = (packed >> 32).to(tl.int32)
             count = (packed & 0xFFFFFFFF).to(tl.int32)
+            if SHRINK:  # a peer masked since the dispatch gets nothing back
+                count = tl.where(tl.load(mask_ptr + src) != 0, 0, count)
             base = tl.load(peer_ptrs + src)
             remote = (src // gpus_per_node) != (rank // gpus_per_node)
             for first in range(0, count, ROW_BLOCK):
@@ -149,6 +156,8 @@ def ll_combine_kernel(
             for item in range(pid, E_LOCAL * NUM_RANKS, num_programs):
                 if item % NUM_RANKS == peer:
                     blocks += 1
+            if SHRINK:
+                blocks = tl.where(tl.load(mask_ptr + peer) != 0, 0, blocks)
             if blocks > 0:
                 base = tl.load(peer_ptrs + peer)
                 if VIA == VIA_STORE:
@@ -173,13 +182,21 @@ def ll_combine_kernel(
                 done = (my_base + done_offset + src * 8).to(tl.pointer_type(tl.int64))
                 if WAIT_STATS:
                     w0 = read_clock(trace_ptr, USE_CLOCK)
-                _, ok = wait_flag(done, target, budget, USE_CLOCK, AT_LEAST=True)
+                if SHRINK:
+                    # Calls in which this peer was masked brought no signal from it.
+                    expected = (c_recv + 1 - tl.load(skipped_ptr + src)) * E_LOCAL
+                    _, ok = wait_peer(done, expected, timeout_ns, tl.load(mask_ptr + src) != 0,
+                                      verdict_ptr + src, c_recv + 1, USE_CLOCK,
+                                      AT_LEAST=True)  # fmt: skip
+                else:
+                    _, ok = wait_flag(done, target, budget, USE_CLOCK, AT_LEAST=True)
                 if WAIT_STATS:
                     waited = read_clock(trace_ptr, USE_CLOCK) - w0
                     tl.atomic_add(wait_stats_ptr + src, waited, sem="relaxed", scope="gpu")
-                budget = tl.where(ok, budget, 0)
-                if not ok:
-                    record_timeout(status_ptr, src, PHASE_COMBINE_RECV)
+                if not SHRINK:
+                    budget = tl.where(ok, budget, 0)
+                    if not ok:
+                        record_timeout(status_ptr, src, PHASE_COMBINE_RECV)
         if PROFILE:
             t1 = read_clock(trace_ptr, USE_CLOCK)
             t_wait = t1 - t0
@@ -197,6 +214,11 @@ def ll_combine_kernel(
                 for k in tl.static_range(K):
                     expert = tl.load(ids_ptr + k)
                     valid = (expert >= 0) & (expert < NUM_EXPERTS)
+                    if SHRINK:  # the experts of a masked or given-up peer add nothing
+                        owner = expert // E_LOCAL
+                        dead = masked(mask_ptr, owner, valid)
+                        dead = dead | gave_up(verdict_ptr, owner, c_recv + 1, valid)
+                        valid = valid & ~dead
                     # A token that names an expert twice got its row once, at the first column.
                     column = tl.full((), k, tl.int64)
                     for j in tl.static_range(k):
@@ -213,7 +235,7 @@ def ll_combine_kernel(
     if PROFILE:
         t_end = read_clock(trace_ptr, USE_CLOCK)
         write_trace(trace_ptr, t_start, t_send_end, t_end, t_send, t_signal, t_wait, t_reduce, 0)
-    finish_launch(
+    last = finish_launch(
         state_ptr,
         COMBINE_ARRIVALS,
         COMBINE_SEND_CALLS,
@@ -223,3 +245,6 @@ def ll_combine_kernel(
         DO_SEND,
         DO_RECV,
     )
+    if SHRINK and DO_RECV:  # noqa: SIM102 - compiled out without SHRINK
+        if last:
+            mask_timed_out(mask_ptr, verdict_ptr, skipped_ptr, c_recv + 1, NUM_RANKS, True)

@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from .fp8 import e4m3_bits, from_bf16, quantize_groups
+from .peer_mask import mask_timed_out, masked, wait_peer
 from .sync import aligned_ptr, record_timeout, wait_flag
 from .trace import read_clock, write_trace
 from .transport import SIGNAL_SET, VIA_STORE, put_block_signal
@@ -78,15 +79,19 @@ def finish_launch(
     DO_SEND: tl.constexpr,
     DO_RECV: tl.constexpr,
 ):
-    """The last program of a launch advances the call counters of the phases it ran."""
+    """The last program of a launch advances the call counters of the phases it ran.
+
+    Returns whether this program is that last one (every other program's work is done)."""
     tl.debug_barrier()
     arrived = tl.atomic_add(state_ptr + arrivals, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:
+    last = arrived == tl.num_programs(0) - 1
+    if last:
         tl.store(state_ptr + arrivals, 0)
         if DO_SEND:
             tl.store(state_ptr + send_calls, c_send + 1)
         if DO_RECV:
             tl.store(state_ptr + recv_calls, c_recv + 1)
+    return last
 
 
 @triton.jit
@@ -125,6 +130,8 @@ def ll_dispatch_kernel(
     timeout_ns,
     trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE), or the clock of WAIT_STATS
     wait_stats_ptr,  # [R] int64 time spent waiting for each source rank (WAIT_STATS)
+    mask_ptr,  # [R] int32 masked peers (SHRINK)
+    verdict_ptr,  # [R] int64 this launch's verdict on each source rank (SHRINK)
     H: tl.constexpr,
     K: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
@@ -145,6 +152,7 @@ def ll_dispatch_kernel(
     MSG_BLOCK: tl.constexpr,
     PROFILE: tl.constexpr,
     WAIT_STATS: tl.constexpr,
+    SHRINK: tl.constexpr = False,  # masked peers are skipped, timeouts mask (peer_mask)
     VIA: tl.constexpr = VIA_STORE,
 ):
     pid = tl.program_id(0)
@@ -182,6 +190,8 @@ def ll_dispatch_kernel(
         last_token = tl.minimum(first_token + per_program, num_tokens)
         expert_owners = experts // E_LOCAL
         owner_bases = tl.load(peer_ptrs + expert_owners, mask=experts < NUM_EXPERTS, other=0)
+        if SHRINK:  # experts of masked peers are chosen by no token: no message, no count
+            expert_dead = masked(mask_ptr, expert_owners, experts < NUM_EXPERTS)
         # Tokens per expert, of the whole batch and of the tokens before this program's.
         total = tl.zeros((BINS,), tl.int32)
         before = tl.zeros((BINS,), tl.int32)
@@ -193,6 +203,8 @@ def ll_dispatch_kernel(
                 other=-1,
             )
             chosen = first_choices(ids, ks, K, NUM_EXPERTS)
+            if SHRINK:
+                chosen = chosen & ~masked(mask_ptr, ids // E_LOCAL, chosen)
             binned = tl.reshape(tl.where(chosen, ids, 0).to(tl.int32), (BLOCK_N * K_P2,))
             total += tl.histogram(binned, BINS, mask=tl.reshape(chosen, (BLOCK_N * K_P2,)))
             earlier = chosen & (tokens[:, None] < first_token)
@@ -205,6 +217,8 @@ def ll_dispatch_kernel(
         for token in range(first_token, last_token):
             ids = tl.load(topk_idx_ptr + tl.cast(token, tl.int64) * K + ks, mask=ks < K, other=-1)
             valid = tl.reshape(first_choices(ids[None, :], ks, K, NUM_EXPERTS), (K_P2,))
+            if SHRINK:
+                valid = valid & ~masked(mask_ptr, ids // E_LOCAL, valid)
             ids = tl.where(valid, ids, 0).to(tl.int32)
             slots = tl.load(next_slot + ids, mask=valid, other=0)
             tl.debug_barrier()
@@ -260,6 +274,8 @@ def ll_dispatch_kernel(
         publish = completed | (
             (total == 0) & (experts % num_programs == pid) & (experts < NUM_EXPERTS)
         )
+        if SHRINK:
+            publish = publish & ~expert_dead
         flags = flag_offset + flag_set_off + ((experts % E_LOCAL) * NUM_RANKS + rank) * 8
         values = ((c_send + 1) << 32) | total.to(tl.int64)
         nearby = publish
@@ -322,16 +338,22 @@ def ll_dispatch_kernel(
                 flag = my_base + flag_offset + flag_set_off + (local * NUM_RANKS + src) * 8
                 if WAIT_STATS:
                     w0 = read_clock(trace_ptr, USE_CLOCK)
-                value, ok = wait_flag(
-                    flag.to(tl.pointer_type(tl.int64)), c_recv + 1, budget, USE_CLOCK, SHIFT=32
-                )
+                flag = flag.to(tl.pointer_type(tl.int64))
+                if SHRINK:
+                    value, ok = wait_peer(flag, c_recv + 1, timeout_ns,
+                                          tl.load(mask_ptr + src) != 0, verdict_ptr + src,
+                                          c_recv + 1, USE_CLOCK, SHIFT=32)  # fmt: skip
+                else:
+                    value, ok = wait_flag(flag, c_recv + 1, budget, USE_CLOCK, SHIFT=32)
                 if WAIT_STATS:
                     waited = read_clock(trace_ptr, USE_CLOCK) - w0
                     tl.atomic_add(wait_stats_ptr + src, waited, sem="relaxed", scope="gpu")
-                budget = tl.where(ok, budget, 0)
-                if not ok:
-                    record_timeout(status_ptr, src, PHASE_DISPATCH_RECV, local)
-                # A timed-out source contributes nothing; the host raises from the status.
+                if not SHRINK:
+                    budget = tl.where(ok, budget, 0)
+                    if not ok:
+                        record_timeout(status_ptr, src, PHASE_DISPATCH_RECV, local)
+                # A timed-out source contributes nothing; the host raises from the status (or,
+                # in shrink mode, the source is masked at the end of the launch).
                 begin += count
                 count = tl.where(ok, (value & 0xFFFFFFFF).to(tl.int32), 0)
             if PROFILE:
@@ -380,7 +402,7 @@ def ll_dispatch_kernel(
             trace_ptr, t_start, t_send_end, t_end, t_quantize_send, t_count_send, t_wait,
             t_pack, 0,
         )  # fmt: skip
-    finish_launch(
+    last = finish_launch(
         state_ptr,
         DISPATCH_ARRIVALS,
         DISPATCH_SEND_CALLS,
@@ -390,3 +412,6 @@ def ll_dispatch_kernel(
         DO_SEND,
         DO_RECV,
     )
+    if SHRINK and DO_RECV:  # noqa: SIM102 - compiled out without SHRINK
+        if last:
+            mask_timed_out(mask_ptr, verdict_ptr, verdict_ptr, c_recv + 1, NUM_RANKS, False)

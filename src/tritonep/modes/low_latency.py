@@ -159,6 +159,10 @@ class LowLatencyMode:
             :class:`~tritonep.modes.trace.TraceRecorder` to share one with another mode.
         gpus_per_node: ranks per node (consecutive ranks share a node); None: the whole
             group is one node. Peers on other nodes are reached through staging and puts.
+        enable_shrink: shrink mode (:mod:`tritonep.kernels.peer_mask`): a wait that times out
+            masks its peer instead of raising, and masked peers (:attr:`peer_mask`) are
+            neither sent to nor waited for; their experts' choices are dropped as if their
+            ids were ``-1``. Every rank must pass the same value.
     """
 
     def __init__(
@@ -174,6 +178,7 @@ class LowLatencyMode:
         check_ids: bool = True,
         profile: bool | TraceRecorder = False,
         gpus_per_node: int | None = None,
+        enable_shrink: bool = False,
     ):
         self.group = group or dist.group.WORLD
         check_ranks_agree(
@@ -181,9 +186,10 @@ class LowLatencyMode:
             num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank, hidden=hidden,
             num_experts=num_experts, max_topk=max_topk, num_programs=num_programs,
             device_type=torch.device(device).type if device is not None else None,
-            gpus_per_node=gpus_per_node,
+            gpus_per_node=gpus_per_node, enable_shrink=enable_shrink,
         )  # fmt: skip
         self.check_ids = check_ids
+        self.enable_shrink = bool(enable_shrink)
         self.rank = dist.get_rank(self.group)
         self.num_ranks = dist.get_world_size(self.group)
         self.num_local_experts = check_num_experts(num_experts, self.num_ranks)
@@ -235,6 +241,13 @@ class LowLatencyMode:
                                    dtype=torch.int32, device=self.device)  # fmt: skip
         self.expert_done = torch.zeros(self._bins, dtype=torch.int32, device=self.device)
         self._timeout_ns = timeout_ns(timeout_s)
+        #: ``[R]`` int32, 1 where a peer is masked (shrink mode; change it in stream order).
+        self.peer_mask = torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device)
+        # Per source rank: the verdicts of the last dispatch and combine receive (call
+        # tagged), and the combines whose signal was not waited for.
+        self._verdicts = tuple(torch.zeros(self.num_ranks, dtype=torch.int64, device=self.device)
+                               for _ in range(2))  # fmt: skip
+        self._skipped = torch.zeros(self.num_ranks, dtype=torch.int64, device=self.device)
         self._combine_input: torch.Tensor | None = None
         self._metas: dict[tuple, dict] = {}  # launch options per configuration (_run)
         on_gpu = use_clock(self.device)
@@ -261,7 +274,8 @@ class LowLatencyMode:
         ).total
 
     # ---------------------------------------------------------------------------- helpers
-    def _run(self, kernel, name, args: tuple, key, build_meta, return_recv_hook, wait_stats):
+    def _run(self, kernel, name, args: tuple, key, build_meta, return_recv_hook, wait_stats,
+             shrink_args: tuple):  # fmt: skip
         """Launch the send and receive phases of ``kernel``; returns the hook or None.
 
         On GPUs without a hook both phases run in one cooperative launch (receivers spin on
@@ -269,7 +283,8 @@ class LowLatencyMode:
         the interpreter (which runs programs one after another), they are two launches.
         ``build_meta()`` gives the constexprs and options, built once per ``key`` (what they
         depend on besides the mode). ``wait_stats`` (``[R]`` int64 or None) accumulates the
-        time waited per source rank. A launch that only receives puts nothing, so it is not
+        time waited per source rank; ``shrink_args`` are the kernel's shrink-mode tensors. A
+        launch that only receives puts nothing, so it is not
         linked with NVSHMEM.
         """
         grid = (self.num_programs,)
@@ -282,6 +297,7 @@ class LowLatencyMode:
                 meta = self._metas[meta_key] = dict(
                     build_meta(), DO_SEND=do_send, DO_RECV=do_recv, PROFILE=traced,
                     WAIT_STATS=wait_stats is not None, VIA=self.transport.via,
+                    SHRINK=self.enable_shrink,
                     **(self.transport.options if do_send else {}),
                 )  # fmt: skip
                 if cooperative:
@@ -290,7 +306,7 @@ class LowLatencyMode:
             if traced:
                 readings = self.trace.buffer(name, self.num_programs, do_send, do_recv)
             stats = wait_stats if wait_stats is not None else self.state
-            launcher.launch(kernel, grid, (*args, readings, stats), meta)
+            launcher.launch(kernel, grid, (*args, readings, stats, *shrink_args), meta)
 
         if not return_recv_hook and self.device.type == "cuda":
             launch(True, True, cooperative=True)
@@ -313,7 +329,8 @@ class LowLatencyMode:
         return torch.empty(shape, dtype=dtype, device=self.device)
 
     def check(self) -> None:
-        """Wait for the device and raise :class:`WaitTimeoutError` if a wait gave up."""
+        """Wait for the device and raise :class:`WaitTimeoutError` if a wait gave up (never
+        in shrink mode, where the peer is masked instead)."""
         raise_on_timeout(self.status, self.rank, PHASES, self.timeout_s, "expert {}")
 
     # --------------------------------------------------------------------------- dispatch
@@ -412,7 +429,7 @@ class LowLatencyMode:
         self._check_wait_stats(wait_stats)
         hook = self._run(ll_dispatch.ll_dispatch_kernel, "low-latency dispatch", args,
                          (use_fp8, use_ue8m0, topk), build_meta, return_recv_hook,
-                         wait_stats)  # fmt: skip
+                         wait_stats, (self.peer_mask, self._verdicts[0]))  # fmt: skip
         return out_x, recv_count, handle, hook
 
     # ---------------------------------------------------------------------------- combine
@@ -512,7 +529,8 @@ class LowLatencyMode:
         )
         self._check_wait_stats(wait_stats)
         hook = self._run(ll_combine.ll_combine_kernel, "low-latency combine", args, topk,
-                         build_meta, return_recv_hook, wait_stats)  # fmt: skip
+                         build_meta, return_recv_hook, wait_stats,
+                         (self.peer_mask, self._verdicts[1], self._skipped))  # fmt: skip
         return out, hook
 
     def _check_wait_stats(self, wait_stats: torch.Tensor | None) -> None:

@@ -19,6 +19,7 @@ from .low_latency import (
     low_latency_dispatch,
     pack_range,
     unpack_range,
+    without_ranks,
 )
 from .normal import NormalDispatchResult, align_up, normal_combine, normal_dispatch
 
@@ -44,4 +45,5 @@ __all__ = [
     "quantize_fp8",
     "round_scale_to_pow2",
     "unpack_range",
+    "without_ranks",
 ]

@@ -144,6 +144,32 @@ def source_rows(dispatched: LowLatencyDispatchResult, local: int, src: int, num_
     return row_of
 
 
+def without_ranks(
+    xs: Sequence[torch.Tensor],
+    topk_idx: Sequence[torch.Tensor],
+    num_experts: int,
+    masked: set[int] | frozenset[int],
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """What shrink mode makes of the inputs when the ranks in ``masked`` are masked.
+
+    Seen from a rank that masks them: they send nothing (their inputs become empty), and every
+    choice of one of their experts is dropped (id ``-1``). Feed the result to
+    :func:`low_latency_dispatch` and :func:`low_latency_combine` for that rank's outputs.
+    """
+    experts_per_rank = num_experts // len(xs)
+    out_x, out_idx = [], []
+    for rank, (x, idx) in enumerate(zip(xs, topk_idx, strict=True)):
+        if rank in masked:
+            x, idx = x[:0], idx[:0]
+        else:
+            owners = torch.div(idx, experts_per_rank, rounding_mode="floor")
+            dead = torch.isin(owners, torch.tensor(sorted(masked), dtype=idx.dtype))
+            idx = torch.where((idx >= 0) & dead, -1, idx)
+        out_x.append(x)
+        out_idx.append(idx)
+    return out_x, out_idx
+
+
 def low_latency_combine(
     expert_outputs: Sequence[torch.Tensor],
     topk_idx: Sequence[torch.Tensor],
