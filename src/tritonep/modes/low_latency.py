@@ -203,7 +203,7 @@ class LowLatencyMode:
             )
         self.max_tokens = num_max_dispatch_tokens_per_rank
         self.hidden, self.num_experts, self.max_topk = hidden, num_experts, max_topk
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # also sets the kernels' limit (property below)
         if gpus_per_node is None:
             gpus_per_node = self.num_ranks
         if gpus_per_node < 1 or self.num_ranks % gpus_per_node:
@@ -240,7 +240,6 @@ class LowLatencyMode:
         self.scratch = torch.empty(num_programs, 3 * self._bins + ll_dispatch.DEST_WORDS.value,
                                    dtype=torch.int32, device=self.device)  # fmt: skip
         self.expert_done = torch.zeros(self._bins, dtype=torch.int32, device=self.device)
-        self._timeout_ns = timeout_ns(timeout_s)
         #: ``[R]`` int32, 1 where a peer is masked (shrink mode; change it in stream order).
         self.peer_mask = torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device)
         # Per source rank: the verdicts of the last dispatch and combine receive (call
@@ -257,6 +256,18 @@ class LowLatencyMode:
         # is ever used, by wait statistics.
         self._untraced = torch.zeros(num_programs * SLOTS + 1, dtype=torch.int64,
                                      device=self.device)  # fmt: skip
+
+    @property
+    def timeout_s(self) -> float:
+        """Limit of every wait inside the kernels, in seconds. It may change between calls:
+        with ``enable_shrink``, a limit shorter than a peer's first call (which compiles its
+        kernels: seconds) masks a live peer, so warm up under a long limit, then shorten it."""
+        return self._timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        self._timeout_ns = timeout_ns(value)
+        self._timeout_s = value
 
     # ------------------------------------------------------------------------------ sizes
     @staticmethod
