@@ -18,6 +18,9 @@ this rank's heap (``[E][max_tokens]`` messages, also used for combine rows) and 
 NVSHMEM puts on heaps of the NVSHMEM backend, or copied from there where every heap is mapped
 (emulated nodes on one host or on CPU ranks): :mod:`tritonep.kernels.transport`.
 
+With ``enable_shrink`` a wait that times out masks its peer instead of raising, and masked
+peers are skipped from then on (:mod:`tritonep.kernels.peer_mask`; :attr:`peer_mask`).
+
 Outputs are allocated per call (``torch.empty``: rows past ``recv_count`` are undefined).
 At most two dispatches (and two combines) may be in flight at once, and every rank must make
 the same sequence of calls, as with DeepEP.
