@@ -39,6 +39,7 @@ ROUNDING_US = 1e-6
 @pytest.mark.parametrize("num_ranks", [2, 3])
 def test_traces_show_every_phase_in_order(run_ranks, num_ranks, tmp_path):
     results = run_ranks(num_ranks, _trace_body, str(tmp_path))
+    seen = {"low-latency dispatch": set(), "low-latency combine": set()}
     for rank, paths in enumerate(results):
         for path, kernel in zip(
             paths, ["low-latency dispatch", "low-latency combine"], strict=True
@@ -51,7 +52,7 @@ def test_traces_show_every_phase_in_order(run_ranks, num_ranks, tmp_path):
             (_, send_names), (_, recv_names) = PHASES[kernel]
             names = {e["name"] for e in slices}
             assert {f"{kernel}: send", f"{kernel}: receive"} <= names
-            assert set(send_names) | set(recv_names) <= names, names - {f"{kernel}: send"}
+            seen[kernel] |= names
             for call in (0, 1):
                 for program in {e["tid"] for e in slices}:
                     mine = [e for e in slices if e["tid"] == program and e["args"]["call"] == call]
@@ -67,6 +68,12 @@ def test_traces_show_every_phase_in_order(run_ranks, num_ranks, tmp_path):
                             continue
                         assert parent["ts"] <= e["ts"] + ROUNDING_US
                         assert e["ts"] + e["dur"] <= parent["ts"] + parent["dur"] + ROUNDING_US
+    # Every sub-phase shows on some rank. Not necessarily on each: a rank without tokens
+    # reduces nothing, which on a GPU can take less than one tick of its timer, and a slice
+    # of zero time is left out (seen on an H100 for the combine's reduce).
+    for kernel, names in seen.items():
+        (_, send_names), (_, recv_names) = PHASES[kernel]
+        assert set(send_names) | set(recv_names) <= names, kernel
 
 
 def _stats_body(ctx):
