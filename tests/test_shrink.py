@@ -7,25 +7,14 @@ are dropped), bit for bit, with outputs poisoned before each call, and without c
 """
 
 import pytest
-import torch
 
 from tests.conftest import gpu_ranks, machine_gpus
+from tests.test_low_latency import _expert_outputs
 from tritonep import reference as ref
 from tritonep.modes import low_latency as ll
 from tritonep.testing import make_case
 
 ll.POISON_OUTPUTS = True
-
-
-def _expert_outputs(rows, rank):
-    """A known "expert" per global id (scale by (id + 1) / 8) on ``[E_local, rows, H]``."""
-    E_local = rows.shape[0]
-    ids = (torch.arange(E_local, device=rows.device) + rank * E_local).view(E_local, 1, 1)
-    return torch.nan_to_num(rows * ((ids + 1) / 8)).to(torch.bfloat16)
-
-
-def _rows(recv_x, use_fp8):
-    return ref.dequantize_fp8(*recv_x) if use_fp8 else recv_x.float()
 
 
 def _call(ctx, mode, case, use_fp8, hook, dead_dispatch, dead_combine, skip_combine=False):
@@ -44,7 +33,7 @@ def _call(ctx, mode, case, use_fp8, hook, dead_dispatch, dead_combine, skip_comb
     ref.assert_low_latency_dispatch_equal(got, wants[me], me)
     if skip_combine:
         return
-    outputs = _expert_outputs(_rows(recv_x, use_fp8), me)
+    outputs = _expert_outputs(recv_x, use_fp8, me)
     combined, comb_hook = mode.combine(
         outputs, dev.topk_idx[me], dev.topk_weights[me], handle, return_recv_hook=hook
     )
@@ -53,7 +42,7 @@ def _call(ctx, mode, case, use_fp8, hook, dead_dispatch, dead_combine, skip_comb
     # Every rank's expert outputs as that rank computes them from the reference rows (they
     # are bit-equal to what it received), then the combine with the dead owners' ids dropped.
     ys = [
-        _expert_outputs(_rows((w.recv_x, w.recv_x_scales) if use_fp8 else w.recv_x, use_fp8), r)
+        _expert_outputs((w.recv_x, w.recv_x_scales) if use_fp8 else w.recv_x, use_fp8, r)
         for r, w in enumerate(wants)
     ]
     _, combine_ids = ref.without_ranks(case.x, case.topk_idx, E, dead_combine)
@@ -62,7 +51,7 @@ def _call(ctx, mode, case, use_fp8, hook, dead_dispatch, dead_combine, skip_comb
     ref.assert_bitwise_equal(combined.cpu(), expected, f"rank {me} combined")
 
 
-def _mask(ctx, mode):
+def _mask(mode):
     return [int(v) for v in mode.peer_mask.tolist()]
 
 
@@ -80,7 +69,7 @@ def _explicit_body(ctx, gpus_per_node):
         case = make_case(50 + call, [6, 3, 5, 0][:R], 256, 2 * R, 3, "random")
         dead = others if me == last else {last}
         _call(ctx, mode, case, use_fp8, call == 1, dead, dead)
-        seen.append(_mask(ctx, mode))
+        seen.append(_mask(mode))
     mode.peer_mask.zero_()  # every rank at the same call: the counters still line up
     for call, use_fp8 in enumerate([False, True]):
         case = make_case(60 + call, [4, 6, 2, 5][:R], 256, 2 * R, 3, "dropped")
@@ -118,17 +107,17 @@ def _dead_peer_body(ctx, fail_at, timeout_s):
             _call(ctx, mode, case, True, False, set(), set(), skip_combine=True)
         mode.destroy()  # waits in the collective for the others
         return None
-    masks = [_mask(ctx, mode)]
+    masks = [_mask(mode)]
     case = make_case(71, [3, 5, 1, 4][:R], 128, 2 * R, 2, "random")
     # Dies at dispatch: its rows are missing, and its experts are dropped from the combine
     # (it is masked once the dispatch gave up on it). Dies at combine: the dispatch is whole.
     at_dispatch = {last} if fail_at == "dispatch" else set()
     _call(ctx, mode, case, True, False, at_dispatch, {last})
-    masks.append(_mask(ctx, mode))
+    masks.append(_mask(mode))
     for call in range(2):  # masked from now on: nothing is waited for
         case = make_case(72 + call, [4, 4, 0, 2][:R], 128, 2 * R, 2, "skewed")
         _call(ctx, mode, case, call == 0, call == 1, {last}, {last})
-    masks.append(_mask(ctx, mode))
+    masks.append(_mask(mode))
     mode.check()  # no error: the dead peer was masked, not reported
     mode.destroy()
     return masks
