@@ -145,7 +145,7 @@ def _intranode_body(ctx, tokens, hidden, experts_per_rank, topk, gpus_per_node=N
     return True
 
 
-def _low_latency_body(ctx, tokens, hidden, experts_per_rank, topk, use_fp8):
+def _low_latency_body(ctx, tokens, hidden, experts_per_rank, topk, use_fp8, use_ue8m0=False):
     R, rank, dev = ctx.world_size, ctx.rank, ctx.device
     num_experts = experts_per_rank * R
     num_max = max(tokens[:R])
@@ -167,9 +167,13 @@ def _low_latency_body(ctx, tokens, hidden, experts_per_rank, topk, use_fp8):
     for _ in range(3):
         recv_x, recv_count, handle, _, hook = buffer.low_latency_dispatch(
             x, topk_idx, num_max, num_experts, cumulative_local_expert_recv_stats=stats,
-            use_fp8=use_fp8, async_finish=False, return_recv_hook=True,
+            use_fp8=use_fp8, round_scale=use_ue8m0, use_ue8m0=use_ue8m0, async_finish=False,
+            return_recv_hook=True,
         )  # fmt: skip
         hook()
+        if use_fp8:  # DeepEP's layout: column-major scales (its tests call .contiguous())
+            assert recv_x[1].stride()[1] == 1
+            assert recv_x[1].dtype == (torch.int32 if use_ue8m0 else torch.float32)
         rows = deep_ep_dequant(recv_x) if use_fp8 else recv_x.float()
         mine = counts[rank * experts_per_rank : (rank + 1) * experts_per_rank]
         assert torch.equal(recv_count, mine)
@@ -278,7 +282,12 @@ def test_shrink_like_deep_ep(run_ranks, use_fp8):
 
 
 def deep_ep_dequant(recv_x):
+    """DeepEP's ``per_token_cast_back``: int32 scales are four UE8M0 exponent bytes each."""
     q, scales = recv_x
+    scales = scales.contiguous()
+    if scales.dtype == torch.int32:
+        scales = (scales.view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
+        scales = scales[..., : q.shape[-1] // 128]
     groups = q.float().unflatten(-1, (q.shape[-1] // 128, 128))
     return (groups * scales.unsqueeze(-1)).flatten(-2)
 
@@ -293,9 +302,15 @@ def test_internode_like_deep_ep(run_ranks):
     assert run_ranks(4, _intranode_body, [13, 0, 9, 6], 256, 2, 3, 2) == [True] * 4
 
 
-@pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
-def test_low_latency_like_deep_ep(run_ranks, use_fp8):
-    assert run_ranks(3, _low_latency_body, [6, 0, 5], 256, 2, 3, use_fp8) == [True] * 3
+@pytest.mark.parametrize(
+    "use_fp8, use_ue8m0", [(False, False), (True, False), (True, True)],
+    ids=["bf16", "fp8", "fp8-ue8m0"],
+)  # fmt: skip
+def test_low_latency_like_deep_ep(run_ranks, use_fp8, use_ue8m0):
+    hidden = 512 if use_ue8m0 else 256  # packed UE8M0: DeepEP's multiple of 512
+    assert (
+        run_ranks(3, _low_latency_body, [6, 0, 5], hidden, 2, 3, use_fp8, use_ue8m0) == [True] * 3
+    )
 
 
 @pytest.mark.gpu(n=1)

@@ -116,6 +116,7 @@ LL_DISPATCH_META = dict(
     FLAG_SET_BYTES=2048,
     USE_FP8=True,
     USE_UE8M0=False,
+    PACK_UE8M0=False,
     DO_SEND=True,
     DO_RECV=True,
     USE_CLOCK=True,
@@ -154,6 +155,12 @@ for name, sig, meta in [
     ("ll_combine", LL_COMBINE, LL_COMBINE_META),
     ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, **TRACED}),
     ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, **TRACED}),
+    # Scales packed as UE8M0 bytes (DeepEP's use_ue8m0)
+    (
+        "ll_dispatch",
+        {**LL_DISPATCH, "out_scales_ptr": "*u8"},
+        {**LL_DISPATCH_META, "USE_UE8M0": True, "PACK_UE8M0": True},
+    ),
     # Across nodes, emulated (copies from the staging slabs)
     ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "VIA": 1}),
     ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, "VIA": 1}),
@@ -337,7 +344,8 @@ def _id(kernel):
     )
     traced = "-traced" if meta.get("PROFILE", False) else ""
     shrink = "-shrink" if meta.get("SHRINK") else ""
-    return kernel[1] + traced + ("-staged" if meta.get("VIA") else "") + shrink + relay
+    packed = "-ue8m0" if meta.get("PACK_UE8M0") else ""
+    return kernel[1] + traced + ("-staged" if meta.get("VIA") else "") + shrink + packed + relay
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=[_id(k) for k in KERNELS])

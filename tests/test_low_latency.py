@@ -40,11 +40,24 @@ def _verify_call(ctx, case, M, use_fp8, ue8m0, recv_x, recv_count, handle, outpu
 def _expert_outputs(recv_x, use_fp8, rank):
     """Apply the known experts to received rows (on the rows' device); padding rows -> 0."""
     payload, scales = recv_x if use_fp8 else (recv_x, None)
+    if use_fp8 and scales.dtype == torch.int32:  # packed UE8M0 exponent bytes
+        scales = ref.unpack_ue8m0(scales, payload.shape[-1] // 128)
     rows = ref.dequantize_fp8(payload, scales) if use_fp8 else payload.float()
     E_local = rows.shape[0]
     global_ids = (torch.arange(E_local, device=rows.device) + rank * E_local).view(E_local, 1, 1)
     outputs = _expert_fn(rows, global_ids)
     return torch.where(torch.isnan(outputs), 0, outputs)  # poisoned rows past the count
+
+
+def _assert_scale_layout(scales, mode, packed):
+    """Scales are column-major within each expert (token index fastest), as DeepEP returns
+    them for TMA: ``[E_local, R * M, columns]`` with strides ``(columns * R * M, 1, R * M)``."""
+    rows = mode.num_ranks * mode.max_tokens
+    columns = -(-mode.hidden // 512) if packed else mode.hidden // 128
+    assert scales.dtype == (torch.int32 if packed else torch.float32)
+    assert scales.shape == (mode.num_local_experts, rows, columns)
+    assert scales.stride()[:2] == (columns * rows, 1)
+    assert scales.stride(2) == (rows if columns > 1 else 1)  # one column: a unit stride
 
 
 def _ll_body(
@@ -66,9 +79,12 @@ def _ll_body(
                     idx[0, 1] = idx[0, 0]
         dev = case.to(ctx.device)
         recv_x, recv_count, handle, recv_hook = mode.dispatch(
-            dev.x[me], dev.topk_idx[me], use_fp8=use_fp8, use_ue8m0=ue8m0, return_recv_hook=hook
-        )
+            dev.x[me], dev.topk_idx[me], use_fp8=use_fp8, use_ue8m0=bool(ue8m0),
+            return_recv_hook=hook, pack_ue8m0=ue8m0 == "packed",
+        )  # fmt: skip
         assert (recv_hook is not None) == hook
+        if use_fp8:
+            _assert_scale_layout(recv_x[1], mode, ue8m0 == "packed")
         if hook:
             recv_hook()
         mode.check()
@@ -89,6 +105,8 @@ CASES = {
     "bf16-random": ([5, 0, 7, 3], 256, 4, 3, "random", False, False, False, False),
     "fp8-random": ([6, 4, 0, 2], 384, 2, 2, "random", True, False, False, False),
     "fp8-ue8m0-hook": ([3, 5, 2, 4], 128, 3, 4, "dropped", True, True, True, False),
+    # DeepEP's use_ue8m0: exponent bytes packed four to an int32 (5 groups: 2 columns)
+    "fp8-ue8m0-packed": ([4, 0, 6, 3], 640, 2, 3, "random", True, "packed", False, False),
     "bf16-skewed-dup": ([4, 4, 4, 4], 128, 2, 3, "skewed", False, False, True, True),
     "bf16-topk1": ([2, 3, 1, 0], 128, 1, 1, "random", False, False, False, False),
     "fp8-topk16": ([3, 2, 3, 1], 128, 8, 16, "random", True, False, False, True),
@@ -109,7 +127,9 @@ def test_low_latency_matches_reference(run_ranks, num_ranks, name):
 
 
 @pytest.mark.gpu(n=2)
-@pytest.mark.parametrize("name", ["bf16-random", "fp8-random", "fp8-ue8m0-hook", "fp8-topk16"])
+@pytest.mark.parametrize(
+    "name", ["bf16-random", "fp8-random", "fp8-ue8m0-hook", "fp8-ue8m0-packed", "fp8-topk16"]
+)
 def test_low_latency_on_gpus_larger(run_ranks, name):
     _, _, experts, topk, routing, fp8, ue8m0, hook, dup = CASES[name]
     tokens = [128, 0, 77, 128]

@@ -190,6 +190,55 @@ def test_a_skipped_call_raises_then_a_new_buffer_works(run_ranks, mode):
     assert took < 30
 
 
+def _timeout_change_body(ctx, mode_name):
+    """A Buffer's ``timeout_s`` assigned after its mode exists reaches the mode's kernels:
+    both ranks make one call under the default 100 s, the limit drops to 1 s, and rank 0
+    calls again alone."""
+    import time
+
+    from tritonep.api import Buffer
+    from tritonep.errors import WaitTimeoutError
+
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    hidden, experts, topk = 128, 2 * R, 2
+    case = make_case(4, [4] * R, hidden, experts, topk)
+    x, idx = case.x[me].to(dev), case.topk_idx[me].to(dev)
+    w = case.topk_weights[me].to(dev)
+    buffer = Buffer(None, device=dev)
+    if mode_name == "normal":
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, experts)
+        *_, handle, _ = buffer.dispatch(
+            x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        )  # fmt: skip
+        call = lambda: buffer.dispatch(x, handle=handle)
+    else:
+        call = lambda: buffer.low_latency_dispatch(x, idx, 4, experts, use_fp8=False)
+    call()
+    buffer.check()
+    buffer.timeout_s = 1.0
+    error, took = None, 0.0
+    if me == 0:
+        start = time.monotonic()
+        try:
+            call()
+            buffer.check()
+        except WaitTimeoutError as e:
+            error = str(e)
+        took = time.monotonic() - start
+    with contextlib.suppress(WaitTimeoutError):  # the same timeout, reported again
+        buffer.destroy()
+    return error, took
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_a_timeout_set_on_a_buffer_reaches_modes_already_built(run_ranks, mode):
+    (error, took), (none, _) = run_ranks(2, _timeout_change_body, mode)
+    assert none is None
+    assert error.startswith("rank 0 timed out after 1 s in phase") and "peer 1" in error
+    assert took < 30
+
+
 def _slow_rank_body(ctx):
     """One rank arrives 2 s late; everyone's results stay exact."""
     import time

@@ -16,8 +16,9 @@ same tuples as DeepEP's. Differences, all deliberate:
   tensor instead of a list (a list would need the host synchronization that mode avoids);
 * normal-mode kernels run on the buffer's communication stream; outputs are allocated there
   and recorded on the calling stream, whatever ``allocate_on_comm_stream`` says;
-* ``round_scale`` and ``use_ue8m0`` both give power-of-two float32 scales (no packed UE8M0
-  integers); any hidden size that is a multiple of 128 and any top-k up to 16 work;
+* ``use_ue8m0`` implies ``round_scale`` (DeepEP requires both) and packs the scales as
+  DeepEP does for any hidden size that is a multiple of 128 (``ceil(H / 512)`` int32 columns;
+  DeepEP: multiples of 512); any top-k up to 16 works;
 * ``num_nvl_bytes``, ``num_rdma_bytes`` and ``num_qps_per_rank`` are accepted; the bytes only
   need to cover :meth:`Buffer.get_low_latency_rdma_size_hint` when given;
 * the ``*_wait_recv_cost_stats`` tensors accumulate nanoseconds (DeepEP: clock cycles);
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.layout import dispatch_layout
+from ..kernels.sync import timeout_ns
 from ..modes.internode import InternodeHandle, InternodeMode, token_in_node
 from ..modes.low_latency import LowLatencyHandle, LowLatencyMode
 from ..modes.normal import Config, NormalHandle, NormalMode
@@ -140,7 +142,8 @@ class Buffer:
         num_rdma_bytes: if non-zero, must cover the low-latency size hint of the first call.
         low_latency_mode: accepted; the low-latency calls work either way.
         num_qps_per_rank: accepted and ignored (no RDMA queue pairs here).
-        timeout_s: limit of every wait inside the kernels.
+        timeout_s: limit of every wait inside the kernels, in seconds; assigning
+            ``buffer.timeout_s`` later changes it for the following calls of both modes.
         check_ids: read top-k ids on the host to reject out-of-range ids (a GPU sync per call).
         profile: record kernel traces of every call (:meth:`dump_trace`).
         gpus_per_node: ranks per node when the group spans several nodes, group ranks
@@ -177,6 +180,8 @@ class Buffer:
         self.group_size = dist.get_world_size(self.group)
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = low_latency_mode
+        self._ll: LowLatencyMode | None = None
+        self._normal: NormalMode | None = None
         self.timeout_s, self.check_ids, self.device = timeout_s, check_ids, device
         self.profile = profile
         self.enable_shrink = bool(enable_shrink)
@@ -189,8 +194,6 @@ class Buffer:
                              f"got {gpus_per_node}")  # fmt: skip
         self.gpus_per_node = gpus_per_node or self.group_size
         self.num_nodes = self.group_size // self.gpus_per_node
-        self._ll: LowLatencyMode | None = None
-        self._normal: NormalMode | None = None
         self._layout_arrivals: torch.Tensor | None = None
         self._comm_stream: torch.cuda.Stream | None = None
         #: A number naming this buffer in operators (:mod:`tritonep.api.autograd`).
@@ -261,6 +264,21 @@ class Buffer:
             per_node = token_in_node(in_rank, self.gpus_per_node).sum(0, dtype=torch.int32)
         event = _event_after(topk_idx.device, async_finish, (topk_idx,))
         return per_rank, per_node, per_expert, in_rank, event
+
+    @property
+    def timeout_s(self) -> float:
+        """Limit of every wait inside the kernels, in seconds. Assigning it applies to the
+        next calls of both modes (with ``enable_shrink``: warm up every kernel under a long
+        limit, then shorten it, or a peer still compiling its first call is masked)."""
+        return self._timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        timeout_ns(value)  # a positive number of seconds, or ValueError
+        self._timeout_s = value
+        for mode in (self._normal, self._ll):
+            if mode is not None:
+                mode.timeout_s = value
 
     # -------------------------------------------------------------------------- normal mode
     def _normal_mode(self, hidden: int, num_experts: int | None) -> NormalMode | InternodeMode:
@@ -525,13 +543,18 @@ class Buffer:
             dispatch_wait_recv_cost_stats: optional ``[R]`` int64; the time this rank waited
                 for each source rank is added to it (ns on GPUs), to find a slow rank.
             use_fp8: FP8 e4m3 payload with float32 scales per 128 channels, else BF16.
-            round_scale, use_ue8m0: power-of-two scales.
+            round_scale: round the scales up to powers of two.
+            use_ue8m0: return those scales packed: four UE8M0 exponent bytes per int32
+                (implies ``round_scale``).
             async_finish: return an event recorded after the call.
             return_recv_hook: only send; call the returned hook to receive.
         Returns:
             ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` is
-            ``[E_local, R * num_max, H]`` (with FP8 a tuple with ``[E_local, R * num_max, H/128]``
-            float32 scales), ``recv_count`` ``[E_local]`` int32, the handle
+            ``[E_local, R * num_max, H]`` (with FP8 a tuple with the scales, column-major
+            within each expert as DeepEP returns them: ``[E_local, R * num_max, H / 128]``
+            float32, or with ``use_ue8m0`` ``[E_local, R * num_max, ceil(H / 512)]`` int32
+            whose byte ``g % 4`` of column ``g // 4`` is group ``g``'s exponent),
+            ``recv_count`` ``[E_local]`` int32, the handle
             ``(src_info [E_local, R * num_max] int32, layout_range [E_local, R] int64,
             num_max, hidden, num_experts, topk_slot)``, an :class:`EventOverlap` and the hook.
         """
@@ -552,6 +575,7 @@ class Buffer:
             use_ue8m0=round_scale or use_ue8m0,
             return_recv_hook=return_recv_hook,
             wait_stats=dispatch_wait_recv_cost_stats,
+            pack_ue8m0=use_ue8m0,
         )
         stats = cumulative_local_expert_recv_stats
 
@@ -693,9 +717,17 @@ class Buffer:
                 mode.check()
 
     def destroy(self) -> None:
-        """Release the buffer's memory (collective)."""
+        """Release the buffer's memory (collective). Every mode is released even if one of
+        them reports a timeout (peers wait for each release); the first error is raised
+        after that."""
         modes = (self._normal, self._ll)
         self._normal = self._ll = None
+        error = None
         for mode in modes:
             if mode is not None:
-                mode.destroy()
+                try:
+                    mode.destroy()
+                except Exception as e:  # raised below, after every release
+                    error = error or e
+        if error is not None:
+            raise error

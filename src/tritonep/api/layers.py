@@ -263,7 +263,8 @@ class EPLowLatencyAllToAllLayer:
         """Returns ``(recv_token, recv_scale, expert_recv_count, dispatch_meta)``.
 
         ``recv_token`` is ``[E_local, world_size * max_m, hidden]`` (e4m3 or BF16),
-        ``recv_scale`` ``[E_local, world_size * max_m, hidden / 128]`` float32 (None for BF16),
+        ``recv_scale`` ``[E_local, world_size * max_m, hidden / 128]`` float32, column-major
+        within each expert as TMA-based grouped GEMMs read it (None for BF16),
         ``expert_recv_count`` ``[E_local]`` int32; ``dispatch_meta`` goes to :meth:`combine`.
         ``send_scales`` must be None: tokens arrive in BF16 and are quantized here.
         """

@@ -26,9 +26,10 @@ Behavioural differences, all documented here and in :mod:`tritonep.api.buffer`:
   tensor (a list would need the host synchronization that mode avoids);
 * configs asking for more ring slots than the buffer has get the buffer's ring (128 slots on
   GPUs); ``num_sms`` defaults to 20 as in DeepEP and must be even;
-* ``round_scale`` / ``use_ue8m0`` give power-of-two float32 scales, not packed UE8M0 bytes;
-  ``use_logfmt`` is not supported; any hidden size that is a multiple of 128 and any top-k up
-  to 16 work in low-latency mode (DeepEP: a fixed list of hidden sizes, top-k <= 11);
+* low-latency FP8 scales come column-major per expert as in DeepEP (packed UE8M0 int32 with
+  ``use_ue8m0``, which here implies ``round_scale``); ``use_logfmt`` is not supported; any
+  hidden size that is a multiple of 128 and any top-k up to 16 work in low-latency mode
+  (DeepEP: a fixed list of hidden sizes, multiples of 512 with FP8, top-k <= 11);
 * the ``*_wait_recv_cost_stats`` tensors accumulate nanoseconds (DeepEP: cycles);
 * ``num_qps_per_rank``,
   ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric`` and ``comm`` are

@@ -121,7 +121,7 @@ def ll_dispatch_kernel(
     scratch_ptr,  # [P, 3 * BINS + DEST_WORDS] int32 per-program slot counters and lists
     expert_done_ptr,  # [BINS] int32 messages stored per expert in this launch, zero between
     out_x_ptr,  # [E_local, R * M, H] bf16, or the e4m3 output viewed as uint8
-    out_scales_ptr,  # [E_local, R * M, G] float32
+    out_scales_ptr,  # [E_local, G, R * M] float32, or [E_local, G / 4, R * M] int32 as bytes
     out_src_ptr,  # [E_local, R * M] int32
     out_slot_ptr,  # [E_local, R * M] int32 top-k column of each row
     out_count_ptr,  # [E_local] int32
@@ -142,6 +142,7 @@ def ll_dispatch_kernel(
     FLAG_SET_BYTES: tl.constexpr,
     USE_FP8: tl.constexpr,
     USE_UE8M0: tl.constexpr,
+    PACK_UE8M0: tl.constexpr,  # scales as exponent bytes, four to an int32 (implies USE_UE8M0)
     DO_SEND: tl.constexpr,
     DO_RECV: tl.constexpr,
     USE_CLOCK: tl.constexpr,
@@ -382,9 +383,20 @@ def ll_dispatch_kernel(
                     smask = mmask[:, None] & gmask[None, :]
                     scale_src = scale_ptr[:, None] + groups[None, :]
                     scale = tl.load(scale_src, mask=smask, cache_modifier=".cg")
-                    tl.store(
-                        out_scales_ptr + rows[:, None] * G + groups[None, :], scale, mask=smask
-                    )
+                    # Column-major per expert (the token index is the fastest), as TMA-based
+                    # grouped GEMMs read scales.
+                    row = (begin + first + msgs).to(tl.int64)[:, None]
+                    if PACK_UE8M0:
+                        # A power-of-two float32 scale is its exponent byte; byte g % 4 of
+                        # int32 column g // 4 (out_scales_ptr is that int32 tensor as bytes).
+                        e8 = ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
+                        scale_col = local * ((G + 3) // 4) + groups[None, :] // 4
+                        dst_s = (scale_col * (NUM_RANKS * M) + row) * 4 + groups[None, :] % 4
+                        tl.store(out_scales_ptr + dst_s, e8, mask=smask)
+                    else:
+                        scale_col = local * G + groups[None, :]
+                        dst_s = scale_col * (NUM_RANKS * M) + row
+                        tl.store(out_scales_ptr + dst_s, scale, mask=smask)
                 else:
                     x_src = aligned_ptr(msg + HEADER_BYTES, tl.bfloat16)[:, None] + flat[None, :]
                     x = tl.load(x_src, mask=mask2, cache_modifier=".cg")

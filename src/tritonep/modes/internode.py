@@ -203,6 +203,16 @@ class InternodeMode:
         check_topk_idx("topk_idx", topk_idx, None, self.num_experts, self.device, self.check_ids)
         return dispatch_layout(topk_idx, self.num_experts, self.num_ranks, self._arrivals)
 
+    @property
+    def timeout_s(self) -> float:
+        """Limit of every wait inside the kernels of both legs, in seconds; it may change
+        between calls."""
+        return self.rail.timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        self.rail.timeout_s = self.node.timeout_s = value
+
     def check(self) -> None:
         """Raise if a wait of either leg timed out."""
         self.rail.check()

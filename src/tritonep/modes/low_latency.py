@@ -356,6 +356,7 @@ class LowLatencyMode:
         use_ue8m0: bool = False,
         return_recv_hook: bool = False,
         wait_stats: torch.Tensor | None = None,
+        pack_ue8m0: bool = False,
     ):
         """Send each token to each distinct expert of its top-k.
 
@@ -367,11 +368,18 @@ class LowLatencyMode:
             return_recv_hook: only send; the returned hook receives.
             wait_stats: optional ``[R]`` int64; the time this rank's receivers waited for
                 each source rank is added to it (ns on GPUs; a slow rank stands out).
+            pack_ue8m0: return the (power-of-two) scales packed as UE8M0 exponent bytes,
+                four to an int32 (implies ``use_ue8m0``).
         Returns:
             ``(recv_x, recv_count, handle, hook)``: ``recv_x`` is ``[E_local, R * max, H]``
-            (with FP8 a tuple with float32 scales ``[E_local, R * max, H / 128]``; rows past
-            ``recv_count[e]`` are undefined), ``recv_count`` ``[E_local]`` int32, a
-            :class:`LowLatencyHandle`, and the hook (None unless ``return_recv_hook``).
+            (with FP8 a tuple with the scales: float32 ``[E_local, R * max, H / 128]``, or
+            with ``pack_ue8m0`` int32 ``[E_local, R * max, ceil(H / 512)]`` whose byte
+            ``g % 4`` of column ``g // 4`` is the biased exponent of group ``g``; rows past
+            ``recv_count[e]`` are undefined, and so are the bytes of groups past ``H / 128``),
+            ``recv_count`` ``[E_local]`` int32, a :class:`LowLatencyHandle`, and the hook
+            (None unless ``return_recv_hook``). The scales are column-major within each
+            expert (strides ``(columns * R * max, 1, R * max)``), the layout in which
+            TMA-based grouped GEMMs read them (DeepEP's); ``.contiguous()`` gives row-major.
         """
         check_tensor("x", x, dtype=torch.bfloat16, shape=(None, self.hidden), device=self.device)
         num_tokens = x.shape[0]
@@ -389,7 +397,18 @@ class LowLatencyMode:
         E_local, R, M, H = self.num_local_experts, self.num_ranks, self.max_tokens, self.hidden
         rows = R * M
         recv_x = self._empty((E_local, rows, H), torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
-        recv_scales = self._empty((E_local, rows, H // 128), torch.float32) if use_fp8 else None
+        use_ue8m0 = use_ue8m0 or pack_ue8m0
+        recv_scales = scales_out = None
+        if use_fp8:  # column-major per expert: allocated [E_local, columns, rows], transposed
+            columns = -(-H // 512) if pack_ue8m0 else H // 128
+            dtype = torch.int32 if pack_ue8m0 else torch.float32
+            scales_out = self._empty((E_local, columns, rows), dtype)
+            # One column: the same memory either way, and a unit last stride lets callers
+            # view it as bytes (torch calls a size-1 dimension contiguous whatever its stride).
+            recv_scales = scales_out.transpose(1, 2) if columns > 1 else scales_out.view(
+                E_local, rows, 1)  # fmt: skip
+            if pack_ue8m0:
+                scales_out = scales_out.view(torch.uint8)
         src_info = self._empty((E_local, rows), torch.int32)
         topk_slot = self._empty((E_local, rows), torch.int32)
         recv_count = self._empty((E_local,), torch.int32)
@@ -410,7 +429,7 @@ class LowLatencyMode:
             self.scratch,
             self.expert_done,
             recv_x.view(torch.uint8) if use_fp8 else recv_x,
-            recv_scales if use_fp8 else recv_count,  # unused pointer without FP8
+            scales_out if use_fp8 else recv_count,  # unused pointer without FP8
             src_info,
             topk_slot,
             recv_count,
@@ -418,7 +437,7 @@ class LowLatencyMode:
             self.status,
             self._timeout_ns,
         )
-        build_meta = lambda: dict(  # once per (use_fp8, use_ue8m0, top-k): _run
+        build_meta = lambda: dict(  # once per (use_fp8, use_ue8m0, pack, top-k): _run
             H=H,
             K=topk,
             NUM_EXPERTS=self.num_experts,
@@ -429,6 +448,7 @@ class LowLatencyMode:
             FLAG_SET_BYTES=self.layout.flags_set,
             USE_FP8=use_fp8,
             USE_UE8M0=use_ue8m0,
+            PACK_UE8M0=pack_ue8m0,
             USE_CLOCK=use_clock(self.device),
             BLOCK_N=min(128, _next_pow2(max(M, 16))),
             K_P2=_next_pow2(max(topk, 2)),
@@ -442,7 +462,7 @@ class LowLatencyMode:
         out_x = (recv_x, recv_scales) if use_fp8 else recv_x
         self._check_wait_stats(wait_stats)
         hook = self._run(ll_dispatch.ll_dispatch_kernel, "low-latency dispatch", args,
-                         (use_fp8, use_ue8m0, topk), build_meta, return_recv_hook,
+                         (use_fp8, use_ue8m0, pack_ue8m0, topk), build_meta, return_recv_hook,
                          wait_stats, (self.peer_mask, self._verdicts[0]))  # fmt: skip
         return out_x, recv_count, handle, hook
 

@@ -376,7 +376,7 @@ class NormalMode:
         if not 1 <= max_topk <= 64:
             raise ValueError(f"max_topk: expected 1 to 64, got {max_topk}")
         self.hidden, self.num_experts, self.max_topk = hidden, num_experts, max_topk
-        self.timeout_s, self.check_ids = timeout_s, check_ids
+        self.timeout_s, self.check_ids = timeout_s, check_ids  # timeout_s: also the kernels'
         device = torch.device(device) if device is not None else default_device(self.group)
         on_gpu = device.type == "cuda"
         if max_sms is None:
@@ -401,7 +401,6 @@ class NormalMode:
         self.transport = transport.PeerTransport(self.heap, staged, "staged")
         self.state = torch.zeros(8, dtype=torch.int64, device=self.device)
         self.status = new_status(self.device)
-        self._timeout_ns = timeout_ns(timeout_s)
         self._decoded = torch.empty(
             self.num_ranks, self.num_local_experts, dtype=torch.int32, device=self.device
         )
@@ -469,6 +468,17 @@ class NormalMode:
         if traced:
             readings = self.trace.buffer(name, num_programs, True, True)
         launcher.launch(kernel, (num_programs,), (*args, readings), meta)
+
+    @property
+    def timeout_s(self) -> float:
+        """Limit of every wait inside the kernels, in seconds (idle time, for the rings); it
+        may change between calls."""
+        return self._timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        self._timeout_ns = timeout_ns(value)
+        self._timeout_s = value
 
     def check(self) -> None:
         """Wait for the device; raise if a kernel wait timed out or worst-case rows overflowed."""

@@ -11,7 +11,16 @@ tests compare each Triton kernel against these functions; keep them slow and obv
 """
 
 from .compare import assert_bitwise_equal, assert_low_latency_dispatch_equal, assert_rows_equal
-from .fp8 import AMAX_FLOOR, FP8_MAX, dequantize_fp8, fp8_scales, quantize_fp8, round_scale_to_pow2
+from .fp8 import (
+    AMAX_FLOOR,
+    FP8_MAX,
+    dequantize_fp8,
+    fp8_scales,
+    pack_ue8m0,
+    quantize_fp8,
+    round_scale_to_pow2,
+    unpack_ue8m0,
+)
 from .layout import DispatchLayout, dispatch_layout, expert_owner
 from .low_latency import (
     LowLatencyDispatchResult,
@@ -42,8 +51,10 @@ __all__ = [
     "normal_combine",
     "normal_dispatch",
     "pack_range",
+    "pack_ue8m0",
     "quantize_fp8",
     "round_scale_to_pow2",
     "unpack_range",
+    "unpack_ue8m0",
     "without_ranks",
 ]

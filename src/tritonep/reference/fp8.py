@@ -13,6 +13,10 @@ For each token and each group of ``group_size`` consecutive channels:
 
 De-quantization is ``q.float() * scale``. Scales are returned as float32 ``[..., H / group_size]``.
 A group that holds NaN gets a NaN scale and de-quantizes to NaN: bad values stay visible.
+
+Power-of-two scales can also travel packed, as DeepEP's ``use_ue8m0`` returns them: each scale
+is its float32 exponent byte (UE8M0: ``2 ** (byte - 127)``), four to an int32, group ``g`` in
+byte ``g % 4`` (little-endian) of int32 ``g // 4`` (:func:`pack_ue8m0`, :func:`unpack_ue8m0`).
 """
 
 from __future__ import annotations
@@ -62,3 +66,22 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, group_size: int = GROUP
     hidden = q.shape[-1]
     groups = q.float().reshape(*q.shape[:-1], hidden // group_size, group_size)
     return (groups * scale.float().unsqueeze(-1)).reshape(q.shape)
+
+
+def pack_ue8m0(scale: torch.Tensor) -> torch.Tensor:
+    """Power-of-two float32 scales ``[..., G]`` -> int32 ``[..., ceil(G / 4)]`` of exponent
+    bytes (group ``g`` in byte ``g % 4`` of int32 ``g // 4``; missing groups' bytes zero)."""
+    exponents = (scale.float().contiguous().view(torch.int32) >> 23) & 0xFF
+    groups = scale.shape[-1]
+    padded = torch.zeros(*scale.shape[:-1], -(-groups // 4) * 4, dtype=torch.uint8,
+                         device=scale.device)  # fmt: skip
+    padded[..., :groups] = exponents.to(torch.uint8)
+    return padded.view(torch.int32)
+
+
+def unpack_ue8m0(packed: torch.Tensor, groups: int) -> torch.Tensor:
+    """Int32 ``[..., ceil(groups / 4)]`` of UE8M0 exponent bytes (any strides) -> the float32
+    scales ``[..., groups]``."""
+    dense = torch.empty_like(packed, memory_format=torch.contiguous_format).copy_(packed)
+    exponents = dense.view(torch.uint8)[..., :groups].to(torch.int32)
+    return (exponents << 23).view(torch.float32)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fp8 import quantize_fp8
+from .fp8 import quantize_fp8, unpack_ue8m0
 
 
 @dataclass
@@ -51,10 +51,13 @@ class LowLatencyDispatchResult:
     def from_outputs(cls, recv_x, recv_count: torch.Tensor, handle) -> LowLatencyDispatchResult:
         """Collect what an implementation returned (on any device) for comparison, on the CPU.
 
-        ``recv_x`` is the slab or a ``(slab, scales)`` tuple; ``handle`` has ``recv_src_info``
-        and ``recv_layout_range``.
+        ``recv_x`` is the slab or a ``(slab, scales)`` tuple (scales float32, or int32 packed
+        UE8M0 bytes, which are unpacked; any strides); ``handle`` has ``recv_src_info`` and
+        ``recv_layout_range``.
         """
         payload, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+        if scales is not None and scales.dtype == torch.int32:
+            scales = unpack_ue8m0(scales.cpu(), payload.shape[-1] // 128)
         return cls(
             payload.cpu(),
             None if scales is None else scales.cpu(),
