@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check in one call: the GPU test suite, the demo, then the benchmarks, on N ranks.
 # Run from the repository root on a GPU machine:
-#   bash scripts/gpu_check.sh [N] [tests|tests-core|tests-layers|tests-a|-b|-c|bench|tune|soak|host|probe|all]
+#   bash scripts/gpu_check.sh [N] [tests|tests-core|tests-layers|tests-a|-b|-c|bench|tune|ab|soak|host|probe|all]
 # N defaults to every GPU of the machine. Logs and CSVs go to $OUT (when set) or ./out.
 # The whole suite compiles many kernel variants; split it over two calls of the 10-minute
 # device limit with tests-core (kernels, modes, demo) and tests-layers (APIs on top).
@@ -89,6 +89,20 @@ if [ "$what" = tune ]; then
       --tokens "${NORMAL_TOKENS:-4096}" --iters 20 --quiet $flags --csv "$out/tune-$i.csv" 2>&1 \
       | grep -v -i warn | tail -3 || status=1
     i=$((i + 1))
+  done
+fi
+if [ "$what" = ab ]; then
+  # Variants of a change in one call: the low-latency benchmark from each source tree of
+  # TREES (directories holding a src/, e.g. `git archive COMMIT src | tar -x -C prev`; "." is
+  # this tree), alternated AB_ROUNDS times on the same machine; one CSV per run, named by
+  # tree and round.
+  for round in $(seq 1 "${AB_ROUNDS:-2}"); do
+    for tree in ${TREES:?TREES: directories holding a src/, e.g. \"prev .\"}; do
+      label=$([ "$tree" = . ] && echo now || basename "$tree")
+      PYTHONPATH="$PWD/$tree/src" timeout "${AB_LIMIT_S:-150}" python3 -m tritonep.bench low-latency \
+        --ranks "$ranks" --tokens "${LL_TOKENS:-128,1,256}" --iters "${AB_ITERS:-50}" --quiet \
+        ${AB_ARGS:-} --csv "$out/ab-$label-$round.csv" 2>&1 | grep -v -i warn | tail -4 | sed "s/^/$label: /" || status=1
+    done
   done
 fi
 if [ "$what" = soak ]; then

@@ -320,6 +320,7 @@ def ll_dispatch_kernel(
         flag_set_off = (c_recv % 2) * FLAG_SET_BYTES
         my_base = tl.load(peer_ptrs + rank)
         msgs = tl.arange(0, MSG_BLOCK)
+        scale_lanes = tl.arange(0, G_P2 * MSG_BLOCK)
         flat = tl.arange(0, G_P2 * 128)
         flat_mask = flat < H
         # After one wait gives up, the program's later waits give up at once, so a launch
@@ -379,24 +380,29 @@ def ll_dispatch_kernel(
                     q_ptr = aligned_ptr(msg + HEADER_BYTES, tl.uint8)
                     q = tl.load(q_ptr[:, None] + flat[None, :], mask=mask2, cache_modifier=".cg")
                     tl.store(out_x_ptr + dst, q, mask=mask2)
-                    scale_ptr = aligned_ptr(msg + HEADER_BYTES + H, tl.float32)
-                    smask = mmask[:, None] & gmask[None, :]
-                    scale_src = scale_ptr[:, None] + groups[None, :]
-                    scale = tl.load(scale_src, mask=smask, cache_modifier=".cg")
-                    # Column-major per expert (the token index is the fastest), as TMA-based
-                    # grouped GEMMs read scales.
-                    row = (begin + first + msgs).to(tl.int64)[:, None]
+                    # Scales go column-major per expert (the row index fastest), the layout
+                    # TMA-based grouped GEMMs read. One lane per (group, message), messages
+                    # fastest, so neighbouring lanes store neighbouring rows of one group; a
+                    # [messages, groups] tile costs a layout change through shared memory
+                    # (1.2 us more per dispatch at 128 tokens, BENCHMARKS.md).
+                    s_msg = first + scale_lanes % MSG_BLOCK
+                    s_group = scale_lanes // MSG_BLOCK
+                    s_mask = (s_group < G) & (s_msg < count)
+                    s_src = block + s_msg.to(tl.int64) * MSG_BYTES + HEADER_BYTES + H
+                    scale = tl.load(aligned_ptr(s_src, tl.float32) + s_group, mask=s_mask,
+                                    cache_modifier=".cg")  # fmt: skip
+                    row = (begin + s_msg).to(tl.int64)
                     if PACK_UE8M0:
                         # A power-of-two float32 scale is its exponent byte; byte g % 4 of
                         # int32 column g // 4 (out_scales_ptr is that int32 tensor as bytes).
                         e8 = ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
-                        scale_col = local * ((G + 3) // 4) + groups[None, :] // 4
-                        dst_s = (scale_col * (NUM_RANKS * M) + row) * 4 + groups[None, :] % 4
-                        tl.store(out_scales_ptr + dst_s, e8, mask=smask)
+                        s_column = local * ((G + 3) // 4) + s_group // 4
+                        dst_s = (s_column * (NUM_RANKS * M) + row) * 4 + s_group % 4
+                        tl.store(out_scales_ptr + dst_s, e8, mask=s_mask)
                     else:
-                        scale_col = local * G + groups[None, :]
-                        dst_s = scale_col * (NUM_RANKS * M) + row
-                        tl.store(out_scales_ptr + dst_s, scale, mask=smask)
+                        s_column = local * G + s_group
+                        tl.store(out_scales_ptr + s_column * (NUM_RANKS * M) + row, scale,
+                                 mask=s_mask)  # fmt: skip
                 else:
                     x_src = aligned_ptr(msg + HEADER_BYTES, tl.bfloat16)[:, None] + flat[None, :]
                     x = tl.load(x_src, mask=mask2, cache_modifier=".cg")
