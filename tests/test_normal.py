@@ -148,6 +148,56 @@ def test_one_rank_matches_reference(run_ranks, name):
                      None) == [True]  # fmt: skip
 
 
+def _scale_words(x, kind):
+    """FP8 inputs whose scales are other 4-byte words than float32 per 128 channels, as DeepEP
+    users pass them: column-major float32, packed UE8M0 int32, one float32 per token."""
+    if kind == "column-major":
+        q, s = ref.quantize_fp8(x)
+        return q, s.t().contiguous().t()
+    if kind == "ue8m0-packed":
+        q, s = ref.quantize_fp8(x, use_ue8m0=True)
+        return q, ref.pack_ue8m0(s)
+    amax = x.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-4)  # per token
+    return (x.float() / (amax / 448)).to(torch.float8_e4m3fn), amax / 448
+
+
+def _scale_words_body(ctx, hidden, kinds, gpus_per_node=None):
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    experts, topk = 2 * R, 3
+    if gpus_per_node is None:
+        mode = nm.NormalMode(None, hidden, experts, max_topk=topk, device=dev, timeout_s=60)
+    else:
+        from tritonep.modes.internode import InternodeMode
+
+        mode = InternodeMode(None, hidden, experts, gpus_per_node, max_topk=topk, device=dev,
+                             timeout_s=60)  # fmt: skip
+    for call, kind in enumerate(kinds):
+        case = tag_rows(make_case(40 + call, [6, 3, 0, 5][:R], hidden, experts, topk, "random"))
+        xs = [_scale_words(x, kind) for x in case.x]
+        idx = case.topk_idx[me].to(dev)
+        out = mode.dispatch(_to(xs[me], dev), idx, case.topk_weights[me].to(dev))
+        want = ref.normal_dispatch(xs, case.topk_idx, case.topk_weights, experts)[me]
+        assert out.recv_x[1].dtype == xs[me][1].dtype and out.recv_x[1].is_contiguous()
+        ref.assert_rows_equal(out.recv_x, want.recv_x, want.num_recv_tokens, f"{kind} x")
+        again = mode.dispatch(_to(xs[me], dev), handle=out.handle)  # cached
+        ref.assert_rows_equal(again.recv_x, want.recv_x, want.num_recv_tokens, f"{kind} cached")
+    mode.check()
+    mode.destroy()
+    return True
+
+
+KINDS = ["column-major", "ue8m0-packed", "per-token"]
+
+
+def test_scales_of_any_layout_and_dtype_travel_unchanged(run_ranks):
+    # One mode for all kinds: the launch of each scale width is its own.
+    assert run_ranks(3, _scale_words_body, 1024, KINDS) == [True] * 3
+
+
+def test_scales_of_any_layout_and_dtype_cross_emulated_nodes(run_ranks):
+    assert run_ranks(4, _scale_words_body, 1024, KINDS, 2) == [True] * 4
+
+
 GPU_CASES = {
     # name: (tokens per rank, hidden, experts per rank at 4 ranks, topk, routing, fp8, worst,
     #        (num_sms, ring slots) or None)

@@ -115,7 +115,7 @@ def _backend_bad_inputs(ctx):
         lambda: backend.dispatch(x, idx + 7, w, num_experts=4),
         lambda: backend.dispatch(x.float().to(torch.float8_e4m3fn), idx, w, 4),
         lambda: backend.dispatch(
-            (x.to(torch.float8_e4m3fn), torch.ones(4, 2, device=ctx.device)), idx, w, 4
+            (x.to(torch.float8_e4m3fn), torch.ones(4, 5, device=ctx.device)), idx, w, 4
         ),
         lambda: backend.dispatch(x, idx[:3], w, 4),
         lambda: backend.low_latency_dispatch(x, idx, 3, 4),
@@ -137,7 +137,7 @@ def test_torch_backend_rejects_bad_input_on_every_rank(run_ranks):
         "ValueError: topk_idx: expert ids must lie in [-1, 4) (-1 = no expert), found 7",
         "TypeError: x: expected dtype torch.bfloat16 (FP8 goes as a tuple (x, scales)), "
         "got torch.float8_e4m3fn",
-        "ValueError: x[1]: expected shape [4, 1], got [4, 2]",
+        "ValueError: x[1]: expected 1 to 4 scale words per token (hidden 128), got 5",
         "ValueError: topk_idx: expected shape [4, *], got [3, 2]",
         "ValueError: x: 4 tokens exceed num_max_dispatch_tokens_per_rank=3",
         "ValueError: x: hidden size must be a positive multiple of 128, got 100",

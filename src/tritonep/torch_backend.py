@@ -129,7 +129,8 @@ class TorchBackend:
         """Send each token once to every rank that holds one of its experts.
 
         Args:
-            x: ``[N, H]`` BF16, or ``(e4m3 [N, H], float32 scales [N, H/128])``.
+            x: ``[N, H]`` BF16, or ``(e4m3 [N, H], scales [N, S])`` (4-byte words, moved
+                unchanged).
             topk_idx: ``[N, K]`` int64 global expert ids, ``-1`` for none.
             topk_weights: ``[N, K]`` float32, or None.
             num_experts: experts in total.

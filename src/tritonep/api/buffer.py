@@ -359,7 +359,9 @@ class Buffer:
         """Normal-mode dispatch: each token goes once to every rank holding one of its experts.
 
         Args:
-            x: ``[N, H]`` BF16, or ``(e4m3 [N, H], float32 scales [N, H / 128])``.
+            x: ``[N, H]`` BF16, or ``(e4m3 [N, H], scales [N, S])``: 4-byte scale words
+                copied unchanged, as in DeepEP (float32, e.g. per 128 channels; int32, e.g.
+                packed UE8M0; any strides; ``1 <= S <= H / 32``).
             handle: a handle of an earlier dispatch: cached mode (same routing, only ``x``
                 moves; no layout arguments needed, no host synchronization).
             num_tokens_per_rank: ``[R]`` int32 from :meth:`get_dispatch_layout` (not needed).

@@ -305,7 +305,7 @@ class NormalDispatchOutput:
     """What :meth:`NormalMode.dispatch` returns (DeepEP's tuple, less the event).
 
     Attributes:
-        recv_x: ``[M, H]`` BF16, or ``(e4m3 [M, H], float32 scales [M, G])``.
+        recv_x: ``[M, H]`` BF16, or ``(e4m3 [M, H], scales [M, S])`` in the scales' dtype.
         recv_topk_idx: ``[M, K]`` int64 local expert ids (``-1`` elsewhere and in padding
             rows), or None in cached mode.
         recv_topk_weights: ``[M, K]`` float32 (0 where the id is ``-1``), or None.
@@ -602,7 +602,9 @@ class NormalMode:
         """Send each token once to every rank that holds one of its experts.
 
         Args:
-            x: ``[N, H]`` BF16, or ``(e4m3 [N, H], float32 scales [N, H / 128])``.
+            x: ``[N, H]`` BF16, or ``(e4m3 [N, H], scales [N, S])``: the scales are 4-byte
+                words copied unchanged (float32, e.g. one per 128 channels, or int32, e.g.
+                packed UE8M0), any strides, ``1 <= S <= H / 32``.
             topk_idx: ``[N, K]`` int64 global expert ids, ``-1`` for none (not needed with
                 ``handle``).
             topk_weights: ``[N, K]`` float32, or None.
@@ -633,6 +635,8 @@ class NormalMode:
         if payload.device != self.device:
             raise ValueError(f"x: expected a tensor on {self.device}, got {payload.device}")
         use_fp8 = isinstance(x, tuple)
+        if use_fp8:  # the kernels read scales token-major (column-major ones are copied)
+            x = (x[0], x[1].contiguous())
         if not isinstance(expert_alignment, int) or expert_alignment < 1:
             raise ValueError(f"expert_alignment: expected a positive int, got {expert_alignment}")
         if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
@@ -692,11 +696,11 @@ class NormalMode:
 
         # Outputs.
         W = hidden // 4 if use_fp8 else hidden // 2
-        G = hidden // 128 if use_fp8 else 0
+        G = x[1].shape[1] if use_fp8 else 0  # scale words per token
         if use_fp8:
             recv_x = (
                 self._empty((rows, hidden), torch.float8_e4m3fn),
-                self._empty((rows, G), torch.float32),
+                self._empty((rows, G), x[1].dtype),
             )
             x_words, scale_words = x[0].view(torch.int32), x[1].view(torch.int32)
             out_words, out_scales = recv_x[0].view(torch.int32), recv_x[1].view(torch.int32)
@@ -751,7 +755,7 @@ class NormalMode:
                 relay.flags if relay is not None else handle.recv_count,
                 relay.publish_to if publish else self.state,
             ),
-            (config, use_fp8, topk, has_topk, has_weights, src_tag is not None, num_recv < 0,
+            (config, G, topk, has_topk, has_weights, src_tag is not None, num_recv < 0,
              bounds is not None, awaits, ranks_from_ids, publish),
             build_meta,
         )  # fmt: skip

@@ -35,7 +35,7 @@ class NormalDispatchResult:
     """What one destination rank receives.
 
     Attributes:
-        recv_x: ``[M, H]`` in the dtype of ``x``, or ``(e4m3 [M, H], float32 scales [M, H/128])``.
+        recv_x: ``[M, H]`` in the dtype of ``x``, or ``(e4m3 [M, H], scales [M, S])``.
         recv_topk_idx: ``[M, K]`` int64 local expert ids, ``-1`` where the expert is elsewhere.
         recv_topk_weights: ``[M, K]`` float32 (``0`` where the id is ``-1``), or None.
         num_recv_tokens_per_expert: per local expert, entries received, aligned up.
@@ -81,7 +81,7 @@ def normal_dispatch(
     """Dispatch the inputs of all ranks; returns what each rank receives (list indexed by rank).
 
     Args:
-        xs: per rank, ``[N_r, H]`` BF16 (any dtype) or ``(e4m3 [N_r, H], float32 [N_r, H/128])``.
+        xs: per rank, ``[N_r, H]`` BF16 (any dtype) or ``(e4m3 [N_r, H], scales [N_r, S])``.
         topk_idx: per rank, ``[N_r, K]`` int64 global expert ids in ``[-1, num_experts)``.
         topk_weights: per rank, ``[N_r, K]`` float32, or None.
         num_experts: experts in total, a multiple of the number of ranks.
