@@ -26,6 +26,8 @@ Behavioural differences, all documented here and in :mod:`tritonep.api.buffer`:
   tensor (a list would need the host synchronization that mode avoids);
 * configs asking for more ring slots than the buffer has get the buffer's ring (128 slots on
   GPUs); ``num_sms`` defaults to 20 as in DeepEP and must be even;
+* normal-mode FP8 scales may be any 4-byte words per token (float32 or int32, any strides),
+  copied unchanged as in DeepEP, up to ``H / 32`` per token;
 * low-latency FP8 scales come column-major per expert as in DeepEP (packed UE8M0 int32 with
   ``use_ue8m0``, which here implies ``round_scale``); ``use_logfmt`` is not supported; any
   hidden size that is a multiple of 128 and any top-k up to 16 work in low-latency mode
