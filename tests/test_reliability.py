@@ -134,11 +134,34 @@ def test_edge_values_match_the_reference_and_stay_contained(run_ranks, mode, use
 
 
 # ----------------------------------------------------------------------- fault injection
+def _rank0_alone(me, call):
+    """Rank 0 makes ``call`` while its peer stays away: ``(WaitTimeoutError message or None,
+    seconds taken)`` on rank 0, ``(None, 0.0)`` elsewhere."""
+    import time
+
+    from tritonep.errors import WaitTimeoutError
+
+    error, took = None, 0.0
+    if me == 0:
+        start = time.monotonic()
+        try:
+            call()
+        except WaitTimeoutError as e:
+            error = str(e)
+        took = time.monotonic() - start
+    return error, took
+
+
+def _assert_rank0_timed_out_at_1_s(results):
+    (error, took), (none, _) = results
+    assert none is None
+    assert error.startswith("rank 0 timed out after 1 s in phase") and "peer 1" in error
+    assert took < 30
+
+
 def _recover_body(ctx, mode_name):
     """Rank 1 skips a call: rank 0 raises within the timeout, naming the phase and the peer;
     then both ranks destroy the buffer, build a new one and get correct results."""
-    import time
-
     from tritonep.errors import WaitTimeoutError
 
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
@@ -161,14 +184,7 @@ def _recover_body(ctx, mode_name):
         return recv_x
 
     mode = build(1.0)
-    error, took = None, 0.0
-    if me == 0:
-        start = time.monotonic()
-        try:
-            call(mode)
-        except WaitTimeoutError as e:
-            error = str(e)
-        took = time.monotonic() - start
+    error, took = _rank0_alone(me, lambda: call(mode))
     with contextlib.suppress(WaitTimeoutError):  # the same timeout, reported again
         mode.destroy()
     # The default limit now: rank 1 skipped the first call, so it compiles its kernels only
@@ -184,18 +200,13 @@ def _recover_body(ctx, mode_name):
 
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
 def test_a_skipped_call_raises_then_a_new_buffer_works(run_ranks, mode):
-    (error, took), (none, _) = run_ranks(2, _recover_body, mode)
-    assert none is None
-    assert error.startswith("rank 0 timed out after 1 s in phase") and "peer 1" in error
-    assert took < 30
+    _assert_rank0_timed_out_at_1_s(run_ranks(2, _recover_body, mode))
 
 
 def _timeout_change_body(ctx, mode_name):
     """A Buffer's ``timeout_s`` assigned after its mode exists reaches the mode's kernels:
     both ranks make one call under the default 100 s, the limit drops to 1 s, and rank 0
     calls again alone."""
-    import time
-
     from tritonep.api import Buffer
     from tritonep.errors import WaitTimeoutError
 
@@ -217,15 +228,7 @@ def _timeout_change_body(ctx, mode_name):
     call()
     buffer.check()
     buffer.timeout_s = 1.0
-    error, took = None, 0.0
-    if me == 0:
-        start = time.monotonic()
-        try:
-            call()
-            buffer.check()
-        except WaitTimeoutError as e:
-            error = str(e)
-        took = time.monotonic() - start
+    error, took = _rank0_alone(me, lambda: (call(), buffer.check()))
     with contextlib.suppress(WaitTimeoutError):  # the same timeout, reported again
         buffer.destroy()
     return error, took
@@ -233,10 +236,7 @@ def _timeout_change_body(ctx, mode_name):
 
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
 def test_a_timeout_set_on_a_buffer_reaches_modes_already_built(run_ranks, mode):
-    (error, took), (none, _) = run_ranks(2, _timeout_change_body, mode)
-    assert none is None
-    assert error.startswith("rank 0 timed out after 1 s in phase") and "peer 1" in error
-    assert took < 30
+    _assert_rank0_timed_out_at_1_s(run_ranks(2, _timeout_change_body, mode))
 
 
 def _slow_rank_body(ctx):
