@@ -49,13 +49,13 @@ def test_low_latency_sweep_over_topk_and_an_absent_rival(tmp_path, capfd):
     # One rank per emulated node: every peer is on another node, reached through staging.
     rows = _run(tmp_path, "low-latency", "--tokens", "3", "--topk", "1,2", "--bf16",
                 "--compare", "no_such_module", "--trace", trace,
-                "--gpus-per-node", "1")  # fmt: skip
+                "--gpus-per-node", "1", "--logfmt")  # fmt: skip
     for rank in range(2):
         text = (tmp_path / f"trace-{rank}.json").read_text()
         assert "low-latency dispatch: send" in text and "pack" in text
     assert [(r["tokens"], r["topk"]) for r in rows] == [(3, 1), (3, 2)]
     assert all(r["gpus_per_node"] == 1 and r["transport"] == "copy" for r in rows)
-    assert all(r["dispatch_dtype"] == "bf16" for r in rows)
+    assert all(r["dispatch_dtype"] == "bf16" and r["combine_dtype"] == "logfmt" for r in rows)
     assert all(r["dispatch_us"] > 0 and r["torch_combine_us"] > 0 for r in rows)
     assert "deep_ep_dispatch_us" not in rows[0]
     assert "not importable" in capfd.readouterr().out

@@ -313,11 +313,50 @@ def test_low_latency_like_deep_ep(run_ranks, use_fp8, use_ue8m0):
     )
 
 
+def _logfmt_body(ctx, tokens, hidden, experts_per_rank, topk):
+    """DeepEP's LogFMT check: experts that return their input, inputs mostly below 1 (DeepEP's
+    ``randn * 0.1``), so ``combine == x * sum of valid weights`` up to LogFMT's error; plain
+    and zero-copy."""
+    R, rank, dev = ctx.world_size, ctx.rank, ctx.device
+    num_experts = experts_per_rank * R
+    num_max = max(tokens[:R])
+    N = tokens[rank]
+    _, topk_idx, topk_weights = _inputs(rank, N, hidden, num_experts, topk, dev, seed=13)
+    torch.manual_seed(rank)
+    x = (torch.randn(N, hidden) * 0.1).to(torch.bfloat16).to(dev)
+    rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(num_max, hidden, R, num_experts)
+    buffer = deep_ep.Buffer(dist.group.WORLD, 0, rdma, low_latency_mode=True)
+    expected = x.float() * (topk_weights * (topk_idx >= 0)).sum(1, keepdim=True)
+    for zero_copy in (False, True):
+        recv_x, _, handle, _, _ = buffer.low_latency_dispatch(
+            x, topk_idx, num_max, num_experts, use_fp8=False
+        )
+        if zero_copy:
+            buffer.get_next_low_latency_combine_buffer(handle).copy_(recv_x)
+        plain, _, _ = buffer.low_latency_combine(recv_x, topk_idx, topk_weights, handle)
+        combined, _, _ = buffer.low_latency_combine(
+            recv_x, topk_idx, topk_weights, handle, use_logfmt=True, zero_copy=zero_copy
+        )
+        if N:
+            exact = calc_diff(plain.float(), expected)
+            diff = calc_diff(combined.float(), expected)
+            # LogFMT's error (here ~2e-7) is above BF16's (~4e-8): the rows were encoded;
+            # and far below a broken code's.
+            assert exact < 1e-5 and 2 * exact < diff < 1e-5, (exact, diff)
+    buffer.destroy()
+    return True
+
+
+def test_logfmt_combine_like_deep_ep(run_ranks):
+    assert run_ranks(3, _logfmt_body, [6, 0, 5], 256, 2, 3) == [True] * 3
+
+
 @pytest.mark.gpu(n=1)
 def test_deep_ep_interface_on_gpus(run_ranks):
     R = gpu_ranks()
     assert run_ranks(R, _intranode_body, [512, 0, 300, 77], 2048, 8, 8) == [True] * R
     assert run_ranks(R, _low_latency_body, [128, 0, 100, 77], 7168, 8, 8, True) == [True] * R
+    assert run_ranks(R, _logfmt_body, [128, 0, 100, 77], 7168, 8, 8) == [True] * R
 
 
 def test_signatures_match_deep_ep():

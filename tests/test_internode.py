@@ -162,6 +162,14 @@ def test_low_latency_across_emulated_nodes(run_ranks, num_ranks, gpus_per_node, 
     assert results == [True] * num_ranks
 
 
+def test_logfmt_combine_across_emulated_nodes(run_ranks):
+    """LogFMT slots staged and put whole to the other node (2 nodes of 2 ranks)."""
+    tokens, _, experts, topk, routing, fp8, ue8m0, hook, dup = tll.CASES["bf16-random"]
+    results = run_ranks(4, tll._ll_body, 2, tokens, 384, experts, topk, routing, fp8, ue8m0,
+                        hook, dup, 2, logfmt=True)  # fmt: skip
+    assert results == [True] * 4
+
+
 def _nvshmem_normal_body(ctx, use_fp8, per_node):
     from tritonep import heap
 
@@ -189,16 +197,19 @@ def _nvshmem_ll_body(ctx, name, per_node):
     from tritonep import heap
 
     heap.set_backend("NVSHMEM")  # before this process's first symmetric allocation
+    name, logfmt = name.removesuffix("-logfmt"), name.endswith("-logfmt")
     _, _, experts, topk, routing, fp8, ue8m0, hook, dup = tll.CASES[name]
     result = tll._ll_body(ctx, 3, [128, 0, 77, 128], 7168 if fp8 else 2048, experts * 4, topk,
-                          routing, fp8, ue8m0, hook, dup, per_node)  # fmt: skip
+                          routing, fp8, ue8m0, hook, dup, per_node, logfmt)  # fmt: skip
     assert result
     return heap.allocate(4096, device=ctx.device).backend
 
 
 @pytest.mark.gpu(n=2)
 @pytest.mark.skipif(shared_gpu(), reason="NVSHMEM needs a GPU per rank")
-@pytest.mark.parametrize("name", ["fp8-random", "bf16-skewed-dup", "fp8-ue8m0-hook"])
+@pytest.mark.parametrize(
+    "name", ["fp8-random", "bf16-skewed-dup", "fp8-ue8m0-hook", "fp8-random-logfmt"]
+)
 def test_low_latency_across_2_nodes_with_nvshmem_puts(name):
     from tritonep.launch import spawn
 

@@ -138,6 +138,7 @@ LL_COMBINE_META = dict(
     NUM_RANKS=4,
     M=128,
     RECV_SET_BYTES=1 << 25,
+    SLOT_BYTES=14784,
     DO_SEND=True,
     DO_RECV=True,
     USE_CLOCK=True,
@@ -148,8 +149,11 @@ LL_COMBINE_META = dict(
     WAIT_STATS=False,
     SHRINK=False,
     VIA=0,
+    LOGFMT=False,
+    LOGFMT_GROUPS=8,
 )
 TRACED = dict(PROFILE=True, WAIT_STATS=True)
+LOGFMT = dict(LOGFMT=True, ROW_BLOCK=1, REDUCE_BW=1024)
 for name, sig, meta in [
     ("ll_dispatch", LL_DISPATCH, LL_DISPATCH_META),
     ("ll_combine", LL_COMBINE, LL_COMBINE_META),
@@ -169,6 +173,9 @@ for name, sig, meta in [
     ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, "SHRINK": True}),
     ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "SHRINK": True, "VIA": 1}),
     ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, "SHRINK": True, "VIA": 1}),
+    # LogFMT combine (DeepEP's use_logfmt), within a node and across nodes
+    ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, **LOGFMT}),
+    ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, **LOGFMT, "VIA": 1}),
 ]:
     KERNELS.append(
         (
@@ -345,6 +352,7 @@ def _id(kernel):
     traced = "-traced" if meta.get("PROFILE", False) else ""
     shrink = "-shrink" if meta.get("SHRINK") else ""
     packed = "-ue8m0" if meta.get("PACK_UE8M0") else ""
+    packed += "-logfmt" if meta.get("LOGFMT") else ""
     return kernel[1] + traced + ("-staged" if meta.get("VIA") else "") + shrink + packed + relay
 
 

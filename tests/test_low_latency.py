@@ -30,11 +30,32 @@ def _expert_fn(rows, global_expert):
     return (rows * ((global_expert + 1) / 8)).to(torch.bfloat16)
 
 
-def _verify_call(ctx, case, M, use_fp8, ue8m0, recv_x, recv_count, handle, outputs, combined):
-    """Check one dispatch and combine of this rank against the reference, bit for bit."""
+def _verify_call(ctx, case, M, use_fp8, ue8m0, recv_x, recv_count, handle, outputs, combined,
+                 logfmt=False):  # fmt: skip
+    """Check one dispatch and combine of this rank against the reference, bit for bit (a
+    LogFMT combine within its error bound)."""
     verify_low_latency_call(
-        ctx.rank, case, M, use_fp8, ue8m0, recv_x, recv_count, handle, outputs, combined
-    )
+        ctx.rank, case, M, use_fp8, ue8m0, recv_x, recv_count, handle, outputs, combined,
+        logfmt=logfmt,
+    )  # fmt: skip
+
+
+def _with_special_groups(outputs):
+    """Expert outputs for LogFMT whose first rows hold the groups it treats apart: all
+    zeros, small values, NaN and Inf (sent unchanged), and a value of 1 (too large)."""
+    outputs = outputs.clone()
+    H = outputs.shape[2]
+    # A zero in every group: codes then span 32 octaves (the coarsest steps, ~1% error), so
+    # a combine that skipped LogFMT would miss the reference in most channels.
+    outputs[:, :, ::128] = 0
+    small = torch.linspace(-0.9, 0.9, 128, device=outputs.device).to(torch.bfloat16)
+    outputs[:, 0, :128] = 0
+    outputs[:, 1, :128] = small
+    outputs[:, 1, 64] = 0
+    outputs[:, 2, H - 1] = float("nan")
+    outputs[:, 3, 0] = float("inf")
+    outputs[:, 3, H - 2] = 1
+    return outputs
 
 
 def _expert_outputs(recv_x, use_fp8, rank):
@@ -62,7 +83,7 @@ def _assert_scale_layout(scales, mode, packed):
 
 def _ll_body(
     ctx, calls, tokens, hidden, experts, topk, routing, use_fp8, ue8m0, hook, dup,
-    gpus_per_node=None,
+    gpus_per_node=None, logfmt=False,
 ):  # fmt: skip
     R, me = ctx.world_size, ctx.rank
     experts = experts * R
@@ -72,7 +93,9 @@ def _ll_body(
         gpus_per_node=gpus_per_node,
     )  # fmt: skip
     for call in range(calls):  # odd and even calls use different buffer sets
-        case = make_case(1000 * call + 7, tokens[:R], hidden, experts, topk, routing)
+        # LogFMT cases: most groups below 1 (encoded), some above (sent unchanged).
+        case = make_case(1000 * call + 7, tokens[:R], hidden, experts, topk, routing,
+                         scale=0.3 if logfmt else 1.0)  # fmt: skip
         if dup:  # a token that names one expert twice is sent there once
             for idx in case.topk_idx:
                 if idx.shape[0] and topk > 1:
@@ -89,13 +112,17 @@ def _ll_body(
             recv_hook()
         mode.check()
         outputs = _expert_outputs(recv_x, use_fp8, me)
+        if logfmt:
+            outputs = _with_special_groups(outputs)
         combined, comb_hook = mode.combine(
-            outputs, dev.topk_idx[me], dev.topk_weights[me], handle, return_recv_hook=hook
-        )
+            outputs, dev.topk_idx[me], dev.topk_weights[me], handle, return_recv_hook=hook,
+            use_logfmt=logfmt,
+        )  # fmt: skip
         if hook:
             comb_hook()
         mode.check()
-        _verify_call(ctx, case, M, use_fp8, ue8m0, recv_x, recv_count, handle, outputs, combined)
+        _verify_call(ctx, case, M, use_fp8, ue8m0, recv_x, recv_count, handle, outputs, combined,
+                     logfmt)  # fmt: skip
     mode.destroy()
     return True
 
@@ -126,12 +153,24 @@ def test_low_latency_matches_reference(run_ranks, num_ranks, name):
     )
 
 
+@pytest.mark.parametrize("name", ["bf16-random", "fp8-ue8m0-hook", "bf16-skewed-dup", "fp8-topk16"])
+def test_logfmt_combine_matches_reference(run_ranks, name):
+    """``use_logfmt``: every channel within LogFMT's error bound of the reference's LogFMT
+    round trip, most of them bit-identical; special groups (zeros, NaN, Inf, 1) included."""
+    tokens, hidden, experts, topk, routing, fp8, ue8m0, hook, dup = CASES[name]
+    hidden = max(hidden, 256)  # two groups: one encoded, one not, in the special rows
+    args = (2, tokens, hidden, experts, topk, routing, fp8, ue8m0, hook, dup)
+    assert run_ranks(3, _ll_body, *args, logfmt=True) == [True] * 3
+
+
 @pytest.mark.gpu(n=2)
 @pytest.mark.parametrize(
-    "name", ["bf16-random", "fp8-random", "fp8-ue8m0-hook", "fp8-ue8m0-packed", "fp8-topk16"]
+    "name",
+    ["bf16-random", "fp8-random", "fp8-ue8m0-hook", "fp8-ue8m0-packed", "fp8-topk16", "logfmt"],
 )
 def test_low_latency_on_gpus_larger(run_ranks, name):
-    _, _, experts, topk, routing, fp8, ue8m0, hook, dup = CASES[name]
+    logfmt = name == "logfmt"
+    _, _, experts, topk, routing, fp8, ue8m0, hook, dup = CASES["fp8-random" if logfmt else name]
     tokens = [128, 0, 77, 128]
     run_ranks(
         gpu_ranks(),
@@ -146,6 +185,7 @@ def test_low_latency_on_gpus_larger(run_ranks, name):
         ue8m0,
         hook,
         dup,
+        logfmt=logfmt,
     )
 
 

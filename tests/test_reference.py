@@ -277,3 +277,55 @@ def test_bitwise_comparison_matches_any_nan_and_nothing_else():
             ref.assert_bitwise_equal(got, want, "values")
     with pytest.raises(AssertionError, match="1 elements differ"):
         ref.assert_bitwise_equal(fp8_nans[:1], torch.zeros(1, dtype=torch.float8_e4m3fn), "e4m3")
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), span=st.floats(0.5, 40.0))
+def test_logfmt_round_trip_errors_stay_in_half_a_step(seed, span):
+    """Groups below 1 are encoded: every value rounds to the nearer of its two codes (in
+    linear terms), at most 511 distinct magnitudes, signs and zeros kept, the largest
+    magnitude exact."""
+    gen = torch.Generator().manual_seed(seed)
+    # Magnitudes spread over `span` octaves below 1 (clipped at 32), random signs.
+    octaves = -0.01 - torch.rand(4, 256, generator=gen) * span
+    signs = torch.where(torch.rand(4, 256, generator=gen) < 0.5, -1.0, 1.0)
+    x = (signs * torch.exp2(octaves)).to(torch.bfloat16)
+    x[0, 3] = 0
+    encoded, log_amin, step = ref.logfmt_params(x)
+    assert encoded.all()
+    y = ref.logfmt_round_trip(x)
+    xf = x.float()
+    assert (y * xf >= 0).all() and (y[xf == 0] == 0).all()
+    groups = xf.abs().unflatten(-1, (-1, 128))
+    amax, amin = groups.amax(-1), groups.amin(-1)
+    assert torch.equal(log_amin, torch.maximum(torch.log2(amin), torch.log2(amax) - 32))
+    assert torch.allclose(step * 510, torch.log2(amax) - log_amin, rtol=1e-5, atol=1e-5)
+    # Between codes c and c + 1 (a factor 2**step apart), values below their midpoint go
+    # down, the others up.
+    up = torch.exp2(step).repeat_interleave(128, -1)
+    kept = xf.abs() >= torch.exp2(log_amin).repeat_interleave(128, -1)  # not clipped
+    ratio = (y.abs() / xf.abs())[kept]
+    assert (ratio <= 2 / (1 + 1 / up[kept]) * (1 + 1e-5)).all()
+    assert (ratio >= 2 / (1 + up[kept]) * (1 - 1e-5)).all()
+    assert (y.abs() <= ref.logfmt_error_bound(x) + xf.abs()).all()
+    for g, values in enumerate(y.abs().unflatten(-1, (-1, 128)).flatten(0, 1)):
+        assert values.unique().numel() <= 512  # 511 codes and zero
+        row, group = divmod(g, 2)
+        assert torch.isclose(values.max(), amax[row, group], rtol=1e-5)
+
+
+def test_logfmt_leaves_groups_it_cannot_encode_unchanged():
+    x = (torch.rand(6, 256) * 0.5 + 0.01).to(torch.bfloat16)
+    x[0, :128] = 0  # all zero
+    x[1, :128] = 0.25  # all equal: nothing to spread codes over
+    x[2, 7] = 1.0  # a magnitude of 1 or more
+    x[3, 9] = float("nan")
+    x[4, 130] = float("-inf")
+    encoded, _, step = ref.logfmt_params(x)
+    assert encoded.tolist() == [[False, True], [False, True], [False, True], [False, True],
+                                [True, False], [True, True]]  # fmt: skip
+    assert (step[~encoded] == 0).all() and (step[encoded] > 0).all()
+    y = ref.logfmt_round_trip(x)
+    plain = ~encoded.repeat_interleave(128, -1)
+    ref.assert_bitwise_equal(y[plain], x.float()[plain], "groups sent unchanged")
+    assert not torch.equal(y[~plain], x.float()[~plain])

@@ -29,8 +29,10 @@ same tuples as DeepEP's. Differences, all deliberate:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
+import warnings
 import weakref
 
 import torch
@@ -111,6 +113,16 @@ class EventOverlap:
 
     def __exit__(self, *exc) -> None:
         self.current_stream_wait()
+
+
+@functools.cache
+def _warn_logfmt_once() -> None:
+    warnings.warn(
+        "use_logfmt: LogFMT-10 combines are exact to DeepEP's rule but their encoding "
+        "currently costs more time than the bytes it saves over NVLink (see BENCHMARKS.md); "
+        "pass use_logfmt=False for speed",
+        stacklevel=3,
+    )
 
 
 def _event_after(device: torch.device, async_finish: bool, tensors: tuple) -> EventOverlap:
@@ -615,7 +627,12 @@ class Buffer:
             topk_idx: ``[N, K]`` int64, as given to dispatch.
             topk_weights: ``[N, K]`` float32.
             handle: from :meth:`low_latency_dispatch`.
-            use_logfmt: must be False (no LogFMT compression).
+            use_logfmt: rows travel as LogFMT-10, DeepEP's lossy 10-bit format: each
+                128-channel group whose magnitudes are all below 1 as a sign and a 9-bit
+                log-scale code per channel (relative error at most 2.2%, typically 0.3%),
+                other groups as BF16; about 35% fewer bytes cross the links
+                (:mod:`tritonep.reference.logfmt`). Encoding currently costs more time
+                than it saves on NVLink (BENCHMARKS.md): a warning says so once.
             zero_copy: ``x`` came from :meth:`get_next_low_latency_combine_buffer`.
             async_finish: return an event recorded after the call.
             return_recv_hook: only send; call the hook to reduce.
@@ -624,9 +641,9 @@ class Buffer:
         Returns:
             ``(combined_x [N, H] BF16, event, hook)``.
         """
-        if use_logfmt:
-            raise ValueError("use_logfmt: LogFMT combine is not supported; pass False")
         mode = self._require_ll()
+        if use_logfmt:
+            _warn_logfmt_once()
         out, hook = mode.combine(
             x,
             topk_idx,
@@ -636,6 +653,7 @@ class Buffer:
             return_recv_hook=return_recv_hook,
             out=out,
             wait_stats=combine_wait_recv_cost_stats,
+            use_logfmt=use_logfmt,
         )
         event = _event_after(mode.device, async_finish, (x, topk_idx, topk_weights))
         return out, event, hook

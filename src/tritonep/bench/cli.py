@@ -141,6 +141,8 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--ring", default=None, help="ring slots (default 128; CPU: 64)")
         elif mode == "low-latency":
             p.add_argument("--bf16", action="store_true", help="dispatch BF16 instead of FP8")
+            p.add_argument("--logfmt", action="store_true",
+                           help="combine in LogFMT-10 (DeepEP's use_logfmt)")  # fmt: skip
             p.add_argument("--gpus-per-node", type=int, default=None,
                            help="ranks per emulated node (default: one node)")  # fmt: skip
         else:
@@ -200,6 +202,7 @@ def _options(args: argparse.Namespace, on_gpu: bool) -> types.SimpleNamespace:
         opts.ring = _ints(args.ring or ("128" if on_gpu else "64"))
     elif args.mode == "low-latency":
         opts.bf16 = args.bf16
+        opts.logfmt = args.logfmt
     if args.mode in ("low-latency", "internode"):
         opts.gpus_per_node = args.gpus_per_node
         opts.nvshmem = args.nvshmem

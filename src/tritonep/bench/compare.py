@@ -42,7 +42,9 @@ def normal_point(module, x, topk_idx, topk_weights, num_experts, iters) -> dict:
     return {"deep_ep_dispatch_us": t_disp * 1e3, "deep_ep_combine_us": t_comb * 1e3}
 
 
-def low_latency_point(module, x, topk_idx, topk_weights, num_experts, max_tokens, use_fp8, iters):
+def low_latency_point(
+    module, x, topk_idx, topk_weights, num_experts, max_tokens, use_fp8, iters, logfmt=False
+):
     """Low-latency dispatch and combine back to back, mean over ranks."""
     R = dist.get_world_size()
     hidden = x.shape[1]
@@ -58,11 +60,12 @@ def low_latency_point(module, x, topk_idx, topk_weights, num_experts, max_tokens
         )
 
     dispatch()
-    y = torch.ones(num_experts // R, R * max_tokens, hidden, dtype=torch.bfloat16,
-                   device=x.device)  # fmt: skip
+    # The expert outputs the tritonep side combines (randn * 0.1, as DeepEP's benchmark).
+    y = torch.randn(num_experts // R, R * max_tokens, hidden, device=x.device) * 0.1
+    y = y.to(torch.bfloat16)
 
     def combine():
-        buffer.low_latency_combine(y, topk_idx, topk_weights, state["d"][2])
+        buffer.low_latency_combine(y, topk_idx, topk_weights, state["d"][2], use_logfmt=logfmt)
 
     t_disp, t_comb = time_pair(dispatch, combine, iters, 3)
     buffer.destroy()

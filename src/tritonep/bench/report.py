@@ -23,6 +23,7 @@ TABLE_COLUMNS = {
     "transport": "to other nodes",
     "sms": "SMs",
     "dispatch_dtype": "dispatch dtype",
+    "combine_dtype": "combine dtype",
     "dispatch_us": "dispatch us",
     "dispatch_GBps": "dispatch GB/s",
     "dispatch_remote_GBps": "remote GB/s",

@@ -33,9 +33,9 @@ def trace_calls(ctx, mode: str, opts, path: str, calls: int = 3) -> str:
             recv, _, handle, _, _ = buffer.low_latency_dispatch(
                 x, idx, max(opts.tokens), experts, use_fp8=not opts.bf16
             )
-            y = torch.ones(recv[0].shape if isinstance(recv, tuple) else recv.shape,
-                           dtype=torch.bfloat16, device=ctx.device)  # fmt: skip
-            buffer.low_latency_combine(y, idx, w, handle)
+            shape = recv[0].shape if isinstance(recv, tuple) else recv.shape
+            y = (torch.randn(shape, device=ctx.device) * 0.1).to(torch.bfloat16)
+            buffer.low_latency_combine(y, idx, w, handle, use_logfmt=opts.logfmt)
     buffer.check()
     written = buffer.dump_trace(path)
     buffer.destroy()

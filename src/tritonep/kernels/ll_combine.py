@@ -31,6 +31,7 @@ import triton.language as tl
 
 from .fp8 import from_bf16, to_bf16
 from .ll_dispatch import finish_launch
+from .logfmt import decode, encode_groups
 from .peer_mask import gave_up, mask_timed_out, masked, wait_peer
 from .sync import add_release, aligned_ptr, record_timeout, wait_flag
 from .trace import read_clock, write_trace
@@ -55,9 +56,9 @@ def ll_combine_kernel(
     out_ptr,  # [N, H] bf16
     peer_ptrs,
     rank,
-    recv_offset,  # byte offset of buffer set 0 of [M][K_MAX][H] bf16 rows in the heap
+    recv_offset,  # byte offset of buffer set 0 of [M][K_MAX] slots of SLOT_BYTES in the heap
     done_offset,  # byte offset of the [R] int64 done counters
-    stage_offset,  # byte offset of the staging rows [E_local * R * M][H] (VIA != VIA_STORE)
+    stage_offset,  # byte offset of the staging slots [E_local * R * M] (VIA != VIA_STORE)
     gpus_per_node,  # ranks r and r' share a node when r // gpus_per_node == r' // gpus_per_node
     pe_ptr,  # [R] int32 NVSHMEM PE of each rank
     state_ptr,
@@ -75,6 +76,7 @@ def ll_combine_kernel(
     NUM_RANKS: tl.constexpr,
     M: tl.constexpr,
     RECV_SET_BYTES: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,  # a row's slot: H BF16 values, then [H / 128] (log_amin, step)
     DO_SEND: tl.constexpr,
     DO_RECV: tl.constexpr,
     USE_CLOCK: tl.constexpr,
@@ -85,10 +87,13 @@ def ll_combine_kernel(
     WAIT_STATS: tl.constexpr,
     SHRINK: tl.constexpr = False,  # masked peers are skipped, timeouts mask (peer_mask)
     VIA: tl.constexpr = VIA_STORE,
+    LOGFMT: tl.constexpr = False,  # rows travel as LogFMT-10 (:mod:`.logfmt`)
+    LOGFMT_GROUPS: tl.constexpr = 8,  # 128-channel groups encoded at a time (power of two)
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     E_LOCAL: tl.constexpr = NUM_EXPERTS // NUM_RANKS
+    G: tl.constexpr = H // 128
     c_send = tl.load(state_ptr + COMBINE_SEND_CALLS, volatile=True)
     c_recv = tl.load(state_ptr + COMBINE_RECV_CALLS, volatile=True)
     # Trace: sub-phase totals (send, signal, wait, reduce).
@@ -127,13 +132,17 @@ def ll_combine_kernel(
                 token = tl.load(src_ptr + rows, mask=rmask).to(tl.int64)
                 column = tl.load(slot_ptr + rows, mask=rmask).to(tl.int64)
                 mask2 = rmask[:, None] & flat_mask[None, :]
-                y = tl.load(x_ptr + rows[:, None] * H + flat[None, :], mask=mask2)
-                dst = base + recv_offset + set_off + (token * K_MAX + column) * (H * 2)
+                dst = base + recv_offset + set_off + (token * K_MAX + column) * SLOT_BYTES
                 if VIA != VIA_STORE:
                     # A source on another node: stage the rows in this rank's heap first.
-                    dst = tl.where(remote, my_base + stage_offset + rows * (H * 2), dst)
-                dst = aligned_ptr(dst, tl.bfloat16)
-                tl.store(dst[:, None] + flat[None, :], y, mask=mask2)
+                    dst = tl.where(remote, my_base + stage_offset + rows * SLOT_BYTES, dst)
+                if LOGFMT:
+                    _send_logfmt(x_ptr + rows * H, dst, rmask, H, G, LOGFMT_GROUPS, ROW_BLOCK,
+                                 USE_CLOCK)  # fmt: skip
+                else:
+                    y = tl.load(x_ptr + rows[:, None] * H + flat[None, :], mask=mask2)
+                    tl.store(aligned_ptr(dst, tl.bfloat16)[:, None] + flat[None, :], y,
+                             mask=mask2)  # fmt: skip
             if VIA != VIA_STORE:  # noqa: SIM102 - compiled out without a transport
                 if remote:
                     pe = tl.load(pe_ptr + src)
@@ -141,9 +150,10 @@ def ll_combine_kernel(
                         row = (local * NUM_RANKS * M + begin + r).to(tl.int64)
                         token = tl.load(src_ptr + row).to(tl.int64)
                         column = tl.load(slot_ptr + row).to(tl.int64)
-                        offset = recv_offset + set_off + (token * K_MAX + column) * (H * 2)
-                        stage = my_base + stage_offset + row * (H * 2)
-                        put_block(my_base, base, offset, stage, H * 2, pe, VIA)
+                        offset = recv_offset + set_off + (token * K_MAX + column) * SLOT_BYTES
+                        stage = my_base + stage_offset + row * SLOT_BYTES
+                        put_block(my_base, base, offset, stage, SLOT_BYTES if LOGFMT else H * 2,
+                                  pe, VIA)  # fmt: skip
             if PROFILE:
                 t_send += read_clock(trace_ptr, USE_CLOCK) - t0
         # One counter update per source rank for all of this program's blocks to it (one
@@ -203,14 +213,19 @@ def ll_combine_kernel(
         for token in range(pid, num_tokens, num_programs):
             token64 = tl.cast(token, tl.int64)
             ids_ptr = topk_idx_ptr + token64 * K
-            rows = my_base + recv_offset + set_off + token64 * K_MAX * (H * 2)
+            rows = my_base + recv_offset + set_off + token64 * K_MAX * SLOT_BYTES
             # A chunk of REDUCE_BW channels at a time; within it every top-k row is loaded
             # without a branch (all K loads in flight together) and summed in top-k order, as
             # the reference sums.
             for c0 in range(0, H, REDUCE_BW):
-                cols = c0 + tl.arange(0, REDUCE_BW)
+                if LOGFMT:  # channels as [groups, 128]: parameters are read once per group
+                    groups = c0 // 128 + tl.arange(0, REDUCE_BW // 128)
+                    cols = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
+                    acc = tl.zeros((REDUCE_BW // 128, 128), tl.float32)
+                else:
+                    cols = c0 + tl.arange(0, REDUCE_BW)
+                    acc = tl.zeros((REDUCE_BW,), tl.float32)
                 cmask = cols < H
-                acc = tl.zeros((REDUCE_BW,), tl.float32)
                 for k in tl.static_range(K):
                     expert = tl.load(ids_ptr + k)
                     valid = (expert >= 0) & (expert < NUM_EXPERTS)
@@ -225,9 +240,14 @@ def ll_combine_kernel(
                         first = (tl.load(ids_ptr + j) == expert) & (column == k)
                         column = tl.where(first, j, column)
                     weight = tl.load(topk_weights_ptr + token64 * K + k)
-                    row = aligned_ptr(rows + column * (H * 2), tl.bfloat16)
-                    y = tl.load(row + cols, mask=cmask & valid, other=0.0, cache_modifier=".cg")
-                    acc = tl.where(valid, acc + weight * from_bf16(y, not USE_CLOCK), acc)
+                    row = rows + column * SLOT_BYTES
+                    if LOGFMT:
+                        value = _load_logfmt(row, groups, cmask & valid, H, USE_CLOCK)
+                    else:
+                        y = tl.load(aligned_ptr(row, tl.bfloat16) + cols, mask=cmask & valid,
+                                    other=0.0, cache_modifier=".cg")  # fmt: skip
+                        value = from_bf16(y, not USE_CLOCK)
+                    acc = tl.where(valid, acc + weight * value, acc)
                 tl.store(out_ptr + token64 * H + cols, to_bf16(acc, not USE_CLOCK), mask=cmask)
         if PROFILE:
             t_reduce = read_clock(trace_ptr, USE_CLOCK) - t1
@@ -248,3 +268,66 @@ def ll_combine_kernel(
     if SHRINK and DO_RECV:  # noqa: SIM102 - compiled out without SHRINK
         if last:
             mask_timed_out(mask_ptr, verdict_ptr, skipped_ptr, c_recv + 1, NUM_RANKS, True)
+
+
+@triton.jit
+def _send_logfmt(src, dst, rmask, H, G: tl.constexpr, GROUPS: tl.constexpr,
+                 ROWS: tl.constexpr, USE_CLOCK: tl.constexpr):  # fmt: skip
+    """Store the BF16 rows at ``src [ROWS]`` to the slots at ``dst [ROWS]`` as LogFMT, GROUPS
+    groups at a time: each group encoded or unchanged, and its parameters (:mod:`.logfmt`).
+    Channels are loaded as four phases (``4 q + j``, j = 0..3) so that the four whose high
+    bits share a byte sit in one thread."""
+    q = tl.arange(0, 32)[None, None, :]
+    slot = aligned_ptr(dst, tl.uint8)[:, None, None]
+    raw = aligned_ptr(dst, tl.bfloat16)[:, None, None]
+    params = aligned_ptr(dst + H * 2, tl.float32)[:, None]
+    rows = src[:, None, None]
+    EMULATE: tl.constexpr = not USE_CLOCK
+    for g0 in range(0, G, GROUPS):
+        gi = g0 + tl.arange(0, GROUPS)
+        live = rmask[:, None] & (gi < G)[None, :]
+        at = (gi * 128)[None, :, None] + q * 4  # channel 4 q of each group
+        y0 = tl.load(rows + at, mask=live[:, :, None], other=0.0)
+        y1 = tl.load(rows + at + 1, mask=live[:, :, None], other=0.0)
+        y2 = tl.load(rows + at + 2, mask=live[:, :, None], other=0.0)
+        y3 = tl.load(rows + at + 3, mask=live[:, :, None], other=0.0)
+        encoded, low0, low1, low2, low3, high, log_amin, step = encode_groups(
+            from_bf16(y0, EMULATE), from_bf16(y1, EMULATE), from_bf16(y2, EMULATE),
+            from_bf16(y3, EMULATE), EMULATE,
+        )  # fmt: skip
+        # Channel c of group g: code byte at 256 g + c, BF16 at byte 2 (128 g + c); its high
+        # bits in byte 256 g + 128 + c // 4.
+        as_code = (live & encoded)[:, :, None]
+        code_at = slot + (gi * 256)[None, :, None] + q * 4
+        tl.store(code_at, low0, mask=as_code)
+        tl.store(code_at + 1, low1, mask=as_code)
+        tl.store(code_at + 2, low2, mask=as_code)
+        tl.store(code_at + 3, low3, mask=as_code)
+        tl.store(slot + (gi * 256 + 128)[None, :, None] + q, high, mask=as_code)
+        as_raw = (live & ~encoded)[:, :, None]
+        tl.store(raw + at, y0, mask=as_raw)
+        tl.store(raw + at + 1, y1, mask=as_raw)
+        tl.store(raw + at + 2, y2, mask=as_raw)
+        tl.store(raw + at + 3, y3, mask=as_raw)
+        tl.store(params + gi[None, :] * 2, log_amin, mask=live)
+        tl.store(params + gi[None, :] * 2 + 1, step, mask=live)
+
+
+@triton.jit
+def _load_logfmt(row, groups, mask, H, USE_CLOCK: tl.constexpr):
+    """Float32 ``[GR, 128]`` values of groups ``groups [GR]`` of the LogFMT slot at ``row``
+    (``mask [GR, 128]``; masked: 0). Parameters are read once per group, and every load is
+    issued at once, whether the group was encoded or not: one round trip."""
+    lane = tl.arange(0, 128)[None, :]
+    gmask = tl.max(mask.to(tl.int32), axis=1) > 0
+    params = aligned_ptr(row + H * 2, tl.float32) + groups * 2
+    log_amin = tl.load(params, mask=gmask, other=0.0, cache_modifier=".cg")[:, None]
+    step = tl.load(params + 1, mask=gmask, other=0.0, cache_modifier=".cg")[:, None]
+    slot = aligned_ptr(row, tl.uint8) + (groups * 256)[:, None]
+    low = tl.load(slot + lane, mask=mask, other=0, cache_modifier=".cg")
+    high = tl.load(slot + 128 + lane // 4, mask=mask, other=0, cache_modifier=".cg")
+    high = (high.to(tl.int32) >> ((lane % 4) * 2)) & 3
+    raw = tl.load(aligned_ptr(row, tl.bfloat16) + (groups * 128)[:, None] + lane, mask=mask,
+                  other=0.0, cache_modifier=".cg")  # fmt: skip
+    value = decode(low, high, log_amin, step)
+    return tl.where(step > 0, value, from_bf16(raw, not USE_CLOCK))

@@ -7,6 +7,7 @@ tests compare each Triton kernel against these functions; keep them slow and obv
 * :mod:`.normal` -- normal-mode dispatch (exact size, once per rank) and combine;
 * :mod:`.low_latency` -- low-latency dispatch (per-expert slabs) and weighted combine;
 * :mod:`.fp8` -- FP8 e4m3 per-128-channel quantization and de-quantization;
+* :mod:`.logfmt` -- the LogFMT-10 format of a ``use_logfmt`` low-latency combine;
 * :mod:`.compare` -- strict, block-order-independent comparisons.
 """
 
@@ -22,6 +23,7 @@ from .fp8 import (
     unpack_ue8m0,
 )
 from .layout import DispatchLayout, dispatch_layout, expert_owner
+from .logfmt import logfmt_error_bound, logfmt_params, logfmt_round_trip
 from .low_latency import (
     LowLatencyDispatchResult,
     low_latency_combine,
@@ -46,6 +48,9 @@ __all__ = [
     "dispatch_layout",
     "expert_owner",
     "fp8_scales",
+    "logfmt_error_bound",
+    "logfmt_params",
+    "logfmt_round_trip",
     "low_latency_combine",
     "low_latency_dispatch",
     "normal_combine",

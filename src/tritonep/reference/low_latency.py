@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .fp8 import quantize_fp8, unpack_ue8m0
+from .logfmt import logfmt_round_trip
 
 
 @dataclass
@@ -178,6 +179,7 @@ def low_latency_combine(
     topk_idx: Sequence[torch.Tensor],
     topk_weights: Sequence[torch.Tensor],
     dispatched: Sequence[LowLatencyDispatchResult],
+    logfmt: bool = False,
 ) -> list[torch.Tensor]:
     """Weighted combine; returns ``[N_r, H]`` per rank in the dtype of the expert outputs.
 
@@ -186,6 +188,7 @@ def low_latency_combine(
         topk_idx: per rank, ``[N_r, K]`` the ids used in dispatch.
         topk_weights: per rank, ``[N_r, K]`` float32 routing weights.
         dispatched: per rank, its dispatch result (only layout ranges and source info are read).
+        logfmt: rows travel as LogFMT-10 (:func:`~tritonep.reference.logfmt.logfmt_round_trip`).
     """
     num_ranks = len(expert_outputs)
     experts_per_rank = expert_outputs[0].shape[0]
@@ -207,7 +210,8 @@ def low_latency_combine(
                 rows = row_cache[expert][tokens]
                 if (rows < 0).any():
                     raise ValueError(f"rank {dst} expert {local} lacks rows from rank {src}")
-                values = expert_outputs[dst][local, rows].float()
+                values = expert_outputs[dst][local, rows]
+                values = logfmt_round_trip(values) if logfmt else values.float()
                 acc[tokens] += topk_weights[src][tokens, k].float().unsqueeze(1) * values
         out.append(acc.to(expert_outputs[0].dtype))
     return out
