@@ -20,6 +20,10 @@ Why it is fast: the receive buffer is indexed by (token, top-k column), which is
 ``max_tokens * top-k`` rows instead of ``num_experts * max_tokens`` (32x smaller at 256 experts,
 top-8), every row crosses NVLink once, and the reduction reads local memory only.
 
+With ``LOGFMT`` (DeepEP's ``use_logfmt``) the sender encodes each row as LogFMT-10 into its
+slot and the receiver decodes while it reduces (:mod:`.logfmt`); each slot holds ``H``
+BF16 values and then the groups' LogFMT parameters either way.
+
 Traced launches (``PROFILE``) record, per program, the time spent sending, signalling, waiting
 and reducing; ``WAIT_STATS`` adds the time waited per source rank. Both compile out when off.
 """
