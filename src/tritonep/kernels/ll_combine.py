@@ -246,7 +246,7 @@ def ll_combine_kernel(
                     weight = tl.load(topk_weights_ptr + token64 * K + k)
                     row = rows + column * SLOT_BYTES
                     if LOGFMT:
-                        value = _load_logfmt(row, groups, cmask & valid, H, USE_CLOCK)
+                        value = _load_logfmt(row, groups, (groups < G) & valid, H, USE_CLOCK)
                     else:
                         y = tl.load(aligned_ptr(row, tl.bfloat16) + cols, mask=cmask & valid,
                                     other=0.0, cache_modifier=".cg")  # fmt: skip
@@ -318,12 +318,12 @@ def _send_logfmt(src, dst, rmask, H, G: tl.constexpr, GROUPS: tl.constexpr,
 
 
 @triton.jit
-def _load_logfmt(row, groups, mask, H, USE_CLOCK: tl.constexpr):
+def _load_logfmt(row, groups, gmask, H, USE_CLOCK: tl.constexpr):
     """Float32 ``[GR, 128]`` values of groups ``groups [GR]`` of the LogFMT slot at ``row``
-    (``mask [GR, 128]``; masked: 0). Parameters are read once per group, and every load is
-    issued at once, whether the group was encoded or not: one round trip."""
+    (groups off in ``gmask [GR]``: 0). Parameters are read once per group, and every load
+    is issued at once, whether the group was encoded or not: one round trip."""
     lane = tl.arange(0, 128)[None, :]
-    gmask = tl.max(mask.to(tl.int32), axis=1) > 0
+    mask = gmask[:, None] & (lane < 128)
     params = aligned_ptr(row + H * 2, tl.float32) + groups * 2
     log_amin = tl.load(params, mask=gmask, other=0.0, cache_modifier=".cg")[:, None]
     step = tl.load(params + 1, mask=gmask, other=0.0, cache_modifier=".cg")[:, None]

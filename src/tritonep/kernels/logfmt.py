@@ -71,7 +71,7 @@ def encode_groups(y0, y1, y2, y3, EMULATE: tl.constexpr):
     log_amin = fast_log2(tl.where(amin > 0, amin, 1.0), EMULATE)
     log_amin = tl.where(amin > 0, log_amin, log_amax - MIN_CLIP)
     log_amin = tl.maximum(log_amin, log_amax - MIN_CLIP)
-    encoded = (amax > 0) & (log_amax < 0) & (log_amin < log_amax) & ~special
+    encoded = (log_amax < 0) & (log_amin < log_amax) & ~special  # all-zero: log_amax 0
     step = tl.where(encoded, (log_amax - log_amin) / (CODE_MAX - 1), 0.0)
     encoded = encoded & (step > 0)
     safe = tl.where(encoded, step, 1.0)

@@ -569,10 +569,11 @@ class LowLatencyMode:
             LOGFMT=bool(use_logfmt),
             USE_CLOCK=use_clock(self.device),
             G_P2=_next_pow2(H // 128),
-            # LogFMT encodes a row in registers: one at a time.
+            # LogFMT encodes ROW_BLOCK rows x LOGFMT_GROUPS groups at a time; one row keeps
+            # that in registers.
             ROW_BLOCK=1 if use_logfmt else _rows_in_flight(H, 2),
             # A token's top-k rows reduced together: 8 x 4096 BF16 is 64 registers a thread
-            # (LogFMT reads five words a channel: a quarter as many channels).
+            # (LogFMT loads five times a channel: a quarter as many channels).
             REDUCE_BW=min(_next_pow2(H), 1024 if use_logfmt else 4096),
             LOGFMT_GROUPS=8,  # of 8, 16, 32 the fastest (BENCHMARKS.md)
             num_warps=8,
