@@ -153,7 +153,7 @@ LL_COMBINE_META = dict(
     LOGFMT_GROUPS=8,
 )
 TRACED = dict(PROFILE=True, WAIT_STATS=True)
-LOGFMT = dict(LOGFMT=True, ROW_BLOCK=1, REDUCE_BW=1024)
+LOGFMT = dict(LOGFMT=True, ROW_BLOCK=2, REDUCE_BW=4096, LOGFMT_GROUPS=64)
 for name, sig, meta in [
     ("ll_dispatch", LL_DISPATCH, LL_DISPATCH_META),
     ("ll_combine", LL_COMBINE, LL_COMBINE_META),

@@ -631,8 +631,9 @@ class Buffer:
                 128-channel group whose magnitudes are all below 1 as a sign and a 9-bit
                 log-scale code per channel (relative error at most 2.2%, typically 0.3%),
                 other groups as BF16; about 35% fewer bytes cross the links
-                (:mod:`tritonep.reference.logfmt`). Encoding currently costs more time
-                than it saves on NVLink (BENCHMARKS.md): a warning says so once.
+                (:mod:`tritonep.reference.logfmt`). Encoding costs more time than it
+                saves on NVLink (about twice BF16's combine time, BENCHMARKS.md): a
+                warning says so once.
             zero_copy: ``x`` came from :meth:`get_next_low_latency_combine_buffer`.
             async_finish: return an event recorded after the call.
             return_recv_hook: only send; call the hook to reduce.

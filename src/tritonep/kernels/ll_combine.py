@@ -251,7 +251,9 @@ def ll_combine_kernel(
                         y = tl.load(aligned_ptr(row, tl.bfloat16) + cols, mask=cmask & valid,
                                     other=0.0, cache_modifier=".cg")  # fmt: skip
                         value = from_bf16(y, not USE_CLOCK)
-                    acc = tl.where(valid, acc + weight * value, acc)
+                    # Rows not read are 0: a weight of 0 adds nothing, without a select
+                    # per channel.
+                    acc += tl.where(valid, weight, 0.0) * value
                 tl.store(out_ptr + token64 * H + cols, to_bf16(acc, not USE_CLOCK), mask=cmask)
         if PROFILE:
             t_reduce = read_clock(trace_ptr, USE_CLOCK) - t1
@@ -278,10 +280,9 @@ def ll_combine_kernel(
 def _send_logfmt(src, dst, rmask, H, G: tl.constexpr, GROUPS: tl.constexpr,
                  ROWS: tl.constexpr, USE_CLOCK: tl.constexpr):  # fmt: skip
     """Store the BF16 rows at ``src [ROWS]`` to the slots at ``dst [ROWS]`` as LogFMT, GROUPS
-    groups at a time: each group encoded or unchanged, and its parameters (:mod:`.logfmt`).
-    Channels are loaded as four phases (``4 q + j``, j = 0..3) so that the four whose high
-    bits share a byte sit in one thread."""
-    q = tl.arange(0, 32)[None, None, :]
+    groups at a time: each group encoded or unchanged, and its parameters (:mod:`.logfmt`)."""
+    lane = tl.arange(0, 128)[None, None, :]
+    quad = tl.arange(0, 32)[None, None, :]
     slot = aligned_ptr(dst, tl.uint8)[:, None, None]
     raw = aligned_ptr(dst, tl.bfloat16)[:, None, None]
     params = aligned_ptr(dst + H * 2, tl.float32)[:, None]
@@ -290,29 +291,15 @@ def _send_logfmt(src, dst, rmask, H, G: tl.constexpr, GROUPS: tl.constexpr,
     for g0 in range(0, G, GROUPS):
         gi = g0 + tl.arange(0, GROUPS)
         live = rmask[:, None] & (gi < G)[None, :]
-        at = (gi * 128)[None, :, None] + q * 4  # channel 4 q of each group
-        y0 = tl.load(rows + at, mask=live[:, :, None], other=0.0)
-        y1 = tl.load(rows + at + 1, mask=live[:, :, None], other=0.0)
-        y2 = tl.load(rows + at + 2, mask=live[:, :, None], other=0.0)
-        y3 = tl.load(rows + at + 3, mask=live[:, :, None], other=0.0)
-        encoded, low0, low1, low2, low3, high, log_amin, step = encode_groups(
-            from_bf16(y0, EMULATE), from_bf16(y1, EMULATE), from_bf16(y2, EMULATE),
-            from_bf16(y3, EMULATE), EMULATE,
-        )  # fmt: skip
+        at = (gi * 128)[None, :, None] + lane
+        y = tl.load(rows + at, mask=live[:, :, None], other=0.0)
+        encoded, low, high, log_amin, step = encode_groups(from_bf16(y, EMULATE), EMULATE)
         # Channel c of group g: code byte at 256 g + c, BF16 at byte 2 (128 g + c); its high
         # bits in byte 256 g + 128 + c // 4.
         as_code = (live & encoded)[:, :, None]
-        code_at = slot + (gi * 256)[None, :, None] + q * 4
-        tl.store(code_at, low0, mask=as_code)
-        tl.store(code_at + 1, low1, mask=as_code)
-        tl.store(code_at + 2, low2, mask=as_code)
-        tl.store(code_at + 3, low3, mask=as_code)
-        tl.store(slot + (gi * 256 + 128)[None, :, None] + q, high, mask=as_code)
-        as_raw = (live & ~encoded)[:, :, None]
-        tl.store(raw + at, y0, mask=as_raw)
-        tl.store(raw + at + 1, y1, mask=as_raw)
-        tl.store(raw + at + 2, y2, mask=as_raw)
-        tl.store(raw + at + 3, y3, mask=as_raw)
+        tl.store(slot + (gi * 256)[None, :, None] + lane, low, mask=as_code)
+        tl.store(slot + (gi * 256 + 128)[None, :, None] + quad, high, mask=as_code)
+        tl.store(raw + at, y, mask=(live & ~encoded)[:, :, None])
         tl.store(params + gi[None, :] * 2, log_amin, mask=live)
         tl.store(params + gi[None, :] * 2 + 1, step, mask=live)
 
@@ -320,8 +307,10 @@ def _send_logfmt(src, dst, rmask, H, G: tl.constexpr, GROUPS: tl.constexpr,
 @triton.jit
 def _load_logfmt(row, groups, gmask, H, USE_CLOCK: tl.constexpr):
     """Float32 ``[GR, 128]`` values of groups ``groups [GR]`` of the LogFMT slot at ``row``
-    (groups off in ``gmask [GR]``: 0). Parameters are read once per group, and every load
-    is issued at once, whether the group was encoded or not: one round trip."""
+    (groups off in ``gmask [GR]``: 0). Every load is issued at once, whether the group was
+    encoded or not: one round trip. The high bits are loaded as the bytes they travel in and
+    spread over their four channels in registers (a per-channel gather would need a layout
+    change through shared memory)."""
     lane = tl.arange(0, 128)[None, :]
     mask = gmask[:, None] & (lane < 128)
     params = aligned_ptr(row + H * 2, tl.float32) + groups * 2
@@ -329,8 +318,12 @@ def _load_logfmt(row, groups, gmask, H, USE_CLOCK: tl.constexpr):
     step = tl.load(params + 1, mask=gmask, other=0.0, cache_modifier=".cg")[:, None]
     slot = aligned_ptr(row, tl.uint8) + (groups * 256)[:, None]
     low = tl.load(slot + lane, mask=mask, other=0, cache_modifier=".cg")
-    high = tl.load(slot + 128 + lane // 4, mask=mask, other=0, cache_modifier=".cg")
-    high = (high.to(tl.int32) >> ((lane % 4) * 2)) & 3
+    quad = tl.arange(0, 32)[None, :]
+    packed = tl.load(slot + 128 + quad, mask=gmask[:, None] & (quad < 32), other=0,
+                     cache_modifier=".cg").to(tl.int32)  # fmt: skip
+    # Channel 4 q + j from bits 2 j of byte q: join (j = 0, 2) with (1, 3) -> index 2 i + j'.
+    high = tl.join(tl.join(packed & 3, (packed >> 4) & 3), tl.join((packed >> 2) & 3, packed >> 6))
+    high = tl.reshape(high, (groups.shape[0], 128))
     raw = tl.load(aligned_ptr(row, tl.bfloat16) + (groups * 128)[:, None] + lane, mask=mask,
                   other=0.0, cache_modifier=".cg")  # fmt: skip
     value = decode(low, high, log_amin, step)

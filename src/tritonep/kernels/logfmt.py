@@ -7,12 +7,14 @@ of each channel's 9-bit code (128 bytes), then the code's ninth bit and the sign
 a channel, four channels a byte (32 bytes). After the payload, the slot holds each group's
 ``(log_amin, step)`` as float32 pairs; ``step == 0`` marks a group sent unchanged.
 
-What it costs: an encoded row moves 168 of 256 bytes per group, but encoding is a chain of
-dependent steps per chunk (load, group reductions, logarithms, stores) that one program of
-a few warps per SM cannot overlap, so on NVLink it costs more time than it saves
-(BENCHMARKS.md, "LogFMT combine"); it pays where bytes are dear (across nodes). The four
-channels whose high bits share a byte are handled by one thread (four phase tensors) and
-the logarithm is the hardware's approximation, as DeepEP's.
+What it costs: an encoded row moves 168 of 256 bytes per group, but a sender spends about
+20 instructions a channel encoding it, so one program per SM is bound by instructions, not
+bytes: on NVLink a LogFMT combine takes about twice a BF16 one (BENCHMARKS.md, "LogFMT
+combine"); it pays where bytes are dear (across nodes). What keeps it that cheap: whole
+rows per step on 16 warps (few, large steps hide the load latency), channels contiguous in
+registers (16-byte loads, group reductions within a warp: no shared memory), the hardware's
+approximate logarithm (as DeepEP's), and no per-channel work that the clamps make
+redundant.
 """
 
 from __future__ import annotations
@@ -39,39 +41,28 @@ def fast_log2(x, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _code(y, inv, offset, encoded, EMULATE: tl.constexpr):
-    """Channels ``y [R, G, 32]`` -> (low code byte, high bits: code bit 8 | sign << 1)."""
-    a = tl.abs(y)
-    nonzero = (a > 0) & encoded[:, :, None]
-    log_a = fast_log2(tl.where(nonzero, a, 1.0), EMULATE)
-    code = tl.floor(tl.maximum(log_a * inv[:, :, None] + offset[:, :, None], 0.0))
-    code = tl.where(nonzero, tl.minimum(code, CODE_MAX), 0.0).to(tl.int32)
-    return (code & 0xFF).to(tl.uint8), (code >> 8) | ((y < 0).to(tl.int32) << 1)
+def encode_groups(y, EMULATE: tl.constexpr):
+    """Groups of 128 channels, float32 ``y [R, G, 128]`` -> ``(encoded [R, G] bool, low code
+    bytes [R, G, 128] uint8, high [R, G, 32] uint8 (code bit 8 | sign << 1 of channels
+    4 q + j at bits 2 j), log_amin [R, G], step [R, G])`` (``step`` 0 and codes 0 where a
+    group goes unchanged).
 
-
-@triton.jit
-def encode_groups(y0, y1, y2, y3, EMULATE: tl.constexpr):
-    """Groups of 128 channels, as four float32 ``[R, G, 32]`` phases (``y_j[:, g, q]`` is
-    channel ``4 q + j`` of group ``g``) -> ``(encoded [R, G] bool, four low code bytes
-    [R, G, 32] uint8, high [R, G, 32] uint8, log_amin [R, G], step [R, G])`` (``step`` 0
-    and codes 0 where a group goes unchanged).
-
-    The four channels whose high bits share a byte are the same element of four tensors,
-    so packing them is elementwise: no data moves between threads but the group reductions.
+    Channels stay contiguous so that the loads are 16-byte vectors and every group
+    reduction stays within a warp (registers and shuffles, no shared memory or barrier);
+    the four channels whose high bits share a byte are neighbours in one thread.
     """
-    a0, a1, a2, a3 = tl.abs(y0), tl.abs(y1), tl.abs(y2), tl.abs(y3)
-    odd = (a0 != a0) | (a0 == float("inf")) | (a1 != a1) | (a1 == float("inf"))
-    odd = odd | (a2 != a2) | (a2 == float("inf")) | (a3 != a3) | (a3 == float("inf"))
-    special = tl.max(odd.to(tl.int32), axis=2) > 0
-    amax = tl.max(tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3)), axis=2)
-    amin = tl.min(tl.minimum(tl.minimum(a0, a1), tl.minimum(a2, a3)), axis=2)
+    a = tl.abs(y)
+    # NaN in a group makes its sum NaN; Inf makes its amax >= 1: both groups go unchanged.
+    total = tl.sum(a, axis=2)
+    amax = tl.max(a, axis=2)
+    amin = tl.min(a, axis=2)
     # Logarithms of zero (all-zero or clipped groups) are only taken where the result is
     # used; the where()s keep the interpreter's numpy quiet.
     log_amax = fast_log2(tl.where(amax > 0, amax, 1.0), EMULATE)
     log_amin = fast_log2(tl.where(amin > 0, amin, 1.0), EMULATE)
     log_amin = tl.where(amin > 0, log_amin, log_amax - MIN_CLIP)
     log_amin = tl.maximum(log_amin, log_amax - MIN_CLIP)
-    encoded = (log_amax < 0) & (log_amin < log_amax) & ~special  # all-zero: log_amax 0
+    encoded = (log_amax < 0) & (log_amin < log_amax) & (total == total)  # all-zero: log_amax 0
     step = tl.where(encoded, (log_amax - log_amin) / (CODE_MAX - 1), 0.0)
     encoded = encoded & (step > 0)
     safe = tl.where(encoded, step, 1.0)
@@ -80,12 +71,23 @@ def encode_groups(y0, y1, y2, y3, EMULATE: tl.constexpr):
     # Code c + 1 from the midpoint of the values of c and c + 1 up (the reference's offset).
     midpoint = fast_log2((1.0 + tl.exp2(safe)) * 0.5, EMULATE)
     offset = 2.0 - midpoint * inv - low_log * inv
-    low0, high0 = _code(y0, inv, offset, encoded, EMULATE)
-    low1, high1 = _code(y1, inv, offset, encoded, EMULATE)
-    low2, high2 = _code(y2, inv, offset, encoded, EMULATE)
-    low3, high3 = _code(y3, inv, offset, encoded, EMULATE)
-    packed = high0 | (high1 << 2) | (high2 << 4) | (high3 << 6)
-    return encoded, low0, low1, low2, low3, packed.to(tl.uint8), low_log, step
+    # Per channel, the fewest instructions (encoding is bound by them): log2(0) = -inf gives
+    # code 0 through the clamp at 0, truncation is floor for values >= 0, the sign is the
+    # float's top bit, and codes of groups that go unchanged are computed but never stored.
+    if EMULATE:
+        taken = (a > 0) & encoded[:, :, None]
+        log_a = tl.where(taken, tl.log2(tl.where(taken, a, 1.0)), float("-inf"))
+    else:
+        log_a = fast_log2(a, EMULATE)
+    code = tl.maximum(log_a * inv[:, :, None] + offset[:, :, None], 0.0).to(tl.int32)
+    code = tl.minimum(code, CODE_MAX)
+    high = (code >> 8) | ((y.to(tl.int32, bitcast=True) >> 30) & 2)
+    # Disjoint bit fields: their sum is the packed byte.
+    shift = (tl.arange(0, 128) % 4) * 2
+    R: tl.constexpr = y.shape[0]
+    G: tl.constexpr = y.shape[1]
+    packed = tl.sum(tl.reshape(high << shift[None, None, :], (R, G, 32, 4)), axis=3)
+    return encoded, code.to(tl.uint8), packed.to(tl.uint8), low_log, step
 
 
 @triton.jit
@@ -93,6 +95,5 @@ def decode(low, high, log_amin, step):
     """Channels' float32 values from their low code bytes and their two high bits (code bit
     8, sign), with their group's parameters (all broadcast to one shape)."""
     code = low.to(tl.int32) | ((high & 1) << 8)
-    exponent = tl.where(code > 0, (code - 1).to(tl.float32) * step + log_amin, 0.0)
-    magnitude = tl.where(code > 0, tl.exp2(exponent), 0.0)
+    magnitude = tl.where(code > 0, tl.exp2((code - 1).to(tl.float32) * step + log_amin), 0.0)
     return tl.where(high >= 2, -magnitude, magnitude)

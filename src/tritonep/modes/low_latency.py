@@ -82,6 +82,11 @@ def message_bytes(hidden: int, use_fp8: bool) -> int:
     return _align(ll_dispatch.HEADER_BYTES.value + payload + scales, 16)
 
 
+def _logfmt_rows(hidden: int) -> int:
+    """Rows a LogFMT sender encodes at a time: 16 K channels a step, 1 to 4 rows."""
+    return max(1, min(4, 16384 // (min(_next_pow2(hidden // 128), 64) * 128)))
+
+
 def combine_slot_bytes(hidden: int) -> int:
     """One row of the combine receive buffer: ``hidden`` BF16 values, then a float32
     ``(log_amin, step)`` pair per 128 channels for LogFMT combines."""
@@ -569,14 +574,14 @@ class LowLatencyMode:
             LOGFMT=bool(use_logfmt),
             USE_CLOCK=use_clock(self.device),
             G_P2=_next_pow2(H // 128),
-            # LogFMT encodes ROW_BLOCK rows x LOGFMT_GROUPS groups at a time; one row keeps
-            # that in registers.
-            ROW_BLOCK=1 if use_logfmt else _rows_in_flight(H, 2),
-            # A token's top-k rows reduced together: 8 x 4096 BF16 is 64 registers a thread
-            # (LogFMT loads five times a channel: a quarter as many channels).
-            REDUCE_BW=min(_next_pow2(H), 1024 if use_logfmt else 4096),
-            LOGFMT_GROUPS=8,  # of 8, 16, 32 the fastest (BENCHMARKS.md)
-            num_warps=8,
+            # LogFMT encodes ROW_BLOCK rows x LOGFMT_GROUPS groups at a time: whole rows,
+            # 16 K channels a step, on 16 warps (its sender is bound by instructions; fewer,
+            # larger steps and more warps hide the load latency: BENCHMARKS.md).
+            ROW_BLOCK=_logfmt_rows(H) if use_logfmt else _rows_in_flight(H, 2),
+            # A token's top-k rows reduced together: 8 x 4096 BF16 is 64 registers a thread.
+            REDUCE_BW=min(_next_pow2(H), 4096),
+            LOGFMT_GROUPS=min(_next_pow2(H // 128), 64),
+            num_warps=16 if use_logfmt else 8,
             # No fused multiply-add: products round as in the reference, so the sum is
             # bit-exact with it.
             enable_fp_fusion=False,
