@@ -143,8 +143,8 @@ LL_COMBINE_META = dict(
     DO_RECV=True,
     USE_CLOCK=True,
     G_P2=64,
-    ROW_BLOCK=2,
-    REDUCE_BW=4096,
+    ROW_BLOCK=4,
+    REDUCE_BW=8192,
     PROFILE=False,
     WAIT_STATS=False,
     SHRINK=False,
@@ -183,7 +183,7 @@ for name, sig, meta in [
             f"{name}_kernel",
             {**sig, **{k: "constexpr" for k in meta}},
             meta,
-            {"enable_fp_fusion": False} if name == "ll_combine" else {},
+            {"enable_fp_fusion": False, "num_warps": 16} if name == "ll_combine" else {},
         )
     )
 

@@ -69,10 +69,11 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _rows_in_flight(hidden: int, itemsize: int) -> int:
-    """Rows a program moves per iteration: about 32 KB of (padded) payload in flight."""
+def _rows_in_flight(hidden: int, itemsize: int, budget: int = 32768) -> int:
+    """Rows a program moves per iteration: about ``budget`` bytes of (padded) payload in
+    flight."""
     row_bytes = _next_pow2(hidden // 128) * 128 * itemsize
-    return max(1, min(8, 32768 // row_bytes))
+    return max(1, min(8, budget // row_bytes))
 
 
 def message_bytes(hidden: int, use_fp8: bool) -> int:
@@ -574,14 +575,16 @@ class LowLatencyMode:
             LOGFMT=bool(use_logfmt),
             USE_CLOCK=use_clock(self.device),
             G_P2=_next_pow2(H // 128),
-            # LogFMT encodes ROW_BLOCK rows x LOGFMT_GROUPS groups at a time: whole rows,
-            # 16 K channels a step, on 16 warps (its sender is bound by instructions; fewer,
-            # larger steps and more warps hide the load latency: BENCHMARKS.md).
-            ROW_BLOCK=_logfmt_rows(H) if use_logfmt else _rows_in_flight(H, 2),
-            # A token's top-k rows reduced together: 8 x 4096 BF16 is 64 registers a thread.
-            REDUCE_BW=min(_next_pow2(H), 4096),
+            # 16 warps: a BF16 sender keeps 64 KB in flight, the reduce takes whole rows
+            # (BENCHMARKS.md, "Low-latency combine on 16 warps"). LogFMT encodes ROW_BLOCK
+            # rows x LOGFMT_GROUPS groups at a time: whole rows, 16 K channels a step (its
+            # sender is bound by instructions; few, large steps hide the load latency).
+            ROW_BLOCK=_logfmt_rows(H) if use_logfmt else _rows_in_flight(H, 2, 65536),
+            # A token's top-k rows reduced together: K x REDUCE_BW BF16 values are at most
+            # 64 registers a thread (LogFMT: 4096 channels, the fastest measured).
+            REDUCE_BW=min(_next_pow2(H), 65536 // _next_pow2(topk), 4096 if use_logfmt else 8192),
             LOGFMT_GROUPS=min(_next_pow2(H // 128), 64),
-            num_warps=16 if use_logfmt else 8,
+            num_warps=16,
             # No fused multiply-add: products round as in the reference, so the sum is
             # bit-exact with it.
             enable_fp_fusion=False,
