@@ -370,6 +370,19 @@ def test_low_latency_payload_moves_in_16_byte_vectors():
     assert "fma.rn.f32" not in combine  # no fused multiply-add: bit-exact with the reference
 
 
+def test_logfmt_combine_keeps_each_group_within_a_warp():
+    """LogFMT's group reductions and high-bit packing and unpacking stay in registers and
+    shuffles: they add few shared-memory round trips to the BF16 combine's. A layout that
+    spreads a group over warps, as the first version's did (86 shared stores against 13),
+    makes every group a barrier-bound chain and the combine 5x slower."""
+    plain, logfmt = (
+        compile_ptx(*next(k for k in KERNELS if k[1] == "ll_combine_kernel" and k[3] == meta))
+        for meta in (LL_COMBINE_META, {**LL_COMBINE_META, **LOGFMT})
+    )
+    assert logfmt.count("st.shared") <= plain.count("st.shared") + 16
+    assert "lg2.approx.f32" in logfmt  # the hardware logarithm, as DeepEP's
+
+
 def test_flags_use_system_scope_release_and_acquire():
     assert "atom.global.sys.release.exch.b32" in compile_ptx(*KERNELS[0])
     ptx = compile_ptx(*KERNELS[1])
