@@ -632,7 +632,7 @@ class Buffer:
                 log-scale code per channel (relative error at most 2.2%, typically 0.3%),
                 other groups as BF16; about 35% fewer bytes cross the links
                 (:mod:`tritonep.reference.logfmt`). Encoding costs more time than it
-                saves on NVLink (about twice BF16's combine time, BENCHMARKS.md): a
+                saves on NVLink (about 2.5 times BF16's combine time, BENCHMARKS.md): a
                 warning says so once.
             zero_copy: ``x`` came from :meth:`get_next_low_latency_combine_buffer`.
             async_finish: return an event recorded after the call.

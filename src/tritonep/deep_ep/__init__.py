@@ -30,7 +30,7 @@ Behavioural differences, all documented here and in :mod:`tritonep.api.buffer`:
   copied unchanged as in DeepEP, up to ``H / 32`` per token;
 * low-latency FP8 scales come column-major per expert as in DeepEP (packed UE8M0 int32 with
   ``use_ue8m0``, which here implies ``round_scale``); ``use_logfmt`` sends DeepEP's
-  LogFMT-10 (same rule, own bit layout; also with ``zero_copy``; on NVLink about twice
+  LogFMT-10 (same rule, own bit layout; also with ``zero_copy``; on NVLink about 2.5x
   BF16's time, with a warning); any
   hidden size that is a multiple of 128 and any top-k up to 16 work in low-latency mode
   (DeepEP: a fixed list of hidden sizes, multiples of 512 with FP8, top-k <= 11);
