@@ -92,7 +92,7 @@ def ll_combine_kernel(
     SHRINK: tl.constexpr = False,  # masked peers are skipped, timeouts mask (peer_mask)
     VIA: tl.constexpr = VIA_STORE,
     LOGFMT: tl.constexpr = False,  # rows travel as LogFMT-10 (:mod:`.logfmt`)
-    LOGFMT_GROUPS: tl.constexpr = 8,  # 128-channel groups encoded at a time (power of two)
+    LOGFMT_GROUPS: tl.constexpr = 64,  # 128-channel groups encoded at a time (power of two)
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)

@@ -83,11 +83,6 @@ def message_bytes(hidden: int, use_fp8: bool) -> int:
     return _align(ll_dispatch.HEADER_BYTES.value + payload + scales, 16)
 
 
-def _logfmt_rows(hidden: int) -> int:
-    """Rows a LogFMT sender encodes at a time: 16 K channels a step, 1 to 4 rows."""
-    return max(1, min(4, 16384 // (min(_next_pow2(hidden // 128), 64) * 128)))
-
-
 def combine_slot_bytes(hidden: int) -> int:
     """One row of the combine receive buffer: ``hidden`` BF16 values, then a float32
     ``(log_amin, step)`` pair per 128 channels for LogFMT combines."""
@@ -577,9 +572,9 @@ class LowLatencyMode:
             G_P2=_next_pow2(H // 128),
             # 16 warps: a BF16 sender keeps 64 KB in flight, the reduce takes whole rows
             # (BENCHMARKS.md, "Low-latency combine on 16 warps"). LogFMT encodes ROW_BLOCK
-            # rows x LOGFMT_GROUPS groups at a time: whole rows, 16 K channels a step (its
+            # rows x LOGFMT_GROUPS groups at a time: whole rows, 32 KB of BF16 a step (its
             # sender is bound by instructions; few, large steps hide the load latency).
-            ROW_BLOCK=_logfmt_rows(H) if use_logfmt else _rows_in_flight(H, 2, 65536),
+            ROW_BLOCK=_rows_in_flight(H, 2, 32768 if use_logfmt else 65536),
             # A token's top-k rows reduced together: K x REDUCE_BW BF16 values are at most
             # 64 registers a thread (LogFMT: 4096 channels, the fastest measured).
             REDUCE_BW=min(_next_pow2(H), 65536 // _next_pow2(topk), 4096 if use_logfmt else 8192),
