@@ -123,8 +123,9 @@ LL_DISPATCH_META = dict(
     BLOCK_N=128,
     K_P2=8,
     G_P2=64,
+    R_P2=4,
     BINS=256,
-    MSG_BLOCK=4,
+    MSG_BLOCK=8,
     PROFILE=False,
     WAIT_STATS=False,
     SHRINK=False,
@@ -183,7 +184,10 @@ for name, sig, meta in [
             f"{name}_kernel",
             {**sig, **{k: "constexpr" for k in meta}},
             meta,
-            {"enable_fp_fusion": False, "num_warps": 16} if name == "ll_combine" else {},
+            # As launched: both kernels on 16 warps.
+            {"enable_fp_fusion": False, "num_warps": 16}
+            if name == "ll_combine"
+            else {"num_warps": 16},
         )
     )
 

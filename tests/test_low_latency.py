@@ -274,6 +274,62 @@ def test_cuda_graph_replayed_100_times_with_new_inputs(run_ranks):
     assert run_ranks(n, _graph_body, 100) == [100] * n
 
 
+def _payload_once_body(ctx, use_fp8):
+    """Inspect this rank's receive slab after one dispatch: which messages carry a payload."""
+    R, me, M, H, E_local, K = ctx.world_size, ctx.rank, 6, 256, 4, 4
+    mode = ll.LowLatencyMode(None, M, H, E_local * R, max_topk=K, device=ctx.device)
+    recv_set = mode.heap.local[mode.layout.recv : mode.layout.recv + mode.layout.recv_set]
+    recv_set.fill_(0xFF)  # poison: payload bytes that no one writes stay 0xFF
+    mode.heap.barrier()
+    case = make_case(5, [M] * R, H, E_local * R, K)  # 4 of 8 or 12 experts: shared owners
+    _, _, handle, _ = mode.dispatch(case.x[me].to(ctx.device), case.topk_idx[me].to(ctx.device),
+                                    use_fp8=use_fp8)  # fmt: skip
+    mode.check()
+    msg_bytes = ll.message_bytes(H, use_fp8)
+    messages = recv_set.cpu()[: E_local * R * M * msg_bytes].view(E_local, R, M, msg_bytes)
+    ranges = handle.recv_layout_range.cpu()
+    carried, header_only, poisoned, wrong_refs = {}, 0, 0, 0
+    for local in range(E_local):
+        for src in range(R):
+            for slot in range(int(ranges[local, src]) & 0xFFFFFFFF):
+                msg = messages[local, src, slot]
+                token, column, payload_at = msg[:12].view(torch.int32).tolist()
+                at = (local * R + src) * M + slot
+                wrong_refs += int(case.topk_idx[src][token, column]) != me * E_local + local
+                if payload_at == at:
+                    carried[(src, token)] = carried.get((src, token), 0) + 1
+                    continue
+                header_only += 1
+                poisoned += bool((msg[16:] == 0xFF).all())
+                # It names the message of the same token that carries the payload.
+                l2, s2, slot2 = payload_at // (R * M), payload_at // M % R, payload_at % M
+                ref_token = messages[l2, s2, slot2, :4].view(torch.int32).item()
+                wrong_refs += (s2, ref_token, l2 != local) != (src, token, True)
+    # One payload per (source rank, token) with an expert here; the token's other copies here
+    # are headers, and their payload bytes were never written.
+    expected = {
+        (src, t)
+        for src in range(R)
+        for t in range(M)
+        if ((case.topk_idx[src][t] // E_local) == me).any()
+    }
+    copies = sum(int(((case.topk_idx[src] // E_local) == me).sum()) for src in range(R))
+    mode.destroy()
+    return (
+        set(carried) == expected and set(carried.values()) == {1},
+        header_only == copies - len(expected) > 0,
+        poisoned == header_only,
+        wrong_refs == 0,
+    )
+
+
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_a_token_crosses_to_each_rank_once(run_ranks, use_fp8):
+    """However many of its experts a rank holds, a token's payload is stored there once: its
+    other messages to that rank are headers naming the message that carries it."""
+    assert run_ranks(2, _payload_once_body, use_fp8) == [(True, True, True, True)] * 2
+
+
 def _unchecked_ids_body(ctx):
     """Without the host check, ids outside [-1, E) are dropped, and nothing else changes."""
     R, me = ctx.world_size, ctx.rank

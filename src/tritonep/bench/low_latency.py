@@ -49,8 +49,11 @@ def _low_latency_point(ctx, mode, baseline, rival, opts, T, topk, max_tokens):
     msg = H + H // 128 * 4 if use_fp8 else 2 * H
     # A LogFMT row: 10 bits a channel and 8 bytes a group (every group encoded).
     combine_msg = H * 10 // 8 + H // 128 * 8 if logfmt else 2 * H
-    vals = mean_over_ranks([t_disp, t_comb, g_disp, g_comb, b_disp, b_comb, recv_rows])
-    t_disp, t_comb, g_disp, g_comb, b_disp, b_comb, recv_rows = vals
+    sent_disp, sent_comb = _remote_bytes(idx.cpu(), mode, msg, combine_msg)
+    vals = mean_over_ranks(
+        [t_disp, t_comb, g_disp, g_comb, b_disp, b_comb, recv_rows, sent_disp, sent_comb]
+    )
+    t_disp, t_comb, g_disp, g_comb, b_disp, b_comb, recv_rows, sent_disp, sent_comb = vals
     row = {
         "mode": "low-latency",
         "tokens": T,
@@ -71,11 +74,36 @@ def _low_latency_point(ctx, mode, baseline, rival, opts, T, topk, max_tokens):
         # DeepEP's accounting: bytes received (local rank included) over time.
         "dispatch_GBps": recv_rows * msg / (t_disp * 1e-3) / 1e9,
         "combine_GBps": recv_rows * combine_msg / (t_comb * 1e-3) / 1e9,
+        # Bytes that crossed to other ranks (the mean rank sends what the mean rank receives).
+        "dispatch_remote_GBps": sent_disp / (t_disp * 1e-3) / 1e9,
+        "combine_remote_GBps": sent_comb / (t_comb * 1e-3) / 1e9,
     }
     if rival is not None:
         row.update(compare.low_latency_point(rival, x, idx, w, E, max_tokens, use_fp8, opts.iters,
                                              logfmt))  # fmt: skip
     return row
+
+
+def _remote_bytes(idx, mode, msg, combine_msg):
+    """Bytes this rank's dispatch and combine move to other ranks for top-k ids ``idx``.
+
+    Dispatch stores a token's payload once per peer on its node (its other messages there are
+    16-byte headers) and once per expert on other nodes (staged blocks); combine returns one
+    row per (token, expert)."""
+    E_local, rank, per_node = mode.num_local_experts, mode.rank, mode.gpus_per_node
+    owner = torch.where(idx >= 0, idx // E_local, -1)
+    # Distinct experts per token (a repeated id is sent once).
+    first = torch.ones_like(idx, dtype=torch.bool)
+    for j in range(1, idx.shape[1]):
+        first[:, j] = ~(idx[:, :j] == idx[:, j : j + 1]).any(dim=1)
+    copies = first & (owner >= 0) & (owner != rank)
+    near = owner // per_node == rank // per_node
+    carriers = torch.zeros_like(copies)  # the first copy to each peer on this node
+    for j in range(idx.shape[1]):
+        earlier = (owner[:, :j] == owner[:, j : j + 1]) & copies[:, :j]
+        carriers[:, j] = copies[:, j] & (~near[:, j] | ~earlier.any(dim=1))
+    headers = int(copies.sum()) - int(carriers.sum())
+    return int(carriers.sum()) * msg + headers * 16, int(copies.sum()) * combine_msg
 
 
 def low_latency_rank(ctx, opts, progress):

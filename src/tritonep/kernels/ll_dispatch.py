@@ -7,7 +7,10 @@ without asking any other program: slots follow token order (a token that names a
 twice is sent there once). Then, per token, it loads the row once, quantizes it once (FP8
 e4m3 per 128 channels, or keeps BF16) and stores one message per distinct expert into the
 owner's receive slab ``[local_expert][source_rank][slot]`` with plain NVLink stores: a 16-byte
-header (token index, top-k column), the payload and the scales.
+header (token index, top-k column, payload reference), the payload and the scales. The payload
+crosses to an owner once, however many of its experts the token chose: the token's first
+message to that owner carries it, its other messages there are headers whose reference names
+that message (its index in the owner's buffer set; a carrier names itself).
 
 Counts. Each program adds the messages it stored for each expert to a per-expert counter
 (release). The program whose add brings an expert to its total publishes that expert's count
@@ -17,10 +20,11 @@ this phase. The call number tags the flag value, so a stale count of an earlier 
 mistaken for a new one and no flag needs resetting between calls.
 
 Receive phase. Work items are (local expert, source rank) pairs, spread over the programs.
-An item waits (bounded) for the counts of its source and of the earlier sources, so its block
-starts at ``begin`` = the sum of the earlier counts; it copies its messages, several at a
-time, into the packed output ``recv_x[expert, begin : begin + count]`` and records
-``(begin, count)``. Blocks are therefore in source-rank order, the same order as the
+An item waits (bounded) for the counts of its source and of the earlier sources (one vector
+read of them all, then one by one for those not there yet), so its block starts at ``begin`` =
+the sum of the earlier counts; it copies its messages' payloads (found through their
+references), several at a time, into the packed output ``recv_x[expert, begin : begin + count]``
+and records ``(begin, count)``. Blocks are therefore in source-rank order, the same order as the
 reference, and outputs are deterministic.
 
 Across nodes (``VIA`` other than ``VIA_STORE``), messages for an owner on another node are
@@ -29,10 +33,13 @@ expert's count moves the block in one put whose signal is the count
 (:mod:`tritonep.kernels.transport`). Owners on this node still get plain stores.
 
 Why it is fast: one launch, no host synchronization, no count exchange before the data (the
-count follows the data on the same path), every byte crosses NVLink once, and every token is
-read and quantized once however many experts it goes to (the exact per-element division of
-the quantization is the costly part; an expert-major send repeats it top-k times per token).
-Slot numbering needs no atomics, so outputs are deterministic.
+count follows the data on the same path), a token's payload crosses NVLink once per
+destination rank rather than once per expert (at top-8 over 256 experts on 4 ranks, 2.7
+payloads a token instead of 6), and every token is read and quantized once however many
+experts it goes to (the exact per-element division of the quantization is the costly part; an
+expert-major send repeats it top-k times per token). Slot numbering needs no atomics, so
+outputs are deterministic. Messages to owners on other nodes (staged, then put per expert
+block) each carry their payload.
 
 Both phases can run in one launch (the GPU default, launched cooperatively so that all
 programs are resident) or as two launches (the receive hook, and the Triton interpreter, which
@@ -51,7 +58,7 @@ import triton.language as tl
 
 from .fp8 import e4m3_bits, from_bf16, quantize_groups
 from .peer_mask import mask_timed_out, masked, wait_peer
-from .sync import aligned_ptr, record_timeout, wait_flag
+from .sync import aligned_ptr, poll_acquire, record_timeout, wait_flag
 from .trace import read_clock, write_trace
 from .transport import SIGNAL_SET, VIA_STORE, put_block_signal
 
@@ -63,9 +70,10 @@ DISPATCH_RECV_CALLS = tl.constexpr(1)
 DISPATCH_ARRIVALS = tl.constexpr(4)
 
 HEADER_BYTES = tl.constexpr(16)
-#: int32 words of a sender program's scratch row after its three ``[BINS]`` lists: room for
-#: the destination addresses of one token's messages (int64, top-k at most 16).
-DEST_WORDS = tl.constexpr(32)
+#: int32 words of a sender program's scratch row after its three ``[BINS]`` lists, for the
+#: token being sent (top-k at most 16): its messages' addresses (int64), then per column the
+#: owner key, the message index and the payload reference (int32).
+TOKEN_WORDS = tl.constexpr(80)
 
 
 @triton.jit
@@ -118,7 +126,7 @@ def ll_dispatch_kernel(
     gpus_per_node,  # ranks r and r' share a node when r // gpus_per_node == r' // gpus_per_node
     pe_ptr,  # [R] int32 NVSHMEM PE of each rank
     state_ptr,  # [8] int64 local call counters
-    scratch_ptr,  # [P, 3 * BINS + DEST_WORDS] int32 per-program slot counters and lists
+    scratch_ptr,  # [P, 3 * BINS + TOKEN_WORDS] int32 per-program slot counters and lists
     expert_done_ptr,  # [BINS] int32 messages stored per expert in this launch, zero between
     out_x_ptr,  # [E_local, R * M, H] bf16, or the e4m3 output viewed as uint8
     out_scales_ptr,  # [E_local, G, R * M] float32, or [E_local, G / 4, R * M] int32 as bytes
@@ -149,6 +157,7 @@ def ll_dispatch_kernel(
     BLOCK_N: tl.constexpr,
     K_P2: tl.constexpr,
     G_P2: tl.constexpr,
+    R_P2: tl.constexpr,  # power of two >= NUM_RANKS
     BINS: tl.constexpr,  # power of two >= max(NUM_EXPERTS, 2): one bin per expert
     MSG_BLOCK: tl.constexpr,
     PROFILE: tl.constexpr,
@@ -211,8 +220,14 @@ def ll_dispatch_kernel(
             earlier = chosen & (tokens[:, None] < first_token)
             before += tl.histogram(binned, BINS, mask=tl.reshape(earlier, (BLOCK_N * K_P2,)))
         # next_slot[e]: the slot of this program's next token for expert e.
-        next_slot = scratch_ptr + pid * (3 * BINS + DEST_WORDS)
+        next_slot = scratch_ptr + pid * (3 * BINS + TOKEN_WORDS)
         dests = (next_slot + 3 * BINS).to(tl.pointer_type(tl.int64))
+        keys = next_slot + 3 * BINS + 32
+        indexes = keys + 16
+        refs = indexes + 16
+        # A token's columns as a [column k, column j] tile, for finding each column's payload.
+        col_k = ks[:, None] + 0 * ks[None, :]
+        col_j = ks[None, :] + 0 * ks[:, None]
         tl.store(next_slot + experts, before)
         tl.debug_barrier()
         for token in range(first_token, last_token):
@@ -242,13 +257,31 @@ def ll_dispatch_kernel(
                 msgs = tl.where(far, staged, msgs)
             msgs += slots.to(tl.int64) * MSG_BYTES
             tl.store(dests + ks, tl.where(valid, msgs, 0), mask=ks < K)
+            # The payload crosses to an owner once: the first column of each owner reached
+            # by stores carries it, the owner's other columns only a header that names that
+            # message (index in the owner's buffer set). Staged messages all carry it.
+            key = tl.where(valid, owners, -1)
+            if VIA != VIA_STORE:
+                key = tl.where(far, -1, key)
+            tl.store(keys + ks, key)
+            tl.store(indexes + ks, ((ids % E_LOCAL) * NUM_RANKS + rank) * M + slots)
+            tl.debug_barrier()
+            key_k = tl.load(keys + col_k)
+            same = ((tl.load(keys + col_j) == key_k) & (key_k >= 0)) | (col_j == col_k)
+            first = tl.min(tl.where(same, col_j, K_P2), axis=1)
+            ref = tl.sum(tl.where(col_j == first[:, None], tl.load(indexes + col_j), 0), axis=1)
+            # -ref - 1 marks a header-only message.
+            tl.store(refs + ks, tl.where(first == ks, ref, -ref - 1))
             tl.debug_barrier()
             for k in tl.static_range(K):
                 msg = tl.load(dests + k)
+                ref = tl.load(refs + k)
                 if msg != 0:
                     header = aligned_ptr(msg, tl.int32)
                     tl.store(header, token)
                     tl.store(header + 1, k)
+                    tl.store(header + 2, tl.where(ref >= 0, ref, -ref - 1))
+                if (msg != 0) & (ref >= 0):
                     if USE_FP8:
                         q_ptr = aligned_ptr(msg + HEADER_BYTES, tl.uint8)
                         tl.store(q_ptr + row_offs, q, mask=row_mask)
@@ -320,6 +353,7 @@ def ll_dispatch_kernel(
         flag_set_off = (c_recv % 2) * FLAG_SET_BYTES
         my_base = tl.load(peer_ptrs + rank)
         msgs = tl.arange(0, MSG_BLOCK)
+        sources = tl.arange(0, R_P2)
         scale_lanes = tl.arange(0, G_P2 * MSG_BLOCK)
         flat = tl.arange(0, G_P2 * 128)
         flat_mask = flat < H
@@ -334,10 +368,25 @@ def ll_dispatch_kernel(
             me_src = item % NUM_RANKS
             if PROFILE:
                 t0 = read_clock(trace_ptr, USE_CLOCK)
+            flag_row = my_base + flag_offset + flag_set_off + local * NUM_RANKS * 8
             begin = tl.zeros((), tl.int32)
             count = tl.zeros((), tl.int32)
-            for src in range(0, me_src + 1):
-                flag = my_base + flag_offset + flag_set_off + (local * NUM_RANKS + src) * 8
+            first_src = tl.zeros((), tl.int32)
+            if not SHRINK and not WAIT_STATS:
+                # Usually every count is there: one vector read of them all instead of one
+                # round trip per source. A source not yet there is waited for one by one.
+                wanted = sources <= me_src
+                count_flags = (flag_row + sources * 8).to(tl.pointer_type(tl.int64))
+                tagged = poll_acquire(count_flags, wanted, False)
+                tl.debug_barrier()  # the acquire orders every thread's reads of the messages
+                counts = (tagged & 0xFFFFFFFF).to(tl.int32)
+                arrived = wanted & ((tagged >> 32) == c_recv + 1)
+                if tl.sum(tl.where(wanted & ~arrived, 1, 0), axis=0) == 0:
+                    begin = tl.sum(tl.where(sources < me_src, counts, 0), axis=0)
+                    count = tl.sum(tl.where(sources == me_src, counts, 0), axis=0)
+                    first_src = me_src + 1
+            for src in range(first_src, me_src + 1):
+                flag = flag_row + src * 8
                 if WAIT_STATS:
                     w0 = read_clock(trace_ptr, USE_CLOCK)
                 flag = flag.to(tl.pointer_type(tl.int64))
@@ -361,8 +410,8 @@ def ll_dispatch_kernel(
             if PROFILE:
                 t1 = read_clock(trace_ptr, USE_CLOCK)
                 t_wait += t1 - t0
-            block = (local * NUM_RANKS + me_src) * M * MSG_BYTES
-            block = my_base + recv_offset + set_off + block
+            set_base = my_base + recv_offset + set_off
+            block = set_base + (local * NUM_RANKS + me_src) * M * MSG_BYTES
             # MSG_BLOCK messages at a time, so that their loads are in flight together.
             for first in range(0, count, MSG_BLOCK):
                 mmask = (first + msgs) < count
@@ -371,13 +420,17 @@ def ll_dispatch_kernel(
                 header = aligned_ptr(msg, tl.int32)
                 source_token = tl.load(header, mask=mmask, cache_modifier=".cg")
                 column = tl.load(header + 1, mask=mmask, cache_modifier=".cg")
+                # The message that carries the payload (this one, or the first message of
+                # the same token to this rank, for another expert).
+                ref = tl.load(header + 2, mask=mmask, other=0, cache_modifier=".cg")
+                payload = set_base + ref.to(tl.int64) * MSG_BYTES + HEADER_BYTES
                 tl.store(out_src_ptr + rows, source_token, mask=mmask)
                 tl.store(out_slot_ptr + rows, column, mask=mmask)
                 mask2 = mmask[:, None] & flat_mask[None, :]
                 dst = rows[:, None] * H + flat[None, :]
                 if USE_FP8:
                     # Bytes move as bytes: out_x_ptr is the e4m3 output viewed as uint8.
-                    q_ptr = aligned_ptr(msg + HEADER_BYTES, tl.uint8)
+                    q_ptr = aligned_ptr(payload, tl.uint8)
                     q = tl.load(q_ptr[:, None] + flat[None, :], mask=mask2, cache_modifier=".cg")
                     tl.store(out_x_ptr + dst, q, mask=mask2)
                     # Scales go column-major per expert (the row index fastest), the layout
@@ -388,7 +441,9 @@ def ll_dispatch_kernel(
                     s_msg = first + scale_lanes % MSG_BLOCK
                     s_group = scale_lanes // MSG_BLOCK
                     s_mask = (s_group < G) & (s_msg < count)
-                    s_src = block + s_msg.to(tl.int64) * MSG_BYTES + HEADER_BYTES + H
+                    s_header = aligned_ptr(block + s_msg.to(tl.int64) * MSG_BYTES, tl.int32)
+                    s_ref = tl.load(s_header + 2, mask=s_mask, other=0, cache_modifier=".cg")
+                    s_src = set_base + s_ref.to(tl.int64) * MSG_BYTES + HEADER_BYTES + H
                     scale = tl.load(aligned_ptr(s_src, tl.float32) + s_group, mask=s_mask,
                                     cache_modifier=".cg")  # fmt: skip
                     row = (begin + s_msg).to(tl.int64)
@@ -404,7 +459,7 @@ def ll_dispatch_kernel(
                         tl.store(out_scales_ptr + s_column * (NUM_RANKS * M) + row, scale,
                                  mask=s_mask)  # fmt: skip
                 else:
-                    x_src = aligned_ptr(msg + HEADER_BYTES, tl.bfloat16)[:, None] + flat[None, :]
+                    x_src = aligned_ptr(payload, tl.bfloat16)[:, None] + flat[None, :]
                     x = tl.load(x_src, mask=mask2, cache_modifier=".cg")
                     tl.store(out_x_ptr + dst, x, mask=mask2)
             packed = (begin.to(tl.int64) << 32) | count

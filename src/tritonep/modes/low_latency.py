@@ -5,7 +5,9 @@ one symmetric heap. The heap of every rank holds, for each of two buffer sets (c
 between them):
 
 * dispatch receive slabs ``[E_local][R][max_tokens]`` of fixed-size messages
-  (16-byte header, payload, scales), sized for BF16 messages so either format fits;
+  (16-byte header, payload, scales), sized for BF16 messages so either format fits; a
+  token's payload is stored once per rank, its other messages there being headers that
+  refer to it;
 * dispatch count flags ``[E_local][R]`` int64 (``call << 32 | count``);
 * combine receive rows ``[max_tokens][max_topk][H]`` BF16;
 
@@ -246,10 +248,10 @@ class LowLatencyMode:
         self.status = new_status(self.device)
         # Dispatch senders: per-program slot counters and lists, and per-expert counts of
         # stored messages (the completing program zeroes each for the next call).
-        # At least 2 bins: the scratch row (3 * bins + DEST_WORDS int32) stays even, so its
+        # At least 2 bins: the scratch row (3 * bins + TOKEN_WORDS int32) stays even, so its
         # int64 destination list is 8-byte aligned in every program's row.
         self._bins = _next_pow2(max(num_experts, 2))
-        self.scratch = torch.empty(num_programs, 3 * self._bins + ll_dispatch.DEST_WORDS.value,
+        self.scratch = torch.empty(num_programs, 3 * self._bins + ll_dispatch.TOKEN_WORDS.value,
                                    dtype=torch.int32, device=self.device)  # fmt: skip
         self.expert_done = torch.zeros(self._bins, dtype=torch.int32, device=self.device)
         #: ``[R]`` int32, 1 where a peer is masked (shrink mode; change it in stream order).
@@ -462,10 +464,12 @@ class LowLatencyMode:
             BLOCK_N=min(128, _next_pow2(max(M, 16))),
             K_P2=_next_pow2(max(topk, 2)),
             G_P2=_next_pow2(H // 128),
+            R_P2=_next_pow2(max(R, 2)),
             BINS=self._bins,
-            # Messages copied together on receive.
-            MSG_BLOCK=_rows_in_flight(H, 1 if use_fp8 else 2),
-            num_warps=8,
+            # Messages copied together on receive: 64 KB of payload in flight, on 16 warps
+            # (the pack's loads wait on the headers that locate the payloads).
+            MSG_BLOCK=_rows_in_flight(H, 1 if use_fp8 else 2, 65536),
+            num_warps=16,
         )
         handle = LowLatencyHandle(src_info, layout_range, M, H, self.num_experts, topk_slot)
         out_x = (recv_x, recv_scales) if use_fp8 else recv_x
