@@ -90,20 +90,16 @@ def _remote_bytes(idx, mode, msg, combine_msg):
     Dispatch stores a token's payload once per peer on its node (its other messages there are
     16-byte headers) and once per expert on other nodes (staged blocks); combine returns one
     row per (token, expert)."""
-    E_local, rank, per_node = mode.num_local_experts, mode.rank, mode.gpus_per_node
-    owner = torch.where(idx >= 0, idx // E_local, -1)
-    # Distinct experts per token (a repeated id is sent once).
-    first = torch.ones_like(idx, dtype=torch.bool)
-    for j in range(1, idx.shape[1]):
-        first[:, j] = ~(idx[:, :j] == idx[:, j : j + 1]).any(dim=1)
-    copies = first & (owner >= 0) & (owner != rank)
-    near = owner // per_node == rank // per_node
-    carriers = torch.zeros_like(copies)  # the first copy to each peer on this node
-    for j in range(idx.shape[1]):
-        earlier = (owner[:, :j] == owner[:, j : j + 1]) & copies[:, :j]
-        carriers[:, j] = copies[:, j] & (~near[:, j] | ~earlier.any(dim=1))
-    headers = int(copies.sum()) - int(carriers.sum())
-    return int(carriers.sum()) * msg + headers * 16, int(copies.sum()) * combine_msg
+    R, rank, per_node = mode.num_ranks, mode.rank, mode.gpus_per_node
+    # Distinct experts of each token (a repeated id is sent once, -1 not at all).
+    chosen = torch.nn.functional.one_hot(idx + 1, mode.num_experts + 1)[..., 1:].any(dim=1)
+    messages = chosen.view(len(idx), R, mode.num_local_experts).sum(dim=2)  # [T, R]
+    peers = torch.arange(R)
+    remote = peers != rank
+    near = remote & (peers // per_node == rank // per_node)
+    carriers = int((messages[:, near] > 0).sum()) + int(messages[:, remote & ~near].sum())
+    sent = int(messages[:, remote].sum())
+    return carriers * msg + (sent - carriers) * 16, sent * combine_msg
 
 
 def low_latency_rank(ctx, opts, progress):

@@ -259,7 +259,9 @@ def ll_dispatch_kernel(
             tl.store(dests + ks, tl.where(valid, msgs, 0), mask=ks < K)
             # The payload crosses to an owner once: the first column of each owner reached
             # by stores carries it, the owner's other columns only a header that names that
-            # message (index in the owner's buffer set). Staged messages all carry it.
+            # message (index in the owner's buffer set). Staged messages all carry it. The
+            # [column, earlier column] tile is read back from the scratch row: built from
+            # the vectors in registers it takes two layout changes, which cost more.
             key = tl.where(valid, owners, -1)
             if VIA != VIA_STORE:
                 key = tl.where(far, -1, key)
@@ -372,11 +374,13 @@ def ll_dispatch_kernel(
             begin = tl.zeros((), tl.int32)
             count = tl.zeros((), tl.int32)
             first_src = tl.zeros((), tl.int32)
-            if not SHRINK and not WAIT_STATS:
+            if not SHRINK:  # shrink mode settles each source's outcome with the others
                 # Usually every count is there: one vector read of them all instead of one
                 # round trip per source. A source not yet there is waited for one by one.
                 wanted = sources <= me_src
                 count_flags = (flag_row + sources * 8).to(tl.pointer_type(tl.int64))
+                if WAIT_STATS:
+                    w0 = read_clock(trace_ptr, USE_CLOCK)
                 tagged = poll_acquire(count_flags, wanted, False)
                 tl.debug_barrier()  # the acquire orders every thread's reads of the messages
                 counts = (tagged & 0xFFFFFFFF).to(tl.int32)
@@ -385,6 +389,10 @@ def ll_dispatch_kernel(
                     begin = tl.sum(tl.where(sources < me_src, counts, 0), axis=0)
                     count = tl.sum(tl.where(sources == me_src, counts, 0), axis=0)
                     first_src = me_src + 1
+                    if WAIT_STATS:  # each source waited for as long as the one read took
+                        waited = read_clock(trace_ptr, USE_CLOCK) - w0
+                        tl.atomic_add(wait_stats_ptr + sources, waited + 0 * sources,
+                                      mask=wanted, sem="relaxed", scope="gpu")  # fmt: skip
             for src in range(first_src, me_src + 1):
                 flag = flag_row + src * 8
                 if WAIT_STATS:
