@@ -4,6 +4,11 @@ The rule is :mod:`tritonep.reference.fp8`: ``amax`` floored at 1e-4, ``scale = a
 (IEEE division, ``div_rn``; Triton's ``/`` is an approximate division on GPUs), optionally
 rounded up to a power of two by bit manipulation, ``q = e4m3(clamp(x / scale))`` with
 round-to-nearest-even. NaN stays NaN: a group holding NaN gets a NaN scale.
+
+Why it is fast: the one division per value that the rule implies is done as a multiplication
+by the group's reciprocal and one exact ``fma`` correction, which rounds the same way
+(:func:`quantize_groups`). Loading and quantizing a token of hidden 7168 took 3.1 us on one
+H100 with a division per value, 1.6 us this way (loading alone: 0.5-0.8 us).
 """
 
 from __future__ import annotations
@@ -26,10 +31,20 @@ def pow2_ceil(scale):
 
 
 @triton.jit
-def quantize_groups(x, USE_UE8M0: tl.constexpr):
+def quantize_groups(x, USE_UE8M0: tl.constexpr, EMULATE: tl.constexpr = False):
     """``x``: float32 ``[G, 128]`` -> (values to store as e4m3 ``[G, 128]``, scales ``[G]``).
 
     Padding groups (all zeros) get the floor scale and zero values.
+
+    The quotients ``x / scale`` round as IEEE division does without a division per value: one
+    IEEE reciprocal ``y`` per group, ``q = x * y``, then one correction by the exact residual,
+    ``fma(fma(-q, scale, x), y, q)``: the correctly rounded quotient whenever ``y`` is
+    (Markstein's theorem; the GPU's division runs the same tail, but per value behind its own
+    reciprocal refinement and a range check whose branch keeps values from overlapping).
+    Where the theorem's range ends the e4m3 code cannot change: quotients below 2**-126 round
+    to zero either way. An infinite scale (an infinite value in the group) gives ``x * 0``,
+    which is ``x / inf``; zeros keep their sign. The Triton interpreter's ``fma`` rounds twice,
+    so under it (``EMULATE``) each value is divided.
     """
     has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR)
@@ -37,7 +52,14 @@ def quantize_groups(x, USE_UE8M0: tl.constexpr):
     if USE_UE8M0:
         scale = pow2_ceil(scale)
     scale = tl.where(has_nan, float("nan"), scale)
-    q = tl.math.div_rn(x, scale[:, None])
+    if EMULATE:
+        q = tl.math.div_rn(x, scale[:, None])
+    else:
+        y = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
+        b = scale[:, None]
+        q0 = x * y
+        q = tl.fma(tl.fma(-q0, b, x), y, q0)
+        q = tl.where((y == 0) | (x == 0), q0, q)
     q = tl.where(q != q, q, tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX))
     return q, scale
 

@@ -36,10 +36,10 @@ Why it is fast: one launch, no host synchronization, no count exchange before th
 count follows the data on the same path), a token's payload crosses NVLink once per
 destination rank rather than once per expert (at top-8 over 256 experts on 4 ranks, 2.7
 payloads a token instead of 6), and every token is read and quantized once however many
-experts it goes to (the exact per-element division of the quantization is the costly part; an
-expert-major send repeats it top-k times per token). Slot numbering needs no atomics, so
-outputs are deterministic. Messages to owners on other nodes (staged, then put per expert
-block) each carry their payload.
+experts it goes to (quantizing, whose quotients must round as IEEE division does, is the
+costly part of a token's send; an expert-major send repeats it top-k times per token). Slot
+numbering needs no atomics, so outputs are deterministic. Messages to owners on other nodes
+(staged, then put per expert block) each carry their payload.
 
 Both phases can run in one launch (the GPU default, launched cooperatively so that all
 programs are resident) or as two launches (the receive hook, and the Triton interpreter, which
@@ -242,7 +242,7 @@ def ll_dispatch_kernel(
             # Load and quantize the token once, then store it to each of its experts.
             x = tl.load(x_ptr + tl.cast(token, tl.int64) * H + row_offs, mask=row_mask, other=0.0)
             if USE_FP8:
-                q, scale = quantize_groups(from_bf16(x, not USE_CLOCK), USE_UE8M0)
+                q, scale = quantize_groups(from_bf16(x, not USE_CLOCK), USE_UE8M0, not USE_CLOCK)
                 q = e4m3_bits(q, not USE_CLOCK)
             # Where each message goes, computed for all columns at once; then one message per
             # column, its address read back (scalar loads, no cross-warp reductions).

@@ -30,10 +30,11 @@ GROUP_SIZE = 128
 
 
 def round_scale_to_pow2(scale: torch.Tensor) -> torch.Tensor:
-    """Round positive float32 scales up to the next power of two (exact; powers stay put)."""
+    """Round positive float32 scales up to the next power of two (exact; powers stay put).
+    Infinite and NaN scales stay what they are."""
     mantissa, exponent = torch.frexp(scale)  # scale = mantissa * 2**exponent, mantissa in [0.5, 1)
     exponent = exponent - (mantissa == 0.5).to(exponent.dtype)
-    return torch.ldexp(torch.ones_like(scale), exponent)
+    return torch.where(scale.isfinite(), torch.ldexp(torch.ones_like(scale), exponent), scale)
 
 
 def fp8_scales(x: torch.Tensor, group_size: int = GROUP_SIZE, use_ue8m0: bool = False):

@@ -1,0 +1,95 @@
+"""The low-latency dispatch's FP8 quantization, bit for bit against the reference rule.
+
+The kernel's quotients ``x / scale`` come from a reciprocal and one exact correction on GPUs
+(:func:`tritonep.kernels.fp8.quantize_groups`), which must round exactly as IEEE division
+does; under the interpreter (CPU) the division is done per value. Inputs span every binade
+that BF16 holds, with the values that take special paths: signed zeros, subnormals, the
+largest BF16, infinities, NaN, all-equal groups and padded groups (hidden sizes whose group
+count is not a power of two).
+"""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from tritonep.kernels.fp8 import e4m3_bits, from_bf16, quantize_groups
+from tritonep.reference import fp8 as ref
+
+ON_GPU = torch.cuda.is_available()
+
+
+@triton.jit
+def quantize_rows_kernel(x_ptr, q_ptr, code_ptr, scale_ptr, H: tl.constexpr,
+                         G_P2: tl.constexpr, USE_UE8M0: tl.constexpr,
+                         EMULATE: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    groups = tl.arange(0, G_P2)
+    offs = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
+    gmask = groups < H // 128
+    x = tl.load(x_ptr + row * H + offs, mask=gmask[:, None], other=0.0)
+    q, scale = quantize_groups(from_bf16(x, EMULATE), USE_UE8M0, EMULATE)
+    tl.store(q_ptr + row * H + offs, q, mask=gmask[:, None])
+    tl.store(code_ptr + row * H + offs, e4m3_bits(q, EMULATE), mask=gmask[:, None])
+    tl.store(scale_ptr + row * (H // 128) + groups, scale, mask=gmask)
+
+
+def hard_rows(rows: int, hidden: int, seed: int) -> torch.Tensor:
+    """BF16 ``[rows, hidden]``: normal values at one magnitude per row, from 2**-133 to 2**127,
+    then rows of special values."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, hidden, generator=g)
+    x *= torch.exp2(torch.linspace(-133, 120, rows))[:, None]
+    x = x.to(torch.bfloat16)
+    inf, nan = float("inf"), float("nan")
+    special = torch.tensor(
+        [0.0, -0.0, 1e-40, -1e-39, 3.3895e38, -3.3895e38, inf, -inf, nan, 1.0], dtype=torch.bfloat16
+    )
+    picks = torch.randint(0, special.numel(), (4, hidden), generator=g)
+    tail = special[picks]
+    tail[0, :128] = 3.0  # an all-equal group
+    tail[1, 128:256] = 0.0  # an all-zero group
+    tail[2, : hidden // 2] = -0.0
+    tail[3] = torch.where(tail[3].isnan() | tail[3].isinf(), 1.0, tail[3])  # finite extremes
+    return torch.cat([x, tail])
+
+
+def reference(x: torch.Tensor, use_ue8m0: bool):
+    """(quotients after the clamp as float32, e4m3 codes, scales) of the reference rule."""
+    scale = ref.fp8_scales(x, use_ue8m0=use_ue8m0)
+    groups = x.float().reshape(x.shape[0], -1, 128)
+    q = (groups / scale.unsqueeze(-1)).clamp(-ref.FP8_MAX, ref.FP8_MAX).reshape(x.shape)
+    return q, q.to(ref.FP8_DTYPE).view(torch.uint8), scale
+
+
+@pytest.mark.parametrize("use_ue8m0", [False, True], ids=["f32-scales", "ue8m0"])
+@pytest.mark.parametrize("hidden", [256, 7168], ids=["h256", "h7168"])
+def test_quantization_is_bit_exact(hidden, use_ue8m0):
+    device = "cuda" if ON_GPU else "cpu"
+    rows = 2048 if ON_GPU else 12
+    x = hard_rows(rows, hidden, seed=hidden + use_ue8m0)
+    want_q, want_code, want_scale = reference(x, use_ue8m0)
+    xd = x.to(device)
+    q = torch.full(x.shape, 12345.0, device=device)  # poisoned: unwritten values show
+    code = torch.full(x.shape, 0x55, dtype=torch.uint8, device=device)
+    scale = torch.full((x.shape[0], hidden // 128), -1.0, device=device)
+    G = hidden // 128
+    quantize_rows_kernel[(x.shape[0],)](
+        xd, q, code, scale, H=hidden, G_P2=triton.next_power_of_2(G), USE_UE8M0=use_ue8m0,
+        EMULATE=not ON_GPU,
+    )  # fmt: skip
+    q, code, scale = q.cpu(), code.cpu(), scale.cpu()
+    # NaN may carry any sign and payload; everything else must match in every bit.
+    nan = want_q.isnan()
+    assert torch.equal(q.isnan(), nan)
+    bad = (q.view(torch.int32) != want_q.view(torch.int32)) & ~nan
+    assert not bad.any(), (
+        f"{int(bad.sum())} quotients differ, first at {bad.nonzero()[0].tolist()}: "
+        f"x={x[bad][0].item()!r} got {q[bad][0].item()!r} want {want_q[bad][0].item()!r}"
+    )
+    code_nan = (want_code & 0x7F) == 0x7F
+    assert torch.equal((code & 0x7F) == 0x7F, code_nan)
+    assert torch.equal(code[~code_nan], want_code[~code_nan])
+    scale_nan = want_scale.isnan()
+    assert torch.equal(scale.isnan(), scale_nan)
+    assert torch.equal(scale[~scale_nan], want_scale[~scale_nan])
