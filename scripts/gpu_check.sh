@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check in one call: the GPU test suite, the demo, then the benchmarks, on N ranks.
 # Run from the repository root on a GPU machine:
-#   bash scripts/gpu_check.sh [N] [tests|tests-core|tests-layers|tests-a|-b|-c|bench|tune|ab|soak|host|probe|all]
+#   bash scripts/gpu_check.sh [N] [tests|tests-core|tests-layers|tests-a|-b|-c|bench|tune|ab|soak|host|probe|quantize|all]
 # N defaults to every GPU of the machine. Logs and CSVs go to $OUT (when set) or ./out.
 # The whole suite compiles many kernel variants; split it over two calls of the 10-minute
 # device limit with tests-core (kernels, modes, demo) and tests-layers (APIs on top).
@@ -74,6 +74,10 @@ if [ "$what" = probe ]; then
   # How fast one program copies rows (formulations of the kernels' copy loop), one GPU.
   timeout "${PROBE_LIMIT_S:-300}" python3 scripts/copy_probe.py --programs "${PROBE_PROGRAMS:-12}" ${PROBE_ARGS:-} 2>&1 \
     | tee "$out/copy_probe.log" | grep -v -i warn || status=1
+fi
+if [ "$what" = quantize ]; then
+  # FP8 quantization of a batch of tokens (the normal mode's FP8 input): kernel vs reference.
+  timeout 300 python3 scripts/quantize_probe.py 2>&1 | tee "$out/quantize_probe.log" | grep -v -i warn || status=1
 fi
 if [ "$what" = tune ]; then
   # Launch shapes of the normal mode side by side (tritonep.modes.normal.LAUNCH_CONSTANTS):

@@ -8,6 +8,8 @@ largest BF16, infinities, NaN, all-equal groups and padded groups (hidden sizes 
 count is not a power of two).
 """
 
+import re
+
 import pytest
 import torch
 import triton
@@ -93,3 +95,56 @@ def test_quantization_is_bit_exact(hidden, use_ue8m0):
     scale_nan = want_scale.isnan()
     assert torch.equal(scale.isnan(), scale_nan)
     assert torch.equal(scale[~scale_nan], want_scale[~scale_nan])
+
+
+@pytest.mark.parametrize(
+    "dtype, use_ue8m0",
+    [
+        (torch.bfloat16, False),
+        (torch.bfloat16, True),
+        (torch.float16, False),
+        (torch.float32, True),
+    ],
+    ids=["bf16", "bf16-ue8m0", "fp16", "fp32-ue8m0"],
+)
+def test_quantize_fp8_launch_matches_the_reference(dtype, use_ue8m0):
+    from tritonep.kernels.fp8 import quantize_fp8
+
+    device = "cuda" if ON_GPU else "cpu"
+    hidden = 7168 if ON_GPU else 384
+    x = hard_rows(64 if ON_GPU else 6, hidden, seed=7).to(dtype)
+    # Rows with a stride beyond the hidden size: every other row of a wider tensor.
+    wide = torch.zeros(x.shape[0], 2 * hidden, dtype=dtype)
+    wide[:, :hidden] = x
+    for given in (x.to(device), wide.to(device)[:, :hidden]):
+        q, scales = quantize_fp8(given, use_ue8m0=use_ue8m0)
+        want_q, want_scales = ref.quantize_fp8(x, use_ue8m0=use_ue8m0)
+        assert q.dtype == torch.float8_e4m3fn and list(q.shape) == list(x.shape)
+        assert scales.dtype == torch.float32 and list(scales.shape) == [x.shape[0], hidden // 128]
+        got, want = q.cpu().view(torch.uint8), want_q.view(torch.uint8)
+        nan = (want & 0x7F) == 0x7F
+        assert torch.equal((got & 0x7F) == 0x7F, nan)
+        assert torch.equal(got[~nan], want[~nan])
+        assert torch.equal(scales.cpu().isnan(), want_scales.isnan())
+        finite = ~want_scales.isnan()
+        assert torch.equal(scales.cpu()[finite], want_scales[finite])
+    empty_q, empty_scales = quantize_fp8(x[:0].to(device))
+    assert empty_q.shape == (0, hidden) and empty_scales.shape == (0, hidden // 128)
+
+
+@pytest.mark.parametrize(
+    "x, error, message",
+    [
+        ([[1.0]], TypeError, "x: expected a torch.Tensor"),
+        (torch.zeros(2, 128, dtype=torch.int32), TypeError, "x: expected dtype"),
+        (torch.zeros(2, 100, dtype=torch.bfloat16), ValueError, "multiple of 128"),
+        (torch.zeros(2, 2, 128, dtype=torch.bfloat16), ValueError, "expected shape [N, H]"),
+        (torch.zeros(256, 2, dtype=torch.bfloat16).t(), ValueError, "unit stride"),
+    ],
+    ids=["list", "int32", "h100", "3d", "column-major"],
+)
+def test_quantize_fp8_rejects_bad_input(x, error, message):
+    from tritonep.kernels.fp8 import quantize_fp8
+
+    with pytest.raises(error, match=re.escape(message)):
+        quantize_fp8(x)

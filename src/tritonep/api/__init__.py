@@ -3,9 +3,12 @@
 * :mod:`.buffer` -- :class:`Buffer`, DeepEP-like (layout, low-latency dispatch and combine);
 * :mod:`.layers` -- :class:`EPAll2AllLayer` and :class:`EPLowLatencyAllToAllLayer`, the seed
   layers' interfaces;
-* :mod:`.autograd` -- normal-mode dispatch and combine as differentiable functions.
+* :mod:`.autograd` -- normal-mode dispatch and combine as differentiable functions;
+* :func:`quantize_fp8` -- tokens to FP8 e4m3 with per-128-channel scales in one launch, the
+  normal mode's FP8 input (bit-exact with :func:`tritonep.reference.quantize_fp8`).
 """
 
+from ..kernels.fp8 import quantize_fp8
 from . import autograd
 from .buffer import Buffer, EventOverlap
 from .layers import EPAll2AllLayer, EPLayoutDesc, EPLowLatencyAllToAllLayer
@@ -17,4 +20,5 @@ __all__ = [
     "EPLowLatencyAllToAllLayer",
     "EventOverlap",
     "autograd",
+    "quantize_fp8",
 ]

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..reference.fp8 import quantize_fp8
+from ..kernels.fp8 import quantize_fp8
 from .buffer import Buffer
 
 MODES = ("low_latency", "normal")

@@ -62,9 +62,10 @@ from typing import NamedTuple
 
 import torch
 
+from ..kernels.fp8 import quantize_fp8
 from ..modes.internode import InternodeHandle
 from ..modes.normal import NormalHandle
-from ..reference.fp8 import dequantize_fp8, quantize_fp8
+from ..reference.fp8 import dequantize_fp8
 from .buffer import Buffer, buffer_by_key
 
 

@@ -1,4 +1,8 @@
-"""FP8 e4m3 quantization of one token per 128 channels, bit-exact with the reference rule.
+"""FP8 e4m3 quantization per 128 channels, bit-exact with the reference rule.
+
+:func:`quantize_groups` quantizes one token inside a kernel (the low-latency dispatch does it on
+the fly); :func:`quantize_fp8` is the same as a launch over a batch of tokens, for the normal
+mode's FP8 input (one read of ``x``, one write of the payload and the scales).
 
 The rule is :mod:`tritonep.reference.fp8`: ``amax`` floored at 1e-4, ``scale = amax / 448``
 (IEEE division, ``div_rn``; Triton's ``/`` is an approximate division on GPUs), optionally
@@ -13,8 +17,13 @@ H100 with a division per value, 1.6 us this way (loading alone: 0.5-0.8 us).
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
 import triton
 import triton.language as tl
+
+from .launcher import launch
 
 FP8_MAX = tl.constexpr(448.0)
 AMAX_FLOOR = tl.constexpr(1e-4)
@@ -118,3 +127,71 @@ def e4m3_bits(q, EMULATE: tl.constexpr):
         return code.to(tl.uint8)
     else:
         return q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def quantize_fp8_kernel(x_ptr, q_ptr, scale_ptr, x_stride, H: tl.constexpr, G_P2: tl.constexpr,
+                        USE_UE8M0: tl.constexpr, IS_BF16: tl.constexpr,
+                        EMULATE: tl.constexpr):  # fmt: skip
+    """One token per program: its ``[G, 128]`` groups, loaded once, quantized, stored."""
+    token = tl.program_id(0).to(tl.int64)
+    groups = tl.arange(0, G_P2)
+    gmask = groups < H // 128
+    offs = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
+    x = tl.load(x_ptr + token * x_stride + offs, mask=gmask[:, None], other=0.0)
+    x = from_bf16(x, EMULATE) if IS_BF16 else x.to(tl.float32)
+    q, scale = quantize_groups(x, USE_UE8M0, EMULATE)
+    tl.store(q_ptr + token * H + offs, e4m3_bits(q, EMULATE), mask=gmask[:, None])
+    tl.store(scale_ptr + token * (H // 128) + groups, scale, mask=gmask)
+
+
+def quantize_fp8(x: torch.Tensor, use_ue8m0: bool = False):
+    """Quantize tokens to FP8 e4m3 with one float32 scale per 128 channels, in one launch.
+
+    The same values as :func:`tritonep.reference.quantize_fp8` bit for bit (NaN groups get NaN
+    scales and values; an infinite value makes its group's scale infinite).
+
+    Args:
+        x: ``[N, H]`` BF16, FP16 or float32, ``H`` a multiple of 128, rows of unit stride.
+        use_ue8m0: round each scale up to a power of two (DeepEP's UE8M0 scales).
+
+    Returns:
+        ``(q, scales)``: ``q`` float8_e4m3fn ``[N, H]``, ``scales`` float32 ``[N, H / 128]``
+        (contiguous), the input that :meth:`tritonep.Buffer.dispatch` takes in FP8.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"x: expected dtype torch.bfloat16, torch.float16 or torch.float32, "
+                        f"got {x.dtype}")  # fmt: skip
+    if x.dim() != 2 or x.shape[1] % 128 != 0 or x.shape[1] == 0:
+        raise ValueError(f"x: expected shape [N, H] with H a positive multiple of 128, "
+                         f"got {list(x.shape)}")  # fmt: skip
+    if x.shape[0] > 1 and x.stride(1) != 1:
+        raise ValueError("x: expected rows of unit stride (call .contiguous() first)")
+    num_tokens, hidden = x.shape
+    q = torch.empty(num_tokens, hidden, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(num_tokens, hidden // 128, dtype=torch.float32, device=x.device)
+    if num_tokens == 0:
+        return q, scales
+    if x.device.type != "cuda" and isinstance(quantize_fp8_kernel, triton.runtime.JITFunction):
+        # CPU tensors outside the Triton interpreter: the reference computes the same values.
+        from ..reference.fp8 import quantize_fp8 as reference
+
+        return reference(x, use_ue8m0=use_ue8m0)
+    groups = hidden // 128
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+        launch(
+            quantize_fp8_kernel,
+            (num_tokens,),
+            (x, q.view(torch.uint8), scales, x.stride(0)),
+            dict(
+                H=hidden,
+                G_P2=1 << max(0, (groups - 1).bit_length()),
+                USE_UE8M0=use_ue8m0,
+                IS_BF16=x.dtype == torch.bfloat16,
+                EMULATE=x.device.type != "cuda",
+                num_warps=4 if groups <= 16 else 8,
+            ),
+        )
+    return q, scales

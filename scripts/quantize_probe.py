@@ -1,0 +1,47 @@
+"""FP8 quantization of a batch of tokens: the one-launch kernel against the reference's torch ops.
+
+    PYTHONPATH=src python scripts/quantize_probe.py [--tokens 128,4096,16384] [--hidden 7168]
+
+Both give the same bits (checked here on every run); the reference takes several passes over
+the tokens (group maxima, division, clamp, conversion), the kernel one. Times are CUDA-graph
+replays (``do_bench_cudagraph``), microseconds, with the bytes moved (BF16 read, e4m3 and
+scales written) over the kernel's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton.testing
+
+from tritonep.kernels.fp8 import quantize_fp8
+from tritonep.reference import fp8 as ref
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="128,4096,16384")
+    parser.add_argument("--hidden", type=int, default=7168)
+    args = parser.parse_args()
+    print(f"{'tokens':>7} {'ue8m0':>6} {'reference us':>13} {'kernel us':>10} {'kernel GB/s':>12}")
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        x = torch.randn(tokens, args.hidden, device="cuda").to(torch.bfloat16)
+        for ue8m0 in (False, True):
+            q, s = quantize_fp8(x, use_ue8m0=ue8m0)
+            want_q, want_s = ref.quantize_fp8(x, use_ue8m0=ue8m0)
+            assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), "payload differs"
+            assert torch.equal(s, want_s), "scales differ"
+            t_ref = triton.testing.do_bench_cudagraph(
+                lambda x=x, u=ue8m0: ref.quantize_fp8(x, use_ue8m0=u), rep=200
+            )
+            t_kernel = triton.testing.do_bench_cudagraph(
+                lambda x=x, u=ue8m0: quantize_fp8(x, use_ue8m0=u), rep=200
+            )
+            moved = x.numel() * 2 + q.numel() + s.numel() * 4
+            print(f"{tokens:>7} {ue8m0!s:>6} {t_ref * 1e3:>13.1f} {t_kernel * 1e3:>10.1f} "
+                  f"{moved / (t_kernel * 1e-3) / 1e9:>12.0f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
