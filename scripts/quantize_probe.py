@@ -1,11 +1,12 @@
-"""FP8 quantization of a batch of tokens: the one-launch kernel against the reference's torch ops.
+"""FP8 quantization of a batch of tokens and the way back: one-launch kernels against torch ops.
 
     PYTHONPATH=src python scripts/quantize_probe.py [--tokens 128,4096,16384] [--hidden 7168]
 
 Both give the same bits (checked here on every run); the reference takes several passes over
 the tokens (group maxima, division, clamp, conversion), the kernel one. Times are CUDA-graph
 replays (``do_bench_cudagraph``), microseconds, with the bytes moved (BF16 read, e4m3 and
-scales written) over the kernel's time.
+scales written) over the kernel's time. De-quantization (e4m3 and scales read, BF16 written)
+is timed against the reference's ``dequantize_fp8(q, s).to(torch.bfloat16)``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import argparse
 import torch
 import triton.testing
 
-from tritonep.kernels.fp8 import quantize_fp8
+from tritonep.kernels.fp8 import dequantize_fp8, quantize_fp8
 from tritonep.reference import fp8 as ref
 
 
@@ -41,6 +42,14 @@ def main() -> None:
             moved = x.numel() * 2 + q.numel() + s.numel() * 4
             print(f"{tokens:>7} {ue8m0!s:>6} {t_ref * 1e3:>13.1f} {t_kernel * 1e3:>10.1f} "
                   f"{moved / (t_kernel * 1e-3) / 1e9:>12.0f}")  # fmt: skip
+        want = ref.dequantize_fp8(q, s).to(torch.bfloat16)
+        assert torch.equal(dequantize_fp8(q, s).view(torch.int16), want.view(torch.int16))
+        t_ref = triton.testing.do_bench_cudagraph(
+            lambda q=q, s=s: ref.dequantize_fp8(q, s).to(torch.bfloat16), rep=200
+        )
+        t_kernel = triton.testing.do_bench_cudagraph(lambda q=q, s=s: dequantize_fp8(q, s), rep=200)
+        print(f"{tokens:>7} {'dequant':>6} {t_ref * 1e3:>13.1f} {t_kernel * 1e3:>10.1f} "
+              f"{moved / (t_kernel * 1e-3) / 1e9:>12.0f}")  # fmt: skip
 
 
 if __name__ == "__main__":

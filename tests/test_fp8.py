@@ -148,3 +148,52 @@ def test_quantize_fp8_rejects_bad_input(x, error, message):
 
     with pytest.raises(error, match=re.escape(message)):
         quantize_fp8(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_dequantize_fp8_launch_matches_the_reference(dtype):
+    from tritonep.kernels.fp8 import dequantize_fp8
+
+    device = "cuda" if ON_GPU else "cpu"
+    hidden = 7168 if ON_GPU else 384
+    rows = 64 if ON_GPU else 6
+    g = torch.Generator().manual_seed(11)
+    # Every e4m3 code in every row, shuffled; scales of every magnitude, powers of two, 0, inf.
+    codes = torch.stack([torch.randperm(256, generator=g) for _ in range(rows * hidden // 256)])
+    q = codes.reshape(rows, hidden).to(torch.uint8).view(torch.float8_e4m3fn)
+    scales = torch.exp2(torch.randn(rows, hidden // 128, generator=g) * 40)
+    scales[0, 0], scales[1, 0], scales[2, 0] = 0.0, float("inf"), 2.0**-20
+    wide_q = torch.zeros(rows, 2 * hidden, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    wide_q[:, :hidden] = q
+    wide_s = torch.zeros(rows, hidden // 64)
+    wide_s[:, : hidden // 128] = scales
+    want = ref.dequantize_fp8(q, scales).to(dtype)
+    for given_q, given_s in ((q, scales), (wide_q[:, :hidden], wide_s[:, : hidden // 128])):
+        got = dequantize_fp8(given_q.to(device), given_s.to(device), dtype=dtype).cpu()
+        assert got.dtype == dtype and got.shape == want.shape
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan)
+        # The same bits wherever the value is not NaN (signed zeros included).
+        bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+        bad = (got.view(bits) != want.view(bits)) & ~nan
+        assert not bad.any(), (
+            f"{int(bad.sum())} values differ, first at {bad.nonzero()[0].tolist()}: "
+            f"got {got[bad][0].item()!r} want {want[bad][0].item()!r}"
+        )
+
+
+def test_dequantize_fp8_rejects_bad_input():
+    from tritonep.kernels.fp8 import dequantize_fp8
+
+    q = torch.zeros(2, 256, dtype=torch.float8_e4m3fn)
+    s = torch.ones(2, 2)
+    cases = [
+        ((q.float(), s), TypeError, "q: expected dtype torch.float8_e4m3fn"),
+        ((q, s.double()), TypeError, "scales: expected dtype torch.float32"),
+        ((q, s[:, :1]), ValueError, "scales: expected shape [2, 2]"),
+        ((q[:, :100], s), ValueError, "multiple of 128"),
+        ((q, s, torch.float16), TypeError, "dtype: expected"),
+    ]
+    for args, error, message in cases:
+        with pytest.raises(error, match=re.escape(message)):
+            dequantize_fp8(*args)

@@ -62,10 +62,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels.fp8 import quantize_fp8
+from ..kernels.fp8 import dequantize_fp8, quantize_fp8
 from ..modes.internode import InternodeHandle
 from ..modes.normal import NormalHandle
-from ..reference.fp8 import dequantize_fp8
 from .buffer import Buffer, buffer_by_key
 
 
@@ -121,7 +120,7 @@ def _lookup(handle_id: torch.Tensor) -> NormalHandle | InternodeHandle:
 def _expert_rows(recv_x, use_fp8: bool, handle) -> torch.Tensor:
     """What the experts get: BF16 rows (de-quantized from FP8), padding rows of worst-case
     outputs zero. ``recv_x`` is the dispatch's own fresh output, so it is zeroed in place."""
-    rows = dequantize_fp8(*recv_x).to(torch.bfloat16) if use_fp8 else recv_x
+    rows = dequantize_fp8(*recv_x) if use_fp8 else recv_x
     if handle.num_recv_tokens < 0:
         index = torch.arange(handle.num_rows, device=rows.device)
         rows.masked_fill_((index >= handle.host_info[0]).unsqueeze(1), 0)

@@ -2,7 +2,9 @@
 
 :func:`quantize_groups` quantizes one token inside a kernel (the low-latency dispatch does it on
 the fly); :func:`quantize_fp8` is the same as a launch over a batch of tokens, for the normal
-mode's FP8 input (one read of ``x``, one write of the payload and the scales).
+mode's FP8 input (one read of ``x``, one write of the payload and the scales), and
+:func:`dequantize_fp8` the way back for received rows (``e4m3 * scale``, rounded once to the
+output dtype).
 
 The rule is :mod:`tritonep.reference.fp8`: ``amax`` floored at 1e-4, ``scale = amax / 448``
 (IEEE division, ``div_rn``; Triton's ``/`` is an approximate division on GPUs), optionally
@@ -195,3 +197,102 @@ def quantize_fp8(x: torch.Tensor, use_ue8m0: bool = False):
             ),
         )
     return q, scales
+
+
+@triton.jit
+def e4m3_value(code, EMULATE: tl.constexpr):
+    """e4m3 bytes (uint8) -> their exact float32 values (NaN for the NaN codes).
+
+    GPUs convert in hardware; under the interpreter (``EMULATE``) the value is built from the
+    bits: ``(8 + m) * 2**(e - 10)``, or ``m * 2**-9`` for a zero exponent field.
+    """
+    if EMULATE:
+        bits = code.to(tl.int32)
+        exponent = (bits >> 3) & 0xF
+        mantissa = bits & 7
+        normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+        value = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)
+        value = tl.where((bits & 0x7F) == 0x7F, float("nan"), value)
+        # The sign goes in as a bit: ``-value`` is ``0 - value`` in Triton, which loses -0.
+        signed = value.to(tl.int32, bitcast=True) | ((bits & 0x80) << 24)
+        return signed.to(tl.float32, bitcast=True)
+    else:
+        return code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def dequantize_fp8_kernel(q_ptr, scale_ptr, out_ptr, q_stride, scale_stride, H: tl.constexpr,
+                          G_P2: tl.constexpr, TO_BF16: tl.constexpr,
+                          EMULATE: tl.constexpr):  # fmt: skip
+    """One token per program: ``e4m3 * scale`` in float32, stored as the output dtype."""
+    token = tl.program_id(0).to(tl.int64)
+    groups = tl.arange(0, G_P2)
+    gmask = groups < H // 128
+    offs = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
+    code = tl.load(q_ptr + token * q_stride + offs, mask=gmask[:, None], other=0)
+    scale = tl.load(scale_ptr + token * scale_stride + groups, mask=gmask, other=0.0)
+    y = e4m3_value(code, EMULATE) * scale[:, None]
+    if TO_BF16:
+        y = to_bf16(y, EMULATE)
+    tl.store(out_ptr + token * H + offs, y, mask=gmask[:, None])
+
+
+def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16):
+    """FP8 rows back to ``dtype``: ``q * scale`` per 128 channels in float32, rounded once.
+
+    Bit-exact with ``tritonep.reference.dequantize_fp8(q, scales).to(dtype)``; one read of the
+    payload and one write, where the torch operations make several passes in float32.
+
+    Args:
+        q: float8_e4m3fn ``[N, H]``, ``H`` a multiple of 128, rows of unit stride.
+        scales: float32 ``[N, H / 128]`` with unit stride along a row (the normal mode's
+            received scales, or :func:`quantize_fp8`'s).
+        dtype: torch.bfloat16 (default) or torch.float32.
+
+    Returns:
+        ``[N, H]`` of ``dtype``, contiguous.
+    """
+    if not isinstance(q, torch.Tensor) or not isinstance(scales, torch.Tensor):
+        bad = "q" if not isinstance(q, torch.Tensor) else "scales"
+        raise TypeError(f"{bad}: expected a torch.Tensor")
+    if q.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"q: expected dtype torch.float8_e4m3fn, got {q.dtype}")
+    if scales.dtype != torch.float32:
+        raise TypeError(f"scales: expected dtype torch.float32, got {scales.dtype}")
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"dtype: expected torch.bfloat16 or torch.float32, got {dtype}")
+    if q.dim() != 2 or q.shape[1] % 128 != 0 or q.shape[1] == 0:
+        raise ValueError(f"q: expected shape [N, H] with H a positive multiple of 128, "
+                         f"got {list(q.shape)}")  # fmt: skip
+    num_tokens, hidden = q.shape
+    if list(scales.shape) != [num_tokens, hidden // 128]:
+        raise ValueError(f"scales: expected shape [{num_tokens}, {hidden // 128}], "
+                         f"got {list(scales.shape)}")  # fmt: skip
+    if scales.device != q.device:
+        raise ValueError(f"scales: expected a tensor on {q.device}, got {scales.device}")
+    if num_tokens > 1 and q.stride(1) != 1:
+        raise ValueError("q: expected rows of unit stride (call .contiguous() first)")
+    if num_tokens > 1 and hidden > 128 and scales.stride(1) != 1:
+        raise ValueError("scales: expected rows of unit stride (call .contiguous() first)")
+    out = torch.empty(num_tokens, hidden, dtype=dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    if q.device.type != "cuda" and isinstance(dequantize_fp8_kernel, triton.runtime.JITFunction):
+        from ..reference.fp8 import dequantize_fp8 as reference
+
+        return reference(q, scales).to(dtype)
+    groups = hidden // 128
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+        launch(
+            dequantize_fp8_kernel,
+            (num_tokens,),
+            (q.view(torch.uint8), scales, out, q.stride(0), scales.stride(0)),
+            dict(
+                H=hidden,
+                G_P2=1 << max(0, (groups - 1).bit_length()),
+                TO_BF16=dtype == torch.bfloat16,
+                EMULATE=q.device.type != "cuda",
+                num_warps=4 if groups <= 16 else 8,
+            ),
+        )
+    return out
