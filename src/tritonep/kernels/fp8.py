@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference import fp8 as reference
+from ..validation import check_tensor
 from .launcher import launch
 
 FP8_MAX = tl.constexpr(448.0)
@@ -147,6 +149,33 @@ def quantize_fp8_kernel(x_ptr, q_ptr, scale_ptr, x_stride, H: tl.constexpr, G_P2
     tl.store(scale_ptr + token * (H // 128) + groups, scale, mask=gmask)
 
 
+def _check_rows(name: str, t: torch.Tensor, dtypes) -> tuple[int, int]:
+    """``(N, H)`` of a ``[N, H]`` tensor of ``dtypes`` whose ``H`` is a positive multiple of 128
+    and whose rows have unit stride; raises TypeError/ValueError naming ``name``."""
+    check_tensor(name, t, dtype=dtypes, contiguous=False)
+    if t.dim() != 2 or t.shape[1] % 128 != 0 or t.shape[1] == 0:
+        raise ValueError(f"{name}: expected shape [N, H] with H a positive multiple of 128, "
+                         f"got {list(t.shape)}")  # fmt: skip
+    if t.shape[0] > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name}: expected rows of unit stride (call .contiguous() first)")
+    return t.shape[0], t.shape[1]
+
+
+def _launch_per_token(kernel, device: torch.device, num_tokens: int, hidden: int, args: tuple,
+                      **meta) -> bool:  # fmt: skip
+    """Launch ``kernel`` with one program per token on ``device``; False (nothing launched)
+    for CPU tensors outside the Triton interpreter, where the caller uses the reference."""
+    on_gpu = device.type == "cuda"
+    if not on_gpu and isinstance(kernel, triton.runtime.JITFunction):
+        return False
+    groups = hidden // 128
+    meta.update(H=hidden, G_P2=triton.next_power_of_2(groups), EMULATE=not on_gpu,
+                num_warps=4 if groups <= 16 else 8)  # fmt: skip
+    with torch.cuda.device(device) if on_gpu else contextlib.nullcontext():
+        launch(kernel, (num_tokens,), args, meta)
+    return True
+
+
 def quantize_fp8(x: torch.Tensor, use_ue8m0: bool = False):
     """Quantize tokens to FP8 e4m3 with one float32 scale per 128 channels, in one launch.
 
@@ -161,41 +190,15 @@ def quantize_fp8(x: torch.Tensor, use_ue8m0: bool = False):
         ``(q, scales)``: ``q`` float8_e4m3fn ``[N, H]``, ``scales`` float32 ``[N, H / 128]``
         (contiguous), the input that :meth:`tritonep.Buffer.dispatch` takes in FP8.
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"x: expected dtype torch.bfloat16, torch.float16 or torch.float32, "
-                        f"got {x.dtype}")  # fmt: skip
-    if x.dim() != 2 or x.shape[1] % 128 != 0 or x.shape[1] == 0:
-        raise ValueError(f"x: expected shape [N, H] with H a positive multiple of 128, "
-                         f"got {list(x.shape)}")  # fmt: skip
-    if x.shape[0] > 1 and x.stride(1) != 1:
-        raise ValueError("x: expected rows of unit stride (call .contiguous() first)")
-    num_tokens, hidden = x.shape
+    num_tokens, hidden = _check_rows("x", x, (torch.bfloat16, torch.float16, torch.float32))
     q = torch.empty(num_tokens, hidden, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(num_tokens, hidden // 128, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return q, scales
-    if x.device.type != "cuda" and isinstance(quantize_fp8_kernel, triton.runtime.JITFunction):
-        # CPU tensors outside the Triton interpreter: the reference computes the same values.
-        from ..reference.fp8 import quantize_fp8 as reference
-
-        return reference(x, use_ue8m0=use_ue8m0)
-    groups = hidden // 128
-    with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
-        launch(
-            quantize_fp8_kernel,
-            (num_tokens,),
-            (x, q.view(torch.uint8), scales, x.stride(0)),
-            dict(
-                H=hidden,
-                G_P2=1 << max(0, (groups - 1).bit_length()),
-                USE_UE8M0=use_ue8m0,
-                IS_BF16=x.dtype == torch.bfloat16,
-                EMULATE=x.device.type != "cuda",
-                num_warps=4 if groups <= 16 else 8,
-            ),
-        )
+    args = (x, q.view(torch.uint8), scales, x.stride(0))
+    if not _launch_per_token(quantize_fp8_kernel, x.device, num_tokens, hidden, args,
+                             USE_UE8M0=use_ue8m0, IS_BF16=x.dtype == torch.bfloat16):  # fmt: skip
+        return reference.quantize_fp8(x, use_ue8m0=use_ue8m0)
     return q, scales
 
 
@@ -252,47 +255,18 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = t
     Returns:
         ``[N, H]`` of ``dtype``, contiguous.
     """
-    if not isinstance(q, torch.Tensor) or not isinstance(scales, torch.Tensor):
-        bad = "q" if not isinstance(q, torch.Tensor) else "scales"
-        raise TypeError(f"{bad}: expected a torch.Tensor")
-    if q.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"q: expected dtype torch.float8_e4m3fn, got {q.dtype}")
-    if scales.dtype != torch.float32:
-        raise TypeError(f"scales: expected dtype torch.float32, got {scales.dtype}")
+    num_tokens, hidden = _check_rows("q", q, torch.float8_e4m3fn)
+    check_tensor("scales", scales, dtype=torch.float32, shape=(num_tokens, hidden // 128),
+                 device=q.device, contiguous=False)  # fmt: skip
     if dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"dtype: expected torch.bfloat16 or torch.float32, got {dtype}")
-    if q.dim() != 2 or q.shape[1] % 128 != 0 or q.shape[1] == 0:
-        raise ValueError(f"q: expected shape [N, H] with H a positive multiple of 128, "
-                         f"got {list(q.shape)}")  # fmt: skip
-    num_tokens, hidden = q.shape
-    if list(scales.shape) != [num_tokens, hidden // 128]:
-        raise ValueError(f"scales: expected shape [{num_tokens}, {hidden // 128}], "
-                         f"got {list(scales.shape)}")  # fmt: skip
-    if scales.device != q.device:
-        raise ValueError(f"scales: expected a tensor on {q.device}, got {scales.device}")
-    if num_tokens > 1 and q.stride(1) != 1:
-        raise ValueError("q: expected rows of unit stride (call .contiguous() first)")
     if num_tokens > 1 and hidden > 128 and scales.stride(1) != 1:
         raise ValueError("scales: expected rows of unit stride (call .contiguous() first)")
     out = torch.empty(num_tokens, hidden, dtype=dtype, device=q.device)
     if num_tokens == 0:
         return out
-    if q.device.type != "cuda" and isinstance(dequantize_fp8_kernel, triton.runtime.JITFunction):
-        from ..reference.fp8 import dequantize_fp8 as reference
-
-        return reference(q, scales).to(dtype)
-    groups = hidden // 128
-    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
-        launch(
-            dequantize_fp8_kernel,
-            (num_tokens,),
-            (q.view(torch.uint8), scales, out, q.stride(0), scales.stride(0)),
-            dict(
-                H=hidden,
-                G_P2=1 << max(0, (groups - 1).bit_length()),
-                TO_BF16=dtype == torch.bfloat16,
-                EMULATE=q.device.type != "cuda",
-                num_warps=4 if groups <= 16 else 8,
-            ),
-        )
+    args = (q.view(torch.uint8), scales, out, q.stride(0), scales.stride(0))
+    if not _launch_per_token(dequantize_fp8_kernel, q.device, num_tokens, hidden, args,
+                             TO_BF16=dtype == torch.bfloat16):  # fmt: skip
+        return reference.dequantize_fp8(q, scales).to(dtype)
     return out
