@@ -121,6 +121,7 @@ LL_DISPATCH_META = dict(
     DO_RECV=True,
     USE_CLOCK=True,
     BLOCK_N=128,
+    COUNT_BY_ADDS=True,
     K_P2=8,
     G_P2=64,
     R_P2=4,
@@ -171,6 +172,8 @@ for name, sig, meta in [
     ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, "VIA": 1}),
     # Shrink mode (masked peers skipped, timeouts mask), within a node and across nodes
     ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "SHRINK": True}),
+    # Ids counted by histograms (many tokens)
+    ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "COUNT_BY_ADDS": False}),
     ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, "SHRINK": True}),
     ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "SHRINK": True, "VIA": 1}),
     ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, "SHRINK": True, "VIA": 1}),

@@ -83,7 +83,7 @@ def _assert_scale_layout(scales, mode, packed):
 
 def _ll_body(
     ctx, calls, tokens, hidden, experts, topk, routing, use_fp8, ue8m0, hook, dup,
-    gpus_per_node=None, logfmt=False,
+    gpus_per_node=None, logfmt=False, count_adds=None,
 ):  # fmt: skip
     R, me = ctx.world_size, ctx.rank
     experts = experts * R
@@ -92,6 +92,8 @@ def _ll_body(
         None, M, hidden, experts, max_topk=max(topk, 2), device=ctx.device, timeout_s=60,
         gpus_per_node=gpus_per_node,
     )  # fmt: skip
+    if count_adds is not None:
+        mode.count_adds = count_adds
     for call in range(calls):  # odd and even calls use different buffer sets
         # LogFMT cases: most groups below 1 (encoded), some above (sent unchanged).
         case = make_case(1000 * call + 7, tokens[:R], hidden, experts, topk, routing,
@@ -151,6 +153,15 @@ def test_low_latency_matches_reference(run_ranks, num_ranks, name):
         )
         == [True] * num_ranks
     )
+
+
+@pytest.mark.parametrize("name", ["bf16-random", "bf16-skewed-dup", "fp8-topk16"])
+def test_low_latency_counts_by_histograms(run_ranks, name):
+    """Senders count the batch's ids by atomic adds when there are few (every case above on
+    CPU ranks), by histograms when there are many: here the histograms, forced."""
+    tokens, hidden, experts, topk, routing, fp8, ue8m0, hook, dup = CASES[name]
+    args = (2, tokens, hidden, experts, topk, routing, fp8, ue8m0, hook, dup)
+    assert run_ranks(3, _ll_body, *args, count_adds=0) == [True] * 3
 
 
 @pytest.mark.parametrize("name", ["bf16-random", "fp8-ue8m0-hook", "bf16-skewed-dup", "fp8-topk16"])

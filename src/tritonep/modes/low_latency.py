@@ -254,6 +254,9 @@ class LowLatencyMode:
         self.scratch = torch.empty(num_programs, 3 * self._bins + ll_dispatch.TOKEN_WORDS.value,
                                    dtype=torch.int32, device=self.device)  # fmt: skip
         self.expert_done = torch.zeros(self._bins, dtype=torch.int32, device=self.device)
+        #: Dispatch senders count the batch's ids by atomic adds while (programs with tokens)
+        #: x tokens x top-k stays within this, by histograms beyond; 0: always histograms.
+        self.count_adds = ll_dispatch.COUNT_ADDS
         #: ``[R]`` int32, 1 where a peer is masked (shrink mode; change it in stream order).
         self.peer_mask = torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device)
         # Per source rank: the verdicts of the last dispatch and combine receive (call
@@ -424,6 +427,11 @@ class LowLatencyMode:
         topk_slot = self._empty((E_local, rows), torch.int32)
         recv_count = self._empty((E_local,), torch.int32)
         layout_range = self._empty((E_local, R), torch.int64)
+        # How the senders count the ids: by atomic adds or histograms (ll_dispatch.COUNT_ADDS);
+        # from the shapes alone, so a captured graph keeps its choice.
+        per_program = -(-num_tokens // self.num_programs)
+        senders = -(-num_tokens // per_program) if num_tokens else 1
+        by_adds = senders * num_tokens * topk <= self.count_adds
 
         args = (
             x,
@@ -448,7 +456,7 @@ class LowLatencyMode:
             self.status,
             self._timeout_ns,
         )
-        build_meta = lambda: dict(  # once per (use_fp8, use_ue8m0, pack, top-k): _run
+        build_meta = lambda: dict(  # once per (use_fp8, use_ue8m0, pack, top-k, adds): _run
             H=H,
             K=topk,
             NUM_EXPERTS=self.num_experts,
@@ -462,6 +470,7 @@ class LowLatencyMode:
             PACK_UE8M0=pack_ue8m0,
             USE_CLOCK=use_clock(self.device),
             BLOCK_N=min(128, _next_pow2(max(M, 16))),
+            COUNT_BY_ADDS=by_adds,
             K_P2=_next_pow2(max(topk, 2)),
             G_P2=_next_pow2(H // 128),
             R_P2=_next_pow2(max(R, 2)),
@@ -474,9 +483,10 @@ class LowLatencyMode:
         handle = LowLatencyHandle(src_info, layout_range, M, H, self.num_experts, topk_slot)
         out_x = (recv_x, recv_scales) if use_fp8 else recv_x
         self._check_wait_stats(wait_stats)
-        hook = self._run(ll_dispatch.ll_dispatch_kernel, "low-latency dispatch", args,
-                         (use_fp8, use_ue8m0, pack_ue8m0, topk), build_meta, return_recv_hook,
-                         wait_stats, (self.peer_mask, self._verdicts[0]))  # fmt: skip
+        key = (use_fp8, use_ue8m0, pack_ue8m0, topk, by_adds)
+        hook = self._run(ll_dispatch.ll_dispatch_kernel, "low-latency dispatch", args, key,
+                         build_meta, return_recv_hook, wait_stats,
+                         (self.peer_mask, self._verdicts[0]))  # fmt: skip
         return out_x, recv_count, handle, hook
 
     # ---------------------------------------------------------------------------- combine
