@@ -6,7 +6,9 @@ Both give the same bits (checked here on every run); the reference takes several
 the tokens (group maxima, division, clamp, conversion), the kernel one. Times are CUDA-graph
 replays (``do_bench_cudagraph``), microseconds, with the bytes moved (BF16 read, e4m3 and
 scales written) over the kernel's time. De-quantization (e4m3 and scales read, BF16 written)
-is timed against the reference's ``dequantize_fp8(q, s).to(torch.bfloat16)``.
+is timed against the reference's ``dequantize_fp8(q, s).to(torch.bfloat16)``, on the normal
+mode's rows and on the low-latency dispatch's layout (``dq-ll``: experts x rows, column-major
+scales).
 """
 
 from __future__ import annotations
@@ -50,6 +52,23 @@ def main() -> None:
         t_kernel = triton.testing.do_bench_cudagraph(lambda q=q, s=s: dequantize_fp8(q, s), rep=200)
         print(f"{tokens:>7} {'dequant':>6} {t_ref * 1e3:>13.1f} {t_kernel * 1e3:>10.1f} "
               f"{moved / (t_kernel * 1e-3) / 1e9:>12.0f}")  # fmt: skip
+    # The low-latency dispatch's layout: [E_local, R * max_tokens, H], scales column-major per
+    # expert (64 local experts, 4 ranks x 128 tokens).
+    experts, rows = 64, 512
+    codes = torch.randint(0, 256, (experts, rows, args.hidden), device="cuda", dtype=torch.uint8)
+    q = codes.view(torch.float8_e4m3fn)
+    s = torch.rand(experts, args.hidden // 128, rows, device="cuda").transpose(1, 2)
+    want = ref.dequantize_fp8(q, s).to(torch.bfloat16)
+    got = dequantize_fp8(q, s)
+    assert torch.equal(got.isnan(), want.isnan()), "NaN positions differ"
+    assert torch.equal(got.view(torch.int16)[~want.isnan()], want.view(torch.int16)[~want.isnan()])
+    t_ref = triton.testing.do_bench_cudagraph(
+        lambda: ref.dequantize_fp8(q, s).to(torch.bfloat16), rep=200
+    )
+    t_kernel = triton.testing.do_bench_cudagraph(lambda: dequantize_fp8(q, s), rep=200)
+    moved = q.numel() * 3 + s.numel() * 4
+    print(f"{f'{experts}x{rows}':>7} {'dq-ll':>6} {t_ref * 1e3:>13.1f} {t_kernel * 1e3:>10.1f} "
+          f"{moved / (t_kernel * 1e-3) / 1e9:>12.0f}")  # fmt: skip
 
 
 if __name__ == "__main__":

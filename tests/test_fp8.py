@@ -182,6 +182,28 @@ def test_dequantize_fp8_launch_matches_the_reference(dtype):
         )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_dequantize_fp8_of_low_latency_layout(dtype):
+    """``[E_local, rows, H]`` payloads with scales column-major per expert (the low-latency
+    dispatch's layout: strides ``(G * rows, 1, rows)``), the same as the reference."""
+    from tritonep.kernels.fp8 import dequantize_fp8
+
+    device = "cuda" if ON_GPU else "cpu"
+    experts, rows, hidden = (4, 96, 7168) if ON_GPU else (3, 5, 384)
+    g = torch.Generator().manual_seed(12)
+    codes = torch.randint(0, 256, (experts, rows, hidden), generator=g, dtype=torch.uint8)
+    q = codes.view(torch.float8_e4m3fn)
+    scales = torch.exp2(torch.randn(experts, hidden // 128, rows, generator=g) * 30).transpose(1, 2)
+    assert scales.stride() == (hidden // 128 * rows, 1, rows)
+    want = ref.dequantize_fp8(q, scales).to(dtype)
+    got = dequantize_fp8(q.to(device), scales.to(device), dtype=dtype).cpu()
+    assert got.shape == want.shape and got.is_contiguous()
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(got.view(bits)[~nan], want.view(bits)[~nan])
+
+
 def test_dequantize_fp8_rejects_bad_input():
     from tritonep.kernels.fp8 import dequantize_fp8
 
@@ -193,6 +215,8 @@ def test_dequantize_fp8_rejects_bad_input():
         ((q, s[:, :1]), ValueError, "scales: expected shape [2, 2]"),
         ((q[:, :100], s), ValueError, "multiple of 128"),
         ((q, s, torch.float16), TypeError, "dtype: expected"),
+        ((q[None], s), ValueError, "scales: expected shape [1, 2, 2]"),
+        ((q[None, None], s[None, None]), ValueError, "q: expected shape [N, H] or [B, N, H]"),
     ]
     for args, error, message in cases:
         with pytest.raises(error, match=re.escape(message)):

@@ -20,7 +20,7 @@ import torch
 
 from .api import autograd
 from .api.buffer import Buffer
-from .reference.fp8 import dequantize_fp8
+from .kernels.fp8 import dequantize_fp8
 
 
 def init_params(hidden: int, num_experts: int, seed: int = 0):
@@ -134,7 +134,7 @@ class MoELayer(torch.nn.Module):
             x, ids, self.max_tokens, self.num_experts, use_fp8=self.use_fp8
         )
         if self.use_fp8:
-            recv = dequantize_fp8(*recv)
+            recv = dequantize_fp8(*recv, dtype=torch.float32)
         y = torch.bmm(recv.float(), self.experts.float()).to(torch.bfloat16)
         out, _, _ = self.buffer.low_latency_combine(y, ids, weights.detach(), handle)
         return out

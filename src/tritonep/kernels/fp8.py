@@ -149,22 +149,25 @@ def quantize_fp8_kernel(x_ptr, q_ptr, scale_ptr, x_stride, H: tl.constexpr, G_P2
     tl.store(scale_ptr + token * (H // 128) + groups, scale, mask=gmask)
 
 
-def _check_rows(name: str, t: torch.Tensor, dtypes) -> tuple[int, int]:
-    """``(N, H)`` of a ``[N, H]`` tensor of ``dtypes`` whose ``H`` is a positive multiple of 128
-    and whose rows have unit stride; raises TypeError/ValueError naming ``name``."""
+def _check_rows(name: str, t: torch.Tensor, dtypes, batched: bool = False) -> torch.Tensor:
+    """``t`` as ``[B, N, H]`` (``B`` = 1 for ``[N, H]``; ``[B, N, H]`` itself when ``batched``):
+    a tensor of ``dtypes`` whose ``H`` is a positive multiple of 128 and whose rows have unit
+    stride; raises TypeError/ValueError naming ``name``."""
     check_tensor(name, t, dtype=dtypes, contiguous=False)
-    if t.dim() != 2 or t.shape[1] % 128 != 0 or t.shape[1] == 0:
-        raise ValueError(f"{name}: expected shape [N, H] with H a positive multiple of 128, "
+    shapes = "[N, H] or [B, N, H]" if batched else "[N, H]"
+    if t.dim() not in ((2, 3) if batched else (2,)) or t.shape[-1] % 128 != 0 or t.shape[-1] == 0:
+        raise ValueError(f"{name}: expected shape {shapes} with H a positive multiple of 128, "
                          f"got {list(t.shape)}")  # fmt: skip
-    if t.shape[0] > 1 and t.stride(1) != 1:
+    if t.shape[-2] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name}: expected rows of unit stride (call .contiguous() first)")
-    return t.shape[0], t.shape[1]
+    return t if t.dim() == 3 else t.unsqueeze(0)
 
 
-def _launch_per_token(kernel, device: torch.device, num_tokens: int, hidden: int, args: tuple,
+def _launch_per_token(kernel, device: torch.device, grid: tuple, hidden: int, args: tuple,
                       **meta) -> bool:  # fmt: skip
-    """Launch ``kernel`` with one program per token on ``device``; False (nothing launched)
-    for CPU tensors outside the Triton interpreter, where the caller uses the reference."""
+    """Launch ``kernel`` with one program per token (``grid``) on ``device``; False (nothing
+    launched) for CPU tensors outside the Triton interpreter, where the caller uses the
+    reference."""
     on_gpu = device.type == "cuda"
     if not on_gpu and isinstance(kernel, triton.runtime.JITFunction):
         return False
@@ -172,7 +175,7 @@ def _launch_per_token(kernel, device: torch.device, num_tokens: int, hidden: int
     meta.update(H=hidden, G_P2=triton.next_power_of_2(groups), EMULATE=not on_gpu,
                 num_warps=4 if groups <= 16 else 8)  # fmt: skip
     with torch.cuda.device(device) if on_gpu else contextlib.nullcontext():
-        launch(kernel, (num_tokens,), args, meta)
+        launch(kernel, grid, args, meta)
     return True
 
 
@@ -190,13 +193,15 @@ def quantize_fp8(x: torch.Tensor, use_ue8m0: bool = False):
         ``(q, scales)``: ``q`` float8_e4m3fn ``[N, H]``, ``scales`` float32 ``[N, H / 128]``
         (contiguous), the input that :meth:`tritonep.Buffer.dispatch` takes in FP8.
     """
-    num_tokens, hidden = _check_rows("x", x, (torch.bfloat16, torch.float16, torch.float32))
+    _, num_tokens, hidden = _check_rows(
+        "x", x, (torch.bfloat16, torch.float16, torch.float32)
+    ).shape
     q = torch.empty(num_tokens, hidden, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(num_tokens, hidden // 128, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return q, scales
     args = (x, q.view(torch.uint8), scales, x.stride(0))
-    if not _launch_per_token(quantize_fp8_kernel, x.device, num_tokens, hidden, args,
+    if not _launch_per_token(quantize_fp8_kernel, x.device, (num_tokens,), hidden, args,
                              USE_UE8M0=use_ue8m0, IS_BF16=x.dtype == torch.bfloat16):  # fmt: skip
         return reference.quantize_fp8(x, use_ue8m0=use_ue8m0)
     return q, scales
@@ -224,20 +229,26 @@ def e4m3_value(code, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def dequantize_fp8_kernel(q_ptr, scale_ptr, out_ptr, q_stride, scale_stride, H: tl.constexpr,
+def dequantize_fp8_kernel(q_ptr, scale_ptr, out_ptr, num_tokens, q_batch_stride, q_stride,
+                          scale_batch_stride, scale_stride, scale_group_stride, H: tl.constexpr,
                           G_P2: tl.constexpr, TO_BF16: tl.constexpr,
                           EMULATE: tl.constexpr):  # fmt: skip
-    """One token per program: ``e4m3 * scale`` in float32, stored as the output dtype."""
+    """One token per program (axis 0: token, axis 1: batch): ``e4m3 * scale`` in float32,
+    stored as the output dtype. Scales may have any strides (the low-latency dispatch returns
+    them column-major per expert)."""
     token = tl.program_id(0).to(tl.int64)
+    batch = tl.program_id(1).to(tl.int64)
     groups = tl.arange(0, G_P2)
     gmask = groups < H // 128
     offs = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
-    code = tl.load(q_ptr + token * q_stride + offs, mask=gmask[:, None], other=0)
-    scale = tl.load(scale_ptr + token * scale_stride + groups, mask=gmask, other=0.0)
+    code = tl.load(q_ptr + batch * q_batch_stride + token * q_stride + offs, mask=gmask[:, None],
+                   other=0)  # fmt: skip
+    scale_row = scale_ptr + batch * scale_batch_stride + token * scale_stride
+    scale = tl.load(scale_row + groups * scale_group_stride, mask=gmask, other=0.0)
     y = e4m3_value(code, EMULATE) * scale[:, None]
     if TO_BF16:
         y = to_bf16(y, EMULATE)
-    tl.store(out_ptr + token * H + offs, y, mask=gmask[:, None])
+    tl.store(out_ptr + (batch * num_tokens + token) * H + offs, y, mask=gmask[:, None])
 
 
 def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16):
@@ -247,26 +258,30 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = t
     payload and one write, where the torch operations make several passes in float32.
 
     Args:
-        q: float8_e4m3fn ``[N, H]``, ``H`` a multiple of 128, rows of unit stride.
-        scales: float32 ``[N, H / 128]`` with unit stride along a row (the normal mode's
-            received scales, or :func:`quantize_fp8`'s).
+        q: float8_e4m3fn ``[N, H]`` (the normal mode's received rows) or ``[B, N, H]`` (the
+            low-latency dispatch's ``[E_local, R * max_tokens, H]``), ``H`` a multiple of 128,
+            rows of unit stride.
+        scales: float32 ``q.shape[:-1] + [H / 128]``, any strides (the normal mode's received
+            scales, :func:`quantize_fp8`'s, or the low-latency dispatch's column-major ones).
         dtype: torch.bfloat16 (default) or torch.float32.
 
     Returns:
-        ``[N, H]`` of ``dtype``, contiguous.
+        ``q.shape`` of ``dtype``, contiguous. Low-latency rows past an expert's count hold
+        whatever the receive buffer held (as ``q`` does there).
     """
-    num_tokens, hidden = _check_rows("q", q, torch.float8_e4m3fn)
-    check_tensor("scales", scales, dtype=torch.float32, shape=(num_tokens, hidden // 128),
+    batched = _check_rows("q", q, torch.float8_e4m3fn, batched=True)
+    batch, num_tokens, hidden = batched.shape
+    check_tensor("scales", scales, dtype=torch.float32, shape=(*q.shape[:-1], hidden // 128),
                  device=q.device, contiguous=False)  # fmt: skip
     if dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"dtype: expected torch.bfloat16 or torch.float32, got {dtype}")
-    if num_tokens > 1 and hidden > 128 and scales.stride(1) != 1:
-        raise ValueError("scales: expected rows of unit stride (call .contiguous() first)")
-    out = torch.empty(num_tokens, hidden, dtype=dtype, device=q.device)
-    if num_tokens == 0:
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    if out.numel() == 0:
         return out
-    args = (q.view(torch.uint8), scales, out, q.stride(0), scales.stride(0))
-    if not _launch_per_token(dequantize_fp8_kernel, q.device, num_tokens, hidden, args,
+    batched_scales = scales if scales.dim() == 3 else scales.unsqueeze(0)
+    args = (batched.view(torch.uint8), batched_scales, out, num_tokens, batched.stride(0),
+            batched.stride(1), *batched_scales.stride())  # fmt: skip
+    if not _launch_per_token(dequantize_fp8_kernel, q.device, (num_tokens, batch), hidden, args,
                              TO_BF16=dtype == torch.bfloat16):  # fmt: skip
         return reference.dequantize_fp8(q, scales).to(dtype)
     return out
