@@ -32,13 +32,13 @@ built in this rank's staging slab ``[expert][slot]`` instead; the program that p
 expert's count moves the block in one put whose signal is the count
 (:mod:`tritonep.kernels.transport`). Owners on this node still get plain stores.
 
-Why it is fast: one launch, no host synchronization, no count exchange before the data (the
-count follows the data on the same path), a token's payload crosses NVLink once per
-destination rank rather than once per expert (at top-8 over 256 experts on 4 ranks, 2.7
-payloads a token instead of 6), and every token is read and quantized once however many
-experts it goes to (quantizing, whose quotients must round as IEEE division does, is the
-costly part of a token's send; an expert-major send repeats it top-k times per token). Slot
-numbering needs no atomics, so outputs are deterministic. Messages to owners on other nodes
+Why it is fast: one launch, no host synchronization, no count exchange before the data (the count
+follows the data on the same path), a token's payload crosses NVLink once per destination rank
+rather than once per expert (at top-8 over 256 experts on 4 ranks, 2.7 payloads a token instead of
+6), and every token is read and quantized once however many experts it goes to (quantizing, whose
+quotients must round as IEEE division does, is the costly part of a token's send; an expert-major
+send repeats it top-k times per token). Slot numbering follows token order, not the order of any
+atomic (counting adds commute), so outputs are deterministic. Messages to owners on other nodes
 (staged, then put per expert block) each carry their payload.
 
 Both phases can run in one launch (the GPU default, launched cooperatively so that all

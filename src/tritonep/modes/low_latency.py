@@ -249,7 +249,8 @@ class LowLatencyMode:
         # Dispatch senders: per-program slot counters and lists, and per-expert counts of
         # stored messages (the completing program zeroes each for the next call).
         # At least 2 bins: the scratch row (3 * bins + TOKEN_WORDS int32) stays even, so its
-        # int64 destination list is 8-byte aligned in every program's row.
+        # int64 words (the counting tally, the destination list) are 8-byte aligned in every
+        # program's row.
         self._bins = _next_pow2(max(num_experts, 2))
         self.scratch = torch.empty(num_programs, 3 * self._bins + ll_dispatch.TOKEN_WORDS.value,
                                    dtype=torch.int32, device=self.device)  # fmt: skip
