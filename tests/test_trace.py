@@ -10,14 +10,17 @@ import json
 import pytest
 import torch
 
+from tests.conftest import machine_gpus
 from tritonep.api import Buffer, EPLowLatencyAllToAllLayer
 from tritonep.modes.trace import PHASES
 from tritonep.testing import make_case
 
+TOKENS = [6, 0, 5]  # per rank
+
 
 def _trace_body(ctx, tmp):
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
-    tokens, hidden, experts, topk = [6, 0, 5][:R], 256, 4 * R, 3
+    tokens, hidden, experts, topk = TOKENS[:R], 256, 4 * R, 3
     layer = EPLowLatencyAllToAllLayer(max(tokens), hidden, topk, True, me, experts, R, R,
                                       enable_profiling=True)  # fmt: skip
     for call in range(2):
@@ -53,12 +56,19 @@ def test_traces_show_every_phase_in_order(run_ranks, num_ranks, tmp_path):
             names = {e["name"] for e in slices}
             assert {f"{kernel}: send", f"{kernel}: receive"} <= names
             seen[kernel] |= names
+            # A phase with no work (a rank without tokens sends nothing in dispatch and sums
+            # nothing in combine) may take less than one tick of a GPU's timer, and a slice of
+            # zero time is left out; the logical clock of CPU ranks always advances.
+            idle = {"send"} if kernel.endswith("dispatch") else {"receive"}
+            optional = idle if machine_gpus() and TOKENS[rank] == 0 else set()
             for call in (0, 1):
                 for program in {e["tid"] for e in slices}:
                     mine = [e for e in slices if e["tid"] == program and e["args"]["call"] == call]
                     envelopes = {e["name"].split(": ")[1]: e for e in mine if ": " in e["name"]}
-                    send, recv = envelopes["send"], envelopes["receive"]
-                    assert send["ts"] + send["dur"] <= recv["ts"] + ROUNDING_US  # send first
+                    assert {"send", "receive"} - optional <= set(envelopes), (rank, program)
+                    send, recv = envelopes.get("send"), envelopes.get("receive")
+                    if send and recv:  # send first
+                        assert send["ts"] + send["dur"] <= recv["ts"] + ROUNDING_US
                     for e in mine:
                         if e["name"] in send_names:
                             parent = send
@@ -66,6 +76,7 @@ def test_traces_show_every_phase_in_order(run_ranks, num_ranks, tmp_path):
                             parent = recv
                         else:
                             continue
+                        assert parent is not None, (rank, program, e["name"])
                         assert parent["ts"] <= e["ts"] + ROUNDING_US
                         assert e["ts"] + e["dur"] <= parent["ts"] + parent["dur"] + ROUNDING_US
     # Every sub-phase shows on some rank. Not necessarily on each: a rank without tokens

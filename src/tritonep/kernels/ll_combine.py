@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .fp8 import from_bf16, to_bf16
-from .ll_dispatch import finish_launch
+from .ll_dispatch import call_number, finish_launch
 from .logfmt import decode, encode_groups
 from .peer_mask import gave_up, mask_timed_out, masked, wait_peer
 from .sync import add_release, aligned_ptr, record_timeout, wait_flag
@@ -45,7 +45,7 @@ PHASE_COMBINE_RECV = tl.constexpr(3)
 
 COMBINE_SEND_CALLS = tl.constexpr(2)
 COMBINE_RECV_CALLS = tl.constexpr(3)
-COMBINE_ARRIVALS = tl.constexpr(5)
+COMBINE_ARRIVALS = tl.constexpr(5)  # (column 0)
 
 
 @triton.jit
@@ -98,8 +98,8 @@ def ll_combine_kernel(
     num_programs = tl.num_programs(0)
     E_LOCAL: tl.constexpr = NUM_EXPERTS // NUM_RANKS
     G: tl.constexpr = H // 128
-    c_send = tl.load(state_ptr + COMBINE_SEND_CALLS, volatile=True)
-    c_recv = tl.load(state_ptr + COMBINE_RECV_CALLS, volatile=True)
+    c_send = call_number(state_ptr, COMBINE_SEND_CALLS)
+    c_recv = call_number(state_ptr, COMBINE_RECV_CALLS)
     # Trace: sub-phase totals (send, signal, wait, reduce).
     t_start = tl.zeros((), tl.int64)
     if PROFILE:
@@ -270,6 +270,7 @@ def ll_combine_kernel(
         c_recv,
         DO_SEND,
         DO_RECV,
+        SHRINK and DO_RECV,
     )
     if SHRINK and DO_RECV:  # noqa: SIM102 - compiled out without SHRINK
         if last:

@@ -64,10 +64,17 @@ from .transport import SIGNAL_SET, VIA_STORE, put_block_signal
 
 PHASE_DISPATCH_RECV = tl.constexpr(2)
 
-# Device state counters (int64), shared with the combine kernel module.
+# Device state (int64), shared with the combine kernel module: row ``r`` of ``[8, P]``. The
+# call counters are per program (program ``p`` keeps its own in column ``p``): a program reads
+# its counter at its start and writes the next value at its end, and only the same program of
+# the next launch reads it again, so no program waits on another to advance it. Counting the
+# programs of a launch (an atomic per program at its end, ~0.9 us more per launch on one H100,
+# BENCHMARKS.md) is left to shrink mode, whose last program settles the verdicts.
 DISPATCH_SEND_CALLS = tl.constexpr(0)
 DISPATCH_RECV_CALLS = tl.constexpr(1)
-DISPATCH_ARRIVALS = tl.constexpr(4)
+DISPATCH_ARRIVALS = tl.constexpr(4)  # (column 0)
+#: Rows of the device state.
+STATE_ROWS = 8
 
 #: Count by atomic adds while all programs' adds together stay within this many (see the send
 #: phase), by histograms beyond (``COUNT_BY_ADDS``, chosen by the host from the shapes).
@@ -81,6 +88,12 @@ TOKEN_WORDS = tl.constexpr(80)
 
 
 @triton.jit
+def call_number(state_ptr, calls):
+    """This program's call counter of row ``calls``: the launches of that phase before this one."""
+    return tl.load(state_ptr + calls * tl.num_programs(0) + tl.program_id(0), volatile=True)
+
+
+@triton.jit
 def finish_launch(
     state_ptr,
     arrivals,
@@ -90,19 +103,26 @@ def finish_launch(
     c_recv,
     DO_SEND: tl.constexpr,
     DO_RECV: tl.constexpr,
+    ARRIVE: tl.constexpr,
 ):
-    """The last program of a launch advances the call counters of the phases it ran.
+    """Advance this program's call counters of the phases it ran.
 
-    Returns whether this program is that last one (every other program's work is done)."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(state_ptr + arrivals, 1, sem="acq_rel", scope="gpu")
-    last = arrived == tl.num_programs(0) - 1
-    if last:
-        tl.store(state_ptr + arrivals, 0)
-        if DO_SEND:
-            tl.store(state_ptr + send_calls, c_send + 1)
-        if DO_RECV:
-            tl.store(state_ptr + recv_calls, c_recv + 1)
+    With ``ARRIVE``, also counts the programs that got here and returns whether this one is
+    the last (every other program's work is done); without, returns False."""
+    num_programs = tl.num_programs(0)
+    column = tl.program_id(0)
+    tl.debug_barrier()  # every thread of the program has read its counter long before
+    if DO_SEND:
+        tl.store(state_ptr + send_calls * num_programs + column, c_send + 1)
+    if DO_RECV:
+        tl.store(state_ptr + recv_calls * num_programs + column, c_recv + 1)
+    last = False
+    if ARRIVE:
+        arrived = tl.atomic_add(state_ptr + arrivals * num_programs, 1, sem="acq_rel",
+                                scope="gpu")  # fmt: skip
+        last = arrived == num_programs - 1
+        if last:
+            tl.store(state_ptr + arrivals * num_programs, 0)
     return last
 
 
@@ -129,7 +149,7 @@ def ll_dispatch_kernel(
     stage_offset,  # byte offset of the staging slabs [E][M] messages (VIA != VIA_STORE)
     gpus_per_node,  # ranks r and r' share a node when r // gpus_per_node == r' // gpus_per_node
     pe_ptr,  # [R] int32 NVSHMEM PE of each rank
-    state_ptr,  # [8] int64 local call counters
+    state_ptr,  # [STATE_ROWS, P] int64 call counters per program (and shrink's arrivals)
     scratch_ptr,  # [P, 3 * BINS + TOKEN_WORDS] int32 per-program slot counters and lists
     expert_done_ptr,  # [BINS] int32 messages stored per expert in this launch, zero between
     out_x_ptr,  # [E_local, R * M, H] bf16, or the e4m3 output viewed as uint8
@@ -179,8 +199,8 @@ def ll_dispatch_kernel(
     gmask = groups < G
     row_offs = groups[:, None] * 128 + channels[None, :]
     row_mask = gmask[:, None]
-    c_send = tl.load(state_ptr + DISPATCH_SEND_CALLS, volatile=True)
-    c_recv = tl.load(state_ptr + DISPATCH_RECV_CALLS, volatile=True)
+    c_send = call_number(state_ptr, DISPATCH_SEND_CALLS)
+    c_recv = call_number(state_ptr, DISPATCH_RECV_CALLS)
     # Trace: sub-phase totals (quantize and send, count send, wait, pack).
     t_start = tl.zeros((), tl.int64)
     if PROFILE:
@@ -517,6 +537,7 @@ def ll_dispatch_kernel(
         c_recv,
         DO_SEND,
         DO_RECV,
+        SHRINK and DO_RECV,
     )
     if SHRINK and DO_RECV:  # noqa: SIM102 - compiled out without SHRINK
         if last:

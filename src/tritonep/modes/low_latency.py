@@ -244,7 +244,9 @@ class LowLatencyMode:
             else:
                 num_programs = 4
         self.num_programs = num_programs
-        self.state = torch.zeros(8, dtype=torch.int64, device=self.device)
+        # Call counters, one per program (every launch has this grid; ll_dispatch.STATE_ROWS).
+        self.state = torch.zeros(ll_dispatch.STATE_ROWS * num_programs, dtype=torch.int64,
+                                 device=self.device)  # fmt: skip
         self.status = new_status(self.device)
         # Dispatch senders: per-program slot counters and lists, and per-expert counts of
         # stored messages (the completing program zeroes each for the next call).
