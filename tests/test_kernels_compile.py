@@ -45,7 +45,7 @@ KERNELS = [
             "peer": "i32",
             "flag_offset": "i64",
             "value": "i32",
-            "timeout": "i64",
+            "timeout_us": "i32",
             "status_ptr": "*i32",
             "USE_CLOCK": "constexpr",
         },
@@ -74,7 +74,7 @@ LL_DISPATCH = {
     "out_count_ptr": "*i32",
     "out_range_ptr": "*i64",
     "status_ptr": "*i32",
-    "timeout_ns": "i64",
+    "timeout_us": "i32",
     "trace_ptr": "*i64",
     "wait_stats_ptr": "*i64",
     "mask_ptr": "*i32",
@@ -98,7 +98,7 @@ LL_COMBINE = {
     "pe_ptr": "*i32",
     "state_ptr": "*i64",
     "status_ptr": "*i32",
-    "timeout_ns": "i64",
+    "timeout_us": "i32",
     "trace_ptr": "*i64",
     "wait_stats_ptr": "*i64",
     "mask_ptr": "*i32",
@@ -131,6 +131,7 @@ LL_DISPATCH_META = dict(
     WAIT_STATS=False,
     SHRINK=False,
     VIA=0,
+    ONE_TOKEN=False,
 )
 LL_COMBINE_META = dict(
     H=7168,
@@ -174,6 +175,8 @@ for name, sig, meta in [
     ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "SHRINK": True}),
     # Ids counted by histograms (many tokens)
     ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "COUNT_BY_ADDS": False}),
+    # A batch of one token, its size known when compiling
+    ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "ONE_TOKEN": True}),
     ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, "SHRINK": True}),
     ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "SHRINK": True, "VIA": 1}),
     ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, "SHRINK": True, "VIA": 1}),
@@ -228,7 +231,7 @@ NORMAL_DISPATCH = {
     "recv_count_ptr": "*i32",
     "recv_start_ptr": "*i32", "host_info_ptr": "*i32", "out_x_ptr": "*i32",
     "out_scales_ptr": "*i32", "out_topk_idx_ptr": "*i64", "out_weights_ptr": "*fp32",
-    "out_src_ptr": "*i32", "max_rows": "i32", "status_ptr": "*i32", "timeout_ns": "i64",
+    "out_src_ptr": "*i32", "max_rows": "i32", "status_ptr": "*i32", "timeout_us": "i32",
     "bounds_ptr": "*i32", "ready_ptr": "*i32", "relay_call_ptr": "*i64", "trace_ptr": "*i64",
 }  # fmt: skip
 NORMAL_DISPATCH_META = dict(
@@ -243,7 +246,7 @@ NORMAL_COMBINE = {
     "num_rows": "i32",
     "bias0_ptr": "*bf16", "bias1_ptr": "*bf16", "recv_count_ptr": "*i32",
     "recv_start_ptr": "*i32", **FLAGS, "out_ptr": "*bf16", "out_weights_ptr": "*fp32",
-    "status_ptr": "*i32", "timeout_ns": "i64", "bounds_ptr": "*i32", "ready_ptr": "*i32",
+    "status_ptr": "*i32", "timeout_us": "i32", "bounds_ptr": "*i32", "ready_ptr": "*i32",
     "relay_call_ptr": "*i64", "trace_ptr": "*i64",
 }  # fmt: skip
 NORMAL_COMBINE_META = dict(
@@ -257,7 +260,7 @@ NOTIFY = {
     "state_ptr": "*i64", "decoded_ptr": "*i32",
     "recv_count_ptr": "*i32", "recv_start_ptr": "*i32", "host_info_ptr": "*i32",
     "max_rows": "i32", "extra_ptr": "*i32", "extra_out_ptr": "*i32", "status_ptr": "*i32",
-    "timeout_ns": "i64", "trace_ptr": "*i64",
+    "timeout_us": "i32", "trace_ptr": "*i64",
 }  # fmt: skip
 NOTIFY_META = dict(
     NUM_RANKS=4, NUM_CHANNELS=12, E_LOCAL=64, ALIGN=128, ROW=76, SET_BYTES=1280,
@@ -360,6 +363,8 @@ def _id(kernel):
     shrink = "-shrink" if meta.get("SHRINK") else ""
     packed = "-ue8m0" if meta.get("PACK_UE8M0") else ""
     packed += "-logfmt" if meta.get("LOGFMT") else ""
+    packed += "-histograms" if meta.get("COUNT_BY_ADDS") is False else ""
+    packed += "-one-token" if meta.get("ONE_TOKEN") else ""
     return kernel[1] + traced + ("-staged" if meta.get("VIA") else "") + shrink + packed + relay
 
 
@@ -498,3 +503,59 @@ def test_staged_copies_move_16_byte_vectors():
     ptx = compile_ptx(__name__, "staged_copy_kernel", signature, {}, {"num_warps": 16})
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
     assert "ld.global.b32" not in ptx and "st.global.b32" not in ptx
+
+
+SPECIALIZATION = """
+import importlib, json, sys
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
+module, name, param, values = json.loads(sys.argv[1])
+p = next(p for p in getattr(importlib.import_module(module), name).params if p.name == param)
+flags = (p.is_const, not p.do_not_specialize, not p.do_not_specialize_on_alignment)
+print(json.dumps([list(native_specialize_impl(BaseBackend, v, *flags)) for v in values]))
+"""
+
+
+def triton_specializations(module, name, param, values):
+    """How Triton's binder types and specializes ``values`` of parameter ``param``."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    proc = subprocess.run([sys.executable, "-c", SPECIALIZATION,
+                           json.dumps([module, name, param, values])],
+                          capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+WAITING_KERNELS = sorted({(k[0], k[1]) for k in KERNELS if "timeout_us" in k[2]})
+
+
+@pytest.mark.parametrize("module,name", WAITING_KERNELS, ids=[k[1] for k in WAITING_KERNELS])
+def test_a_new_limit_compiles_nothing(module, name):
+    """Every limit reaches the kernels as the same unspecialized int32, so assigning
+    ``timeout_s`` (e.g. from 60 s down to 2 s once every variant is warm) reuses the compiled
+    variants. In nanoseconds, 2 s would be an int32 and 60 s an int64: new variants compiled
+    while the peers wait (under a 2 s limit, long enough to mask a live peer)."""
+    from tritonep.kernels.sync import MAX_TIMEOUT_S, timeout_us
+
+    limits = [timeout_us(s) for s in (1e-6, 0.5, 1.0, 2.0, 60.0, 100.0, MAX_TIMEOUT_S)]
+    assert limits[:2] == [1, 500_000] and limits[-1] == 2**31 - 1
+    assert triton_specializations(module, name, "timeout_us", limits) == [["i32", None]] * 7
+
+
+@pytest.mark.parametrize("name", ["ll_dispatch", "ll_combine"])
+def test_a_new_batch_size_compiles_nothing_in_low_latency_mode(name):
+    """Decode batches change size from step to step: a batch of a multiple of 16 tokens must
+    not compile a variant of its own while the peers wait (one token has its own dispatch
+    variant, chosen by the host: ``ONE_TOKEN``)."""
+    got = triton_specializations(f"tritonep.kernels.{name}", f"{name}_kernel", "num_tokens",
+                                 [0, 1, 16, 17, 128, 256])  # fmt: skip
+    assert got == [["i32", None]] * 6
+
+
+def test_limits_outside_the_int32_range_are_refused():
+    from tritonep.kernels.sync import MAX_TIMEOUT_S, timeout_us
+
+    for bad in (0, -1.0, float("nan"), MAX_TIMEOUT_S * 1.01):
+        with pytest.raises(ValueError, match="timeout_s"):
+            timeout_us(bad)

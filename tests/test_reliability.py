@@ -239,6 +239,63 @@ def test_a_timeout_set_on_a_buffer_reaches_modes_already_built(run_ranks, mode):
     _assert_rank0_timed_out_at_1_s(run_ranks(2, _timeout_change_body, mode))
 
 
+def _variants_body(ctx):
+    """Kernel variants Triton holds after calls of 5 tokens and of 1 token (its own dispatch
+    variant) under the default limit, then after calls under a 2 s limit (low-latency mode
+    also with batches of other sizes: 1, 16, 7 tokens)."""
+    from tritonep.kernels import (
+        ll_combine,
+        ll_dispatch,
+        normal_combine,
+        normal_dispatch,
+        normal_notify,
+    )
+
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    hidden, experts, topk = 128, 2 * R, 2
+    low = ll.LowLatencyMode(None, 16, hidden, experts, max_topk=topk, device=dev)
+    normal = nm.NormalMode(None, hidden, experts, max_topk=topk, device=dev)
+    kernels = [ll_dispatch.ll_dispatch_kernel, ll_combine.ll_combine_kernel,
+               normal_notify.notify_kernel, normal_dispatch.normal_dispatch_kernel,
+               normal_combine.normal_combine_kernel]  # fmt: skip
+
+    def calls(tokens, seed):
+        case = make_case(seed, [tokens] * R, hidden, experts, topk)
+        x, idx = case.x[me].to(dev), case.topk_idx[me].to(dev)
+        recv_x, _, handle, _ = low.dispatch(x, idx, use_fp8=True)
+        low.combine(tll._expert_outputs(recv_x, True, me), idx, case.topk_weights[me].to(dev),
+                    handle)  # fmt: skip
+        low.check()
+        if tokens == 5:
+            result = normal.dispatch(x, idx)
+            normal.combine(result.recv_x, result.handle)
+            normal.check()
+
+    def compiled():  # Triton's own cache of each kernel on this device
+        return [len(k.device_caches[dev.index][0]) for k in kernels]
+
+    calls(5, 80)
+    calls(1, 79)
+    before = compiled()
+    low.timeout_s = normal.timeout_s = 2.0
+    for seed, tokens in enumerate([5, 1, 16, 7]):
+        calls(tokens, 81 + seed)
+    after = compiled()
+    low.destroy()
+    normal.destroy()
+    return before, after
+
+
+@pytest.mark.gpu(n=2)
+def test_a_new_limit_or_batch_size_compiles_no_kernel(run_ranks):
+    """A limit assigned between calls (warm up under a long one, then shorten it, as shrink
+    mode wants) and the changing batch of a decode step reuse the compiled kernels: a compile
+    in the middle of a call would keep the peers waiting for seconds (tests/test_shrink.py
+    masked a live peer that way when a 2 s limit made the kernels take it as an int32)."""
+    for before, after in run_ranks(2, _variants_body):
+        assert min(before) >= 1 and after == before
+
+
 def _slow_rank_body(ctx):
     """One rank arrives 2 s late; everyone's results stay exact."""
     import time

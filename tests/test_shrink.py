@@ -96,9 +96,12 @@ def _dead_peer_body(ctx, fail_at, timeout_s):
     mode = ll.LowLatencyMode(None, 5, 128, 2 * R, max_topk=2, device=ctx.device,
                              timeout_s=60, enable_shrink=True)  # fmt: skip
     # Every kernel variant of the test, compiled by every rank under a long limit first: a
-    # limit shorter than a peer's compilation would mask a live peer (seen on GPUs).
-    for call, (use_fp8, hook) in enumerate([(False, False), (True, False), (False, True)]):
-        case = make_case(60 + call, [5, 2, 4, 3][:R], 128, 2 * R, 2, "random")
+    # limit shorter than a peer's compilation would mask a live peer (seen on GPUs). A batch
+    # of one token (rank 2's below) has a dispatch variant of its own.
+    some, one = [5, 2, 4, 3], [1, 1, 1, 1]
+    warm_up = [(False, False, some), (True, False, some), (False, True, some), (True, False, one)]
+    for call, (use_fp8, hook, tokens) in enumerate(warm_up):
+        case = make_case(60 + call, tokens[:R], 128, 2 * R, 2, "random")
         _call(ctx, mode, case, use_fp8, hook, set(), set())
     mode.timeout_s = timeout_s
     if me == last:

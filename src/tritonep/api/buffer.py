@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.layout import dispatch_layout
-from ..kernels.sync import timeout_ns
+from ..kernels.sync import timeout_us
 from ..modes.internode import InternodeHandle, InternodeMode, token_in_node
 from ..modes.low_latency import LowLatencyHandle, LowLatencyMode
 from ..modes.normal import Config, NormalHandle, NormalMode
@@ -154,8 +154,10 @@ class Buffer:
         num_rdma_bytes: if non-zero, must cover the low-latency size hint of the first call.
         low_latency_mode: accepted; the low-latency calls work either way.
         num_qps_per_rank: accepted and ignored (no RDMA queue pairs here).
-        timeout_s: limit of every wait inside the kernels, in seconds; assigning
-            ``buffer.timeout_s`` later changes it for the following calls of both modes.
+        timeout_s: limit of every wait inside the kernels, in seconds (at most
+            ``tritonep.kernels.sync.MAX_TIMEOUT_S``, about 35 minutes); assigning
+            ``buffer.timeout_s`` later changes it for the following calls of both modes
+            (without compiling anything).
         check_ids: read top-k ids on the host to reject out-of-range ids (a GPU sync per call).
         profile: record kernel traces of every call (:meth:`dump_trace`).
         gpus_per_node: ranks per node when the group spans several nodes, group ranks
@@ -286,7 +288,7 @@ class Buffer:
 
     @timeout_s.setter
     def timeout_s(self, value: float) -> None:
-        timeout_ns(value)  # a positive number of seconds, or ValueError
+        timeout_us(value)  # ValueError outside (0, MAX_TIMEOUT_S]
         self._timeout_s = value
         for mode in (self._normal, self._ll):
             if mode is not None:

@@ -37,7 +37,7 @@ from .fp8 import from_bf16, to_bf16
 from .ll_dispatch import call_number, finish_launch
 from .logfmt import decode, encode_groups
 from .peer_mask import gave_up, mask_timed_out, masked, wait_peer
-from .sync import add_release, aligned_ptr, record_timeout, wait_flag
+from .sync import add_release, aligned_ptr, limit_ns, record_timeout, wait_flag
 from .trace import read_clock, write_trace
 from .transport import SIGNAL_ADD, VIA_STORE, put_block, signal
 
@@ -48,7 +48,7 @@ COMBINE_RECV_CALLS = tl.constexpr(3)
 COMBINE_ARRIVALS = tl.constexpr(5)  # (column 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "timeout_us"])
 def ll_combine_kernel(
     x_ptr,  # [E_local, R * M, H] bf16 expert outputs, rows as dispatch packed them
     src_ptr,  # [E_local, R * M] int32 source token of each row
@@ -67,7 +67,7 @@ def ll_combine_kernel(
     pe_ptr,  # [R] int32 NVSHMEM PE of each rank
     state_ptr,
     status_ptr,
-    timeout_ns,
+    timeout_us,  # limit of every wait, in microseconds (sync.timeout_us)
     trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE), or the clock of WAIT_STATS
     wait_stats_ptr,  # [R] int64 time spent waiting for each source rank (WAIT_STATS)
     mask_ptr,  # [R] int32 masked peers (SHRINK)
@@ -94,6 +94,7 @@ def ll_combine_kernel(
     LOGFMT: tl.constexpr = False,  # rows travel as LogFMT-10 (:mod:`.logfmt`)
     LOGFMT_GROUPS: tl.constexpr = 64,  # 128-channel groups encoded at a time (power of two)
 ):
+    timeout_ns = limit_ns(timeout_us)
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     E_LOCAL: tl.constexpr = NUM_EXPERTS // NUM_RANKS

@@ -31,6 +31,7 @@ from .sync import (
     aligned_ptr,
     elapsed_ns,
     first_lane,
+    limit_ns,
     publish_rows,
     record_timeout,
     relay_flag,
@@ -354,7 +355,7 @@ def combine_receive(
                NUM_RANKS, NUM_CHANNELS, MAX_CHANNELS, VIA)  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["timeout_us"])
 def normal_combine_kernel(
     x_ptr,  # [M, H] bf16 rows to hand back, one per row received in dispatch
     weights_ptr,  # [M, K] float32 weights handed back with the rows (optional)
@@ -376,7 +377,7 @@ def normal_combine_kernel(
     out_ptr,  # [N, H] bf16
     out_weights_ptr,  # [N, K] float32 (optional)
     status_ptr,
-    timeout_ns,
+    timeout_us,  # limit of every wait, in microseconds (sync.timeout_us)
     bounds_ptr,  # [C + 1] int32 first token of each channel (BOUNDS); with AWAIT, [C] is the
     # number of input rows the relay flags (the others are not read)
     ready_ptr,  # [rows] int32 per-row flags: awaited on the input (AWAIT), set on the output
@@ -404,6 +405,7 @@ def normal_combine_kernel(
     AWAIT: tl.constexpr = False,  # wait for each input row's flag (call + 1) before sending it
     PUBLISH: tl.constexpr = False,  # flag each output token once summed
 ):
+    timeout_ns = limit_ns(timeout_us)
     pid = tl.program_id(0)
     call = tl.load(state_ptr + COMBINE_CALLS, volatile=True)
     if PROFILE:

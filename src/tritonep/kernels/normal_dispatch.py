@@ -37,6 +37,7 @@ from .sync import (
     aligned_ptr,
     elapsed_ns,
     first_lane,
+    limit_ns,
     publish_rows,
     record_timeout,
     relay_flag,
@@ -434,7 +435,7 @@ def dispatch_receive(
                     tl.store(out_weights_ptr + at, tl.zeros((128, K_P2), tl.float32), mask=m2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["timeout_us"])
 def normal_dispatch_kernel(
     x_ptr,  # [N, W] int32: the payload rows as words (BF16 or e4m3)
     scales_ptr,  # [N, G] float32 as int32 (FP8 input only)
@@ -461,7 +462,7 @@ def normal_dispatch_kernel(
     out_src_ptr,  # [max_rows] int32 source token index
     max_rows,
     status_ptr,  # [4] int32
-    timeout_ns,
+    timeout_us,  # limit of every wait, in microseconds (sync.timeout_us)
     bounds_ptr,  # [C + 1] int32 first token of each channel (BOUNDS)
     ready_ptr,  # [rows] int32 per-row flags: awaited on the input (AWAIT), set on the output
     relay_call_ptr,  # int64 call counter of the launch that awaits the flags set here (PUBLISH)
@@ -497,6 +498,7 @@ def normal_dispatch_kernel(
     RANKS_FROM_IDS: tl.constexpr = False,  # compute is_token_in_rank from the ids, and store it
     PUBLISH: tl.constexpr = False,  # flag each output row once written
 ):
+    timeout_ns = limit_ns(timeout_us)
     pid = tl.program_id(0)
     call = tl.load(state_ptr + DISPATCH_CALLS, volatile=True)
     if PROFILE:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .sync import STATUS_OVERFLOW, elapsed_ns, record_timeout, start_clock
+from .sync import STATUS_OVERFLOW, elapsed_ns, limit_ns, record_timeout, start_clock
 from .trace import read_clock, trace_role
 from .transport import VIA_STORE, put_block
 
@@ -51,7 +51,7 @@ def all_nonzero(a, b, c):
     ) > 0
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["timeout_us"])
 def notify_kernel(
     in_rank_ptr,  # [N, R] int8 (is_token_in_rank), or [R, C] int32 counts (COUNTS_GIVEN)
     num_tokens,
@@ -70,7 +70,7 @@ def notify_kernel(
     extra_ptr,  # [R, EXTRA] int32 sent to each peer (EXTRA > 0)
     extra_out_ptr,  # [R, EXTRA] int32 received from each source (EXTRA > 0)
     status_ptr,  # [4] int32
-    timeout_ns,
+    timeout_us,  # limit of every wait, in microseconds (sync.timeout_us)
     trace_ptr,  # [R * SLOTS + 1] int64 readings (PROFILE)
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
@@ -90,6 +90,7 @@ def notify_kernel(
     X_P2: tl.constexpr = 2,
     CHANNEL_MAJOR: tl.constexpr = False,
 ):
+    timeout_ns = limit_ns(timeout_us)
     peer = tl.program_id(0)
     call = tl.load(state_ptr + NOTIFY_CALLS, volatile=True)
     if PROFILE:

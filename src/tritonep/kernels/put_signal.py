@@ -24,11 +24,12 @@ from ..heap import SymmetricHeap
 from .nvshmem import SIGNAL_SET, link_options, putmem_signal_block
 from .sync import (
     DEFAULT_TIMEOUT_S,
+    limit_ns,
     new_status,
     raise_on_timeout,
     record_timeout,
     store_release,
-    timeout_ns,
+    timeout_us,
     use_clock,
     wait_flag,
 )
@@ -61,13 +62,13 @@ def put_signal_nvshmem_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["timeout_us"])
 def wait_signal_kernel(
-    peer_ptrs, rank, peer, flag_offset, value, timeout, status_ptr, USE_CLOCK: tl.constexpr
+    peer_ptrs, rank, peer, flag_offset, value, timeout_us, status_ptr, USE_CLOCK: tl.constexpr
 ):
     base = tl.load(peer_ptrs + rank)
     flag = (base + flag_offset).to(tl.pointer_type(tl.int32))
-    _, ok = wait_flag(flag, value, timeout, USE_CLOCK)
+    _, ok = wait_flag(flag, value, limit_ns(timeout_us), USE_CLOCK)
     if not ok:
         record_timeout(status_ptr, peer, PHASE_SIGNAL)
 
@@ -159,7 +160,7 @@ def wait_signal(
         peer,
         flag_offset,
         value,
-        timeout_ns(timeout_s),
+        timeout_us(timeout_s),
         status,
         USE_CLOCK=use_clock(heap.device),
     )

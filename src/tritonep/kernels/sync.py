@@ -11,6 +11,12 @@ Triton interpreter has no clock, so there the time is counted in spins of
 *status* tensor and returns ``False``; the kernel then skips the rest of its work and the host
 turns the status into :class:`~tritonep.errors.WaitTimeoutError` (:func:`raise_on_timeout`).
 No kernel ever traps, so the CUDA context survives a timeout.
+
+The limit reaches a kernel as whole microseconds in an argument that Triton does not
+specialize (:func:`timeout_us`, ``do_not_specialize``): an int32 whatever the limit, so
+changing a mode's ``timeout_s`` compiles nothing. In nanoseconds, limits below 2.1 s would be
+int32 and longer ones int64, and the first call after a change would compile new variants
+while its peers wait on it (under a short limit, long enough to time out).
 """
 
 from __future__ import annotations
@@ -63,6 +69,12 @@ def add_release(ptr, value):
     """Add to a counter with system-scope release semantics, after this program's stores."""
     tl.debug_barrier()
     tl.atomic_add(ptr, value, sem="release", scope="sys")
+
+
+@triton.jit
+def limit_ns(timeout_us):
+    """A kernel's ``timeout_us`` argument (:func:`timeout_us`) as int64 nanoseconds."""
+    return timeout_us.to(tl.int64) * 1000
 
 
 @triton.jit
@@ -189,10 +201,18 @@ def use_clock(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def timeout_ns(timeout_s: float) -> int:
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s}")
-    return int(timeout_s * 1e9)
+#: Longest limit a wait takes: the most microseconds an int32 holds (about 35 minutes).
+MAX_TIMEOUT_S = (2**31 - 1) / 1e6
+
+
+def timeout_us(timeout_s: float) -> int:
+    """The kernels' argument for a limit of ``timeout_s`` seconds: whole microseconds (at
+    least 1), an int32 for every limit; raises ValueError outside ``(0, MAX_TIMEOUT_S]``."""
+    if not 0 < timeout_s <= MAX_TIMEOUT_S:
+        raise ValueError(
+            f"timeout_s: expected a number of seconds in (0, {MAX_TIMEOUT_S:.0f}], got {timeout_s}"
+        )
+    return max(1, round(timeout_s * 1e6))
 
 
 def raise_on_timeout(

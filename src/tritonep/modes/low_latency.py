@@ -41,7 +41,7 @@ from ..kernels.sync import (
     DEFAULT_TIMEOUT_S,
     new_status,
     raise_on_timeout,
-    timeout_ns,
+    timeout_us,
     use_clock,
 )
 from ..validation import (
@@ -279,14 +279,16 @@ class LowLatencyMode:
 
     @property
     def timeout_s(self) -> float:
-        """Limit of every wait inside the kernels, in seconds. It may change between calls:
-        with ``enable_shrink``, a limit shorter than a peer's first call (which compiles its
-        kernels: seconds) masks a live peer, so warm up under a long limit, then shorten it."""
+        """Limit of every wait inside the kernels, in seconds, at most ``MAX_TIMEOUT_S``. It
+        may change between calls and a change compiles nothing (nor does a new token count).
+        With ``enable_shrink``, a limit shorter than a peer's first call of a kernel variant
+        (which compiles it: seconds) masks a live peer, so warm up every variant (dtype, hook,
+        top-k) under a long limit, then shorten it."""
         return self._timeout_s
 
     @timeout_s.setter
     def timeout_s(self, value: float) -> None:
-        self._timeout_ns = timeout_ns(value)
+        self._timeout_us = timeout_us(value)
         self._timeout_s = value
 
     # ------------------------------------------------------------------------------ sizes
@@ -457,9 +459,9 @@ class LowLatencyMode:
             recv_count,
             layout_range,
             self.status,
-            self._timeout_ns,
+            self._timeout_us,
         )
-        build_meta = lambda: dict(  # once per (use_fp8, use_ue8m0, pack, top-k, adds): _run
+        build_meta = lambda: dict(  # once per key below: _run
             H=H,
             K=topk,
             NUM_EXPERTS=self.num_experts,
@@ -474,6 +476,7 @@ class LowLatencyMode:
             USE_CLOCK=use_clock(self.device),
             BLOCK_N=min(128, _next_pow2(max(M, 16))),
             COUNT_BY_ADDS=by_adds,
+            ONE_TOKEN=num_tokens == 1,
             K_P2=_next_pow2(max(topk, 2)),
             G_P2=_next_pow2(H // 128),
             R_P2=_next_pow2(max(R, 2)),
@@ -486,7 +489,7 @@ class LowLatencyMode:
         handle = LowLatencyHandle(src_info, layout_range, M, H, self.num_experts, topk_slot)
         out_x = (recv_x, recv_scales) if use_fp8 else recv_x
         self._check_wait_stats(wait_stats)
-        key = (use_fp8, use_ue8m0, pack_ue8m0, topk, by_adds)
+        key = (use_fp8, use_ue8m0, pack_ue8m0, topk, by_adds, num_tokens == 1)
         hook = self._run(ll_dispatch.ll_dispatch_kernel, "low-latency dispatch", args, key,
                          build_meta, return_recv_hook, wait_stats,
                          (self.peer_mask, self._verdicts[0]))  # fmt: skip
@@ -573,7 +576,7 @@ class LowLatencyMode:
             self.transport.pes,
             self.state,
             self.status,
-            self._timeout_ns,
+            self._timeout_us,
         )
         build_meta = lambda: dict(  # once per (top-k, LogFMT): _run
             H=H,

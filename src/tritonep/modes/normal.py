@@ -39,7 +39,7 @@ import triton
 from ..heap import allocate, default_device
 from ..kernels import launcher, normal_combine, normal_dispatch, normal_notify, transport
 from ..kernels.layout import dispatch_layout
-from ..kernels.sync import DEFAULT_TIMEOUT_S, check_status, new_status, timeout_ns, use_clock
+from ..kernels.sync import DEFAULT_TIMEOUT_S, check_status, new_status, timeout_us, use_clock
 from ..validation import (
     check_dispatch_x,
     check_num_experts,
@@ -471,13 +471,13 @@ class NormalMode:
 
     @property
     def timeout_s(self) -> float:
-        """Limit of every wait inside the kernels, in seconds (idle time, for the rings); it
-        may change between calls."""
+        """Limit of every wait inside the kernels, in seconds (idle time, for the rings), at
+        most ``MAX_TIMEOUT_S``; it may change between calls, and a change compiles nothing."""
         return self._timeout_s
 
     @timeout_s.setter
     def timeout_s(self, value: float) -> None:
-        self._timeout_ns = timeout_ns(value)
+        self._timeout_us = timeout_us(value)
         self._timeout_s = value
 
     def check(self) -> None:
@@ -557,7 +557,7 @@ class NormalMode:
                 self.layout.stage_notify, self.transport.pes, self.state,
                 self._decoded, recv_count, recv_start, host_info, num_worst_tokens,
                 extra if X else recv_count, extra_out if X else recv_count,
-                self.status, self._timeout_ns,
+                self.status, self._timeout_us,
             ),
             (C, expert_alignment, send_counts is not None, X, channel_major),
             lambda: dict(
@@ -750,7 +750,7 @@ class NormalMode:
                 self.transport.pes, self.state, handle.recv_count,
                 handle.recv_start, handle.host_info, out_words, out_scales,
                 recv_topk_idx if has_topk else dummy, recv_weights if has_weights else dummy,
-                recv_src_idx, rows, self.status, self._timeout_ns,
+                recv_src_idx, rows, self.status, self._timeout_us,
                 bounds if bounds is not None else handle.recv_count,
                 relay.flags if relay is not None else handle.recv_count,
                 relay.publish_to if publish else self.state,
@@ -854,7 +854,7 @@ class NormalMode:
                 self.layout.combine_ring, self.layout.combine_tail, self.layout.combine_head,
                 self.layout.stage_rings, self.transport.pes,
                 self.state, out, out_weights if out_weights is not None else dummy,
-                self.status, self._timeout_ns,
+                self.status, self._timeout_us,
                 relay.limit if awaits else handle.bounds if handle.bounds is not None
                 else handle.recv_count,
                 relay.flags if relay is not None else handle.recv_count,
