@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tritonep.bench.timing import graph_median_us
 from tritonep.kernels.transport import copy_bytes
 
 
@@ -140,27 +141,6 @@ def copy_staged_ahead(src, dst, n_rows, W: tl.constexpr, TILE: tl.constexpr, AHE
             t1 = t2
 
 
-def _graph_time_us(launch, reps=20):
-    launch()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for _ in range(reps):
-            launch()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=4096)
@@ -199,7 +179,7 @@ def main() -> None:
     variants = [v for v in variants if v[0].startswith(args.only)]
     print(f"{n} rows x {W} words ({nbytes / 1e6:.1f} MB), torch {torch.__version__}, "
           f"triton {triton.__version__}, {torch.cuda.get_device_name()}")  # fmt: skip
-    t = _graph_time_us(lambda: dst.copy_(src))
+    t = graph_median_us(lambda: dst.copy_(src), calls=20, replays=10)
     print(f"torch copy_ (whole GPU): {t:.1f} us, {nbytes / t / 1e3:.0f} GB/s")
     for programs in (int(p) for p in args.programs.split(",")):
         print(f"\n{programs} programs; per-program GB/s = bytes / time / programs")
@@ -211,7 +191,7 @@ def main() -> None:
                 kernel[(programs,)](src, dst, n, W=W, **meta, num_warps=warps)
 
             try:
-                t = _graph_time_us(launch)
+                t = graph_median_us(launch, calls=20, replays=10)
                 ok = torch.equal(src, dst)
             except Exception as e:  # a shape a variant cannot compile: say so, go on
                 print(f"  {name:34s} failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}")

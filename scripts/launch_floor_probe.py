@@ -22,11 +22,12 @@ part of a small call that work could still remove shows as the difference:
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import triton
 import triton.language as tl
+
+from tritonep.bench.timing import graph_median_us
 
 
 @triton.jit
@@ -75,28 +76,6 @@ def handoff_kernel(flags_ptr, state_ptr, out_ptr, BINS: tl.constexpr, OWN: tl.co
         arrive(state_ptr, call)
 
 
-def graph_time_us(launch, reps: int = 10, replays: int = 20) -> float:
-    """Median time per launch of ``reps`` launches captured in one graph."""
-    launch()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for _ in range(reps):
-            launch()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--programs", type=int, default=128)
@@ -122,7 +101,7 @@ def main() -> None:
             launch_cooperative_grid=True)  # fmt: skip
     print(f"{torch.cuda.get_device_name()}: {p} programs, {w} warps, graph-replayed")
     for name, launch in variants.items():
-        print(f"{name:>24}: {graph_time_us(launch):6.2f} us per launch")
+        print(f"{name:>24}: {graph_median_us(launch):6.2f} us per launch")
     assert int(state[1]) == 0, "arrival counter not reset"
 
 

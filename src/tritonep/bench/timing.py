@@ -91,6 +91,30 @@ def time_graph(fn, calls: int, replays: int) -> float:
     return start.elapsed_time(end) / (calls * replays)
 
 
+def graph_median_us(fn, calls: int = 10, replays: int = 20) -> float:
+    """us per call of ``fn`` captured ``calls`` times in one CUDA graph: the median over
+    ``replays`` replays, each timed by CUDA events. For one-process probes (GPU only, no
+    barrier between ranks); :func:`time_graph` is the benchmarks' version."""
+    fn()  # warm up (compiles) outside the capture
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
 def mean_over_ranks(values) -> list[float]:
     """The mean over ranks of each value (NaN stays NaN)."""
     device = "cuda" if _on_gpu() and dist.get_backend() == "nccl" else "cpu"

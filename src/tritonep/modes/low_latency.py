@@ -280,10 +280,11 @@ class LowLatencyMode:
     @property
     def timeout_s(self) -> float:
         """Limit of every wait inside the kernels, in seconds, at most ``MAX_TIMEOUT_S``. It
-        may change between calls and a change compiles nothing (nor does a new token count).
-        With ``enable_shrink``, a limit shorter than a peer's first call of a kernel variant
-        (which compiles it: seconds) masks a live peer, so warm up every variant (dtype, hook,
-        top-k) under a long limit, then shorten it."""
+        may change between calls and a change compiles nothing (nor does a new batch size,
+        but for one token: that dispatch has a variant of its own). With ``enable_shrink``, a
+        limit shorter than a peer's first call of a kernel variant (which compiles it:
+        seconds) masks a live peer, so warm up every variant (dtype, hook, top-k, one token)
+        under a long limit, then shorten it."""
         return self._timeout_s
 
     @timeout_s.setter
