@@ -5,6 +5,7 @@ real compiler (front end, LLVM and ptxas) for an H100/H200 target. It runs in a 
 because this process builds its kernels for the interpreter.
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -505,33 +506,44 @@ def test_staged_copies_move_16_byte_vectors():
     assert "ld.global.b32" not in ptx and "st.global.b32" not in ptx
 
 
-SPECIALIZATION = """
+PARAM_FLAGS = """
 import importlib, json, sys
-from triton._C.libtriton import native_specialize_impl
-from triton.backends.compiler import BaseBackend
-module, name, param, values = json.loads(sys.argv[1])
-p = next(p for p in getattr(importlib.import_module(module), name).params if p.name == param)
-flags = (p.is_const, not p.do_not_specialize, not p.do_not_specialize_on_alignment)
-print(json.dumps([list(native_specialize_impl(BaseBackend, v, *flags)) for v in values]))
+flags = {}
+for module, name in json.loads(sys.argv[1]):
+    for p in getattr(importlib.import_module(module), name).params:
+        flags[f"{name}.{p.name}"] = [p.is_const, not p.do_not_specialize,
+                                     not p.do_not_specialize_on_alignment]
+print(json.dumps(flags))
 """
 
 
-def triton_specializations(module, name, param, values):
-    """How Triton's binder types and specializes ``values`` of parameter ``param``."""
+@functools.cache
+def _param_flags() -> dict:
+    """How Triton's binder treats each parameter of every kernel here (``name.param`` ->
+    its specialization flags), read once in a process without the interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    proc = subprocess.run([sys.executable, "-c", SPECIALIZATION,
-                           json.dumps([module, name, param, values])],
+    kernels = sorted({(k[0], k[1]) for k in KERNELS})
+    proc = subprocess.run([sys.executable, "-c", PARAM_FLAGS, json.dumps(kernels)],
                           capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
 
-WAITING_KERNELS = sorted({(k[0], k[1]) for k in KERNELS if "timeout_us" in k[2]})
+def triton_specializations(name, param, values):
+    """How Triton's binder types and specializes ``values`` of parameter ``param``."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    flags = _param_flags()[f"{name}.{param}"]
+    return [list(native_specialize_impl(BaseBackend, v, *flags)) for v in values]
 
 
-@pytest.mark.parametrize("module,name", WAITING_KERNELS, ids=[k[1] for k in WAITING_KERNELS])
-def test_a_new_limit_compiles_nothing(module, name):
+WAITING_KERNELS = sorted({k[1] for k in KERNELS if "timeout_us" in k[2]})
+
+
+@pytest.mark.parametrize("name", WAITING_KERNELS)
+def test_a_new_limit_compiles_nothing(name):
     """Every limit reaches the kernels as the same unspecialized int32, so assigning
     ``timeout_s`` (e.g. from 60 s down to 2 s once every variant is warm) reuses the compiled
     variants. In nanoseconds, 2 s would be an int32 and 60 s an int64: new variants compiled
@@ -540,7 +552,7 @@ def test_a_new_limit_compiles_nothing(module, name):
 
     limits = [timeout_us(s) for s in (1e-6, 0.5, 1.0, 2.0, 60.0, 100.0, MAX_TIMEOUT_S)]
     assert limits[:2] == [1, 500_000] and limits[-1] == 2**31 - 1
-    assert triton_specializations(module, name, "timeout_us", limits) == [["i32", None]] * 7
+    assert triton_specializations(name, "timeout_us", limits) == [["i32", None]] * 7
 
 
 @pytest.mark.parametrize("name", ["ll_dispatch", "ll_combine"])
@@ -548,8 +560,7 @@ def test_a_new_batch_size_compiles_nothing_in_low_latency_mode(name):
     """Decode batches change size from step to step: a batch of a multiple of 16 tokens must
     not compile a variant of its own while the peers wait (one token has its own dispatch
     variant, chosen by the host: ``ONE_TOKEN``)."""
-    got = triton_specializations(f"tritonep.kernels.{name}", f"{name}_kernel", "num_tokens",
-                                 [0, 1, 16, 17, 128, 256])  # fmt: skip
+    got = triton_specializations(f"{name}_kernel", "num_tokens", [0, 1, 16, 17, 128, 256])
     assert got == [["i32", None]] * 6
 
 
