@@ -2,20 +2,22 @@
 
     PYTHONPATH=src python scripts/host_profile.py [--tokens 512] [--calls 200] [--top 18]
 
-One rank (GPU 0, or a CPU rank under the interpreter, where it means little). For each of
-normal cached dispatch, normal combine, normal full dispatch, low-latency dispatch and
-low-latency combine it prints the host time per call (wall clock of the calls issued back to
-back, then one device sync), split into this project's Python work (the same calls with the
-kernel launches left out) and the launch: the recorded launches issued again through Triton's
-path (``kernel[grid](...)``, with its binding and cache key timed alone), through
+One rank (GPU 0, or a CPU rank, where the kernel launches are left out: under the interpreter
+they would be all of the time, so only this project's Python work is measured). For each of
+normal cached dispatch (BF16 and FP8), normal combine, normal full dispatch (on a GPU only),
+low-latency dispatch and low-latency combine it prints the host time per call (wall clock of
+the calls issued back to back, then one device sync) and the functions with the most own time
+under cProfile. On a GPU it first splits each op into this project's Python work (the same calls
+with the kernel launches left out) and the launch: the recorded launches issued again through
+Triton's path (``kernel[grid](...)``, with its binding and cache key timed alone), through
 ``tritonep.kernels.launcher.launch`` (what the modes use), and through the bare compiled
-kernel,
-then the functions with the most own time under cProfile.
+kernel.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import pstats
@@ -24,17 +26,34 @@ import time
 import torch
 
 
+@contextlib.contextmanager
+def _launches_left_out():
+    """The modes' launches do nothing inside (their host work stays)."""
+    from tritonep.kernels import launcher
+
+    original_launch = launcher.launch
+    launcher.launch = lambda *args: None
+    try:
+        yield
+    finally:
+        launcher.launch = original_launch
+
+
 def _profile(name, fn, calls, top):
-    issued, total = _host_us(fn, calls)
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(calls):
-        fn()
-    profiler.disable()
+    on_gpu = torch.cuda.is_available()
+    with contextlib.nullcontext() if on_gpu else _launches_left_out():
+        issued, total = _host_us(fn, calls)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(calls):
+            fn()
+        profiler.disable()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    if not on_gpu:
+        name += " (launches left out)"
     print(f"\n=== {name}: {issued:.1f} us/call issued, "
           f"{total:.1f} us/call with the final sync")  # fmt: skip
     lines = text.getvalue().splitlines()
@@ -155,6 +174,7 @@ def _breakdown(name, mode, fn, calls):
 def _rank(ctx, tokens, calls, top):
     from tritonep.modes.low_latency import LowLatencyMode
     from tritonep.modes.normal import NormalMode
+    from tritonep.reference.fp8 import quantize_fp8
     from tritonep.testing import route
 
     hidden, experts, topk = (7168, 256, 8) if ctx.device.type == "cuda" else (256, 16, 4)
@@ -162,24 +182,27 @@ def _rank(ctx, tokens, calls, top):
     x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(ctx.device)
     idx = route(gen, tokens, experts, topk, "random").to(ctx.device)
     w = torch.rand(tokens, topk, generator=gen).to(ctx.device)
+    x_fp8 = tuple(t.to(ctx.device) for t in quantize_fp8(x.cpu()))
 
     mode = NormalMode(None, hidden, experts, max_topk=topk, device=ctx.device, check_ids=False)
     config = mode.default_config
     _, per_expert, in_rank = mode.get_dispatch_layout(idx)
     out = mode.dispatch(x, idx, w, per_expert, in_rank, config=config)
+    out8 = mode.dispatch(x_fp8, idx, w, per_expert, in_rank, config=config)
     y = out.recv_x.clone()
     if ctx.device.type == "cuda":
         _breakdown("normal cached dispatch", mode, lambda: mode.dispatch(x, handle=out.handle),
                    calls)  # fmt: skip
+        _breakdown("normal cached dispatch FP8", mode,
+                   lambda: mode.dispatch(x_fp8, handle=out8.handle), calls)  # fmt: skip
         _breakdown("normal combine", mode, lambda: mode.combine(y, out.handle), calls)
     _profile("normal cached dispatch", lambda: mode.dispatch(x, handle=out.handle), calls, top)
+    _profile("normal cached dispatch FP8", lambda: mode.dispatch(x_fp8, handle=out8.handle),
+             calls, top)  # fmt: skip
     _profile("normal combine", lambda: mode.combine(y, out.handle), calls, top)
-    _profile(
-        "normal full dispatch",
-        lambda: mode.dispatch(x, idx, w, per_expert, in_rank, config=config),
-        calls,
-        top,
-    )
+    if ctx.device.type == "cuda":  # its host reads the count that the notify kernel writes
+        full = lambda: mode.dispatch(x, idx, w, per_expert, in_rank, config=config)
+        _profile("normal full dispatch", full, calls, top)
     mode.check()
     mode.destroy()
 

@@ -4,10 +4,11 @@
         [--chunks 16] [--launch NAME=VALUE ...]
 
 For each ring size and send chunk, times cached BF16 dispatch, FP8 dispatch and combine
-(CUDA events, median) and then runs a few traced calls of each, printing per kernel the median
-and slowest program of the sender and the receiver role and the launch's span. With a ring
-larger than a channel's tokens a sender never waits for its receiver, so its time is its own
-speed; if the receivers then finish much later, they are the limit.
+(CUDA events: the median of eager calls, and per call of CUDA-graph replays, the device time)
+and then runs a few traced calls of each, printing per kernel the median and slowest program
+of the sender and the receiver role and the launch's span. With a ring larger than a
+channel's tokens a sender never waits for its receiver, so its time is its own speed; if the
+receivers then finish much later, they are the limit.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 
 def _rank(ctx, opts):
-    from tritonep.bench.timing import median_ms
+    from tritonep.bench.timing import median_ms, time_graph
     from tritonep.bench.traced import summarize
     from tritonep.modes import normal
     from tritonep.modes.normal import Config, NormalMode
@@ -53,25 +54,36 @@ def _rank(ctx, opts):
                 lambda h=out.handle, y=y: mode.combine(y, h),
             )
             times = [median_ms(fn, opts.iters, 3) for fn in calls]
-            mode.trace = recorder
-            recorder.clear()
-            for _ in range(3):
-                mode.dispatch(x, handle=out.handle)
-                mode.combine(y, out.handle)
-            mode.check()
-            mode.trace = None
-            with tempfile.TemporaryDirectory() as tmp:
-                path = os.path.join(tmp, "trace.json")
-                recorder.dump(path)
-                rows = summarize([path])
-            roles = "; ".join(
-                f"{r['kernel'].split()[-1]} {r['slice']}: {r['median_us']:.0f}/{r['max_us']:.0f}"
-                f" (span {r['launch_span_us']:.0f})"
-                for r in rows
+            # Device time without the host: eager medians that exceed it are host-bound.
+            graphs = [time_graph(fn, 5, 10) for fn in calls] if ctx.device.type == "cuda" else []
+            # BF16 dispatch with combine, then FP8 dispatch alone: one trace each, since both
+            # dispatches run the same kernel and the summary groups programs by kernel.
+            traced = (
+                ("", lambda c=calls: (c[0](), c[2]())),
+                ("FP8 ", calls[1]),
             )
+            roles = []
+            for label, fn in traced:
+                mode.trace = recorder
+                recorder.clear()
+                for _ in range(3):
+                    fn()
+                mode.check()
+                mode.trace = None
+                with tempfile.TemporaryDirectory() as tmp:
+                    path = os.path.join(tmp, "trace.json")
+                    recorder.dump(path)
+                    rows = summarize([path])
+                roles += [
+                    f"{label}{r['kernel'].split()[-1]} {r['slice']}: "
+                    f"{r['median_us']:.0f}/{r['max_us']:.0f} (span {r['launch_span_us']:.0f})"
+                    for r in rows
+                ]
+            roles = "; ".join(roles)
             lines.append(
                 f"ring {ring:4d} chunk {chunk:2d}: dispatch {times[0] * 1e3:6.1f} us, FP8 "
-                f"{times[1] * 1e3:6.1f} us, combine {times[2] * 1e3:6.1f} us | traced median/"
+                f"{times[1] * 1e3:6.1f} us, combine {times[2] * 1e3:6.1f} us | graph "
+                f"{', '.join(f'{t * 1e3:.1f}' for t in graphs)} us | traced median/"
                 f"slowest program us: {roles}"
             )
     mode.destroy()

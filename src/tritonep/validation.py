@@ -22,22 +22,26 @@ def check_tensor(
     contiguous: bool = True,
 ) -> torch.Tensor:
     """Check a tensor argument; ``None`` in ``shape`` matches any size."""
+    # Runs several times per eager call: plain comparisons first, messages only on failure.
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if dtype is not None:
+    if dtype is not None and t.dtype is not dtype:
         allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
         if t.dtype not in allowed:
             want = " or ".join(str(d) for d in allowed)
             raise TypeError(f"{name}: expected dtype {want}, got {t.dtype}")
     if shape is not None:
         got = t.shape
-        ok = len(got) == len(shape) and all(
-            want is None or g == want for g, want in zip(got, shape, strict=True)
-        )
+        ok = len(got) == len(shape)
+        if ok:
+            for g, want in zip(got, shape):  # noqa: B905 (lengths compared above)
+                if want is not None and g != want:
+                    ok = False
+                    break
         if not ok:
             want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
             raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
-    if device is not None:
+    if device is not None and t.device != device:
         if not isinstance(device, torch.device):
             device = torch.device(device)
         if t.device != device:

@@ -7,6 +7,7 @@ default, and over a sweep of token counts.
 
 ``python -m tritonep.bench normal --ranks 4`` times normal-mode dispatch (cached and full, BF16
 and FP8) and combine at 4096 tokens per rank, hidden 7168, top-8, 256 experts by default, with
-DeepEP's bandwidth accounting and remote bandwidth; ``--tokens``, ``--sms``, ``--chunk`` and
-``--ring`` sweep token counts and configurations.
+DeepEP's bandwidth accounting and remote bandwidth, eager (per call) and as CUDA-graph replays
+(``graph_*``: device time; an eager time above it is the host's); ``--tokens``, ``--sms``,
+``--chunk`` and ``--ring`` sweep token counts and configurations.
 """

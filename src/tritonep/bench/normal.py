@@ -50,6 +50,7 @@ def _point(ctx, mode, baseline, rival, opts, num_tokens, topk, config):
     # Device time: cached dispatch and combine need no host synchronization, so they replay
     # from a CUDA graph; the gap to the eager times is the host's launch overhead.
     g_bf16 = time_graph(lambda: mode.dispatch(x, handle=handle), 5, 10)
+    g_fp8 = time_graph(lambda: mode.dispatch(x_fp8, handle=fp8_handle), 5, 10)
     g_comb = time_graph(lambda: mode.combine(y, handle), 5, 10)
     mode.check()
 
@@ -64,9 +65,9 @@ def _point(ctx, mode, baseline, rival, opts, num_tokens, topk, config):
 
     recv = handle.num_recv_tokens
     local = int(handle.recv_count[ctx.rank].sum())
-    vals = [t_full, t_bf16, t_fp8, t_comb, g_bf16, g_comb, t_bdisp, t_bcomb, recv, local]
+    vals = [t_full, t_bf16, t_fp8, t_comb, g_bf16, g_fp8, g_comb, t_bdisp, t_bcomb, recv, local]
     vals = mean_over_ranks(vals)
-    t_full, t_bf16, t_fp8, t_comb, g_bf16, g_comb, t_bdisp, t_bcomb, recv, local = vals
+    t_full, t_bf16, t_fp8, t_comb, g_bf16, g_fp8, g_comb, t_bdisp, t_bcomb, recv, local = vals
     bf16_bytes, fp8_bytes = 2 * H, H + H // 128 * 4
     remote = recv - local
 
@@ -91,6 +92,7 @@ def _point(ctx, mode, baseline, rival, opts, num_tokens, topk, config):
         "combine_GBps": gbps(recv, bf16_bytes, t_comb),
         "combine_remote_GBps": gbps(remote, bf16_bytes, t_comb),
         "graph_dispatch_us": g_bf16 * 1e3,
+        "graph_fp8_dispatch_us": g_fp8 * 1e3,
         "graph_combine_us": g_comb * 1e3,
         "full_dispatch_us": t_full * 1e3,
         "torch_dispatch_us": t_bdisp * 1e3,

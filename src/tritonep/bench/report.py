@@ -38,6 +38,7 @@ TABLE_COLUMNS = {
     "nvlink_MB": "NVLink MB",
     "model_dispatch_us": "model us",
     "graph_dispatch_us": "graph dispatch us",
+    "graph_fp8_dispatch_us": "graph FP8 dispatch us",
     "graph_combine_us": "graph combine us",
     "torch_dispatch_us": "torch dispatch us",
     "torch_combine_us": "torch combine us",
