@@ -5,6 +5,7 @@ import torch
 
 from tests.conftest import gpu_ranks
 from tests.test_low_latency import _expert_outputs, _verify_call
+from tests.test_normal import _to
 from tritonep.api import Buffer, EPLowLatencyAllToAllLayer
 from tritonep.testing import make_case
 
@@ -175,20 +176,23 @@ def _buffer_normal_body(ctx, num_tokens, use_fp8, async_finish):
     )  # fmt: skip
     event.current_stream_wait()
     reached = in_rank.sum(1, keepdim=True).clamp_min(1)
-    if not use_fp8:
-        # DeepEP's measure: 1 - 2 <a, b> / (|a|^2 + |b|^2), over the tokens sent somewhere.
-        a, b = (combined.float() / reached).double(), x.double()
-        sent = in_rank.any(1)
-        a, b = a[sent], b[sent]
-        diff = 1 - 2 * (a * b).sum() / (a * a + b * b).sum().clamp_min(1e-30)
-        assert float(diff) < 5e-6, float(diff)
-        # Weights come back summed: each weight arrives on exactly one rank.
-        assert torch.equal(combined_w, torch.where(idx >= 0, w, torch.zeros_like(w)))
-    # Cached mode moves only x; repeated runs hash the same.
-    again = buffer.dispatch(send, handle=handle)[0]
-    same = again if not use_fp8 else again[0].view(torch.uint8)
-    base = recv_x if not use_fp8 else recv_x[0].view(torch.uint8)
-    assert torch.equal(same.view(torch.uint8), base.view(torch.uint8))
+    # What was sent, as combine got it back (FP8 rows de-quantized and rounded to BF16).
+    sent_x = ref.dequantize_fp8(*ref.quantize_fp8(case.x[me])).to(torch.bfloat16) if use_fp8 else x
+    # DeepEP's measure: 1 - 2 <a, b> / (|a|^2 + |b|^2), over the tokens sent somewhere.
+    a, b = (combined.float() / reached).double(), sent_x.to(ctx.device).double()
+    sent = in_rank.any(1)
+    a, b = a[sent], b[sent]
+    diff = 1 - 2 * (a * b).sum() / (a * a + b * b).sum().clamp_min(1e-30)
+    assert float(diff) < 5e-6, float(diff)
+    # Weights come back summed: each weight arrives on exactly one rank.
+    assert torch.equal(combined_w, torch.where(idx >= 0, w, torch.zeros_like(w)))
+    # Cached mode moves only x: new rows (every rank's columns reversed) along the same routing.
+    new_xs = [t.flip(1) for t in case.x]
+    if use_fp8:
+        new_xs = [ref.quantize_fp8(t) for t in new_xs]
+    again = buffer.dispatch(_to(new_xs[me], ctx.device), handle=handle)[0]
+    want = ref.normal_dispatch(new_xs, case.topk_idx, None, E)[me]
+    ref.assert_rows_equal(again, want.recv_x, want.num_recv_tokens, f"rank {me} cached")
     buffer.check()
     buffer.destroy()
     return True

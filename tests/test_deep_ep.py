@@ -151,8 +151,9 @@ def _low_latency_body(ctx, tokens, hidden, experts_per_rank, topk, use_fp8, use_
     num_max = max(tokens[:R])
     N = tokens[rank]
     x, topk_idx, topk_weights = _inputs(rank, N, hidden, num_experts, topk, dev, seed=9)
-    # Rows of small integers survive FP8 exactly: the source rank, and the token index.
-    x = torch.full((N, hidden), float(rank), dtype=torch.bfloat16, device=dev)
+    # Rows of small integers survive FP8 exactly: the source rank + 1 (never zero, so that a
+    # combine that drops rows cannot match), and the token index.
+    x = torch.full((N, hidden), float(rank + 1), dtype=torch.bfloat16, device=dev)
     x[:, -128:] = (torch.arange(N, device=dev) % 16).to(torch.bfloat16).unsqueeze(1)
     rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(num_max, hidden, R, num_experts)
     buffer = deep_ep.Buffer(
@@ -184,7 +185,7 @@ def _low_latency_body(ctx, tokens, hidden, experts_per_rank, topk, use_fp8, use_
             begin = (layout_range[e].cpu() >> 32).tolist()
             count = (layout_range[e].cpu() & 0xFFFFFFFF).tolist()
             for s in range(R):
-                assert bool((block[begin[s] : begin[s] + count[s], 0].round() == s).all())
+                assert bool((block[begin[s] : begin[s] + count[s], 0].round() == s + 1).all())
             assert sum(count) == n
             token = src_info[e, :n].cpu().long()
             assert torch.equal(block[:, -1].round(), (token % 16).float())
@@ -214,7 +215,7 @@ def _shrink_body(ctx, use_fp8):
     num_experts = experts_per_rank * R
     N = [6, 0, 5, 4][rank]
     _, topk_idx, topk_weights = _inputs(rank, N, hidden, num_experts, 3, dev, seed=11)
-    x = torch.full((N, hidden), float(rank), dtype=torch.bfloat16, device=dev)
+    x = torch.full((N, hidden), float(rank + 1), dtype=torch.bfloat16, device=dev)  # never 0
     all_idx = [None] * R
     dist.all_gather_object(all_idx, topk_idx.cpu())
     rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(num_max, hidden, R, num_experts)
@@ -241,7 +242,7 @@ def _shrink_body(ctx, use_fp8):
             begin = (handle[1][e].cpu() >> 32).tolist()
             for s in range(R):
                 block = rows[e, begin[s] : begin[s] + count[s], 0].cpu()
-                assert count[s] == 0 if s not in live else bool((block == s).all())
+                assert count[s] == 0 if s not in live else bool((block == s + 1).all())
         combined, _, hook = buffer.low_latency_combine(
             rows.to(torch.bfloat16), topk_idx, topk_weights, handle, return_recv_hook=True
         )

@@ -24,8 +24,6 @@ from tritonep.modes.internode import InternodeMode
 from tritonep.modes.low_latency import LowLatencyMode
 from tritonep.testing import make_case, tag_rows, verify_low_latency_call
 
-nm.POISON_OUTPUTS = True
-
 H, EXPERTS_PER_RANK, TOPK = 128, 2, 3
 
 
@@ -50,17 +48,11 @@ def _normal(ctx, group, which, internode):
         out = mode.dispatch(case.x[me].to(dev), idx, w, expert_alignment=2)
         bias = (case.x[me] * 0.5).to(torch.bfloat16).to(dev)
         y = tn._combine_input(out, me)
-        if internode:
-            # Combine sums within a node first: checked on dispatch and weights only.
-            want = ref.normal_dispatch(case.x, case.topk_idx, case.topk_weights, E, 2)[me]
-            tn._check_dispatch(me, out, want, False, 0, 2)
-            _, combined_w = mode.combine(y, out.handle, out.recv_topk_weights)
-            kept = case.topk_idx[me] >= 0
-            torch.testing.assert_close(combined_w.cpu()[kept], case.topk_weights[me][kept])
-        else:
-            combined, combined_w = mode.combine(y, out.handle, out.recv_topk_weights, bias)
-            tn._verify(SimpleNamespace(rank=me), case, list(case.x), out, combined, combined_w,
-                       E, 2, 0, True)  # fmt: skip
+        # Internode with one GPU per node: each node's sum is one row, so the sums across
+        # the nodes round as the single-node reference does (bit for bit).
+        combined, combined_w = mode.combine(y, out.handle, out.recv_topk_weights, bias)
+        tn._verify(SimpleNamespace(rank=me), case, list(case.x), out, combined, combined_w,
+                   E, 2, 0, True)  # fmt: skip
     mode.check()
     mode.destroy()
     return mode.rail.group if internode else None
@@ -94,7 +86,7 @@ def _layout(ctx, group, which):
     want = ref.dispatch_layout(idx, EXPERTS_PER_RANK * R, R)
     ref.assert_bitwise_equal(per_rank.cpu(), want.num_tokens_per_rank, "per rank")
     ref.assert_bitwise_equal(per_expert.cpu(), want.num_tokens_per_expert, "per expert")
-    assert in_rank.shape == (7, R)
+    ref.assert_bitwise_equal(in_rank.cpu(), want.is_token_in_rank, "is_token_in_rank")
     buffer.destroy()
 
 

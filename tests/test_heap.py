@@ -49,9 +49,11 @@ def _ring_body(ctx, rounds, num_elems, backend=None, via="store"):
             ) from e
         got = h.view(me, torch.int32, (num_elems,), DATA_OFFSET).cpu()
         assert torch.equal(got, blocks[prev]), f"rank {me} round {it}: wrong block from {prev}"
-        # The peer's view of my buffer sees the same bytes.
-        assert torch.equal(h.view(me, torch.int32, (4,), FLAG_OFFSET).cpu()[0], torch.tensor(it))
-        h.barrier()
+        h.barrier()  # every rank's block has arrived
+        # Through this rank's mapping of the next rank's buffer: the block put there.
+        there = h.view(nxt, torch.int32, (num_elems,), DATA_OFFSET).cpu()
+        assert torch.equal(there, blocks[me]), f"rank {me} round {it}: peer view of {nxt}"
+        h.barrier()  # before any rank poisons its buffer for the next round
     h.close()
     return True
 
@@ -166,3 +168,26 @@ def _nvshmem_refused_body(ctx):
 
 def test_nvshmem_puts_need_an_nvshmem_heap(run_ranks):
     assert run_ranks(2, _nvshmem_refused_body) == [True, True]
+
+
+def test_a_timeout_stays_the_error_when_the_release_fails_too():
+    """A dead peer never reaches the release's barrier: the timeout is still what is raised,
+    with the barrier's failure as its cause; a clean check releases and raises nothing."""
+    from types import SimpleNamespace
+
+    from tritonep.errors import WaitTimeoutError
+    from tritonep.heap.base import SymmetricHeap
+
+    def barrier_fails():
+        raise RuntimeError("barrier timed out")
+
+    def timed_out():
+        raise WaitTimeoutError(0, 1, "notify", 1.0)
+
+    heap = SimpleNamespace(close=barrier_fails)
+    with pytest.raises(WaitTimeoutError, match="waiting for peer 1") as raised:
+        SymmetricHeap.close_checked(heap, timed_out)
+    assert isinstance(raised.value.__cause__, RuntimeError)
+    closed = []
+    SymmetricHeap.close_checked(SimpleNamespace(close=lambda: closed.append(1)), lambda: None)
+    assert closed == [1]

@@ -21,12 +21,9 @@ import torch.distributed as dist
 from tests.conftest import gpu_ranks
 from tritonep.api import Buffer, EPAll2AllLayer, autograd
 from tritonep.api.adapters import PrepareFinalize, TwoPhaseDispatcher
-from tritonep.modes import normal as nm
 from tritonep.moe import MoELayer, dense_moe, init_params, local_experts, route
 from tritonep.reference import dequantize_fp8
 from tritonep.testing import make_case, tag_rows
-
-nm.POISON_OUTPUTS = True
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -20,8 +20,6 @@ from tritonep.heap import shared_gpu
 from tritonep.modes import normal as nm
 from tritonep.testing import make_case, tag_rows
 
-nm.POISON_OUTPUTS = True
-
 
 def _payload(case, use_fp8):
     """Per-rank dispatch inputs on the CPU: BF16 rows, or their FP8 quantization."""
@@ -179,7 +177,10 @@ def _scale_words_body(ctx, hidden, kinds, gpus_per_node=None):
         want = ref.normal_dispatch(xs, case.topk_idx, case.topk_weights, experts)[me]
         assert out.recv_x[1].dtype == xs[me][1].dtype and out.recv_x[1].is_contiguous()
         ref.assert_rows_equal(out.recv_x, want.recv_x, want.num_recv_tokens, f"{kind} x")
-        again = mode.dispatch(_to(xs[me], dev), handle=out.handle)  # cached
+        # Cached: new rows (columns reversed, scales of their own) along the same routing.
+        new_xs = [_scale_words(x.flip(1), kind) for x in case.x]
+        again = mode.dispatch(_to(new_xs[me], dev), handle=out.handle)
+        want = ref.normal_dispatch(new_xs, case.topk_idx, None, experts)[me]
         ref.assert_rows_equal(again.recv_x, want.recv_x, want.num_recv_tokens, f"{kind} cached")
     mode.check()
     mode.destroy()
@@ -398,6 +399,44 @@ def test_a_rank_that_skips_dispatch_makes_the_others_raise(run_ranks):
         "rank 0 timed out after 1 s in phase 'notify' waiting for peer 1; that peer is stuck, "
         "crashed, or called with different arguments",
         "skipped",
+    ]
+
+
+def _stuck_destination_body(ctx):
+    """Rank 2 sends its counts (worst-case sizes: no host read) but never moves rows, so in
+    the second call its rings are still full of the first call's rows: rank 0's sender times
+    out on them in its first step, whose tokens also go to rank 1."""
+    me, dev, R = ctx.rank, ctx.device, ctx.world_size
+    config = nm.Config(num_sms=2, nvl_send_chunk=2, nvl_recv_buffer_tokens=8)
+    mode = nm.NormalMode(None, 128, 2 * R, max_topk=2, device=dev, max_sms=2, ring_tokens=8,
+                         timeout_s=2.0)  # fmt: skip
+    result = "no error"
+    for call in range(2):
+        if me == 2:
+            in_rank = torch.zeros(0, R, dtype=torch.bool, device=dev)
+            per_expert = torch.zeros(2 * R, dtype=torch.int32, device=dev)
+            mode.notify(in_rank, per_expert, 0, 1, 32, config)
+            continue
+        # Rank 0: tokens 0 and 1 go to ranks 1 and 2, the other six to rank 1 only.
+        ids = [[2, 4], [2, 4]] + [[2, -1]] * 6 if me == 0 else [[0, 2]] * 8
+        x = torch.full((8, 128), float(100 * call + me), device=dev).to(torch.bfloat16)
+        mode.dispatch(x, torch.tensor(ids, device=dev), num_worst_tokens=32, config=config)
+        try:
+            mode.check()
+        except WaitTimeoutError as e:
+            result = str(e).split(";")[0]
+            break
+    return result
+
+
+def test_a_sender_that_timed_out_sends_nothing_more(run_ranks):
+    # Rank 0's later steps go to rank 1 only; had they still been published, rank 1 would
+    # read the stale rows of the skipped step as this call's (and raise nothing).
+    results = run_ranks(3, _stuck_destination_body)
+    assert results == [
+        "rank 0 timed out after 2 s in phase 'dispatch send, channel 0' waiting for peer 2",
+        "rank 1 timed out after 2 s in phase 'dispatch receive, channel 0' waiting for peer 0",
+        "no error",
     ]
 
 

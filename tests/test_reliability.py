@@ -179,9 +179,9 @@ def _recover_body(ctx, mode_name):
     def call(mode):
         if mode_name == "normal":
             return mode.dispatch(x, idx).recv_x
-        recv_x, _, _, _ = mode.dispatch(x, idx, use_fp8=False)
+        recv_x, recv_count, handle, _ = mode.dispatch(x, idx, use_fp8=False)
         mode.check()
-        return recv_x
+        return ref.LowLatencyDispatchResult.from_outputs(recv_x, recv_count, handle)
 
     mode = build(1.0)
     error, took = _rank0_alone(me, lambda: call(mode))
@@ -195,6 +195,9 @@ def _recover_body(ctx, mode_name):
     if mode_name == "normal":
         want = ref.normal_dispatch(case.x, case.topk_idx, None, experts)[me].recv_x
         ref.assert_bitwise_equal(got.cpu(), want, f"rank {me} after recovery")
+    else:
+        want = ref.low_latency_dispatch(case.x, case.topk_idx, 4, experts, False)[me]
+        ref.assert_low_latency_dispatch_equal(got, want, me)
     return error, took
 
 

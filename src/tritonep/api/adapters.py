@@ -167,6 +167,8 @@ class PrepareFinalize(_Adapter):
         ``fused_expert_output`` is, in low-latency mode, ``[E_local, R * max_tokens, H]`` BF16
         (unweighted; the top-k weights are applied here), and in normal mode ``[M, H]`` BF16,
         one row per prepared row with the row's local experts already weighted and summed.
+        ``topk_weights`` ``[N, K]`` float32 and ``topk_ids`` ``[N, K]`` int64 are those given
+        to :meth:`prepare` (used in low-latency mode); ``prepared`` is what it returned.
         """
         out = self._combine(fused_expert_output, topk_ids, topk_weights, prepared, False)()
         output.copy_(out)
@@ -181,18 +183,23 @@ class TwoPhaseDispatcher(_Adapter):
     """
 
     def dispatch_a(self, hidden_states, topk_idx, topk_weights):
-        """Start dispatching ``[N, H]`` BF16 tokens; returns a state for :meth:`dispatch_b`."""
+        """Start dispatching ``hidden_states`` ``[N, H]`` BF16 with ``topk_idx`` ``[N, K]``
+        int64 and ``topk_weights`` ``[N, K]`` float32; returns a state for :meth:`dispatch_b`."""
         return self._send(hidden_states, topk_idx, topk_weights, hook=True)
 
     def dispatch_b(self, state) -> Prepared:
-        """Finish the dispatch: the experts' input."""
+        """Finish the dispatch started by the :meth:`dispatch_a` that returned ``state``:
+        the experts' input (:class:`Prepared`)."""
         return state()
 
     def combine_a(self, expert_output: torch.Tensor, prepared: Prepared):
-        """Start combining (same layout as :meth:`PrepareFinalize.finalize`); returns a state."""
+        """Start combining ``expert_output`` (the layout of :meth:`PrepareFinalize.finalize`)
+        of the rows in ``prepared`` (from :meth:`dispatch_b`); returns a state for
+        :meth:`combine_b`."""
         topk_idx, topk_weights = prepared.routing
         return self._combine(expert_output, topk_idx, topk_weights, prepared, hook=True)
 
     def combine_b(self, state) -> torch.Tensor:
-        """Finish the combine: ``[N, H]`` BF16."""
+        """Finish the combine started by the :meth:`combine_a` that returned ``state``:
+        ``[N, H]`` BF16."""
         return state()

@@ -154,11 +154,14 @@ class Buffer:
         num_rdma_bytes: if non-zero, must cover the low-latency size hint of the first call.
         low_latency_mode: accepted; the low-latency calls work either way.
         num_qps_per_rank: accepted and ignored (no RDMA queue pairs here).
+        explicitly_destroy: accepted; :meth:`destroy` releases the memory either way.
         timeout_s: limit of every wait inside the kernels, in seconds (at most
             ``tritonep.kernels.sync.MAX_TIMEOUT_S``, about 35 minutes); assigning
             ``buffer.timeout_s`` later changes it for the following calls of both modes
             (without compiling anything).
         check_ids: read top-k ids on the host to reject out-of-range ids (a GPU sync per call).
+        device: where the modes' memory and outputs live: a CUDA device, or ``"cpu"`` for CPU
+            ranks; None: :func:`tritonep.heap.default_device` of the group.
         profile: record kernel traces of every call (:meth:`dump_trace`).
         gpus_per_node: ranks per node when the group spans several nodes, group ranks
             ``n * G`` to ``n * G + G - 1`` being node ``n`` (normal mode then
@@ -219,19 +222,26 @@ class Buffer:
 
     @classmethod
     def set_num_sms(cls, new_num_sms: int) -> None:
-        """Set the SM budget of later normal-mode calls: an even number, at least 2."""
+        """Set the SM budget of later normal-mode calls.
+
+        Args:
+            new_num_sms: programs per launch, half senders and half receivers: an even int
+                of at least 2 (``ValueError`` otherwise).
+        """
         if not isinstance(new_num_sms, int) or new_num_sms < 2 or new_num_sms % 2:
             raise ValueError(f"new_num_sms: expected an even int >= 2, got {new_num_sms}")
         cls.num_sms = new_num_sms
 
     @classmethod
     def get_dispatch_config(cls, num_ranks: int) -> Config:
-        """The default :class:`~tritonep.modes.normal.Config` of a dispatch."""
+        """The default :class:`~tritonep.modes.normal.Config` of a dispatch (``num_ranks`` is
+        accepted for DeepEP's signature: the config does not depend on it)."""
         return Config(num_sms=cls.num_sms)
 
     @classmethod
     def get_combine_config(cls, num_ranks: int) -> Config:
-        """The default config of a combine (combine uses its dispatch's channels)."""
+        """The default config of a combine (combine uses its dispatch's channels; ``num_ranks``
+        is accepted for DeepEP's signature)."""
         return Config(num_sms=cls.num_sms)
 
     @staticmethod
@@ -381,15 +391,18 @@ class Buffer:
             num_tokens_per_rank: ``[R]`` int32 from :meth:`get_dispatch_layout` (not needed).
             num_tokens_per_rdma_rank: ``[nodes]`` int32 from :meth:`get_dispatch_layout`
                 across nodes (not needed), None within one node.
-            is_token_in_rank: ``[N, R]`` bool from :meth:`get_dispatch_layout`.
+            is_token_in_rank: ``[N, R]`` bool from :meth:`get_dispatch_layout`; required
+                without ``handle``.
             num_tokens_per_expert: ``[E]`` int32 from :meth:`get_dispatch_layout`; its length
-                is the number of experts.
+                is the number of experts; required without ``handle``.
             topk_idx: ``[N, K]`` int64 global expert ids, ``-1`` for none.
             topk_weights: ``[N, K]`` float32, or None.
             expert_alignment: round the per-expert counts up to a multiple of this.
             num_worst_tokens: if > 0, outputs have this many rows (padding ids ``-1``) and the
                 call never synchronizes with the host (CUDA-graph capturable).
-            config: SM budget and ring use (default: :meth:`get_dispatch_config`).
+            config: SM budget and ring use (default: :meth:`get_dispatch_config`). With
+                ``handle``, the handle's config is used, and ``expert_alignment`` and
+                ``num_worst_tokens`` are those of the handle's dispatch.
             previous_event: an event the call must wait for (default: the current stream).
             async_finish: return an event to wait on instead of making the current stream wait.
             allocate_on_comm_stream: accepted (outputs always come from the comm stream).
@@ -397,10 +410,12 @@ class Buffer:
             ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
             handle, event)``: ``recv_x`` ``[M, H]`` like ``x`` (or the FP8 tuple) ordered by
             source rank then source token, ``recv_topk_idx`` ``[M, K]`` int64 local expert ids
-            (``-1`` elsewhere), ``recv_topk_weights`` ``[M, K]`` float32, the per-local-expert
-            counts (a list; a device tensor in worst-case mode), a
-            :class:`~tritonep.modes.normal.NormalHandle` and an :class:`EventOverlap`. In
-            cached mode the three middle outputs are None.
+            (``-1`` elsewhere), ``recv_topk_weights`` ``[M, K]`` float32 (None without
+            ``topk_weights``), the per-local-expert counts (a list of ints; an ``[E_local]``
+            int32 device tensor in worst-case mode), a
+            :class:`~tritonep.modes.normal.NormalHandle` (an
+            :class:`~tritonep.modes.internode.InternodeHandle` across nodes) and an
+            :class:`EventOverlap`. In cached mode the three middle outputs are None.
         """
         if num_tokens_per_rdma_rank is not None and self.num_nodes == 1:
             raise ValueError("num_tokens_per_rdma_rank: must be None within one node")
@@ -467,7 +482,7 @@ class Buffer:
                 its own experts' outputs for the token into it).
             handle: from :meth:`dispatch`.
             topk_weights: ``[M, K]`` float32 summed along with the rows, or None.
-            bias: ``[N, H]`` BF16 or a tuple of two, added to the sums.
+            bias: ``[N, H]`` BF16 or a tuple of up to two, added to the sums.
             config: accepted; combine uses its dispatch's channels.
             previous_event, async_finish, allocate_on_comm_stream: as in :meth:`dispatch`.
         Returns:
@@ -494,8 +509,17 @@ class Buffer:
         num_experts: int,
         num_nodes: int = 1,
     ) -> int:
-        """Bytes of symmetric memory per rank that the low-latency mode needs (``num_nodes``,
-        not in DeepEP's signature: across nodes a staging region is added)."""
+        """Bytes of symmetric memory per rank that the low-latency mode needs.
+
+        Args:
+            num_max_dispatch_tokens_per_rank, hidden, num_experts: as for
+                :meth:`low_latency_dispatch`.
+            num_ranks: ranks of the group.
+            num_nodes: nodes the group spans (not in DeepEP's signature: across nodes a
+                staging region is added).
+        Returns:
+            bytes per rank (int), for top-k up to 16.
+        """
         return LowLatencyMode.size_hint(
             num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, num_nodes=num_nodes
         )
@@ -566,13 +590,15 @@ class Buffer:
             return_recv_hook: only send; call the returned hook to receive.
         Returns:
             ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` is
-            ``[E_local, R * num_max, H]`` (with FP8 a tuple with the scales, column-major
+            ``[E_local, R * num_max, H]`` BF16, or float8_e4m3fn with ``use_fp8`` (then a
+            tuple with the scales, column-major
             within each expert as DeepEP returns them: ``[E_local, R * num_max, H / 128]``
             float32, or with ``use_ue8m0`` ``[E_local, R * num_max, ceil(H / 512)]`` int32
             whose byte ``g % 4`` of column ``g // 4`` is group ``g``'s exponent),
             ``recv_count`` ``[E_local]`` int32, the handle
             ``(src_info [E_local, R * num_max] int32, layout_range [E_local, R] int64,
-            num_max, hidden, num_experts, topk_slot)``, an :class:`EventOverlap` and the hook.
+            num_max, hidden, num_experts, topk_slot [E_local, R * num_max] int32)``, an
+            :class:`EventOverlap` and the hook (None unless ``return_recv_hook``).
         """
         check_tensor("x", x, dtype=torch.bfloat16, shape=(None, None))
         mode = self._low_latency(num_max_dispatch_tokens_per_rank, x.shape[1], num_experts)
@@ -606,7 +632,9 @@ class Buffer:
         return recv_x, recv_count, handle, event, (receive if return_recv_hook else None)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
-        """``[E_local, R * num_max, H]`` BF16 to write expert outputs into for ``zero_copy``."""
+        """``[E_local, R * num_max, H]`` BF16 to write expert outputs into for ``zero_copy``
+        (``handle``, from :meth:`low_latency_dispatch`, is accepted: the tensor depends only
+        on the buffer's sizes)."""
         return self._require_ll().get_next_combine_buffer(handle)
 
     def low_latency_combine(
@@ -642,7 +670,8 @@ class Buffer:
             out: optional ``[N, H]`` BF16 output.
             combine_wait_recv_cost_stats: optional ``[R]`` int64, as in dispatch.
         Returns:
-            ``(combined_x [N, H] BF16, event, hook)``.
+            ``(combined_x [N, H] BF16, event, hook)``; the hook is None unless
+            ``return_recv_hook``.
         """
         mode = self._require_ll()
         if use_logfmt:
@@ -664,7 +693,16 @@ class Buffer:
     def clean_low_latency_buffer(
         self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int
     ) -> None:
-        """Nothing to clean: signals are tagged with the call number and never reset."""
+        """Nothing to clear: signals are tagged with the call number and never reset.
+
+        Like DeepEP's, the call sizes the low-latency memory if no call has yet (collective:
+        every rank calls it), and raises ``ValueError`` if the arguments differ from the
+        sizes of earlier low-latency calls on this buffer.
+
+        Args:
+            num_max_dispatch_tokens_per_rank, hidden, num_experts: as for
+                :meth:`low_latency_dispatch`.
+        """
         self._low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
@@ -717,7 +755,8 @@ class Buffer:
 
     def dump_trace(self, path: str) -> str:
         """Write this rank's kernel traces, both modes on one time axis (Chrome trace JSON,
-        for Perfetto), to ``path`` (which may contain ``{rank}``); needs ``profile=True``."""
+        for Perfetto), to ``path`` (which may contain ``{rank}``); needs ``profile=True``.
+        Returns the path written."""
         recorder = self._trace_recorder()
         if recorder is None:
             raise RuntimeError("profile: construct the Buffer with profile=True and make a call")

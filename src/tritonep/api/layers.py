@@ -260,13 +260,18 @@ class EPLowLatencyAllToAllLayer:
         send_scales: torch.Tensor | None,
         topk_indices: torch.Tensor,
     ):
-        """Returns ``(recv_token, recv_scale, expert_recv_count, dispatch_meta)``.
+        """Send each token to the ranks of its top-k experts.
 
-        ``recv_token`` is ``[E_local, world_size * max_m, hidden]`` (e4m3 or BF16),
-        ``recv_scale`` ``[E_local, world_size * max_m, hidden / 128]`` float32, column-major
-        within each expert as TMA-based grouped GEMMs read it (None for BF16),
-        ``expert_recv_count`` ``[E_local]`` int32; ``dispatch_meta`` goes to :meth:`combine`.
-        ``send_scales`` must be None: tokens arrive in BF16 and are quantized here.
+        Args:
+            send_tokens: ``[N, hidden]`` BF16, ``N <= max_m``.
+            send_scales: must be None (tokens are quantized here when FP8 is on).
+            topk_indices: ``[N, topk]`` int64 global expert ids, ``-1`` for none.
+        Returns:
+            ``(recv_token, recv_scale, expert_recv_count, dispatch_meta)``: ``recv_token``
+            ``[E_local, world_size * max_m, hidden]`` (e4m3 or BF16), ``recv_scale``
+            ``[E_local, world_size * max_m, hidden / 128]`` float32, column-major within each
+            expert as TMA-based grouped GEMMs read it (None for BF16), ``expert_recv_count``
+            ``[E_local]`` int32; ``dispatch_meta`` goes to :meth:`combine`.
         """
         if send_scales is not None:
             raise ValueError("send_scales: pre-quantized input is not supported; pass BF16 tokens")
@@ -284,7 +289,19 @@ class EPLowLatencyAllToAllLayer:
         dispatch_meta: LowLatencyHandle,
         zero_copy: bool = False,
     ) -> torch.Tensor:
-        """``[N, hidden]`` BF16: each token's top-k-weighted sum of its experts' outputs."""
+        """Bring expert outputs back and reduce them with the routing weights.
+
+        Args:
+            send_tokens: ``[E_local, world_size * max_m, hidden]`` BF16 expert outputs, rows
+                as :meth:`dispatch` packed them.
+            topk_indices: ``[N, topk]`` int64, as given to :meth:`dispatch`.
+            topk_weights: ``[N, topk]`` float32.
+            dispatch_meta: from :meth:`dispatch`.
+            zero_copy: ``send_tokens`` is the mode's combine buffer
+                (``self.mode.get_next_combine_buffer``).
+        Returns:
+            ``[N, hidden]`` BF16: each token's top-k-weighted sum of its experts' outputs.
+        """
         out, _ = self.mode.combine(
             send_tokens, topk_indices, topk_weights, dispatch_meta, zero_copy
         )
@@ -298,7 +315,10 @@ class EPLowLatencyAllToAllLayer:
         return self._dump(path, "low-latency dispatch")
 
     def dump_combine_trace(self, path: str) -> str:
-        """Write this rank's combine kernel traces as Chrome trace JSON; returns the path."""
+        """Write this rank's combine kernel traces as Chrome trace JSON; returns the path.
+
+        ``path`` may contain ``{rank}``. Needs ``enable_profiling=True``.
+        """
         return self._dump(path, "low-latency combine")
 
     def _dump(self, path: str, kernel: str) -> str:

@@ -49,6 +49,7 @@ Behavioural differences, all documented here and in :mod:`tritonep.api.buffer`:
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from ..api.buffer import Buffer as _Buffer
@@ -109,5 +110,8 @@ class Buffer(_Buffer):
         return True
 
     def get_comm_stream(self):
-        """The stream normal-mode kernels run on (created on first use)."""
+        """The ``torch.cuda.Stream`` normal-mode kernels run on (created here if no call has
+        created it yet, on the current device); None on CPU ranks."""
+        if self._comm_stream is None and torch.cuda.is_available():
+            self._comm_stream = torch.cuda.Stream(torch.cuda.current_device())
         return self._comm_stream

@@ -88,6 +88,21 @@ class SymmetricHeap:
         if self._release is not None:
             self._release()
 
+    def close_checked(self, check) -> None:
+        """:meth:`close` after ``check()`` (a mode's check of its waits), whatever that raises;
+        then its error is raised. A peer that stopped answering never reaches the close's
+        barrier, which then fails by the process group's own timeout: that failure becomes
+        the cause of the error ``check`` raised, which stays the one reported."""
+        try:
+            check()
+        except Exception as failed:
+            try:
+                self.close()
+            except Exception as close_failed:
+                raise failed from close_failed
+            raise
+        self.close()
+
     def __repr__(self) -> str:
         return (
             f"SymmetricHeap(rank={self.rank}, world_size={self.world_size}, "

@@ -191,7 +191,7 @@ def quantize_fp8(x: torch.Tensor, use_ue8m0: bool = False):
 
     Returns:
         ``(q, scales)``: ``q`` float8_e4m3fn ``[N, H]``, ``scales`` float32 ``[N, H / 128]``
-        (contiguous), the input that :meth:`tritonep.Buffer.dispatch` takes in FP8.
+        (contiguous), the input that :meth:`tritonep.api.Buffer.dispatch` takes in FP8.
     """
     _, num_tokens, hidden = _check_rows(
         "x", x, (torch.bfloat16, torch.float16, torch.float32)

@@ -226,7 +226,10 @@ def dispatch_send(
                 peer = first_lane(blocked & (released < target), ranks)
                 record_timeout(status_ptr, peer, PHASE_DISPATCH_SEND, channel)
                 budget = tl.zeros((), tl.int64)
-        if ok:
+        # After a timeout (budget spent) the program stores and publishes nothing more: tails
+        # past a skipped step would hand its slots, stale, to healthy peers as this call's
+        # rows; unpublished, those peers time out too and name this rank.
+        if ok & (budget > 0):
             slot = (position % RING).to(tl.int64)
             dst = ring[None, :] + slot * SLOT_BYTES  # [TOK, R_P2] slot addresses
             # The loads of the next chunk are issued before the stores of this one, so a chunk

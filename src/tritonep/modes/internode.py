@@ -148,19 +148,22 @@ class InternodeMode:
         self.gpus_per_node, self.num_nodes = G, M
         self.node_index, self.local_index = divmod(self.rank, G)
         self.hidden, self.num_experts, self.check_ids = hidden, num_experts, check_ids
+        rail_ranks = [n * G + self.local_index for n in range(M)]  # one local index
+        node_ranks = [self.node_index * G + g for g in range(G)]  # one node
         rail, node = _leg_groups(group, [
             [[n * G + g for n in range(M)] for g in range(G)],  # the ranks of one local index
             [[n * G + g for g in range(G)] for n in range(M)],  # the ranks of one node
         ])  # fmt: skip
         legs = dict(max_topk=max_topk, device=device, max_sms=max_sms, ring_tokens=ring_tokens,
                     timeout_s=timeout_s, check_ids=False)  # fmt: skip
+        # Errors of either leg name ranks by their number in ``group``, and the leg.
         self.node = NormalMode(node, hidden, num_experts // M, **legs,
-                               label="node")  # fmt: skip
+                               label="node", rank_names=node_ranks)  # fmt: skip
         # The rail leg crosses the network: staged in this rank's heap, then put (NVSHMEM
         # heaps) or copied (emulated nodes), so the same protocol runs either way. Its notify
         # rows also carry, per channel, the rows the relay forwards to each GPU of its node.
         self.rail = NormalMode(rail, hidden, num_experts, **legs,
-                               label="rail", staged=True,
+                               label="rail", staged=True, rank_names=rail_ranks,
                                notify_extra=self.node.layout.max_channels * G)  # fmt: skip
         self.device = self.rail.device
         #: Kernel traces of both legs on one time axis ("rail ..." and "node ..." kernels),
@@ -199,7 +202,9 @@ class InternodeMode:
                                  f"exceeds the {sms} SMs (both legs run at once)")  # fmt: skip
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor):
-        """``(num_tokens_per_rank [R], num_tokens_per_expert [E], is_token_in_rank [N, R])``."""
+        """Routing statistics of ``topk_idx`` (``[N, K]`` int64 global expert ids, ``-1`` for
+        none), from one kernel: ``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E]
+        int32, is_token_in_rank [N, R] bool)``."""
         check_topk_idx("topk_idx", topk_idx, None, self.num_experts, self.device, self.check_ids)
         return dispatch_layout(topk_idx, self.num_experts, self.num_ranks, self._arrivals)
 
@@ -233,8 +238,9 @@ class InternodeMode:
         """Send each token once per destination node, then once per destination GPU there.
 
         Args and returns as :meth:`tritonep.modes.normal.NormalMode.dispatch` (exact output
-        sizes: two host reads of received counts, one per leg; worst-case sizes: none), with
-        an :class:`InternodeHandle`. In cached mode (``handle``) only ``x`` moves.
+        sizes: two host reads of received counts, one per leg; worst-case sizes: none), but
+        without ``src_tag`` and ``relay``, and the output's handle is an
+        :class:`InternodeHandle`. In cached mode (``handle``) only ``x`` moves.
         """
         payload = check_dispatch_x("x", x)
         num_tokens = payload.shape[0]
@@ -344,7 +350,7 @@ class InternodeMode:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sum each token's rows within every node (float32, one BF16 row per node), then the
         nodes' sums across the network. Args and returns as
-        :meth:`tritonep.modes.normal.NormalMode.combine`."""
+        :meth:`tritonep.modes.normal.NormalMode.combine`, without ``relay``."""
         if not isinstance(handle, InternodeHandle):
             raise TypeError(f"handle: expected an InternodeHandle, got {type(handle).__name__}")
         check_tensor("x", x, dtype=torch.bfloat16, shape=(handle.num_rows, handle.hidden),

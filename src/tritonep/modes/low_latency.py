@@ -30,6 +30,7 @@ the same sequence of calls, as with DeepEP.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -53,8 +54,9 @@ from ..validation import (
 )
 from .trace import SLOTS, TraceRecorder
 
-#: Fill outputs with a marker before each call (tests set this so unwritten rows show).
-POISON_OUTPUTS = False
+#: Fill outputs with a marker before each call, so that rows a kernel failed to write show
+#: (the test suite turns it on in every rank process with ``TRITONEP_POISON_OUTPUTS=1``).
+POISON_OUTPUTS = os.environ.get("TRITONEP_POISON_OUTPUTS", "0") not in ("", "0")
 
 MAX_TOPK = 16
 PHASES = {
@@ -302,7 +304,9 @@ class LowLatencyMode:
         max_topk: int = MAX_TOPK,
         num_nodes: int = 1,
     ) -> int:
-        """Bytes of symmetric memory each rank needs."""
+        """Bytes of symmetric memory each rank needs (an int): ``num_max_dispatch_tokens_per_rank``
+        rows per source rank in each expert's slab, rows of ``hidden``, ``num_ranks`` ranks,
+        ``num_experts`` experts, top-k up to ``max_topk``, over ``num_nodes`` nodes."""
         return LowLatencyLayout.of(
             num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, max_topk, num_nodes
         ).total
@@ -392,10 +396,11 @@ class LowLatencyMode:
                 four to an int32 (implies ``use_ue8m0``).
         Returns:
             ``(recv_x, recv_count, handle, hook)``: ``recv_x`` is ``[E_local, R * max, H]``
-            (with FP8 a tuple with the scales: float32 ``[E_local, R * max, H / 128]``, or
-            with ``pack_ue8m0`` int32 ``[E_local, R * max, ceil(H / 512)]`` whose byte
-            ``g % 4`` of column ``g // 4`` is the biased exponent of group ``g``; rows past
-            ``recv_count[e]`` are undefined, and so are the bytes of groups past ``H / 128``),
+            BF16, or float8_e4m3fn with ``use_fp8`` (then a tuple with the scales: float32
+            ``[E_local, R * max, H / 128]``, or with ``pack_ue8m0`` int32
+            ``[E_local, R * max, ceil(H / 512)]`` whose byte ``g % 4`` of column ``g // 4`` is
+            the biased exponent of group ``g``; rows past ``recv_count[e]`` are undefined, and
+            so are the bytes of groups past ``H / 128``),
             ``recv_count`` ``[E_local]`` int32, a :class:`LowLatencyHandle`, and the hook
             (None unless ``return_recv_hook``). The scales are column-major within each
             expert (strides ``(columns * R * max, 1, R * max)``), the layout in which
@@ -429,8 +434,9 @@ class LowLatencyMode:
                 E_local, rows, 1)  # fmt: skip
             if pack_ue8m0:
                 scales_out = scales_out.view(torch.uint8)
-        src_info = self._empty((E_local, rows), torch.int32)
-        topk_slot = self._empty((E_local, rows), torch.int32)
+        # One allocation for both [E_local, rows] int32 outputs (one allocator call fewer per
+        # eager call).
+        src_info, topk_slot = self._empty((2, E_local, rows), torch.int32).unbind(0)
         recv_count = self._empty((E_local,), torch.int32)
         layout_range = self._empty((E_local, R), torch.int64)
         # How the senders count the ids: by atomic adds or histograms (ll_dispatch.COUNT_ADDS);
@@ -498,7 +504,8 @@ class LowLatencyMode:
 
     # ---------------------------------------------------------------------------- combine
     def get_next_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
-        """A ``[E_local, R * max, H]`` BF16 tensor to write expert outputs into (``zero_copy``)."""
+        """A ``[E_local, R * max, H]`` BF16 tensor to write expert outputs into (``zero_copy``);
+        ``handle`` is accepted (the tensor depends only on the mode's sizes)."""
         shape = (self.num_local_experts, self.num_ranks * self.max_tokens, self.hidden)
         if self._combine_input is None or self._combine_input.shape != shape:
             self._combine_input = torch.empty(shape, dtype=torch.bfloat16, device=self.device)
@@ -534,7 +541,7 @@ class LowLatencyMode:
                 About 35% fewer bytes cross the links, but encoding costs more time than
                 that saves on NVLink today (BENCHMARKS.md); results are not bit-exact.
         Returns:
-            ``(combined [N, H] BF16, hook)``.
+            ``(combined [N, H] BF16, hook)``; the hook is None unless ``return_recv_hook``.
         """
         E_local, R, M, H = self.num_local_experts, self.num_ranks, self.max_tokens, self.hidden
         if handle.num_max_dispatch_tokens_per_rank != M or handle.hidden != H:
@@ -617,8 +624,6 @@ class LowLatencyMode:
                          device=self.device)  # fmt: skip
 
     def destroy(self) -> None:
-        """Release the heap (collective); raises if a wait had timed out."""
-        try:
-            self.check()
-        finally:
-            self.heap.close()
+        """Release the heap (collective: every rank calls it); raises if a wait had timed out
+        (with the release's own failure, if a peer never arrived, as its cause)."""
+        self.heap.close_checked(self.check)

@@ -30,6 +30,7 @@ row and a mirror ring per destination) and moved with the tails and heads by
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -50,8 +51,9 @@ from ..validation import (
 )
 from .trace import TraceRecorder
 
-#: Fill outputs with a marker before each call (tests set this so unwritten rows show).
-POISON_OUTPUTS = False
+#: Fill outputs with a marker before each call, so that rows a kernel failed to write show
+#: (the test suite turns it on in every rank process with ``TRITONEP_POISON_OUTPUTS=1``).
+POISON_OUTPUTS = os.environ.get("TRITONEP_POISON_OUTPUTS", "0") not in ("", "0")
 
 PHASES = {
     normal_notify.PHASE_NOTIFY.value: "notify",
@@ -169,16 +171,18 @@ class Config:
 
     @property
     def num_channels(self) -> int:
+        """Channels of a call: ``num_sms // 2`` (a sender and a receiver program each)."""
         return self.num_sms // 2
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of the dispatch and combine rings of one rank for rows of ``hidden_bytes``
-        (row metadata, top-k ids and counters aside)."""
+        (row metadata, top-k ids and counters aside) in a group of ``num_ranks``."""
         rings = self.num_channels * num_ranks * self.nvl_recv_buffer_tokens
         return 2 * rings * _align(hidden_bytes, 16)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Bytes of network buffers: 0 within a node."""
+        """Bytes of network buffers: 0 within a node (``hidden_bytes`` and ``num_ranks`` are
+        accepted for DeepEP's signature)."""
         return 0
 
 
@@ -254,7 +258,9 @@ class NormalHandle:
         hidden: hidden size.
         num_experts: experts in total.
         config: the call's :class:`Config` (combine uses the same channels).
-        num_recv_tokens_per_expert: as in :class:`NormalDispatchOutput` (None once cached).
+        num_recv_tokens_per_expert: set only on a handle from :meth:`NormalMode.notify`; None
+            on the handles that :meth:`NormalMode.dispatch` returns (their counts are in the
+            :class:`NormalDispatchOutput`).
         extra: ``[R, X]`` int32, the extra words each source's notify row carried, or None.
         bounds: ``[C + 1]`` int32, the first token of each channel when channels are given
             ranges (a relay's), else None (``C`` equal splits of the tokens).
@@ -343,6 +349,10 @@ class NormalMode:
             as a group whose peers are on other nodes needs; default: stores into peers.
         notify_extra: int32 words a notify row may carry besides the counts
             (:meth:`notify`'s ``extra``).
+        rank_names: the number by which errors name each rank of ``group`` (default: its rank
+            in ``group``); a leg of a larger mode passes the ranks of the group its caller
+            knows, and errors of a labelled mode name the leg in the phase (``"rail
+            dispatch send"``).
     """
 
     def __init__(
@@ -360,6 +370,7 @@ class NormalMode:
         label: str = "normal",
         staged: bool = False,
         notify_extra: int = 0,
+        rank_names: list[int] | None = None,
     ):
         self.group = group or dist.group.WORLD
         self.label = label
@@ -370,6 +381,11 @@ class NormalMode:
         )  # fmt: skip
         self.rank = dist.get_rank(self.group)
         self.num_ranks = dist.get_world_size(self.group)
+        self._rank_names = list(rank_names or range(self.num_ranks))
+        if len(self._rank_names) != self.num_ranks:
+            raise ValueError(f"rank_names: expected {self.num_ranks} names, got {rank_names}")
+        prefix = "" if label == "normal" else f"{label} "
+        self._phases = {code: prefix + name for code, name in PHASES.items()}
         self.num_local_experts = check_num_experts(num_experts, self.num_ranks)
         if hidden <= 0 or hidden % 8 != 0:
             raise ValueError(f"hidden: expected a positive multiple of 8, got {hidden}")
@@ -482,10 +498,21 @@ class NormalMode:
 
     def check(self) -> None:
         """Wait for the device; raise if a kernel wait timed out or worst-case rows overflowed."""
-        check_status(self.status.tolist(), self.rank, PHASES, self.timeout_s, "channel {}")
+        self._check_status(self.status.tolist())
+
+    def _check_status(self, words: list[int]) -> None:
+        """:func:`check_status` of this mode's status words, its ranks named as the caller
+        knows them."""
+        code, peer, phase, value = words
+        if peer >= 0:
+            peer = self._rank_names[peer]
+        check_status([code, peer, phase, value], self._rank_names[self.rank], self._phases,
+                     self.timeout_s, "channel {}")  # fmt: skip
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor):
-        """``(num_tokens_per_rank [R], num_tokens_per_expert [E], is_token_in_rank [N, R])``."""
+        """Routing statistics of ``topk_idx`` (``[N, K]`` int64 global expert ids, ``-1`` for
+        none), from one kernel: ``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E]
+        int32, is_token_in_rank [N, R] bool)``."""
         check_topk_idx("topk_idx", topk_idx, None, self.num_experts, self.device, self.check_ids)
         return dispatch_layout(topk_idx, self.num_experts, self.num_ranks, self._layout_arrivals)
 
@@ -575,7 +602,7 @@ class NormalMode:
         else:
             # The one host synchronization of exact mode: the received count.
             info = torch.cat([host_info, self.status]).tolist()
-            check_status(info[-4:], self.rank, PHASES, self.timeout_s, "channel {}")
+            self._check_status(info[-4:])
             num_recv = rows = info[0]
             per_expert = info[1 : 1 + E_local]
         return NormalHandle(
@@ -619,6 +646,8 @@ class NormalMode:
             num_worst_tokens: if > 0, size the outputs to this many rows and skip the host
                 synchronization (rows past the received ones get top-k ids ``-1``).
             config: SM budget and ring use of this call (default: :attr:`default_config`).
+                With ``handle``, the handle's config, alignment and output size hold and
+                ``config``, ``expert_alignment`` and ``num_worst_tokens`` are not used.
             src_tag: optional ``[N]`` int32 that receivers record as each row's source index
                 (``handle.recv_src_idx``) instead of the token index: a relay passes on where
                 its rows came from.
@@ -867,8 +896,6 @@ class NormalMode:
         return out, out_weights
 
     def destroy(self) -> None:
-        """Release the heap (collective); raises if a wait had timed out."""
-        try:
-            self.check()
-        finally:
-            self.heap.close()
+        """Release the heap (collective: every rank calls it); raises if a wait had timed out
+        (with the release's own failure, if a peer never arrived, as its cause)."""
+        self.heap.close_checked(self.check)
