@@ -8,7 +8,10 @@
 
 Both sit on one :class:`~tritonep.api.Buffer` and take ``mode="low_latency"`` (decode:
 per-expert slabs ``[E_local, R * max_tokens, H]``, FP8 optional, no host synchronization) or
-``mode="normal"`` (prefill: one row per (token, rank), exact sizes).
+``mode="normal"`` (prefill: one row per (token, rank), exact sizes). The experts' input is
+the dispatch output itself (no copy), low-latency ``finalize`` reduces straight into the
+caller's output, and the low-latency halves leave no program spinning while the caller
+computes between them.
 
 Example (vLLM style, decode)::
 
@@ -113,12 +116,16 @@ class _Adapter:
 
         return finish
 
-    def _combine(self, expert_output, topk_ids, topk_weights, prepared: Prepared, hook: bool):
+    def _combine(self, expert_output, topk_ids, topk_weights, prepared: Prepared, hook: bool,
+                 out: torch.Tensor | None = None):  # fmt: skip
+        """Start or run a combine; ``finish()`` gives the result (low-latency mode: written
+        into ``out`` when given)."""
         b = self.buffer
         if self.mode == "low_latency":
             out, _, recv_hook = b.low_latency_combine(
-                expert_output, topk_ids, topk_weights, prepared.handle, return_recv_hook=hook
-            )
+                expert_output, topk_ids, topk_weights, prepared.handle, return_recv_hook=hook,
+                out=out,
+            )  # fmt: skip
 
             def finish():
                 if recv_hook is not None:
@@ -170,8 +177,13 @@ class PrepareFinalize(_Adapter):
         ``topk_weights`` ``[N, K]`` float32 and ``topk_ids`` ``[N, K]`` int64 are those given
         to :meth:`prepare` (used in low-latency mode); ``prepared`` is what it returned.
         """
-        out = self._combine(fused_expert_output, topk_ids, topk_weights, prepared, False)()
-        output.copy_(out)
+        # Low-latency mode reduces straight into a BF16 contiguous ``output``; otherwise the
+        # sums are copied there.
+        direct = output.dtype == torch.bfloat16 and output.is_contiguous()
+        out = self._combine(fused_expert_output, topk_ids, topk_weights, prepared, False,
+                            output if direct else None)()  # fmt: skip
+        if out is not output:
+            output.copy_(out)
 
 
 class TwoPhaseDispatcher(_Adapter):
