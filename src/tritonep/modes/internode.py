@@ -148,22 +148,19 @@ class InternodeMode:
         self.gpus_per_node, self.num_nodes = G, M
         self.node_index, self.local_index = divmod(self.rank, G)
         self.hidden, self.num_experts, self.check_ids = hidden, num_experts, check_ids
-        rail_ranks = [n * G + self.local_index for n in range(M)]  # one local index
-        node_ranks = [self.node_index * G + g for g in range(G)]  # one node
-        rail, node = _leg_groups(group, [
-            [[n * G + g for n in range(M)] for g in range(G)],  # the ranks of one local index
-            [[n * G + g for g in range(G)] for n in range(M)],  # the ranks of one node
-        ])  # fmt: skip
+        rails = [[n * G + g for n in range(M)] for g in range(G)]  # the ranks of one local index
+        nodes = [[n * G + g for g in range(G)] for n in range(M)]  # the ranks of one node
+        rail, node = _leg_groups(group, [rails, nodes])
         legs = dict(max_topk=max_topk, device=device, max_sms=max_sms, ring_tokens=ring_tokens,
                     timeout_s=timeout_s, check_ids=False)  # fmt: skip
         # Errors of either leg name ranks by their number in ``group``, and the leg.
         self.node = NormalMode(node, hidden, num_experts // M, **legs,
-                               label="node", rank_names=node_ranks)  # fmt: skip
+                               label="node", rank_names=nodes[self.node_index])  # fmt: skip
         # The rail leg crosses the network: staged in this rank's heap, then put (NVSHMEM
         # heaps) or copied (emulated nodes), so the same protocol runs either way. Its notify
         # rows also carry, per channel, the rows the relay forwards to each GPU of its node.
         self.rail = NormalMode(rail, hidden, num_experts, **legs,
-                               label="rail", staged=True, rank_names=rail_ranks,
+                               label="rail", staged=True, rank_names=rails[self.local_index],
                                notify_extra=self.node.layout.max_channels * G)  # fmt: skip
         self.device = self.rail.device
         #: Kernel traces of both legs on one time axis ("rail ..." and "node ..." kernels),

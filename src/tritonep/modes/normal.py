@@ -343,16 +343,17 @@ class NormalMode:
         check_ids: read the top-k ids on the host and reject ids outside ``[-1, E)``.
         profile: record kernel traces of every launch (``self.trace``); a
             :class:`~tritonep.modes.trace.TraceRecorder` to share one with another mode.
-        label: what traces call this mode's kernels (``"{label} dispatch"``, ...).
+        label: what traces call this mode's kernels (``"{label} dispatch"``, ...); errors of a
+            mode labelled other than ``"normal"`` name the label in the phase (``"rail
+            dispatch send"``).
         staged: reach every peer through staging in this rank's heap and puts
             (:mod:`tritonep.kernels.transport`: NVSHMEM puts on NVSHMEM heaps, else copies),
             as a group whose peers are on other nodes needs; default: stores into peers.
         notify_extra: int32 words a notify row may carry besides the counts
             (:meth:`notify`'s ``extra``).
         rank_names: the number by which errors name each rank of ``group`` (default: its rank
-            in ``group``); a leg of a larger mode passes the ranks of the group its caller
-            knows, and errors of a labelled mode name the leg in the phase (``"rail
-            dispatch send"``).
+            in ``group``); a leg of a larger mode passes the ranks' numbers in the group its
+            caller knows.
     """
 
     def __init__(
