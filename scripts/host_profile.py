@@ -27,12 +27,12 @@ import torch
 
 
 @contextlib.contextmanager
-def _launches_left_out():
-    """The modes' launches do nothing inside (their host work stays)."""
+def _launcher_replaced(stand_in):
+    """The modes' launches go to ``stand_in(fn, grid, args, meta)`` inside."""
     from tritonep.kernels import launcher
 
     original_launch = launcher.launch
-    launcher.launch = lambda *args: None
+    launcher.launch = stand_in
     try:
         yield
     finally:
@@ -41,14 +41,15 @@ def _launches_left_out():
 
 def _profile(name, fn, calls, top):
     on_gpu = torch.cuda.is_available()
-    with contextlib.nullcontext() if on_gpu else _launches_left_out():
+    # Left out on CPU ranks: their host work stays.
+    with contextlib.nullcontext() if on_gpu else _launcher_replaced(lambda *launch: None):
         issued, total = _host_us(fn, calls)
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(calls):
             fn()
         profiler.disable()
-    if torch.cuda.is_available():
+    if on_gpu:
         torch.cuda.synchronize()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
@@ -96,17 +97,12 @@ def _per_call_us(fn, calls):
 
 def _breakdown(name, mode, fn, calls):
     """Host time of ``fn`` (one op of ``mode``) split into our work, Triton's and the launch."""
-    from tritonep.kernels import launcher
-
-    recorder, original_launch = _Recorder(), launcher.launch
-    launcher.launch = recorder
-    try:
+    recorder = _Recorder()
+    with _launcher_replaced(recorder):
         fn()
         launches = list(recorder.launches)
         recorder.skip = True
         ours = _per_call_us(fn, calls)
-    finally:
-        launcher.launch = original_launch
     from triton.runtime.jit import JITFunction
 
     slow = []

@@ -34,7 +34,7 @@ def check_tensor(
         got = t.shape
         ok = len(got) == len(shape)
         if ok:
-            for g, want in zip(got, shape):  # noqa: B905 (lengths compared above)
+            for g, want in zip(got, shape, strict=True):
                 if want is not None and g != want:
                     ok = False
                     break
