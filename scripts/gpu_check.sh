@@ -101,18 +101,23 @@ if [ "$what" = ab ]; then
   # this tree), alternated AB_ROUNDS times on the same machine; one CSV per run, named by
   # tree and round. AB_VARIANTS: ';'-separated sets of extra benchmark flags, each run from
   # every tree (e.g. TREES=. AB_VARIANTS="; --logfmt"), labelled v0, v1, ...
+  # AB_MODES: the benchmarks to run, "low-latency" (default) and/or "normal".
   IFS=";" read -ra ab_variants <<< "${AB_VARIANTS:-}"
   [ ${#ab_variants[@]} -gt 0 ] || ab_variants=("")
   for round in $(seq 1 "${AB_ROUNDS:-2}"); do
     for tree in ${TREES:?TREES: directories holding a src/, e.g. \"prev .\"}; do
-      v=0
-      for flags in "${ab_variants[@]}"; do
-        label=$([ "$tree" = . ] && echo now || basename "$tree")
-        [ ${#ab_variants[@]} -eq 1 ] || label="$label-v$v"
-        PYTHONPATH="$PWD/$tree/src" timeout "${AB_LIMIT_S:-150}" python3 -m tritonep.bench low-latency \
-          --ranks "$ranks" --tokens "${LL_TOKENS:-128,1,256}" --iters "${AB_ITERS:-50}" --quiet \
-          ${AB_ARGS:-} $flags --csv "$out/ab-$label-$round.csv" 2>&1 | grep -v -i warn | tail -4 | sed "s/^/$label: /" || status=1
-        v=$((v + 1))
+      for mode in ${AB_MODES:-low-latency}; do
+        tokens=$([ "$mode" = normal ] && echo "${NORMAL_TOKENS:-4096,128}" || echo "${LL_TOKENS:-128,1,256}")
+        v=0
+        for flags in "${ab_variants[@]}"; do
+          label=$([ "$tree" = . ] && echo now || basename "$tree")
+          [ ${#ab_variants[@]} -eq 1 ] || label="$label-v$v"
+          [ "$mode" = low-latency ] || label="$label-$mode"
+          PYTHONPATH="$PWD/$tree/src" timeout "${AB_LIMIT_S:-150}" python3 -m tritonep.bench "$mode" \
+            --ranks "$ranks" --tokens "$tokens" --iters "${AB_ITERS:-50}" --quiet \
+            ${AB_ARGS:-} $flags --csv "$out/ab-$label-$round.csv" 2>&1 | grep -v -i warn | tail -4 | sed "s/^/$label: /" || status=1
+          v=$((v + 1))
+        done
       done
     done
   done

@@ -242,6 +242,57 @@ def test_a_timeout_set_on_a_buffer_reaches_modes_already_built(run_ranks, mode):
     _assert_rank0_timed_out_at_1_s(run_ranks(2, _timeout_change_body, mode))
 
 
+def _later_calls_body(ctx, mode_name):
+    """Rank 1 stops answering after one call. Rank 0 times out under a 1 s limit, then makes
+    three more calls under the longest limit there is (about 35 minutes): each must raise the
+    first error at once, since the kernels read the recorded timeout and no longer wait."""
+    from tritonep.api import Buffer
+    from tritonep.errors import WaitTimeoutError
+    from tritonep.kernels.sync import MAX_TIMEOUT_S
+
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    hidden, experts, topk = 128, 2 * R, 2
+    case = make_case(5, [4] * R, hidden, experts, topk)
+    x, idx = case.x[me].to(dev), case.topk_idx[me].to(dev)
+    w = case.topk_weights[me].to(dev)
+    buffer = Buffer(None, device=dev)
+    if mode_name == "normal":
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, experts)
+        *_, handle, _ = buffer.dispatch(
+            x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        )  # fmt: skip
+        call = lambda: buffer.dispatch(x, handle=handle)  # cached: no host read of its own
+    else:
+        call = lambda: buffer.low_latency_dispatch(x, idx, 4, experts, use_fp8=False)
+    call()
+    buffer.check()
+    errors = []
+    if me == 0:
+        buffer.timeout_s = 1.0
+        for _ in range(4):
+            try:
+                call()
+                buffer.check()
+                errors.append(None)
+            except WaitTimeoutError as e:
+                errors.append(str(e))
+            buffer.timeout_s = MAX_TIMEOUT_S
+    with contextlib.suppress(WaitTimeoutError):  # the same timeout, reported again
+        buffer.destroy()
+    return errors
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_after_a_timeout_later_calls_raise_at_once(run_ranks, mode):
+    """Without the recorded timeout cutting later waits short, the second call would wait
+    out its 35-minute limit and the rank pool's 120 s would fail the test."""
+    errors, none = run_ranks(2, _later_calls_body, mode, timeout=120)
+    assert none == []
+    assert errors[0].startswith("rank 0 timed out after 1 s in phase") and "peer 1" in errors[0]
+    assert errors == [errors[0]] * 4, errors  # the first error, its limit included
+
+
 def _variants_body(ctx):
     """Kernel variants Triton holds after calls of 5 tokens and of 1 token (its own dispatch
     variant) under the default limit, then after calls under a 2 s limit (low-latency mode

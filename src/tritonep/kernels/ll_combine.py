@@ -94,7 +94,6 @@ def ll_combine_kernel(
     LOGFMT: tl.constexpr = False,  # rows travel as LogFMT-10 (:mod:`.logfmt`)
     LOGFMT_GROUPS: tl.constexpr = 64,  # 128-channel groups encoded at a time (power of two)
 ):
-    timeout_ns = limit_ns(timeout_us)
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     E_LOCAL: tl.constexpr = NUM_EXPERTS // NUM_RANKS
@@ -186,6 +185,7 @@ def ll_combine_kernel(
             t_signal = t_send_end - t1
 
     if DO_RECV:
+        timeout_ns = limit_ns(timeout_us, status_ptr)  # only the receiving part waits
         set_off = (c_recv % 2) * RECV_SET_BYTES
         my_base = tl.load(peer_ptrs + rank)
         if PROFILE:
@@ -211,7 +211,7 @@ def ll_combine_kernel(
                 if not SHRINK:
                     budget = tl.where(ok, budget, 0)
                     if not ok:
-                        record_timeout(status_ptr, src, PHASE_COMBINE_RECV)
+                        record_timeout(status_ptr, src, PHASE_COMBINE_RECV, timeout_ns)
         if PROFILE:
             t1 = read_clock(trace_ptr, USE_CLOCK)
             t_wait = t1 - t0

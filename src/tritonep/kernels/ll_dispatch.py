@@ -158,7 +158,7 @@ def ll_dispatch_kernel(
     out_slot_ptr,  # [E_local, R * M] int32 top-k column of each row
     out_count_ptr,  # [E_local] int32
     out_range_ptr,  # [E_local, R] int64
-    status_ptr,  # [4] int32
+    status_ptr,  # [STATUS_WORDS] int32
     timeout_us,  # limit of every wait, in microseconds (sync.timeout_us)
     trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE), or the clock of WAIT_STATS
     wait_stats_ptr,  # [R] int64 time spent waiting for each source rank (WAIT_STATS)
@@ -191,7 +191,6 @@ def ll_dispatch_kernel(
     VIA: tl.constexpr = VIA_STORE,
     ONE_TOKEN: tl.constexpr = False,  # num_tokens == 1, known when compiling
 ):
-    timeout_ns = limit_ns(timeout_us)
     # The batch size is not specialized (a decode step's batch changes from step to step, and
     # a compile inside a call keeps every peer waiting), except for one token: a send whose
     # loops and masks fold away is 0.6 us faster (8.1 against 8.8 us on one H100, BENCHMARKS.md).
@@ -413,7 +412,7 @@ def ll_dispatch_kernel(
         flat_mask = flat < H
         # After one wait gives up, the program's later waits give up at once, so a launch
         # ends within about one timeout however many waits it has.
-        budget = timeout_ns + tl.zeros((), tl.int64)
+        budget = timeout_us.to(tl.int64) * 1000
         # One work item per (local expert, source rank): its block starts after the blocks of
         # the earlier sources, whose counts it reads from their flags (in source-rank order,
         # so the output is deterministic and matches the reference).
@@ -446,6 +445,10 @@ def ll_dispatch_kernel(
                         tl.atomic_add(wait_stats_ptr + sources, waited + 0 * sources,
                                       mask=wanted, sem="relaxed", scope="gpu")  # fmt: skip
             for src in range(first_src, me_src + 1):
+                # The status is read only here, where a wait is due: the common call, whose
+                # counts are all there at the first read, spends no load on it.
+                timeout_ns = limit_ns(timeout_us, status_ptr)
+                budget = tl.minimum(budget, timeout_ns)
                 flag = flag_row + src * 8
                 if WAIT_STATS:
                     w0 = read_clock(trace_ptr, USE_CLOCK)
@@ -462,7 +465,7 @@ def ll_dispatch_kernel(
                 if not SHRINK:
                     budget = tl.where(ok, budget, 0)
                     if not ok:
-                        record_timeout(status_ptr, src, PHASE_DISPATCH_RECV, local)
+                        record_timeout(status_ptr, src, PHASE_DISPATCH_RECV, timeout_ns, local)
                 # A timed-out source contributes nothing; the host raises from the status (or,
                 # in shrink mode, the source is masked at the end of the launch).
                 begin += count

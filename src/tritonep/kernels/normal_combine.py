@@ -215,10 +215,10 @@ def combine_send(
         pending = tl.sum(count - sent, 0)
     if pending > 0:
         if starved:
-            record_timeout(status_ptr, -1, PHASE_COMBINE_RELAY, channel)
+            record_timeout(status_ptr, -1, PHASE_COMBINE_RELAY, timeout_ns, channel)
         else:
             peer = first_lane(sent < count, ranks)
-            record_timeout(status_ptr, peer, PHASE_COMBINE_SEND, channel)
+            record_timeout(status_ptr, peer, PHASE_COMBINE_SEND, timeout_ns, channel)
 
 
 @triton.jit
@@ -301,7 +301,7 @@ def combine_receive(
             arrived = tl.where(blocked, values, arrived)
             if not ok:
                 peer = first_lane(blocked & (arrived < target), ranks)
-                record_timeout(status_ptr, peer, PHASE_COMBINE_RECV, channel)
+                record_timeout(status_ptr, peer, PHASE_COMBINE_RECV, timeout_ns, channel)
                 budget = tl.zeros((), tl.int64)
         # A row that never arrived is read as zeros: the host raises from the status.
         ready = hit * (arrived >= target).to(tl.int32)[None, :]
@@ -405,7 +405,7 @@ def normal_combine_kernel(
     AWAIT: tl.constexpr = False,  # wait for each input row's flag (call + 1) before sending it
     PUBLISH: tl.constexpr = False,  # flag each output token once summed
 ):
-    timeout_ns = limit_ns(timeout_us)
+    timeout_ns = limit_ns(timeout_us, status_ptr)
     pid = tl.program_id(0)
     call = tl.load(state_ptr + COMBINE_CALLS, volatile=True)
     if PROFILE:

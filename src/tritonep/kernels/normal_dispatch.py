@@ -196,7 +196,7 @@ def dispatch_send(
             _, arrived = wait_all_at_least(ready_ptr + tokens64, (call + 1).to(tl.int32), tmask,
                                            budget, USE_CLOCK, True)  # fmt: skip
             if not arrived:
-                record_timeout(status_ptr, -1, PHASE_DISPATCH_RELAY, channel)
+                record_timeout(status_ptr, -1, PHASE_DISPATCH_RELAY, timeout_ns, channel)
                 budget = tl.zeros((), tl.int64)
             tmask = tmask & arrived
         at_rank = tokens64[:, None] * NUM_RANKS + ranks[None, :]
@@ -224,7 +224,7 @@ def dispatch_send(
             released = tl.where(blocked, values, released)
             if not ok:
                 peer = first_lane(blocked & (released < target), ranks)
-                record_timeout(status_ptr, peer, PHASE_DISPATCH_SEND, channel)
+                record_timeout(status_ptr, peer, PHASE_DISPATCH_SEND, timeout_ns, channel)
                 budget = tl.zeros((), tl.int64)
         # After a timeout (budget spent) the program stores and publishes nothing more: tails
         # past a skipped step would hand its slots, stale, to healthy peers as this call's
@@ -418,7 +418,7 @@ def dispatch_receive(
         pending = tl.sum(count - head, 0)
     if pending > 0:
         peer = first_lane(head < count, ranks)
-        record_timeout(status_ptr, peer, PHASE_DISPATCH_RECV, channel)
+        record_timeout(status_ptr, peer, PHASE_DISPATCH_RECV, timeout_ns, channel)
     # Every ring of this channel is free for the next call, whatever it carried.
     tl.debug_barrier()
     free_rings(call, channel, head_offset, rank, my_base, peer_base, ranks, rmask, pe_ptr,
@@ -464,7 +464,7 @@ def normal_dispatch_kernel(
     out_weights_ptr,  # [max_rows, K] float32
     out_src_ptr,  # [max_rows] int32 source token index
     max_rows,
-    status_ptr,  # [4] int32
+    status_ptr,  # [STATUS_WORDS] int32
     timeout_us,  # limit of every wait, in microseconds (sync.timeout_us)
     bounds_ptr,  # [C + 1] int32 first token of each channel (BOUNDS)
     ready_ptr,  # [rows] int32 per-row flags: awaited on the input (AWAIT), set on the output
@@ -501,7 +501,7 @@ def normal_dispatch_kernel(
     RANKS_FROM_IDS: tl.constexpr = False,  # compute is_token_in_rank from the ids, and store it
     PUBLISH: tl.constexpr = False,  # flag each output row once written
 ):
-    timeout_ns = limit_ns(timeout_us)
+    timeout_ns = limit_ns(timeout_us, status_ptr)
     pid = tl.program_id(0)
     call = tl.load(state_ptr + DISPATCH_CALLS, volatile=True)
     if PROFILE:

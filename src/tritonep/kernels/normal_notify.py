@@ -69,7 +69,7 @@ def notify_kernel(
     max_rows,  # rows the outputs hold (worst-case mode), 0 = unlimited
     extra_ptr,  # [R, EXTRA] int32 sent to each peer (EXTRA > 0)
     extra_out_ptr,  # [R, EXTRA] int32 received from each source (EXTRA > 0)
-    status_ptr,  # [4] int32
+    status_ptr,  # [STATUS_WORDS] int32
     timeout_us,  # limit of every wait, in microseconds (sync.timeout_us)
     trace_ptr,  # [R * SLOTS + 1] int64 readings (PROFILE)
     NUM_RANKS: tl.constexpr,
@@ -90,7 +90,7 @@ def notify_kernel(
     X_P2: tl.constexpr = 2,
     CHANNEL_MAJOR: tl.constexpr = False,
 ):
-    timeout_ns = limit_ns(timeout_us)
+    timeout_ns = limit_ns(timeout_us, status_ptr)
     peer = tl.program_id(0)
     call = tl.load(state_ptr + NOTIFY_CALLS, volatile=True)
     if PROFILE:
@@ -150,7 +150,7 @@ def notify_kernel(
         got_x = tl.load(my_extra + xs, mask=xmask, other=-1, volatile=True)
         arrived = all_nonzero(got_c, got_e, got_x)
     if not arrived:
-        record_timeout(status_ptr, peer, PHASE_NOTIFY)
+        record_timeout(status_ptr, peer, PHASE_NOTIFY, timeout_ns)
     # A source that never arrived counts as sending nothing; the host raises from the status.
     got_c = tl.where(arrived, -got_c - 1, 0)
     got_e = tl.where(arrived, -got_e - 1, 0)
@@ -191,6 +191,6 @@ def notify_kernel(
         tl.store(host_info_ptr, total)
         tl.store(host_info_ptr + 1 + experts, per_expert, mask=emask)
         if (max_rows > 0) & (total > max_rows):
-            record_timeout(status_ptr, -1, PHASE_NOTIFY, total, STATUS_OVERFLOW)
+            record_timeout(status_ptr, -1, PHASE_NOTIFY, 0, total, STATUS_OVERFLOW)
         tl.store(state_ptr + NOTIFY_ARRIVALS, 0)
         tl.store(state_ptr + NOTIFY_CALLS, call + 1)

@@ -68,9 +68,10 @@ def wait_signal_kernel(
 ):
     base = tl.load(peer_ptrs + rank)
     flag = (base + flag_offset).to(tl.pointer_type(tl.int32))
-    _, ok = wait_flag(flag, value, limit_ns(timeout_us), USE_CLOCK)
+    timeout_ns = limit_ns(timeout_us, status_ptr)
+    _, ok = wait_flag(flag, value, timeout_ns, USE_CLOCK)
     if not ok:
-        record_timeout(status_ptr, peer, PHASE_SIGNAL)
+        record_timeout(status_ptr, peer, PHASE_SIGNAL, timeout_ns)
 
 
 def _check_offset(name: str, heap: SymmetricHeap, offset: int, nbytes: int, align: int) -> None:
@@ -164,4 +165,4 @@ def wait_signal(
         status,
         USE_CLOCK=use_clock(heap.device),
     )
-    raise_on_timeout(status, heap.rank, PHASES, timeout_s)
+    raise_on_timeout(status, heap.rank, PHASES)

@@ -12,6 +12,13 @@ Triton interpreter has no clock, so there the time is counted in spins of
 turns the status into :class:`~tritonep.errors.WaitTimeoutError` (:func:`raise_on_timeout`).
 No kernel ever traps, so the CUDA context survives a timeout.
 
+A recorded timeout stays: the mode's call counters no longer agree with its peers', so the
+buffer is done for. Every later launch therefore reads the status when it starts and, finding a
+timeout there, polls each flag once instead of waiting (:func:`limit_ns`): a dead peer costs
+one limit, not one per call (a CUDA graph replayed in a loop, a decode step after the next).
+The status also keeps the limit the failed wait had, so the error names it even after
+``timeout_s`` changed.
+
 The limit reaches a kernel as whole microseconds in an argument that Triton does not
 specialize (:func:`timeout_us`, ``do_not_specialize``): an int32 whatever the limit, so
 changing a mode's ``timeout_s`` compiles nothing. In nanoseconds, limits below 2.1 s would be
@@ -33,6 +40,8 @@ INTERPRETER_SPIN_NS = tl.constexpr(1_000_000)
 #: Default limit of every wait, in seconds.
 DEFAULT_TIMEOUT_S = 100.0
 
+#: Words of a status tensor: code, peer, phase, detail, limit of the failed wait in microseconds.
+STATUS_WORDS = 5
 STATUS_OK = tl.constexpr(0)
 STATUS_TIMEOUT = tl.constexpr(1)
 #: More rows arrived than the outputs hold (worst-case sizing); the excess was not written.
@@ -72,9 +81,15 @@ def add_release(ptr, value):
 
 
 @triton.jit
-def limit_ns(timeout_us):
-    """A kernel's ``timeout_us`` argument (:func:`timeout_us`) as int64 nanoseconds."""
-    return timeout_us.to(tl.int64) * 1000
+def limit_ns(timeout_us, status_ptr):
+    """The limit of this launch's waits in int64 nanoseconds: the kernel's ``timeout_us``
+    argument (:func:`timeout_us`), or 0 (one poll, no wait) once ``status_ptr`` holds a timeout
+    of an earlier launch or of another program of this one. It costs a load: call it where
+    the program's waits begin, or only once a first read found a flag not yet set (the
+    low-latency dispatch, whose counts are usually all there: one load at the start of its
+    receiving part cost 0.5 us of 15.5, BENCHMARKS.md)."""
+    failed = tl.load(status_ptr, volatile=True) == STATUS_TIMEOUT
+    return tl.where(failed, 0, timeout_us.to(tl.int64) * 1000)
 
 
 @triton.jit
@@ -183,17 +198,20 @@ def lane(vector, lanes, index):
 
 
 @triton.jit
-def record_timeout(status_ptr, peer, phase, detail=-1, code: tl.constexpr = STATUS_TIMEOUT):
-    """Record the first failure of a launch: ``status = [code, peer, phase, detail]``."""
+def record_timeout(status_ptr, peer, phase, timeout_ns, detail=-1,
+                   code: tl.constexpr = STATUS_TIMEOUT):  # fmt: skip
+    """Record the first failure: ``status = [code, peer, phase, detail, limit in microseconds]``
+    (``timeout_ns``: the limit the wait had, from :func:`limit_ns`)."""
     if tl.atomic_cas(status_ptr, STATUS_OK, code, sem="relaxed") == STATUS_OK:
         tl.store(status_ptr + 1, peer)
         tl.store(status_ptr + 2, phase)
         tl.store(status_ptr + 3, detail)
+        tl.store(status_ptr + 4, timeout_ns // 1000)  # the store narrows it to int32
 
 
 def new_status(device: torch.device) -> torch.Tensor:
-    """A zeroed ``int32 [4]`` status tensor for one launch."""
-    return torch.zeros(4, dtype=torch.int32, device=device)
+    """A zeroed ``int32 [STATUS_WORDS]`` status tensor: one per mode, kept across launches."""
+    return torch.zeros(STATUS_WORDS, dtype=torch.int32, device=device)
 
 
 def use_clock(device: torch.device) -> bool:
@@ -216,24 +234,22 @@ def timeout_us(timeout_s: float) -> int:
 
 
 def raise_on_timeout(
-    status: torch.Tensor, rank: int, phases: dict[int, str], timeout_s: float, detail: str = ""
+    status: torch.Tensor, rank: int, phases: dict[int, str], detail: str = ""
 ) -> None:
     """Raise :class:`WaitTimeoutError` if a launch recorded a timeout (reads ``status``: syncs).
 
     ``detail`` is formatted with the recorded detail value (e.g. ``"expert {}"``).
     """
-    check_status(status.tolist(), rank, phases, timeout_s, detail)
+    check_status(status.tolist(), rank, phases, detail)
 
 
-def check_status(
-    words: list[int], rank: int, phases: dict[int, str], timeout_s: float, detail: str = ""
-) -> None:
-    """:func:`raise_on_timeout` for a status already read to the host (four ints).
+def check_status(words: list[int], rank: int, phases: dict[int, str], detail: str = "") -> None:
+    """:func:`raise_on_timeout` for a status already read to the host (``STATUS_WORDS`` ints).
 
     Raises :class:`WaitTimeoutError` for a timeout, ``ValueError`` for an overflow of
     worst-case outputs.
     """
-    code, peer, phase, value = words
+    code, peer, phase, value, limit_us = words
     if code == STATUS_OVERFLOW.value:
         raise ValueError(
             f"num_worst_tokens: rank {rank} received {value} rows, more than the outputs hold; "
@@ -243,4 +259,4 @@ def check_status(
         name = phases.get(phase, f"phase {phase}")
         if detail and value >= 0:
             name = f"{name}, {detail.format(value)}"
-        raise WaitTimeoutError(rank, peer, name, timeout_s)
+        raise WaitTimeoutError(rank, peer, name, limit_us / 1e6)

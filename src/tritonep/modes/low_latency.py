@@ -369,7 +369,7 @@ class LowLatencyMode:
     def check(self) -> None:
         """Wait for the device and raise :class:`WaitTimeoutError` if a wait gave up (never
         in shrink mode, where the peer is masked instead)."""
-        raise_on_timeout(self.status, self.rank, PHASES, self.timeout_s, "expert {}")
+        raise_on_timeout(self.status, self.rank, PHASES, "expert {}")
 
     # --------------------------------------------------------------------------- dispatch
     def dispatch(

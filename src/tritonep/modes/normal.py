@@ -40,7 +40,15 @@ import triton
 from ..heap import allocate, default_device
 from ..kernels import launcher, normal_combine, normal_dispatch, normal_notify, transport
 from ..kernels.layout import dispatch_layout
-from ..kernels.sync import DEFAULT_TIMEOUT_S, check_status, new_status, timeout_us, use_clock
+from ..kernels.sync import (
+    DEFAULT_TIMEOUT_S,
+    STATUS_OVERFLOW,
+    STATUS_WORDS,
+    check_status,
+    new_status,
+    timeout_us,
+    use_clock,
+)
 from ..validation import (
     check_dispatch_x,
     check_num_experts,
@@ -503,12 +511,16 @@ class NormalMode:
 
     def _check_status(self, words: list[int]) -> None:
         """:func:`check_status` of this mode's status words, its ranks named as the caller
-        knows them."""
-        code, peer, phase, value = words
+        knows them. An overflow is raised once and then cleared: the receivers drained their
+        rings, so the mode and its peers still agree and the next call may size its outputs
+        better. A timeout stays (:mod:`tritonep.kernels.sync`)."""
+        code, peer, *rest = words
         if peer >= 0:
             peer = self._rank_names[peer]
-        check_status([code, peer, phase, value], self._rank_names[self.rank], self._phases,
-                     self.timeout_s, "channel {}")  # fmt: skip
+        if code == STATUS_OVERFLOW.value:
+            self.status.zero_()  # in stream order: after the launches whose status was read
+        check_status([code, peer, *rest], self._rank_names[self.rank], self._phases,
+                     "channel {}")  # fmt: skip
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor):
         """Routing statistics of ``topk_idx`` (``[N, K]`` int64 global expert ids, ``-1`` for
@@ -603,7 +615,7 @@ class NormalMode:
         else:
             # The one host synchronization of exact mode: the received count.
             info = torch.cat([host_info, self.status]).tolist()
-            self._check_status(info[-4:])
+            self._check_status(info[-STATUS_WORDS:])
             num_recv = rows = info[0]
             per_expert = info[1 : 1 + E_local]
         return NormalHandle(
