@@ -116,11 +116,18 @@ def _overflow_body(ctx, rows):
     assert not bool(combined.isnan().any())
     try:
         mode.check()
+        outcome = "fits"
     except ValueError as e:  # a WaitTimeoutError (a hang, bounded) fails the test
         assert "num_worst_tokens" in str(e), e
-        return "overflow"
-    assert want.num_recv_tokens <= rows
-    return "fits"
+        outcome = "overflow"
+    assert outcome == "overflow" or want.num_recv_tokens <= rows
+    # Raised once for both legs; the ranks stay in step, so an exact-size call is whole.
+    mode.check()
+    again = mode.dispatch(x, idx)
+    ref.assert_rows_equal(again.recv_x, want.recv_x, want.num_recv_tokens, f"rank {me} after")
+    mode.check()
+    mode.destroy()
+    return outcome
 
 
 def test_internode_worst_case_overflow_is_reported_not_waited_for(run_ranks):
@@ -387,3 +394,32 @@ def test_internode_legs_run_at_once_on_gpus(run_ranks, tmp_path):
         pytest.skip("needs a GPU per rank (ranks sharing a GPU take turns)")
     ranks, _ = _gpu_nodes()
     assert run_ranks(ranks, _overlap_body, str(tmp_path), timeout=300) == [(True, True)] * ranks
+
+
+def test_check_reads_both_legs_and_raises_a_timeout_first():
+    """An overflow is cleared when its leg's check raises it, so check() must read both legs
+    (else the second leg's overflow came back at the next check), and a timeout, which is
+    what stops the job, wins over an overflow."""
+    from tritonep.errors import WaitTimeoutError
+
+    class Leg:
+        def __init__(self, error):
+            self.error, self.checks = error, 0
+
+        def check(self):
+            self.checks += 1
+            if self.error is not None:
+                raise self.error
+
+    mode = InternodeMode.__new__(InternodeMode)  # the legs alone: no process group needed
+    timeout = WaitTimeoutError(2, 3, "node notify", 1.0)
+    mode.rail, mode.node = Leg(ValueError("num_worst_tokens: rail")), Leg(timeout)
+    with pytest.raises(WaitTimeoutError) as raised:
+        mode.check()
+    assert raised.value is timeout and mode.rail.checks == mode.node.checks == 1
+    mode.rail, mode.node = Leg(ValueError("num_worst_tokens: rail")), Leg(ValueError("node"))
+    with pytest.raises(ValueError, match="rail"):
+        mode.check()
+    assert mode.node.checks == 1
+    mode.rail, mode.node = Leg(None), Leg(None)
+    mode.check()

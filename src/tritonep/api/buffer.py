@@ -778,7 +778,12 @@ class Buffer:
 
     def check(self) -> None:
         """Wait for the device; raise :class:`WaitTimeoutError` if a kernel wait gave up (or
-        ``ValueError`` if worst-case outputs were too small)."""
+        ``ValueError`` if worst-case outputs were too small).
+
+        A timeout stays: every later call of the mode gives up its waits at once (no second
+        wait for the same peer) and every later ``check()`` raises the same error, naming the
+        limit the failed wait had; destroy the buffer and build a new one. An overflow of
+        worst-case outputs is raised once: the ranks stay in step and later calls work."""
         for mode in (self._normal, self._ll):
             if mode is not None:
                 mode.check()

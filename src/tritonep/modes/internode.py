@@ -56,6 +56,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..errors import WaitTimeoutError
 from ..kernels.layout import dispatch_layout
 from ..kernels.normal_combine import COMBINE_CALLS
 from ..kernels.normal_dispatch import DISPATCH_CALLS
@@ -216,9 +217,17 @@ class InternodeMode:
         self.rail.timeout_s = self.node.timeout_s = value
 
     def check(self) -> None:
-        """Raise if a wait of either leg timed out."""
-        self.rail.check()
-        self.node.check()
+        """Raise if a wait of either leg timed out (that first) or worst-case outputs of either
+        leg overflowed. Both legs are read, so an overflow of both is raised once, not once
+        now and again at the next check."""
+        errors = []
+        for leg in (self.rail, self.node):
+            try:
+                leg.check()
+            except (WaitTimeoutError, ValueError) as error:
+                errors.append(error)
+        if errors:
+            raise next((e for e in errors if isinstance(e, WaitTimeoutError)), errors[0])
 
     def dispatch(
         self,
