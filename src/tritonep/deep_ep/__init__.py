@@ -44,7 +44,8 @@ Behavioural differences, all documented here and in :mod:`tritonep.api.buffer`:
 * a wait that times out (100 s by default) raises
   :class:`~tritonep.errors.WaitTimeoutError` from :meth:`Buffer.check` or
   :meth:`Buffer.destroy` instead of trapping the GPU (in low-latency shrink mode it masks
-  the rank instead).
+  the rank instead); later calls of that mode give up their waits at once, and the buffer is
+  to be destroyed and built again.
 """
 
 from __future__ import annotations

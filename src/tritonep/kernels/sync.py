@@ -13,8 +13,8 @@ turns the status into :class:`~tritonep.errors.WaitTimeoutError` (:func:`raise_o
 No kernel ever traps, so the CUDA context survives a timeout.
 
 A recorded timeout stays: the mode's call counters no longer agree with its peers', so the
-buffer is done for. Every later launch therefore reads the status when it starts and, finding a
-timeout there, polls each flag once instead of waiting (:func:`limit_ns`): a dead peer costs
+buffer is done for. Every later launch therefore reads the status before it waits and, finding
+a timeout there, polls each flag once instead of waiting (:func:`limit_ns`): a dead peer costs
 one limit, not one per call (a CUDA graph replayed in a loop, a decode step after the next).
 The status also keeps the limit the failed wait had, so the error names it even after
 ``timeout_s`` changed.
