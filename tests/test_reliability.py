@@ -206,16 +206,15 @@ def test_a_skipped_call_raises_then_a_new_buffer_works(run_ranks, mode):
     _assert_rank0_timed_out_at_1_s(run_ranks(2, _recover_body, mode))
 
 
-def _timeout_change_body(ctx, mode_name):
-    """A Buffer's ``timeout_s`` assigned after its mode exists reaches the mode's kernels:
-    both ranks make one call under the default 100 s, the limit drops to 1 s, and rank 0
-    calls again alone."""
+def _buffer_with_a_call(ctx, mode_name, seed):
+    """A :class:`tritonep.api.Buffer` and a call of ``mode_name`` (normal: a cached dispatch,
+    which has no host read of its own; low-latency: a BF16 dispatch), made once by every rank
+    under the default limit and checked."""
     from tritonep.api import Buffer
-    from tritonep.errors import WaitTimeoutError
 
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
     hidden, experts, topk = 128, 2 * R, 2
-    case = make_case(4, [4] * R, hidden, experts, topk)
+    case = make_case(seed, [4] * R, hidden, experts, topk)
     x, idx = case.x[me].to(dev), case.topk_idx[me].to(dev)
     w = case.topk_weights[me].to(dev)
     buffer = Buffer(None, device=dev)
@@ -230,6 +229,17 @@ def _timeout_change_body(ctx, mode_name):
         call = lambda: buffer.low_latency_dispatch(x, idx, 4, experts, use_fp8=False)
     call()
     buffer.check()
+    return buffer, call
+
+
+def _timeout_change_body(ctx, mode_name):
+    """A Buffer's ``timeout_s`` assigned after its mode exists reaches the mode's kernels:
+    both ranks make one call under the default 100 s, the limit drops to 1 s, and rank 0
+    calls again alone."""
+    from tritonep.errors import WaitTimeoutError
+
+    me = ctx.rank
+    buffer, call = _buffer_with_a_call(ctx, mode_name, 4)
     buffer.timeout_s = 1.0
     error, took = _rank0_alone(me, lambda: (call(), buffer.check()))
     with contextlib.suppress(WaitTimeoutError):  # the same timeout, reported again
@@ -246,27 +256,11 @@ def _later_calls_body(ctx, mode_name):
     """Rank 1 stops answering after one call. Rank 0 times out under a 1 s limit, then makes
     three more calls under the longest limit there is (about 35 minutes): each must raise the
     first error at once, since the kernels read the recorded timeout and no longer wait."""
-    from tritonep.api import Buffer
     from tritonep.errors import WaitTimeoutError
     from tritonep.kernels.sync import MAX_TIMEOUT_S
 
-    R, me, dev = ctx.world_size, ctx.rank, ctx.device
-    hidden, experts, topk = 128, 2 * R, 2
-    case = make_case(5, [4] * R, hidden, experts, topk)
-    x, idx = case.x[me].to(dev), case.topk_idx[me].to(dev)
-    w = case.topk_weights[me].to(dev)
-    buffer = Buffer(None, device=dev)
-    if mode_name == "normal":
-        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, experts)
-        *_, handle, _ = buffer.dispatch(
-            x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank,
-            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        )  # fmt: skip
-        call = lambda: buffer.dispatch(x, handle=handle)  # cached: no host read of its own
-    else:
-        call = lambda: buffer.low_latency_dispatch(x, idx, 4, experts, use_fp8=False)
-    call()
-    buffer.check()
+    me = ctx.rank
+    buffer, call = _buffer_with_a_call(ctx, mode_name, 5)
     errors = []
     if me == 0:
         buffer.timeout_s = 1.0
