@@ -208,8 +208,9 @@ def test_a_skipped_call_raises_then_a_new_buffer_works(run_ranks, mode):
 
 def _buffer_with_a_call(ctx, mode_name, seed):
     """A :class:`tritonep.api.Buffer` and a call of ``mode_name`` (normal: a cached dispatch,
-    which has no host read of its own; low-latency: a BF16 dispatch), made once by every rank
-    under the default limit and checked."""
+    which has no host read of its own; ``internode``: the same across 2 emulated nodes;
+    low-latency: a BF16 dispatch), made once by every rank under the default limit and
+    checked."""
     from tritonep.api import Buffer
 
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
@@ -217,8 +218,8 @@ def _buffer_with_a_call(ctx, mode_name, seed):
     case = make_case(seed, [4] * R, hidden, experts, topk)
     x, idx = case.x[me].to(dev), case.topk_idx[me].to(dev)
     w = case.topk_weights[me].to(dev)
-    buffer = Buffer(None, device=dev)
-    if mode_name == "normal":
+    buffer = Buffer(None, device=dev, gpus_per_node=R // 2 if mode_name == "internode" else None)
+    if mode_name in ("normal", "internode"):
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, experts)
         *_, handle, _ = buffer.dispatch(
             x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank,
@@ -277,13 +278,17 @@ def _later_calls_body(ctx, mode_name):
     return errors
 
 
-@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+@pytest.mark.parametrize("mode", ["normal", "low_latency", "internode"])
 def test_after_a_timeout_later_calls_raise_at_once(run_ranks, mode):
     """Without the recorded timeout cutting later waits short, the second call would wait
-    out its 35-minute limit and the rank pool's 120 s would fail the test."""
-    errors, none = run_ranks(2, _later_calls_body, mode, timeout=120)
-    assert none == []
-    assert errors[0].startswith("rank 0 timed out after 1 s in phase") and "peer 1" in errors[0]
+    out its 35-minute limit and the rank pool's 120 s would fail the test. Across 2 nodes of
+    2 ranks each leg has its own status: both must stop waiting."""
+    errors, *none = run_ranks(4 if mode == "internode" else 2, _later_calls_body, mode,
+                              timeout=120 if mode != "internode" else 240)  # fmt: skip
+    assert all(n == [] for n in none)
+    peer = 2 if mode == "internode" else 1  # across nodes: rank 0's rail partner first
+    assert errors[0].startswith("rank 0 timed out after 1 s in phase"), errors[0]
+    assert f"waiting for peer {peer};" in errors[0], errors[0]
     assert errors == [errors[0]] * 4, errors  # the first error, its limit included
 
 
