@@ -784,14 +784,25 @@ class Buffer:
         wait for the same peer) and every later ``check()`` raises the same error, naming the
         limit the failed wait had; destroy the buffer and build a new one. An overflow of
         worst-case outputs is raised once: the ranks stay in step and later calls work."""
+        self._join_comm_stream()
         for mode in (self._normal, self._ll):
             if mode is not None:
                 mode.check()
+
+    def _join_comm_stream(self) -> None:
+        """Order the current stream after the communication stream, so that reading the modes'
+        status there sees the normal-mode calls still in flight (``async_finish=True``). On
+        one H100 (torch 2.11) the status read waited for them anyway, on the default stream
+        and on a stream of the caller's (its pageable copy to the host waits for the device),
+        but nothing in CUDA promises that; stream order does."""
+        if self._comm_stream is not None:
+            torch.cuda.current_stream(self._comm_stream.device).wait_stream(self._comm_stream)
 
     def destroy(self) -> None:
         """Release the buffer's memory (collective). Every mode is released even if one of
         them reports a timeout (peers wait for each release); the first error is raised
         after that."""
+        self._join_comm_stream()
         modes = (self._normal, self._ll)
         self._normal = self._ll = None
         error = None
