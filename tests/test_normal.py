@@ -8,6 +8,7 @@ kernel adds the ranks' rows in the same order). Worst-case outputs must pad with
 cached dispatches must move new payloads along the old routing.
 """
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -300,6 +301,41 @@ def test_worst_case_overflow_is_reported_and_combine_stays_in_bounds(run_ranks):
     waits for the dropped rows nor reads past its input."""
     results = run_ranks(3, _overflow_body, 6, timeout=300)
     assert "overflow" in results, results
+
+
+def _overflow_then_timeout_body(ctx):
+    """A worst-case dispatch overflows on some rank and nobody checks; then rank 0 dispatches
+    alone. The overflow must not hide the timeout: rank 0's check() raises the timeout, and
+    its later calls give up their waits at once (under a 35-minute limit)."""
+    from tritonep.kernels.sync import MAX_TIMEOUT_S
+
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    experts = 2 * R
+    mode = nm.NormalMode(None, 128, experts, max_topk=2, device=dev)
+    case = make_case(9, [9, 7][:R], 128, experts, 2, "random")
+    x, idx = case.x[me].to(dev), case.topk_idx[me].to(dev)
+    mode.dispatch(x, idx, num_worst_tokens=2)  # every rank receives more than 2 rows
+    errors = []
+    if me == 0:
+        mode.timeout_s = 1.0
+        for _ in range(2):
+            mode.dispatch(x, idx, num_worst_tokens=2)
+            try:
+                mode.check()
+                errors.append(None)
+            except (WaitTimeoutError, ValueError) as e:
+                errors.append(f"{type(e).__name__}: {e}")
+            mode.timeout_s = MAX_TIMEOUT_S
+    with contextlib.suppress(WaitTimeoutError, ValueError):
+        mode.destroy()
+    return errors
+
+
+def test_an_unchecked_overflow_does_not_hide_a_later_timeout(run_ranks):
+    errors, none = run_ranks(2, _overflow_then_timeout_body, timeout=120)
+    assert none == []
+    assert errors[0].startswith("WaitTimeoutError: rank 0 timed out after 1 s"), errors
+    assert errors == [errors[0]] * 2, errors
 
 
 def _two_batch_body(ctx, worst):

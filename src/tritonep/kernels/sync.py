@@ -201,8 +201,15 @@ def lane(vector, lanes, index):
 def record_timeout(status_ptr, peer, phase, timeout_ns, detail=-1,
                    code: tl.constexpr = STATUS_TIMEOUT):  # fmt: skip
     """Record the first failure: ``status = [code, peer, phase, detail, limit in microseconds]``
-    (``timeout_ns``: the limit the wait had, from :func:`limit_ns`)."""
-    if tl.atomic_cas(status_ptr, STATUS_OK, code, sem="relaxed") == STATUS_OK:
+    (``timeout_ns``: the limit the wait had, from :func:`limit_ns`). A timeout also replaces
+    an overflow that nobody has checked yet: the overflow would hide it, and later launches
+    would wait again."""
+    won = tl.atomic_cas(status_ptr, STATUS_OK, code, sem="relaxed") == STATUS_OK
+    if code == STATUS_TIMEOUT:  # noqa: SIM102 (compiled in or out; the inner test runs)
+        if not won:
+            was = tl.atomic_cas(status_ptr, STATUS_OVERFLOW, code, sem="relaxed")
+            won = was == STATUS_OVERFLOW
+    if won:
         tl.store(status_ptr + 1, peer)
         tl.store(status_ptr + 2, phase)
         tl.store(status_ptr + 3, detail)
