@@ -4,5 +4,6 @@
   worst-case output sizes, cached mode;
 * :mod:`.internode` -- the normal mode across nodes: a network leg, then an NVLink leg;
 * :mod:`.low_latency` -- decode: per-expert slabs, online FP8, double buffering, CUDA graphs;
+* :mod:`.outputs` -- the calls' output tensors (poisoned when testing);
 * :mod:`.trace` -- kernel traces as Chrome trace JSON.
 """

@@ -30,7 +30,6 @@ the same sequence of calls, as with DeepEP.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -52,11 +51,8 @@ from ..validation import (
     check_tensor,
     check_topk_idx,
 )
+from .outputs import empty_output
 from .trace import SLOTS, TraceRecorder
-
-#: Fill outputs with a marker before each call, so that rows a kernel failed to write show
-#: (the test suite turns it on in every rank process with ``TRITONEP_POISON_OUTPUTS=1``).
-POISON_OUTPUTS = os.environ.get("TRITONEP_POISON_OUTPUTS", "0") not in ("", "0")
 
 MAX_TOPK = 16
 PHASES = {
@@ -359,13 +355,6 @@ class LowLatencyMode:
         receive()
         return None
 
-    def _empty(self, shape, dtype):
-        if POISON_OUTPUTS:
-            t = torch.empty(shape, dtype=dtype, device=self.device)
-            t.view(torch.uint8).fill_(0xFF)  # NaN for floats, -1 for integers
-            return t
-        return torch.empty(shape, dtype=dtype, device=self.device)
-
     def check(self) -> None:
         """Wait for the device and raise :class:`WaitTimeoutError` if a wait gave up (never
         in shrink mode, where the peer is masked instead)."""
@@ -421,13 +410,15 @@ class LowLatencyMode:
 
         E_local, R, M, H = self.num_local_experts, self.num_ranks, self.max_tokens, self.hidden
         rows = R * M
-        recv_x = self._empty((E_local, rows, H), torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
+        recv_x = empty_output(
+            self.device, (E_local, rows, H), torch.float8_e4m3fn if use_fp8 else torch.bfloat16
+        )
         use_ue8m0 = use_ue8m0 or pack_ue8m0
         recv_scales = scales_out = None
         if use_fp8:  # column-major per expert: allocated [E_local, columns, rows], transposed
             columns = -(-H // 512) if pack_ue8m0 else H // 128
             dtype = torch.int32 if pack_ue8m0 else torch.float32
-            scales_out = self._empty((E_local, columns, rows), dtype)
+            scales_out = empty_output(self.device, (E_local, columns, rows), dtype)
             # One column: the same memory either way, and a unit last stride lets callers
             # view it as bytes (torch calls a size-1 dimension contiguous whatever its stride).
             recv_scales = scales_out.transpose(1, 2) if columns > 1 else scales_out.view(
@@ -436,9 +427,9 @@ class LowLatencyMode:
                 scales_out = scales_out.view(torch.uint8)
         # One allocation for both [E_local, rows] int32 outputs (one allocator call fewer per
         # eager call).
-        src_info, topk_slot = self._empty((2, E_local, rows), torch.int32).unbind(0)
-        recv_count = self._empty((E_local,), torch.int32)
-        layout_range = self._empty((E_local, R), torch.int64)
+        src_info, topk_slot = empty_output(self.device, (2, E_local, rows), torch.int32).unbind(0)
+        recv_count = empty_output(self.device, (E_local,), torch.int32)
+        layout_range = empty_output(self.device, (E_local, R), torch.int64)
         # How the senders count the ids: by atomic adds or histograms (ll_dispatch.COUNT_ADDS);
         # from the shapes alone, so a captured graph keeps its choice.
         per_program = -(-num_tokens // self.num_programs)
@@ -560,7 +551,7 @@ class LowLatencyMode:
             device=self.device,
         )
         if out is None:
-            out = self._empty((num_tokens, H), torch.bfloat16)
+            out = empty_output(self.device, (num_tokens, H), torch.bfloat16)
         else:
             check_tensor(
                 "out", out, dtype=torch.bfloat16, shape=(num_tokens, H), device=self.device

@@ -30,7 +30,6 @@ row and a mirror ring per destination) and moved with the tails and heads by
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -57,11 +56,8 @@ from ..validation import (
     check_topk_idx,
     check_topk_weights,
 )
+from .outputs import empty_output
 from .trace import TraceRecorder
-
-#: Fill outputs with a marker before each call, so that rows a kernel failed to write show
-#: (the test suite turns it on in every rank process with ``TRITONEP_POISON_OUTPUTS=1``).
-POISON_OUTPUTS = os.environ.get("TRITONEP_POISON_OUTPUTS", "0") not in ("", "0")
 
 PHASES = {
     normal_notify.PHASE_NOTIFY.value: "notify",
@@ -435,12 +431,6 @@ class NormalMode:
         self.trace = TraceRecorder.of(profile, self.rank, self.device, on_gpu)
 
     # ---------------------------------------------------------------------------- helpers
-    def _empty(self, shape, dtype):
-        t = torch.empty(shape, dtype=dtype, device=self.device)
-        if POISON_OUTPUTS:
-            t.view(torch.uint8).fill_(0xFF)  # NaN for floats, -1 for integers
-        return t
-
     def _config(self, config: Config | None) -> Config:
         config = config or self.default_config
         channels = config.num_channels
@@ -741,19 +731,21 @@ class NormalMode:
         G = x[1].shape[1] if use_fp8 else 0  # scale words per token
         if use_fp8:
             recv_x = (
-                self._empty((rows, hidden), torch.float8_e4m3fn),
-                self._empty((rows, G), x[1].dtype),
+                empty_output(self.device, (rows, hidden), torch.float8_e4m3fn),
+                empty_output(self.device, (rows, G), x[1].dtype),
             )
             x_words, scale_words = x[0].view(torch.int32), x[1].view(torch.int32)
             out_words, out_scales = recv_x[0].view(torch.int32), recv_x[1].view(torch.int32)
         else:
-            recv_x = self._empty((rows, hidden), torch.bfloat16)
+            recv_x = empty_output(self.device, (rows, hidden), torch.bfloat16)
             x_words, out_words = x.view(torch.int32), recv_x.view(torch.int32)
             scale_words = out_scales = out_words
         has_weights = has_topk and topk_weights is not None
-        recv_topk_idx = self._empty((rows, topk), torch.int64) if has_topk else None
-        recv_weights = self._empty((rows, topk), torch.float32) if has_weights else None
-        recv_src_idx = self._empty((rows,), torch.int32)
+        recv_topk_idx = empty_output(self.device, (rows, topk), torch.int64) if has_topk else None
+        recv_weights = (
+            empty_output(self.device, (rows, topk), torch.float32) if has_weights else None
+        )
+        recv_src_idx = empty_output(self.device, (rows,), torch.int32)
         dummy = out_words
         ranks_from_ids = handle.ranks_from_ids and has_topk
         bounds = handle.bounds
@@ -860,8 +852,10 @@ class NormalMode:
         publish = relay is not None and relay.publish_to is not None
         if awaits and relay.limit is None:
             raise ValueError("relay: a combine that awaits rows needs the relay's limit")
-        out = self._empty((N, H), torch.bfloat16)
-        out_weights = self._empty((N, K), torch.float32) if topk_weights is not None else None
+        out = empty_output(self.device, (N, H), torch.bfloat16)
+        out_weights = (
+            empty_output(self.device, (N, K), torch.float32) if topk_weights is not None else None
+        )
         dummy = out
 
         def build_meta():  # once per configuration: _launch
