@@ -332,11 +332,17 @@ def _logfmt_body(ctx, tokens, hidden, experts_per_rank, topk):
         recv_x, _, handle, _, _ = buffer.low_latency_dispatch(
             x, topk_idx, num_max, num_experts, use_fp8=False
         )
-        if zero_copy:
-            buffer.get_next_low_latency_combine_buffer(handle).copy_(recv_x)
-        plain, _, _ = buffer.low_latency_combine(recv_x, topk_idx, topk_weights, handle)
+        rows = recv_x
+        if zero_copy:  # expert outputs written straight into the buffer's tensor
+            rows = buffer.get_next_low_latency_combine_buffer(handle)
+            rows.copy_(recv_x)
+        plain, _, _ = buffer.low_latency_combine(rows, topk_idx, topk_weights, handle)
+        # out=: the result lands in the caller's tensor (poisoned: every row must be written).
+        out = torch.full_like(plain, float("nan"))
+        into, _, _ = buffer.low_latency_combine(rows, topk_idx, topk_weights, handle, out=out)
+        assert into is out and torch.equal(into, plain)
         combined, _, _ = buffer.low_latency_combine(
-            recv_x, topk_idx, topk_weights, handle, use_logfmt=True, zero_copy=zero_copy
+            rows, topk_idx, topk_weights, handle, use_logfmt=True, zero_copy=zero_copy
         )
         if N:
             exact = calc_diff(plain.float(), expected)

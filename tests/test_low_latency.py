@@ -6,6 +6,8 @@ Everything is bit-exact against the reference, on GPUs and under the interpreter
 kernels round BF16 and e4m3 on the bits there, where the interpreter's conversions are off).
 """
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -387,6 +389,62 @@ def test_a_rank_that_skips_dispatch_makes_the_others_raise(run_ranks):
     assert results[0].startswith(
         "rank 0 timed out after 1 s in phase 'low-latency dispatch receive, expert "
     )
+    assert "waiting for peer 1" in results[0]
+
+
+def _run_ahead_body(ctx):
+    """Three combines of one dispatch, each of other rows. The rank without tokens has nothing
+    to reduce; were it not to wait for its peers' rows all the same, nothing would hold it
+    back, and its third combine would overwrite the buffer set its peers are still to read
+    for their first (the sleep lets it run ahead)."""
+    R, me = ctx.world_size, ctx.rank
+    M, H, E, K = 4, 256, 2 * R, 2
+    mode = ll.LowLatencyMode(None, M, H, E, max_topk=K, device=ctx.device, timeout_s=60)
+    case = make_case(91, [4, 0, 3][:R], H, E, K, "dropped")
+    dev = case.to(ctx.device)
+    recv_x, recv_count, handle, _ = mode.dispatch(dev.x[me], dev.topk_idx[me], use_fp8=False)
+    base = _expert_outputs(recv_x, False, me)
+    outputs = [(base.float() * (call + 1)).to(torch.bfloat16) for call in range(3)]
+    if case.x[me].shape[0]:
+        time.sleep(2.0)
+    combined = [mode.combine(y, dev.topk_idx[me], dev.topk_weights[me], handle)[0].clone()
+                for y in outputs]  # fmt: skip
+    for y, out in zip(outputs, combined, strict=True):
+        _verify_call(ctx, case, M, False, False, recv_x, recv_count, handle, y, out)
+    mode.destroy()
+    return True
+
+
+def test_a_rank_without_tokens_does_not_run_ahead(run_ranks):
+    assert run_ranks(3, _run_ahead_body) == [True] * 3
+
+
+def _skip_combine_body(ctx):
+    mode = ll.LowLatencyMode(
+        None, 4, 128, 2 * ctx.world_size, max_topk=2, device=ctx.device, timeout_s=30.0
+    )
+    x = torch.randn(3, 128, device=ctx.device).to(torch.bfloat16)
+    idx = torch.tensor([[0, 1], [1, 2], [3, 0]], device=ctx.device)
+    recv_x, _, handle, _ = mode.dispatch(x, idx, use_fp8=False)
+    if ctx.rank == 1:
+        return "skipped"
+    mode.timeout_s = 1.0
+    weights = torch.ones(3, 2, device=ctx.device)
+    try:
+        mode.combine(recv_x, idx, weights, handle)
+        mode.check()
+    except WaitTimeoutError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_rank_that_skips_combine_makes_the_others_raise(run_ranks):
+    # The combine receiver waits per source rank (one arrival flag each, not per expert).
+    results = run_ranks(2, _skip_combine_body)
+    assert results[1] == "skipped"
+    assert results[0].startswith(
+        "rank 0 timed out after 1 s in phase 'low-latency combine receive'"
+    ), results[0]
     assert "waiting for peer 1" in results[0]
 
 

@@ -72,6 +72,8 @@ def _verify(ctx, case, xs, out, combined, combined_w, experts, alignment, worst,
         [(x * 0.5).to(torch.bfloat16) for x in case.x] if bias else None,
     )[me]  # fmt: skip
     ref.assert_bitwise_equal(combined.cpu(), expected, f"rank {me} combined")
+    # Weights come back exactly when they went out: a combine that dropped them must fail.
+    assert (combined_w is None) == (expected_w is None), f"rank {me}: combined weights"
     if combined_w is not None:
         ref.assert_bitwise_equal(combined_w.cpu(), expected_w, f"rank {me} combined weights")
     return wants
@@ -443,6 +445,30 @@ def test_a_rank_that_skips_dispatch_makes_the_others_raise(run_ranks):
         "crashed, or called with different arguments",
         "skipped",
     ]
+
+
+def _skip_combine_body(ctx):
+    mode = nm.NormalMode(None, 128, 2 * ctx.world_size, device=ctx.device, timeout_s=30.0)
+    x = torch.randn(3, 128, device=ctx.device).to(torch.bfloat16)
+    idx = torch.tensor([[0, 1], [1, 2], [3, 0]], device=ctx.device)
+    out = mode.dispatch(x, idx)
+    if ctx.rank == 1:
+        return "skipped"
+    mode.timeout_s = 1.0
+    try:
+        mode.combine(out.recv_x, out.handle)
+        mode.check()
+    except WaitTimeoutError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_rank_that_skips_combine_makes_the_others_raise(run_ranks):
+    # Rank 0's combine receiver waits for rank 1's rows of its tokens, which never come.
+    results = run_ranks(2, _skip_combine_body)
+    assert results[1] == "skipped"
+    assert results[0].startswith("rank 0 timed out after 1 s in phase 'combine"), results[0]
+    assert "waiting for peer 1" in results[0] and "channel" in results[0], results[0]
 
 
 def _stuck_destination_body(ctx):

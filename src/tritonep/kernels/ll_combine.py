@@ -190,7 +190,10 @@ def ll_combine_kernel(
         my_base = tl.load(peer_ptrs + rank)
         if PROFILE:
             t0 = read_clock(trace_ptr, USE_CLOCK)
-        if pid < num_tokens:
+        # A rank without tokens waits too (one program): its wait is what keeps it from
+        # running ahead of its peers by more than one call, and so from overwriting the
+        # buffer set they still read (several combines of one dispatch, each sending).
+        if pid < tl.maximum(num_tokens, 1):
             target = (c_recv + 1) * E_LOCAL
             budget = timeout_ns + tl.zeros((), tl.int64)  # later waits give up after a timeout
             for src in range(NUM_RANKS):
