@@ -31,7 +31,7 @@ def _buffer_body(ctx, hook):
         assert (recv_hook is not None) == hook and event.event is None
         if hook:
             recv_hook()
-        assert len(handle) == 6 and handle[2:5] == (M, H, E)
+        assert len(handle) == 8 and handle[2:5] == (M, H, E)
         total += recv_count.cpu()
         outputs = _expert_outputs(recv_x, True, me)
         buf = buffer.get_next_low_latency_combine_buffer(handle)

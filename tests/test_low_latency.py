@@ -465,6 +465,24 @@ def _bad_input_body(ctx):
             messages.append("accepted")
         except (TypeError, ValueError) as e:
             messages.append(f"{type(e).__name__}: {e}")
+    _, _, handle, _ = mode.dispatch(x[:3], idx[:3])
+    recv_x = torch.zeros(2, 2 * 4, 256, dtype=torch.bfloat16, device=ctx.device)
+    weights = torch.ones(3, 2, device=ctx.device)
+    launched = mode.state.clone()  # the call counters: a launch would move them
+    for call in [
+        lambda: mode.combine(recv_x, idx, torch.ones(5, 2, device=ctx.device), handle),
+        lambda: mode.combine(recv_x, idx[:2], weights[:2], handle),
+        lambda: mode.combine(recv_x, idx[:3, :1].contiguous(), weights[:, :1].contiguous(), handle),
+        lambda: mode.combine(recv_x[:, :, :128], idx[:3], weights, handle),
+        lambda: mode.combine(recv_x, idx[:3], weights.double(), handle),
+        lambda: mode.combine(recv_x, idx[:3], weights, handle, out=x[:4]),
+    ]:
+        try:
+            call()
+            messages.append("accepted")
+        except (TypeError, ValueError) as e:
+            messages.append(f"{type(e).__name__}: {e}")
+    messages.append(bool(torch.equal(launched, mode.state)))
     mode.destroy()
     return messages
 
@@ -477,6 +495,17 @@ def test_bad_input_raises_before_launch(run_ranks):
             "TypeError: x: expected dtype torch.bfloat16, got torch.float32",
             "ValueError: topk_idx: expert ids must lie in [-1, 4) (-1 = no expert), found 4",
             "ValueError: topk_idx: top-k 5 exceeds max_topk=4",
+            # combine: ids of the dispatch's shape only (more tokens would read past the set)
+            "ValueError: topk_idx: shape [5, 2] differs from that of the dispatch whose "
+            "handle this is, [3, 2]",
+            "ValueError: topk_idx: shape [2, 2] differs from that of the dispatch whose "
+            "handle this is, [3, 2]",
+            "ValueError: topk_idx: shape [3, 1] differs from that of the dispatch whose "
+            "handle this is, [3, 2]",
+            "ValueError: x: expected shape [2, 8, 256], got [2, 8, 128]",
+            "TypeError: topk_weights: expected dtype torch.float32, got torch.float64",
+            "ValueError: out: expected shape [3, 256], got [4, 256]",
+            True,  # nothing above launched a kernel
         ]
 
 

@@ -140,6 +140,8 @@ class LowLatencyHandle(NamedTuple):
         hidden: hidden size.
         num_experts: experts in total.
         recv_topk_slot: ``[E_local, R * max_tokens]`` int32 top-k column of each row.
+        num_tokens, topk: the shape of the dispatch's ``topk_idx``; combine takes ids of
+            that shape, whose rows it reads back from the slots of those tokens.
     """
 
     recv_src_info: torch.Tensor
@@ -148,6 +150,8 @@ class LowLatencyHandle(NamedTuple):
     hidden: int
     num_experts: int
     recv_topk_slot: torch.Tensor
+    num_tokens: int
+    topk: int
 
 
 class LowLatencyMode:
@@ -484,7 +488,9 @@ class LowLatencyMode:
             MSG_BLOCK=_rows_in_flight(H, 1 if use_fp8 else 2, 65536),
             num_warps=16,
         )
-        handle = LowLatencyHandle(src_info, layout_range, M, H, self.num_experts, topk_slot)
+        handle = LowLatencyHandle(
+            src_info, layout_range, M, H, self.num_experts, topk_slot, num_tokens, topk
+        )
         out_x = (recv_x, recv_scales) if use_fp8 else recv_x
         self._check_wait_stats(wait_stats)
         key = (use_fp8, use_ue8m0, pack_ue8m0, topk, by_adds, num_tokens == 1)
@@ -538,11 +544,15 @@ class LowLatencyMode:
         if handle.num_max_dispatch_tokens_per_rank != M or handle.hidden != H:
             raise ValueError("handle: it comes from a dispatch with other sizes")
         check_tensor("x", x, dtype=torch.bfloat16, shape=(E_local, R * M, H), device=self.device)
-        num_tokens = topk_idx.shape[0] if isinstance(topk_idx, torch.Tensor) else -1
         check_topk_idx("topk_idx", topk_idx, None, self.num_experts, self.device, self.check_ids)
-        topk = topk_idx.shape[1]
-        if topk > self.max_topk:
-            raise ValueError(f"topk_idx: top-k {topk} exceeds max_topk={self.max_topk}")
+        # Token t's rows come back to slots [t][k] of this rank's receive set: ids of another
+        # shape would read slots this call never filled, or past the set.
+        num_tokens, topk = handle.num_tokens, handle.topk
+        if tuple(topk_idx.shape) != (num_tokens, topk):
+            raise ValueError(
+                f"topk_idx: shape {list(topk_idx.shape)} differs from that of the dispatch "
+                f"whose handle this is, [{num_tokens}, {topk}]"
+            )
         check_tensor(
             "topk_weights",
             topk_weights,
