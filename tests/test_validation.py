@@ -148,22 +148,58 @@ def test_torch_backend_rejects_bad_input_on_every_rank(run_ranks):
 
 
 def _disagree_body(ctx, which):
+    from tritonep.api import Buffer
+    from tritonep.modes.internode import InternodeMode
     from tritonep.modes.low_latency import LowLatencyMode
     from tritonep.modes.normal import NormalMode
 
-    hidden = 384 if ctx.rank == 1 else 256
+    odd = ctx.rank == 1
+    hidden = 384 if odd else 256
+    experts = 4 * ctx.world_size
     try:
         if which == "normal":
-            NormalMode(None, hidden, 4 * ctx.world_size, device=ctx.device)
-        else:
-            LowLatencyMode(None, 8, hidden, 4 * ctx.world_size, device=ctx.device)
+            NormalMode(None, hidden, experts, device=ctx.device)
+        elif which == "low_latency":
+            LowLatencyMode(None, 8, hidden, experts, device=ctx.device)
+        elif which == "modes":  # one rank's mode built for 3 nodes, its peers' for one
+            if odd:
+                InternodeMode(None, 256, experts, gpus_per_node=1, device=ctx.device)
+            else:
+                NormalMode(None, 256, experts, device=ctx.device)
+        elif which == "buffer_rdma":
+            Buffer(num_rdma_bytes=0 if odd else 10**9, device=ctx.device)
+        elif which == "buffer_nodes":
+            Buffer(gpus_per_node=1 if odd else 3, device=ctx.device)
+        elif which == "first_call":
+            # Enough bytes for hidden 256: rank 1 alone would find too few for its 384.
+            need = Buffer.get_low_latency_rdma_size_hint(8, 256, ctx.world_size, experts)
+            buffer = Buffer(num_rdma_bytes=need, device=ctx.device)
+            x = torch.zeros(2, hidden, dtype=torch.bfloat16, device=ctx.device)
+            idx = torch.zeros(2, 1, dtype=torch.int64, device=ctx.device)
+            buffer.low_latency_dispatch(x, idx, 8, experts)
     except ValueError as e:
         return str(e)
     return None
 
 
-@pytest.mark.parametrize("which", ["normal", "low_latency"])
-def test_ranks_that_disagree_all_raise_the_same_error(run_ranks, which):
+@pytest.mark.parametrize(
+    "which, detail",
+    [
+        ("normal", "NormalMode: the ranks disagree on the configuration: hidden = [256, 384, 256]"),
+        ("low_latency", "LowLatencyMode: the ranks disagree on the configuration: hidden = "
+                        "[256, 384, 256]"),
+        ("modes", "NormalMode: the ranks disagree on the configuration: object = "
+                  "['NormalMode', 'InternodeMode', 'NormalMode'] on ranks 0..2; "),
+        ("buffer_rdma", "Buffer: the ranks disagree on the configuration: num_rdma_bytes = "
+                        "[1000000000, 0, 1000000000] on ranks 0..2"),
+        ("buffer_nodes", "Buffer: the ranks disagree on the configuration: gpus_per_node = "
+                         "[3, 1, 3] on ranks 0..2"),
+        ("first_call", "Buffer's low-latency mode: the ranks disagree on the configuration: "
+                       "hidden = [256, 384, 256] on ranks 0..2"),
+    ],
+)  # fmt: skip
+def test_ranks_that_disagree_all_raise_the_same_error(run_ranks, which, detail):
+    # Before any rank can raise alone (and leave its peers waiting in a collective for it).
     messages = run_ranks(3, _disagree_body, which)
     assert messages[0] is not None and messages == [messages[0]] * 3, messages
-    assert "disagree" in messages[0] and "hidden = [256, 384, 256]" in messages[0]
+    assert detail in messages[0]

@@ -148,13 +148,15 @@ def check_ranks_agree(group: dist.ProcessGroup, what: str, **config: object) -> 
     other's memory at the wrong offsets, or wait for messages that never come.
     """
     gathered: list[dict | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, config, group=group)
-    differing = {
-        key: [g[key] for g in gathered]
-        for key in config
-        if any(g[key] != gathered[0][key] for g in gathered)
-    }
+    # ``what`` travels too: ranks that reached different objects (one rank's mode built for
+    # several nodes, its peers' for one) must fail alike, with the key sets that differ.
+    dist.all_gather_object(gathered, {"object": what, **config}, group=group)
+    keys = dict.fromkeys(key for g in gathered for key in g)
+    values = {key: [g.get(key, "<absent>") for g in gathered] for key in keys}
+    differing = {key: v for key, v in values.items() if any(x != v[0] for x in v)}
     if differing:
-        detail = "; ".join(f"{key} = {values} on ranks 0..{len(values) - 1}"
-                           for key, values in differing.items())  # fmt: skip
-        raise ValueError(f"{what}: the ranks disagree on the configuration: {detail}")
+        detail = "; ".join(f"{key} = {v} on ranks 0..{len(v) - 1}" for key, v in differing.items())
+        # Rank 0's name for the object, so that every rank raises the very same message.
+        raise ValueError(
+            f"{values['object'][0]}: the ranks disagree on the configuration: {detail}"
+        )

@@ -43,12 +43,19 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from ..heap import default_device
 from ..kernels.layout import dispatch_layout
 from ..kernels.sync import timeout_us
 from ..modes.internode import InternodeHandle, InternodeMode, token_in_node
 from ..modes.low_latency import LowLatencyHandle, LowLatencyMode
 from ..modes.normal import Config, NormalHandle, NormalMode
-from ..validation import check_dispatch_x, check_num_experts, check_tensor, check_topk_idx
+from ..validation import (
+    check_dispatch_x,
+    check_num_experts,
+    check_ranks_agree,
+    check_tensor,
+    check_topk_idx,
+)
 
 
 def ranks_per_node(group: dist.ProcessGroup) -> int | None:
@@ -211,6 +218,14 @@ class Buffer:
         self._pending_mask = [0] * self.group_size
         if gpus_per_node is None:
             gpus_per_node = ranks_per_node(self.group)
+        # One collective here, so that ranks built differently fail together now instead of
+        # some raising on a first call while their peers wait in it for them.
+        check_ranks_agree(
+            self.group, "Buffer", num_rdma_bytes=num_rdma_bytes, gpus_per_node=gpus_per_node,
+            enable_shrink=self.enable_shrink, profile=bool(profile),
+            device_type=torch.device(device).type if device is not None
+            else default_device(self.group).type,
+        )  # fmt: skip
         if gpus_per_node is not None and (gpus_per_node < 1 or self.group_size % gpus_per_node):
             raise ValueError(f"gpus_per_node: expected a divisor of the {self.group_size} ranks, "
                              f"got {gpus_per_node}")  # fmt: skip
@@ -532,6 +547,12 @@ class Buffer:
     def _low_latency(self, num_max: int, hidden: int, num_experts: int) -> LowLatencyMode:
         mode = self._ll
         if mode is None:
+            # The sizes decide whether num_rdma_bytes suffices: ranks must agree on them
+            # before any rank can raise over it alone.
+            check_ranks_agree(
+                self.group, "Buffer's low-latency mode",
+                num_max_dispatch_tokens_per_rank=num_max, hidden=hidden, num_experts=num_experts,
+            )  # fmt: skip
             need = self.get_low_latency_rdma_size_hint(
                 num_max, hidden, self.group_size, num_experts, self.num_nodes
             )
