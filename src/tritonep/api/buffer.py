@@ -28,12 +28,13 @@ same tuples as DeepEP's. Differences, all deliberate:
 What keeps it fast: each mode's memory is allocated once and reused by every call (flags are
 tagged with the call number, so nothing is reset between calls), normal-mode kernels run on a
 side stream that events join to the caller's, and cached, worst-case and low-latency calls
-never synchronize with the host.
+never synchronize with the host, apart from the id check of ``check_ids=True`` (the default:
+one read of the ids' smallest and largest value per eager call, none inside CUDA-graph
+capture; ``check_ids=False`` drops it, and kernels then ignore out-of-range ids).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import os
@@ -405,9 +406,11 @@ class Buffer:
         Args:
             x: ``[N, H]`` BF16, or ``(e4m3 [N, H], scales [N, S])``: 4-byte scale words
                 copied unchanged, as in DeepEP (float32, e.g. per 128 channels; int32, e.g.
-                packed UE8M0; any strides; ``1 <= S <= H / 32``).
+                packed UE8M0; any strides; ``1 <= S <= H / 32``). FP8 needs ``H`` a multiple
+                of 128; BF16 any multiple of 8 (e.g. 2880).
             handle: a handle of an earlier dispatch: cached mode (same routing, only ``x``
-                moves; no layout arguments needed, no host synchronization).
+                moves; no layout arguments needed, no host synchronization; ``topk_idx`` and
+                ``topk_weights`` must be None).
             num_tokens_per_rank: ``[R]`` int32 from :meth:`get_dispatch_layout` (not needed).
             num_tokens_per_rdma_rank: ``[nodes]`` int32 from :meth:`get_dispatch_layout`
                 across nodes (not needed), None within one node.
@@ -435,10 +438,18 @@ class Buffer:
             int32 device tensor in worst-case mode), a
             :class:`~tritonep.modes.normal.NormalHandle` (an
             :class:`~tritonep.modes.internode.InternodeHandle` across nodes) and an
-            :class:`EventOverlap`. In cached mode the three middle outputs are None.
+            :class:`EventOverlap`. In cached mode the three middle outputs are None and the
+            handle is returned again (DeepEP returns None there).
         """
         if num_tokens_per_rdma_rank is not None and self.num_nodes == 1:
             raise ValueError("num_tokens_per_rdma_rank: must be None within one node")
+        if handle is not None:
+            # As DeepEP asserts: rows follow the handle's routing, so ids given here would
+            # be ignored, and ignoring them silently hides a caller's mistake.
+            for name, value in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+                if value is not None:
+                    raise ValueError(f"{name}: must be None with a handle (cached mode moves "
+                                     "rows along the handle's routing)")  # fmt: skip
         payload = check_dispatch_x("x", x)
         if handle is not None:
             mode = self._normal_mode(payload.shape[1], None)
@@ -454,7 +465,10 @@ class Buffer:
             sms = config.num_sms
             if mode.device.type != "cuda":  # SM counts mean nothing to the interpreter
                 sms = min(sms, mode.default_config.num_sms)
-            config = dataclasses.replace(config, num_sms=sms, nvl_recv_buffer_tokens=slots)
+            # Built anew rather than replaced: configs may be subclasses with other arguments
+            # (tritonep.deep_ep.Config takes DeepEP's names).
+            config = Config(sms, config.nvl_send_chunk, slots, config.rdma_send_chunk,
+                            config.rdma_recv_buffer_tokens)  # fmt: skip
         inputs = (x, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert)
         out, compute = self._on_comm_stream(
             payload.device,

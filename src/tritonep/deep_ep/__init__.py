@@ -2,8 +2,9 @@
 
 Code written for DeepEP's ``Buffer`` (the V1 API that vLLM, SGLang and Megatron-Core use) runs
 unchanged: the same class and method names, argument names, defaults and return tuples,
-shapes and dtypes. Names: :class:`Buffer`, :class:`Config`, :class:`EventOverlap`,
-:class:`EventHandle` (also in :mod:`tritonep.deep_ep.utils`).
+shapes and dtypes. Names: :class:`Buffer`, :class:`Config` (DeepEP's argument names and
+defaults), :class:`EventOverlap`, :class:`EventHandle` (also in :mod:`tritonep.deep_ep.utils`)
+and ``topk_idx_t`` (int64).
 
 Behavioural differences, all documented here and in :mod:`tritonep.api.buffer`:
 
@@ -22,10 +23,19 @@ Behavioural differences, all documented here and in :mod:`tritonep.api.buffer`:
   tuple (code that only passes it back, as all integrations do, does not notice); the
   low-latency handle is a tuple whose first five items are DeepEP's (``src_info``,
   ``layout_range``, ``num_max_dispatch_tokens_per_rank``, ``hidden``, ``num_experts``);
+* a cached dispatch (``handle=``) returns the handle again where DeepEP returns None, and
+  rejects ``topk_idx``/``topk_weights`` with ``ValueError`` where DeepEP asserts;
+* ``internode_dispatch`` and ``internode_combine`` are :meth:`Buffer.dispatch` and
+  :meth:`Buffer.combine` (one method serves every group); ``get_local_buffer_tensor`` raises
+  ``NotImplementedError`` (each mode sizes its own memory, there is no one raw buffer to
+  view); the per-tensor FP8 arguments of some DeepEP branches
+  (``use_per_tensor_quantization``, ``static_scale``) are not taken;
 * with ``num_worst_tokens > 0`` the per-expert counts come as an ``[E_local]`` int32 device
   tensor (a list would need the host synchronization that mode avoids);
 * configs asking for more ring slots than the buffer has get the buffer's ring (128 slots on
-  GPUs); ``num_sms`` defaults to 20 as in DeepEP and must be even;
+  GPUs); ``num_sms`` defaults to 20 as in DeepEP and must be even; chunk sizes are honoured
+  as given, though DeepEP's tuned 6-token chunks are slower here than the 16 of
+  :meth:`Buffer.get_dispatch_config`;
 * normal-mode FP8 scales may be any 4-byte words per token (float32 or int32, any strides),
   copied unchanged as in DeepEP, up to ``H / 32`` per token;
 * low-latency FP8 scales come column-major per expert as in DeepEP (packed UE8M0 int32 with
@@ -55,10 +65,52 @@ import torch.distributed as dist
 
 from ..api.buffer import Buffer as _Buffer
 from ..api.buffer import ranks_per_node
-from ..modes.normal import Config
+from ..modes.normal import Config as _Config
 from .utils import EventHandle, EventOverlap
 
-__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap"]
+__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "topk_idx_t"]
+
+#: The dtype of top-k expert ids (DeepEP's ``deep_ep.topk_idx_t``).
+topk_idx_t = torch.int64
+
+
+class Config(_Config):
+    """DeepEP's ``Config``, with its argument names, order and defaults.
+
+    Args:
+        num_sms: programs of a normal-mode launch, half senders and half receivers (even).
+        num_max_nvl_chunked_send_tokens: tokens a sender moves per step (rounded up to a power
+            of two, at most 32; :attr:`nvl_send_chunk`).
+        num_max_nvl_chunked_recv_tokens: slots per ring; more than the buffer's ring (128 on
+            GPUs) get the buffer's ring (:attr:`nvl_recv_buffer_tokens`).
+        num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens: the same for the
+            network leg of a group that spans nodes.
+
+    The values are honoured as given. Those in DeepEP's tuned tables (6-token chunks) suit its
+    kernels; here a step has a fixed cost, and the configs of
+    :meth:`Buffer.get_dispatch_config` (16 tokens a step) are faster.
+    """
+
+    def __init__(
+        self,
+        num_sms: int = 20,
+        num_max_nvl_chunked_send_tokens: int = 6,
+        num_max_nvl_chunked_recv_tokens: int = 256,
+        num_max_rdma_chunked_send_tokens: int = 6,
+        num_max_rdma_chunked_recv_tokens: int = 256,
+    ):
+        super().__init__(
+            num_sms,
+            num_max_nvl_chunked_send_tokens,
+            num_max_nvl_chunked_recv_tokens,
+            num_max_rdma_chunked_send_tokens,
+            num_max_rdma_chunked_recv_tokens,
+        )
+
+    num_max_nvl_chunked_send_tokens = property(lambda self: self.nvl_send_chunk)
+    num_max_nvl_chunked_recv_tokens = property(lambda self: self.nvl_recv_buffer_tokens)
+    num_max_rdma_chunked_send_tokens = property(lambda self: self.rdma_send_chunk)
+    num_max_rdma_chunked_recv_tokens = property(lambda self: self.rdma_recv_buffer_tokens)
 
 
 class Buffer(_Buffer):
@@ -116,3 +168,55 @@ class Buffer(_Buffer):
         if self._comm_stream is None and torch.cuda.is_available():
             self._comm_stream = torch.cuda.Stream(torch.cuda.current_device())
         return self._comm_stream
+
+    def internode_dispatch(
+        self,
+        x,
+        handle=None,
+        num_tokens_per_rank=None,
+        num_tokens_per_rdma_rank=None,
+        is_token_in_rank=None,
+        num_tokens_per_expert=None,
+        topk_idx=None,
+        topk_weights=None,
+        expert_alignment: int = 1,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        """:meth:`dispatch` (DeepEP's internal entry for groups that span nodes; here one
+        method serves every group)."""
+        return self.dispatch(
+            x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+            num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, 0, config,
+            previous_event, async_finish, allocate_on_comm_stream,
+        )  # fmt: skip
+
+    def internode_combine(
+        self,
+        x,
+        handle,
+        topk_weights=None,
+        bias=None,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        """:meth:`combine` (DeepEP's internal entry for groups that span nodes)."""
+        return self.combine(
+            x, handle, topk_weights, bias, config, previous_event, async_finish,
+            allocate_on_comm_stream,
+        )  # fmt: skip
+
+    def get_local_buffer_tensor(
+        self, dtype: torch.dtype, size: torch.Size | None = None, offset: int = 0,
+        use_rdma_buffer: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        """Not provided: DeepEP hands out views of its one raw buffer, while here each mode
+        lays out its own memory when first called. Raises ``NotImplementedError``."""
+        raise NotImplementedError(
+            "get_local_buffer_tensor: tritonep has no single raw buffer to view (each mode "
+            "sizes its own memory on its first call)"
+        )
