@@ -422,7 +422,8 @@ class Buffer:
             topk_weights: ``[N, K]`` float32, or None.
             expert_alignment: round the per-expert counts up to a multiple of this.
             num_worst_tokens: if > 0, outputs have this many rows (padding ids ``-1``) and the
-                call never synchronizes with the host (CUDA-graph capturable).
+                call does not wait for the received count (CUDA-graph capturable; the only
+                host read left is the id check of ``check_ids``, skipped under capture).
             config: SM budget and ring use (default: :meth:`get_dispatch_config`). With
                 ``handle``, the handle's config is used, and ``expert_alignment`` and
                 ``num_worst_tokens`` are those of the handle's dispatch.
@@ -704,7 +705,9 @@ class Buffer:
                 (:mod:`tritonep.reference.logfmt`). Encoding costs more time than it
                 saves on NVLink (about 2.5 times BF16's combine time, BENCHMARKS.md): a
                 warning says so once.
-            zero_copy: ``x`` came from :meth:`get_next_low_latency_combine_buffer`.
+            zero_copy: ``x`` came from :meth:`get_next_low_latency_combine_buffer`. Rows go
+                to their peers straight from wherever ``x`` lives, so there is no copy for
+                this flag to skip: any ``x`` works either way, at the same speed.
             async_finish: return an event recorded after the call.
             return_recv_hook: only send; call the hook to reduce.
             out: optional ``[N, H]`` BF16 output.

@@ -12,7 +12,8 @@ between them):
 * combine receive rows ``[max_tokens][max_topk][H]`` BF16;
 
 plus ``[R]`` combine counters. Call counters live in a small device tensor, so calls need no
-host synchronization and a captured CUDA graph can be replayed any number of times.
+host synchronization (eager calls with ``check_ids`` read the ids' range on the host; capture
+skips that read) and a captured CUDA graph can be replayed any number of times.
 
 Across nodes (``gpus_per_node`` smaller than the group), peers on this rank's node are written
 as above; for peers on other nodes, messages and rows are first built in a staging region of

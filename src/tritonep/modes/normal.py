@@ -15,8 +15,9 @@ sizes come two ways:
 * exact (``num_worst_tokens=0``): the host reads the received count after notify (one
   device-to-host copy and wait, the only host synchronization of the mode);
 * worst case (``num_worst_tokens > 0``): outputs have that many rows, the rows past the
-  received ones carry top-k ids ``-1``; no host synchronization, so a CUDA graph can capture
-  dispatch and combine and replay them with new inputs of the same shapes.
+  received ones carry top-k ids ``-1``; no wait for the count, so a CUDA graph can capture
+  dispatch and combine and replay them with new inputs of the same shapes (eager calls with
+  ``check_ids`` still read the ids' range on the host; capture skips that read).
 
 Call counters live on the device (graph-safe). Every rank must make the same sequence of
 calls. Under the Triton interpreter (CPU ranks) programs of a launch run one after another, so
