@@ -8,8 +8,9 @@ Run it like any torchrun script (GPUs when every rank has one, else CPU ranks):
 Each rank holds E/R experts and a copy of the router. Every step routes the rank's tokens,
 dispatches them (tritonep.api.autograd), applies its experts, combines, takes a loss and steps
 an optimizer; gradients of the replicated router are all-reduced as data parallelism would.
-The first step's loss and gradients are compared with the same layer computed densely on one
-process, which every rank can do because the inputs come from fixed seeds.
+The first step's loss and the gradients of the router, the experts and the input tokens are
+compared with the same layer computed densely on one process, which every rank can do because
+the inputs come from fixed seeds.
 
 ``--compile`` runs the layer through ``torch.compile`` (Inductor on GPUs, ``aot_eager`` on CPU
 ranks): dispatch and combine are registered operators, traced without a graph break.
@@ -59,7 +60,8 @@ def main() -> None:
 
     for step in range(opts.steps):
         optimizer.zero_grad()
-        out = forward(xs[me].to(dev))
+        x = xs[me].to(dev, copy=True).requires_grad_()  # a leaf of its own, even on CPU
+        out = forward(x)
         loss = ((out.float() - targets[me].to(dev)) ** 2).mean()
         loss.backward()
         dist.all_reduce(layer.router.grad)  # the router is replicated
@@ -68,7 +70,8 @@ def main() -> None:
             # The same step, densely, over every rank's tokens.
             r = router.clone().requires_grad_()
             e = experts.clone().requires_grad_()
-            dense = dense_moe(torch.cat(xs).float(), r, e, TOPK)
+            x_all = torch.cat(xs).float().requires_grad_()
+            dense = dense_moe(x_all, r, e, TOPK)
             per_rank = ((dense - torch.cat(targets)) ** 2).mean(dim=1).view(R, TOKENS).mean(1)
             per_rank.mean().backward()  # the mean of the ranks' losses
             per_rank = per_rank.detach()
@@ -78,6 +81,8 @@ def main() -> None:
                 "router grad": _rel(layer.router.grad, r.grad),
                 # Each rank's experts get the gradient of every rank's loss: R x the mean.
                 "expert grad": _rel(layer.experts.grad, e.grad[mine] * R),
+                # A rank's tokens reach only its own loss: R x their share of the mean.
+                "input grad": _rel(x.grad, x_all.grad[me * TOKENS : (me + 1) * TOKENS] * R),
             }
             assert all(v < 2e-2 for v in errors.values()), f"rank {me}: {errors}"
         optimizer.step()
@@ -87,7 +92,7 @@ def main() -> None:
             print(f"step {step}: mean loss {float(losses) / R:.5f}", flush=True)
     buffer.destroy()
     if me == 0:
-        print("first step matches the dense layer (loss, router and expert gradients)")
+        print("first step matches the dense layer (loss; router, expert and input gradients)")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -11,8 +11,13 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 @pytest.mark.parametrize(
     "extra",
-    [[], ["--gpus-per-node", "1"], ["--compile", "--checkpoint", "selective"]],
-    ids=["one-node", "2-nodes", "compiled-selective-checkpoint"],
+    [
+        [],
+        ["--gpus-per-node", "1"],
+        ["--checkpoint", "full"],
+        ["--compile", "--checkpoint", "selective"],
+    ],
+    ids=["one-node", "2-nodes", "full-checkpoint", "compiled-selective-checkpoint"],
 )
 def test_train_moe_example(extra):
     cmd = [sys.executable, "-m", "tritonep.launch", "-n", "2", "--timeout", "300",

@@ -210,6 +210,15 @@ def _moe_body(ctx, tokens, hidden, experts_per_rank, topk, use_fp8, variant):
         again, idx2, w2, _, _ = autograd.dispatch(buffer, x2, handle=handle)
         assert idx2 is None and w2 is None
         assert torch.equal(again, (recv.float() * 2).to(torch.bfloat16)), f"rank {me}: cached"
+        # Its backward is a combine on the same handle: with the rows themselves as their
+        # gradient (loss = |rows|^2 / 2), token t gets x2[t] once from every rank it went to.
+        x2.requires_grad_()
+        rows, _, _, _, _ = autograd.dispatch(buffer, x2, handle=handle)
+        (rows.float().square().sum() / 2).backward()
+        went_to = [len(set((ids[t] // experts_per_rank).tolist())) for t in range(len(ids))]
+        went_to = torch.tensor(went_to, dtype=torch.float32, device=dev).unsqueeze(1)
+        want = (x2.detach().float() * went_to).to(torch.bfloat16)
+        assert torch.equal(x2.grad, want), f"rank {me}: cached dispatch backward"
     buffer.destroy()
     return errors
 
