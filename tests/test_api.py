@@ -1,12 +1,15 @@
 """The public low-latency APIs (DeepEP-like Buffer, seed layer) against the reference."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from tests.conftest import gpu_ranks
 from tests.test_low_latency import _expert_outputs, _verify_call
-from tests.test_normal import _to
+from tests.test_normal import _combine_input, _to, _verify
 from tritonep.api import Buffer, EPLowLatencyAllToAllLayer
+from tritonep.heap import shared_gpu
 from tritonep.testing import make_case
 
 
@@ -208,3 +211,77 @@ def test_buffer_normal_deep_ep_checks(run_ranks, use_fp8):
 def test_buffer_normal_deep_ep_checks_on_gpus(run_ranks, async_finish):
     n = gpu_ranks()
     assert run_ranks(n, _buffer_normal_body, 3000, False, async_finish) == [True] * n
+
+
+def _buffer_graph_body(ctx, replays):
+    """Buffer calls of both modes in CUDA graphs, as serving code captures them: the
+    communication stream, its events and the receive statistic inside the capture; every
+    replay, with new inputs, against the reference."""
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    N, H, E, K = 64, 512, 4 * R, 3
+    buffer = Buffer(device=dev, timeout_s=60)
+    x = torch.empty(N, H, dtype=torch.bfloat16, device=dev)
+    idx = torch.empty(N, K, dtype=torch.int64, device=dev)
+    w = torch.empty(N, K, dtype=torch.float32, device=dev)
+    stats = torch.zeros(E // R, dtype=torch.int32, device=dev)
+
+    def load(seed):
+        case = make_case(seed, [N] * R, H, E, K, "dropped")
+        x.copy_(case.x[me])
+        idx.copy_(case.topk_idx[me])
+        w.copy_(case.topk_weights[me])
+        return case
+
+    def normal_step():
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, E)
+        recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
+            num_worst_tokens=N * R,
+        )  # fmt: skip
+        out = SimpleNamespace(recv_x=recv_x, recv_topk_idx=recv_idx, recv_topk_weights=recv_w,
+                              num_recv_tokens_per_expert=counts, handle=handle)  # fmt: skip
+        combined, combined_w, _ = buffer.combine(_combine_input(out, me), handle, recv_w)
+        return out, combined, combined_w
+
+    def ll_step():
+        recv_x, recv_count, handle, _, _ = buffer.low_latency_dispatch(
+            x, idx, N, E, cumulative_local_expert_recv_stats=stats
+        )
+        outputs = _expert_outputs(recv_x, True, me)
+        combined, _, _ = buffer.low_latency_combine(outputs, idx, w, handle)
+        return recv_x, recv_count, handle, outputs, combined
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        load(0)
+        normal_step()  # compile outside the capture
+        eager_count = ll_step()[1]
+        torch.cuda.synchronize()
+        graphs = [torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()]
+        with torch.cuda.graph(graphs[0], stream=stream):
+            normal = normal_step()
+        with torch.cuda.graph(graphs[1], stream=stream):
+            low_latency = ll_step()
+    torch.cuda.synchronize()
+    total = eager_count.cpu()  # the statistic counts the eager call too
+    for replay in range(replays):
+        case = load(1 + replay)
+        for graph in graphs:
+            graph.replay()
+        torch.cuda.synchronize()
+        buffer.check()
+        _verify(ctx, case, list(case.x), *normal, E, 1, N * R, False)
+        _verify_call(ctx, case, N, True, False, *low_latency)
+        total += low_latency[1].cpu()
+    assert torch.equal(stats.cpu(), total), "replays add to the receive statistic"
+    buffer.destroy()
+    return replays
+
+
+@pytest.mark.gpu(n=2)
+def test_buffer_calls_in_cuda_graphs_replayed_with_new_inputs(run_ranks):
+    replays = 3 if shared_gpu() else 30  # ranks sharing one GPU take turns on it
+    results = run_ranks(gpu_ranks(), _buffer_graph_body, replays, timeout=240)
+    assert results == [replays] * gpu_ranks()
