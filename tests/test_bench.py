@@ -94,8 +94,17 @@ def test_plot(tmp_path):
         for t in (128, 1024, 4096)
     ]  # fmt: skip
     path = tmp_path / "plot.png"
-    report.plot(rows, path, ceiling_gbps=370)
+    labels = report.plot(rows, path, ceiling_gbps=370)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert labels == [
+        "tritonep dispatch", "tritonep combine", "torch dispatch", "torch combine",
+        "dispatch (remote)", "dispatch (DeepEP accounting)",
+    ]  # fmt: skip
+    # A sweep over top-k: a line per top-k, not one line zig-zagging between them.
+    sweep = [dict(row, topk=k, tokens=row["tokens"] + k) for row in rows for k in (4, 8)]
+    labels = report.plot(sweep, path)
+    assert "tritonep dispatch (topk 4)" in labels and "tritonep dispatch (topk 8)" in labels
+    assert len(labels) == 12
 
 
 def test_console_script_names_its_commands(capfd):

@@ -112,9 +112,15 @@ def update_markdown(path: str | Path, section: str, text: str) -> None:
     path.write_text(doc)
 
 
-def plot(rows: list[dict], path: str | Path, ceiling_gbps: float | None = None) -> None:
+#: Columns that make a measured configuration; a sweep over several of them draws one line
+#: per configuration (points of different configurations joined would zig-zag).
+CONFIG_COLUMNS = ("mode", "ranks", "gpus_per_node", "hidden", "topk", "experts")
+
+
+def plot(rows: list[dict], path: str | Path, ceiling_gbps: float | None = None) -> list[str]:
     """Latency and bandwidth against tokens per rank, tritonep beside the baselines, with the
-    measured NVLink ceiling (remote GB/s per rank) as a line. Needs matplotlib."""
+    NVLink ceiling (remote GB/s per rank) as a line; one line per configuration of a sweep
+    (the parameters that vary name it). Needs matplotlib. Returns the labels drawn."""
     try:
         import matplotlib
 
@@ -122,10 +128,12 @@ def plot(rows: list[dict], path: str | Path, ceiling_gbps: float | None = None) 
         import matplotlib.pyplot as plt
     except ImportError as e:  # an optional extra
         raise RuntimeError("plotting needs matplotlib: pip install 'tritonep[extras]'") from e
-    rows = sorted(rows, key=lambda r: r["tokens"])
-    tokens = [r["tokens"] for r in rows]
+    groups: dict[tuple, list[dict]] = {}
+    for row in sorted(rows, key=lambda r: r["tokens"]):
+        groups.setdefault(tuple(row.get(k) for k in CONFIG_COLUMNS), []).append(row)
+    varying = [i for i in range(len(CONFIG_COLUMNS)) if len({c[i] for c in groups}) > 1]
     fig, (lat, bw) = plt.subplots(1, 2, figsize=(12, 4.5))
-    series = [
+    latency = [
         ("dispatch_us", "tritonep dispatch", "C0", "-"),
         ("combine_us", "tritonep combine", "C1", "-"),
         ("torch_dispatch_us", "torch dispatch", "C0", ":"),
@@ -133,30 +141,39 @@ def plot(rows: list[dict], path: str | Path, ceiling_gbps: float | None = None) 
         ("deep_ep_dispatch_us", "DeepEP dispatch", "C0", "--"),
         ("deep_ep_combine_us", "DeepEP combine", "C1", "--"),
     ]
-    for key, label, color, style in series:
-        if key in rows[0]:
-            lat.plot(tokens, [r[key] for r in rows], style, color=color, marker="o", label=label)
+    bandwidth = [
+        ("dispatch_remote_GBps", "dispatch (remote)", "C0", "-"),
+        ("combine_remote_GBps", "combine (remote)", "C1", "-"),
+        ("dispatch_GBps", "dispatch (DeepEP accounting)", "C2", "-"),
+        ("combine_GBps", "combine (DeepEP accounting)", "C3", "-"),
+    ]
+    labels = []
+    for number, (config, group) in enumerate(groups.items()):
+        tag = ", ".join(f"{CONFIG_COLUMNS[i]} {config[i]}" for i in varying)
+        marker = "osd^v<>ph*"[number % 10]
+        tokens = [r["tokens"] for r in group]
+        for axes, series in ((lat, latency), (bw, bandwidth)):
+            for key, label, color, style in series:
+                if key in group[0]:
+                    label = f"{label} ({tag})" if tag else label
+                    axes.plot(tokens, [r[key] for r in group], style, color=color,
+                              marker=marker, label=label)  # fmt: skip
+                    labels.append(label)
     lat.set_xscale("log", base=2)
     lat.set(yscale="log", xlabel="tokens per rank", ylabel="time per call (us)")
-    lat.legend(fontsize=8)
-    for key, label, color in [
-        ("dispatch_remote_GBps", "dispatch (remote)", "C0"),
-        ("combine_remote_GBps", "combine (remote)", "C1"),
-        ("dispatch_GBps", "dispatch (DeepEP accounting)", "C2"),
-        ("combine_GBps", "combine (DeepEP accounting)", "C3"),
-    ]:
-        if key in rows[0]:
-            bw.plot(tokens, [r[key] for r in rows], color=color, marker="o", label=label)
+    lat.legend(fontsize=7)
     if ceiling_gbps:
         bw.axhline(ceiling_gbps, color="k", ls="--", lw=1, label="NVLink ceiling (remote)")
+    top = max([ceiling_gbps or 0] + [y for line in bw.get_lines() for y in line.get_ydata()])
+    bw.set_ylim(0, 1.4 * top if top > 0 else 1)  # room above the ceiling for the legend
     bw.set_xscale("log", base=2)
     bw.set(xlabel="tokens per rank", ylabel="GB/s per rank")
-    bw.legend(fontsize=8)
-    first = rows[0]
-    fig.suptitle(
-        f"tritonep {first.get('mode', '')}: {first.get('ranks')} ranks, hidden "
-        f"{first.get('hidden')}, top-{first.get('topk')}, {first.get('experts')} experts"
-    )
+    bw.legend(fontsize=7)
+    first = next(iter(groups))
+    common = ", ".join(f"{CONFIG_COLUMNS[i]} {first[i]}" for i in range(len(CONFIG_COLUMNS))
+                       if i not in varying and first[i] is not None)  # fmt: skip
+    fig.suptitle(f"tritonep: {common}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return labels
