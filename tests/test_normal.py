@@ -9,6 +9,7 @@ cached dispatches must move new payloads along the old routing.
 """
 
 import contextlib
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -366,6 +367,40 @@ def _two_batch_body(ctx, worst):
     mode.check()
     mode.destroy()
     return True
+
+
+def _run_ahead_body(ctx):
+    """Three combines and three cached dispatches of one dispatch, with rows scaled by 1, 2
+    and 4 (exact in BF16 and in every sum), while the ranks with tokens sleep first: the rank
+    without tokens, which has nothing to receive in combine, must not get ahead of them far
+    enough to overwrite rows they have yet to read."""
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    H, E, K = 256, 2 * R, 2
+    mode = nm.NormalMode(None, H, E, max_topk=K, device=dev, timeout_s=60)
+    case = tag_rows(make_case(93, [7, 0, 5][:R], H, E, K, "dropped"))
+    out = mode.dispatch(case.x[me].to(dev), case.topk_idx[me].to(dev),
+                        case.topk_weights[me].to(dev))  # fmt: skip
+    y = _combine_input(out, me)
+    if case.x[me].shape[0]:
+        time.sleep(2.0)
+    factors = (1, 2, 4)
+    results = [mode.combine((y.float() * f).to(torch.bfloat16), out.handle, out.recv_topk_weights)
+               for f in factors]  # fmt: skip
+    combined = [c.clone() for c, _ in results]
+    again = [mode.dispatch((case.x[me].float() * f).to(torch.bfloat16).to(dev),
+                           handle=out.handle).recv_x.clone() for f in factors]  # fmt: skip
+    _verify(ctx, case, list(case.x), out, combined[0], results[0][1], E, 1, 0, False)
+    for f, c, a in zip(factors, combined, again, strict=True):
+        want = (combined[0].float() * f).to(torch.bfloat16)
+        ref.assert_bitwise_equal(c.cpu(), want.cpu(), f"rank {me} combine x{f}")
+        want = (out.recv_x.float() * f).to(torch.bfloat16)
+        ref.assert_bitwise_equal(a.cpu(), want.cpu(), f"rank {me} cached dispatch x{f}")
+    mode.destroy()
+    return True
+
+
+def test_a_rank_without_tokens_does_not_run_ahead(run_ranks):
+    assert run_ranks(3, _run_ahead_body) == [True] * 3
 
 
 @pytest.mark.parametrize("worst", [False, True])
