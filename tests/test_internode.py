@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests import test_low_latency as tll
+from tests import test_normal as tn
 from tests.conftest import gpu_ranks
 from tritonep import reference as ref
 from tritonep.heap import shared_gpu
@@ -59,9 +60,10 @@ def _body(ctx, gpus_per_node, tokens, hidden, experts_per_rank, topk, routing, u
             went = (owner == d).any(dim=1, keepdim=True)
             expected += torch.where(went, base.double() * (d + 1) / 4, 0.0)
         # Per element: three BF16 roundings (the rows sent, each node's sum, the total) of
-        # terms of one sign, so at most 3 * 2**-9 relative.
+        # terms of one sign, each at most 2**-8 relative (BF16 keeps 8 significant bits), so
+        # at most about 3 * 2**-8 (FP8 rows at top-8 reach 0.8%).
         err = (combined.double().cpu() - expected).abs()
-        assert bool((err <= 2**-7 * expected.abs()).all()), (me, float(err.max()))
+        assert bool((err <= 3 * 2**-8 * expected.abs()).all()), (me, float(err.max()))
         kept = case.topk_idx[me] >= 0
         torch.testing.assert_close(combined_w.cpu()[kept], case.topk_weights[me][kept])
 
@@ -102,6 +104,16 @@ def test_internode_worst_case_sizes(run_ranks, num_ranks, gpus_per_node):
     results = run_ranks(num_ranks, _body, gpus_per_node, [7, 4, 5, 0], 128, 2, 3, "dropped",
                         False, True, timeout=600)  # fmt: skip
     assert results == [True] * num_ranks
+
+
+@pytest.mark.parametrize("name", [n for n in tn.CASES if n not in ("bf16-random", "fp8-dropped")])
+def test_internode_runs_the_intranode_cases(run_ranks, name):
+    # The single-node suite's other cases (skewed, hidden 2880 top-1, top-8, empty routing,
+    # worst-case sizing), as 2 nodes of 2 ranks.
+    tokens, hidden, experts, topk, routing, fp8, worst = tn.CASES[name]
+    results = run_ranks(4, _body, 2, tokens, hidden, experts, topk, routing, fp8, worst > 0,
+                        timeout=600)  # fmt: skip
+    assert results == [True] * 4
 
 
 def _overflow_body(ctx, rows):
@@ -167,6 +179,16 @@ def test_low_latency_across_emulated_nodes(run_ranks, num_ranks, gpus_per_node, 
         dup, gpus_per_node,
     )  # fmt: skip
     assert results == [True] * num_ranks
+
+
+@pytest.mark.parametrize(
+    "name", [n for n in tll.CASES if n not in ("fp8-ue8m0-hook", "bf16-skewed-dup")]
+)
+def test_low_latency_runs_the_single_node_cases_across_nodes(run_ranks, name):
+    tokens, hidden, experts, topk, routing, fp8, ue8m0, hook, dup = tll.CASES[name]
+    results = run_ranks(4, tll._ll_body, 2, tokens, hidden, experts, topk, routing, fp8, ue8m0,
+                        hook, dup, 2)  # fmt: skip
+    assert results == [True] * 4
 
 
 def test_logfmt_combine_across_emulated_nodes(run_ranks):
