@@ -102,8 +102,11 @@ def combine_send(
     K_P2: tl.constexpr,
     VIA: tl.constexpr,
     AWAIT: tl.constexpr,
+    trace_ptr,
+    PROFILE: tl.constexpr,
 ):
-    """The sender of channel ``channel``: stream rows back to every source rank."""
+    """The sender of channel ``channel``: stream rows back to every source rank. Returns the
+    time it polled without progress (with ``PROFILE``; 0 otherwise)."""
     W: tl.constexpr = H // 2
     tag = call << 32
     ranks = tl.arange(0, R_P2)
@@ -146,7 +149,10 @@ def combine_send(
     if not AWAIT:
         v = first_tile(x_words, start, sent, count, limit, steps, words, W, R_P2, ROWS, AWAIT)
     starved = pending < 0  # waiting on the other leg's rows rather than on a peer
+    waited = tl.zeros((), tl.int64)
     while (pending > 0) & (elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns):
+        if PROFILE:
+            t_w = read_clock(trace_ptr, USE_CLOCK)
         waiting = sent < count
         # Free slots in this call; a head still tagged with an earlier call frees none.
         consumed = (heads & 0xFFFFFFFF).to(tl.int32)
@@ -212,6 +218,8 @@ def combine_send(
         else:
             heads = tl.atomic_add(head_flag, 0, mask=waiting, sem="acquire", scope="sys")
             spins += 1
+            if PROFILE:
+                waited += read_clock(trace_ptr, USE_CLOCK) - t_w
         pending = tl.sum(count - sent, 0)
     if pending > 0:
         if starved:
@@ -219,6 +227,7 @@ def combine_send(
         else:
             peer = first_lane(sent < count, ranks)
             record_timeout(status_ptr, peer, PHASE_COMBINE_SEND, timeout_ns, channel)
+    return waited
 
 
 @triton.jit
@@ -260,8 +269,11 @@ def combine_receive(
     VIA: tl.constexpr,
     BOUNDS: tl.constexpr,
     PUBLISH: tl.constexpr,
+    trace_ptr,
+    PROFILE: tl.constexpr,
 ):
-    """The receiver of channel ``channel``: sum each token's rows from all ranks."""
+    """The receiver of channel ``channel``: sum each token's rows from all ranks. Returns the
+    time it waited for rows (with ``PROFILE``; 0 otherwise)."""
     W: tl.constexpr = H // 2
     tag = call << 32
     ranks = tl.arange(0, R_P2)
@@ -281,6 +293,7 @@ def combine_receive(
     taken = tl.zeros((R_P2,), tl.int32)
     arrived = tl.zeros((R_P2,), tl.int64)  # last tail value read, per expert rank
     budget = timeout_ns + tl.zeros((), tl.int64)
+    waited = tl.zeros((), tl.int64)
     elems = tl.arange(0, 2 * BW)
     for first in range(t0, t1, TOK):
         tokens = first + tl.arange(0, TOK)
@@ -297,7 +310,11 @@ def combine_receive(
         blocked = (count > 0) & (arrived < target)
         ok = tl.max(blocked.to(tl.int32), 0) == 0
         if not ok:
+            if PROFILE:
+                t_w = read_clock(trace_ptr, USE_CLOCK)
             values, ok = wait_all_at_least(tail_flag, target, blocked, budget, USE_CLOCK)
+            if PROFILE:
+                waited += read_clock(trace_ptr, USE_CLOCK) - t_w
             arrived = tl.where(blocked, values, arrived)
             if not ok:
                 peer = first_lane(blocked & (arrived < target), ranks)
@@ -353,6 +370,7 @@ def combine_receive(
     tl.debug_barrier()
     free_rings(call, channel, head_offset, rank, my_base, peer_base, ranks, rmask, pe_ptr,
                NUM_RANKS, NUM_CHANNELS, MAX_CHANNELS, VIA)  # fmt: skip
+    return waited
 
 
 @triton.jit(do_not_specialize=["timeout_us"])
@@ -411,7 +429,7 @@ def normal_combine_kernel(
     if PROFILE:
         t_start = read_clock(trace_ptr, USE_CLOCK)
     if pid < NUM_CHANNELS:
-        combine_send(
+        waited = combine_send(
             pid,
             call,
             x_ptr,
@@ -445,9 +463,11 @@ def normal_combine_kernel(
             K_P2,
             VIA,
             AWAIT,
+            trace_ptr,
+            PROFILE,
         )
     else:
-        combine_receive(
+        waited = combine_receive(
             pid - NUM_CHANNELS,
             call,
             in_rank_ptr,
@@ -485,7 +505,10 @@ def normal_combine_kernel(
             VIA,
             BOUNDS,
             PUBLISH,
+            trace_ptr,
+            PROFILE,
         )
     if PROFILE:
-        trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), pid < NUM_CHANNELS)
+        trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), pid < NUM_CHANNELS,
+                   waited)  # fmt: skip
     finish_call(state_ptr, call, COMBINE_ARRIVALS, COMBINE_CALLS)

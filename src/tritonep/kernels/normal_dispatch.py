@@ -162,8 +162,11 @@ def dispatch_send(
     BOUNDS: tl.constexpr,
     AWAIT: tl.constexpr,
     RANKS_FROM_IDS: tl.constexpr,
+    trace_ptr,
+    PROFILE: tl.constexpr,
 ):
-    """The sender of channel ``channel``: walk its tokens, feed every destination ring."""
+    """The sender of channel ``channel``: walk its tokens, feed every destination ring.
+    Returns the time it waited (with ``PROFILE``; 0 otherwise)."""
     ranks = tl.arange(0, R_P2)
     rmask = ranks < NUM_RANKS
     peer_base = tl.load(peer_ptrs + ranks, mask=rmask, other=0)
@@ -187,14 +190,19 @@ def dispatch_send(
     sent = tl.zeros((R_P2,), tl.int32)
     released = tl.zeros((R_P2,), tl.int64)  # last head value read, per destination
     budget = timeout_ns + tl.zeros((), tl.int64)
+    waited = tl.zeros((), tl.int64)
     for first in range(t0, t1, TOK):
         tokens = first + tl.arange(0, TOK)
         tmask = tokens < t1
         tokens64 = tokens.to(tl.int64)
         if AWAIT:  # relayed rows: wait until the network leg has written them here
+            if PROFILE:
+                t_w = read_clock(trace_ptr, USE_CLOCK)
             # Flags only grow (the reading launch's call + 1), so "at least" is "this call's".
             _, arrived = wait_all_at_least(ready_ptr + tokens64, (call + 1).to(tl.int32), tmask,
                                            budget, USE_CLOCK, True)  # fmt: skip
+            if PROFILE:
+                waited += read_clock(trace_ptr, USE_CLOCK) - t_w
             if not arrived:
                 record_timeout(status_ptr, -1, PHASE_DISPATCH_RELAY, timeout_ns, channel)
                 budget = tl.zeros((), tl.int64)
@@ -220,7 +228,11 @@ def dispatch_send(
         blocked = (count > 0) & (released < target)
         ok = tl.max(blocked.to(tl.int32), 0) == 0
         if not ok:
+            if PROFILE:
+                t_w = read_clock(trace_ptr, USE_CLOCK)
             values, ok = wait_all_at_least(head_flag, target, blocked, budget, USE_CLOCK)
+            if PROFILE:
+                waited += read_clock(trace_ptr, USE_CLOCK) - t_w
             released = tl.where(blocked, values, released)
             if not ok:
                 peer = first_lane(blocked & (released < target), ranks)
@@ -288,6 +300,7 @@ def dispatch_send(
                       tail_offset + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
                       VIA)  # fmt: skip
         sent += count
+    return waited
 
 
 @triton.jit
@@ -335,8 +348,11 @@ def dispatch_receive(
     G_P2: tl.constexpr,
     VIA: tl.constexpr,
     PUBLISH: tl.constexpr,
+    trace_ptr,
+    PROFILE: tl.constexpr,
 ):
-    """The receiver of channel ``channel``: drain the rings of every source into the outputs."""
+    """The receiver of channel ``channel``: drain the rings of every source into the outputs.
+    Returns the time it polled without progress (with ``PROFILE``; 0 otherwise)."""
     ranks = tl.arange(0, R_P2)
     rmask = ranks < NUM_RANKS
     peer_base = tl.load(peer_ptrs + ranks, mask=rmask, other=0)
@@ -360,7 +376,10 @@ def dispatch_receive(
     pending = tl.sum(count, 0)
     if PUBLISH:
         published = relay_flag(relay_call_ptr)
+    waited = tl.zeros((), tl.int64)
     while (pending > 0) & (elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns):
+        if PROFILE:
+            t_w = read_clock(trace_ptr, USE_CLOCK)
         waiting = head < count
         tails = tl.atomic_add(tail_flag, 0, mask=waiting, sem="acquire", scope="sys")
         arrived = tl.where(waiting & (tails >= tag), (tails & 0xFFFFFFFF).to(tl.int32), head)
@@ -415,6 +434,8 @@ def dispatch_receive(
             spins = tl.zeros((), tl.int64)
         else:
             spins += 1
+            if PROFILE:
+                waited += read_clock(trace_ptr, USE_CLOCK) - t_w
         pending = tl.sum(count - head, 0)
     if pending > 0:
         peer = first_lane(head < count, ranks)
@@ -436,6 +457,7 @@ def dispatch_receive(
                 tl.store(out_topk_idx_ptr + at, tl.full((128, K_P2), -1, tl.int64), mask=m2)
                 if HAS_WEIGHTS:
                     tl.store(out_weights_ptr + at, tl.zeros((128, K_P2), tl.float32), mask=m2)
+    return waited
 
 
 @triton.jit(do_not_specialize=["timeout_us"])
@@ -507,7 +529,7 @@ def normal_dispatch_kernel(
     if PROFILE:
         t_start = read_clock(trace_ptr, USE_CLOCK)
     if pid < NUM_CHANNELS:
-        dispatch_send(
+        waited = dispatch_send(
             pid,
             call,
             x_ptr,
@@ -552,9 +574,11 @@ def normal_dispatch_kernel(
             BOUNDS,
             AWAIT,
             RANKS_FROM_IDS,
+            trace_ptr,
+            PROFILE,
         )
     else:
-        dispatch_receive(
+        waited = dispatch_receive(
             pid - NUM_CHANNELS,
             call,
             peer_ptrs,
@@ -598,7 +622,10 @@ def normal_dispatch_kernel(
             G_P2,
             VIA,
             PUBLISH,
+            trace_ptr,
+            PROFILE,
         )
     if PROFILE:
-        trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), pid < NUM_CHANNELS)
+        trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), pid < NUM_CHANNELS,
+                   waited)  # fmt: skip
     finish_call(state_ptr, call, DISPATCH_ARRIVALS, DISPATCH_CALLS)

@@ -50,8 +50,13 @@ def write_trace(trace_ptr, start, send_end, end, p0, p1, p2, p3, p4):
 
 
 @triton.jit
-def trace_role(trace_ptr, start, end, SENDS):
+def trace_role(trace_ptr, start, end, SENDS, waited):
     """One program's span for kernels whose programs either send or receive (normal mode):
-    a sender's span is its send phase, a receiver's its receive phase."""
+    a sender's span is its send phase, a receiver's its receive phase, each split into two
+    sub-phases: the time it ``waited`` (for ring space, rows, tails) and the rest."""
     send_end = tl.where(SENDS, end, start)
-    write_trace(trace_ptr, start, send_end, end, 0, 0, 0, 0, 0)
+    busy = end - start - waited
+    zero = tl.zeros((), tl.int64)
+    write_trace(trace_ptr, start, send_end, end, tl.where(SENDS, waited, zero),
+                tl.where(SENDS, busy, zero), tl.where(SENDS, zero, waited),
+                tl.where(SENDS, zero, busy), zero)  # fmt: skip

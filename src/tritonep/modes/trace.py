@@ -28,14 +28,15 @@ SLOTS, START, SEND_END, END, FIRST_PHASE = (
 )
 
 #: Each traced kernel's two phases, as (name, sub-phase names): the send phase, the receive
-#: phase. Normal-mode programs either send or receive, so each shows one of the two.
+#: phase. Normal-mode programs either send or receive, so each shows one of the two, split
+#: into the time it waited (for ring space, rows or tails) and the rest.
 PHASES = {
     "low-latency dispatch": (("send", ("quantize and send", "count send")),
                              ("receive", ("wait", "pack"))),
     "low-latency combine": (("send", ("send", "signal")), ("receive", ("wait", "reduce"))),
     "normal notify": (("notify", ()), ("receive", ())),
-    "normal dispatch": (("send", ()), ("receive", ())),
-    "normal combine": (("send", ()), ("receive and reduce", ())),
+    "normal dispatch": (("send", ("wait", "copy")), ("receive", ("wait", "copy"))),
+    "normal combine": (("send", ("wait", "copy")), ("receive", ("wait", "reduce"))),
 }  # fmt: skip
 
 
