@@ -63,8 +63,10 @@ def test_low_latency_sweep_over_topk_and_an_absent_rival(tmp_path, capfd):
     paths = [trace.format(rank=r) for r in range(2)]
     summary = {(r["kernel"], r["slice"]): r for r in traced.summarize(paths)}
     # 3 traced dispatch + combine pairs per rank; every phase of both kernels is there.
-    for key in [("low-latency dispatch", "quantize and send"), ("low-latency dispatch", "pack"),
-                ("low-latency combine", "reduce")]:  # fmt: skip
+    # Sub-phases are named with their phase (normal senders and receivers both "wait").
+    for key in [("low-latency dispatch", "send: quantize and send"),
+                ("low-latency dispatch", "receive: pack"),
+                ("low-latency combine", "receive: reduce")]:  # fmt: skip
         assert summary[key]["launches"] == 6 and summary[key]["programs"] >= 1, summary[key]
         assert summary[key]["launch_span_us"] >= summary[key]["max_us"] > 0
     assert cli.main(["trace-summary", *paths]) == 0

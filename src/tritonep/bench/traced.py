@@ -62,7 +62,10 @@ def summarize(paths: list[str]) -> list[dict]:
             if e.get("ph") != "X":
                 continue
             launch = (e["args"]["kernel"], e["pid"], e["args"]["call"])
-            per_launch.setdefault((*launch, e["name"]), []).append(e["dur"])
+            name = e["name"]
+            if ": " not in name and "phase" in e["args"]:  # a sub-phase: say of which phase
+                name = f"{e['args']['phase']}: {name}"  # (normal senders and receivers both wait)
+            per_launch.setdefault((*launch, name), []).append(e["dur"])
             begin, end = spans.get(launch, (e["ts"], e["ts"] + e["dur"]))
             spans[launch] = (min(begin, e["ts"]), max(end, e["ts"] + e["dur"]))
     rows: dict[tuple, dict] = {}

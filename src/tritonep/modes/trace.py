@@ -125,7 +125,8 @@ class TraceRecorder:
                 ):
                     if not ran or (finish <= begin and not any(subtotals)):
                         continue
-                    args = {"kernel": launch.kernel, "call": launch.call, "program": program}
+                    args = {"kernel": launch.kernel, "call": launch.call, "program": program,
+                            "phase": name}  # fmt: skip
                     events.append(self._slice(f"{launch.kernel}: {name}", begin, finish - begin,
                                               origin, program, args))  # fmt: skip
                     at = begin
