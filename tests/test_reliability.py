@@ -369,31 +369,49 @@ def test_a_slow_rank_does_not_change_results(run_ranks):
     assert run_ranks(3, _slow_rank_body) == [True] * 3
 
 
-def _cycles_body(ctx, cycles):
-    """Create and destroy both modes many times; no mapping of a heap may stay behind."""
+def _cycles_body(ctx, cycles, what):
+    """Create and destroy modes (``what``: "modes", both single-node modes; "internode", the
+    mode across 2 emulated nodes; "buffer", a Buffer that built both of its modes) many
+    times; no mapping of a heap may stay behind."""
     import gc
+
+    from tritonep.api import Buffer
+    from tritonep.modes.internode import InternodeMode
 
     def heap_mappings() -> int:
         with open("/proc/self/maps") as f:
             return sum("tritonep-" in line for line in f)
 
     R, dev = ctx.world_size, ctx.device
+    E = 2 * R
     before = heap_mappings()
-    kept = []  # destroyed modes stay referenced: destroy itself must release the memory
+    kept = []  # destroyed objects stay referenced: destroy itself must release the memory
     for _ in range(cycles):
-        for mode in (
-            nm.NormalMode(None, 128, 2 * R, max_topk=2, device=dev),
-            ll.LowLatencyMode(None, 8, 128, 2 * R, max_topk=2, device=dev),
-        ):
-            mode.destroy()
-            kept.append(mode)
+        if what == "modes":
+            made = [nm.NormalMode(None, 128, E, max_topk=2, device=dev),
+                    ll.LowLatencyMode(None, 8, 128, E, max_topk=2, device=dev)]  # fmt: skip
+        elif what == "internode":
+            made = [InternodeMode(None, 128, E, 2, max_topk=2, device=dev)]
+        else:
+            buffer = Buffer(device=dev)
+            buffer.clean_low_latency_buffer(8, 128, E)  # builds the low-latency mode
+            idx = torch.zeros(2, 1, dtype=torch.int64, device=dev)
+            per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, E)
+            buffer.dispatch(torch.zeros(2, 128, dtype=torch.bfloat16, device=dev),
+                            num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert, topk_idx=idx)  # fmt: skip
+            made = [buffer]
+        for thing in made:
+            thing.destroy()
+        kept += made
     gc.collect()
     return before, heap_mappings()
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc")
-def test_destroy_releases_every_heap(run_ranks):
-    for before, after in run_ranks(2, _cycles_body, 50):
+@pytest.mark.parametrize("what, num_ranks", [("modes", 2), ("buffer", 2), ("internode", 4)])
+def test_destroy_releases_every_heap(run_ranks, what, num_ranks):
+    for before, after in run_ranks(num_ranks, _cycles_body, 50, what, timeout=600):
         assert after == before == 0, (before, after)
 
 
