@@ -14,9 +14,8 @@ import torch.distributed as dist
 
 from tests.conftest import gpu_ranks
 from tritonep import reference as ref
-from tritonep.errors import WaitTimeoutError
 from tritonep.modes import low_latency as ll
-from tritonep.testing import make_case, verify_low_latency_call
+from tritonep.testing import make_case, timeout_message, verify_low_latency_call
 
 
 def _gather(obj):
@@ -367,29 +366,36 @@ def test_unchecked_out_of_range_ids_are_dropped_safely(run_ranks):
     assert run_ranks(2, _unchecked_ids_body) == [True, True]
 
 
-def _skip_dispatch_body(ctx):
+def _skip_body(ctx, phase):
+    """Rank 1 skips ``phase`` (dispatch, or combine after a dispatch); rank 0 must raise."""
     mode = ll.LowLatencyMode(
-        None, 4, 128, 2 * ctx.world_size, max_topk=2, device=ctx.device, timeout_s=1.0
+        None, 4, 128, 2 * ctx.world_size, max_topk=2, device=ctx.device, timeout_s=30.0
     )
     x = torch.randn(3, 128, device=ctx.device).to(torch.bfloat16)
     idx = torch.tensor([[0, 1], [1, 2], [3, 0]], device=ctx.device)
+    if phase == "combine":
+        recv_x, _, handle, _ = mode.dispatch(x, idx, use_fp8=False)
     if ctx.rank == 1:
         return "skipped"
-    mode.dispatch(x, idx, use_fp8=False)
-    try:
-        mode.check()
-    except WaitTimeoutError as e:
-        return str(e)
-    return "no error"
+    mode.timeout_s = 1.0
+    if phase == "dispatch":
+        return timeout_message(lambda: mode.dispatch(x, idx, use_fp8=False), mode.check)
+    weights = torch.ones(3, 2, device=ctx.device)
+    return timeout_message(lambda: mode.combine(recv_x, idx, weights, handle), mode.check)
 
 
-def test_a_rank_that_skips_dispatch_makes_the_others_raise(run_ranks):
-    results = run_ranks(2, _skip_dispatch_body)
+@pytest.mark.parametrize(
+    "phase, message",
+    [
+        ("dispatch", "rank 0 timed out after 1 s in phase 'low-latency dispatch receive, expert "),
+        # The combine receiver waits per source rank (one arrival count each, no expert).
+        ("combine", "rank 0 timed out after 1 s in phase 'low-latency combine receive'"),
+    ],
+)
+def test_a_rank_that_skips_a_call_makes_the_others_raise(run_ranks, phase, message):
+    results = run_ranks(2, _skip_body, phase)
     assert results[1] == "skipped"
-    assert results[0].startswith(
-        "rank 0 timed out after 1 s in phase 'low-latency dispatch receive, expert "
-    )
-    assert "waiting for peer 1" in results[0]
+    assert results[0].startswith(message) and "waiting for peer 1" in results[0], results[0]
 
 
 def _run_ahead_body(ctx):
@@ -417,35 +423,6 @@ def _run_ahead_body(ctx):
 
 def test_a_rank_without_tokens_does_not_run_ahead(run_ranks):
     assert run_ranks(3, _run_ahead_body) == [True] * 3
-
-
-def _skip_combine_body(ctx):
-    mode = ll.LowLatencyMode(
-        None, 4, 128, 2 * ctx.world_size, max_topk=2, device=ctx.device, timeout_s=30.0
-    )
-    x = torch.randn(3, 128, device=ctx.device).to(torch.bfloat16)
-    idx = torch.tensor([[0, 1], [1, 2], [3, 0]], device=ctx.device)
-    recv_x, _, handle, _ = mode.dispatch(x, idx, use_fp8=False)
-    if ctx.rank == 1:
-        return "skipped"
-    mode.timeout_s = 1.0
-    weights = torch.ones(3, 2, device=ctx.device)
-    try:
-        mode.combine(recv_x, idx, weights, handle)
-        mode.check()
-    except WaitTimeoutError as e:
-        return str(e)
-    return "no error"
-
-
-def test_a_rank_that_skips_combine_makes_the_others_raise(run_ranks):
-    # The combine receiver waits per source rank (one arrival flag each, not per expert).
-    results = run_ranks(2, _skip_combine_body)
-    assert results[1] == "skipped"
-    assert results[0].startswith(
-        "rank 0 timed out after 1 s in phase 'low-latency combine receive'"
-    ), results[0]
-    assert "waiting for peer 1" in results[0]
 
 
 def _bad_input_body(ctx):

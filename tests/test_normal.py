@@ -20,7 +20,7 @@ from tritonep import reference as ref
 from tritonep.errors import WaitTimeoutError
 from tritonep.heap import shared_gpu
 from tritonep.modes import normal as nm
-from tritonep.testing import make_case, tag_rows
+from tritonep.testing import make_case, tag_rows, timeout_message
 
 
 def _payload(case, use_fp8):
@@ -460,50 +460,34 @@ def test_worst_case_cuda_graph_replayed_with_new_inputs(run_ranks):
     assert run_ranks(gpu_ranks(), _graph_body, replays, timeout=240) == [replays] * gpu_ranks()
 
 
-def _skip_dispatch_body(ctx):
-    mode = nm.NormalMode(None, 128, 2 * ctx.world_size, device=ctx.device, timeout_s=1.0)
-    x = torch.randn(3, 128, device=ctx.device).to(torch.bfloat16)
-    idx = torch.tensor([[0, 1], [1, 2], [3, 0]], device=ctx.device)
-    if ctx.rank == 1:
-        return "skipped"
-    try:
-        mode.dispatch(x, idx)
-    except WaitTimeoutError as e:
-        return str(e)
-    return "no error"
-
-
-def test_a_rank_that_skips_dispatch_makes_the_others_raise(run_ranks):
-    results = run_ranks(2, _skip_dispatch_body)
-    assert results == [
-        "rank 0 timed out after 1 s in phase 'notify' waiting for peer 1; that peer is stuck, "
-        "crashed, or called with different arguments",
-        "skipped",
-    ]
-
-
-def _skip_combine_body(ctx):
+def _skip_body(ctx, phase):
+    """Rank 1 skips ``phase`` (dispatch, or combine after a dispatch); rank 0 must raise."""
     mode = nm.NormalMode(None, 128, 2 * ctx.world_size, device=ctx.device, timeout_s=30.0)
     x = torch.randn(3, 128, device=ctx.device).to(torch.bfloat16)
     idx = torch.tensor([[0, 1], [1, 2], [3, 0]], device=ctx.device)
-    out = mode.dispatch(x, idx)
+    if phase == "combine":
+        out = mode.dispatch(x, idx)
     if ctx.rank == 1:
         return "skipped"
     mode.timeout_s = 1.0
-    try:
-        mode.combine(out.recv_x, out.handle)
-        mode.check()
-    except WaitTimeoutError as e:
-        return str(e)
-    return "no error"
+    if phase == "dispatch":
+        return timeout_message(lambda: mode.dispatch(x, idx))
+    return timeout_message(lambda: mode.combine(out.recv_x, out.handle), mode.check)
 
 
-def test_a_rank_that_skips_combine_makes_the_others_raise(run_ranks):
-    # Rank 0's combine receiver waits for rank 1's rows of its tokens, which never come.
-    results = run_ranks(2, _skip_combine_body)
-    assert results[1] == "skipped"
-    assert results[0].startswith("rank 0 timed out after 1 s in phase 'combine"), results[0]
-    assert "waiting for peer 1" in results[0] and "channel" in results[0], results[0]
+@pytest.mark.parametrize(
+    "phase, message",
+    [
+        ("dispatch", "rank 0 timed out after 1 s in phase 'notify' waiting for peer 1; that "
+                     "peer is stuck, crashed, or called with different arguments"),
+        # Rank 0's combine receiver waits for rank 1's rows of its tokens, which never come.
+        ("combine", "rank 0 timed out after 1 s in phase 'combine receive, channel 0' waiting "
+                    "for peer 1; that peer is stuck, crashed, or called with different "
+                    "arguments"),
+    ],
+)  # fmt: skip
+def test_a_rank_that_skips_a_call_makes_the_others_raise(run_ranks, phase, message):
+    assert run_ranks(2, _skip_body, phase) == [message, "skipped"]
 
 
 def _stuck_destination_body(ctx):

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import reference as ref
+from .errors import WaitTimeoutError
 
 ROUTINGS = ("random", "skewed", "dropped", "empty")
 
@@ -182,3 +183,14 @@ def assert_logfmt_combine_close(got, expected, bound, what, min_exact=0.9) -> No
     if got.numel():
         exact = ((got == expected) | nan).float().mean().item()
         assert exact >= min_exact, f"{what}: only {exact:.1%} of channels bit-identical"
+
+
+def timeout_message(*calls) -> str:
+    """Run ``calls`` in order: the message of the :class:`WaitTimeoutError` one of them
+    raised, or ``"no error"``."""
+    try:
+        for call in calls:
+            call()
+    except WaitTimeoutError as e:
+        return str(e)
+    return "no error"
