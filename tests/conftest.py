@@ -34,17 +34,22 @@ def gpu_ranks() -> int:
     return min(4, machine_gpus())
 
 
+def skip_unless_ranks_fit(num_ranks: int) -> None:
+    """On a GPU machine every rank runs on a GPU: rank counts beyond its GPUs are left to the
+    CPU suite rather than run under the interpreter there (whose numpy the GPU image need not
+    suit)."""
+    gpus = machine_gpus()
+    if gpus and num_ranks > gpus:
+        pytest.skip(f"{num_ranks} ranks, {gpus} GPUs (covered by the CPU suite)")
+
+
 @pytest.fixture(scope="session")
 def run_ranks():
     """``run_ranks(n, fn, *args, timeout=...)`` runs ``fn(ctx, *args)`` on n ranks."""
     pools: dict[int, RankPool] = {}
 
     def run(num_ranks, fn, *args, timeout=300.0, **kwargs):
-        gpus = machine_gpus()
-        if gpus and num_ranks > gpus:
-            # On a GPU machine every rank runs on a GPU: rank counts beyond its GPUs are left
-            # to the CPU suite rather than run under the interpreter there.
-            pytest.skip(f"{num_ranks} ranks, {gpus} GPUs (covered by the CPU suite)")
+        skip_unless_ranks_fit(num_ranks)
         pool = pools.get(num_ranks)
         if pool is None or pool.broken:
             pool = pools[num_ranks] = RankPool(num_ranks)

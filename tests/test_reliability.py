@@ -17,7 +17,7 @@ import torch
 
 from tests import test_low_latency as tll
 from tests import test_normal as tn
-from tests.conftest import gpu_ranks
+from tests.conftest import gpu_ranks, skip_unless_ranks_fit
 from tritonep import reference as ref
 from tritonep.heap import shared_gpu
 from tritonep.modes import low_latency as ll
@@ -418,6 +418,8 @@ def test_destroy_releases_every_heap(run_ranks, what, num_ranks):
 def test_soak_across_emulated_nodes(capfd):
     from tritonep.soak import main
 
+    skip_unless_ranks_fit(4)
+
     args = ["--ranks", "4", "--modes", "internode,low_latency_internode", "--calls", "8",
             "--check-every", "1"]  # fmt: skip
     assert main(args) == 0
@@ -428,6 +430,8 @@ def test_soak_across_emulated_nodes(capfd):
 
 def test_soak_checks_every_call_on_cpu_ranks(capfd):
     from tritonep.soak import main
+
+    skip_unless_ranks_fit(3)
 
     assert main(["--ranks", "3", "--calls", "20", "--check-every", "1", "--seed", "77"]) == 0
     out = capfd.readouterr().out
