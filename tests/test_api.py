@@ -10,7 +10,7 @@ from tests.test_low_latency import _expert_outputs, _verify_call
 from tests.test_normal import _combine_input, _to, _verify
 from tritonep.api import Buffer, EPLowLatencyAllToAllLayer
 from tritonep.heap import shared_gpu
-from tritonep.testing import make_case
+from tritonep.testing import make_case, static_inputs
 
 
 def _buffer_body(ctx, hook):
@@ -220,17 +220,11 @@ def _buffer_graph_body(ctx, replays):
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
     N, H, E, K = 64, 512, 4 * R, 3
     buffer = Buffer(device=dev, timeout_s=60)
-    x = torch.empty(N, H, dtype=torch.bfloat16, device=dev)
-    idx = torch.empty(N, K, dtype=torch.int64, device=dev)
-    w = torch.empty(N, K, dtype=torch.float32, device=dev)
+    x, idx, w = static_inputs(N, H, K, dev)
     stats = torch.zeros(E // R, dtype=torch.int32, device=dev)
 
     def load(seed):
-        case = make_case(seed, [N] * R, H, E, K, "dropped")
-        x.copy_(case.x[me])
-        idx.copy_(case.topk_idx[me])
-        w.copy_(case.topk_weights[me])
-        return case
+        return make_case(seed, [N] * R, H, E, K, "dropped").copy_to(me, x, idx, w)
 
     def normal_step():
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, E)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from tests.conftest import gpu_ranks
 from tritonep import reference as ref
 from tritonep.modes import low_latency as ll
-from tritonep.testing import make_case, timeout_message, verify_low_latency_call
+from tritonep.testing import make_case, static_inputs, timeout_message, verify_low_latency_call
 
 
 def _gather(obj):
@@ -204,16 +204,10 @@ def _graph_body(ctx, replays):
     R, me = ctx.world_size, ctx.rank
     M, H, E, K = 32, 512, 4 * R, 3
     mode = ll.LowLatencyMode(None, M, H, E, max_topk=K, device=ctx.device, timeout_s=60)
-    x = torch.empty(M, H, dtype=torch.bfloat16, device=ctx.device)
-    idx = torch.empty(M, K, dtype=torch.int64, device=ctx.device)
-    w = torch.empty(M, K, dtype=torch.float32, device=ctx.device)
+    x, idx, w = static_inputs(M, H, K, ctx.device)
 
     def load(seed):
-        case = make_case(seed, [M] * R, H, E, K, "dropped")
-        x.copy_(case.x[me])
-        idx.copy_(case.topk_idx[me])
-        w.copy_(case.topk_weights[me])
-        return case
+        return make_case(seed, [M] * R, H, E, K, "dropped").copy_to(me, x, idx, w)
 
     def step():
         recv_x, recv_count, handle, _ = mode.dispatch(x, idx, use_fp8=True)

@@ -21,7 +21,7 @@ from tritonep import reference as ref
 from tritonep.errors import WaitTimeoutError
 from tritonep.heap import shared_gpu
 from tritonep.modes import normal as nm
-from tritonep.testing import make_case, tag_rows, timeout_message
+from tritonep.testing import make_case, static_inputs, tag_rows, timeout_message
 
 
 def _payload(case, use_fp8):
@@ -416,16 +416,10 @@ def _graph_body(ctx, replays):
     N, H, E, K = 256, 1024, 8 * R, 4
     worst = N * R
     mode = nm.NormalMode(None, H, E, max_topk=K, device=ctx.device, timeout_s=60)
-    x = torch.empty(N, H, dtype=torch.bfloat16, device=ctx.device)
-    idx = torch.empty(N, K, dtype=torch.int64, device=ctx.device)
-    w = torch.empty(N, K, dtype=torch.float32, device=ctx.device)
+    x, idx, w = static_inputs(N, H, K, ctx.device)
 
     def load(seed):
-        case = tag_rows(make_case(seed, [N] * R, H, E, K, "dropped"))
-        x.copy_(case.x[me])
-        idx.copy_(case.topk_idx[me])
-        w.copy_(case.topk_weights[me])
-        return case
+        return tag_rows(make_case(seed, [N] * R, H, E, K, "dropped")).copy_to(me, x, idx, w)
 
     def step():
         _, per_expert, in_rank = mode.get_dispatch_layout(idx)

@@ -47,6 +47,25 @@ class Case:
             self.num_experts,
         )
 
+    def copy_to(self, rank: int, x: torch.Tensor, topk_idx: torch.Tensor,
+                topk_weights: torch.Tensor) -> Case:  # fmt: skip
+        """Copy ``rank``'s inputs into tensors that keep their storage (the static inputs of
+        a captured CUDA graph, from :func:`static_inputs`); returns this case."""
+        x.copy_(self.x[rank])
+        topk_idx.copy_(self.topk_idx[rank])
+        topk_weights.copy_(self.topk_weights[rank])
+        return self
+
+
+def static_inputs(num_tokens: int, hidden: int, topk: int, device: torch.device):
+    """Empty ``x`` ``[N, H]`` BF16, ``topk_idx`` ``[N, K]`` int64 and ``topk_weights``
+    ``[N, K]`` float32 for a CUDA graph to capture; :meth:`Case.copy_to` refills them."""
+    return (
+        torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=device),
+        torch.empty(num_tokens, topk, dtype=torch.int64, device=device),
+        torch.empty(num_tokens, topk, dtype=torch.float32, device=device),
+    )
+
 
 def route(
     gen: torch.Generator, num_tokens: int, num_experts: int, topk: int, routing: str
