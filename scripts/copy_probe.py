@@ -21,6 +21,10 @@ over time over programs):
   (4-byte accesses, no tile in flight).
 
 ``--only staged`` runs the variants whose name starts with that word.
+
+``--peer`` writes into the memory of GPU 1 instead (a machine with two GPUs): what one program
+moves over NVLink, the pace of the normal mode's senders (its stores into peers' rings), for
+the tile loop with several warp counts and store cache policies, and for TMA stores.
 """
 
 from __future__ import annotations
@@ -54,6 +58,57 @@ def copy_tile(src, dst, n_rows, W: tl.constexpr, TOK: tl.constexpr, BW: tl.const
             v_next = tl.load(s + wn[None, :], mask=rmask[:, None] & (wn < W)[None, :])
             tl.store(d + w[None, :], v, mask=rmask[:, None] & (w < W)[None, :])
             v = v_next
+
+
+@triton.jit
+def copy_tile_to(src, dst_addr, n_rows, W: tl.constexpr, TOK: tl.constexpr, BW: tl.constexpr,
+                 CACHE: tl.constexpr, AHEAD: tl.constexpr):  # fmt: skip
+    """``copy_tile`` into a destination given by its address (a peer's memory), with a store
+    cache policy, and one or two tiles in flight."""
+    pid = tl.program_id(0)
+    chunk = tl.cdiv(n_rows, tl.num_programs(0))
+    r0 = pid * chunk
+    r1 = tl.minimum(r0 + chunk, n_rows)
+    words = tl.arange(0, BW)
+    dst = tl.multiple_of(dst_addr.to(tl.pointer_type(tl.int32)), 16)
+    for first in range(r0, r1, TOK):
+        rows = (first + tl.arange(0, TOK)).to(tl.int64)
+        rmask = rows < r1
+        s = src + rows[:, None] * W
+        d = dst + rows[:, None] * W
+        v = tl.load(s + words[None, :], mask=rmask[:, None] & (words < W)[None, :])
+        if AHEAD == 2:
+            v1 = tl.load(s + BW + words[None, :], mask=rmask[:, None] & (BW + words < W)[None, :])
+        for w0 in range(0, W, BW):
+            w = w0 + words
+            wn = w + AHEAD * BW
+            v_next = tl.load(s + wn[None, :], mask=rmask[:, None] & (wn < W)[None, :])
+            tl.store(d + w[None, :], v, mask=rmask[:, None] & (w < W)[None, :],
+                     cache_modifier=CACHE)  # fmt: skip
+            if AHEAD == 2:
+                v = v1
+                v1 = v_next
+            else:
+                v = v_next
+
+
+@triton.jit
+def copy_tma_to(src, dst_addr, n_rows, W: tl.constexpr, TOK: tl.constexpr, BW: tl.constexpr,
+                STAGES: tl.constexpr):  # fmt: skip
+    """``copy_tma`` into a destination given by its address."""
+    pid = tl.program_id(0)
+    chunk = tl.cdiv(n_rows, tl.num_programs(0))
+    r0 = pid * chunk
+    r1 = tl.minimum(r0 + chunk, n_rows)
+    dst = tl.multiple_of(dst_addr.to(tl.pointer_type(tl.int32)), 16)
+    sdesc = tl.make_tensor_descriptor(src, shape=[r1, W], strides=[W, 1], block_shape=[TOK, BW])
+    ddesc = tl.make_tensor_descriptor(dst, shape=[r1, W], strides=[W, 1], block_shape=[TOK, BW])
+    n_w: tl.constexpr = (W + BW - 1) // BW
+    steps = tl.cdiv(r1 - r0, TOK) * n_w
+    for i in tl.range(0, steps, num_stages=STAGES):
+        r = r0 + (i // n_w) * TOK
+        w = (i % n_w) * BW
+        ddesc.store([r, w], sdesc.load([r, w]))
 
 
 @triton.jit
@@ -147,7 +202,11 @@ def main() -> None:
     parser.add_argument("--programs", type=str, default="12")
     parser.add_argument("--words", type=int, default=3584)
     parser.add_argument("--only", default="", help="variants whose name starts with this")
+    parser.add_argument("--peer", action="store_true", help="write into GPU 1's memory")
     args = parser.parse_args()
+    if args.peer:
+        peer_probe(args)
+        return
     triton.set_allocator(
         lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda")
     )
@@ -199,6 +258,77 @@ def main() -> None:
             results.append((t, name, ok))
             print(f"  {name:34s} {t:8.1f} us  {nbytes / t / 1e3 / programs:6.1f} GB/s/program"
                   f"{'' if ok else '  WRONG RESULT'}", flush=True)  # fmt: skip
+        results.sort()
+        print("fastest:", ", ".join(f"{name} {t:.1f} us" for t, name, _ in results[:5]))
+
+
+def peer_probe(args) -> None:
+    """Per-program GB/s of copies from GPU 0's memory into GPU 1's, by kernels on GPU 0."""
+    triton.set_allocator(
+        lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda:0")
+    )
+    W, n = args.words, args.rows
+    torch.cuda.set_device(0)
+    src = torch.randint(-(2**30), 2**30, (n, W), dtype=torch.int32, device="cuda:0")
+    dst = torch.zeros((n, W), dtype=torch.int32, device="cuda:1")
+    dst.copy_(src)  # makes torch enable peer access between the two GPUs
+    torch.cuda.synchronize(1)
+    nbytes = src.numel() * 4
+    variants = []
+    for warps in (4, 8, 16, 32):
+        for tok, bw in ((16, 512), (32, 512), (8, 512), (32, 256)):
+            variants.append((f"tile {tok}x{bw} w{warps}", copy_tile_to,
+                             dict(TOK=tok, BW=bw, CACHE="", AHEAD=1), warps))  # fmt: skip
+    for cache in (".cg", ".cs", ".wt"):
+        for warps in (8, 16):
+            variants.append((f"tile 16x512 {cache} w{warps}", copy_tile_to,
+                             dict(TOK=16, BW=512, CACHE=cache, AHEAD=1), warps))  # fmt: skip
+    for warps in (8, 16, 32):
+        for tok, bw in ((16, 512), (8, 512)):
+            variants.append((f"tile {tok}x{bw} ahead 2 w{warps}", copy_tile_to,
+                             dict(TOK=tok, BW=bw, CACHE="", AHEAD=2), warps))  # fmt: skip
+    for warps in (1, 4, 8):
+        for tok, bw in ((32, 256), (64, 128), (16, 256)):
+            for stages in (2, 4, 6):
+                variants.append((f"tma {tok}x{bw} s{stages} w{warps}", copy_tma_to,
+                                 dict(TOK=tok, BW=bw, STAGES=stages), warps))  # fmt: skip
+    variants = [v for v in variants if v[0].startswith(args.only)]
+    print(f"{n} rows x {W} words ({nbytes / 1e6:.1f} MB) from GPU 0 into GPU 1, "
+          f"{torch.cuda.get_device_name()}")  # fmt: skip
+    # A copy between devices cannot be captured in a graph: events around eager copies.
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    t = sorted(times)[len(times) // 2]
+    print(f"torch copy_ to the peer: {t:.1f} us, {nbytes / t / 1e3:.0f} GB/s")
+    for programs in (int(p) for p in args.programs.split(",")):
+        print(f"\n{programs} programs; per-program GB/s = bytes / time / programs")
+        results = []
+        for name, kernel, meta, warps in variants:
+            dst.zero_()
+            torch.cuda.synchronize(1)
+
+            def launch(kernel=kernel, meta=meta, warps=warps, programs=programs):
+                kernel[(programs,)](src, dst.data_ptr(), n, W=W, **meta, num_warps=warps)
+
+            try:
+                t = graph_median_us(launch, calls=20, replays=10)
+                torch.cuda.synchronize(0)
+                ok = torch.equal(src, dst.to("cuda:0"))
+            except Exception as e:  # a shape a variant cannot compile: say so, go on
+                print(f"  {name:34s} failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+                continue
+            results.append((t, name, ok))
+            print(
+                f"  {name:34s} {t:8.1f} us  {nbytes / t / 1e3 / programs:6.1f} GB/s/program"
+                f"  {nbytes / t / 1e3:6.0f} GB/s{'' if ok else '  WRONG RESULT'}",
+                flush=True,
+            )
         results.sort()
         print("fastest:", ", ".join(f"{name} {t:.1f} us" for t, name, _ in results[:5]))
 

@@ -22,10 +22,17 @@ interpreter, for objects that are not plain Triton kernels, while Triton's launc
 (as profilers set them), or when a kernel's runtime parameters are not exactly the positional
 arguments. Launch options such as NVSHMEM linking (``extern_libs``) travel in ``meta`` like
 the constexprs, so such launches take the fast path too.
+
+With ``TRITONEP_KERNEL_RESOURCES=1`` in the environment every variant prints, when first
+launched, its registers per thread and the bytes it spills (to standard error): the launch
+shapes are bounded by registers, and a spill is the first thing to look for when a change
+makes a kernel slower on a rank count that was not timed.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import weakref
 from typing import Any
 
@@ -102,6 +109,22 @@ class _Variants:
         if hasattr(compiled, "result"):  # compiled asynchronously
             compiled = compiled.result()
         self.compiled[key] = (compiled, tuple(bound.values())[self.num_args :])
+        if REPORT_RESOURCES:
+            report_resources(self.fn, meta, compiled)
+
+
+REPORT_RESOURCES = os.environ.get("TRITONEP_KERNEL_RESOURCES", "0") not in ("", "0")
+
+#: The constexprs a resource report names a variant by (those that size its tiles).
+_SHAPE_NAMES = ("NUM_RANKS", "TOK", "ROWS", "BW", "RBW", "num_warps", "AWAIT", "PUBLISH")
+
+
+def report_resources(fn, meta: dict, compiled) -> None:
+    """Print a compiled variant's registers per thread and spilled bytes."""
+    compiled._init_handles()
+    shape = " ".join(f"{k}={meta[k]}" for k in _SHAPE_NAMES if k in meta)
+    print(f"[tritonep] {fn.__name__} {shape}: {compiled.n_regs} registers, "
+          f"{compiled.n_spills} bytes spilled", file=sys.stderr, flush=True)  # fmt: skip
 
 
 class _Const:

@@ -13,11 +13,14 @@ its channel's tokens in order, ``TOK`` at a time. A token's row from rank ``d`` 
 ``(c, d)`` at the token's position among the channel's tokens sent to ``d`` (a running count
 over ``is_token_in_rank``), so no index travels. It waits for the tails to cover the block, sums
 the rows in float32 in rank order (a token sent nowhere gets zeros), adds the bias, stores
-BF16, and returns the heads.
+BF16, and returns the heads. With ``LOCAL`` (every launch but a relay's) a token's row from
+this rank itself never enters a ring: the receiver reads it straight from the combine input
+(``recv_start[rank, c]`` on, in the same order), so the senders move only rows that cross
+NVLink.
 
-Why it is fast: every row crosses NVLink once, each rank has already reduced its own experts'
-outputs for a token into one row, the reduction reads local memory only, and the sum costs
-no extra pass over the data.
+Why it is fast: every row crosses NVLink once and no row is copied within a rank, each rank
+has already reduced its own experts' outputs for a token into one row, the reduction reads
+local memory only, and the sum costs no extra pass over the data.
 """
 
 from __future__ import annotations
@@ -102,6 +105,7 @@ def combine_send(
     K_P2: tl.constexpr,
     VIA: tl.constexpr,
     AWAIT: tl.constexpr,
+    LOCAL: tl.constexpr,
     trace_ptr,
     PROFILE: tl.constexpr,
 ):
@@ -118,6 +122,8 @@ def combine_send(
     kmask = ks < K
 
     count = tl.load(recv_count_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
+    if LOCAL:  # this rank's own rows are read from the input by its receiver
+        count = tl.where(ranks == rank, 0, count)
     start = tl.load(recv_start_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
     pair = channel * NUM_RANKS + rank
     ring_at = ring_offset + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)  # in each peer
@@ -269,11 +275,17 @@ def combine_receive(
     VIA: tl.constexpr,
     BOUNDS: tl.constexpr,
     PUBLISH: tl.constexpr,
+    LOCAL: tl.constexpr,
+    x_ptr,
+    weights_ptr,
+    recv_start_ptr,
+    num_rows,
     trace_ptr,
     PROFILE: tl.constexpr,
 ):
-    """The receiver of channel ``channel``: sum each token's rows from all ranks. Returns the
-    time it waited for rows (with ``PROFILE``; 0 otherwise)."""
+    """The receiver of channel ``channel``: sum each token's rows from all ranks (with
+    ``LOCAL``, this rank's own rows straight from the input ``x_ptr``). Returns the time it
+    waited for rows (with ``PROFILE``; 0 otherwise)."""
     W: tl.constexpr = H // 2
     tag = call << 32
     ranks = tl.arange(0, R_P2)
@@ -295,6 +307,13 @@ def combine_receive(
     budget = timeout_ns + tl.zeros((), tl.int64)
     waited = tl.zeros((), tl.int64)
     elems = tl.arange(0, 2 * BW)
+    own = ranks < 0
+    if LOCAL:
+        own = ranks == rank
+        # This rank's rows for the channel's tokens, in token order from here on (the order
+        # its sender would have streamed them into its own ring).
+        own_first = tl.load(recv_start_ptr + rank * NUM_CHANNELS + channel)
+        last_row = tl.maximum(num_rows - 1, 0)
     for first in range(t0, t1, TOK):
         tokens = first + tl.arange(0, TOK)
         tmask = tokens < t1
@@ -307,7 +326,7 @@ def combine_receive(
         hit = (hit != 0).to(tl.int32)
         count = tl.sum(hit, 0)
         target = tag | (taken + count).to(tl.int64)
-        blocked = (count > 0) & (arrived < target)
+        blocked = (count > 0) & (arrived < target) & ~own
         ok = tl.max(blocked.to(tl.int32), 0) == 0
         if not ok:
             if PROFILE:
@@ -321,9 +340,14 @@ def combine_receive(
                 record_timeout(status_ptr, peer, PHASE_COMBINE_RECV, timeout_ns, channel)
                 budget = tl.zeros((), tl.int64)
         # A row that never arrived is read as zeros: the host raises from the status.
-        ready = hit * (arrived >= target).to(tl.int32)[None, :]
-        slot = ((taken[None, :] + rows_before(hit, TOK)) % RING).to(tl.int64)
+        ready = hit * ((arrived >= target) | own).to(tl.int32)[None, :]
+        nth = taken[None, :] + rows_before(hit, TOK)  # [TOK, R_P2] position in each ring
+        slot = (nth % RING).to(tl.int64)
         src = ring[None, :] + slot * SLOT_BYTES  # [TOK, R_P2]
+        if LOCAL:
+            # Rows past the input (worst-case outputs that overflowed) read as the last row,
+            # as the sender would have sent them.
+            own_row = tl.minimum(own_first + column(nth, ranks, rank), last_row).to(tl.int64)
         for e0 in range(0, H, 2 * BW):
             e = e0 + elems
             em = e < H
@@ -331,6 +355,8 @@ def combine_receive(
             for d in tl.static_range(NUM_RANKS):
                 from_d = column(ready, ranks, d) > 0
                 p = aligned_ptr(column(src, ranks, d), tl.bfloat16)
+                if LOCAL:
+                    p = tl.where(rank == d, x_ptr + own_row * H, p)
                 y = tl.load(
                     p[:, None] + e[None, :],
                     mask=from_d[:, None] & em[None, :],
@@ -349,9 +375,11 @@ def combine_receive(
             wacc = tl.zeros((TOK, K_P2), tl.float32)
             for d in tl.static_range(NUM_RANKS):
                 from_d = column(ready, ranks, d) > 0
-                wp = column(src, ranks, d).to(tl.pointer_type(tl.float32))
+                wp = column(src, ranks, d).to(tl.pointer_type(tl.float32)) + W
+                if LOCAL:
+                    wp = tl.where(rank == d, weights_ptr + own_row * K, wp)
                 wv = tl.load(
-                    wp[:, None] + W + ks[None, :],
+                    wp[:, None] + ks[None, :],
                     mask=from_d[:, None] & kmask[None, :],
                     other=0.0,
                     cache_modifier=".cg",
@@ -366,7 +394,7 @@ def combine_receive(
         # Relaxed: the rows' loads have returned (their sums are stored), so a sender's
         # overwrite cannot reach them; a release would add a system-wide fence per block.
         set_peer_flags(my_base, peer_base, ranks, head_at, tag | taken.to(tl.int64),
-                       count > 0, pe_ptr, NUM_RANKS, VIA, SEM="relaxed")  # fmt: skip
+                       (count > 0) & ~own, pe_ptr, NUM_RANKS, VIA, SEM="relaxed")  # fmt: skip
     tl.debug_barrier()
     free_rings(call, channel, head_offset, rank, my_base, peer_base, ranks, rmask, pe_ptr,
                NUM_RANKS, NUM_CHANNELS, MAX_CHANNELS, VIA)  # fmt: skip
@@ -422,6 +450,7 @@ def normal_combine_kernel(
     BOUNDS: tl.constexpr = False,  # token channels are the ranges in bounds_ptr
     AWAIT: tl.constexpr = False,  # wait for each input row's flag (call + 1) before sending it
     PUBLISH: tl.constexpr = False,  # flag each output token once summed
+    LOCAL: tl.constexpr = True,  # receivers read this rank's own rows from x (off with AWAIT)
 ):
     timeout_ns = limit_ns(timeout_us, status_ptr)
     pid = tl.program_id(0)
@@ -463,6 +492,7 @@ def normal_combine_kernel(
             K_P2,
             VIA,
             AWAIT,
+            LOCAL,
             trace_ptr,
             PROFILE,
         )
@@ -505,6 +535,11 @@ def normal_combine_kernel(
             VIA,
             BOUNDS,
             PUBLISH,
+            LOCAL,
+            x_ptr,
+            weights_ptr,
+            recv_start_ptr,
+            num_rows,
             trace_ptr,
             PROFILE,
         )

@@ -17,6 +17,10 @@ Receiver. It polls the tails of all its source rings at once and copies whatever
 ``recv_start[source, channel] + i`` that the notify step computed: rows come ordered by
 source rank, then by source token. After each step it returns the new heads to the senders.
 
+With ``LOCAL`` (every launch but a relay's) a token's row for this rank itself never enters a
+ring: the sender stores it (payload, scales and record) straight into its output row
+``recv_start[rank, channel] + i``, so the receivers move only rows that crossed NVLink.
+
 Flags are tagged with the call number (``call << 32 | position``), so a stale flag of an
 earlier call never passes for a new one and nothing is reset between calls. At the end of a
 call every receiver stores ``(call + 1) << 32`` into the heads of its sources: the ring is
@@ -162,11 +166,22 @@ def dispatch_send(
     BOUNDS: tl.constexpr,
     AWAIT: tl.constexpr,
     RANKS_FROM_IDS: tl.constexpr,
+    LOCAL: tl.constexpr,
+    PUBLISH: tl.constexpr,
+    recv_start_ptr,
+    out_x_ptr,
+    out_scales_ptr,
+    out_topk_idx_ptr,
+    out_weights_ptr,
+    out_src_ptr,
+    max_rows,
+    relay_call_ptr,
     trace_ptr,
     PROFILE: tl.constexpr,
 ):
-    """The sender of channel ``channel``: walk its tokens, feed every destination ring.
-    Returns the time it waited (with ``PROFILE``; 0 otherwise)."""
+    """The sender of channel ``channel``: walk its tokens, feed every destination ring (with
+    ``LOCAL``, this rank's own rows go straight into the outputs). Returns the time it waited
+    (with ``PROFILE``; 0 otherwise)."""
     ranks = tl.arange(0, R_P2)
     rmask = ranks < NUM_RANKS
     peer_base = tl.load(peer_ptrs + ranks, mask=rmask, other=0)
@@ -191,6 +206,14 @@ def dispatch_send(
     released = tl.zeros((R_P2,), tl.int64)  # last head value read, per destination
     budget = timeout_ns + tl.zeros((), tl.int64)
     waited = tl.zeros((), tl.int64)
+    skip = rank * 0 - 1  # the lane no ring store goes to (none)
+    if LOCAL:
+        # This rank's own rows of the channel: from recv_start[rank, c] on, in token order
+        # (where its receiver would have put them).
+        own_next = tl.load(recv_start_ptr + rank * NUM_CHANNELS + channel)
+        skip = rank  # a branch, not only a mask: a masked store still costs its issue
+        if PUBLISH:
+            published = relay_flag(relay_call_ptr)
     for first in range(t0, t1, TOK):
         tokens = first + tl.arange(0, TOK)
         tmask = tokens < t1
@@ -221,8 +244,15 @@ def dispatch_send(
         else:
             hit = tl.load(in_rank_ptr + at_rank, mask=tmask[:, None] & rmask[None, :], other=0)
         hit = (hit != 0).to(tl.int32)
+        before = rows_before(hit, TOK)
+        if LOCAL:
+            own_hit = column(hit, ranks, rank) > 0
+            own_row = (own_next + column(before, ranks, rank)).to(tl.int64)
+            own_next += tl.sum(own_hit.to(tl.int32), 0)
+            own_live = own_hit & (own_row < max_rows)  # worst-case outputs drop the overflow
+            hit = tl.where(ranks[None, :] == rank, 0, hit)
         count = tl.sum(hit, 0)
-        position = sent[None, :] + rows_before(hit, TOK)
+        position = sent[None, :] + before
         # The slots must be free: the receiver has moved its head far enough, in this call.
         target = tag | tl.maximum(sent + count - RING, 0).to(tl.int64)
         blocked = (count > 0) & (released < target)
@@ -253,9 +283,14 @@ def dispatch_send(
                 wn = w + BW
                 v_next = tl.load(rows + wn[None, :], mask=tmask[:, None] & (wn < W)[None, :])
                 for d in tl.static_range(NUM_RANKS):
-                    to_d = column(hit, ranks, d) > 0
-                    p = aligned_ptr(column(dst, ranks, d), tl.int32)
-                    tl.store(p[:, None] + w[None, :], v, mask=to_d[:, None] & (w < W)[None, :])
+                    if d != skip:
+                        to_d = column(hit, ranks, d) > 0
+                        p = aligned_ptr(column(dst, ranks, d), tl.int32)
+                        tl.store(p[:, None] + w[None, :], v,
+                                 mask=to_d[:, None] & (w < W)[None, :])  # fmt: skip
+                if LOCAL:
+                    tl.store(out_x_ptr + own_row[:, None] * W + w[None, :], v,
+                             mask=own_live[:, None] & (w < W)[None, :])  # fmt: skip
                 v = v_next
             if HAS_SCALES:
                 s = tl.load(
@@ -263,10 +298,14 @@ def dispatch_send(
                     mask=tmask[:, None] & gmask[None, :],
                 )
                 for d in tl.static_range(NUM_RANKS):
-                    to_d = column(hit, ranks, d) > 0
-                    p = aligned_ptr(column(dst, ranks, d) + W * 4, tl.int32)
-                    gto = to_d[:, None] & gmask[None, :]
-                    tl.store(p[:, None] + groups[None, :], s, mask=gto)
+                    if d != skip:
+                        to_d = column(hit, ranks, d) > 0
+                        p = aligned_ptr(column(dst, ranks, d) + W * 4, tl.int32)
+                        gto = to_d[:, None] & gmask[None, :]
+                        tl.store(p[:, None] + groups[None, :], s, mask=gto)
+                if LOCAL:
+                    tl.store(out_scales_ptr + own_row[:, None] * G + groups[None, :], s,
+                             mask=own_live[:, None] & gmask[None, :])  # fmt: skip
             if HAS_TOPK:
                 ids = tl.load(
                     topk_idx_ptr + tokens64[:, None] * K + ks[None, :],
@@ -295,6 +334,18 @@ def dispatch_send(
                         wrec = record.to(tl.pointer_type(tl.float32))
                         mine = tl.where(owner == d, weights, 0.0)
                         tl.store(wrec[:, None] + 1 + K + ks[None, :], mine, mask=kto)
+            if LOCAL:
+                tl.store(out_src_ptr + own_row, source, mask=own_live)
+                if HAS_TOPK:
+                    kto = own_live[:, None] & kmask[None, :]
+                    at = own_row[:, None] * K + ks[None, :]
+                    local = tl.where(owner == rank, ids - rank * E_LOCAL, -1)
+                    tl.store(out_topk_idx_ptr + at, local, mask=kto)
+                    if HAS_WEIGHTS:
+                        tl.store(out_weights_ptr + at, tl.where(owner == rank, weights, 0.0),
+                                 mask=kto)  # fmt: skip
+                if PUBLISH:
+                    publish_rows(ready_ptr + own_row, published, own_live)
             tl.debug_barrier()
             put_rings(my_base, peer_base, ranks, ring_at, ring, sent, sent + count,
                       tail_offset + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
@@ -348,6 +399,7 @@ def dispatch_receive(
     G_P2: tl.constexpr,
     VIA: tl.constexpr,
     PUBLISH: tl.constexpr,
+    LOCAL: tl.constexpr,
     trace_ptr,
     PROFILE: tl.constexpr,
 ):
@@ -364,6 +416,8 @@ def dispatch_receive(
     gmask = groups < G
     tag = call << 32
     count = tl.load(recv_count_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
+    if LOCAL:  # this rank's own rows were written by its sender
+        count = tl.where(ranks == rank, 0, count)
     start = tl.load(recv_start_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
     pair = channel * NUM_RANKS + ranks
     ring = my_base + ring_offset + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)
@@ -522,6 +576,7 @@ def normal_dispatch_kernel(
     AWAIT: tl.constexpr = False,  # wait for each input row's flag (call + 1) before reading it
     RANKS_FROM_IDS: tl.constexpr = False,  # compute is_token_in_rank from the ids, and store it
     PUBLISH: tl.constexpr = False,  # flag each output row once written
+    LOCAL: tl.constexpr = True,  # senders write this rank's own rows into the outputs
 ):
     timeout_ns = limit_ns(timeout_us, status_ptr)
     pid = tl.program_id(0)
@@ -574,6 +629,16 @@ def normal_dispatch_kernel(
             BOUNDS,
             AWAIT,
             RANKS_FROM_IDS,
+            LOCAL,
+            PUBLISH,
+            recv_start_ptr,
+            out_x_ptr,
+            out_scales_ptr,
+            out_topk_idx_ptr,
+            out_weights_ptr,
+            out_src_ptr,
+            max_rows,
+            relay_call_ptr,
             trace_ptr,
             PROFILE,
         )
@@ -622,6 +687,7 @@ def normal_dispatch_kernel(
             G_P2,
             VIA,
             PUBLISH,
+            LOCAL,
             trace_ptr,
             PROFILE,
         )

@@ -770,6 +770,10 @@ class NormalMode:
                 R_P2=r_p2, K_P2=_next_pow2(max(topk, 2)), G_P2=_next_pow2(max(G, 2)),
                 BOUNDS=bounds is not None, AWAIT=awaits, RANKS_FROM_IDS=ranks_from_ids,
                 PUBLISH=publish, num_warps=warps,
+                # Own rows straight into the outputs, except in the legs of a relay: there
+                # they made one rank's relay leg start 600-800 us late on 2 H100s (nodes of
+                # one GPU; BENCHMARKS.md), not understood yet.
+                LOCAL=relay is None,
             )  # fmt: skip
 
         self._launch(
@@ -875,6 +879,8 @@ class NormalMode:
                 TOK=_step_tokens(config, COMBINE_RECV_TILE // (2 * bw)),
                 ROWS=rows, BW=bw, R_P2=r_p2, K_P2=_next_pow2(max(K, 2)), num_warps=COMBINE_WARPS,
                 BOUNDS=handle.bounds is not None, AWAIT=awaits, PUBLISH=publish,
+                # A relay's own rows go through the ring too (see dispatch).
+                LOCAL=relay is None,
                 # Sums round as in the reference (no fused multiply-add).
                 enable_fp_fusion=False,
             )  # fmt: skip
