@@ -111,8 +111,9 @@ if [ "$what" = tune ]; then
   # Launch shapes of the normal mode side by side (tritonep.modes.normal.LAUNCH_CONSTANTS):
   # TUNE holds ';'-separated variants of space-separated NAME=VALUE; the empty one is the
   # default. One CSV per variant, rows labelled with their constants. By default: the
-  # dispatch sender's steps of 16 tokens against the earlier 8 (on up to 4 ranks).
-  IFS=";" read -ra variants <<< "${TUNE:-;SEND_TILE=4096}"
+  # dispatch sender's steps of 16 tokens against the earlier 8 (on up to 4 ranks), and the
+  # senders' tails released every 2 and 4 steps instead of every step.
+  IFS=";" read -ra variants <<< "${TUNE:-;SEND_TILE=4096;SEND_RELEASE_STEPS=2;SEND_RELEASE_STEPS=4}"
   i=0
   for variant in "${variants[@]}"; do
     flags=""

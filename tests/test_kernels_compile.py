@@ -240,7 +240,7 @@ NORMAL_DISPATCH_META = dict(
     RING_STRIDE=128, SLOT_BYTES=14480, META_OFF=1848, HAS_SCALES=True, HAS_TOPK=True,
     HAS_WEIGHTS=True, HAS_TAG=False, PAD_ROWS=True, USE_CLOCK=True, TOK=8, ROWS=8, BW=512,
     RBW=256, R_P2=4, K_P2=8, G_P2=64, PROFILE=False, VIA=0, BOUNDS=False, AWAIT=False,
-    RANKS_FROM_IDS=False, PUBLISH=False,
+    RANKS_FROM_IDS=False, PUBLISH=False, LOCAL=True, RELEASE_STEPS=1,
 )  # fmt: skip
 NORMAL_COMBINE = {
     "x_ptr": "*bf16", "weights_ptr": "*fp32", "in_rank_ptr": "*i8", "num_tokens": "i32",
@@ -253,7 +253,8 @@ NORMAL_COMBINE = {
 NORMAL_COMBINE_META = dict(
     H=7168, K=8, NUM_RANKS=4, NUM_CHANNELS=12, MAX_CHANNELS=16, RING=128, RING_STRIDE=128,
     SLOT_BYTES=14368, HAS_WEIGHTS=True, NUM_BIAS=2, USE_CLOCK=True, TOK=8, ROWS=8, BW=512,
-    R_P2=4, K_P2=8, PROFILE=False, VIA=0, BOUNDS=False, AWAIT=False, PUBLISH=False,
+    R_P2=4, K_P2=8, PROFILE=False, VIA=0, BOUNDS=False, AWAIT=False, PUBLISH=False, LOCAL=True,
+    RELEASE_STEPS=1,
 )  # fmt: skip
 NOTIFY = {
     "in_rank_ptr": "*i8", "num_tokens": "i32", "per_expert_ptr": "*i32", "peer_ptrs": "*i64",
@@ -292,16 +293,24 @@ for module, name, sig, meta, options in [
       "SET_BYTES": 2816}, {}),
     ("normal_notify", "notify_kernel", NOTIFY, {**NOTIFY_META, "COUNTS_GIVEN": True}, {}),
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
-     {**NORMAL_DISPATCH_META, "VIA": 1, "HAS_TAG": True, "PUBLISH": True}, {"num_warps": 16}),
+     {**NORMAL_DISPATCH_META, "VIA": 1, "HAS_TAG": True, "PUBLISH": True, "LOCAL": False},
+     {"num_warps": 16}),
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
      {**NORMAL_DISPATCH_META, "HAS_TAG": True, "BOUNDS": True, "AWAIT": True,
-      "RANKS_FROM_IDS": True}, {"num_warps": 16}),
+      "RANKS_FROM_IDS": True, "LOCAL": False}, {"num_warps": 16}),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
-     {**NORMAL_COMBINE_META, "BOUNDS": True, "PUBLISH": True},
+     {**NORMAL_COMBINE_META, "BOUNDS": True, "PUBLISH": True, "LOCAL": False},
      {"num_warps": 8, "enable_fp_fusion": False}),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
-     {**NORMAL_COMBINE_META, "VIA": 1, "AWAIT": True, "ROWS": 4},
+     {**NORMAL_COMBINE_META, "VIA": 1, "AWAIT": True, "ROWS": 4, "LOCAL": False},
      {"num_warps": 8, "enable_fp_fusion": False}),
+    # Senders that release their tails every few steps (SEND_RELEASE_STEPS)
+    ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
+     {**NORMAL_DISPATCH_META, "RELEASE_STEPS": 2}, {"num_warps": 16}),
+    ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
+     {**NORMAL_DISPATCH_META, "VIA": 1, "RELEASE_STEPS": 4, "LOCAL": False}, {"num_warps": 16}),
+    ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
+     {**NORMAL_COMBINE_META, "RELEASE_STEPS": 2}, {"num_warps": 8, "enable_fp_fusion": False}),
 ]:  # fmt: skip
     KERNELS.append(
         (
@@ -366,6 +375,7 @@ def _id(kernel):
     packed += "-logfmt" if meta.get("LOGFMT") else ""
     packed += "-histograms" if meta.get("COUNT_BY_ADDS") is False else ""
     packed += "-one-token" if meta.get("ONE_TOKEN") else ""
+    packed += f"-release{meta['RELEASE_STEPS']}" if meta.get("RELEASE_STEPS", 1) > 1 else ""
     return kernel[1] + traced + ("-staged" if meta.get("VIA") else "") + shrink + packed + relay
 
 

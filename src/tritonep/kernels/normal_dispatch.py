@@ -168,6 +168,7 @@ def dispatch_send(
     RANKS_FROM_IDS: tl.constexpr,
     LOCAL: tl.constexpr,
     PUBLISH: tl.constexpr,
+    RELEASE_STEPS: tl.constexpr,
     recv_start_ptr,
     out_x_ptr,
     out_scales_ptr,
@@ -206,6 +207,8 @@ def dispatch_send(
     released = tl.zeros((R_P2,), tl.int64)  # last head value read, per destination
     budget = timeout_ns + tl.zeros((), tl.int64)
     waited = tl.zeros((), tl.int64)
+    announced = sent  # rows up to here are announced by the tails (RELEASE_STEPS > 1)
+    unannounced = rank * 0  # steps copied but not yet announced
     skip = rank * 0 - 1  # the lane no ring store goes to (none)
     if LOCAL:
         # This rank's own rows of the channel: from recv_start[rank, c] on, in token order
@@ -258,6 +261,15 @@ def dispatch_send(
         blocked = (count > 0) & (released < target)
         ok = tl.max(blocked.to(tl.int32), 0) == 0
         if not ok:
+            if RELEASE_STEPS > 1:  # noqa: SIM102 (a constexpr test: compiled out at 1)
+                # The slots waited for are freed only once the receivers have the rows held
+                # back: announce them first.
+                if unannounced > 0:
+                    put_rings(my_base, peer_base, ranks, ring_at, ring, announced, sent,
+                              tail_offset + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
+                              VIA)  # fmt: skip
+                    announced = sent
+                    unannounced = unannounced * 0
             if PROFILE:
                 t_w = read_clock(trace_ptr, USE_CLOCK)
             values, ok = wait_all_at_least(head_flag, target, blocked, budget, USE_CLOCK)
@@ -347,9 +359,20 @@ def dispatch_send(
                 if PUBLISH:
                     publish_rows(ready_ptr + own_row, published, own_live)
             tl.debug_barrier()
-            put_rings(my_base, peer_base, ranks, ring_at, ring, sent, sent + count,
-                      tail_offset + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
-                      VIA)  # fmt: skip
+            if RELEASE_STEPS == 1:
+                put_rings(my_base, peer_base, ranks, ring_at, ring, sent, sent + count,
+                          tail_offset + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
+                          VIA)  # fmt: skip
+            else:
+                # One system-scope release per RELEASE_STEPS steps (and at the channel's end):
+                # each release waits for the stores before it to reach the peers.
+                unannounced += 1
+                if (unannounced >= RELEASE_STEPS) | (first + TOK >= t1):
+                    put_rings(my_base, peer_base, ranks, ring_at, ring, announced, sent + count,
+                              tail_offset + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
+                              VIA)  # fmt: skip
+                    announced = sent + count
+                    unannounced = unannounced * 0
         sent += count
     return waited
 
@@ -577,6 +600,7 @@ def normal_dispatch_kernel(
     RANKS_FROM_IDS: tl.constexpr = False,  # compute is_token_in_rank from the ids, and store it
     PUBLISH: tl.constexpr = False,  # flag each output row once written
     LOCAL: tl.constexpr = True,  # senders write this rank's own rows into the outputs
+    RELEASE_STEPS: tl.constexpr = 1,  # sender steps per tail release
 ):
     timeout_ns = limit_ns(timeout_us, status_ptr)
     pid = tl.program_id(0)
@@ -631,6 +655,7 @@ def normal_dispatch_kernel(
             RANKS_FROM_IDS,
             LOCAL,
             PUBLISH,
+            RELEASE_STEPS,
             recv_start_ptr,
             out_x_ptr,
             out_scales_ptr,

@@ -101,11 +101,17 @@ COMBINE_SEND_TILE = 16384
 #: Float32 sums a combine receiver holds per step (``[tokens, 2 * COMBINE_BW]``): bounds its
 #: tokens per step below the send chunk.
 COMBINE_RECV_TILE = 8192
+#: Sender steps (dispatch and combine) per release of the tails. A release at system scope
+#: waits until every store before it has reached the peers, so with peers it costs a round
+#: trip over NVLink each time; on 2 H100s the combine senders moved 15.5 GB/s each against
+#: the 27-28 GB/s one program pushes into a peer without releases (BENCHMARKS.md). Rows held
+#: back are announced before any wait for ring space. 1 (a release per step) until timed.
+SEND_RELEASE_STEPS = 1
 #: The launch constants above: what :func:`set_launch_constants` (and ``tritonep bench
 #: --launch``) may change, to compare launch shapes on a GPU without editing the code.
 LAUNCH_CONSTANTS = (
     "STEP_ROWS", "SEND_TILE", "SEND_BW", "RECV_TILE", "COMBINE_BW", "COMBINE_WARPS",
-    "COMBINE_SEND_TILE", "COMBINE_RECV_TILE",
+    "COMBINE_SEND_TILE", "COMBINE_RECV_TILE", "SEND_RELEASE_STEPS",
 )  # fmt: skip
 
 
@@ -769,7 +775,7 @@ class NormalMode:
                 BW=bw, RBW=min(RECV_TILE // (r_p2 * rows_per_source), _next_pow2(W)),
                 R_P2=r_p2, K_P2=_next_pow2(max(topk, 2)), G_P2=_next_pow2(max(G, 2)),
                 BOUNDS=bounds is not None, AWAIT=awaits, RANKS_FROM_IDS=ranks_from_ids,
-                PUBLISH=publish, num_warps=warps,
+                PUBLISH=publish, RELEASE_STEPS=SEND_RELEASE_STEPS, num_warps=warps,
                 # Own rows straight into the outputs, except in the legs of a relay: there
                 # they made one rank's relay leg start 600-800 us late on 2 H100s (nodes of
                 # one GPU; BENCHMARKS.md), not understood yet.
@@ -880,7 +886,7 @@ class NormalMode:
                 ROWS=rows, BW=bw, R_P2=r_p2, K_P2=_next_pow2(max(K, 2)), num_warps=COMBINE_WARPS,
                 BOUNDS=handle.bounds is not None, AWAIT=awaits, PUBLISH=publish,
                 # A relay's own rows go through the ring too (see dispatch).
-                LOCAL=relay is None,
+                LOCAL=relay is None, RELEASE_STEPS=SEND_RELEASE_STEPS,
                 # Sums round as in the reference (no fused multiply-add).
                 enable_fp_fusion=False,
             )  # fmt: skip
