@@ -40,31 +40,11 @@ from tritonep.kernels.transport import copy_bytes
 
 
 @triton.jit
-def copy_tile(src, dst, n_rows, W: tl.constexpr, TOK: tl.constexpr, BW: tl.constexpr):
-    pid = tl.program_id(0)
-    chunk = tl.cdiv(n_rows, tl.num_programs(0))
-    r0 = pid * chunk
-    r1 = tl.minimum(r0 + chunk, n_rows)
-    words = tl.arange(0, BW)
-    for first in range(r0, r1, TOK):
-        rows = (first + tl.arange(0, TOK)).to(tl.int64)
-        rmask = rows < r1
-        s = src + rows[:, None] * W
-        d = dst + rows[:, None] * W
-        v = tl.load(s + words[None, :], mask=rmask[:, None] & (words < W)[None, :])
-        for w0 in range(0, W, BW):
-            w = w0 + words
-            wn = w + BW
-            v_next = tl.load(s + wn[None, :], mask=rmask[:, None] & (wn < W)[None, :])
-            tl.store(d + w[None, :], v, mask=rmask[:, None] & (w < W)[None, :])
-            v = v_next
-
-
-@triton.jit
-def copy_tile_to(src, dst_addr, n_rows, W: tl.constexpr, TOK: tl.constexpr, BW: tl.constexpr,
-                 CACHE: tl.constexpr, AHEAD: tl.constexpr):  # fmt: skip
-    """``copy_tile`` into a destination given by its address (a peer's memory), with a store
-    cache policy, and one or two tiles in flight."""
+def copy_tile(src, dst_addr, n_rows, W: tl.constexpr, TOK: tl.constexpr, BW: tl.constexpr,
+              CACHE: tl.constexpr = "", AHEAD: tl.constexpr = 1):  # fmt: skip
+    """A ``[TOK, BW]`` tile per step, the next loaded before the current is stored, into a
+    destination given by its address (this GPU's memory or a peer's), with a store cache
+    policy, and one or two tiles in flight."""
     pid = tl.program_id(0)
     chunk = tl.cdiv(n_rows, tl.num_programs(0))
     r0 = pid * chunk
@@ -93,25 +73,6 @@ def copy_tile_to(src, dst_addr, n_rows, W: tl.constexpr, TOK: tl.constexpr, BW: 
 
 
 @triton.jit
-def copy_tma_to(src, dst_addr, n_rows, W: tl.constexpr, TOK: tl.constexpr, BW: tl.constexpr,
-                STAGES: tl.constexpr):  # fmt: skip
-    """``copy_tma`` into a destination given by its address."""
-    pid = tl.program_id(0)
-    chunk = tl.cdiv(n_rows, tl.num_programs(0))
-    r0 = pid * chunk
-    r1 = tl.minimum(r0 + chunk, n_rows)
-    dst = tl.multiple_of(dst_addr.to(tl.pointer_type(tl.int32)), 16)
-    sdesc = tl.make_tensor_descriptor(src, shape=[r1, W], strides=[W, 1], block_shape=[TOK, BW])
-    ddesc = tl.make_tensor_descriptor(dst, shape=[r1, W], strides=[W, 1], block_shape=[TOK, BW])
-    n_w: tl.constexpr = (W + BW - 1) // BW
-    steps = tl.cdiv(r1 - r0, TOK) * n_w
-    for i in tl.range(0, steps, num_stages=STAGES):
-        r = r0 + (i // n_w) * TOK
-        w = (i % n_w) * BW
-        ddesc.store([r, w], sdesc.load([r, w]))
-
-
-@triton.jit
 def copy_pipelined(
     src, dst, n_rows, W: tl.constexpr, TOK: tl.constexpr, BW: tl.constexpr, STAGES: tl.constexpr
 ):
@@ -131,13 +92,15 @@ def copy_pipelined(
 
 
 @triton.jit
-def copy_tma(
-    src, dst, n_rows, W: tl.constexpr, TOK: tl.constexpr, BW: tl.constexpr, STAGES: tl.constexpr
-):
+def copy_tma(src, dst_addr, n_rows, W: tl.constexpr, TOK: tl.constexpr, BW: tl.constexpr,
+             STAGES: tl.constexpr):  # fmt: skip
+    """TMA loads and stores through device-side descriptors, pipelined, into a destination
+    given by its address."""
     pid = tl.program_id(0)
     chunk = tl.cdiv(n_rows, tl.num_programs(0))
     r0 = pid * chunk
     r1 = tl.minimum(r0 + chunk, n_rows)
+    dst = tl.multiple_of(dst_addr.to(tl.pointer_type(tl.int32)), 16)
     sdesc = tl.make_tensor_descriptor(src, shape=[r1, W], strides=[W, 1], block_shape=[TOK, BW])
     ddesc = tl.make_tensor_descriptor(dst, shape=[r1, W], strides=[W, 1], block_shape=[TOK, BW])
     n_w: tl.constexpr = (W + BW - 1) // BW
@@ -240,26 +203,7 @@ def main() -> None:
           f"triton {triton.__version__}, {torch.cuda.get_device_name()}")  # fmt: skip
     t = graph_median_us(lambda: dst.copy_(src), calls=20, replays=10)
     print(f"torch copy_ (whole GPU): {t:.1f} us, {nbytes / t / 1e3:.0f} GB/s")
-    for programs in (int(p) for p in args.programs.split(",")):
-        print(f"\n{programs} programs; per-program GB/s = bytes / time / programs")
-        results = []
-        for name, kernel, meta, warps in variants:
-            dst.fill_(0)
-
-            def launch(kernel=kernel, meta=meta, warps=warps, programs=programs):
-                kernel[(programs,)](src, dst, n, W=W, **meta, num_warps=warps)
-
-            try:
-                t = graph_median_us(launch, calls=20, replays=10)
-                ok = torch.equal(src, dst)
-            except Exception as e:  # a shape a variant cannot compile: say so, go on
-                print(f"  {name:34s} failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
-                continue
-            results.append((t, name, ok))
-            print(f"  {name:34s} {t:8.1f} us  {nbytes / t / 1e3 / programs:6.1f} GB/s/program"
-                  f"{'' if ok else '  WRONG RESULT'}", flush=True)  # fmt: skip
-        results.sort()
-        print("fastest:", ", ".join(f"{name} {t:.1f} us" for t, name, _ in results[:5]))
+    time_variants(variants, args.programs, src, dst)
 
 
 def peer_probe(args) -> None:
@@ -277,20 +221,20 @@ def peer_probe(args) -> None:
     variants = []
     for warps in (4, 8, 16, 32):
         for tok, bw in ((16, 512), (32, 512), (8, 512), (32, 256)):
-            variants.append((f"tile {tok}x{bw} w{warps}", copy_tile_to,
-                             dict(TOK=tok, BW=bw, CACHE="", AHEAD=1), warps))  # fmt: skip
+            variants.append((f"tile {tok}x{bw} w{warps}", copy_tile,
+                             dict(TOK=tok, BW=bw), warps))  # fmt: skip
     for cache in (".cg", ".cs", ".wt"):
         for warps in (8, 16):
-            variants.append((f"tile 16x512 {cache} w{warps}", copy_tile_to,
-                             dict(TOK=16, BW=512, CACHE=cache, AHEAD=1), warps))  # fmt: skip
+            variants.append((f"tile 16x512 {cache} w{warps}", copy_tile,
+                             dict(TOK=16, BW=512, CACHE=cache), warps))  # fmt: skip
     for warps in (8, 16, 32):
         for tok, bw in ((16, 512), (8, 512)):
-            variants.append((f"tile {tok}x{bw} ahead 2 w{warps}", copy_tile_to,
-                             dict(TOK=tok, BW=bw, CACHE="", AHEAD=2), warps))  # fmt: skip
+            variants.append((f"tile {tok}x{bw} ahead 2 w{warps}", copy_tile,
+                             dict(TOK=tok, BW=bw, AHEAD=2), warps))  # fmt: skip
     for warps in (1, 4, 8):
         for tok, bw in ((32, 256), (64, 128), (16, 256)):
             for stages in (2, 4, 6):
-                variants.append((f"tma {tok}x{bw} s{stages} w{warps}", copy_tma_to,
+                variants.append((f"tma {tok}x{bw} s{stages} w{warps}", copy_tma,
                                  dict(TOK=tok, BW=bw, STAGES=stages), warps))  # fmt: skip
     variants = [v for v in variants if v[0].startswith(args.only)]
     print(f"{n} rows x {W} words ({nbytes / 1e6:.1f} MB) from GPU 0 into GPU 1, "
@@ -306,20 +250,30 @@ def peer_probe(args) -> None:
         times.append(start.elapsed_time(end) * 1e3)
     t = sorted(times)[len(times) // 2]
     print(f"torch copy_ to the peer: {t:.1f} us, {nbytes / t / 1e3:.0f} GB/s")
-    for programs in (int(p) for p in args.programs.split(",")):
+    time_variants(variants, args.programs, src, dst)
+
+
+def time_variants(variants, programs_list: str, src, dst) -> None:
+    """Time every variant (name, kernel, constexprs, warps) at each program count of
+    ``programs_list`` ("12,24"), copying ``src`` into ``dst`` (on this GPU or a peer), and
+    check the copy."""
+    n, W = src.shape
+    nbytes = src.numel() * 4
+    for programs in (int(p) for p in programs_list.split(",")):
         print(f"\n{programs} programs; per-program GB/s = bytes / time / programs")
         results = []
         for name, kernel, meta, warps in variants:
             dst.zero_()
-            torch.cuda.synchronize(1)
+            torch.cuda.synchronize(dst.device)
+            target = dst.data_ptr() if kernel in (copy_tile, copy_tma) else dst
 
-            def launch(kernel=kernel, meta=meta, warps=warps, programs=programs):
-                kernel[(programs,)](src, dst.data_ptr(), n, W=W, **meta, num_warps=warps)
+            def launch(kernel=kernel, meta=meta, warps=warps, programs=programs, target=target):
+                kernel[(programs,)](src, target, n, W=W, **meta, num_warps=warps)
 
             try:
                 t = graph_median_us(launch, calls=20, replays=10)
-                torch.cuda.synchronize(0)
-                ok = torch.equal(src, dst.to("cuda:0"))
+                torch.cuda.synchronize(src.device)
+                ok = torch.equal(src, dst.to(src.device))
             except Exception as e:  # a shape a variant cannot compile: say so, go on
                 print(f"  {name:34s} failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
                 continue

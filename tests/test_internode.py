@@ -116,6 +116,16 @@ def test_internode_runs_the_intranode_cases(run_ranks, name):
     assert results == [True] * 4
 
 
+def _release_body(ctx):
+    tokens, hidden, experts, topk, routing, fp8, _ = tn.CASES["bf16-random"]
+    return tn.with_release_steps(2, _body, ctx, 2, tokens, hidden, experts, topk, routing, fp8)
+
+
+def test_relay_senders_may_release_their_tails_every_few_steps(run_ranks):
+    # Staged rows of the network leg put as one range over several steps, as 2 nodes of 2.
+    assert run_ranks(4, _release_body, timeout=600) == [True] * 4
+
+
 def _overflow_body(ctx, rows):
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
     E = 2 * R

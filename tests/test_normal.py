@@ -151,32 +151,28 @@ def test_one_rank_matches_reference(run_ranks, name):
                      None) == [True]  # fmt: skip
 
 
-def _release_body(ctx, name, release_steps, gpus_per_node=None):
-    """The normal body (or the internode one) with tails released every few sender steps, in
-    steps of 2 tokens and 2 combine rows per rank, so that a channel takes several steps."""
+def with_release_steps(release_steps, body, *args):
+    """``body(*args)`` with tails released every ``release_steps`` sender steps and 2 combine
+    rows per rank and step (so that a channel takes several steps), as the launch constants
+    were afterwards."""
     old = nm.set_launch_constants(SEND_RELEASE_STEPS=release_steps, STEP_ROWS=4)
     try:
-        tokens, hidden, experts, topk, routing, fp8, worst = CASES[name]
-        if gpus_per_node is not None:
-            from tests.test_internode import _body
-
-            return _body(ctx, gpus_per_node, tokens, hidden, experts, topk, routing, fp8,
-                         worst > 0)  # fmt: skip
-        config = nm.Config(num_sms=4, nvl_send_chunk=2, nvl_recv_buffer_tokens=64)
-        return _normal_body(ctx, 1, tokens, hidden, experts, topk, routing, fp8, worst, config)
+        return body(*args)
     finally:
         nm.set_launch_constants(**old)
+
+
+def _release_body(ctx, name, release_steps):
+    tokens, hidden, experts, topk, routing, fp8, worst = CASES[name]
+    config = nm.Config(num_sms=4, nvl_send_chunk=2, nvl_recv_buffer_tokens=64)  # 2-token steps
+    return with_release_steps(release_steps, _normal_body, ctx, 1, tokens, hidden, experts,
+                              topk, routing, fp8, worst, config)  # fmt: skip
 
 
 @pytest.mark.parametrize("release_steps", [2, 4])
 @pytest.mark.parametrize("name", ["bf16-random", "fp8-topk8-worst"])
 def test_senders_may_release_their_tails_every_few_steps(run_ranks, name, release_steps):
     assert run_ranks(2, _release_body, name, release_steps) == [True] * 2
-
-
-def test_relay_senders_may_release_their_tails_every_few_steps(run_ranks):
-    # Staged rows of the network leg put as one range over several steps, as 2 nodes of 2.
-    assert run_ranks(4, _release_body, "bf16-random", 2, 2, timeout=600) == [True] * 4
 
 
 def _scale_words(x, kind):

@@ -157,7 +157,7 @@ def combine_send(
         v = first_tile(x_words, start, sent, count, limit, steps, words, W, R_P2, ROWS, AWAIT)
     starved = pending < 0  # waiting on the other leg's rows rather than on a peer
     waited = tl.zeros((), tl.int64)
-    announced = sent  # rows up to here are announced by the tails (RELEASE_STEPS > 1)
+    announced = sent  # rows up to here are announced by the tails
     unannounced = tl.zeros((), tl.int32)  # steps copied but not yet announced
     while (pending > 0) & (elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns):
         if PROFILE:
@@ -219,33 +219,27 @@ def combine_send(
             sent += take
             heads = tl.atomic_add(head_flag, 0, mask=sent < count, sem="acquire", scope="sys")
             tl.debug_barrier()
-            if RELEASE_STEPS == 1:
-                put_rings(my_base, peer_base, ranks, ring_at, ring, sent - take, sent,
+            # One system-scope release per RELEASE_STEPS steps and after the last rows: each
+            # waits for the stores before it to reach the peers.
+            unannounced += 1
+            if (unannounced >= RELEASE_STEPS) | (tl.sum(count - sent, 0) == 0):
+                put_rings(my_base, peer_base, ranks, ring_at, ring, announced, sent,
                           tail_offset + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
                           VIA)  # fmt: skip
-            else:
-                # One system-scope release per RELEASE_STEPS steps (and after the last rows):
-                # each release waits for the stores before it to reach the peers.
-                unannounced += 1
-                if (unannounced >= RELEASE_STEPS) | (tl.sum(count - sent, 0) == 0):
-                    put_rings(my_base, peer_base, ranks, ring_at, ring, announced, sent,
-                              tail_offset + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
-                              VIA)  # fmt: skip
-                    announced = sent
-                    unannounced = unannounced * 0
+                announced = sent
+                unannounced = unannounced * 0
             clock = start_clock(USE_CLOCK)
             spins = tl.zeros((), tl.int64)
         else:
-            if RELEASE_STEPS > 1:  # noqa: SIM102 (a constexpr test: compiled out at 1)
+            if unannounced > 0:
                 # Nothing fits: the slots come back only once the receivers have the rows
                 # held back, so announce them before polling.
-                if unannounced > 0:
-                    tl.debug_barrier()
-                    put_rings(my_base, peer_base, ranks, ring_at, ring, announced, sent,
-                              tail_offset + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
-                              VIA)  # fmt: skip
-                    announced = sent
-                    unannounced = unannounced * 0
+                tl.debug_barrier()
+                put_rings(my_base, peer_base, ranks, ring_at, ring, announced, sent,
+                          tail_offset + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
+                          VIA)  # fmt: skip
+                announced = sent
+                unannounced = unannounced * 0
             heads = tl.atomic_add(head_flag, 0, mask=waiting, sem="acquire", scope="sys")
             spins += 1
             if PROFILE:

@@ -207,14 +207,12 @@ def dispatch_send(
     released = tl.zeros((R_P2,), tl.int64)  # last head value read, per destination
     budget = timeout_ns + tl.zeros((), tl.int64)
     waited = tl.zeros((), tl.int64)
-    announced = sent  # rows up to here are announced by the tails (RELEASE_STEPS > 1)
-    unannounced = rank * 0  # steps copied but not yet announced
-    skip = rank * 0 - 1  # the lane no ring store goes to (none)
+    announced = sent  # rows up to here are announced by the tails
+    unannounced = tl.zeros((), tl.int32)  # steps copied but not yet announced
     if LOCAL:
         # This rank's own rows of the channel: from recv_start[rank, c] on, in token order
         # (where its receiver would have put them).
         own_next = tl.load(recv_start_ptr + rank * NUM_CHANNELS + channel)
-        skip = rank  # a branch, not only a mask: a masked store still costs its issue
         if PUBLISH:
             published = relay_flag(relay_call_ptr)
     for first in range(t0, t1, TOK):
@@ -261,15 +259,14 @@ def dispatch_send(
         blocked = (count > 0) & (released < target)
         ok = tl.max(blocked.to(tl.int32), 0) == 0
         if not ok:
-            if RELEASE_STEPS > 1:  # noqa: SIM102 (a constexpr test: compiled out at 1)
+            if unannounced > 0:
                 # The slots waited for are freed only once the receivers have the rows held
                 # back: announce them first.
-                if unannounced > 0:
-                    put_rings(my_base, peer_base, ranks, ring_at, ring, announced, sent,
-                              tail_offset + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
-                              VIA)  # fmt: skip
-                    announced = sent
-                    unannounced = unannounced * 0
+                put_rings(my_base, peer_base, ranks, ring_at, ring, announced, sent,
+                          tail_offset + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
+                          VIA)  # fmt: skip
+                announced = sent
+                unannounced = unannounced * 0
             if PROFILE:
                 t_w = read_clock(trace_ptr, USE_CLOCK)
             values, ok = wait_all_at_least(head_flag, target, blocked, budget, USE_CLOCK)
@@ -295,11 +292,9 @@ def dispatch_send(
                 wn = w + BW
                 v_next = tl.load(rows + wn[None, :], mask=tmask[:, None] & (wn < W)[None, :])
                 for d in tl.static_range(NUM_RANKS):
-                    if d != skip:
-                        to_d = column(hit, ranks, d) > 0
-                        p = aligned_ptr(column(dst, ranks, d), tl.int32)
-                        tl.store(p[:, None] + w[None, :], v,
-                                 mask=to_d[:, None] & (w < W)[None, :])  # fmt: skip
+                    to_d = column(hit, ranks, d) > 0
+                    p = aligned_ptr(column(dst, ranks, d), tl.int32)
+                    tl.store(p[:, None] + w[None, :], v, mask=to_d[:, None] & (w < W)[None, :])
                 if LOCAL:
                     tl.store(out_x_ptr + own_row[:, None] * W + w[None, :], v,
                              mask=own_live[:, None] & (w < W)[None, :])  # fmt: skip
@@ -310,11 +305,10 @@ def dispatch_send(
                     mask=tmask[:, None] & gmask[None, :],
                 )
                 for d in tl.static_range(NUM_RANKS):
-                    if d != skip:
-                        to_d = column(hit, ranks, d) > 0
-                        p = aligned_ptr(column(dst, ranks, d) + W * 4, tl.int32)
-                        gto = to_d[:, None] & gmask[None, :]
-                        tl.store(p[:, None] + groups[None, :], s, mask=gto)
+                    to_d = column(hit, ranks, d) > 0
+                    p = aligned_ptr(column(dst, ranks, d) + W * 4, tl.int32)
+                    gto = to_d[:, None] & gmask[None, :]
+                    tl.store(p[:, None] + groups[None, :], s, mask=gto)
                 if LOCAL:
                     tl.store(out_scales_ptr + own_row[:, None] * G + groups[None, :], s,
                              mask=own_live[:, None] & gmask[None, :])  # fmt: skip
@@ -359,20 +353,15 @@ def dispatch_send(
                 if PUBLISH:
                     publish_rows(ready_ptr + own_row, published, own_live)
             tl.debug_barrier()
-            if RELEASE_STEPS == 1:
-                put_rings(my_base, peer_base, ranks, ring_at, ring, sent, sent + count,
+            # One system-scope release per RELEASE_STEPS steps and at the channel's end: each
+            # waits for the stores before it to reach the peers.
+            unannounced += 1
+            if (unannounced >= RELEASE_STEPS) | (first + TOK >= t1):
+                put_rings(my_base, peer_base, ranks, ring_at, ring, announced, sent + count,
                           tail_offset + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
                           VIA)  # fmt: skip
-            else:
-                # One system-scope release per RELEASE_STEPS steps (and at the channel's end):
-                # each release waits for the stores before it to reach the peers.
-                unannounced += 1
-                if (unannounced >= RELEASE_STEPS) | (first + TOK >= t1):
-                    put_rings(my_base, peer_base, ranks, ring_at, ring, announced, sent + count,
-                              tail_offset + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
-                              VIA)  # fmt: skip
-                    announced = sent + count
-                    unannounced = unannounced * 0
+                announced = sent + count
+                unannounced = unannounced * 0
         sent += count
     return waited
 
