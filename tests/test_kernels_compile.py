@@ -293,7 +293,7 @@ for module, name, sig, meta, options in [
       "SET_BYTES": 2816}, {}),
     ("normal_notify", "notify_kernel", NOTIFY, {**NOTIFY_META, "COUNTS_GIVEN": True}, {}),
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
-     {**NORMAL_DISPATCH_META, "VIA": 1, "HAS_TAG": True, "PUBLISH": True, "LOCAL": False},
+     {**NORMAL_DISPATCH_META, "VIA": 1, "HAS_TAG": True, "PUBLISH": True},
      {"num_warps": 16}),
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
      {**NORMAL_DISPATCH_META, "HAS_TAG": True, "BOUNDS": True, "AWAIT": True,
@@ -337,6 +337,9 @@ source = ASTSource(kernel, signature, constexprs, attrs)
 compiled = triton.compile(source, target=hopper, options=options)
 assert compiled.asm["cubin"]
 print(compiled.asm["ptx"])
+from tritonep.kernels.nvshmem import _holds_device_state
+# A kernel loaded from a cache of binaries only: is it still seen to need NVSHMEM's state?
+print("// cubin holds the device state:", _holds_device_state({"cubin": compiled.asm["cubin"]}))
 """
 
 
@@ -463,8 +466,10 @@ def test_staged_kernels_put_to_other_nodes_with_nvshmem(name):
     options = {**options, "extern_libs": [["libnvshmem_device", _nvshmem_device_library()]]}
     ptx = compile_ptx(module, kernel, signature, {**meta, "VIA": 2}, options)
     assert ".target sm_90" in ptx and "nvshmem" in ptx  # NVSHMEM's puts, linked in
-    # What the launch hook looks for before it initializes the module for NVSHMEM.
+    # What the launch hook looks for before it initializes the module for NVSHMEM, in the PTX
+    # and in the binary alone.
     assert _DEVICE_STATE in ptx
+    assert "// cubin holds the device state: True" in ptx
 
 
 @pytest.mark.parametrize("name", ["ll_dispatch_kernel", "ll_combine_kernel"])

@@ -97,8 +97,8 @@ def test_a_remembered_argument_gives_way_to_a_new_one():
 class _Built:
     """A compiled kernel as the post-compile hook finds it in Triton's cache."""
 
-    def __init__(self, ptx):
-        self.asm, self.module, self.loaded = {"ptx": ptx}, object(), False
+    def __init__(self, asm):
+        self.asm, self.module, self.loaded = asm, object(), False
 
     @property
     def run(self):
@@ -108,8 +108,9 @@ class _Built:
 
 def test_nvshmem_modules_are_initialized_only_where_they_use_nvshmem(monkeypatch):
     """Variants linked with NVSHMEM that reference its device state get their module
-    initialized; a variant of the same kernel that puts nothing (receive-only, or every peer
-    mapped), linked or not, is left alone: initializing it fails on the device."""
+    initialized, also when loaded from a cache that kept only binaries (no PTX: left alone, the
+    first put faulted); a variant of the same kernel that puts nothing (receive-only, or every
+    peer mapped), linked or not, is left alone: initializing it fails on the device."""
     import types
 
     from tritonep.kernels import nvshmem
@@ -118,20 +119,24 @@ def test_nvshmem_modules_are_initialized_only_where_they_use_nvshmem(monkeypatch
     c10d = types.SimpleNamespace(_nvshmemx_cumodule_init=initialized.append)
     monkeypatch.setitem(__import__("sys").modules, "torch._C._distributed_c10d", c10d)
     linked = (("libnvshmem_device", "/lib/libnvshmem_device.bc"),)
+    state = {"ptx": ".global .align 8 .b8 nvshmemi_device_state_d[512];", "cubin": b"\x7fELF"}
+    unused = {"ptx": ".visible .entry ll_combine_kernel()", "cubin": b"\x7fELF"}
     cases = [
-        (linked, ".global .align 8 .b8 nvshmemi_device_state_d[512];", True),
-        (linked, ".visible .entry ll_combine_kernel()", False),  # the library was not used
-        ((), ".global .align 8 .b8 nvshmemi_device_state_d[512];", False),
-        (None, ".visible .entry ll_combine_kernel()", False),
+        (linked, state, True),
+        (linked, {"cubin": b"\x7fELF\0.nv.global\0nvshmemi_device_state_d\0"}, True),
+        (linked, unused, False),  # the library was not used
+        (linked, {"cubin": b"\x7fELF\0ll_combine_kernel\0"}, False),
+        ((), state, False),
+        (None, unused, False),
     ]
-    for libs, ptx, expect in cases:
-        built = _Built(ptx)
+    for libs, asm, expect in cases:
+        built = _Built(asm)
         jit = types.SimpleNamespace(device_caches={0: ({"key": built},)})
         options = {"extern_libs": libs, "device": 0}
         nvshmem._initialize_module(
             {"compile": options, "fn": types.SimpleNamespace(jit_function=jit), "key": "key"}
         )
-        assert (initialized[-1:] == [built.module]) == expect, (libs, ptx)
+        assert (initialized[-1:] == [built.module]) == expect, (libs, asm)
         assert built.loaded == expect
         initialized.clear()
 

@@ -17,9 +17,13 @@ Receiver. It polls the tails of all its source rings at once and copies whatever
 ``recv_start[source, channel] + i`` that the notify step computed: rows come ordered by
 source rank, then by source token. After each step it returns the new heads to the senders.
 
-With ``LOCAL`` (every launch but a relay's) a token's row for this rank itself never enters a
-ring: the sender stores it (payload, scales and record) straight into its output row
-``recv_start[rank, channel] + i``, so the receivers move only rows that crossed NVLink.
+With ``LOCAL`` (every launch whose input is complete before it starts: all but a relay's
+second leg) a token's row for this rank itself never enters a ring: the receiver's own lane
+reads the channel's tokens straight from the input, ``ROWS`` per step beside the rows that
+arrived from peers, and stores them (payload, scales and record) into their output rows
+``recv_start[rank, channel] + i``. The senders then store only into peers: a program's stores
+into a peer top out near 16 bytes per clock (BENCHMARKS.md), so a sender that also wrote the
+local copies spent part of that on them, while the receivers' own lane stayed empty.
 
 Flags are tagged with the call number (``call << 32 | position``), so a stale flag of an
 earlier call never passes for a new one and nothing is reset between calls. At the end of a
@@ -167,22 +171,13 @@ def dispatch_send(
     AWAIT: tl.constexpr,
     RANKS_FROM_IDS: tl.constexpr,
     LOCAL: tl.constexpr,
-    PUBLISH: tl.constexpr,
     RELEASE_STEPS: tl.constexpr,
-    recv_start_ptr,
-    out_x_ptr,
-    out_scales_ptr,
-    out_topk_idx_ptr,
-    out_weights_ptr,
-    out_src_ptr,
-    max_rows,
-    relay_call_ptr,
     trace_ptr,
     PROFILE: tl.constexpr,
 ):
     """The sender of channel ``channel``: walk its tokens, feed every destination ring (with
-    ``LOCAL``, this rank's own rows go straight into the outputs). Returns the time it waited
-    (with ``PROFILE``; 0 otherwise)."""
+    ``LOCAL``, every ring but this rank's own). Returns the time it waited (with ``PROFILE``;
+    0 otherwise)."""
     ranks = tl.arange(0, R_P2)
     rmask = ranks < NUM_RANKS
     peer_base = tl.load(peer_ptrs + ranks, mask=rmask, other=0)
@@ -209,12 +204,6 @@ def dispatch_send(
     waited = tl.zeros((), tl.int64)
     announced = sent  # rows up to here are announced by the tails
     unannounced = tl.zeros((), tl.int32)  # steps copied but not yet announced
-    if LOCAL:
-        # This rank's own rows of the channel: from recv_start[rank, c] on, in token order
-        # (where its receiver would have put them).
-        own_next = tl.load(recv_start_ptr + rank * NUM_CHANNELS + channel)
-        if PUBLISH:
-            published = relay_flag(relay_call_ptr)
     for first in range(t0, t1, TOK):
         tokens = first + tl.arange(0, TOK)
         tmask = tokens < t1
@@ -245,13 +234,9 @@ def dispatch_send(
         else:
             hit = tl.load(in_rank_ptr + at_rank, mask=tmask[:, None] & rmask[None, :], other=0)
         hit = (hit != 0).to(tl.int32)
-        before = rows_before(hit, TOK)
-        if LOCAL:
-            own_hit = column(hit, ranks, rank) > 0
-            own_row = (own_next + column(before, ranks, rank)).to(tl.int64)
-            own_next += tl.sum(own_hit.to(tl.int32), 0)
-            own_live = own_hit & (own_row < max_rows)  # worst-case outputs drop the overflow
+        if LOCAL:  # this rank's receiver copies its own rows from the input
             hit = tl.where(ranks[None, :] == rank, 0, hit)
+        before = rows_before(hit, TOK)
         count = tl.sum(hit, 0)
         position = sent[None, :] + before
         # The slots must be free: the receiver has moved its head far enough, in this call.
@@ -295,9 +280,6 @@ def dispatch_send(
                     to_d = column(hit, ranks, d) > 0
                     p = aligned_ptr(column(dst, ranks, d), tl.int32)
                     tl.store(p[:, None] + w[None, :], v, mask=to_d[:, None] & (w < W)[None, :])
-                if LOCAL:
-                    tl.store(out_x_ptr + own_row[:, None] * W + w[None, :], v,
-                             mask=own_live[:, None] & (w < W)[None, :])  # fmt: skip
                 v = v_next
             if HAS_SCALES:
                 s = tl.load(
@@ -309,9 +291,6 @@ def dispatch_send(
                     p = aligned_ptr(column(dst, ranks, d) + W * 4, tl.int32)
                     gto = to_d[:, None] & gmask[None, :]
                     tl.store(p[:, None] + groups[None, :], s, mask=gto)
-                if LOCAL:
-                    tl.store(out_scales_ptr + own_row[:, None] * G + groups[None, :], s,
-                             mask=own_live[:, None] & gmask[None, :])  # fmt: skip
             if HAS_TOPK:
                 ids = tl.load(
                     topk_idx_ptr + tokens64[:, None] * K + ks[None, :],
@@ -340,18 +319,6 @@ def dispatch_send(
                         wrec = record.to(tl.pointer_type(tl.float32))
                         mine = tl.where(owner == d, weights, 0.0)
                         tl.store(wrec[:, None] + 1 + K + ks[None, :], mine, mask=kto)
-            if LOCAL:
-                tl.store(out_src_ptr + own_row, source, mask=own_live)
-                if HAS_TOPK:
-                    kto = own_live[:, None] & kmask[None, :]
-                    at = own_row[:, None] * K + ks[None, :]
-                    local = tl.where(owner == rank, ids - rank * E_LOCAL, -1)
-                    tl.store(out_topk_idx_ptr + at, local, mask=kto)
-                    if HAS_WEIGHTS:
-                        tl.store(out_weights_ptr + at, tl.where(owner == rank, weights, 0.0),
-                                 mask=kto)  # fmt: skip
-                if PUBLISH:
-                    publish_rows(ready_ptr + own_row, published, own_live)
             tl.debug_barrier()
             # One system-scope release per RELEASE_STEPS steps and at the channel's end: each
             # waits for the stores before it to reach the peers.
@@ -389,9 +356,18 @@ def dispatch_receive(
     timeout_ns,
     ready_ptr,
     relay_call_ptr,
+    x_ptr,
+    scales_ptr,
+    topk_idx_ptr,
+    topk_weights_ptr,
+    in_rank_ptr,
+    src_tag_ptr,
+    num_tokens,
+    bounds_ptr,
     W: tl.constexpr,
     G: tl.constexpr,
     K: tl.constexpr,
+    E_LOCAL: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
     MAX_CHANNELS: tl.constexpr,  # channels the rings are allocated for
@@ -402,6 +378,7 @@ def dispatch_receive(
     HAS_SCALES: tl.constexpr,
     HAS_TOPK: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
+    HAS_TAG: tl.constexpr,
     PAD_ROWS: tl.constexpr,
     USE_CLOCK: tl.constexpr,
     ROWS: tl.constexpr,
@@ -410,13 +387,16 @@ def dispatch_receive(
     K_P2: tl.constexpr,
     G_P2: tl.constexpr,
     VIA: tl.constexpr,
+    BOUNDS: tl.constexpr,
     PUBLISH: tl.constexpr,
     LOCAL: tl.constexpr,
     trace_ptr,
     PROFILE: tl.constexpr,
 ):
-    """The receiver of channel ``channel``: drain the rings of every source into the outputs.
-    Returns the time it polled without progress (with ``PROFILE``; 0 otherwise)."""
+    """The receiver of channel ``channel``: drain the rings of every source into the outputs
+    (with ``LOCAL``, this rank's own lane of each step reads the channel's tokens straight from
+    the input instead). Returns the time it polled without progress (with ``PROFILE``; 0
+    otherwise)."""
     ranks = tl.arange(0, R_P2)
     rmask = ranks < NUM_RANKS
     peer_base = tl.load(peer_ptrs + ranks, mask=rmask, other=0)
@@ -428,37 +408,71 @@ def dispatch_receive(
     gmask = groups < G
     tag = call << 32
     count = tl.load(recv_count_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
-    if LOCAL:  # this rank's own rows were written by its sender
-        count = tl.where(ranks == rank, 0, count)
     start = tl.load(recv_start_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
+    steps = tl.arange(0, ROWS)
+    lane = ranks[:, None] + 0 * steps[None, :]  # [R_P2, ROWS] source rank of each tile row
+    # The own lane walks the channel's tokens ROWS at a time, from own_tok to own_end; a
+    # token for this rank lands at recv_start[rank, channel] + (this rank's tokens before it).
+    own_tok = tl.zeros((), tl.int32)
+    own_end = own_tok
+    own_next = own_tok
+    if LOCAL:
+        own = lane == rank
+        count = tl.where(ranks == rank, 0, count)
+        own_tok, own_end = channel_tokens(channel, num_tokens, bounds_ptr, NUM_CHANNELS, BOUNDS)
+        own_next = tl.load(recv_start_ptr + rank * NUM_CHANNELS + channel)
+        earlier = (steps[None, :] < steps[:, None]).to(tl.int32)  # [row, earlier row]
+        x_addr = x_ptr.to(tl.int64, bitcast=True)
+        scales_addr = scales_ptr.to(tl.int64, bitcast=True)
+    else:
+        own = lane < 0
     pair = channel * NUM_RANKS + ranks
     ring = my_base + ring_offset + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)
     tail_flag = (my_base + tail_offset + pair * 8).to(tl.pointer_type(tl.int64))
     head_at = head_offset + (channel * NUM_RANKS + rank) * 8  # in each source's heap
     head = tl.zeros((R_P2,), tl.int32)
-    steps = tl.arange(0, ROWS)
     clock = start_clock(USE_CLOCK)
     spins = tl.zeros((), tl.int64)
     pending = tl.sum(count, 0)
     if PUBLISH:
         published = relay_flag(relay_call_ptr)
     waited = tl.zeros((), tl.int64)
-    while (pending > 0) & (elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns):
+    while ((pending > 0) | (own_tok < own_end)) & (
+        elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns
+    ):
         if PROFILE:
             t_w = read_clock(trace_ptr, USE_CLOCK)
         waiting = head < count
         tails = tl.atomic_add(tail_flag, 0, mask=waiting, sem="acquire", scope="sys")
         arrived = tl.where(waiting & (tails >= tag), (tails & 0xFFFFFFFF).to(tl.int32), head)
         take = tl.minimum(arrived - head, ROWS)
-        if tl.max(take, 0) > 0:
+        if (tl.max(take, 0) > 0) | (own_tok < own_end):
             tl.debug_barrier()
             i = steps[None, :]
             slot = ((head[:, None] + i) % RING).to(tl.int64)
             row = (start[:, None] + head[:, None] + i).to(tl.int64)
-            live = (i < take[:, None]) & (row < max_rows)
-            src = tl.reshape(ring[:, None] + slot * SLOT_BYTES, (R_P2 * ROWS,))
+            live = i < take[:, None]
+            src = ring[:, None] + slot * SLOT_BYTES
+            token = 0 * lane
+            if LOCAL:
+                # The own lane: the next ROWS tokens of the channel, those for this rank live.
+                mine = own_tok + steps
+                hit = tl.load(in_rank_ptr + mine.to(tl.int64) * NUM_RANKS + rank,
+                              mask=mine < own_end, other=0) != 0  # fmt: skip
+                hit32 = hit.to(tl.int32)
+                before = tl.sum(earlier * hit32[None, :], 1)
+                token = tl.where(own, mine[None, :], token)
+                row = tl.where(own, (own_next + before)[None, :].to(tl.int64), row)
+                live = tl.where(own, hit[None, :], live)
+                src = tl.where(own, x_addr + token.to(tl.int64) * (W * 4), src)
+                own_next += tl.sum(hit32, 0)
+                own_tok += ROWS
+            live = live & (row < max_rows)  # worst-case outputs drop the overflow
+            src = tl.reshape(src, (R_P2 * ROWS,))
             row = tl.reshape(row, (R_P2 * ROWS,))
             live = tl.reshape(live, (R_P2 * ROWS,))
+            mine = tl.reshape(own, (R_P2 * ROWS,))
+            token = tl.reshape(token, (R_P2 * ROWS,)).to(tl.int64)
             p = aligned_ptr(src, tl.int32)[:, None]
             v = tl.load(p + words[None, :], mask=live[:, None] & (words < W)[None, :],
                         cache_modifier=".cg")  # fmt: skip
@@ -472,20 +486,43 @@ def dispatch_receive(
                 v = v_next
             if HAS_SCALES:
                 m2 = live[:, None] & gmask[None, :]
-                p = aligned_ptr(src + W * 4, tl.int32)
+                at = src + W * 4
+                if LOCAL:
+                    at = tl.where(mine, scales_addr + token * (G * 4), at)
+                p = aligned_ptr(at, tl.int32)
                 v = tl.load(p[:, None] + groups[None, :], mask=m2, cache_modifier=".cg")
                 tl.store(out_scales_ptr + row[:, None] * G + groups[None, :], v, mask=m2)
+            from_ring = live & ~mine
             record = aligned_ptr(src + META_OFF * 4, tl.int32)
-            token = tl.load(record, mask=live, cache_modifier=".cg")
-            tl.store(out_src_ptr + row, token, mask=live)
+            source = tl.load(record, mask=from_ring, cache_modifier=".cg")
+            if LOCAL:
+                if HAS_TAG:  # a row's origin further back
+                    tagged = tl.load(src_tag_ptr + token, mask=live & mine, other=0)
+                    source = tl.where(mine, tagged, source)
+                else:
+                    source = tl.where(mine, token.to(tl.int32), source)
+            tl.store(out_src_ptr + row, source, mask=live)
             if HAS_TOPK:
                 m2 = live[:, None] & kmask[None, :]
                 at = record[:, None] + 1 + ks[None, :]
-                local = tl.load(at, mask=m2, cache_modifier=".cg")
-                tl.store(out_topk_idx_ptr + row[:, None] * K + ks[None, :], local, mask=m2)
+                local = tl.load(at, mask=from_ring[:, None] & kmask[None, :],
+                                cache_modifier=".cg").to(tl.int64)  # fmt: skip
                 if HAS_WEIGHTS:
                     at = record.to(tl.pointer_type(tl.float32))[:, None] + 1 + K + ks[None, :]
-                    wv = tl.load(at, mask=m2, cache_modifier=".cg")
+                    wv = tl.load(at, mask=from_ring[:, None] & kmask[None, :],
+                                 cache_modifier=".cg")  # fmt: skip
+                if LOCAL:
+                    m_own = (live & mine)[:, None] & kmask[None, :]
+                    at = token[:, None] * K + ks[None, :]
+                    ids = tl.load(topk_idx_ptr + at, mask=m_own, other=-1)
+                    here = (ids >= 0) & (ids // E_LOCAL == rank)
+                    local = tl.where(mine[:, None], tl.where(here, ids - rank * E_LOCAL, -1),
+                                     local)  # fmt: skip
+                    if HAS_WEIGHTS:
+                        wo = tl.load(topk_weights_ptr + at, mask=m_own, other=0.0)
+                        wv = tl.where(mine[:, None], tl.where(here, wo, 0.0), wv)
+                tl.store(out_topk_idx_ptr + row[:, None] * K + ks[None, :], local, mask=m2)
+                if HAS_WEIGHTS:
                     tl.store(out_weights_ptr + row[:, None] * K + ks[None, :], wv, mask=m2)
             if PUBLISH:
                 publish_rows(ready_ptr + row, published, live)
@@ -588,9 +625,12 @@ def normal_dispatch_kernel(
     AWAIT: tl.constexpr = False,  # wait for each input row's flag (call + 1) before reading it
     RANKS_FROM_IDS: tl.constexpr = False,  # compute is_token_in_rank from the ids, and store it
     PUBLISH: tl.constexpr = False,  # flag each output row once written
-    LOCAL: tl.constexpr = True,  # senders write this rank's own rows into the outputs
+    LOCAL: tl.constexpr = True,  # receivers copy this rank's own rows from the input
     RELEASE_STEPS: tl.constexpr = 1,  # sender steps per tail release
 ):
+    # Own rows are read by the receivers while the senders run: the input rows and their
+    # destinations must be there before the launch, not written by it.
+    tl.static_assert(not (LOCAL and (AWAIT or RANKS_FROM_IDS)))
     timeout_ns = limit_ns(timeout_us, status_ptr)
     pid = tl.program_id(0)
     call = tl.load(state_ptr + DISPATCH_CALLS, volatile=True)
@@ -643,16 +683,7 @@ def normal_dispatch_kernel(
             AWAIT,
             RANKS_FROM_IDS,
             LOCAL,
-            PUBLISH,
             RELEASE_STEPS,
-            recv_start_ptr,
-            out_x_ptr,
-            out_scales_ptr,
-            out_topk_idx_ptr,
-            out_weights_ptr,
-            out_src_ptr,
-            max_rows,
-            relay_call_ptr,
             trace_ptr,
             PROFILE,
         )
@@ -679,9 +710,18 @@ def normal_dispatch_kernel(
             timeout_ns,
             ready_ptr,
             relay_call_ptr,
+            x_ptr,
+            scales_ptr,
+            topk_idx_ptr,
+            topk_weights_ptr,
+            in_rank_ptr,
+            src_tag_ptr,
+            num_tokens,
+            bounds_ptr,
             W,
             G,
             K,
+            E_LOCAL,
             NUM_RANKS,
             NUM_CHANNELS,
             MAX_CHANNELS,
@@ -692,6 +732,7 @@ def normal_dispatch_kernel(
             HAS_SCALES,
             HAS_TOPK,
             HAS_WEIGHTS,
+            HAS_TAG,
             PAD_ROWS,
             USE_CLOCK,
             ROWS,
@@ -700,6 +741,7 @@ def normal_dispatch_kernel(
             K_P2,
             G_P2,
             VIA,
+            BOUNDS,
             PUBLISH,
             LOCAL,
             trace_ptr,

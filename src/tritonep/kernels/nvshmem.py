@@ -149,9 +149,16 @@ def _initialize_module(kwargs: dict) -> None:
         return
     device = options["device"]
     kernel = kwargs["fn"].jit_function.device_caches[device][0].get(kwargs["key"])
-    if kernel is None or _DEVICE_STATE not in kernel.asm.get("ptx", ""):
+    if kernel is None or not _holds_device_state(kernel.asm):
         return
     from torch._C._distributed_c10d import _nvshmemx_cumodule_init
 
     kernel.run  # noqa: B018 - loads the module, which Triton does lazily
     _nvshmemx_cumodule_init(kernel.module)
+
+
+def _holds_device_state(asm: dict) -> bool:
+    """Whether a compiled kernel references NVSHMEM's device state. The binary is read as well
+    as the PTX: a kernel loaded from a Triton cache that kept only binaries has no PTX, and
+    left uninitialized its first put reads an unset state (an illegal memory access)."""
+    return _DEVICE_STATE in asm.get("ptx", "") or _DEVICE_STATE.encode() in asm.get("cubin", b"")

@@ -87,7 +87,8 @@ STEP_ROWS = 32
 SEND_TILE = 8192
 #: Words per row a dispatch sender moves per tile (rows narrower than 512 words were slower).
 SEND_BW = 512
-#: Words of payload a dispatch receiver holds per step, over its ``STEP_ROWS`` rows.
+#: Words of payload a dispatch receiver holds per step, over its ``STEP_ROWS`` rows (its own
+#: lane's rows from the input included). 16 384 was slower on 2 H100s (BENCHMARKS.md).
 RECV_TILE = 8192
 #: Words a combine program moves per row and step, and its warps.
 COMBINE_BW = 512
@@ -102,10 +103,10 @@ COMBINE_SEND_TILE = 16384
 #: tokens per step below the send chunk.
 COMBINE_RECV_TILE = 8192
 #: Sender steps (dispatch and combine) per release of the tails. A release at system scope
-#: waits until every store before it has reached the peers, so with peers it costs a round
-#: trip over NVLink each time; on 2 H100s the combine senders moved 15.5 GB/s each against
-#: the 27-28 GB/s one program pushes into a peer without releases (BENCHMARKS.md). Rows held
-#: back are announced before any wait for ring space. 1 (a release per step) until timed.
+#: waits until every store before it has reached the peers. Rows held back are announced
+#: before any wait for ring space. Timed on 2 H100s (BENCHMARKS.md): releasing every 2 or 4
+#: steps helped dispatch while its senders set the pace and made combine 2-7% slower; with
+#: own rows copied by the dispatch receivers, every 4 steps made both slower. So 1.
 SEND_RELEASE_STEPS = 1
 #: The launch constants above: what :func:`set_launch_constants` (and ``tritonep bench
 #: --launch``) may change, to compare launch shapes on a GPU without editing the code.
@@ -776,10 +777,9 @@ class NormalMode:
                 R_P2=r_p2, K_P2=_next_pow2(max(topk, 2)), G_P2=_next_pow2(max(G, 2)),
                 BOUNDS=bounds is not None, AWAIT=awaits, RANKS_FROM_IDS=ranks_from_ids,
                 PUBLISH=publish, RELEASE_STEPS=SEND_RELEASE_STEPS, num_warps=warps,
-                # Own rows straight into the outputs, except in the legs of a relay: there
-                # they made one rank's relay leg start 600-800 us late on 2 H100s (nodes of
-                # one GPU; BENCHMARKS.md), not understood yet.
-                LOCAL=relay is None,
+                # Own rows straight from the input, where it is complete before the launch
+                # (not in a relay leg that awaits its rows or learns their destinations).
+                LOCAL=not (awaits or ranks_from_ids),
             )  # fmt: skip
 
         self._launch(
@@ -885,7 +885,7 @@ class NormalMode:
                 TOK=_step_tokens(config, COMBINE_RECV_TILE // (2 * bw)),
                 ROWS=rows, BW=bw, R_P2=r_p2, K_P2=_next_pow2(max(K, 2)), num_warps=COMBINE_WARPS,
                 BOUNDS=handle.bounds is not None, AWAIT=awaits, PUBLISH=publish,
-                # A relay's own rows go through the ring too (see dispatch).
+                # A relay's own rows go through the ring (not timed on GPUs without it).
                 LOCAL=relay is None, RELEASE_STEPS=SEND_RELEASE_STEPS,
                 # Sums round as in the reference (no fused multiply-add).
                 enable_fp_fusion=False,
