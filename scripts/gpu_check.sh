@@ -37,6 +37,8 @@ pack() {
   tar czf "$out/00-triton-cache.tar.gz" -C "$TRITON_CACHE_DIR" .
   if [ "$(stat -c %s "$out/00-triton-cache.tar.gz")" -gt 16000000 ]; then
     # Over what a call brings back: keep what a cache hit reads (binaries, metadata, launchers).
+    # Kernels linked with NVSHMEM are recognized from their binaries (nvshmem.py), so a cache
+    # without PTX still gets their modules initialized.
     tar czf "$out/00-triton-cache.tar.gz" -C "$TRITON_CACHE_DIR" --exclude='*.ptx' \
       --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' --exclude='*.source' .
   fi
