@@ -6,11 +6,13 @@
 # The whole suite compiles many kernel variants and does not fit one call of the 10-minute
 # device limit: on GPUs of their own, 2 ranks took more than 9 minutes for tests-core alone
 # (2x H100, 2026-11-25). Split it over tests-a to tests-d, and carry the compiled
-# kernels from call to call: every call leaves Triton's cache in $OUT/00-triton-cache.tar.gz;
-# copy it to .triton-cache.tar.gz in the repository root (ignored by git) and pass that file to
-# the next call (the device tool's carry): it is unpacked into .triton-cache/ and that call
-# compiles only what the earlier ones did not (a cache entry names its files by absolute path,
-# so the repository must sit at the same path on every machine, as it does on the device).
+# kernels from call to call: every call leaves Triton's cache in $OUT/00-triton-cache.tar.gz
+# (in parts 00-triton-cache.tar.gz.part00, part01, ... when larger than a file that a call
+# brings back); copy it to .triton-cache.tar.gz in the repository root, or the parts into
+# .triton-cache.d/ (both ignored by git), and pass that path to the next call (the device
+# tool's carry): it is unpacked into .triton-cache/ and that call compiles only what the
+# earlier ones did not (a cache entry names its files by absolute path, so the repository must
+# sit at the same path on every machine, as it does on the device).
 # Every call also leaves all its logs, CSVs, plots and traces in $OUT/00-results.tar.gz, since a
 # call brings back at most 8 files; pytest prints its durations, and a run that hits its time
 # limit is interrupted (SIGINT) so that its failures are still summarized.
@@ -31,18 +33,26 @@ mkdir -p "$TRITON_CACHE_DIR"
 if [ -f .triton-cache.tar.gz ]; then
   tar xzf .triton-cache.tar.gz -C "$TRITON_CACHE_DIR" && echo "triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) entries carried"
 fi
+if [ -d .triton-cache.d ]; then
+  cat .triton-cache.d/*part* | tar xz -C "$TRITON_CACHE_DIR" && echo "triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) entries carried in parts"
+fi
 pack() {
   # 00- names sort first among the files a call brings back.
   tar czf /tmp/00-results.tar.gz -C "$out" --exclude='00-*' . && mv /tmp/00-results.tar.gz "$out/"
-  tar czf "$out/00-triton-cache.tar.gz" -C "$TRITON_CACHE_DIR" .
-  if [ "$(stat -c %s "$out/00-triton-cache.tar.gz")" -gt 16000000 ]; then
+  local cache="$out/00-triton-cache.tar.gz"
+  tar czf "$cache" -C "$TRITON_CACHE_DIR" .
+  if [ "$(stat -c %s "$cache")" -gt 16000000 ]; then
     # Over what a call brings back: keep what a cache hit reads (binaries, metadata, launchers).
     # Kernels linked with NVSHMEM are recognized from their binaries (nvshmem.py), so a cache
     # without PTX still gets their modules initialized.
-    tar czf "$out/00-triton-cache.tar.gz" -C "$TRITON_CACHE_DIR" --exclude='*.ptx' \
+    tar czf "$cache" -C "$TRITON_CACHE_DIR" --exclude='*.ptx' \
       --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' --exclude='*.source' .
   fi
-  ls -l "$out"/00-*.tar.gz
+  if [ "$(stat -c %s "$cache")" -gt 16000000 ]; then
+    # Still over: parts that each come back (.triton-cache.d/ takes them in the next call).
+    split -b 15000000 -d "$cache" "$cache.part" && rm "$cache"
+  fi
+  ls -l "$out"/00-*
 }
 trap pack EXIT
 nvidia-smi -L

@@ -132,6 +132,7 @@ def test_launch_constants_label_the_rows_and_bad_ones_stop_the_run(tmp_path):
     assert row["launch"] == "COMBINE_SEND_TILE=64 STEP_ROWS=2" and row["combine_us"] > 0
     assert (normal.COMBINE_SEND_TILE, normal.STEP_ROWS) == (16384, 32)  # this process: unchanged
     for bad, says in [("SEND_TILE=3", "power of two"), ("NUM_SMS=4", "not a launch constant"),
-                      ("STEP_ROWS", "NAME=VALUE")]:  # fmt: skip
+                      ("STEP_ROWS", "NAME=VALUE"),
+                      ("DISPATCH_WARPS=64", "4, 8, 16 or 32")]:  # fmt: skip
         with pytest.raises(SystemExit, match=says):
             cli.main(["normal", "--ranks", "2", "--launch", bad])

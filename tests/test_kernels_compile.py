@@ -274,18 +274,18 @@ for module, name, sig, meta, options in [
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH, NORMAL_DISPATCH_META,
      {"num_warps": 16}),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE, NORMAL_COMBINE_META,
-     {"num_warps": 8, "enable_fp_fusion": False}),
+     {"num_warps": 16, "enable_fp_fusion": False}),
     ("normal_notify", "notify_kernel", NOTIFY, {**NOTIFY_META, "PROFILE": True}, {}),
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
      {**NORMAL_DISPATCH_META, "PROFILE": True}, {"num_warps": 16}),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
-     {**NORMAL_COMBINE_META, "PROFILE": True}, {"num_warps": 8, "enable_fp_fusion": False}),
+     {**NORMAL_COMBINE_META, "PROFILE": True}, {"num_warps": 16, "enable_fp_fusion": False}),
     # The staged transport of the internode rail leg (copies from the mirror rings)
     ("normal_notify", "notify_kernel", NOTIFY, {**NOTIFY_META, "VIA": 1}, {}),
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
      {**NORMAL_DISPATCH_META, "VIA": 1}, {"num_warps": 16}),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
-     {**NORMAL_COMBINE_META, "VIA": 1}, {"num_warps": 8, "enable_fp_fusion": False}),
+     {**NORMAL_COMBINE_META, "VIA": 1}, {"num_warps": 16, "enable_fp_fusion": False}),
     # The relay between the internode legs: the network leg flags the rows it writes (and
     # its notify carries the forwarding counts); the NVLink leg waits for them.
     ("normal_notify", "notify_kernel", NOTIFY,
@@ -300,17 +300,17 @@ for module, name, sig, meta, options in [
       "RANKS_FROM_IDS": True, "LOCAL": False}, {"num_warps": 16}),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
      {**NORMAL_COMBINE_META, "BOUNDS": True, "PUBLISH": True, "LOCAL": False},
-     {"num_warps": 8, "enable_fp_fusion": False}),
+     {"num_warps": 16, "enable_fp_fusion": False}),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
      {**NORMAL_COMBINE_META, "VIA": 1, "AWAIT": True, "ROWS": 4, "LOCAL": False},
-     {"num_warps": 8, "enable_fp_fusion": False}),
+     {"num_warps": 16, "enable_fp_fusion": False}),
     # Senders that release their tails every few steps (SEND_RELEASE_STEPS)
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
      {**NORMAL_DISPATCH_META, "RELEASE_STEPS": 2}, {"num_warps": 16}),
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
      {**NORMAL_DISPATCH_META, "VIA": 1, "RELEASE_STEPS": 4, "LOCAL": False}, {"num_warps": 16}),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
-     {**NORMAL_COMBINE_META, "RELEASE_STEPS": 2}, {"num_warps": 8, "enable_fp_fusion": False}),
+     {**NORMAL_COMBINE_META, "RELEASE_STEPS": 2}, {"num_warps": 16, "enable_fp_fusion": False}),
 ]:  # fmt: skip
     KERNELS.append(
         (

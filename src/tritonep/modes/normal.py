@@ -90,18 +90,27 @@ SEND_BW = 512
 #: Words of payload a dispatch receiver holds per step, over its ``STEP_ROWS`` rows (its own
 #: lane's rows from the input included). 16 384 was slower on 2 H100s (BENCHMARKS.md).
 RECV_TILE = 8192
-#: Words a combine program moves per row and step, and its warps.
+#: Warps of a dispatch program on up to 4 ranks (half that on more: their registers are full).
+#: 32 was slower on 2 H100s, with either receiver tile (BENCHMARKS.md).
+DISPATCH_WARPS = 16
+#: Words a combine program moves per row and step, and its warps. 16 warps with the receiver
+#: tile below combined 4096 tokens on 2 H100s in 252 us, 8 warps (half the tile) in 370 us
+#: (BENCHMARKS.md): a receiver's step is one round of loads, so its speed follows the bytes in
+#: flight per SM, which 16 warps double at the same registers per thread.
 COMBINE_BW = 512
-COMBINE_WARPS = 8
+COMBINE_WARPS = 16
 #: Words a combine sender holds per step, over its ``R_P2`` rank lanes x ``ROWS`` rows. On 2x
 #: H200 this shape (16 384 words, 512 per row, 8 warps) combines 4096 tokens in 343 us, a
 #: narrower one (8192, 256, 16 warps) in 428 us. The bound matters: rows once came from the
 #: rank count rounded up (1 for one rank) while the lanes were at least 2, so one rank held
-#: 32 768 words and took 2660 us (BENCHMARKS.md).
+#: 32 768 words and took 2660 us (BENCHMARKS.md). On 16 warps, 8192 words (fewer spilled
+#: registers) was 7% slower on 2 H100s.
 COMBINE_SEND_TILE = 16384
-#: Float32 sums a combine receiver holds per step (``[tokens, 2 * COMBINE_BW]``): bounds its
-#: tokens per step below the send chunk.
-COMBINE_RECV_TILE = 8192
+#: BF16 values a combine receiver loads per step, over its rank lanes (``[R_P2, tokens,
+#: 2 * COMBINE_BW]``): its tokens per step are this over the lanes and the row chunk (16 on 2
+#: ranks, 8 on 4, 4 on 8), so that its registers, and its bytes in flight, do not grow with
+#: the rank count; at most the send chunk.
+COMBINE_RECV_TILE = 32768
 #: Sender steps (dispatch and combine) per release of the tails. A release at system scope
 #: waits until every store before it has reached the peers. Rows held back are announced
 #: before any wait for ring space. Timed on 2 H100s (BENCHMARKS.md): releasing every 2 or 4
@@ -112,7 +121,7 @@ SEND_RELEASE_STEPS = 1
 #: --launch``) may change, to compare launch shapes on a GPU without editing the code.
 LAUNCH_CONSTANTS = (
     "STEP_ROWS", "SEND_TILE", "SEND_BW", "RECV_TILE", "COMBINE_BW", "COMBINE_WARPS",
-    "COMBINE_SEND_TILE", "COMBINE_RECV_TILE", "SEND_RELEASE_STEPS",
+    "COMBINE_SEND_TILE", "COMBINE_RECV_TILE", "SEND_RELEASE_STEPS", "DISPATCH_WARPS",
 )  # fmt: skip
 
 
@@ -128,8 +137,8 @@ def check_launch_constants(values: dict[str, int]) -> None:
             raise ValueError(f"{name}: not a launch constant (one of {known})")
         if not isinstance(value, int) or value < 1 or value & (value - 1):
             raise ValueError(f"{name}: expected a power of two, got {value!r}")
-        if name == "COMBINE_WARPS" and not 4 <= value <= 32:
-            raise ValueError(f"COMBINE_WARPS: expected 4, 8, 16 or 32, got {value}")
+        if name in ("COMBINE_WARPS", "DISPATCH_WARPS") and not 4 <= value <= 32:
+            raise ValueError(f"{name}: expected 4, 8, 16 or 32, got {value}")
 
 
 def set_launch_constants(**values: int) -> dict[str, int]:
@@ -762,7 +771,7 @@ class NormalMode:
 
         def build_meta():  # once per configuration: _launch
             r_p2 = _next_pow2(max(R, 2))
-            warps = 16 if r_p2 <= 4 else 8
+            warps = DISPATCH_WARPS if r_p2 <= 4 else max(4, DISPATCH_WARPS // 2)
             bw = min(SEND_BW, _next_pow2(W))
             rows_per_source = max(1, STEP_ROWS // r_p2)
             return dict(
@@ -882,7 +891,7 @@ class NormalMode:
                 RING_STRIDE=self.layout.ring_tokens, SLOT_BYTES=self.layout.combine_slot,
                 HAS_WEIGHTS=topk_weights is not None, NUM_BIAS=len(terms),
                 USE_CLOCK=use_clock(self.device),
-                TOK=_step_tokens(config, COMBINE_RECV_TILE // (2 * bw)),
+                TOK=_step_tokens(config, COMBINE_RECV_TILE // (r_p2 * 2 * bw)),
                 ROWS=rows, BW=bw, R_P2=r_p2, K_P2=_next_pow2(max(K, 2)), num_warps=COMBINE_WARPS,
                 BOUNDS=handle.bounds is not None, AWAIT=awaits, PUBLISH=publish,
                 # A relay's own rows go through the ring (not timed on GPUs without it).
