@@ -121,15 +121,19 @@ if [ "$what" = quantize ]; then
 fi
 if [ "$what" = tune ]; then
   # Launch shapes of the normal mode side by side (tritonep.modes.normal.LAUNCH_CONSTANTS):
-  # TUNE holds ';'-separated variants of space-separated NAME=VALUE; the empty one is the
-  # default. One CSV per variant, rows labelled with their constants. By default: the
-  # dispatch sender's steps of 16 tokens against the earlier 8 (on up to 4 ranks), and the
-  # senders' tails released every 2 and 4 steps instead of every step.
-  IFS=";" read -ra variants <<< "${TUNE:-;SEND_TILE=4096;SEND_RELEASE_STEPS=2;SEND_RELEASE_STEPS=4}"
+  # TUNE holds ';'-separated variants of space-separated NAME=VALUE (a setting that starts
+  # with -- goes to the benchmark as it is, e.g. --chunk=32); the empty one is the default.
+  # One CSV per variant, rows labelled with their constants (and chunk). By default, what 2
+  # ranks could not settle for more: the combine on 8 warps (on 4 ranks the earlier shape, 8
+  # receiver tokens a step; on 2 add COMBINE_RECV_TILE=16384 for it), and the smaller tiles
+  # of the combine sender and the dispatch receiver (fewer spilled registers on 4 and 8 ranks).
+  IFS=";" read -ra variants <<< "${TUNE:-;COMBINE_WARPS=8;COMBINE_SEND_TILE=8192;RECV_TILE=4096}"
   i=0
   for variant in "${variants[@]}"; do
     flags=""
-    for setting in $variant; do flags="$flags --launch $setting"; done
+    for setting in $variant; do
+      case "$setting" in --*) flags="$flags $setting" ;; *) flags="$flags --launch $setting" ;; esac
+    done
     timeout "${TUNE_LIMIT_S:-120}" python3 -m tritonep.bench normal --ranks "$ranks" \
       --tokens "${NORMAL_TOKENS:-4096}" --iters 20 --quiet $flags --csv "$out/tune-$i.csv" 2>&1 \
       | grep -v -i warn | tail -3 || status=1
