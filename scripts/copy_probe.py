@@ -25,6 +25,9 @@ over time over programs):
 ``--peer`` writes into the memory of GPU 1 instead (a machine with two GPUs): what one program
 moves over NVLink, the pace of the normal mode's senders (its stores into peers' rings), for
 the tile loop with several warp counts and store cache policies, and for TMA stores.
+``--pull`` reads GPU 0's memory by kernels on GPU 1 instead (loads over NVLink, stores to local
+memory): whether a program pulls faster than it pushes, since a load's bytes in flight are
+bounded by the tiles held, not by the stores a program may have outstanding.
 """
 
 from __future__ import annotations
@@ -40,16 +43,17 @@ from tritonep.kernels.transport import copy_bytes
 
 
 @triton.jit
-def copy_tile(src, dst_addr, n_rows, W: tl.constexpr, TOK: tl.constexpr, BW: tl.constexpr,
+def copy_tile(src_addr, dst_addr, n_rows, W: tl.constexpr, TOK: tl.constexpr, BW: tl.constexpr,
               CACHE: tl.constexpr = "", AHEAD: tl.constexpr = 1):  # fmt: skip
-    """A ``[TOK, BW]`` tile per step, the next loaded before the current is stored, into a
-    destination given by its address (this GPU's memory or a peer's), with a store cache
-    policy, and one or two tiles in flight."""
+    """A ``[TOK, BW]`` tile per step, the next loaded before the current is stored, from a
+    source and into a destination each given by a pointer or an address (this GPU's memory or
+    a peer's), with a store cache policy, and one or two tiles in flight."""
     pid = tl.program_id(0)
     chunk = tl.cdiv(n_rows, tl.num_programs(0))
     r0 = pid * chunk
     r1 = tl.minimum(r0 + chunk, n_rows)
     words = tl.arange(0, BW)
+    src = tl.multiple_of(src_addr.to(tl.pointer_type(tl.int32)), 16)
     dst = tl.multiple_of(dst_addr.to(tl.pointer_type(tl.int32)), 16)
     for first in range(r0, r1, TOK):
         rows = (first + tl.arange(0, TOK)).to(tl.int64)
@@ -166,8 +170,9 @@ def main() -> None:
     parser.add_argument("--words", type=int, default=3584)
     parser.add_argument("--only", default="", help="variants whose name starts with this")
     parser.add_argument("--peer", action="store_true", help="write into GPU 1's memory")
+    parser.add_argument("--pull", action="store_true", help="read GPU 0's memory from GPU 1")
     args = parser.parse_args()
-    if args.peer:
+    if args.peer or args.pull:
         peer_probe(args)
         return
     triton.set_allocator(
@@ -207,15 +212,18 @@ def main() -> None:
 
 
 def peer_probe(args) -> None:
-    """Per-program GB/s of copies from GPU 0's memory into GPU 1's, by kernels on GPU 0."""
+    """Per-program GB/s of copies from GPU 0's memory into GPU 1's: by kernels on GPU 0
+    (stores over NVLink) or, with ``--pull``, on GPU 1 (loads over NVLink)."""
+    here = 1 if args.pull else 0
+    torch.cuda.set_device(here)
     triton.set_allocator(
-        lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda:0")
+        lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=f"cuda:{here}")
     )
     W, n = args.words, args.rows
-    torch.cuda.set_device(0)
     src = torch.randint(-(2**30), 2**30, (n, W), dtype=torch.int32, device="cuda:0")
     dst = torch.zeros((n, W), dtype=torch.int32, device="cuda:1")
     dst.copy_(src)  # makes torch enable peer access between the two GPUs
+    torch.cuda.synchronize(0)
     torch.cuda.synchronize(1)
     nbytes = src.numel() * 4
     variants = []
@@ -223,22 +231,24 @@ def peer_probe(args) -> None:
         for tok, bw in ((16, 512), (32, 512), (8, 512), (32, 256)):
             variants.append((f"tile {tok}x{bw} w{warps}", copy_tile,
                              dict(TOK=tok, BW=bw), warps))  # fmt: skip
-    for cache in (".cg", ".cs", ".wt"):
-        for warps in (8, 16):
-            variants.append((f"tile 16x512 {cache} w{warps}", copy_tile,
-                             dict(TOK=16, BW=512, CACHE=cache), warps))  # fmt: skip
+    if not args.pull:
+        for cache in (".cg", ".cs", ".wt"):
+            for warps in (8, 16):
+                variants.append((f"tile 16x512 {cache} w{warps}", copy_tile,
+                                 dict(TOK=16, BW=512, CACHE=cache), warps))  # fmt: skip
     for warps in (8, 16, 32):
         for tok, bw in ((16, 512), (8, 512)):
             variants.append((f"tile {tok}x{bw} ahead 2 w{warps}", copy_tile,
                              dict(TOK=tok, BW=bw, AHEAD=2), warps))  # fmt: skip
-    for warps in (1, 4, 8):
-        for tok, bw in ((32, 256), (64, 128), (16, 256)):
-            for stages in (2, 4, 6):
-                variants.append((f"tma {tok}x{bw} s{stages} w{warps}", copy_tma,
-                                 dict(TOK=tok, BW=bw, STAGES=stages), warps))  # fmt: skip
+    if not args.pull:
+        for warps in (1, 4, 8):
+            for tok, bw in ((32, 256), (64, 128), (16, 256)):
+                for stages in (2, 4, 6):
+                    variants.append((f"tma {tok}x{bw} s{stages} w{warps}", copy_tma,
+                                     dict(TOK=tok, BW=bw, STAGES=stages), warps))  # fmt: skip
     variants = [v for v in variants if v[0].startswith(args.only)]
-    print(f"{n} rows x {W} words ({nbytes / 1e6:.1f} MB) from GPU 0 into GPU 1, "
-          f"{torch.cuda.get_device_name()}")  # fmt: skip
+    print(f"{n} rows x {W} words ({nbytes / 1e6:.1f} MB) from GPU 0 into GPU 1 by kernels on "
+          f"GPU {here}, {torch.cuda.get_device_name()}")  # fmt: skip
     # A copy between devices cannot be captured in a graph: events around eager copies.
     times = []
     for _ in range(20):
@@ -250,13 +260,13 @@ def peer_probe(args) -> None:
         times.append(start.elapsed_time(end) * 1e3)
     t = sorted(times)[len(times) // 2]
     print(f"torch copy_ to the peer: {t:.1f} us, {nbytes / t / 1e3:.0f} GB/s")
-    time_variants(variants, args.programs, src, dst)
+    time_variants(variants, args.programs, src, dst, pull=args.pull)
 
 
-def time_variants(variants, programs_list: str, src, dst) -> None:
+def time_variants(variants, programs_list: str, src, dst, pull: bool = False) -> None:
     """Time every variant (name, kernel, constexprs, warps) at each program count of
-    ``programs_list`` ("12,24"), copying ``src`` into ``dst`` (on this GPU or a peer), and
-    check the copy."""
+    ``programs_list`` ("12,24"), copying ``src`` into ``dst`` (on this GPU or a peer; with
+    ``pull``, ``src`` is the peer's and the kernels run beside ``dst``), and check the copy."""
     n, W = src.shape
     nbytes = src.numel() * 4
     for programs in (int(p) for p in programs_list.split(",")):
@@ -265,10 +275,12 @@ def time_variants(variants, programs_list: str, src, dst) -> None:
         for name, kernel, meta, warps in variants:
             dst.zero_()
             torch.cuda.synchronize(dst.device)
-            target = dst.data_ptr() if kernel in (copy_tile, copy_tma) else dst
+            target = dst.data_ptr() if kernel in (copy_tile, copy_tma) and not pull else dst
+            source = src.data_ptr() if pull else src
 
-            def launch(kernel=kernel, meta=meta, warps=warps, programs=programs, target=target):
-                kernel[(programs,)](src, target, n, W=W, **meta, num_warps=warps)
+            def launch(kernel=kernel, meta=meta, warps=warps, programs=programs, target=target,
+                       source=source):  # fmt: skip
+                kernel[(programs,)](source, target, n, W=W, **meta, num_warps=warps)
 
             try:
                 t = graph_median_us(launch, calls=20, replays=10)
