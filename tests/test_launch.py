@@ -89,3 +89,13 @@ def test_cli_stops_all_ranks_when_one_fails():
     assert proc.returncode == 3
     assert "rank 1 exited with code 3" in proc.stderr
     assert time.monotonic() - start < 100
+
+
+def test_cli_shows_where_a_rank_aborted():
+    # A rank killed by a signal leaves no Python traceback of its own: the launcher turns on
+    # the fault handler, so its stack comes with the exit code.
+    proc = _launch(SCRIPTS / "abort_on_rank1.py", 2, 120)
+    assert proc.returncode == 128 + 6, proc.stderr  # SIGABRT, as a shell reports it
+    assert "rank 1 exited with code -6" in proc.stderr
+    assert "Fatal Python error: Aborted" in proc.stderr
+    assert "expert_table_check" in proc.stderr

@@ -4,7 +4,9 @@ Three ways in, one set of environment variables (those ``torchrun`` sets, so cod
 this harness also runs under ``torchrun``):
 
 * ``python -m tritonep.launch -n 4 script.py [args]`` runs a script on 4 ranks; the script calls
-  :func:`init_distributed` (as it would under ``torchrun``);
+  :func:`init_distributed` (as it would under ``torchrun``). The first rank to fail stops the
+  others and sets the exit status (128 + N for a rank killed by signal N, whose stack the
+  fault handler prints);
 * :func:`spawn` runs ``fn(ctx, *args)`` on N ranks and returns every rank's result;
 * :class:`RankPool` keeps N ranks alive between calls, which is what the test fixture uses, so a
   test suite pays the process start-up and the rendezvous once.
@@ -335,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     procs = []
     for rank in range(opts.nproc):
         env = dict(os.environ, **_rank_env(rank, opts.nproc, port))
+        # A rank killed by a signal (an abort in native code) prints where each of its threads
+        # was, so the launcher's report of its exit code comes with the cause.
+        env.setdefault("PYTHONFAULTHANDLER", "1")
         if on_cpu:
             # Kernels run under the interpreter, which must be chosen before any is defined
             # (a script may import tritonep before calling init_distributed).
@@ -358,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
             running -= 1
             if returncode == 0:
                 continue
-            why, code = f"rank {rank} exited with code {returncode}", returncode
+            # A rank killed by signal N exits as a shell reports it, 128 + N (not N - 256).
+            why = f"rank {rank} exited with code {returncode}"
+            code = returncode if returncode > 0 else 128 - returncode
         print(f"tritonep.launch: {why}; stopping the other ranks", file=sys.stderr)
         for p in procs:
             if p.poll() is None:
