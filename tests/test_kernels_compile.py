@@ -17,6 +17,7 @@ import triton.language as tl
 
 from tritonep.kernels.nvshmem import _DEVICE_STATE
 from tritonep.kernels.transport import copy_bytes
+from tritonep.modes.normal import COMBINE_WARPS, DISPATCH_WARPS
 
 pytest.importorskip("triton.backends.nvidia")
 
@@ -256,6 +257,9 @@ NORMAL_COMBINE_META = dict(
     R_P2=4, K_P2=8, PROFILE=False, VIA=0, BOUNDS=False, AWAIT=False, PUBLISH=False, LOCAL=True,
     RELEASE_STEPS=1,
 )  # fmt: skip
+# As the normal mode launches them (4 ranks).
+DISPATCH_OPTIONS = {"num_warps": DISPATCH_WARPS}
+COMBINE_OPTIONS = {"num_warps": COMBINE_WARPS, "enable_fp_fusion": False}
 NOTIFY = {
     "in_rank_ptr": "*i8", "num_tokens": "i32", "per_expert_ptr": "*i32", "peer_ptrs": "*i64",
     "rank": "i32", "notify_offset": "i64", "stage_offset": "i64", "pe_ptr": "*i32",
@@ -272,20 +276,20 @@ NOTIFY_META = dict(
 for module, name, sig, meta, options in [
     ("normal_notify", "notify_kernel", NOTIFY, NOTIFY_META, {}),
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH, NORMAL_DISPATCH_META,
-     {"num_warps": 16}),
+     DISPATCH_OPTIONS),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE, NORMAL_COMBINE_META,
-     {"num_warps": 16, "enable_fp_fusion": False}),
+     COMBINE_OPTIONS),
     ("normal_notify", "notify_kernel", NOTIFY, {**NOTIFY_META, "PROFILE": True}, {}),
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
-     {**NORMAL_DISPATCH_META, "PROFILE": True}, {"num_warps": 16}),
+     {**NORMAL_DISPATCH_META, "PROFILE": True}, DISPATCH_OPTIONS),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
-     {**NORMAL_COMBINE_META, "PROFILE": True}, {"num_warps": 16, "enable_fp_fusion": False}),
+     {**NORMAL_COMBINE_META, "PROFILE": True}, COMBINE_OPTIONS),
     # The staged transport of the internode rail leg (copies from the mirror rings)
     ("normal_notify", "notify_kernel", NOTIFY, {**NOTIFY_META, "VIA": 1}, {}),
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
-     {**NORMAL_DISPATCH_META, "VIA": 1}, {"num_warps": 16}),
+     {**NORMAL_DISPATCH_META, "VIA": 1}, DISPATCH_OPTIONS),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
-     {**NORMAL_COMBINE_META, "VIA": 1}, {"num_warps": 16, "enable_fp_fusion": False}),
+     {**NORMAL_COMBINE_META, "VIA": 1}, COMBINE_OPTIONS),
     # The relay between the internode legs: the network leg flags the rows it writes (and
     # its notify carries the forwarding counts); the NVLink leg waits for them.
     ("normal_notify", "notify_kernel", NOTIFY,
@@ -294,23 +298,23 @@ for module, name, sig, meta, options in [
     ("normal_notify", "notify_kernel", NOTIFY, {**NOTIFY_META, "COUNTS_GIVEN": True}, {}),
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
      {**NORMAL_DISPATCH_META, "VIA": 1, "HAS_TAG": True, "PUBLISH": True},
-     {"num_warps": 16}),
+     DISPATCH_OPTIONS),
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
      {**NORMAL_DISPATCH_META, "HAS_TAG": True, "BOUNDS": True, "AWAIT": True,
-      "RANKS_FROM_IDS": True, "LOCAL": False}, {"num_warps": 16}),
+      "RANKS_FROM_IDS": True, "LOCAL": False}, DISPATCH_OPTIONS),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
      {**NORMAL_COMBINE_META, "BOUNDS": True, "PUBLISH": True, "LOCAL": False},
-     {"num_warps": 16, "enable_fp_fusion": False}),
+     COMBINE_OPTIONS),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
      {**NORMAL_COMBINE_META, "VIA": 1, "AWAIT": True, "ROWS": 4, "LOCAL": False},
-     {"num_warps": 16, "enable_fp_fusion": False}),
+     COMBINE_OPTIONS),
     # Senders that release their tails every few steps (SEND_RELEASE_STEPS)
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
-     {**NORMAL_DISPATCH_META, "RELEASE_STEPS": 2}, {"num_warps": 16}),
+     {**NORMAL_DISPATCH_META, "RELEASE_STEPS": 2}, DISPATCH_OPTIONS),
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
-     {**NORMAL_DISPATCH_META, "VIA": 1, "RELEASE_STEPS": 4, "LOCAL": False}, {"num_warps": 16}),
+     {**NORMAL_DISPATCH_META, "VIA": 1, "RELEASE_STEPS": 4, "LOCAL": False}, DISPATCH_OPTIONS),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
-     {**NORMAL_COMBINE_META, "RELEASE_STEPS": 2}, {"num_warps": 16, "enable_fp_fusion": False}),
+     {**NORMAL_COMBINE_META, "RELEASE_STEPS": 2}, COMBINE_OPTIONS),
 ]:  # fmt: skip
     KERNELS.append(
         (

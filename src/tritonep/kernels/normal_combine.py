@@ -217,12 +217,13 @@ def combine_send(
                 wp = p.to(tl.pointer_type(tl.float32))
                 tl.store(wp[:, None] + W + ks[None, :], wv, mask=m2)
             sent += take
+            pending = tl.sum(count - sent, 0)
             heads = tl.atomic_add(head_flag, 0, mask=sent < count, sem="acquire", scope="sys")
             tl.debug_barrier()
             # One system-scope release per RELEASE_STEPS steps and after the last rows: each
             # waits for the stores before it to reach the peers.
             unannounced += 1
-            if (unannounced >= RELEASE_STEPS) | (tl.sum(count - sent, 0) == 0):
+            if (unannounced >= RELEASE_STEPS) | (pending == 0):
                 put_rings(my_base, peer_base, ranks, ring_at, ring, announced, sent,
                           tail_offset + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
                           VIA)  # fmt: skip
@@ -244,7 +245,6 @@ def combine_send(
             spins += 1
             if PROFILE:
                 waited += read_clock(trace_ptr, USE_CLOCK) - t_w
-        pending = tl.sum(count - sent, 0)
     if pending > 0:
         if starved:
             record_timeout(status_ptr, -1, PHASE_COMBINE_RELAY, timeout_ns, channel)
