@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Every GPU check in one call: the GPU test suite, the demo, then the benchmarks, on N ranks.
 # Run from the repository root on a GPU machine:
-#   bash scripts/gpu_check.sh [N] [tests|tests-core|tests-layers|tests-a|-b|-c|-d|bench|tune|ab|soak|host|probe|quantize|all]
+#   bash scripts/gpu_check.sh [N] [tests|tests-core|tests-layers|tests-a|-b|-c|-d|tests-par|bench|tune|ab|soak|host|probe|quantize|all]
 # N defaults to every GPU of the machine. Logs and CSVs go to $OUT (when set) or ./out.
 # The whole suite compiles many kernel variants and does not fit one call of the 10-minute
 # device limit: on GPUs of their own, 2 ranks took more than 9 minutes for tests-core alone
-# (2x H100, 2026-11-25). Split it over tests-a to tests-d, and carry the compiled
+# (2x H100, 2026-11-25). Split it over tests-a to tests-d (tests-par runs the four at once,
+# sharing the CPUs for compiling), and carry the compiled
 # kernels from call to call: every call leaves Triton's cache in $OUT/00-triton-cache.tar.gz
 # (in parts 00-triton-cache.tar.gz.part00, part01, ... when larger than a file that a call
 # brings back); copy it to .triton-cache.tar.gz in the repository root, or the parts into
@@ -28,6 +29,14 @@ what=${2:-all}
 out=${OUT:-out}
 mkdir -p "$out"
 status=0
+limit() {
+  # A step's time limit, cut to what is left of the call (CALL_LIMIT_S, default 570 s, under
+  # the device's 10 minutes) less 25 s for packing, so that a call that runs long still packs
+  # its results instead of being killed with them.
+  local left=$(( ${CALL_LIMIT_S:-570} - SECONDS - 25 ))
+  [ "$left" -gt 1 ] || left=1
+  [ "$1" -lt "$left" ] && echo "$1" || echo "$left"
+}
 export TRITON_CACHE_DIR="$PWD/.triton-cache"
 mkdir -p "$TRITON_CACHE_DIR"
 if [ -f .triton-cache.tar.gz ]; then
@@ -40,6 +49,7 @@ pack() {
   # 00- names sort first among the files a call brings back.
   tar czf /tmp/00-results.tar.gz -C "$out" --exclude='00-*' . && mv /tmp/00-results.tar.gz "$out/"
   local cache="$out/00-triton-cache.tar.gz"
+  rm -f "$cache".part*  # parts of an earlier run in the same call would join the new ones
   tar czf "$cache" -C "$TRITON_CACHE_DIR" .
   if [ "$(stat -c %s "$cache")" -gt 16000000 ]; then
     # Over what a call brings back: keep what a cache hit reads (binaries, metadata, launchers).
@@ -57,22 +67,44 @@ pack() {
 trap pack EXIT
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
+# The suite in four parts (every file that starts ranks or touches a GPU is in one of them).
+TESTS_A="tests/test_heap.py tests/test_layout.py tests/test_normal.py tests/test_launch.py tests/test_launcher.py tests/test_torch_backend.py tests/test_validation.py"
+TESTS_B="tests/test_low_latency.py tests/test_api.py tests/test_trace.py tests/test_demo.py tests/test_fp8.py tests/test_shrink.py"
+TESTS_C="tests/test_layers.py tests/test_deep_ep.py tests/test_groups.py tests/test_examples.py"
+TESTS_D="tests/test_internode.py tests/test_reliability.py"
 case "$what" in
   tests-core) TESTS=${TESTS:-"tests/test_heap.py tests/test_layout.py tests/test_normal.py tests/test_low_latency.py tests/test_api.py tests/test_demo.py"}; what=tests ;;
   tests-layers) TESTS=${TESTS:-"tests/test_layers.py tests/test_deep_ep.py tests/test_groups.py tests/test_internode.py tests/test_trace.py tests/test_reliability.py"}; what=tests ;;
-  # The suite in four calls (every file that starts ranks or touches a GPU is in one of them).
-  tests-a) TESTS=${TESTS:-"tests/test_heap.py tests/test_layout.py tests/test_normal.py tests/test_launch.py tests/test_launcher.py tests/test_torch_backend.py tests/test_validation.py"}; what=tests ;;
-  tests-b) TESTS=${TESTS:-"tests/test_low_latency.py tests/test_api.py tests/test_trace.py tests/test_demo.py tests/test_fp8.py tests/test_shrink.py"}; what=tests ;;
-  tests-c) TESTS=${TESTS:-"tests/test_layers.py tests/test_deep_ep.py tests/test_groups.py tests/test_examples.py"}; what=tests ;;
-  tests-d) TESTS=${TESTS:-"tests/test_internode.py tests/test_reliability.py"}; what=tests ;;
+  tests-a) TESTS=${TESTS:-$TESTS_A}; what=tests ;;
+  tests-b) TESTS=${TESTS:-$TESTS_B}; what=tests ;;
+  tests-c) TESTS=${TESTS:-$TESTS_C}; what=tests ;;
+  tests-d) TESTS=${TESTS:-$TESTS_D}; what=tests ;;
 esac
-if [ "$what" = tests ] || [ "$what" = all ]; then
+pytest_cmd() {
   # --timeout (pytest-timeout, on the GPU image): a stuck test fails with its stacks instead of
   # eating the call's time limit.
-  timeout -s INT -k 30 "${TEST_LIMIT_S:-330}" python3 -m pytest -v -rfE --tb=short --durations=30 \
-    --timeout="${TEST_TIMEOUT_S:-200}" -p no:cacheprovider ${PYTEST_ARGS:-} \
-    ${TESTS:-tests} 2>&1 | tee "$out/gpu_tests.log" | grep -E "FAILED|ERROR|passed|failed|Interrupted" || status=1
-  [ -n "${SKIP_DEMO:-}" ] || timeout 60 python3 -m tritonep.demo --ranks "$ranks" 2>&1 | tee "$out/demo.log" | tail -3 || status=1
+  timeout -s INT -k 30 "$(limit "${TEST_LIMIT_S:-330}")" python3 -m pytest -v -rfE --tb=short \
+    --durations=30 --timeout="${TEST_TIMEOUT_S:-200}" -p no:cacheprovider ${PYTEST_ARGS:-} "$@"
+}
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  pytest_cmd ${TESTS:-tests} 2>&1 | tee "$out/gpu_tests.log" | grep -E "FAILED|ERROR|passed|failed|Interrupted" || status=1
+fi
+if [ "$what" = tests-par ]; then
+  # The four parts at once, on the same GPUs: compiling is most of a fresh machine's time and
+  # each part compiles its own kernels, so the parts share the CPUs instead of queueing. The
+  # ranks of different parts take turns on a GPU, so nothing here is a timing.
+  threads=$(( $(nproc) / (4 * ranks) ))
+  for part in A B C D; do
+    eval "files=\$TESTS_$part"
+    TRITONEP_RANK_THREADS=$(( threads > 0 ? threads : 1 )) pytest_cmd $files > "$out/gpu_tests-$part.log" 2>&1 &
+  done
+  wait
+  for part in A B C D; do
+    echo "== part $part"; grep -E "FAILED|ERROR|passed|failed|Interrupted" "$out/gpu_tests-$part.log" || status=1
+  done
+fi
+if [ "$what" = tests ] || [ "$what" = tests-par ] || [ "$what" = all ]; then
+  [ -n "${SKIP_DEMO:-}" ] || timeout "$(limit 60)" python3 -m tritonep.demo --ranks "$ranks" 2>&1 | tee "$out/demo.log" | tail -3 || status=1
 fi
 if [ "${TRITONEP_SHARED_GPU:-0}" != 0 ]; then
   case "$what" in
@@ -81,26 +113,27 @@ if [ "${TRITONEP_SHARED_GPU:-0}" != 0 ]; then
            exit 1 ;;
   esac
 fi
+bench_modes=" ${BENCH_MODES:-normal ll internode} "  # which benchmarks bench runs
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  timeout "${BENCH_LIMIT_S:-200}" python3 -m tritonep.bench normal --ranks "$ranks" \
+  [[ $bench_modes != *" normal "* ]] || timeout "$(limit "${BENCH_LIMIT_S:-200}")" python3 -m tritonep.bench normal --ranks "$ranks" \
     --tokens "${NORMAL_TOKENS:-4096}" --sms "${NORMAL_SMS:-24}" --chunk "${NORMAL_CHUNK:-16}" \
     --ring "${NORMAL_RING:-128}" --iters 20 --csv "$out/normal.csv" --plot "$out/normal.png" --trace "$out/trace-normal-{rank}.json" 2>&1 \
     | tee "$out/bench_normal.log" | grep -v -i warn | tail -12 || status=1
-  if [ "$ranks" -ge 2 ] && [ $((ranks % 2)) -eq 0 ]; then
-    timeout "${INTERNODE_LIMIT_S:-150}" python3 -m tritonep.bench internode --ranks "$ranks" \
+  [[ $bench_modes != *" ll "* ]] || timeout "$(limit "${LL_LIMIT_S:-150}")" python3 -m tritonep.bench low-latency --ranks "$ranks" --tokens "${LL_TOKENS:-128,1,32,256}" \
+    --iters 30 --csv "$out/ll.csv" --plot "$out/ll.png" --trace "$out/trace-ll-{rank}.json" 2>&1 | tee "$out/bench_ll.log" | grep -v -i warn | tail -8 || status=1
+  if [ "$ranks" -ge 2 ] && [ $((ranks % 2)) -eq 0 ] && [[ $bench_modes == *" internode "* ]]; then
+    timeout "$(limit "${INTERNODE_LIMIT_S:-150}")" python3 -m tritonep.bench internode --ranks "$ranks" \
       --gpus-per-node $((ranks / 2)) --tokens "${INTERNODE_TOKENS:-4096}" --iters 20 \
       --csv "$out/internode.csv" 2>&1 | tee "$out/bench_internode.log" | grep -v -i warn | tail -4 || status=1
     # The same with NVSHMEM puts on the network leg (the cluster's path, here over NVLink).
-    timeout "${INTERNODE_LIMIT_S:-150}" python3 -m tritonep.bench internode --ranks "$ranks" \
+    timeout "$(limit "${INTERNODE_LIMIT_S:-150}")" python3 -m tritonep.bench internode --ranks "$ranks" \
       --gpus-per-node $((ranks / 2)) --nvshmem --tokens "${INTERNODE_TOKENS:-4096}" --iters 20 \
       --csv "$out/internode_nvshmem.csv" 2>&1 | tee "$out/bench_internode_nvshmem.log" | grep -v -i warn | tail -4 || status=1
     # Low-latency across 2 emulated nodes: NVSHMEM puts to the other node, stores within.
-    timeout "${LL_INTERNODE_LIMIT_S:-120}" python3 -m tritonep.bench low-latency --ranks "$ranks" \
+    timeout "$(limit "${LL_INTERNODE_LIMIT_S:-120}")" python3 -m tritonep.bench low-latency --ranks "$ranks" \
       --gpus-per-node $((ranks / 2)) --nvshmem --tokens 128 --iters 30 \
       --csv "$out/ll_internode.csv" 2>&1 | tee "$out/bench_ll_internode.log" | grep -v -i warn | tail -4 || status=1
   fi
-  [ -n "${SKIP_LL:-}" ] || timeout "${LL_LIMIT_S:-150}" python3 -m tritonep.bench low-latency --ranks "$ranks" --tokens "${LL_TOKENS:-128,1,32,256}" \
-    --iters 30 --csv "$out/ll.csv" --plot "$out/ll.png" --trace "$out/trace-ll-{rank}.json" 2>&1 | tee "$out/bench_ll.log" | grep -v -i warn | tail -8 || status=1
   # Where the kernels spend their time, per phase (median and slowest program).
   for mode in normal ll; do
     ls "$out"/trace-$mode-*.json >/dev/null 2>&1 && python3 -m tritonep.bench trace-summary "$out"/trace-$mode-*.json
@@ -108,16 +141,16 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
 fi
 if [ "$what" = host ]; then
   # Host time of eager calls (one rank): where Python spends it, function by function.
-  timeout 300 python3 scripts/host_profile.py --tokens "${HOST_TOKENS:-512}" 2>&1 | tee "$out/host_profile.log" | grep "===" || status=1
+  timeout "$(limit 300)" python3 scripts/host_profile.py --tokens "${HOST_TOKENS:-512}" 2>&1 | tee "$out/host_profile.log" | grep "===" || status=1
 fi
 if [ "$what" = probe ]; then
   # How fast one program copies rows (formulations of the kernels' copy loop), one GPU.
-  timeout "${PROBE_LIMIT_S:-300}" python3 scripts/copy_probe.py --programs "${PROBE_PROGRAMS:-12}" ${PROBE_ARGS:-} 2>&1 \
+  timeout "$(limit "${PROBE_LIMIT_S:-300}")" python3 scripts/copy_probe.py --programs "${PROBE_PROGRAMS:-12}" ${PROBE_ARGS:-} 2>&1 \
     | tee "$out/copy_probe.log" | grep -v -i warn || status=1
 fi
 if [ "$what" = quantize ]; then
   # FP8 quantization of a batch of tokens (the normal mode's FP8 input): kernel vs reference.
-  timeout 300 python3 scripts/quantize_probe.py 2>&1 | tee "$out/quantize_probe.log" | grep -v -i warn || status=1
+  timeout "$(limit 300)" python3 scripts/quantize_probe.py 2>&1 | tee "$out/quantize_probe.log" | grep -v -i warn || status=1
 fi
 if [ "$what" = tune ]; then
   # Launch shapes of the normal mode side by side (tritonep.modes.normal.LAUNCH_CONSTANTS):
@@ -134,7 +167,7 @@ if [ "$what" = tune ]; then
     for setting in $variant; do
       case "$setting" in --*) flags="$flags $setting" ;; *) flags="$flags --launch $setting" ;; esac
     done
-    timeout "${TUNE_LIMIT_S:-120}" python3 -m tritonep.bench normal --ranks "$ranks" \
+    timeout "$(limit "${TUNE_LIMIT_S:-120}")" python3 -m tritonep.bench normal --ranks "$ranks" \
       --tokens "${NORMAL_TOKENS:-4096}" --iters 20 --quiet $flags --csv "$out/tune-$i.csv" 2>&1 \
       | grep -v -i warn | tail -3 || status=1
     i=$((i + 1))
@@ -158,7 +191,7 @@ if [ "$what" = ab ]; then
           label=$([ "$tree" = . ] && echo now || basename "$tree")
           [ ${#ab_variants[@]} -eq 1 ] || label="$label-v$v"
           [ "$mode" = low-latency ] || label="$label-$mode"
-          PYTHONPATH="$PWD/$tree/src" timeout "${AB_LIMIT_S:-150}" python3 -m tritonep.bench "$mode" \
+          PYTHONPATH="$PWD/$tree/src" timeout "$(limit "${AB_LIMIT_S:-150}")" python3 -m tritonep.bench "$mode" \
             --ranks "$ranks" --tokens "$tokens" --iters "${AB_ITERS:-50}" --quiet \
             ${AB_ARGS:-} $flags --csv "$out/ab-$label-$round.csv" 2>&1 | grep -v -i warn | tail -4 | sed "s/^/$label: /" || status=1
           v=$((v + 1))
@@ -171,7 +204,7 @@ if [ "$what" = soak ]; then
   # Compiling the soak's shapes takes minutes on a fresh machine: within one call's 10 minutes,
   # run one mode per call (SOAK_ARGS="--modes normal"), and continue a stopped run with
   # SOAK_ARGS="--seed C" SOAK_CALLS=$((10000 - C)) after call C.
-  timeout "${SOAK_LIMIT_S:-500}" python3 -m tritonep.soak --ranks "$ranks" --calls "${SOAK_CALLS:-10000}" ${SOAK_ARGS:-} \
+  timeout "$(limit "${SOAK_LIMIT_S:-500}")" python3 -m tritonep.soak --ranks "$ranks" --calls "${SOAK_CALLS:-10000}" ${SOAK_ARGS:-} \
     --check-every "${SOAK_CHECK_EVERY:-100}" 2>&1 | tee "$out/soak.log" | grep -v -i warn | tail -6 || status=1
 fi
 exit $status

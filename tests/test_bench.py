@@ -102,6 +102,12 @@ def test_plot(tmp_path):
         "tritonep dispatch", "tritonep combine", "torch dispatch", "torch combine",
         "dispatch (remote)", "dispatch (DeepEP accounting)",
     ]  # fmt: skip
+    # Graph timings get lines of their own; a column that CPU ranks leave NaN gets none.
+    timed = [dict(row, graph_dispatch_us=80.0 * row["tokens"], graph_combine_us=math.nan)
+             for row in rows]  # fmt: skip
+    labels = report.plot(timed, path)
+    assert "tritonep dispatch, CUDA graph" in labels
+    assert "tritonep combine, CUDA graph" not in labels
     # A sweep over top-k: a line per top-k, not one line zig-zagging between them.
     sweep = [dict(row, topk=k, tokens=row["tokens"] + k) for row in rows for k in (4, 8)]
     labels = report.plot(sweep, path)

@@ -39,6 +39,16 @@ def test_spawn_returns_results_by_rank():
     assert [r[:3] for r in results] == [(0, 3, 33.0), (1, 3, 33.0), (2, 3, 33.0)]
 
 
+def _threads(ctx):
+    return torch.get_num_threads()
+
+
+def test_ranks_take_the_host_threads_they_are_given(monkeypatch):
+    """``TRITONEP_RANK_THREADS`` caps each rank's host threads (runs sharing a machine)."""
+    monkeypatch.setenv("TRITONEP_RANK_THREADS", "3")  # no default on a 2-core machine
+    assert spawn(_threads, 2) == [3, 3]
+
+
 def test_pool_reports_the_failing_rank_and_recovers(run_ranks):
     with pytest.raises(RankFailure) as info:
         run_ranks(3, _raise_on_rank, 2, timeout=60)

@@ -166,3 +166,35 @@ def test_buffer_traces_both_modes_on_one_time_axis(run_ranks, tmp_path):
         # Calls appear in the order they were made.
         order = ["normal notify", "normal dispatch", "normal combine", "low-latency dispatch"]
         assert [first[k] for k in order] == sorted(first[k] for k in order)
+
+
+def _cleared_trace_body(ctx, tmp):
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    tokens, hidden, experts, topk = [5, 3][:R], 128, 2 * R, 2
+    case = make_case(8, tokens, hidden, experts, topk)
+    buffer = Buffer(device=dev, profile=True)
+    buffer.clear_trace()  # before any call: nothing to drop
+    x, idx, w = case.x[me].to(dev), case.topk_idx[me].to(dev), case.topk_weights[me].to(dev)
+    _, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, experts)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(
+        x, topk_idx=idx, topk_weights=w, num_tokens_per_expert=per_expert,
+        is_token_in_rank=in_rank,
+    )  # fmt: skip
+    buffer.combine(recv_x, handle)
+    buffer.check()
+    buffer.clear_trace()
+    buffer.dispatch(x, handle=handle)
+    path = buffer.dump_trace(f"{tmp}/cleared-{{rank}}.json")
+    buffer.destroy()
+    with open(path) as f:
+        return [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+
+
+def test_cleared_traces_keep_only_later_calls(run_ranks, tmp_path):
+    """What ``bench --trace`` relies on to drop its warm-up call: after ``clear_trace`` the
+    file holds the cached dispatch made since, and no earlier launch."""
+    for events in run_ranks(2, _cleared_trace_body, str(tmp_path)):
+        kernels = {e["args"]["kernel"] for e in events}
+        assert kernels == {"normal dispatch"}, kernels
+        # One call, numbered as the kernel's second (numbers keep counting across a clear).
+        assert {e["args"]["call"] for e in events} == {1}

@@ -17,10 +17,15 @@ routing replaces both by counts (:func:`measured_traffic`).
 
 The legs are pipelined (forwarders start while rows still arrive), so a call takes the slower
 leg's time plus a fixed cost (launches, the count exchange):
-``t = fixed + max(network_bytes / B_net, nvlink_bytes / B_nvl)``. On one host that emulates
-nodes, the "network" leg runs over the same NVLink, so the legs share it and their bytes add
-up instead (``shared_links=True``). ``python -m tritonep.costmodel`` prints predictions for 2 to
-32 nodes.
+``t = fixed + max(network_bytes / B_net, nvlink_bytes / B_nvl)``; ``*_serial_us`` is the bound
+for legs that do not overlap at all, ``fixed + network / B_net + nvlink / B_nvl``.
+
+On one host that emulates nodes (``shared_links=True``) both legs are the intranode kernels
+moving rows to one peer each (the rail leg to the same-index GPU of the other node, the node
+leg to the node's other GPU), and the legs were measured to add up (2 x 2 on 4x H200: each leg
+alone 359 + 525 us, both 886 us): ``t = fixed + (network + nvlink bytes) / B_leg`` with
+``B_leg`` the kernels' rate to one peer, measured apart from any internode run (2-rank
+intranode dispatch). ``python -m tritonep.costmodel`` prints predictions for 2 to 32 nodes.
 """
 
 from __future__ import annotations
@@ -38,11 +43,14 @@ class Links:
 
     Defaults: NVLink at the all-to-all ceiling measured on 4x H200 (370 GB/s remote per GPU),
     a 400 Gb/s NIC per GPU at 90% (45 GB/s), and 25 us of launches and count exchange.
+    ``emulated_leg_gbps``: on emulated nodes, the rate of a leg, the intranode kernels moving
+    rows to one peer (2-rank dispatch, remote bytes: 195-198 GB/s on 2x H100, 2026-11-25).
     """
 
     nvlink_gbps: float = 370.0
     network_gbps: float = 45.0
     fixed_us: float = 25.0
+    emulated_leg_gbps: float = 200.0
 
 
 def uniform_probabilities(num_experts: int, topk: int, num_nodes: int, gpus_per_node: int):
@@ -109,16 +117,19 @@ def predict(
     links: Links | None = None,
     shared_links: bool = False,
 ) -> dict:
-    """Predicted dispatch and combine times (us) and the bytes of each leg per GPU."""
+    """Predicted dispatch and combine times (us; ``*_serial_us``: legs one after the other)
+    and the bytes of each leg per GPU."""
     links = links or Links()
     out = {}
     for op, fp8 in (("dispatch", use_fp8), ("combine", False)):
         size = row_bytes(hidden, fp8)
         net_bytes, nvl_bytes = traffic.network_rows * size, traffic.nvlink_rows * size
-        t_net = net_bytes / (links.nvlink_gbps if shared_links else links.network_gbps) / 1e3
-        t_nvl = nvl_bytes / links.nvlink_gbps / 1e3
+        net_rate = links.emulated_leg_gbps if shared_links else links.network_gbps
+        nvl_rate = links.emulated_leg_gbps if shared_links else links.nvlink_gbps
+        t_net, t_nvl = net_bytes / net_rate / 1e3, nvl_bytes / nvl_rate / 1e3
         t = links.fixed_us + (t_net + t_nvl if shared_links else max(t_net, t_nvl))
         out[f"{op}_us"] = t
+        out[f"{op}_serial_us"] = links.fixed_us + t_net + t_nvl
         out[f"{op}_network_MB"] = net_bytes / 1e6
         out[f"{op}_nvlink_MB"] = nvl_bytes / 1e6
         # DeepEP's accounting: received rows (local rank included) x row bytes / time.
@@ -138,11 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nvlink-gbps", type=float, default=Links.nvlink_gbps)
     parser.add_argument("--network-gbps", type=float, default=Links.network_gbps)
     parser.add_argument("--fixed-us", type=float, default=Links.fixed_us)
+    parser.add_argument("--emulated-leg-gbps", type=float, default=Links.emulated_leg_gbps)
     parser.add_argument("--emulated", action="store_true", help="legs share NVLink (one host)")
     opts = parser.parse_args(argv)
-    links = Links(opts.nvlink_gbps, opts.network_gbps, opts.fixed_us)
-    cols = ["nodes", "dispatch_us", "dispatch_GBps", "combine_us", "combine_GBps",
-            "dispatch_network_MB", "dispatch_nvlink_MB"]  # fmt: skip
+    links = Links(opts.nvlink_gbps, opts.network_gbps, opts.fixed_us, opts.emulated_leg_gbps)
+    cols = ["nodes", "dispatch_us", "dispatch_serial_us", "dispatch_GBps", "combine_us",
+            "combine_GBps", "dispatch_network_MB", "dispatch_nvlink_MB"]  # fmt: skip
     print("  ".join(f"{c:>19}" for c in cols))
     for nodes in (int(v) for v in opts.nodes.split(",")):
         traffic = uniform_traffic(opts.tokens, opts.experts, opts.topk, nodes, opts.gpus_per_node)

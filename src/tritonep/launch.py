@@ -158,6 +158,10 @@ def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
 
 def _worker(rank, world_size, port, backend, collective_timeout_s, tasks, results):
     os.environ.update(_rank_env(rank, world_size, port))
+    if os.environ.get("TRITONEP_RANK_THREADS"):
+        # Host threads per rank: ranks of several runs on one machine each take every core
+        # for their reference computations otherwise, and spend their time switching.
+        torch.set_num_threads(int(os.environ["TRITONEP_RANK_THREADS"]))
     try:
         ctx = init_distributed(backend, collective_timeout_s)
     except BaseException:

@@ -805,6 +805,13 @@ class Buffer:
             raise RuntimeError("profile: construct the Buffer with profile=True and make a call")
         return str(recorder.dump(path.format(rank=self.rank)))
 
+    def clear_trace(self) -> None:
+        """Drop the kernel traces recorded so far (e.g. those of warm-up calls, whose
+        programs waited for peers still compiling the profiled kernels)."""
+        recorder = self._trace_recorder()
+        if recorder is not None:
+            recorder.clear()
+
     def _trace_recorder(self):
         """The recorder both modes share (one time axis), once a mode exists."""
         modes = [m for m in (self._normal, self._ll) if m is not None]

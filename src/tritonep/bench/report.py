@@ -136,6 +136,9 @@ def plot(rows: list[dict], path: str | Path, ceiling_gbps: float | None = None) 
     latency = [
         ("dispatch_us", "tritonep dispatch", "C0", "-"),
         ("combine_us", "tritonep combine", "C1", "-"),
+        # Device time (calls replayed from a CUDA graph): what decoding under graphs sees.
+        ("graph_dispatch_us", "tritonep dispatch, CUDA graph", "C0", "-."),
+        ("graph_combine_us", "tritonep combine, CUDA graph", "C1", "-."),
         ("torch_dispatch_us", "torch dispatch", "C0", ":"),
         ("torch_combine_us", "torch combine", "C1", ":"),
         ("deep_ep_dispatch_us", "DeepEP dispatch", "C0", "--"),
@@ -154,9 +157,10 @@ def plot(rows: list[dict], path: str | Path, ceiling_gbps: float | None = None) 
         tokens = [r["tokens"] for r in group]
         for axes, series in ((lat, latency), (bw, bandwidth)):
             for key, label, color, style in series:
-                if key in group[0]:
+                values = [r.get(key) for r in group]
+                if any(v is not None and v == v for v in values):  # not all missing or NaN
                     label = f"{label} ({tag})" if tag else label
-                    axes.plot(tokens, [r[key] for r in group], style, color=color,
+                    axes.plot(tokens, values, style, color=color,
                               marker=marker, label=label)  # fmt: skip
                     labels.append(label)
     lat.set_xscale("log", base=2)
