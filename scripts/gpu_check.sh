@@ -156,11 +156,11 @@ if [ "$what" = tune ]; then
   # Launch shapes of the normal mode side by side (tritonep.modes.normal.LAUNCH_CONSTANTS):
   # TUNE holds ';'-separated variants of space-separated NAME=VALUE (a setting that starts
   # with -- goes to the benchmark as it is, e.g. --chunk=32); the empty one is the default.
-  # One CSV per variant, rows labelled with their constants (and chunk). By default, what 2
-  # ranks could not settle for more: the combine on 8 warps (on 4 ranks the earlier shape, 8
-  # receiver tokens a step; on 2 add COMBINE_RECV_TILE=16384 for it), and the smaller tiles
-  # of the combine sender and the dispatch receiver (fewer spilled registers on 4 and 8 ranks).
-  IFS=";" read -ra variants <<< "${TUNE:-;COMBINE_WARPS=8;COMBINE_SEND_TILE=8192;RECV_TILE=4096}"
+  # One CSV per variant, rows labelled with their constants (and chunk). By default, what the
+  # first 4-rank run left open (BENCHMARKS.md, "First 4-GPU run"): its dispatch is bound by
+  # the receivers' copy (30 GB/s a program, 46 possible), so larger receiver steps (more bytes
+  # in flight, fewer flag rounds per row), alone and on 32 warps.
+  IFS=";" read -ra variants <<< "${TUNE:-;RECV_TILE=16384;STEP_ROWS=64 RECV_TILE=16384;DISPATCH_WARPS=32 RECV_TILE=16384}"
   i=0
   for variant in "${variants[@]}"; do
     flags=""

@@ -91,7 +91,7 @@ def combine_send(
     bounds_ptr,
     ready_ptr,
     H: tl.constexpr,
-    K: tl.constexpr,
+    K,  # top-k columns of the id and weight rows (a runtime value: one variant per K_P2)
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
     RING: tl.constexpr,
@@ -276,7 +276,7 @@ def combine_receive(
     ready_ptr,
     relay_call_ptr,
     H: tl.constexpr,
-    K: tl.constexpr,
+    K,  # top-k columns of the id and weight rows (a runtime value: one variant per K_P2)
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
     MAX_CHANNELS: tl.constexpr,  # channels the rings are allocated for
@@ -419,7 +419,7 @@ def combine_receive(
     return waited
 
 
-@triton.jit(do_not_specialize=["timeout_us"])
+@triton.jit(do_not_specialize=["timeout_us", "K"])
 def normal_combine_kernel(
     x_ptr,  # [M, H] bf16 rows to hand back, one per row received in dispatch
     weights_ptr,  # [M, K] float32 weights handed back with the rows (optional)
@@ -446,9 +446,9 @@ def normal_combine_kernel(
     # number of input rows the relay flags (the others are not read)
     ready_ptr,  # [rows] int32 per-row flags: awaited on the input (AWAIT), set on the output
     relay_call_ptr,  # int64 call counter of the launch that awaits the flags set here (PUBLISH)
+    K,  # top-k columns of the weight rows (not specialized: one variant per K_P2)
     trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE)
     H: tl.constexpr,
-    K: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
     MAX_CHANNELS: tl.constexpr,

@@ -148,7 +148,7 @@ def dispatch_send(
     ready_ptr,
     W: tl.constexpr,
     G: tl.constexpr,
-    K: tl.constexpr,
+    K,  # top-k columns of the id and weight rows (a runtime value: one variant per K_P2)
     E_LOCAL: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
@@ -366,7 +366,7 @@ def dispatch_receive(
     bounds_ptr,
     W: tl.constexpr,
     G: tl.constexpr,
-    K: tl.constexpr,
+    K,  # top-k columns of the id and weight rows (a runtime value: one variant per K_P2)
     E_LOCAL: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
@@ -563,7 +563,7 @@ def dispatch_receive(
     return waited
 
 
-@triton.jit(do_not_specialize=["timeout_us"])
+@triton.jit(do_not_specialize=["timeout_us", "K"])
 def normal_dispatch_kernel(
     x_ptr,  # [N, W] int32: the payload rows as words (BF16 or e4m3)
     scales_ptr,  # [N, G] float32 as int32 (FP8 input only)
@@ -594,10 +594,10 @@ def normal_dispatch_kernel(
     bounds_ptr,  # [C + 1] int32 first token of each channel (BOUNDS)
     ready_ptr,  # [rows] int32 per-row flags: awaited on the input (AWAIT), set on the output
     relay_call_ptr,  # int64 call counter of the launch that awaits the flags set here (PUBLISH)
+    K,  # top-k columns of the id and weight rows (not specialized: one variant per K_P2)
     trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE)
     W: tl.constexpr,  # payload words per token
     G: tl.constexpr,  # scale words per token (FP8)
-    K: tl.constexpr,
     E_LOCAL: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,

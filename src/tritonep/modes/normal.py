@@ -775,7 +775,7 @@ class NormalMode:
             bw = min(SEND_BW, _next_pow2(W))
             rows_per_source = max(1, STEP_ROWS // r_p2)
             return dict(
-                W=W, G=G, K=topk, E_LOCAL=E_local, NUM_RANKS=R, NUM_CHANNELS=C,
+                W=W, G=G, E_LOCAL=E_local, NUM_RANKS=R, NUM_CHANNELS=C,
                 MAX_CHANNELS=self.layout.max_channels, RING=config.nvl_recv_buffer_tokens,
                 RING_STRIDE=self.layout.ring_tokens, SLOT_BYTES=self.layout.dispatch_slot,
                 META_OFF=_align(W + G, 4), HAS_SCALES=use_fp8, HAS_TOPK=has_topk,
@@ -807,10 +807,10 @@ class NormalMode:
                 recv_src_idx, rows, self.status, self._timeout_us,
                 bounds if bounds is not None else handle.recv_count,
                 relay.flags if relay is not None else handle.recv_count,
-                relay.publish_to if publish else self.state,
+                relay.publish_to if publish else self.state, topk,
             ),
-            (config, G, topk, has_topk, has_weights, src_tag is not None, num_recv < 0,
-             bounds is not None, awaits, ranks_from_ids, publish),
+            (config, G, _next_pow2(max(topk, 2)), has_topk, has_weights, src_tag is not None,
+             num_recv < 0, bounds is not None, awaits, ranks_from_ids, publish),
             build_meta,
         )  # fmt: skip
         new_handle = NormalHandle(
@@ -886,7 +886,7 @@ class NormalMode:
             if awaits:  # reading a relay's rows (no tile in flight): half the rows, no spill
                 rows = max(1, rows // 2)
             return dict(
-                H=H, K=K, NUM_RANKS=R, NUM_CHANNELS=C, MAX_CHANNELS=self.layout.max_channels,
+                H=H, NUM_RANKS=R, NUM_CHANNELS=C, MAX_CHANNELS=self.layout.max_channels,
                 RING=config.nvl_recv_buffer_tokens,
                 RING_STRIDE=self.layout.ring_tokens, SLOT_BYTES=self.layout.combine_slot,
                 HAS_WEIGHTS=topk_weights is not None, NUM_BIAS=len(terms),
@@ -916,10 +916,10 @@ class NormalMode:
                 relay.limit if awaits else handle.bounds if handle.bounds is not None
                 else handle.recv_count,
                 relay.flags if relay is not None else handle.recv_count,
-                relay.publish_to if publish else self.state,
+                relay.publish_to if publish else self.state, K,
             ),
-            (config, H, K, topk_weights is not None, len(terms), handle.bounds is not None,
-             awaits, publish),
+            (config, H, _next_pow2(max(K, 2)), topk_weights is not None, len(terms),
+             handle.bounds is not None, awaits, publish),
             build_meta,
         )  # fmt: skip
         return out, out_weights
