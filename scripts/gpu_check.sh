@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check in one call: the GPU test suite, the demo, then the benchmarks, on N ranks.
 # Run from the repository root on a GPU machine:
-#   bash scripts/gpu_check.sh [N] [tests|tests-core|tests-layers|tests-a|-b|-c|-d|tests-par|bench|tune|ab|soak|host|probe|quantize|all]
+#   bash scripts/gpu_check.sh [N] [tests|tests-core|tests-layers|tests-a|-b|-c|-d|tests-par|bench|tune|ab|soak|soak-par|host|probe|quantize|all]
 # N defaults to every GPU of the machine. Logs and CSVs go to $OUT (when set) or ./out.
 # The whole suite compiles many kernel variants and does not fit one call of the 10-minute
 # device limit: on GPUs of their own, 2 ranks took more than 9 minutes for tests-core alone
@@ -198,6 +198,29 @@ if [ "$what" = ab ]; then
         done
       done
     done
+  done
+fi
+if [ "$what" = soak-par ]; then
+  # The soak's four modes at once, each its own run on all N ranks (2 nodes of N/2 for the
+  # internode modes), their kernels taking turns on the GPUs: compiling, most of a fresh
+  # machine's time, shares the CPUs. SOAK_SEED continues a stopped run (call C after seed S:
+  # SOAK_SEED=$((S + C))). One log per mode, soak-MODE.log.
+  threads=$(( $(nproc) / (4 * ranks) ))
+  for mode in ${SOAK_MODES:-normal low_latency internode low_latency_internode}; do
+    TRITONEP_RANK_THREADS=$(( threads > 0 ? threads : 1 )) timeout -s INT -k 20 \
+      "$(limit "${SOAK_LIMIT_S:-500}")" python3 -m tritonep.soak --ranks "$ranks" \
+      --gpus-per-node $(( ranks > 1 ? ranks / 2 : 1 )) --modes "$mode" \
+      --calls "${SOAK_CALLS:-10000}" --seed "${SOAK_SEED:-0}" --check-every "${SOAK_CHECK_EVERY:-100}" \
+      --progress "${SOAK_PROGRESS:-250}" --timeout 60 > "$out/soak-$mode.log" 2>&1 &
+  done
+  wait
+  for mode in ${SOAK_MODES:-normal low_latency internode low_latency_internode}; do
+    log="$out/soak-$mode.log"
+    echo "== $mode"; grep -v -i warn "$log" | grep -v "^ " | tail -3
+    if grep -q "every checked call matched" "$log"; then :
+    elif grep -q "KeyboardInterrupt" "$log" && ! grep -q -i "mismatch\|timed out\|RankFailure" "$log"; then
+      echo "(stopped by the time limit; continue with SOAK_SEED)"
+    else status=1; fi
   done
 fi
 if [ "$what" = soak ]; then
