@@ -234,8 +234,8 @@ NORMAL_DISPATCH = {
     "recv_start_ptr": "*i32", "host_info_ptr": "*i32", "out_x_ptr": "*i32",
     "out_scales_ptr": "*i32", "out_topk_idx_ptr": "*i64", "out_weights_ptr": "*fp32",
     "out_src_ptr": "*i32", "max_rows": "i32", "status_ptr": "*i32", "timeout_us": "i32",
-    "bounds_ptr": "*i32", "ready_ptr": "*i32", "relay_call_ptr": "*i64", "K": "i32",
-    "trace_ptr": "*i64",
+    "bounds_ptr": "*i32", "ready_ptr": "*i32", "relay_call_ptr": "*i64", "row_map_ptr": "*i32",
+    "K": "i32", "trace_ptr": "*i64",
 }  # fmt: skip
 NORMAL_DISPATCH_META = dict(
     W=1792, G=56, E_LOCAL=64, NUM_RANKS=4, NUM_CHANNELS=12, MAX_CHANNELS=16, RING=128,
@@ -250,7 +250,7 @@ NORMAL_COMBINE = {
     "bias0_ptr": "*bf16", "bias1_ptr": "*bf16", "recv_count_ptr": "*i32",
     "recv_start_ptr": "*i32", **FLAGS, "out_ptr": "*bf16", "out_weights_ptr": "*fp32",
     "status_ptr": "*i32", "timeout_us": "i32", "bounds_ptr": "*i32", "ready_ptr": "*i32",
-    "relay_call_ptr": "*i64", "K": "i32", "trace_ptr": "*i64",
+    "relay_call_ptr": "*i64", "row_map_ptr": "*i32", "K": "i32", "trace_ptr": "*i64",
 }  # fmt: skip
 NORMAL_COMBINE_META = dict(
     H=7168, NUM_RANKS=4, NUM_CHANNELS=12, MAX_CHANNELS=16, RING=128, RING_STRIDE=128,
@@ -303,8 +303,16 @@ for module, name, sig, meta, options in [
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
      {**NORMAL_DISPATCH_META, "HAS_TAG": True, "BOUNDS": True, "AWAIT": True,
       "RANKS_FROM_IDS": True, "LOCAL": False}, DISPATCH_OPTIONS),
+    # A cached NVLink leg writing rows at their final positions (ROW_MAP)
+    ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
+     {**NORMAL_DISPATCH_META, "HAS_TOPK": False, "HAS_WEIGHTS": False, "HAS_TAG": True,
+      "BOUNDS": True, "AWAIT": True, "LOCAL": False, "ROW_MAP": True}, DISPATCH_OPTIONS),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
      {**NORMAL_COMBINE_META, "BOUNDS": True, "PUBLISH": True, "LOCAL": False},
+     COMBINE_OPTIONS),
+    # The NVLink leg reading its input in the caller's order (ROW_MAP)
+    ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
+     {**NORMAL_COMBINE_META, "BOUNDS": True, "PUBLISH": True, "LOCAL": False, "ROW_MAP": True},
      COMBINE_OPTIONS),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
      {**NORMAL_COMBINE_META, "VIA": 1, "AWAIT": True, "ROWS": 4, "LOCAL": False},
