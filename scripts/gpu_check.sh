@@ -84,14 +84,16 @@ case "$what" in
   # took 290 s on 4x H200 with their kernels carried in (2026-11-26).
   tests-gpu) TESTS=${TESTS:-tests}; PYTEST_ARGS="-m gpu ${PYTEST_ARGS:-}"; what=tests ;;
 esac
+per_test=""
+# --timeout (pytest-timeout, on the GPU image): a stuck test fails with its stacks instead of
+# eating the call's time limit.
+python3 -c "import pytest_timeout" 2>/dev/null && per_test="--timeout=${TEST_TIMEOUT_S:-200}"
 pytest_cmd() {
-  # --timeout (pytest-timeout, on the GPU image): a stuck test fails with its stacks instead of
-  # eating the call's time limit.
   timeout -s INT -k 30 "$(limit "${TEST_LIMIT_S:-330}")" python3 -m pytest -v -rfE --tb=short \
-    --durations=30 --timeout="${TEST_TIMEOUT_S:-200}" -p no:cacheprovider ${PYTEST_ARGS:-} "$@"
+    --durations=30 $per_test -p no:cacheprovider ${PYTEST_ARGS:-} "$@"
 }
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  pytest_cmd ${TESTS:-tests} 2>&1 | tee "$out/gpu_tests.log" | grep -E "FAILED|ERROR|passed|failed|Interrupted" || status=1
+  pytest_cmd ${TESTS:-tests} 2>&1 | tee "$out/gpu_tests.log" | grep -E "FAILED|ERROR|passed|failed|skipped|Interrupted" || status=1
 fi
 if [ "$what" = tests-par ]; then
   # The four parts at once, on the same GPUs: compiling is most of a fresh machine's time and
@@ -104,7 +106,7 @@ if [ "$what" = tests-par ]; then
   done
   wait
   for part in A B C D; do
-    echo "== part $part"; grep -E "FAILED|ERROR|passed|failed|Interrupted" "$out/gpu_tests-$part.log" || status=1
+    echo "== part $part"; grep -E "FAILED|ERROR|passed|failed|skipped|Interrupted" "$out/gpu_tests-$part.log" || status=1
   done
 fi
 if [ "$what" = tests ] || [ "$what" = tests-par ] || [ "$what" = all ]; then
