@@ -118,11 +118,9 @@ def test_wait_statistics_cover_every_source_rank(run_ranks):
         assert all(v > 0 for v in combine_waits), combine_waits
 
 
-def _buffer_trace_body(ctx, tmp):
-    R, me, dev = ctx.world_size, ctx.rank, ctx.device
-    tokens, hidden, experts, topk = [5, 3, 0][:R], 128, 2 * R, 2
-    case = make_case(7, tokens, hidden, experts, topk)
-    buffer = Buffer(device=dev, profile=True)
+def _dispatch_and_combine(buffer, case, me, dev, experts):
+    """One normal-mode dispatch (layout first) and combine of rank ``me``'s part of ``case``;
+    returns its input rows, ids and the dispatch handle."""
     x, idx, w = case.x[me].to(dev), case.topk_idx[me].to(dev), case.topk_weights[me].to(dev)
     _, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, experts)
     recv_x, _, _, _, handle, _ = buffer.dispatch(
@@ -130,6 +128,15 @@ def _buffer_trace_body(ctx, tmp):
         is_token_in_rank=in_rank,
     )  # fmt: skip
     buffer.combine(recv_x, handle)
+    return x, idx, handle
+
+
+def _buffer_trace_body(ctx, tmp):
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    tokens, hidden, experts, topk = [5, 3, 0][:R], 128, 2 * R, 2
+    case = make_case(7, tokens, hidden, experts, topk)
+    buffer = Buffer(device=dev, profile=True)
+    x, idx, _ = _dispatch_and_combine(buffer, case, me, dev, experts)
     buffer.low_latency_dispatch(x, idx, max(tokens), experts)
     path = buffer.dump_trace(f"{tmp}/buffer-{{rank}}.json")
     buffer.destroy()
@@ -174,13 +181,7 @@ def _cleared_trace_body(ctx, tmp):
     case = make_case(8, tokens, hidden, experts, topk)
     buffer = Buffer(device=dev, profile=True)
     buffer.clear_trace()  # before any call: nothing to drop
-    x, idx, w = case.x[me].to(dev), case.topk_idx[me].to(dev), case.topk_weights[me].to(dev)
-    _, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, experts)
-    recv_x, _, _, _, handle, _ = buffer.dispatch(
-        x, topk_idx=idx, topk_weights=w, num_tokens_per_expert=per_expert,
-        is_token_in_rank=in_rank,
-    )  # fmt: skip
-    buffer.combine(recv_x, handle)
+    x, _, handle = _dispatch_and_combine(buffer, case, me, dev, experts)
     buffer.check()
     buffer.clear_trace()
     buffer.dispatch(x, handle=handle)
