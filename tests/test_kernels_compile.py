@@ -211,7 +211,7 @@ KERNELS.append(
             "in_rank_ptr": "*i8",
             "partial_ptr": "*i32",
             "arrivals_ptr": "*i32",
-            "K": "constexpr",
+            "K": "i32",
             "NUM_EXPERTS": "constexpr",
             "NUM_RANKS": "constexpr",
             "BLOCK_N": "constexpr",
@@ -220,7 +220,7 @@ KERNELS.append(
             "BINS": "constexpr",
             "P_P2": "constexpr",
         },
-        dict(K=8, NUM_EXPERTS=256, NUM_RANKS=4, BLOCK_N=64, K_P2=8, R_P2=4, BINS=256, P_P2=128),
+        dict(NUM_EXPERTS=256, NUM_RANKS=4, BLOCK_N=64, K_P2=8, R_P2=4, BINS=256, P_P2=128),
     )
 )
 
@@ -234,10 +234,11 @@ NORMAL_DISPATCH = {
     "recv_start_ptr": "*i32", "host_info_ptr": "*i32", "out_x_ptr": "*i32",
     "out_scales_ptr": "*i32", "out_topk_idx_ptr": "*i64", "out_weights_ptr": "*fp32",
     "out_src_ptr": "*i32", "max_rows": "i32", "status_ptr": "*i32", "timeout_us": "i32",
-    "bounds_ptr": "*i32", "ready_ptr": "*i32", "relay_call_ptr": "*i64", "trace_ptr": "*i64",
+    "bounds_ptr": "*i32", "ready_ptr": "*i32", "relay_call_ptr": "*i64", "row_map_ptr": "*i32",
+    "K": "i32", "trace_ptr": "*i64",
 }  # fmt: skip
 NORMAL_DISPATCH_META = dict(
-    W=1792, G=56, K=8, E_LOCAL=64, NUM_RANKS=4, NUM_CHANNELS=12, MAX_CHANNELS=16, RING=128,
+    W=1792, G=56, E_LOCAL=64, NUM_RANKS=4, NUM_CHANNELS=12, MAX_CHANNELS=16, RING=128,
     RING_STRIDE=128, SLOT_BYTES=14480, META_OFF=1848, HAS_SCALES=True, HAS_TOPK=True,
     HAS_WEIGHTS=True, HAS_TAG=False, PAD_ROWS=True, USE_CLOCK=True, TOK=8, ROWS=8, BW=512,
     RBW=256, R_P2=4, K_P2=8, G_P2=64, PROFILE=False, VIA=0, BOUNDS=False, AWAIT=False,
@@ -249,10 +250,10 @@ NORMAL_COMBINE = {
     "bias0_ptr": "*bf16", "bias1_ptr": "*bf16", "recv_count_ptr": "*i32",
     "recv_start_ptr": "*i32", **FLAGS, "out_ptr": "*bf16", "out_weights_ptr": "*fp32",
     "status_ptr": "*i32", "timeout_us": "i32", "bounds_ptr": "*i32", "ready_ptr": "*i32",
-    "relay_call_ptr": "*i64", "trace_ptr": "*i64",
+    "relay_call_ptr": "*i64", "row_map_ptr": "*i32", "K": "i32", "trace_ptr": "*i64",
 }  # fmt: skip
 NORMAL_COMBINE_META = dict(
-    H=7168, K=8, NUM_RANKS=4, NUM_CHANNELS=12, MAX_CHANNELS=16, RING=128, RING_STRIDE=128,
+    H=7168, NUM_RANKS=4, NUM_CHANNELS=12, MAX_CHANNELS=16, RING=128, RING_STRIDE=128,
     SLOT_BYTES=14368, HAS_WEIGHTS=True, NUM_BIAS=2, USE_CLOCK=True, TOK=8, ROWS=8, BW=512,
     R_P2=4, K_P2=8, PROFILE=False, VIA=0, BOUNDS=False, AWAIT=False, PUBLISH=False, LOCAL=True,
     RELEASE_STEPS=1,
@@ -302,8 +303,16 @@ for module, name, sig, meta, options in [
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
      {**NORMAL_DISPATCH_META, "HAS_TAG": True, "BOUNDS": True, "AWAIT": True,
       "RANKS_FROM_IDS": True, "LOCAL": False}, DISPATCH_OPTIONS),
+    # A cached NVLink leg writing rows at their final positions (ROW_MAP)
+    ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
+     {**NORMAL_DISPATCH_META, "HAS_TOPK": False, "HAS_WEIGHTS": False, "HAS_TAG": True,
+      "BOUNDS": True, "AWAIT": True, "LOCAL": False, "ROW_MAP": True}, DISPATCH_OPTIONS),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
      {**NORMAL_COMBINE_META, "BOUNDS": True, "PUBLISH": True, "LOCAL": False},
+     COMBINE_OPTIONS),
+    # The NVLink leg reading its input in the caller's order (ROW_MAP)
+    ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
+     {**NORMAL_COMBINE_META, "BOUNDS": True, "PUBLISH": True, "LOCAL": False, "ROW_MAP": True},
      COMBINE_OPTIONS),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
      {**NORMAL_COMBINE_META, "VIA": 1, "AWAIT": True, "ROWS": 4, "LOCAL": False},
@@ -581,6 +590,20 @@ def test_a_new_batch_size_compiles_nothing_in_low_latency_mode(name):
     variant, chosen by the host: ``ONE_TOKEN``)."""
     got = triton_specializations(f"{name}_kernel", "num_tokens", [0, 1, 16, 17, 128, 256])
     assert got == [["i32", None]] * 6
+
+
+@pytest.mark.parametrize(
+    "name", ["normal_dispatch_kernel", "normal_combine_kernel", "dispatch_layout_kernel"]
+)
+def test_top_k_compiles_one_variant_per_power_of_two(name):
+    """The normal mode takes top-k as a runtime value (its tiles are ``K_P2`` wide): top-k 5
+    to 8 share a variant, and top-k 1 is not a variant of its own. A soak or a test suite that
+    draws top-k at random then compiles three variants of each kernel instead of eight."""
+    got = triton_specializations(name, "K", [1, 2, 3, 5, 8, 16])
+    assert got == [["i32", None]] * 6
+    from tritonep.modes.normal import _next_pow2
+
+    assert {_next_pow2(max(k, 2)) for k in range(1, 9)} == {2, 4, 8}
 
 
 def test_limits_outside_the_int32_range_are_refused():

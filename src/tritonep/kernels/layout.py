@@ -16,7 +16,7 @@ import triton.language as tl
 from .launcher import launch
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K"])
 def dispatch_layout_kernel(
     topk_idx_ptr,  # [N, K] int64
     num_tokens,
@@ -25,7 +25,7 @@ def dispatch_layout_kernel(
     in_rank_ptr,  # [N, R] bool, written as int8
     partial_ptr,  # [P, BINS + R_P2] int32 workspace
     arrivals_ptr,  # [1] int32, zero between launches
-    K: tl.constexpr,
+    K,  # top-k columns (not specialized: one variant per K_P2)
     NUM_EXPERTS: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -124,9 +124,17 @@ def dispatch_layout(
     launch(
         dispatch_layout_kernel,
         (num_programs,),
-        (topk_idx, num_tokens, per_rank, per_expert, in_rank.view(torch.int8), partial, arrivals),
+        (
+            topk_idx,
+            num_tokens,
+            per_rank,
+            per_expert,
+            in_rank.view(torch.int8),
+            partial,
+            arrivals,
+            topk,
+        ),
         dict(
-            K=topk,
             NUM_EXPERTS=num_experts,
             NUM_RANKS=num_ranks,
             BLOCK_N=block_n,

@@ -54,11 +54,13 @@ COMBINE_ARRIVALS = tl.constexpr(5)
 
 @triton.jit
 def first_tile(x_words, start, sent, count, limit, steps, words, W: tl.constexpr,
-               R_P2: tl.constexpr, ROWS: tl.constexpr, ZEROS: tl.constexpr):  # fmt: skip
+               R_P2: tl.constexpr, ROWS: tl.constexpr, ZEROS: tl.constexpr, row_map_ptr,
+               ROW_MAP: tl.constexpr):  # fmt: skip
     """The first payload tile ``[R_P2 * ROWS, BW]`` of a sender step: for every source rank,
     the next rows it still wants (``start + sent`` on, at most ``ROWS``, fewer than
     ``count - sent`` read as nothing). Rows from ``limit`` on read as zeros (``ZEROS``) or as
-    row ``limit - 1`` (fewer registers)."""
+    row ``limit - 1`` (fewer registers). With ``ROW_MAP``, row ``r`` is read from input row
+    ``row_map[r]``."""
     i = steps[None, :]
     row = tl.reshape((start[:, None] + sent[:, None] + i).to(tl.int64), (R_P2 * ROWS,))
     want = tl.reshape(i < (count - sent)[:, None], (R_P2 * ROWS,))
@@ -66,6 +68,8 @@ def first_tile(x_words, start, sent, count, limit, steps, words, W: tl.constexpr
         want = want & (row < limit)
     else:
         row = tl.minimum(row, tl.maximum(limit - 1, 0))
+    if ROW_MAP:
+        row = tl.load(row_map_ptr + row, mask=want, other=0).to(tl.int64)
     at = x_words + row[:, None] * W + words[None, :]
     return tl.load(at, mask=want[:, None] & (words < W)[None, :], other=0)
 
@@ -91,7 +95,7 @@ def combine_send(
     bounds_ptr,
     ready_ptr,
     H: tl.constexpr,
-    K: tl.constexpr,
+    K,  # top-k columns of the id and weight rows (a runtime value: one variant per K_P2)
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
     RING: tl.constexpr,
@@ -107,6 +111,8 @@ def combine_send(
     AWAIT: tl.constexpr,
     LOCAL: tl.constexpr,
     RELEASE_STEPS: tl.constexpr,
+    row_map_ptr,
+    ROW_MAP: tl.constexpr,
     trace_ptr,
     PROFILE: tl.constexpr,
 ):
@@ -154,7 +160,8 @@ def combine_send(
     # a step costs about one memory latency.
     heads = tl.atomic_add(head_flag, 0, mask=sent < count, sem="acquire", scope="sys")
     if not AWAIT:
-        v = first_tile(x_words, start, sent, count, limit, steps, words, W, R_P2, ROWS, AWAIT)
+        v = first_tile(x_words, start, sent, count, limit, steps, words, W, R_P2, ROWS, AWAIT,
+                       row_map_ptr, ROW_MAP)  # fmt: skip
     starved = pending < 0  # waiting on the other leg's rows rather than on a peer
     waited = tl.zeros((), tl.int64)
     announced = sent  # rows up to here are announced by the tails
@@ -180,7 +187,7 @@ def combine_send(
             take = tl.minimum(take, ready)
             tl.debug_barrier()
             v = first_tile(x_words, start, sent, sent + take, limit, steps, words, W, R_P2,
-                           ROWS, AWAIT)  # fmt: skip
+                           ROWS, AWAIT, row_map_ptr, ROW_MAP)  # fmt: skip
         if tl.max(take, 0) > 0:
             i = steps[None, :]
             slot = ((sent[:, None] + i) % RING).to(tl.int64)
@@ -192,6 +199,8 @@ def combine_send(
                 held = live & (row < limit)
             else:
                 row = tl.minimum(row, tl.maximum(limit - 1, 0))
+            if ROW_MAP:  # the input in the caller's order (no scatter of every row before)
+                row = tl.load(row_map_ptr + row, mask=held, other=0).to(tl.int64)
             p = aligned_ptr(dst, tl.int32)
             rows = x_words + row[:, None] * W
             if HAS_WEIGHTS:
@@ -210,7 +219,7 @@ def combine_send(
                 tl.store(p[:, None] + w[None, :], v, mask=live[:, None] & (w < W)[None, :])
             else:
                 v_next = first_tile(x_words, start, sent + take, count, limit, steps, words, W,
-                                    R_P2, ROWS, AWAIT)  # fmt: skip
+                                    R_P2, ROWS, AWAIT, row_map_ptr, ROW_MAP)  # fmt: skip
                 tl.store(p[:, None] + w[None, :], v, mask=live[:, None] & (w < W)[None, :])
                 v = v_next
             if HAS_WEIGHTS:
@@ -276,7 +285,7 @@ def combine_receive(
     ready_ptr,
     relay_call_ptr,
     H: tl.constexpr,
-    K: tl.constexpr,
+    K,  # top-k columns of the id and weight rows (a runtime value: one variant per K_P2)
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
     MAX_CHANNELS: tl.constexpr,  # channels the rings are allocated for
@@ -419,7 +428,7 @@ def combine_receive(
     return waited
 
 
-@triton.jit(do_not_specialize=["timeout_us"])
+@triton.jit(do_not_specialize=["timeout_us", "K"])
 def normal_combine_kernel(
     x_ptr,  # [M, H] bf16 rows to hand back, one per row received in dispatch
     weights_ptr,  # [M, K] float32 weights handed back with the rows (optional)
@@ -446,9 +455,10 @@ def normal_combine_kernel(
     # number of input rows the relay flags (the others are not read)
     ready_ptr,  # [rows] int32 per-row flags: awaited on the input (AWAIT), set on the output
     relay_call_ptr,  # int64 call counter of the launch that awaits the flags set here (PUBLISH)
+    row_map_ptr,  # [M] int32 row of x that holds each received row (ROW_MAP)
+    K,  # top-k columns of the weight rows (not specialized: one variant per K_P2)
     trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE)
     H: tl.constexpr,
-    K: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
     MAX_CHANNELS: tl.constexpr,
@@ -470,7 +480,10 @@ def normal_combine_kernel(
     PUBLISH: tl.constexpr = False,  # flag each output token once summed
     LOCAL: tl.constexpr = True,  # receivers read this rank's own rows from x (off with AWAIT)
     RELEASE_STEPS: tl.constexpr = 1,  # sender steps per tail release
+    ROW_MAP: tl.constexpr = False,  # received row r is row row_map[r] of x (senders only)
 ):
+    # The receivers read own rows in the received order: a map is for relays (no LOCAL).
+    tl.static_assert(not (LOCAL and ROW_MAP))
     timeout_ns = limit_ns(timeout_us, status_ptr)
     pid = tl.program_id(0)
     call = tl.load(state_ptr + COMBINE_CALLS, volatile=True)
@@ -513,6 +526,8 @@ def normal_combine_kernel(
             AWAIT,
             LOCAL,
             RELEASE_STEPS,
+            row_map_ptr,
+            ROW_MAP,
             trace_ptr,
             PROFILE,
         )

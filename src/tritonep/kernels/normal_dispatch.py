@@ -148,7 +148,7 @@ def dispatch_send(
     ready_ptr,
     W: tl.constexpr,
     G: tl.constexpr,
-    K: tl.constexpr,
+    K,  # top-k columns of the id and weight rows (a runtime value: one variant per K_P2)
     E_LOCAL: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
@@ -366,7 +366,7 @@ def dispatch_receive(
     bounds_ptr,
     W: tl.constexpr,
     G: tl.constexpr,
-    K: tl.constexpr,
+    K,  # top-k columns of the id and weight rows (a runtime value: one variant per K_P2)
     E_LOCAL: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
@@ -390,6 +390,8 @@ def dispatch_receive(
     BOUNDS: tl.constexpr,
     PUBLISH: tl.constexpr,
     LOCAL: tl.constexpr,
+    row_map_ptr,
+    ROW_MAP: tl.constexpr,
     trace_ptr,
     PROFILE: tl.constexpr,
 ):
@@ -473,6 +475,11 @@ def dispatch_receive(
             live = tl.reshape(live, (R_P2 * ROWS,))
             mine = tl.reshape(own, (R_P2 * ROWS,))
             token = tl.reshape(token, (R_P2 * ROWS,)).to(tl.int64)
+            out = row  # where the row's payload goes; its record and flag stay at ``row``
+            if ROW_MAP:
+                # The caller's final order, written here instead of a gather of every row
+                # afterwards (the internode mode's (source rank, token) order).
+                out = tl.load(row_map_ptr + row, mask=live, other=0).to(tl.int64)
             p = aligned_ptr(src, tl.int32)[:, None]
             v = tl.load(p + words[None, :], mask=live[:, None] & (words < W)[None, :],
                         cache_modifier=".cg")  # fmt: skip
@@ -482,7 +489,7 @@ def dispatch_receive(
                 mn = live[:, None] & (wn < W)[None, :]
                 v_next = tl.load(p + wn[None, :], mask=mn, cache_modifier=".cg")
                 m2 = live[:, None] & (w < W)[None, :]
-                tl.store(out_x_ptr + row[:, None] * W + w[None, :], v, mask=m2)
+                tl.store(out_x_ptr + out[:, None] * W + w[None, :], v, mask=m2)
                 v = v_next
             if HAS_SCALES:
                 m2 = live[:, None] & gmask[None, :]
@@ -491,7 +498,7 @@ def dispatch_receive(
                     at = tl.where(mine, scales_addr + token * (G * 4), at)
                 p = aligned_ptr(at, tl.int32)
                 v = tl.load(p[:, None] + groups[None, :], mask=m2, cache_modifier=".cg")
-                tl.store(out_scales_ptr + row[:, None] * G + groups[None, :], v, mask=m2)
+                tl.store(out_scales_ptr + out[:, None] * G + groups[None, :], v, mask=m2)
             from_ring = live & ~mine
             record = aligned_ptr(src + META_OFF * 4, tl.int32)
             source = tl.load(record, mask=from_ring, cache_modifier=".cg")
@@ -563,7 +570,7 @@ def dispatch_receive(
     return waited
 
 
-@triton.jit(do_not_specialize=["timeout_us"])
+@triton.jit(do_not_specialize=["timeout_us", "K"])
 def normal_dispatch_kernel(
     x_ptr,  # [N, W] int32: the payload rows as words (BF16 or e4m3)
     scales_ptr,  # [N, G] float32 as int32 (FP8 input only)
@@ -594,10 +601,11 @@ def normal_dispatch_kernel(
     bounds_ptr,  # [C + 1] int32 first token of each channel (BOUNDS)
     ready_ptr,  # [rows] int32 per-row flags: awaited on the input (AWAIT), set on the output
     relay_call_ptr,  # int64 call counter of the launch that awaits the flags set here (PUBLISH)
+    row_map_ptr,  # [max_rows] int32 output position of each row (ROW_MAP)
+    K,  # top-k columns of the id and weight rows (not specialized: one variant per K_P2)
     trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE)
     W: tl.constexpr,  # payload words per token
     G: tl.constexpr,  # scale words per token (FP8)
-    K: tl.constexpr,
     E_LOCAL: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
@@ -627,6 +635,8 @@ def normal_dispatch_kernel(
     PUBLISH: tl.constexpr = False,  # flag each output row once written
     LOCAL: tl.constexpr = True,  # receivers copy this rank's own rows from the input
     RELEASE_STEPS: tl.constexpr = 1,  # sender steps per tail release
+    ROW_MAP: tl.constexpr = False,  # row i's payload (and scales) go to row_map[i]: a
+    # permutation that keeps the rows past the received ones (worst-case padding) together
 ):
     # Own rows are read by the receivers while the senders run: the input rows and their
     # destinations must be there before the launch, not written by it.
@@ -744,6 +754,8 @@ def normal_dispatch_kernel(
             BOUNDS,
             PUBLISH,
             LOCAL,
+            row_map_ptr,
+            ROW_MAP,
             trace_ptr,
             PROFILE,
         )

@@ -10,8 +10,11 @@ The GPUs of the group form nodes of ``gpus_per_node`` (a parameter, not a consta
    token's experts (the *node* leg: a ``NormalMode`` over the node's GPUs), with the token's
    origin (source node, token index) as each row's source tag.
 
-Receivers then order their rows by (source rank, source token) with one gather, so every
-output equals that of the single-node mode (and the reference) bit for bit. Combine walks
+Outputs are in (source rank, source token) order, so every output equals that of the
+single-node mode (and the reference) bit for bit: the first call orders the rows with one
+gather and keeps the order in the handle; cached calls have the NVLink leg's receivers write
+each row at its final position, and combine's senders read each row where the caller holds
+it (``row_map``), so no pass over every row precedes or follows the legs. Combine walks
 back: the node leg sums a token's rows of every GPU of the node in float32 (one BF16 row per
 node), and only that sum crosses the network, where the rail leg adds the nodes' sums.
 
@@ -78,6 +81,7 @@ class InternodeHandle:
         node: the NVLink leg's handle (rows here, per forwarder).
         tag: ``[M1]`` int32 source tag of each forwarded row (source node, token index).
         order: ``[M]`` int64, the node-leg row of each output row.
+        position: ``[M]`` int32, the output row of each node-leg row (``order`` inverted).
         recv_src_idx: ``[M]`` int32, each output row's token index on its source rank.
         recv_src_rank: ``[M]`` int32, each output row's source rank.
         num_tokens, hidden, num_experts: as in :class:`~tritonep.modes.normal.NormalHandle`.
@@ -87,6 +91,7 @@ class InternodeHandle:
     node: NormalHandle
     tag: torch.Tensor
     order: torch.Tensor
+    position: torch.Tensor
     recv_src_idx: torch.Tensor
     recv_src_rank: torch.Tensor
     num_tokens: int
@@ -263,11 +268,13 @@ class InternodeMode:
             with streams.producer():
                 calls = self._calls(self.node, DISPATCH_CALLS)
                 rail = self.rail.dispatch(x, handle=handle.rail, relay=Relay(flags, calls))
+            # The NVLink leg's receivers write each row at its final position: no gather of
+            # every row after both legs.
             node = self.node.dispatch(rail.recv_x, handle=handle.node, src_tag=handle.tag,
-                                      relay=Relay(flags, await_rows=True))  # fmt: skip
+                                      relay=Relay(flags, await_rows=True),
+                                      row_map=handle.position)  # fmt: skip
             streams.join(rail.recv_x, rail.handle.recv_src_idx)
-            recv_x = _rows(node.recv_x, handle.order)
-            return NormalDispatchOutput(recv_x, None, None, None, handle)
+            return NormalDispatchOutput(node.recv_x, None, None, None, handle)
 
         topk_idx = check_topk_idx("topk_idx", topk_idx, num_tokens, self.num_experts,
                                   self.device, self.check_ids)  # fmt: skip
@@ -333,8 +340,10 @@ class InternodeMode:
         token = torch.where(padding, -1, tags & ((1 << TOKEN_BITS) - 1))
         key = torch.where(padding, self.num_ranks << TOKEN_BITS, src_rank << TOKEN_BITS | token)
         order = torch.argsort(key, stable=True)
+        position = torch.empty(order.shape, dtype=torch.int32, device=self.device)
+        position[order] = torch.arange(order.shape[0], dtype=torch.int32, device=self.device)
         new_handle = InternodeHandle(
-            rail.handle, node.handle, rail.handle.recv_src_idx, order,
+            rail.handle, node.handle, rail.handle.recv_src_idx, order, position,
             token[order].to(torch.int32), src_rank[order].to(torch.int32), num_tokens,
             self.hidden, self.num_experts,
         )  # fmt: skip
@@ -361,21 +370,19 @@ class InternodeMode:
             raise TypeError(f"handle: expected an InternodeHandle, got {type(handle).__name__}")
         check_tensor("x", x, dtype=torch.bfloat16, shape=(handle.num_rows, handle.hidden),
                      device=self.device)  # fmt: skip
-        back = torch.empty_like(x)
-        back[handle.order] = x  # node-leg row order
-        weights = None
         if topk_weights is not None:
             check_tensor("topk_weights", topk_weights, dtype=torch.float32,
                          shape=(handle.num_rows, None), device=self.device)  # fmt: skip
-            weights = torch.empty_like(topk_weights)
-            weights[handle.order] = topk_weights
         streams = self._streams
         streams.fork()
         flags = self._flags("combine", handle.rail.num_rows)
         with streams.producer():
             calls = self._calls(self.rail, COMBINE_CALLS)
-            per_node, per_node_w = self.node.combine(back, handle.node, weights,
-                                                     relay=Relay(flags, calls))  # fmt: skip
+            # The NVLink leg's senders read each row where the caller holds it (its output
+            # order): no scatter of every row into the leg's order first.
+            per_node, per_node_w = self.node.combine(
+                x, handle.node, topk_weights, relay=Relay(flags, calls), row_map=handle.position
+            )  # fmt: skip
         relay = Relay(flags, await_rows=True, limit=handle.node.bounds)
         out = self.rail.combine(per_node, handle.rail, per_node_w, bias, relay=relay)
         streams.join(per_node, per_node_w)

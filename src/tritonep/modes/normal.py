@@ -645,6 +645,7 @@ class NormalMode:
         config: Config | None = None,
         src_tag: torch.Tensor | None = None,
         relay: Relay | None = None,
+        row_map: torch.Tensor | None = None,
     ) -> NormalDispatchOutput:
         """Send each token once to every rank that holds one of its experts.
 
@@ -674,6 +675,11 @@ class NormalMode:
             relay: per-row flags shared with another launch on this GPU: the senders wait
                 for each token's flag (``await_rows``), or the receivers flag each row they
                 write (``publish_to``).
+            row_map: optional ``[rows]`` int32, in cached mode only: where each received
+                row's payload (and scales) goes in ``recv_x``, a permutation of the rows that
+                keeps the rows past the received ones together (the internode mode's final
+                order, written in place instead of gathered afterwards). The returned
+                handle's ``recv_src_idx`` keeps the unmapped order.
         Returns:
             a :class:`NormalDispatchOutput`.
         """
@@ -702,6 +708,11 @@ class NormalMode:
                 raise ValueError("topk_idx: required with a handle from notify(send_counts=...)")
             if handle.recv_src_idx is not None:  # cached mode: the ids stay (as DeepEP's)
                 topk_idx = topk_weights = None
+        if row_map is not None:
+            if handle is None or handle.recv_src_idx is None:
+                raise ValueError("row_map: only in cached mode (the handle of a dispatch)")
+            check_tensor("row_map", row_map, dtype=torch.int32, shape=(handle.num_rows,),
+                         device=self.device)  # fmt: skip
         has_topk = topk_idx is not None
         if has_topk:
             topk_idx = check_topk_idx(
@@ -775,7 +786,7 @@ class NormalMode:
             bw = min(SEND_BW, _next_pow2(W))
             rows_per_source = max(1, STEP_ROWS // r_p2)
             return dict(
-                W=W, G=G, K=topk, E_LOCAL=E_local, NUM_RANKS=R, NUM_CHANNELS=C,
+                W=W, G=G, E_LOCAL=E_local, NUM_RANKS=R, NUM_CHANNELS=C,
                 MAX_CHANNELS=self.layout.max_channels, RING=config.nvl_recv_buffer_tokens,
                 RING_STRIDE=self.layout.ring_tokens, SLOT_BYTES=self.layout.dispatch_slot,
                 META_OFF=_align(W + G, 4), HAS_SCALES=use_fp8, HAS_TOPK=has_topk,
@@ -788,7 +799,7 @@ class NormalMode:
                 PUBLISH=publish, RELEASE_STEPS=SEND_RELEASE_STEPS, num_warps=warps,
                 # Own rows straight from the input, where it is complete before the launch
                 # (not in a relay leg that awaits its rows or learns their destinations).
-                LOCAL=not (awaits or ranks_from_ids),
+                LOCAL=not (awaits or ranks_from_ids), ROW_MAP=row_map is not None,
             )  # fmt: skip
 
         self._launch(
@@ -808,9 +819,11 @@ class NormalMode:
                 bounds if bounds is not None else handle.recv_count,
                 relay.flags if relay is not None else handle.recv_count,
                 relay.publish_to if publish else self.state,
+                row_map if row_map is not None else handle.recv_count, topk,
             ),
-            (config, G, topk, has_topk, has_weights, src_tag is not None, num_recv < 0,
-             bounds is not None, awaits, ranks_from_ids, publish),
+            (config, G, _next_pow2(max(topk, 2)), has_topk, has_weights, src_tag is not None,
+             num_recv < 0, bounds is not None, awaits, ranks_from_ids, publish,
+             row_map is not None),
             build_meta,
         )  # fmt: skip
         new_handle = NormalHandle(
@@ -829,6 +842,7 @@ class NormalMode:
         topk_weights: torch.Tensor | None = None,
         bias: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
         relay: Relay | None = None,
+        row_map: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hand every received row back and sum, per source token, the rows of all ranks.
 
@@ -841,6 +855,9 @@ class NormalMode:
             relay: per-row flags shared with another launch on this GPU: the senders wait
                 for each row's flag (``await_rows``), or the receivers flag each token they
                 sum (``publish_to``).
+            row_map: optional ``[M]`` int32, with a ``relay`` only: the row of ``x`` (and of
+                ``topk_weights``) that holds each received row, ``x`` being in the caller's
+                order (the internode mode's; read in place instead of scattered first).
         Returns:
             ``(combined_x [N, H] BF16, combined_topk_weights [N, K] float32 or None)``.
         """
@@ -857,6 +874,10 @@ class NormalMode:
             K = topk_weights.shape[1]
             if not 1 <= K <= self.max_topk:
                 raise ValueError(f"topk_weights: top-k {K} outside [1, {self.max_topk}]")
+        if row_map is not None:
+            if relay is None:  # own rows are read by the receivers, in the received order
+                raise ValueError("row_map: only with a relay (the legs of the internode mode)")
+            check_tensor("row_map", row_map, dtype=torch.int32, shape=(M,), device=self.device)
         terms = () if bias is None else bias if isinstance(bias, tuple) else (bias,)
         if len(terms) > 2:
             raise ValueError(f"bias: at most two tensors, got {len(terms)}")
@@ -886,7 +907,7 @@ class NormalMode:
             if awaits:  # reading a relay's rows (no tile in flight): half the rows, no spill
                 rows = max(1, rows // 2)
             return dict(
-                H=H, K=K, NUM_RANKS=R, NUM_CHANNELS=C, MAX_CHANNELS=self.layout.max_channels,
+                H=H, NUM_RANKS=R, NUM_CHANNELS=C, MAX_CHANNELS=self.layout.max_channels,
                 RING=config.nvl_recv_buffer_tokens,
                 RING_STRIDE=self.layout.ring_tokens, SLOT_BYTES=self.layout.combine_slot,
                 HAS_WEIGHTS=topk_weights is not None, NUM_BIAS=len(terms),
@@ -896,6 +917,7 @@ class NormalMode:
                 BOUNDS=handle.bounds is not None, AWAIT=awaits, PUBLISH=publish,
                 # A relay's own rows go through the ring (not timed on GPUs without it).
                 LOCAL=relay is None, RELEASE_STEPS=SEND_RELEASE_STEPS,
+                ROW_MAP=row_map is not None,
                 # Sums round as in the reference (no fused multiply-add).
                 enable_fp_fusion=False,
             )  # fmt: skip
@@ -917,9 +939,10 @@ class NormalMode:
                 else handle.recv_count,
                 relay.flags if relay is not None else handle.recv_count,
                 relay.publish_to if publish else self.state,
+                row_map if row_map is not None else handle.recv_count, K,
             ),
-            (config, H, K, topk_weights is not None, len(terms), handle.bounds is not None,
-             awaits, publish),
+            (config, H, _next_pow2(max(K, 2)), topk_weights is not None, len(terms),
+             handle.bounds is not None, awaits, publish, row_map is not None),
             build_meta,
         )  # fmt: skip
         return out, out_weights
