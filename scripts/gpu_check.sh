@@ -168,7 +168,8 @@ if [ "$what" = tune ]; then
   # One CSV per variant, rows labelled with their constants (and chunk). By default, what the
   # first 4-rank run left open (BENCHMARKS.md, "First 4-GPU run"): its dispatch is bound by
   # the receivers' copy (30 GB/s a program, 46 possible), so larger receiver steps (more bytes
-  # in flight, fewer flag rounds per row), alone and on 32 warps.
+  # in flight, fewer flag rounds per row), alone and on 32 warps. Answered on 4x H200
+  # (2026-11-26, BENCHMARKS.md): no gain; the receivers' time is their copy.
   IFS=";" read -ra variants <<< "${TUNE:-;RECV_TILE=16384;STEP_ROWS=64 RECV_TILE=16384;DISPATCH_WARPS=32 RECV_TILE=16384}"
   i=0
   for variant in "${variants[@]}"; do
