@@ -229,7 +229,7 @@ if [ "$what" = soak-par ]; then
     echo "== $mode"; grep -v -i warn "$log" | grep -v "^ " | tail -3
     if grep -q "every checked call matched" "$log"; then :
     elif grep -q "KeyboardInterrupt" "$log" && ! grep -q -i "mismatch\|timed out\|RankFailure" "$log"; then
-      echo "(stopped by the time limit; continue with SOAK_SEED)"
+      echo "(stopped by the time limit; SOAK_SEED=the seed its last progress line names continues it)"
     else status=1; fi
   done
 fi

@@ -433,10 +433,16 @@ def test_soak_checks_every_call_on_cpu_ranks(capfd):
 
     skip_unless_ranks_fit(3)
 
-    assert main(["--ranks", "3", "--calls", "20", "--check-every", "1", "--seed", "77"]) == 0
+    args = ["--ranks", "3", "--calls", "20", "--check-every", "1", "--seed", "77",
+            "--progress", "10", "--progress-s", "1e9"]  # fmt: skip
+    assert main(args) == 0
     out = capfd.readouterr().out
     assert "'normal': {'calls': 20, 'checked': 20" in out
     assert "'low_latency': {'calls': 20, 'checked': 20" in out
+    # Progress says where a stopped run continues: seeds done, checks, the next seed.
+    assert "normal: 10/20 calls (seeds 77-86, 10 checked, all matched)" in out
+    assert "low_latency: 20/20 calls (seeds 77-96, 20 checked, all matched)" in out
+    assert "continue with --seed 87" in out
 
 
 # -------------------------------------------------------------------------- on GPUs only

@@ -110,13 +110,21 @@ def _rank_main(ctx, opts):
                                   )  # fmt: skip
             step = _low_latency_call
         start, checks = time.monotonic(), 0
+        last = start
         for call in range(opts.calls):
             check = call % opts.check_every == 0 or call == opts.calls - 1
             step(ctx, mode, opts.seed + call, opts, check)
             checks += check
-            if ctx.rank == 0 and opts.progress and (call + 1) % opts.progress == 0:
-                print(f"{name}: {call + 1}/{opts.calls} calls, "
-                      f"{time.monotonic() - start:.0f} s", flush=True)  # fmt: skip
+            now = time.monotonic()
+            # Every N calls, and at least every --progress-s seconds: a run stopped from outside
+            # (a device's time limit) then still says exactly where to continue.
+            due = opts.progress and (call + 1) % opts.progress == 0
+            if ctx.rank == 0 and (due or now - last >= opts.progress_s):
+                last = now
+                print(f"{name}: {call + 1}/{opts.calls} calls (seeds {opts.seed}-"
+                      f"{opts.seed + call}, {checks} checked, all matched), "
+                      f"{now - start:.0f} s; continue with --seed {opts.seed + call + 1}",
+                      flush=True)  # fmt: skip
         mode.destroy()  # raises if any wait timed out
         report[name] = {"calls": opts.calls, "checked": checks,
                         "seconds": round(time.monotonic() - start, 1)}  # fmt: skip
@@ -141,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=60.0, help="kernel wait limit, s")
     parser.add_argument("--progress", type=int, default=1000, help="print every N calls")
+    parser.add_argument("--progress-s", type=float, default=60.0,
+                        help="and at least every this many seconds")  # fmt: skip
     opts = parser.parse_args(argv)
     on_gpu = gpus_suffice(opts.ranks)
     opts.modes = opts.modes.split(",")
