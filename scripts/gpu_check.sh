@@ -82,9 +82,9 @@ case "$what" in
   tests-b) TESTS=${TESTS:-$TESTS_B}; what=tests ;;
   tests-c) TESTS=${TESTS:-$TESTS_C}; what=tests ;;
   tests-d) TESTS=${TESTS:-$TESTS_D}; what=tests ;;
-  # The 50 tests that need GPUs (marked gpu: the large shapes, graphs, NVSHMEM legs, a GPU
-  # per rank), one after another; the rest of the suite also runs on CPU ranks. 28 of them
-  # took 290 s on 4x H200 with their kernels carried in (2026-11-26).
+  # The tests that need GPUs (marked gpu: the large shapes, graphs, NVSHMEM legs, a GPU per
+  # rank), one after another; the rest of the suite also runs on CPU ranks. 50 of them took
+  # 463 s on 4x H200 with most kernels compiling (2026-11-26).
   tests-gpu) TESTS=${TESTS:-tests}; PYTEST_ARGS="-m gpu ${PYTEST_ARGS:-}"; what=tests ;;
 esac
 per_test=""
@@ -168,9 +168,10 @@ if [ "$what" = tune ]; then
   # One CSV per variant, rows labelled with their constants (and chunk). By default, what the
   # first 4-rank run left open (BENCHMARKS.md, "First 4-GPU run"): its dispatch is bound by
   # the receivers' copy (30 GB/s a program, 46 possible), so larger receiver steps (more bytes
-  # in flight, fewer flag rounds per row), alone and on 32 warps. Answered on 4x H200
-  # (2026-11-26, BENCHMARKS.md): no gain; the receivers' time is their copy.
-  IFS=";" read -ra variants <<< "${TUNE:-;RECV_TILE=16384;STEP_ROWS=64 RECV_TILE=16384;DISPATCH_WARPS=32 RECV_TILE=16384}"
+  # in flight, fewer flag rounds per row): no gain on 4x H200 (2026-11-26, BENCHMARKS.md),
+  # the receivers' time is their copy. So now: the senders take a share of the own rows
+  # that the receivers copy (OWN_SHARE sixteenths; predicted best near 5).
+  IFS=";" read -ra variants <<< "${TUNE:-;OWN_SHARE=3;OWN_SHARE=5;OWN_SHARE=8}"
   i=0
   for variant in "${variants[@]}"; do
     flags=""
