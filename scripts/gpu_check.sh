@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check in one call: the GPU test suite, the demo, then the benchmarks, on N ranks.
 # Run from the repository root on a GPU machine:
-#   bash scripts/gpu_check.sh [N] [tests|tests-core|tests-layers|tests-a|-b|-c|-d|tests-par|tests-gpu|bench|tune|ab|soak|soak-par|host|probe|quantize|all]
+#   bash scripts/gpu_check.sh [N] [tests|tests-core|tests-layers|tests-a|-b|-c|-d|tests-par|tests-gpu|tests-soak|bench|tune|ab|soak|soak-par|host|probe|quantize|all]
 # N defaults to every GPU of the machine. Logs and CSVs go to $OUT (when set) or ./out.
 # The whole suite compiles many kernel variants and does not fit one call of the 10-minute
 # device limit: on GPUs of their own, 2 ranks took more than 9 minutes for tests-core alone
@@ -211,11 +211,19 @@ if [ "$what" = ab ]; then
     done
   done
 fi
+if [ "$what" = tests-soak ]; then
+  # The GPU tests (tests-gpu) and the soaks (soak-par) at once on the same GPUs, as one
+  # 4-GPU call ran them on 2026-11-26 (50 tests in 463 s beside a 10 000-call normal soak):
+  # compiling shares the CPUs, nothing here is a timing. Logs gpu_tests.log, soak-MODE.log.
+  TRITONEP_RANK_THREADS=${TEST_THREADS:-2} pytest_cmd -m gpu tests > "$out/gpu_tests.log" 2>&1 &
+  tests_pid=$!
+  what=soak-par
+fi
 if [ "$what" = soak-par ]; then
   # The soak's four modes at once, each its own run on all N ranks (2 nodes of N/2 for the
   # internode modes), their kernels taking turns on the GPUs: compiling, most of a fresh
-  # machine's time, shares the CPUs. SOAK_SEED continues a stopped run (call C after seed S:
-  # SOAK_SEED=$((S + C))). One log per mode, soak-MODE.log.
+  # machine's time, shares the CPUs. SOAK_SEED continues a stopped run (its progress lines
+  # name the seed to continue from). One log per mode, soak-MODE.log.
   threads=$(( $(nproc) / (4 * ranks) ))
   for mode in ${SOAK_MODES:-normal low_latency internode low_latency_internode}; do
     TRITONEP_RANK_THREADS=$(( threads > 0 ? threads : 1 )) timeout -s INT -k 20 \
@@ -225,6 +233,9 @@ if [ "$what" = soak-par ]; then
       --progress "${SOAK_PROGRESS:-250}" --timeout 60 > "$out/soak-$mode.log" 2>&1 &
   done
   wait
+  if [ -n "${tests_pid:-}" ]; then
+    echo "== GPU tests"; grep -E "FAILED|ERROR|passed|failed|skipped|Interrupted" "$out/gpu_tests.log" || status=1
+  fi
   for mode in ${SOAK_MODES:-normal low_latency internode low_latency_internode}; do
     log="$out/soak-$mode.log"
     echo "== $mode"; grep -v -i warn "$log" | grep -v "^ " | tail -3

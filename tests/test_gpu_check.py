@@ -17,16 +17,26 @@ def test_script_parses():
 
 
 @pytest.mark.skipif(os.environ.get("TRITONEP_SHARED_GPU") == "1", reason="CPU ranks only")
-def test_soak_par_runs_on_cpu_ranks_and_packs_its_logs(tmp_path):
+@pytest.mark.parametrize(
+    "part, modes", [("soak-par", ("normal", "low_latency")), ("tests-soak", ("low_latency",))]
+)
+def test_soak_parts_run_on_cpu_ranks_and_pack_their_logs(tmp_path, part, modes):
+    """soak-par, and tests-soak (the GPU tests beside it: all skipped on CPU ranks)."""
     env = dict(os.environ, OUT=str(tmp_path), SOAK_CALLS="2", SOAK_CHECK_EVERY="1",
-               SOAK_MODES="normal low_latency")  # fmt: skip
+               SOAK_MODES=" ".join(modes), PACK_CACHE="0")  # fmt: skip
     env.pop("TRITON_INTERPRET", None)  # the soak sets up its own ranks
-    proc = subprocess.run(["bash", str(SCRIPT), "2", "soak-par"], cwd=ROOT, env=env,
+    proc = subprocess.run(["bash", str(SCRIPT), "2", part], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for mode in ("normal", "low_latency"):
+    logs = {f"./soak-{mode}.log" for mode in modes}
+    for mode in modes:
         log = (tmp_path / f"soak-{mode}.log").read_text()
         assert "every checked call matched the reference" in log, log[-2000:]
         assert f"'{mode}': {{'calls': 2, 'checked': 2" in log, log[-2000:]
+    if part == "tests-soak":
+        log = (tmp_path / "gpu_tests.log").read_text()
+        assert " skipped" in log and " failed" not in log, log[-2000:]
+        assert "== GPU tests" in proc.stdout, proc.stdout[-2000:]
+        logs.add("./gpu_tests.log")
     with tarfile.open(tmp_path / "00-results.tar.gz") as results:
-        assert {"./soak-normal.log", "./soak-low_latency.log"} <= set(results.getnames())
+        assert logs <= set(results.getnames())
