@@ -91,12 +91,15 @@ per_test=""
 # --timeout (pytest-timeout, on the GPU image): a stuck test fails with its stacks instead of
 # eating the call's time limit.
 python3 -c "import pytest_timeout" 2>/dev/null && per_test="--timeout=${TEST_TIMEOUT_S:-200}"
+outcome() {  # a pytest log's verdict lines; fails when it has none
+  grep -E "FAILED|ERROR|passed|failed|skipped|Interrupted" "$@"
+}
 pytest_cmd() {
   timeout -s INT -k 30 "$(limit "${TEST_LIMIT_S:-330}")" python3 -m pytest -v -rfE --tb=short \
     --durations=30 $per_test -p no:cacheprovider ${PYTEST_ARGS:-} "$@"
 }
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  pytest_cmd ${TESTS:-tests} 2>&1 | tee "$out/gpu_tests.log" | grep -E "FAILED|ERROR|passed|failed|skipped|Interrupted" || status=1
+  pytest_cmd ${TESTS:-tests} 2>&1 | tee "$out/gpu_tests.log" | outcome || status=1
 fi
 if [ "$what" = tests-par ]; then
   # The four parts at once, on the same GPUs: compiling is most of a fresh machine's time and
@@ -109,7 +112,7 @@ if [ "$what" = tests-par ]; then
   done
   wait
   for part in A B C D; do
-    echo "== part $part"; grep -E "FAILED|ERROR|passed|failed|skipped|Interrupted" "$out/gpu_tests-$part.log" || status=1
+    echo "== part $part"; outcome "$out/gpu_tests-$part.log" || status=1
   done
 fi
 if [ "$what" = tests ] || [ "$what" = tests-par ] || [ "$what" = all ]; then
@@ -234,7 +237,7 @@ if [ "$what" = soak-par ]; then
   done
   wait
   if [ -n "${tests_pid:-}" ]; then
-    echo "== GPU tests"; grep -E "FAILED|ERROR|passed|failed|skipped|Interrupted" "$out/gpu_tests.log" || status=1
+    echo "== GPU tests"; outcome "$out/gpu_tests.log" || status=1
   fi
   for mode in ${SOAK_MODES:-normal low_latency internode low_latency_internode}; do
     log="$out/soak-$mode.log"

@@ -242,7 +242,6 @@ def dispatch_send(
     if OWN_SHARE > 0:
         split = own_split(t0, t1, OWN_SHARE)
         own_next = tl.load(recv_start_ptr + rank * NUM_CHANNELS + channel)
-        earlier = (tl.arange(0, TOK)[None, :] < tl.arange(0, TOK)[:, None]).to(tl.int32)
     for first in range(t0, t1, TOK):
         tokens = first + tl.arange(0, TOK)
         tmask = tokens < t1
@@ -255,7 +254,7 @@ def dispatch_send(
             own_hit = tl.load(in_rank_ptr + tokens64 * NUM_RANKS + rank,
                               mask=tmask & (tokens < split), other=0) != 0  # fmt: skip
             own32 = own_hit.to(tl.int32)
-            own_row = (own_next + tl.sum(earlier * own32[None, :], 1)).to(tl.int64)
+            own_row = (own_next + tl.sum(rows_before(own32[:, None], TOK), 1)).to(tl.int64)
             own_next += tl.sum(own32, 0)
             own_hit = own_hit & (own_row < max_rows)  # worst-case outputs drop the overflow
         if AWAIT:  # relayed rows: wait until the network leg has written them here
