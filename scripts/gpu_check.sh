@@ -69,6 +69,10 @@ pack() {
 }
 trap pack EXIT
 nvidia-smi -L
+# A warm machine keeps processes an earlier call left (ranks of a test stopped by its limit):
+# name them, since their kernels would share the GPUs with this call's.
+left=$(nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader 2>/dev/null)
+[ -z "$left" ] || { echo "processes already on the GPUs:"; echo "$left"; }
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 # The suite in four parts (every file that starts ranks or touches a GPU is in one of them).
 TESTS_A="tests/test_heap.py tests/test_layout.py tests/test_normal.py tests/test_launch.py tests/test_launcher.py tests/test_torch_backend.py tests/test_validation.py"
@@ -172,9 +176,9 @@ if [ "$what" = tune ]; then
   # first 4-rank run left open (BENCHMARKS.md, "First 4-GPU run"): its dispatch is bound by
   # the receivers' copy (30 GB/s a program, 46 possible), so larger receiver steps (more bytes
   # in flight, fewer flag rounds per row): no gain on 4x H200 (2026-11-26, BENCHMARKS.md),
-  # the receivers' time is their copy. So now: the senders take a share of the own rows
-  # that the receivers copy (OWN_SHARE sixteenths; predicted best near 5).
-  IFS=";" read -ra variants <<< "${TUNE:-;OWN_SHARE=3;OWN_SHARE=5;OWN_SHARE=8}"
+  # the receivers' time is their copy; senders taking a share of the own rows (tried the
+  # same day) was slower. The preset stays the default against the larger receiver steps.
+  IFS=";" read -ra variants <<< "${TUNE:-;RECV_TILE=16384;STEP_ROWS=64 RECV_TILE=16384}"
   i=0
   for variant in "${variants[@]}"; do
     flags=""

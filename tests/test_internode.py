@@ -47,7 +47,8 @@ def _body(ctx, gpus_per_node, tokens, hidden, experts_per_rank, topk, routing, u
             assert ids.shape[0] == rows and bool((ids[n:] == -1).all())
             assert bool((src[n:] == -1).all()) and int(out.handle.host_info[0]) == n
             per_expert = per_expert.cpu().tolist()
-        assert per_expert == want.num_recv_tokens_per_expert
+        want_per_expert = want.num_recv_tokens_per_expert
+        assert per_expert == want_per_expert, (me, call, per_expert, want_per_expert)
 
         # Combine: each row comes back scaled by its receiver; sums within 2 BF16 roundings.
         rows = ref.dequantize_fp8(*out.recv_x) if use_fp8 else out.recv_x.float()

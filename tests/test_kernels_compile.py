@@ -242,7 +242,7 @@ NORMAL_DISPATCH_META = dict(
     RING_STRIDE=128, SLOT_BYTES=14480, META_OFF=1848, HAS_SCALES=True, HAS_TOPK=True,
     HAS_WEIGHTS=True, HAS_TAG=False, PAD_ROWS=True, USE_CLOCK=True, TOK=8, ROWS=8, BW=512,
     RBW=256, R_P2=4, K_P2=8, G_P2=64, PROFILE=False, VIA=0, BOUNDS=False, AWAIT=False,
-    RANKS_FROM_IDS=False, PUBLISH=False, LOCAL=True, RELEASE_STEPS=1, OWN_SHARE=0,
+    RANKS_FROM_IDS=False, PUBLISH=False, LOCAL=True, RELEASE_STEPS=1,
 )  # fmt: skip
 NORMAL_COMBINE = {
     "x_ptr": "*bf16", "weights_ptr": "*fp32", "in_rank_ptr": "*i8", "num_tokens": "i32",
@@ -317,12 +317,6 @@ for module, name, sig, meta, options in [
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
      {**NORMAL_COMBINE_META, "VIA": 1, "AWAIT": True, "ROWS": 4, "LOCAL": False},
      COMBINE_OPTIONS),
-    # Senders that write a share of the own rows (OWN_SHARE), BF16 and FP8
-    ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
-     {**NORMAL_DISPATCH_META, "OWN_SHARE": 5}, DISPATCH_OPTIONS),
-    ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
-     {**NORMAL_DISPATCH_META, "OWN_SHARE": 5, "HAS_SCALES": False, "W": 3584, "G": 1},
-     DISPATCH_OPTIONS),
     # Senders that release their tails every few steps (SEND_RELEASE_STEPS)
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
      {**NORMAL_DISPATCH_META, "RELEASE_STEPS": 2}, DISPATCH_OPTIONS),
@@ -398,8 +392,6 @@ def _id(kernel):
     packed += "-histograms" if meta.get("COUNT_BY_ADDS") is False else ""
     packed += "-one-token" if meta.get("ONE_TOKEN") else ""
     packed += f"-release{meta['RELEASE_STEPS']}" if meta.get("RELEASE_STEPS", 1) > 1 else ""
-    packed += f"-own{meta['OWN_SHARE']}" if meta.get("OWN_SHARE") else ""
-    packed += "-bf16" if meta.get("OWN_SHARE") and not meta.get("HAS_SCALES") else ""
     return kernel[1] + traced + ("-staged" if meta.get("VIA") else "") + shrink + packed + relay
 
 

@@ -151,19 +151,15 @@ def test_one_rank_matches_reference(run_ranks, name):
                      None) == [True]  # fmt: skip
 
 
-def with_launch(values, body, *args):
-    """``body(*args)`` under the launch constants ``values``, restored afterwards."""
-    old = nm.set_launch_constants(**values)
+def with_release_steps(release_steps, body, *args):
+    """``body(*args)`` with tails released every ``release_steps`` sender steps and 2 combine
+    rows per rank and step (so that a channel takes several steps), as the launch constants
+    were afterwards."""
+    old = nm.set_launch_constants(SEND_RELEASE_STEPS=release_steps, STEP_ROWS=4)
     try:
         return body(*args)
     finally:
         nm.set_launch_constants(**old)
-
-
-def with_release_steps(release_steps, body, *args):
-    """``body(*args)`` with tails released every ``release_steps`` sender steps and 2 combine
-    rows per rank and step (so that a channel takes several steps)."""
-    return with_launch(dict(SEND_RELEASE_STEPS=release_steps, STEP_ROWS=4), body, *args)
 
 
 def _release_body(ctx, name, release_steps):
@@ -177,28 +173,6 @@ def _release_body(ctx, name, release_steps):
 @pytest.mark.parametrize("name", ["bf16-random", "fp8-topk8-worst"])
 def test_senders_may_release_their_tails_every_few_steps(run_ranks, name, release_steps):
     assert run_ranks(2, _release_body, name, release_steps) == [True] * 2
-
-
-def _own_share_body(ctx, name, share):
-    tokens, hidden, experts, topk, routing, fp8, worst = CASES[name]
-    config = nm.Config(num_sms=4, nvl_send_chunk=2, nvl_recv_buffer_tokens=64)  # 2-token steps
-    return with_launch(dict(OWN_SHARE=share, STEP_ROWS=4), _normal_body, ctx, 1, tokens,
-                       hidden, experts, topk, routing, fp8, worst, config)  # fmt: skip
-
-
-@pytest.mark.parametrize("share", [5, 16])
-@pytest.mark.parametrize("name", ["bf16-random", "fp8-topk8-worst", "bf16-skewed-worst"])
-def test_senders_may_write_a_share_of_the_own_rows(run_ranks, name, share):
-    """The own rows of each channel's first ``share`` sixteenths come from its sender, the rest
-    from its receiver: every row, record and sum as the reference (cached calls too)."""
-    assert run_ranks(3, _own_share_body, name, share) == [True] * 3
-
-
-def test_a_share_of_sixteenths_is_checked():
-    for bad in (-1, 17, 2.5):
-        with pytest.raises(ValueError, match="OWN_SHARE: expected sixteenths"):
-            nm.set_launch_constants(OWN_SHARE=bad)
-    assert nm.OWN_SHARE == 0
 
 
 def _scale_words(x, kind):
@@ -280,22 +254,6 @@ def test_normal_on_gpus(run_ranks, name):
     assert results == [True] * R
 
 
-def _own_share_gpu_body(ctx, share, name):
-    tokens, hidden, experts, topk, routing, fp8, worst, _ = GPU_CASES[name]
-    experts = experts * 4 // ctx.world_size
-    return with_launch(dict(OWN_SHARE=share), _normal_body, ctx, 2, tokens, hidden, experts,
-                       topk, routing, fp8, worst, None)  # fmt: skip
-
-
-@pytest.mark.gpu(n=2)
-@pytest.mark.parametrize("share", [5, 16])
-@pytest.mark.parametrize("name", ["bf16-4096-h7168-top8", "fp8-4096-h7168-top8",
-                                  "bf16-h2880-top1-worst"])  # fmt: skip
-def test_senders_write_a_share_of_the_own_rows_on_gpus(run_ranks, name, share):
-    R = gpu_ranks()
-    assert run_ranks(R, _own_share_gpu_body, share, name, timeout=240) == [True] * R
-
-
 def _changing_budget_body(ctx, budgets):
     """Consecutive calls with different SM budgets (channel counts) on one mode: a call that
     uses more channels than the last must find the extra rings free."""
@@ -366,17 +324,10 @@ def _overflow_body(ctx, rows):
     return outcome
 
 
-def _overflow_own_share_body(ctx, rows):
-    return with_launch(dict(OWN_SHARE=16), _overflow_body, ctx, rows)
-
-
 def test_worst_case_overflow_is_reported_and_combine_stays_in_bounds(run_ranks):
     """More rows arrive than worst-case outputs hold: the rank says so, and combine neither
     waits for the dropped rows nor reads past its input."""
     results = run_ranks(3, _overflow_body, 6, timeout=300)
-    assert "overflow" in results, results
-    # Own rows written by the senders are dropped past the outputs the same way.
-    results = run_ranks(3, _overflow_own_share_body, 6, timeout=300)
     assert "overflow" in results, results
 
 

@@ -23,11 +23,7 @@ reads the channel's tokens straight from the input, ``ROWS`` per step beside the
 arrived from peers, and stores them (payload, scales and record) into their output rows
 ``recv_start[rank, channel] + i``. The senders then store only into peers: a program's stores
 into a peer top out near 16 bytes per clock (BENCHMARKS.md), so a sender that also wrote the
-local copies spent part of that on them, while the receivers' own lane stayed empty. With
-``OWN_SHARE`` the work is split instead: the sender writes the own rows of the first
-``OWN_SHARE`` sixteenths of its channel's tokens straight into their output rows (a local
-store of the tile it has loaded anyway), and the receiver's own lane starts after them. One
-knob covers both earlier designs (0: receivers copy every own row; 16: senders write them).
+local copies spent part of that on them, while the receivers' own lane stayed empty.
 
 Flags are tagged with the call number (``call << 32 | position``), so a stale flag of an
 earlier call never passes for a new one and nothing is reset between calls. At the end of a
@@ -102,26 +98,6 @@ def channel_tokens(channel, num_tokens, bounds_ptr, NUM_CHANNELS: tl.constexpr,
 
 
 @triton.jit
-def own_split(t0, t1, OWN_SHARE: tl.constexpr):
-    """First token of a channel ``[t0, t1)`` whose own row its receiver copies: the sender
-    writes the own rows of the first ``OWN_SHARE`` sixteenths."""
-    return t0 + (t1 - t0) * OWN_SHARE // 16
-
-
-@triton.jit
-def own_before(in_rank_ptr, rank, t0, t1, NUM_RANKS: tl.constexpr):
-    """Tokens of ``[t0, t1)`` that go to ``rank`` (their rows come first among the channel's
-    own rows)."""
-    n = tl.zeros((), tl.int32)
-    for first in range(t0, t1, 128):
-        tokens = first + tl.arange(0, 128)
-        hit = tl.load(in_rank_ptr + tokens.to(tl.int64) * NUM_RANKS + rank, mask=tokens < t1,
-                      other=0)  # fmt: skip
-        n += tl.sum((hit != 0).to(tl.int32), 0)
-    return n
-
-
-@triton.jit
 def finish_call(state_ptr, call, ARRIVALS: tl.constexpr, CALLS: tl.constexpr):
     """The last program of a launch advances the call counter."""
     tl.debug_barrier()
@@ -170,13 +146,6 @@ def dispatch_send(
     timeout_ns,
     bounds_ptr,
     ready_ptr,
-    recv_start_ptr,
-    out_x_ptr,
-    out_scales_ptr,
-    out_topk_idx_ptr,
-    out_weights_ptr,
-    out_src_ptr,
-    max_rows,
     W: tl.constexpr,
     G: tl.constexpr,
     K,  # top-k columns of the id and weight rows (a runtime value: one variant per K_P2)
@@ -202,15 +171,13 @@ def dispatch_send(
     AWAIT: tl.constexpr,
     RANKS_FROM_IDS: tl.constexpr,
     LOCAL: tl.constexpr,
-    OWN_SHARE: tl.constexpr,
     RELEASE_STEPS: tl.constexpr,
     trace_ptr,
     PROFILE: tl.constexpr,
 ):
     """The sender of channel ``channel``: walk its tokens, feed every destination ring (with
-    ``LOCAL``, every ring but this rank's own; with ``OWN_SHARE``, it also writes the own rows
-    of the channel's first tokens into the outputs). Returns the time it waited (with
-    ``PROFILE``; 0 otherwise)."""
+    ``LOCAL``, every ring but this rank's own). Returns the time it waited (with ``PROFILE``;
+    0 otherwise)."""
     ranks = tl.arange(0, R_P2)
     rmask = ranks < NUM_RANKS
     peer_base = tl.load(peer_ptrs + ranks, mask=rmask, other=0)
@@ -237,26 +204,10 @@ def dispatch_send(
     waited = tl.zeros((), tl.int64)
     announced = sent  # rows up to here are announced by the tails
     unannounced = tl.zeros((), tl.int32)  # steps copied but not yet announced
-    split = t0
-    own_next = tl.zeros((), tl.int32)
-    if OWN_SHARE > 0:
-        split = own_split(t0, t1, OWN_SHARE)
-        own_next = tl.load(recv_start_ptr + rank * NUM_CHANNELS + channel)
     for first in range(t0, t1, TOK):
         tokens = first + tl.arange(0, TOK)
         tmask = tokens < t1
         tokens64 = tokens.to(tl.int64)
-        own_hit = tokens < 0
-        own_row = tokens64
-        if OWN_SHARE > 0:
-            # Own rows of the tokens before the split: stored by this sender into their output
-            # rows, in token order, ahead of the rows its receiver copies.
-            own_hit = tl.load(in_rank_ptr + tokens64 * NUM_RANKS + rank,
-                              mask=tmask & (tokens < split), other=0) != 0  # fmt: skip
-            own32 = own_hit.to(tl.int32)
-            own_row = (own_next + tl.sum(rows_before(own32[:, None], TOK), 1)).to(tl.int64)
-            own_next += tl.sum(own32, 0)
-            own_hit = own_hit & (own_row < max_rows)  # worst-case outputs drop the overflow
         if AWAIT:  # relayed rows: wait until the network leg has written them here
             if PROFILE:
                 t_w = read_clock(trace_ptr, USE_CLOCK)
@@ -329,9 +280,6 @@ def dispatch_send(
                     to_d = column(hit, ranks, d) > 0
                     p = aligned_ptr(column(dst, ranks, d), tl.int32)
                     tl.store(p[:, None] + w[None, :], v, mask=to_d[:, None] & (w < W)[None, :])
-                if OWN_SHARE > 0:
-                    tl.store(out_x_ptr + own_row[:, None] * W + w[None, :], v,
-                             mask=own_hit[:, None] & (w < W)[None, :])  # fmt: skip
                 v = v_next
             if HAS_SCALES:
                 s = tl.load(
@@ -343,9 +291,6 @@ def dispatch_send(
                     p = aligned_ptr(column(dst, ranks, d) + W * 4, tl.int32)
                     gto = to_d[:, None] & gmask[None, :]
                     tl.store(p[:, None] + groups[None, :], s, mask=gto)
-                if OWN_SHARE > 0:
-                    tl.store(out_scales_ptr + own_row[:, None] * G + groups[None, :], s,
-                             mask=own_hit[:, None] & gmask[None, :])  # fmt: skip
             if HAS_TOPK:
                 ids = tl.load(
                     topk_idx_ptr + tokens64[:, None] * K + ks[None, :],
@@ -374,16 +319,6 @@ def dispatch_send(
                         wrec = record.to(tl.pointer_type(tl.float32))
                         mine = tl.where(owner == d, weights, 0.0)
                         tl.store(wrec[:, None] + 1 + K + ks[None, :], mine, mask=kto)
-            if OWN_SHARE > 0:
-                tl.store(out_src_ptr + own_row, source, mask=own_hit)
-                if HAS_TOPK:
-                    kown = own_hit[:, None] & kmask[None, :]
-                    at = own_row[:, None] * K + ks[None, :]
-                    local = tl.where(owner == rank, ids - rank * E_LOCAL, -1)
-                    tl.store(out_topk_idx_ptr + at, local, mask=kown)
-                    if HAS_WEIGHTS:
-                        tl.store(out_weights_ptr + at, tl.where(owner == rank, weights, 0.0),
-                                 mask=kown)  # fmt: skip
             tl.debug_barrier()
             # One system-scope release per RELEASE_STEPS steps and at the channel's end: each
             # waits for the stores before it to reach the peers.
@@ -455,7 +390,6 @@ def dispatch_receive(
     BOUNDS: tl.constexpr,
     PUBLISH: tl.constexpr,
     LOCAL: tl.constexpr,
-    OWN_SHARE: tl.constexpr,
     row_map_ptr,
     ROW_MAP: tl.constexpr,
     trace_ptr,
@@ -489,10 +423,6 @@ def dispatch_receive(
         count = tl.where(ranks == rank, 0, count)
         own_tok, own_end = channel_tokens(channel, num_tokens, bounds_ptr, NUM_CHANNELS, BOUNDS)
         own_next = tl.load(recv_start_ptr + rank * NUM_CHANNELS + channel)
-        if OWN_SHARE > 0:  # the sender writes the own rows of the tokens before the split
-            split = own_split(own_tok, own_end, OWN_SHARE)
-            own_next += own_before(in_rank_ptr, rank, own_tok, split, NUM_RANKS)
-            own_tok = split
         earlier = (steps[None, :] < steps[:, None]).to(tl.int32)  # [row, earlier row]
         x_addr = x_ptr.to(tl.int64, bitcast=True)
         scales_addr = scales_ptr.to(tl.int64, bitcast=True)
@@ -707,14 +637,10 @@ def normal_dispatch_kernel(
     RELEASE_STEPS: tl.constexpr = 1,  # sender steps per tail release
     ROW_MAP: tl.constexpr = False,  # row i's payload (and scales) go to row_map[i]: a
     # permutation that keeps the rows past the received ones (worst-case padding) together
-    OWN_SHARE: tl.constexpr = 0,  # sixteenths of a channel's tokens, from its first, whose
-    # own rows the sender writes (LOCAL): the rest its receiver copies
 ):
     # Own rows are read by the receivers while the senders run: the input rows and their
     # destinations must be there before the launch, not written by it.
     tl.static_assert(not (LOCAL and (AWAIT or RANKS_FROM_IDS)))
-    # Rows a sender writes are neither published nor mapped.
-    tl.static_assert(OWN_SHARE == 0 or (LOCAL and not PUBLISH and not ROW_MAP))
     timeout_ns = limit_ns(timeout_us, status_ptr)
     pid = tl.program_id(0)
     call = tl.load(state_ptr + DISPATCH_CALLS, volatile=True)
@@ -742,13 +668,6 @@ def normal_dispatch_kernel(
             timeout_ns,
             bounds_ptr,
             ready_ptr,
-            recv_start_ptr,
-            out_x_ptr,
-            out_scales_ptr,
-            out_topk_idx_ptr,
-            out_weights_ptr,
-            out_src_ptr,
-            max_rows,
             W,
             G,
             K,
@@ -774,7 +693,6 @@ def normal_dispatch_kernel(
             AWAIT,
             RANKS_FROM_IDS,
             LOCAL,
-            OWN_SHARE,
             RELEASE_STEPS,
             trace_ptr,
             PROFILE,
@@ -836,7 +754,6 @@ def normal_dispatch_kernel(
             BOUNDS,
             PUBLISH,
             LOCAL,
-            OWN_SHARE,
             row_map_ptr,
             ROW_MAP,
             trace_ptr,

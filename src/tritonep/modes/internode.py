@@ -183,7 +183,8 @@ class InternodeMode:
     def _flags(self, kind: str, rows: int) -> torch.Tensor:
         """Per-row flags of the relay of ``kind`` (dispatch and combine tag theirs with
         different call counters, so each has its own), grown on demand; fresh flags are zero,
-        which no call's tag is."""
+        which no call's tag is. The zero fill runs on the current stream: the caller orders
+        both legs after it (a leg that raced the fill could see a stale tag, or lose one)."""
         flags = self._relay_flags.get(kind)
         if flags is None or flags.numel() < rows:
             size = max(rows, 2 * flags.numel() if flags is not None else 1024)
@@ -263,8 +264,8 @@ class InternodeMode:
             if not isinstance(handle, InternodeHandle):
                 raise TypeError(f"handle: expected an InternodeHandle, got {type(handle).__name__}")
             streams = self._streams
+            flags = self._flags("dispatch", handle.rail.num_rows)  # before the side waits
             streams.fork()
-            flags = self._flags("dispatch", handle.rail.num_rows)
             with streams.producer():
                 calls = self._calls(self.node, DISPATCH_CALLS)
                 rail = self.rail.dispatch(x, handle=handle.rail, relay=Relay(flags, calls))
@@ -313,8 +314,10 @@ class InternodeMode:
                 in_node, per_expert, num_tokens, 1, num_worst_tokens, config,
                 extra=forward_counts(in_rank, C, G), channel_major=True,
             )  # fmt: skip
-            notified = streams.mark()
+            # Fresh flags are zeroed on this stream: the NVLink leg, which reads them, waits
+            # for that fill with the counts.
             flags = self._flags("dispatch", rail_plan.num_rows)
+            notified = streams.mark()
             rail = self.rail.dispatch(
                 x, topk_idx, topk_weights, handle=rail_plan, src_tag=tag,
                 relay=Relay(flags, publish_to=self._calls(self.node, DISPATCH_CALLS)),
@@ -374,8 +377,8 @@ class InternodeMode:
             check_tensor("topk_weights", topk_weights, dtype=torch.float32,
                          shape=(handle.num_rows, None), device=self.device)  # fmt: skip
         streams = self._streams
+        flags = self._flags("combine", handle.rail.num_rows)  # before the side waits
         streams.fork()
-        flags = self._flags("combine", handle.rail.num_rows)
         with streams.producer():
             calls = self._calls(self.rail, COMBINE_CALLS)
             # The NVLink leg's senders read each row where the caller holds it (its output

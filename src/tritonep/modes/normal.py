@@ -117,18 +117,11 @@ COMBINE_RECV_TILE = 32768
 #: steps helped dispatch while its senders set the pace and made combine 2-7% slower; with
 #: own rows copied by the dispatch receivers, every 4 steps made both slower. So 1.
 SEND_RELEASE_STEPS = 1
-#: Sixteenths of a dispatch channel's tokens, from its first, whose own rows (this rank's
-#: copy of its own tokens) the sender writes into the outputs; the receiver copies the rest
-#: (its own lane). Senders store into peers at most ~27 GB/s a program and the receivers copy
-#: all of a rank's own rows besides what arrives: on 4 ranks the receivers bound the dispatch
-#: (583 us against the senders' 508, BENCHMARKS.md), so a share moves work to the senders.
-OWN_SHARE = 0
 #: The launch constants above: what :func:`set_launch_constants` (and ``tritonep bench
 #: --launch``) may change, to compare launch shapes on a GPU without editing the code.
 LAUNCH_CONSTANTS = (
     "STEP_ROWS", "SEND_TILE", "SEND_BW", "RECV_TILE", "COMBINE_BW", "COMBINE_WARPS",
     "COMBINE_SEND_TILE", "COMBINE_RECV_TILE", "SEND_RELEASE_STEPS", "DISPATCH_WARPS",
-    "OWN_SHARE",
 )  # fmt: skip
 
 
@@ -137,16 +130,11 @@ _launch_version = 0
 
 def check_launch_constants(values: dict[str, int]) -> None:
     """Raise ``ValueError`` naming the first of ``values`` that is not a launch constant or not
-    a power of two (rows, words and warps of a Triton launch; warps at most 32; ``OWN_SHARE``
-    is a count of sixteenths, 0 to 16)."""
+    a power of two (rows, words and warps of a Triton launch; warps at most 32)."""
     for name, value in values.items():
         if name not in LAUNCH_CONSTANTS:
             known = ", ".join(LAUNCH_CONSTANTS)
             raise ValueError(f"{name}: not a launch constant (one of {known})")
-        if name == "OWN_SHARE":
-            if not isinstance(value, int) or not 0 <= value <= 16:
-                raise ValueError(f"{name}: expected sixteenths from 0 to 16, got {value!r}")
-            continue
         if not isinstance(value, int) or value < 1 or value & (value - 1):
             raise ValueError(f"{name}: expected a power of two, got {value!r}")
         if name in ("COMBINE_WARPS", "DISPATCH_WARPS") and not 4 <= value <= 32:
@@ -792,8 +780,6 @@ class NormalMode:
         awaits = relay is not None and relay.await_rows
         publish = relay is not None and relay.publish_to is not None
 
-        local = not (awaits or ranks_from_ids)
-
         def build_meta():  # once per configuration: _launch
             r_p2 = _next_pow2(max(R, 2))
             warps = DISPATCH_WARPS if r_p2 <= 4 else max(4, DISPATCH_WARPS // 2)
@@ -813,8 +799,7 @@ class NormalMode:
                 PUBLISH=publish, RELEASE_STEPS=SEND_RELEASE_STEPS, num_warps=warps,
                 # Own rows straight from the input, where it is complete before the launch
                 # (not in a relay leg that awaits its rows or learns their destinations).
-                LOCAL=local, ROW_MAP=row_map is not None,
-                OWN_SHARE=OWN_SHARE if local and not publish and row_map is None else 0,
+                LOCAL=not (awaits or ranks_from_ids), ROW_MAP=row_map is not None,
             )  # fmt: skip
 
         self._launch(
