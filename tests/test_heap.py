@@ -7,7 +7,7 @@ import torch
 
 from tests.conftest import gpu_ranks
 from tritonep import heap
-from tritonep.errors import WaitTimeoutError
+from tritonep.errors import HeapGuardError, WaitTimeoutError
 from tritonep.heap import shared_gpu
 from tritonep.kernels.put_signal import put_signal, wait_signal
 
@@ -121,6 +121,48 @@ def _views_body(ctx):
 
 def test_view_and_offset_checks(run_ranks):
     assert run_ranks(2, _views_body) == [["offset", "offset"]] * 2
+
+
+def _guard_body(ctx):
+    """Rank 0 writes one byte past the end of rank 1's regions (as an out-of-bounds kernel
+    would): rank 1's check names it, rank 0's heap stays clean, views cannot reach the guard,
+    and the modes' checks read the guard too."""
+    from tritonep.modes.low_latency import LowLatencyMode
+    from tritonep.modes.normal import NormalMode
+
+    h = heap.allocate(256, device=ctx.device)
+    assert h.nbytes == 256 and h.local.numel() == 256
+    with pytest.raises(ValueError, match="offset"):
+        h.view(ctx.rank, torch.uint8, (1,), 256)
+    h.check_guard()
+    h.barrier()
+    if ctx.rank == 0:
+        h._peers[1][256 + 7] = 1
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+    h.barrier()
+    found = None
+    try:
+        h.check_guard()
+    except HeapGuardError as e:
+        found = (e.rank, e.first, e.count, "out of bounds" in str(e))
+    h.close()
+    h.check_guard()  # closed: nothing to check
+    for mode in (
+        NormalMode(None, 128, 8, max_topk=2, device=ctx.device, timeout_s=20),
+        LowLatencyMode(None, 8, 128, 8, max_topk=2, device=ctx.device, timeout_s=20),
+    ):
+        mode.check()
+        mode.heap._guard[-1] = 5  # the last byte of this rank's guard
+        with pytest.raises(HeapGuardError, match=f"rank {ctx.rank}: 1 bytes past"):
+            mode.check()
+        mode.heap._guard.zero_()
+        mode.destroy()
+    return found
+
+
+def test_a_write_past_a_heap_is_found(run_ranks):
+    assert run_ranks(2, _guard_body) == [None, (1, 7, 1, True)]
 
 
 def _mismatch_body(ctx):

@@ -21,3 +21,22 @@ class WaitTimeoutError(TimeoutError):
         else:  # e.g. a relay between two launches on this GPU: its writer names the peer
             waited = "waiting for no single peer (the phase says for what)"
         super().__init__(f"rank {rank} timed out after {timeout_s:g} s in phase '{phase}' {waited}")
+
+
+class HeapGuardError(RuntimeError):
+    """Bytes past the end of a symmetric heap's regions were written: a kernel of this rank or
+    of a peer wrote out of bounds (``SymmetricHeap.check_guard``).
+
+    Attributes:
+        rank: the rank whose heap guard was written.
+        first: the first written byte, counted from the guard's start.
+        count: the written bytes.
+    """
+
+    def __init__(self, rank: int, first: int, count: int):
+        self.rank, self.first, self.count = rank, first, count
+        super().__init__(
+            f"rank {rank}: {count} bytes past the end of its symmetric heap's regions were "
+            f"written (the first {first} bytes past it): a kernel of this rank or of a peer "
+            "wrote out of bounds; results of this heap's calls are not to be trusted"
+        )

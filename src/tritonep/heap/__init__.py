@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from .base import SymmetricHeap
 
-__all__ = ["SymmetricHeap", "allocate", "default_device", "set_backend"]
+__all__ = ["GUARD_BYTES", "SymmetricHeap", "allocate", "default_device", "set_backend"]
 
 SHARED_GPU_ENV = "TRITONEP_SHARED_GPU"
 
@@ -56,12 +56,17 @@ def set_backend(name: str) -> None:
     _set(name)
 
 
+#: Zero bytes kept past the end of every heap's regions (:meth:`SymmetricHeap.add_guard`).
+GUARD_BYTES = 4096
+
+
 def allocate(
     nbytes: int,
     group: dist.ProcessGroup | None = None,
     device: torch.device | str | None = None,
 ) -> SymmetricHeap:
-    """Allocate ``nbytes`` on every rank of ``group`` (collective: every rank must call it).
+    """Allocate ``nbytes`` on every rank of ``group`` (collective: every rank must call it),
+    and :data:`GUARD_BYTES` more as a guard past them (:meth:`SymmetricHeap.check_guard`).
 
     Args:
         nbytes: bytes per rank, the same on every rank.
@@ -73,16 +78,24 @@ def allocate(
         raise ValueError(f"nbytes: expected a positive int, got {nbytes!r}")
     group = group or dist.group.WORLD
     device = torch.device(device) if device is not None else default_device(group)
+    sizes = [None] * dist.get_world_size(group)
+    dist.all_gather_object(sizes, nbytes, group=group)
+    if len(set(sizes)) != 1:
+        raise ValueError(f"nbytes: every rank must allocate the same size, got {sizes}")
+    total = nbytes + GUARD_BYTES
     if device.type == "cuda" and dist.get_backend(group) != "nccl":
         from .cuda_ipc import allocate_cuda_ipc
 
-        return allocate_cuda_ipc(nbytes, group, device)
-    if device.type == "cuda":
+        heap = allocate_cuda_ipc(total, group, device)
+    elif device.type == "cuda":
         from .cuda import allocate_cuda
 
-        return allocate_cuda(nbytes, group, device)
-    if device.type == "cpu":
+        heap = allocate_cuda(total, group, device)
+    elif device.type == "cpu":
         from .cpu import allocate_cpu
 
-        return allocate_cpu(nbytes, group)
-    raise ValueError(f"device: expected a CUDA device or 'cpu', got {device}")
+        heap = allocate_cpu(total, group)
+    else:
+        raise ValueError(f"device: expected a CUDA device or 'cpu', got {device}")
+    heap.add_guard(GUARD_BYTES)
+    return heap

@@ -7,6 +7,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..errors import HeapGuardError
+
 
 class SymmetricHeap:
     """Same-sized byte buffers, one per rank of a group, each mapped into every rank.
@@ -47,6 +49,7 @@ class SymmetricHeap:
         self._keepalive = keepalive
         self._release = release
         self.backend = backend
+        self._guard: torch.Tensor | None = None  # add_guard
 
     def view(
         self, rank: int, dtype: torch.dtype, shape: Sequence[int], offset: int = 0
@@ -73,6 +76,26 @@ class SymmetricHeap:
         raw = self._peers[rank][offset : offset + count * itemsize]
         return raw.view(dtype).view(tuple(shape))
 
+    def add_guard(self, guard_bytes: int) -> None:
+        """Keep the last ``guard_bytes`` of every buffer as a guard: out of reach of
+        :meth:`view` (``nbytes`` shrinks), zero as allocated, so that :meth:`check_guard` finds
+        a kernel that wrote past the regions it was given (a peer's or this rank's)."""
+        if not 0 < guard_bytes < self.nbytes:
+            raise ValueError(f"guard_bytes: expected 1 to {self.nbytes - 1}, got {guard_bytes}")
+        self.nbytes -= guard_bytes
+        self._guard = self.local[self.nbytes :]
+        self.local = self.local[: self.nbytes]
+
+    def check_guard(self) -> None:
+        """Raise :class:`~tritonep.errors.HeapGuardError` if a byte of this rank's guard is
+        no longer zero (waits for the device). Without a guard, or once closed, nothing."""
+        guard = self._guard
+        if guard is None or self._peers is None:
+            return
+        written = torch.nonzero(guard).flatten().tolist()
+        if written:
+            raise HeapGuardError(self.rank, written[0], len(written))
+
     def barrier(self) -> None:
         """Wait until every rank has reached this point and its earlier device work is done."""
         self._barrier()
@@ -84,6 +107,7 @@ class SymmetricHeap:
         self.barrier()
         self._peers = None
         self.local = None
+        self._guard = None
         self._keepalive = None
         if self._release is not None:
             self._release()

@@ -24,10 +24,6 @@ def allocate_cpu(nbytes: int, group: dist.ProcessGroup) -> SymmetricHeap:
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     token = [uuid.uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
-    sizes = [None] * world_size
-    dist.all_gather_object(sizes, nbytes, group=group)
-    if len(set(sizes)) != 1:
-        raise ValueError(f"nbytes: every rank must allocate the same size, got {sizes}")
 
     def path(r: int) -> str:
         return os.path.join(_shm_dir(), f"tritonep-{token[0]}-{r}")

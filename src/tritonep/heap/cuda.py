@@ -31,10 +31,6 @@ def backend_of(device: torch.device) -> str:
 
 
 def allocate_cuda(nbytes: int, group: dist.ProcessGroup, device: torch.device) -> SymmetricHeap:
-    sizes = [None] * dist.get_world_size(group)
-    dist.all_gather_object(sizes, nbytes, group=group)
-    if len(set(sizes)) != 1:
-        raise ValueError(f"nbytes: every rank must allocate the same size, got {sizes}")
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
     if world_size == 1:

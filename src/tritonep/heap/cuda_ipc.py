@@ -19,10 +19,6 @@ from .base import SymmetricHeap
 
 def allocate_cuda_ipc(nbytes: int, group: dist.ProcessGroup, device: torch.device) -> SymmetricHeap:
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    sizes = [None] * world_size
-    dist.all_gather_object(sizes, nbytes, group=group)
-    if len(set(sizes)) != 1:
-        raise ValueError(f"nbytes: every rank must allocate the same size, got {sizes}")
     # A block that was shared stays allocated until every peer has dropped its mapping and its
     # owner collects it: collect the blocks of heaps closed since the last allocation.
     torch.cuda.ipc_collect()

@@ -362,8 +362,10 @@ class LowLatencyMode:
 
     def check(self) -> None:
         """Wait for the device and raise :class:`WaitTimeoutError` if a wait gave up (never
-        in shrink mode, where the peer is masked instead)."""
+        in shrink mode, where the peer is masked instead), or
+        :class:`~tritonep.errors.HeapGuardError` if a kernel wrote past the heap's regions."""
         raise_on_timeout(self.status, self.rank, PHASES, "expert {}")
+        self.heap.check_guard()
 
     # --------------------------------------------------------------------------- dispatch
     def dispatch(

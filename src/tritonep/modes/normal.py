@@ -513,8 +513,11 @@ class NormalMode:
         self._timeout_s = value
 
     def check(self) -> None:
-        """Wait for the device; raise if a kernel wait timed out or worst-case rows overflowed."""
+        """Wait for the device; raise if a kernel wait timed out or worst-case rows overflowed
+        (:class:`~tritonep.kernels.sync.WaitTimeoutError`, ``ValueError``), or a kernel wrote
+        past the heap's regions (:class:`~tritonep.errors.HeapGuardError`)."""
         self._check_status(self.status.tolist())
+        self.heap.check_guard()
 
     def _check_status(self, words: list[int]) -> None:
         """:func:`check_status` of this mode's status words, its ranks named as the caller
