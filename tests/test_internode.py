@@ -34,6 +34,9 @@ def _body(ctx, gpus_per_node, tokens, hidden, experts_per_rank, topk, routing, u
         idx, w = case.topk_idx[me].to(dev), case.topk_weights[me].to(dev)
         rows = sum(tokens[:R]) if worst else 0  # bounds both legs here
         out = mode.dispatch(x, idx, w, expert_alignment=2, num_worst_tokens=rows)
+        # A wait that gave up is named (rank, peer, phase) before any comparison, and each op
+        # is checked before the next waits on its state.
+        mode.check()
         want = ref.normal_dispatch(xs, case.topk_idx, case.topk_weights, E, 2)[me]
         n = want.num_recv_tokens
         ref.assert_rows_equal(out.recv_x, want.recv_x, n, f"rank {me} recv_x")
@@ -56,6 +59,7 @@ def _body(ctx, gpus_per_node, tokens, hidden, experts_per_rank, topk, routing, u
         rows = ref.dequantize_fp8(*out.recv_x) if use_fp8 else out.recv_x.float()
         y = torch.nan_to_num(rows * (me + 1) / 4).to(torch.bfloat16)  # padding: poisoned
         combined, combined_w = mode.combine(y, out.handle, out.recv_topk_weights)
+        mode.check()
         expected = torch.zeros(case.x[me].shape, dtype=torch.float64)
         base = ref.dequantize_fp8(*xs[me]) if use_fp8 else xs[me].float()
         owner = torch.where(case.topk_idx[me] >= 0, case.topk_idx[me] // experts_per_rank, -1)
@@ -78,9 +82,9 @@ def _body(ctx, gpus_per_node, tokens, hidden, experts_per_rank, topk, routing, u
             tuple(t.to(dev) for t in new_xs[me]) if use_fp8 else new_xs[me].to(dev),
             handle=out.handle,
         )
+        mode.check()
         cached = ref.normal_dispatch(new_xs, case.topk_idx, None, E)[me]
         ref.assert_rows_equal(again.recv_x, cached.recv_x, n, f"rank {me} cached")
-    mode.check()
     mode.destroy()
     return True
 
