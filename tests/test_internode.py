@@ -51,9 +51,11 @@ def _body(ctx, gpus_per_node, tokens, hidden, experts_per_rank, topk, routing, u
             assert bool((src[n:] == -1).all()) and int(out.handle.host_info[0]) == n
             per_expert = per_expert.cpu().tolist()
         want_per_expert = want.num_recv_tokens_per_expert
-        # Each leg's counts (rows, then per expert) say which leg went wrong, if one does.
-        legs = [h.host_info.tolist() for h in (out.handle.rail, out.handle.node)]
-        assert per_expert == want_per_expert, (me, call, per_expert, want_per_expert, legs)
+        # On a mismatch, each leg's counts (rows, then per expert) say which leg went wrong.
+        assert per_expert == want_per_expert, (
+            me, call, per_expert, want_per_expert,
+            [h.host_info.tolist() for h in (out.handle.rail, out.handle.node)],
+        )  # fmt: skip
 
         # Combine: each row comes back scaled by its receiver; sums within 2 BF16 roundings.
         rows = ref.dequantize_fp8(*out.recv_x) if use_fp8 else out.recv_x.float()

@@ -37,6 +37,6 @@ class HeapGuardError(RuntimeError):
         self.rank, self.first, self.count = rank, first, count
         super().__init__(
             f"rank {rank}: {count} bytes past the end of its symmetric heap's regions were "
-            f"written (the first {first} bytes past it): a kernel of this rank or of a peer "
-            "wrote out of bounds; results of this heap's calls are not to be trusted"
+            f"written (the first at byte {first} past the end): a kernel of this rank or of a "
+            "peer wrote out of bounds; results of this heap's calls are not to be trusted"
         )
