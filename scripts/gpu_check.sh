@@ -38,6 +38,8 @@ limit() {
   [ "$1" -lt "$left" ] && echo "$1" || echo "$left"
 }
 export TRITON_CACHE_DIR="$PWD/.triton-cache"
+# A rank task running past 90 s writes its threads' stacks to $out/stacks/ (compiling or waiting?).
+export TRITONEP_STACK_DUMP_S=${TRITONEP_STACK_DUMP_S:-90} TRITONEP_STACK_DUMP_DIR=${TRITONEP_STACK_DUMP_DIR:-$out/stacks}
 mkdir -p "$TRITON_CACHE_DIR"
 if [ -f .triton-cache.tar.gz ]; then
   tar xzf .triton-cache.tar.gz -C "$TRITON_CACHE_DIR" && echo "triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) entries carried"

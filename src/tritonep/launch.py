@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
@@ -156,6 +157,27 @@ def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
+def _dump_stacks_later(rank: int):
+    """With ``TRITONEP_STACK_DUMP_S`` set, a task still running after that many seconds writes
+    where every thread of this rank is (and again every interval): a call that a time limit stops
+    from outside leaves nothing else to say whether a rank was compiling a kernel or waiting on a
+    peer. The stacks go to ``$TRITONEP_STACK_DUMP_DIR/rank<r>.txt`` (stderr without it).
+    Returns the open file, or None when off."""
+    after = os.environ.get("TRITONEP_STACK_DUMP_S")
+    if not after:
+        return None
+    folder = os.environ.get("TRITONEP_STACK_DUMP_DIR")
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        stream = open(os.path.join(folder, f"rank{rank}.txt"), "a")  # noqa: SIM115
+    else:
+        stream = os.fdopen(os.dup(2), "w")
+    stream.write(f"--- task started {time.strftime('%H:%M:%S')}\n")
+    stream.flush()
+    faulthandler.dump_traceback_later(float(after), repeat=True, file=stream)
+    return stream
+
+
 def _worker(rank, world_size, port, backend, collective_timeout_s, tasks, results):
     os.environ.update(_rank_env(rank, world_size, port))
     if os.environ.get("TRITONEP_RANK_THREADS"):
@@ -173,10 +195,15 @@ def _worker(rank, world_size, port, backend, collective_timeout_s, tasks, result
         if task is None:
             break
         task_id, fn, args, kwargs = task
+        stacks = _dump_stacks_later(rank)
         try:
             results.put((task_id, rank, True, fn(ctx, *args, **kwargs)))
         except BaseException:
             results.put((task_id, rank, False, traceback.format_exc()))
+        finally:
+            if stacks is not None:
+                faulthandler.cancel_dump_traceback_later()
+                stacks.close()
     # Tear down together (see tests/rank_scripts/allreduce.py).
     dist.barrier()
     dist.destroy_process_group()
