@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tritonep.launch import RankFailure, spawn
+from tritonep.launch import RankFailure, rank_threads, spawn
 
 SCRIPTS = Path(__file__).parent / "rank_scripts"
 
@@ -47,6 +47,16 @@ def test_ranks_take_the_host_threads_they_are_given(monkeypatch):
     """``TRITONEP_RANK_THREADS`` caps each rank's host threads (runs sharing a machine)."""
     monkeypatch.setenv("TRITONEP_RANK_THREADS", "3")  # no default on a 2-core machine
     assert spawn(_threads, 2) == [3, 3]
+
+
+def test_ranks_share_the_cores_by_default(monkeypatch):
+    """Without a setting, each rank takes an equal share of the cores (at least one): ranks
+    that each take them all spin against each other in their host work."""
+    monkeypatch.delenv("TRITONEP_RANK_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    share = max(1, len(os.sched_getaffinity(0)) // 3)
+    assert spawn(_threads, 3) == [share] * 3
+    assert rank_threads(3) == share and rank_threads(10**6) == 1
 
 
 def test_pool_reports_the_failing_rank_and_recovers(run_ranks):

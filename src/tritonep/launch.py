@@ -157,6 +157,20 @@ def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
+def rank_threads(num_ranks: int) -> int:
+    """Host threads for each of ``num_ranks`` ranks on this machine: ``TRITONEP_RANK_THREADS``,
+    else ``OMP_NUM_THREADS``, else an equal share of the cores this process may use.
+
+    Without a share every rank takes every core for its host work (the tests' references) and
+    the ranks' thread pools spin against each other: on 4 ranks of a 64-core machine the FP8
+    internode tests spent 90 s and more in a few host comparisons. ``torchrun`` sets one thread
+    per rank for the same reason."""
+    for name in ("TRITONEP_RANK_THREADS", "OMP_NUM_THREADS"):
+        if os.environ.get(name):
+            return max(1, int(os.environ[name]))
+    return max(1, len(os.sched_getaffinity(0)) // num_ranks)
+
+
 def _dump_stacks_later(rank: int):
     """With ``TRITONEP_STACK_DUMP_S`` set, a task still running after that many seconds writes
     where every thread of this rank is (and again every interval): a call that a time limit stops
@@ -180,10 +194,7 @@ def _dump_stacks_later(rank: int):
 
 def _worker(rank, world_size, port, backend, collective_timeout_s, tasks, results):
     os.environ.update(_rank_env(rank, world_size, port))
-    if os.environ.get("TRITONEP_RANK_THREADS"):
-        # Host threads per rank: ranks of several runs on one machine each take every core
-        # for their reference computations otherwise, and spend their time switching.
-        torch.set_num_threads(int(os.environ["TRITONEP_RANK_THREADS"]))
+    torch.set_num_threads(rank_threads(world_size))
     try:
         ctx = init_distributed(backend, collective_timeout_s)
     except BaseException:
@@ -371,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         # A rank killed by a signal (an abort in native code) prints where each of its threads
         # was, so the launcher's report of its exit code comes with the cause.
         env.setdefault("PYTHONFAULTHANDLER", "1")
+        env.setdefault("OMP_NUM_THREADS", str(rank_threads(opts.nproc)))
         if on_cpu:
             # Kernels run under the interpreter, which must be chosen before any is defined
             # (a script may import tritonep before calling init_distributed).
