@@ -89,8 +89,8 @@ case "$what" in
   tests-c) TESTS=${TESTS:-$TESTS_C}; what=tests ;;
   tests-d) TESTS=${TESTS:-$TESTS_D}; what=tests ;;
   # The tests that need GPUs (marked gpu: the large shapes, graphs, NVSHMEM legs, a GPU per
-  # rank), one after another; the rest of the suite also runs on CPU ranks. 50 of them took
-  # 463 s on 4x H200 with most kernels compiling (2026-11-26).
+  # rank), one after another; the rest of the suite also runs on CPU ranks. The 50 took
+  # 315 s on 4x H200 with a warm machine's kernels (2026-11-26, a share of the cores per rank).
   tests-gpu) TESTS=${TESTS:-tests}; PYTEST_ARGS="-m gpu ${PYTEST_ARGS:-}"; what=tests ;;
 esac
 per_test=""
