@@ -59,6 +59,23 @@ def test_ranks_share_the_cores_by_default(monkeypatch):
     assert rank_threads(3) == share and rank_threads(10**6) == 1
 
 
+def _sleep_in_a_named_frame(ctx, seconds):
+    time.sleep(seconds)
+    return ctx.rank
+
+
+def test_a_long_task_writes_every_ranks_stacks(monkeypatch, tmp_path):
+    """``TRITONEP_STACK_DUMP_S``: a task still running after that long writes where each
+    rank's threads are, one file per rank, and nothing once the task has ended."""
+    monkeypatch.setenv("TRITONEP_STACK_DUMP_S", "0.5")
+    monkeypatch.setenv("TRITONEP_STACK_DUMP_DIR", str(tmp_path))
+    assert spawn(_sleep_in_a_named_frame, 2, 1.3) == [0, 1]
+    for rank in range(2):
+        text = (tmp_path / f"rank{rank}.txt").read_text()
+        assert text.startswith("--- task started") and "_sleep_in_a_named_frame" in text
+        assert 1 <= text.count("Timeout (0:00:00.500000)!") <= 3, text
+
+
 def test_pool_reports_the_failing_rank_and_recovers(run_ranks):
     with pytest.raises(RankFailure) as info:
         run_ranks(3, _raise_on_rank, 2, timeout=60)

@@ -20,6 +20,11 @@ With ``TRITONEP_SHARED_GPU=1`` every rank runs on GPU 0 instead (gloo between th
 buffers mapped through CUDA IPC): compiled kernels on real hardware with any number of ranks,
 for checking correctness on a one-GPU machine; timings taken that way mean nothing, since the
 ranks' kernels take turns on the GPU.
+
+Each rank takes an equal share of the machine's cores for its host work (:func:`rank_threads`).
+With ``TRITONEP_STACK_DUMP_S`` set, a rank task of a pool still running after that many seconds
+writes every thread's stack, which tells a rank that compiles or waits on a peer from one busy
+on the host.
 """
 
 from __future__ import annotations
