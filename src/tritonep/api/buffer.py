@@ -822,8 +822,9 @@ class Buffer:
         return self._trace_recorder() or self.profile
 
     def check(self) -> None:
-        """Wait for the device; raise :class:`WaitTimeoutError` if a kernel wait gave up (or
-        ``ValueError`` if worst-case outputs were too small).
+        """Wait for the device; raise :class:`WaitTimeoutError` if a kernel wait gave up,
+        ``ValueError`` if worst-case outputs were too small, or
+        :class:`~tritonep.errors.HeapGuardError` if a kernel wrote past a heap's regions.
 
         A timeout stays: every later call of the mode gives up its waits at once (no second
         wait for the same peer) and every later ``check()`` raises the same error, naming the
