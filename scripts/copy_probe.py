@@ -222,7 +222,10 @@ def peer_probe(args) -> None:
     W, n = args.words, args.rows
     src = torch.randint(-(2**30), 2**30, (n, W), dtype=torch.int32, device="cuda:0")
     dst = torch.zeros((n, W), dtype=torch.int32, device="cuda:1")
-    dst.copy_(src)  # makes torch enable peer access between the two GPUs
+    # A copy between two GPUs makes torch enable the source GPU's access to the other's
+    # memory: one each way, so that kernels on either GPU may read or write the other's.
+    dst.copy_(src)
+    src[:1].copy_(dst[:1])
     torch.cuda.synchronize(0)
     torch.cuda.synchronize(1)
     nbytes = src.numel() * 4

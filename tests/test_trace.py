@@ -52,6 +52,12 @@ def test_traces_show_every_phase_in_order(run_ranks, num_ranks, tmp_path):
                 events = json.load(f)["traceEvents"]
             slices = [e for e in events if e["ph"] == "X"]
             assert all(e["pid"] == rank and e["dur"] >= 0 for e in slices)
+            # On GPUs every slice names the SM its program ran on; CPU ranks have none.
+            for e in slices:
+                if machine_gpus():
+                    assert 0 <= e["args"]["sm"] < 1024, e
+                else:
+                    assert "sm" not in e["args"], e
             (_, send_names), (_, recv_names) = PHASES[kernel]
             names = {e["name"] for e in slices}
             assert {f"{kernel}: send", f"{kernel}: receive"} <= names

@@ -264,7 +264,8 @@ def ll_combine_kernel(
 
     if PROFILE:
         t_end = read_clock(trace_ptr, USE_CLOCK)
-        write_trace(trace_ptr, t_start, t_send_end, t_end, t_send, t_signal, t_wait, t_reduce, 0)
+        write_trace(trace_ptr, t_start, t_send_end, t_end, t_send, t_signal, t_wait, t_reduce, 0,
+                    USE_CLOCK)  # fmt: skip
     last = finish_launch(
         state_ptr,
         COMBINE_ARRIVALS,

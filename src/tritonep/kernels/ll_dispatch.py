@@ -536,7 +536,7 @@ def ll_dispatch_kernel(
         t_end = read_clock(trace_ptr, USE_CLOCK)
         write_trace(
             trace_ptr, t_start, t_send_end, t_end, t_quantize_send, t_count_send, t_wait,
-            t_pack, 0,
+            t_pack, 0, USE_CLOCK,
         )  # fmt: skip
     last = finish_launch(
         state_ptr,

@@ -489,7 +489,8 @@ def normal_combine_kernel(
     call = tl.load(state_ptr + COMBINE_CALLS, volatile=True)
     if PROFILE:
         t_start = read_clock(trace_ptr, USE_CLOCK)
-    if pid < NUM_CHANNELS:
+    sends = pid < NUM_CHANNELS
+    if sends:
         waited = combine_send(
             pid,
             call,
@@ -579,6 +580,6 @@ def normal_combine_kernel(
             PROFILE,
         )
     if PROFILE:
-        trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), pid < NUM_CHANNELS,
-                   waited)  # fmt: skip
+        trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), sends, waited,
+                   USE_CLOCK)  # fmt: skip
     finish_call(state_ptr, call, COMBINE_ARRIVALS, COMBINE_CALLS)

@@ -646,7 +646,8 @@ def normal_dispatch_kernel(
     call = tl.load(state_ptr + DISPATCH_CALLS, volatile=True)
     if PROFILE:
         t_start = read_clock(trace_ptr, USE_CLOCK)
-    if pid < NUM_CHANNELS:
+    sends = pid < NUM_CHANNELS
+    if sends:
         waited = dispatch_send(
             pid,
             call,
@@ -760,6 +761,6 @@ def normal_dispatch_kernel(
             PROFILE,
         )
     if PROFILE:
-        trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), pid < NUM_CHANNELS,
-                   waited)  # fmt: skip
+        trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), sends, waited,
+                   USE_CLOCK)  # fmt: skip
     finish_call(state_ptr, call, DISPATCH_ARRIVALS, DISPATCH_CALLS)

@@ -164,7 +164,7 @@ def notify_kernel(
 
     # The last program lays out the received rows: source rank major, then channel.
     if PROFILE:
-        trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), True, 0)
+        trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), True, 0, USE_CLOCK)
     tl.debug_barrier()
     done = tl.atomic_add(state_ptr + NOTIFY_ARRIVALS, 1, sem="acq_rel", scope="gpu")
     if done == NUM_RANKS - 1:

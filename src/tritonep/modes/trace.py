@@ -5,7 +5,8 @@ A mode built with ``profile=True`` hands every launch a fresh readings buffer
 is read back until :meth:`TraceRecorder.dump`, so profiling adds no host synchronization to the
 calls themselves.
 
-In the trace, a process is a rank and a thread is a program (one SM) of a kernel. Each launch
+In the trace, a process is a rank and a thread is a program (one SM, named in its ``sm``
+argument on GPUs) of a kernel. Each launch
 shows, per program, its send and receive phases as slices, and inside them the program's
 sub-phases (for example quantize and send, count send, wait, pack) laid end to end with their
 summed durations, since a program interleaves them over its work items. On GPUs times are
@@ -23,8 +24,8 @@ import torch
 
 from ..kernels import trace as kt
 
-SLOTS, START, SEND_END, END, FIRST_PHASE = (
-    int(v.value) for v in (kt.SLOTS, kt.START, kt.SEND_END, kt.END, kt.FIRST_PHASE)
+SLOTS, START, SEND_END, END, FIRST_PHASE, SM = (
+    int(v.value) for v in (kt.SLOTS, kt.START, kt.SEND_END, kt.END, kt.FIRST_PHASE, kt.SM)
 )
 
 #: Each traced kernel's two phases, as (name, sub-phase names): the send phase, the receive
@@ -114,7 +115,7 @@ class TraceRecorder:
                 start, send_end, end = row[START], row[SEND_END], row[END]
                 if end == 0:
                     continue  # the program did not run (or the launch never finished)
-                totals = row[FIRST_PHASE:]
+                totals = row[FIRST_PHASE:SM]
                 spans = [
                     (send_name, start, send_end, send_subs, totals[: len(send_subs)]),
                     (recv_name, send_end, end, recv_subs,
@@ -127,6 +128,8 @@ class TraceRecorder:
                         continue
                     args = {"kernel": launch.kernel, "call": launch.call, "program": program,
                             "phase": name}  # fmt: skip
+                    if row[SM] >= 0:  # GPUs: the SM the program ran on
+                        args["sm"] = row[SM]
                     events.append(self._slice(f"{launch.kernel}: {name}", begin, finish - begin,
                                               origin, program, args))  # fmt: skip
                     at = begin
