@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check in one call: the GPU test suite, the demo, then the benchmarks, on N ranks.
 # Run from the repository root on a GPU machine:
-#   bash scripts/gpu_check.sh [N] [tests|tests-core|tests-layers|tests-a|-b|-c|-d|tests-par|tests-gpu|tests-soak|bench|tune|ab|soak|soak-par|host|probe|quantize|all]
+#   bash scripts/gpu_check.sh [N] [tests|tests-core|tests-layers|tests-a|-b|-c|-d|tests-par|tests-gpu|tests-soak|bench|tune|ab|soak|soak-par|host|probe|a2a|quantize|all]
 # N defaults to every GPU of the machine. Logs and CSVs go to $OUT (when set) or ./out.
 # The whole suite compiles many kernel variants and does not fit one call of the 10-minute
 # device limit: on GPUs of their own, 2 ranks took more than 9 minutes for tests-core alone
@@ -165,6 +165,13 @@ if [ "$what" = probe ]; then
   # How fast one program copies rows (formulations of the kernels' copy loop), one GPU.
   timeout "$(limit "${PROBE_LIMIT_S:-300}")" python3 scripts/copy_probe.py --programs "${PROBE_PROGRAMS:-12}" ${PROBE_ARGS:-} 2>&1 \
     | tee "$out/copy_probe.log" | grep -v -i warn || status=1
+fi
+if [ "$what" = a2a ]; then
+  # What P programs push to every peer at once, every rank together (the normal mode's bytes
+  # at 4096 tokens; A2A_ARGS="--rows 115 --words 1852 --graph 10" the low-latency dispatch's).
+  timeout "$(limit "${PROBE_LIMIT_S:-300}")" python3 scripts/a2a_probe.py --ranks "$ranks" \
+    --programs "${A2A_PROGRAMS:-6,8,12,16,24,32}" ${A2A_ARGS:-} 2>&1 | tee "$out/a2a_probe.log" \
+    | grep -v -i warn || status=1
 fi
 if [ "$what" = quantize ]; then
   # FP8 quantization of a batch of tokens (the normal mode's FP8 input): kernel vs reference.

@@ -21,9 +21,10 @@ With ``LOCAL`` (every launch whose input is complete before it starts: all but a
 second leg) a token's row for this rank itself never enters a ring: the receiver's own lane
 reads the channel's tokens straight from the input, ``ROWS`` per step beside the rows that
 arrived from peers, and stores them (payload, scales and record) into their output rows
-``recv_start[rank, channel] + i``. The senders then store only into peers: a program's stores
-into a peer top out near 16 bytes per clock (BENCHMARKS.md), so a sender that also wrote the
-local copies spent part of that on them, while the receivers' own lane stayed empty.
+``recv_start[rank, channel] + i``. The senders then store only into peers: under the
+all-to-all load of every rank at once, 12 programs push about 290 GB/s into the peers, close
+to all NVLink then carries (BENCHMARKS.md), so a sender that also wrote the local copies spent
+part of that on them, while the receivers' own lane stayed empty.
 
 Flags are tagged with the call number (``call << 32 | position``), so a stale flag of an
 earlier call never passes for a new one and nothing is reset between calls. At the end of a
