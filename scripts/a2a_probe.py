@@ -69,17 +69,6 @@ def push_rows(src_ptr, peer_ptrs, rank, n_rows, slot_bytes, W: tl.constexpr,
             v = v_next
 
 
-class _NoClock:
-    def record(self):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def elapsed_time(self, other):
-        return 1.0
-
-
 def _rows(rank: int, n: int, W: int, device) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1234 + rank)
     return torch.randint(-(2**30), 2**30, (n, W), generator=gen, dtype=torch.int32).to(device)
@@ -95,43 +84,33 @@ def _check(heap, me, n, W, slot_bytes, programs) -> None:
                 raise AssertionError(f"rank {me}: rows of rank {s} wrong ({programs} programs)")
 
 
-def _graph_line(opts, programs, src, heap, me, n, slot_bytes, W, R) -> str:
-    """Per-launch device time of ``opts.graph`` launches captured in one CUDA graph (the
-    modes' graph figures are taken this way), replayed after a barrier; median of replays,
-    slowest rank."""
-    import torch.distributed as dist
-
-    def launch():
-        push_rows[(programs,)](src, heap.peer_ptrs, me, n, slot_bytes, W=W, NUM_RANKS=R,
-                               TOK=opts.tok, BW=opts.bw, PER_PEER=opts.per_peer,
-                               num_warps=opts.warps)  # fmt: skip
-
+def _graph(launch, count: int):
+    """A function that replays ``count`` launches captured in one CUDA graph (the modes' graph
+    figures are taken this way)."""
     launch()  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(opts.graph):
+        for _ in range(count):
             launch()
-    times = []
-    for it in range(opts.iters + 3):
-        heap.local.zero_()  # the check afterwards sees what the replays wrote
-        heap.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        if it >= 3:
-            times.append(start.elapsed_time(end) * 1e3 / opts.graph)
-    median = sorted(times)[len(times) // 2]
-    slowest = [0.0] * R
-    dist.all_gather_object(slowest, median)
-    t = max(slowest)
-    remote = (R - 1) * slot_bytes
-    return (
-        f"{programs:3d} programs, graph of {opts.graph}: {t:7.2f} us per launch (ranks "
-        f"{min(slowest):.2f}-{t:.2f}), {remote / t / 1e3:6.1f} GB/s remote per rank"
-    )
+    return graph.replay
+
+
+def _timed_us(run, heap) -> float:
+    """Microseconds of one ``run`` on this rank, started after every rank has cleared its slots
+    (the check afterwards sees what this run wrote); CPU ranks (the Triton interpreter) only
+    run it, their time is 1."""
+    heap.local.zero_()
+    heap.barrier()
+    if heap.device.type != "cuda":
+        run()
+        return 1.0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
 
 
 def _rank(ctx, opts):
@@ -142,41 +121,31 @@ def _rank(ctx, opts):
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
     W, n = opts.words, opts.rows
     slot_bytes = n * W * 4
+    remote = (R - 1) * slot_bytes
     heap = heaps.allocate(R * slot_bytes, ctx.group, dev)
     src = _rows(me, n, W, dev)
     lines = []
     for programs in opts.programs:
         if opts.per_peer and programs % (R - 1):
             continue
-        if opts.graph and dev.type == "cuda":
-            lines.append(_graph_line(opts, programs, src, heap, me, n, slot_bytes, W, R))
-            _check(heap, me, n, W, slot_bytes, programs)
-            continue
-        times = []
-        for it in range(opts.iters + 3):
-            heap.local.zero_()
-            heap.barrier()
-            if dev.type == "cuda":
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-            else:  # CPU ranks (the Triton interpreter): a check of the copy, no timing
-                start = end = _NoClock()
-            start.record()
+
+        def launch(programs=programs):
             push_rows[(programs,)](src, heap.peer_ptrs, me, n, slot_bytes, W=W, NUM_RANKS=R,
                                    TOK=opts.tok, BW=opts.bw, PER_PEER=opts.per_peer,
                                    num_warps=opts.warps)  # fmt: skip
-            end.record()
-            end.synchronize()
-            if it >= 3:
-                times.append(start.elapsed_time(end) * 1e3)
+
+        # After a barrier every rank launches at once; in a graph the ranks drift apart
+        # between its launches, so its figure is a lower bound.
+        graphed = opts.graph if opts.graph and dev.type == "cuda" else 0
+        run = _graph(launch, graphed) if graphed else launch
+        times = [_timed_us(run, heap) / max(graphed, 1) for _ in range(opts.iters + 3)][3:]
         _check(heap, me, n, W, slot_bytes, programs)
-        median = sorted(times)[len(times) // 2]
-        slowest = [0.0] * R
-        dist.all_gather_object(slowest, median)
-        t = max(slowest)
-        remote = (R - 1) * slot_bytes
-        lines.append(f"{programs:3d} programs: {t:7.1f} us (ranks {min(slowest):.1f}-{t:.1f}), "
-                     f"{remote / t / 1e3:6.1f} GB/s remote per rank, "
+        ranks = [0.0] * R
+        dist.all_gather_object(ranks, sorted(times)[len(times) // 2])
+        t = max(ranks)
+        label = f", graph of {graphed}" if graphed else ""
+        lines.append(f"{programs:3d} programs{label}: {t:7.1f} us (ranks {min(ranks):.1f}-"
+                     f"{t:.1f}), {remote / t / 1e3:6.1f} GB/s remote per rank, "
                      f"{remote / t / 1e3 / programs:5.1f} per program")  # fmt: skip
     heap.close()
     return lines
