@@ -129,6 +129,7 @@ LL_DISPATCH_META = dict(
     R_P2=4,
     BINS=256,
     MSG_BLOCK=8,
+    ITEMS=2,
     PROFILE=False,
     WAIT_STATS=False,
     SHRINK=False,
@@ -148,6 +149,7 @@ LL_COMBINE_META = dict(
     DO_RECV=True,
     USE_CLOCK=True,
     G_P2=64,
+    R_P2=4,
     ROW_BLOCK=4,
     REDUCE_BW=8192,
     PROFILE=False,
@@ -175,8 +177,8 @@ for name, sig, meta in [
     ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, "VIA": 1}),
     # Shrink mode (masked peers skipped, timeouts mask), within a node and across nodes
     ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "SHRINK": True}),
-    # Ids counted by histograms (many tokens)
-    ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "COUNT_BY_ADDS": False}),
+    # Ids counted by histograms and items packed one at a time (many tokens)
+    ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "COUNT_BY_ADDS": False, "ITEMS": 1}),
     # A batch of one token, its size known when compiling
     ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "ONE_TOKEN": True}),
     ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, "SHRINK": True}),

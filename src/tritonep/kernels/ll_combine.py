@@ -37,7 +37,7 @@ from .fp8 import from_bf16, to_bf16
 from .ll_dispatch import call_number, finish_launch
 from .logfmt import decode, encode_groups
 from .peer_mask import gave_up, mask_timed_out, masked, wait_peer
-from .sync import add_release, aligned_ptr, limit_ns, record_timeout, wait_flag
+from .sync import add_release, aligned_ptr, limit_ns, record_timeout, wait_tile
 from .trace import read_clock, write_trace
 from .transport import SIGNAL_ADD, VIA_STORE, put_block, signal
 
@@ -85,6 +85,7 @@ def ll_combine_kernel(
     DO_RECV: tl.constexpr,
     USE_CLOCK: tl.constexpr,
     G_P2: tl.constexpr,
+    R_P2: tl.constexpr,  # power of two >= NUM_RANKS
     ROW_BLOCK: tl.constexpr,
     REDUCE_BW: tl.constexpr,  # channels of a token reduced at a time (power of two)
     PROFILE: tl.constexpr,
@@ -185,7 +186,6 @@ def ll_combine_kernel(
             t_signal = t_send_end - t1
 
     if DO_RECV:
-        timeout_ns = limit_ns(timeout_us, status_ptr)  # only the receiving part waits
         set_off = (c_recv % 2) * RECV_SET_BYTES
         my_base = tl.load(peer_ptrs + rank)
         if PROFILE:
@@ -194,27 +194,45 @@ def ll_combine_kernel(
         # running ahead of its peers by more than one call, and so from overwriting the
         # buffer set they still read (several combines of one dispatch, each sending).
         if pid < tl.maximum(num_tokens, 1):
-            target = (c_recv + 1) * E_LOCAL
-            budget = timeout_ns + tl.zeros((), tl.int64)  # later waits give up after a timeout
-            for src in range(NUM_RANKS):
-                done = (my_base + done_offset + src * 8).to(tl.pointer_type(tl.int64))
-                if WAIT_STATS:
-                    w0 = read_clock(trace_ptr, USE_CLOCK)
-                if SHRINK:
+            sources = tl.arange(0, R_P2)[None, :]
+            done = (my_base + done_offset + sources * 8).to(tl.pointer_type(tl.int64))
+            if SHRINK:
+                timeout_ns = limit_ns(timeout_us, status_ptr)
+                for src in range(NUM_RANKS):
+                    if WAIT_STATS:
+                        w0 = read_clock(trace_ptr, USE_CLOCK)
                     # Calls in which this peer was masked brought no signal from it.
                     expected = (c_recv + 1 - tl.load(skipped_ptr + src)) * E_LOCAL
-                    _, ok = wait_peer(done, expected, timeout_ns, tl.load(mask_ptr + src) != 0,
-                                      verdict_ptr + src, c_recv + 1, USE_CLOCK,
-                                      AT_LEAST=True)  # fmt: skip
-                else:
-                    _, ok = wait_flag(done, target, budget, USE_CLOCK, AT_LEAST=True)
-                if WAIT_STATS:
-                    waited = read_clock(trace_ptr, USE_CLOCK) - w0
-                    tl.atomic_add(wait_stats_ptr + src, waited, sem="relaxed", scope="gpu")
-                if not SHRINK:
-                    budget = tl.where(ok, budget, 0)
-                    if not ok:
-                        record_timeout(status_ptr, src, PHASE_COMBINE_RECV, timeout_ns)
+                    flag = (my_base + done_offset + src * 8).to(tl.pointer_type(tl.int64))
+                    wait_peer(
+                        flag,
+                        expected,
+                        timeout_ns,
+                        tl.load(mask_ptr + src) != 0,
+                        verdict_ptr + src,
+                        c_recv + 1,
+                        USE_CLOCK,
+                        AT_LEAST=True,
+                    )
+                    if WAIT_STATS:
+                        waited = read_clock(trace_ptr, USE_CLOCK) - w0
+                        tl.atomic_add(wait_stats_ptr + src, waited, sem="relaxed", scope="gpu")
+            else:
+                # Every sender's counter in one read, usually all there; else the read
+                # repeats (bounded) until they are.
+                _, missing, waited, limit = wait_tile(
+                    done, sources < NUM_RANKS, (c_recv + 1) * E_LOCAL,
+                    timeout_us.to(tl.int64) * 1000, timeout_us, status_ptr, USE_CLOCK,
+                    AT_LEAST=True, TIMED=WAIT_STATS,
+                )  # fmt: skip
+                missing = tl.max(missing.to(tl.int32), axis=0) > 0
+                if tl.max(missing.to(tl.int32), axis=0) > 0:
+                    gone = tl.min(tl.where(missing, tl.arange(0, R_P2), R_P2), axis=0)
+                    record_timeout(status_ptr, gone, PHASE_COMBINE_RECV, limit)
+                if WAIT_STATS:  # the time until each sender's rows were all there
+                    tl.atomic_add(wait_stats_ptr + tl.arange(0, R_P2), tl.max(waited, axis=0),
+                                  mask=tl.arange(0, R_P2) < NUM_RANKS, sem="relaxed",
+                                  scope="gpu")  # fmt: skip
         if PROFILE:
             t1 = read_clock(trace_ptr, USE_CLOCK)
             t_wait = t1 - t0

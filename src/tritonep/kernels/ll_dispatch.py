@@ -58,7 +58,7 @@ import triton.language as tl
 
 from .fp8 import e4m3_bits, from_bf16, quantize_groups
 from .peer_mask import mask_timed_out, masked, wait_peer
-from .sync import aligned_ptr, limit_ns, poll_acquire, record_timeout, wait_flag
+from .sync import aligned_ptr, lane, limit_ns, record_timeout, wait_tile
 from .trace import read_clock, write_trace
 from .transport import SIGNAL_SET, VIA_STORE, put_block_signal
 
@@ -137,6 +137,12 @@ def first_choices(ids, ks, K: tl.constexpr, NUM_EXPERTS: tl.constexpr):
     return valid
 
 
+@triton.jit
+def _any(flags):
+    """Whether any lane of a 2-D boolean tile is set."""
+    return tl.max(tl.max(flags.to(tl.int32), axis=1), axis=0) > 0
+
+
 @triton.jit(do_not_specialize=["num_tokens", "timeout_us"])
 def ll_dispatch_kernel(
     x_ptr,  # [N, H] bf16
@@ -185,6 +191,7 @@ def ll_dispatch_kernel(
     R_P2: tl.constexpr,  # power of two >= NUM_RANKS
     BINS: tl.constexpr,  # power of two >= max(NUM_EXPERTS, 2): one bin per expert
     MSG_BLOCK: tl.constexpr,
+    ITEMS: tl.constexpr,  # work items a receiving program moves together (power of two)
     PROFILE: tl.constexpr,
     WAIT_STATS: tl.constexpr,
     SHRINK: tl.constexpr = False,  # masked peers are skipped, timeouts mask (peer_mask)
@@ -245,6 +252,10 @@ def ll_dispatch_kernel(
         senders = tl.maximum(tl.cdiv(num_tokens, tl.maximum(per_program, 1)), 1)
         total = tl.zeros((BINS,), tl.int32)
         before = tl.zeros((BINS,), tl.int32)
+        # The first token's row is loaded now, so that its memory latency passes while the
+        # ids are counted; each token's send then loads the next one's.
+        x_next = tl.load(x_ptr + tl.cast(first_token, tl.int64) * H + row_offs,
+                         mask=row_mask & (first_token < last_token), other=0.0)  # fmt: skip
         if COUNT_BY_ADDS:
             tl.store(tally + experts, tl.zeros((BINS,), tl.int64))
             tl.debug_barrier()
@@ -292,8 +303,10 @@ def ll_dispatch_kernel(
             slots = tl.load(next_slot + ids, mask=valid, other=0)
             tl.debug_barrier()
             tl.store(next_slot + ids, slots + 1, mask=valid)
-            # Load and quantize the token once, then store it to each of its experts.
-            x = tl.load(x_ptr + tl.cast(token, tl.int64) * H + row_offs, mask=row_mask, other=0.0)
+            # Quantize the token once, then store it to each of its experts.
+            x = x_next
+            x_next = tl.load(x_ptr + tl.cast(token + 1, tl.int64) * H + row_offs,
+                             mask=row_mask & (token + 1 < last_token), other=0.0)  # fmt: skip
             if USE_FP8:
                 q, scale = quantize_groups(from_bf16(x, not USE_CLOCK), USE_UE8M0, not USE_CLOCK)
                 q = e4m3_bits(q, not USE_CLOCK)
@@ -405,81 +418,100 @@ def ll_dispatch_kernel(
         set_off = (c_recv % 2) * RECV_SET_BYTES
         flag_set_off = (c_recv % 2) * FLAG_SET_BYTES
         my_base = tl.load(peer_ptrs + rank)
+        set_base = my_base + recv_offset + set_off
         msgs = tl.arange(0, MSG_BLOCK)
         sources = tl.arange(0, R_P2)
+        item_lanes = tl.arange(0, ITEMS)
         scale_lanes = tl.arange(0, G_P2 * MSG_BLOCK)
         flat = tl.arange(0, G_P2 * 128)
         flat_mask = flat < H
         # After one wait gives up, the program's later waits give up at once, so a launch
         # ends within about one timeout however many waits it has.
         budget = timeout_us.to(tl.int64) * 1000
-        # One work item per (local expert, source rank): its block starts after the blocks of
+        # Work items are (local expert, source rank) pairs; a block starts after the blocks of
         # the earlier sources, whose counts it reads from their flags (in source-rank order,
-        # so the output is deterministic and matches the reference).
-        for item in range(pid, E_LOCAL * NUM_RANKS, num_programs):
-            local = item // NUM_RANKS
-            me_src = item % NUM_RANKS
+        # so the output is deterministic and matches the reference). A program takes its
+        # items ITEMS at a time and moves them as one: one wait for all their counts, then
+        # their messages together, so the dependent reads (counts, headers, payloads) are
+        # paid once per group rather than once per item.
+        for group in range(0, tl.cdiv(E_LOCAL * NUM_RANKS, num_programs), ITEMS):
+            items = pid + (group + item_lanes) * num_programs
+            live = items < E_LOCAL * NUM_RANKS
+            local = tl.where(live, items // NUM_RANKS, 0)
+            me_src = tl.where(live, items % NUM_RANKS, 0)
             if PROFILE:
                 t0 = read_clock(trace_ptr, USE_CLOCK)
-            flag_row = my_base + flag_offset + flag_set_off + local * NUM_RANKS * 8
-            begin = tl.zeros((), tl.int32)
-            count = tl.zeros((), tl.int32)
-            first_src = tl.zeros((), tl.int32)
-            if not SHRINK:  # shrink mode settles each source's outcome with the others
-                # Usually every count is there: one vector read of them all instead of one
-                # round trip per source. A source not yet there is waited for one by one.
-                wanted = sources <= me_src
-                count_flags = (flag_row + sources * 8).to(tl.pointer_type(tl.int64))
-                if WAIT_STATS:
-                    w0 = read_clock(trace_ptr, USE_CLOCK)
-                tagged = poll_acquire(count_flags, wanted, False)
-                tl.debug_barrier()  # the acquire orders every thread's reads of the messages
-                counts = (tagged & 0xFFFFFFFF).to(tl.int32)
-                arrived = wanted & ((tagged >> 32) == c_recv + 1)
-                if tl.sum(tl.where(wanted & ~arrived, 1, 0), axis=0) == 0:
-                    begin = tl.sum(tl.where(sources < me_src, counts, 0), axis=0)
-                    count = tl.sum(tl.where(sources == me_src, counts, 0), axis=0)
-                    first_src = me_src + 1
-                    if WAIT_STATS:  # each source waited for as long as the one read took
-                        waited = read_clock(trace_ptr, USE_CLOCK) - w0
-                        tl.atomic_add(wait_stats_ptr + sources, waited + 0 * sources,
-                                      mask=wanted, sem="relaxed", scope="gpu")  # fmt: skip
-            for src in range(first_src, me_src + 1):
-                # The status is read only here, where a wait is due: the common call, whose
-                # counts are all there at the first read, spends no load on it.
-                timeout_ns = limit_ns(timeout_us, status_ptr)
-                budget = tl.minimum(budget, timeout_ns)
-                flag = flag_row + src * 8
-                if WAIT_STATS:
-                    w0 = read_clock(trace_ptr, USE_CLOCK)
-                flag = flag.to(tl.pointer_type(tl.int64))
-                if SHRINK:
-                    value, ok = wait_peer(flag, c_recv + 1, timeout_ns,
-                                          tl.load(mask_ptr + src) != 0, verdict_ptr + src,
-                                          c_recv + 1, USE_CLOCK, SHIFT=32)  # fmt: skip
-                else:
-                    value, ok = wait_flag(flag, c_recv + 1, budget, USE_CLOCK, SHIFT=32)
-                if WAIT_STATS:
-                    waited = read_clock(trace_ptr, USE_CLOCK) - w0
-                    tl.atomic_add(wait_stats_ptr + src, waited, sem="relaxed", scope="gpu")
-                if not SHRINK:
-                    budget = tl.where(ok, budget, 0)
-                    if not ok:
-                        record_timeout(status_ptr, src, PHASE_DISPATCH_RECV, timeout_ns, local)
-                # A timed-out source contributes nothing; the host raises from the status (or,
-                # in shrink mode, the source is masked at the end of the launch).
-                begin += count
-                count = tl.where(ok, (value & 0xFFFFFFFF).to(tl.int32), 0)
+            flag_rows = my_base + flag_offset + flag_set_off + local * NUM_RANKS * 8
+            if SHRINK:  # shrink mode settles each source's outcome with the other programs
+                begin = tl.zeros((ITEMS,), tl.int32)
+                count = tl.zeros((ITEMS,), tl.int32)
+                for j in tl.static_range(ITEMS):
+                    item_begin = tl.zeros((), tl.int32)
+                    item_count = tl.zeros((), tl.int32)
+                    item_live = lane(live.to(tl.int32), item_lanes, j) != 0
+                    item_src = tl.where(item_live, lane(me_src, item_lanes, j), -1)
+                    item_row = lane(flag_rows, item_lanes, j)
+                    for src in range(0, item_src + 1):
+                        timeout_ns = limit_ns(timeout_us, status_ptr)
+                        flag = (item_row + src * 8).to(tl.pointer_type(tl.int64))
+                        if WAIT_STATS:
+                            w0 = read_clock(trace_ptr, USE_CLOCK)
+                        value, ok = wait_peer(flag, c_recv + 1, timeout_ns,
+                                              tl.load(mask_ptr + src) != 0, verdict_ptr + src,
+                                              c_recv + 1, USE_CLOCK, SHIFT=32)  # fmt: skip
+                        if WAIT_STATS:
+                            waited = read_clock(trace_ptr, USE_CLOCK) - w0
+                            tl.atomic_add(wait_stats_ptr + src, waited, sem="relaxed",
+                                          scope="gpu")  # fmt: skip
+                        # A source given up on contributes nothing (it is masked at the end).
+                        item_begin += item_count
+                        item_count = tl.where(ok, (value & 0xFFFFFFFF).to(tl.int32), 0)
+                    begin = tl.where(item_lanes == j, item_begin, begin)
+                    count = tl.where(item_lanes == j, item_count, count)
+            else:
+                # Every count of the group in one vector read, usually all there; else the
+                # read repeats (bounded) until they are.
+                wanted = live[:, None] & (sources[None, :] <= me_src[:, None])
+                count_flags = (flag_rows[:, None] + sources[None, :] * 8).to(
+                    tl.pointer_type(tl.int64))  # fmt: skip
+                tagged, missing, waited, limit = wait_tile(
+                    count_flags, wanted, c_recv + 1, budget, timeout_us, status_ptr, USE_CLOCK,
+                    SHIFT=32, TIMED=WAIT_STATS,
+                )  # fmt: skip
+                if _any(missing):
+                    # Name the first (item, source) still missing; it contributes nothing.
+                    lanes = item_lanes[:, None] * R_P2 + sources[None, :]
+                    gone = tl.min(tl.min(tl.where(missing, lanes, ITEMS * R_P2), axis=1), 0)
+                    record_timeout(status_ptr, gone % R_P2, PHASE_DISPATCH_RECV, limit,
+                                   lane(local, item_lanes, gone // R_P2))  # fmt: skip
+                    budget = budget * 0
+                if WAIT_STATS:  # the time until each source's counts were all there
+                    tl.atomic_add(wait_stats_ptr + sources, tl.max(waited, axis=0),
+                                  mask=tl.max(wanted.to(tl.int32), axis=0) > 0, sem="relaxed",
+                                  scope="gpu")  # fmt: skip
+                counts = tl.where(wanted & ~missing, (tagged & 0xFFFFFFFF).to(tl.int32), 0)
+                begin = tl.sum(tl.where(sources[None, :] < me_src[:, None], counts, 0), axis=1)
+                count = tl.sum(tl.where(sources[None, :] == me_src[:, None], counts, 0), axis=1)
             if PROFILE:
                 t1 = read_clock(trace_ptr, USE_CLOCK)
                 t_wait += t1 - t0
-            set_base = my_base + recv_offset + set_off
-            block = set_base + (local * NUM_RANKS + me_src) * M * MSG_BYTES
-            # MSG_BLOCK messages at a time, so that their loads are in flight together.
-            for first in range(0, count, MSG_BLOCK):
-                mmask = (first + msgs) < count
-                msg = block + (first + msgs).to(tl.int64) * MSG_BYTES
-                rows = (local * NUM_RANKS * M + begin + first + msgs).to(tl.int64)
+            count = tl.where(live, count, 0)
+            # The group's messages as one list: item j's come after those of items < j.
+            ends = tl.cumsum(count, axis=0)
+            starts = ends - count
+            group_msgs = tl.sum(count, axis=0)
+            for first in range(0, group_msgs, MSG_BLOCK):
+                m = first + msgs
+                mmask = m < group_msgs
+                which = tl.sum((m[:, None] >= ends[None, :]).to(tl.int32), axis=1)
+                m_item = which[:, None] == item_lanes[None, :]
+                m_local = tl.sum(tl.where(m_item, local[None, :], 0), axis=1)
+                m_src = tl.sum(tl.where(m_item, me_src[None, :], 0), axis=1)
+                index = m - tl.sum(tl.where(m_item, starts[None, :], 0), axis=1)
+                row_in = tl.sum(tl.where(m_item, begin[None, :], 0), axis=1) + index
+                msg = set_base + (((m_local * NUM_RANKS + m_src) * M + index).to(tl.int64)
+                                  * MSG_BYTES)  # fmt: skip
+                rows = (m_local * NUM_RANKS * M + row_in).to(tl.int64)
                 header = aligned_ptr(msg, tl.int32)
                 source_token = tl.load(header, mask=mmask, cache_modifier=".cg")
                 column = tl.load(header + 1, mask=mmask, cache_modifier=".cg")
@@ -501,24 +533,32 @@ def ll_dispatch_kernel(
                     # fastest, so neighbouring lanes store neighbouring rows of one group; a
                     # [messages, groups] tile costs a layout change through shared memory
                     # (1.2 us more per dispatch at 128 tokens, BENCHMARKS.md).
-                    s_msg = first + scale_lanes % MSG_BLOCK
+                    s_m = first + scale_lanes % MSG_BLOCK
                     s_group = scale_lanes // MSG_BLOCK
-                    s_mask = (s_group < G) & (s_msg < count)
-                    s_header = aligned_ptr(block + s_msg.to(tl.int64) * MSG_BYTES, tl.int32)
+                    s_mask = (s_group < G) & (s_m < group_msgs)
+                    s_item = tl.sum((s_m[:, None] >= ends[None, :]).to(tl.int32), axis=1)
+                    s_sel = s_item[:, None] == item_lanes[None, :]
+                    s_local = tl.sum(tl.where(s_sel, local[None, :], 0), axis=1)
+                    s_index = s_m - tl.sum(tl.where(s_sel, starts[None, :], 0), axis=1)
+                    s_msg = (((s_local * NUM_RANKS + tl.sum(tl.where(s_sel, me_src[None, :], 0),
+                                                            axis=1)) * M + s_index).to(tl.int64)
+                             * MSG_BYTES)  # fmt: skip
+                    s_header = aligned_ptr(set_base + s_msg, tl.int32)
                     s_ref = tl.load(s_header + 2, mask=s_mask, other=0, cache_modifier=".cg")
                     s_src = set_base + s_ref.to(tl.int64) * MSG_BYTES + HEADER_BYTES + H
                     scale = tl.load(aligned_ptr(s_src, tl.float32) + s_group, mask=s_mask,
                                     cache_modifier=".cg")  # fmt: skip
-                    row = (begin + s_msg).to(tl.int64)
+                    row = (tl.sum(tl.where(s_sel, begin[None, :], 0), axis=1) + s_index).to(
+                        tl.int64)  # fmt: skip
                     if PACK_UE8M0:
                         # A power-of-two float32 scale is its exponent byte; byte g % 4 of
                         # int32 column g // 4 (out_scales_ptr is that int32 tensor as bytes).
                         e8 = ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
-                        s_column = local * ((G + 3) // 4) + s_group // 4
+                        s_column = s_local * ((G + 3) // 4) + s_group // 4
                         dst_s = (s_column * (NUM_RANKS * M) + row) * 4 + s_group % 4
                         tl.store(out_scales_ptr + dst_s, e8, mask=s_mask)
                     else:
-                        s_column = local * G + s_group
+                        s_column = s_local * G + s_group
                         tl.store(out_scales_ptr + s_column * (NUM_RANKS * M) + row, scale,
                                  mask=s_mask)  # fmt: skip
                 else:
@@ -526,9 +566,8 @@ def ll_dispatch_kernel(
                     x = tl.load(x_src, mask=mask2, cache_modifier=".cg")
                     tl.store(out_x_ptr + dst, x, mask=mask2)
             packed = (begin.to(tl.int64) << 32) | count
-            tl.store(out_range_ptr + local * NUM_RANKS + me_src, packed)
-            if me_src == NUM_RANKS - 1:
-                tl.store(out_count_ptr + local, begin + count)
+            tl.store(out_range_ptr + local * NUM_RANKS + me_src, packed, mask=live)
+            tl.store(out_count_ptr + local, begin + count, mask=live & (me_src == NUM_RANKS - 1))
             if PROFILE:
                 t_pack += read_clock(trace_ptr, USE_CLOCK) - t1
 

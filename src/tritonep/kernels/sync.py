@@ -170,6 +170,56 @@ def wait_all_at_least(ptrs, targets, active, timeout_ns, USE_CLOCK: tl.constexpr
 
 
 @triton.jit
+def wait_tile(ptrs, active, target, budget, timeout_us, status_ptr, USE_CLOCK: tl.constexpr,
+              SHIFT: tl.constexpr = 0, AT_LEAST: tl.constexpr = False,
+              TIMED: tl.constexpr = False):  # fmt: skip
+    """Spin (acquire) until every ``active`` lane of a 2-D tile of int64 flags has
+    ``flag >> SHIFT`` equal to ``target`` (or reaching it, ``AT_LEAST``).
+
+    One read of the whole tile, usually enough; the status is read (:func:`limit_ns`) only
+    when a lane is missing, and the wait then lasts at most ``min(budget, limit)``. Returns
+    ``(values, missing, waited, limit)``: each lane's value from the read that found it
+    arrived, the lanes still missing at the limit, with ``TIMED`` the nanoseconds until each
+    lane was found, the read that found it included (reads under the interpreter; else 0),
+    and the limit the wait had (for :func:`record_timeout`; ``budget`` when none was due).
+    """
+    start = tl.zeros((), tl.int64)
+    if TIMED:
+        start = start_clock(USE_CLOCK)
+    values = poll_acquire(ptrs, active, False)
+    if AT_LEAST:
+        missing = active & ((values >> SHIFT) < target)
+    else:
+        missing = active & ((values >> SHIFT) != target)
+    spins = tl.full((), 1, tl.int64)  # the first read counts as one
+    waited = tl.zeros(values.shape, tl.int64)
+    if TIMED:
+        waited = tl.where(active, elapsed_ns(start, spins, USE_CLOCK), 0)
+    limit = budget
+    if tl.max(tl.max(missing.to(tl.int32), axis=1), axis=0) > 0:
+        limit = tl.minimum(budget, limit_ns(timeout_us, status_ptr))
+        if not TIMED:
+            start = start_clock(USE_CLOCK)
+        while (tl.max(tl.max(missing.to(tl.int32), axis=1), axis=0) > 0) & (
+            elapsed_ns(start, spins, USE_CLOCK) < limit
+        ):
+            spins += 1
+            again = poll_acquire(ptrs, missing, False)
+            if AT_LEAST:
+                came = missing & ((again >> SHIFT) >= target)
+            else:
+                came = missing & ((again >> SHIFT) == target)
+            values = tl.where(came, again, values)
+            if TIMED:
+                waited = tl.where(came, elapsed_ns(start, spins, USE_CLOCK), waited)
+            missing = missing & ~came
+        if TIMED:
+            waited = tl.where(missing, elapsed_ns(start, spins, USE_CLOCK), waited)
+    tl.debug_barrier()  # the acquire orders every thread's later reads
+    return values, missing, waited, limit
+
+
+@triton.jit
 def relay_flag(relay_call_ptr):
     """The flag value of this call's rows: the reading launch's call counter + 1. Read once
     by the writing program; the reading launch cannot end (and count on) before every row it

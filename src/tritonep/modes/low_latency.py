@@ -489,6 +489,13 @@ class LowLatencyMode:
             # Messages copied together on receive: 64 KB of payload in flight, on 16 warps
             # (the pack's loads wait on the headers that locate the payloads).
             MSG_BLOCK=_rows_in_flight(H, 1 if use_fp8 else 2, 65536),
+            # A receiving program moves its (expert, source) items together (one wait for
+            # their counts, their messages in one list) where the batch is small and all
+            # counts come at once; for larger batches, whose counts come spread out, one at
+            # a time, so that it packs one while the next one's counts are still on the way
+            # (4x H100: 2 together 14.6-14.7 against 15.1-15.5 us at 32 tokens, 26.0-26.9
+            # against 24.6-24.7 at 128; BENCHMARKS.md).
+            ITEMS=min(4, _next_pow2(-(-self.num_experts // self.num_programs))) if by_adds else 1,
             num_warps=16,
         )
         handle = LowLatencyHandle(
@@ -602,6 +609,7 @@ class LowLatencyMode:
             LOGFMT=bool(use_logfmt),
             USE_CLOCK=use_clock(self.device),
             G_P2=_next_pow2(H // 128),
+            R_P2=_next_pow2(max(R, 2)),
             # 16 warps: a BF16 sender keeps 64 KB in flight, the reduce takes whole rows
             # (BENCHMARKS.md, "Low-latency combine on 16 warps"). LogFMT encodes ROW_BLOCK
             # rows x LOGFMT_GROUPS groups at a time: whole rows, 32 KB of BF16 a step (its
