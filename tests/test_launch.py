@@ -76,6 +76,27 @@ def test_a_long_task_writes_every_ranks_stacks(monkeypatch, tmp_path):
         assert 1 <= text.count("Timeout (0:00:00.500000)!") <= 3, text
 
 
+def _crash_in_a_named_frame(ctx, crash_rank):
+    if ctx.rank == crash_rank:
+        import ctypes
+
+        ctypes.string_at(0)  # a segmentation fault, as a crashing compiler would raise
+    time.sleep(0.5)
+    return ctx.rank
+
+
+def test_a_rank_killed_by_a_fatal_signal_writes_its_stacks(monkeypatch, tmp_path):
+    """A rank that dies of a signal says no more than its exit code; with
+    ``TRITONEP_STACK_DUMP_S`` its file names where it was."""
+    monkeypatch.setenv("TRITONEP_STACK_DUMP_S", "60")
+    monkeypatch.setenv("TRITONEP_STACK_DUMP_DIR", str(tmp_path))
+    with pytest.raises(RankFailure, match="rank 1 exited with code -11"):
+        spawn(_crash_in_a_named_frame, 2, 1, timeout=60)
+    text = (tmp_path / "rank1.txt").read_text()
+    assert "Segmentation fault" in text and "_crash_in_a_named_frame" in text, text
+    assert "Segmentation fault" not in (tmp_path / "rank0.txt").read_text()
+
+
 def test_pool_reports_the_failing_rank_and_recovers(run_ranks):
     with pytest.raises(RankFailure) as info:
         run_ranks(3, _raise_on_rank, 2, timeout=60)

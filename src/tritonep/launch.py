@@ -180,8 +180,9 @@ def _dump_stacks_later(rank: int):
     """With ``TRITONEP_STACK_DUMP_S`` set, a task still running after that many seconds writes
     where every thread of this rank is (and again every interval): a call that a time limit stops
     from outside leaves nothing else to say whether a rank was compiling a kernel or waiting on a
-    peer. The stacks go to ``$TRITONEP_STACK_DUMP_DIR/rank<r>.txt`` (stderr without it).
-    Returns the open file, or None when off."""
+    peer. The stacks go to ``$TRITONEP_STACK_DUMP_DIR/rank<r>.txt`` (stderr without it), and so
+    do those of a rank killed by a fatal signal (a segmentation fault in a compiler, say), which
+    otherwise says only its exit code. Returns the open file, or None when off."""
     after = os.environ.get("TRITONEP_STACK_DUMP_S")
     if not after:
         return None
@@ -194,6 +195,7 @@ def _dump_stacks_later(rank: int):
     stream.write(f"--- task started {time.strftime('%H:%M:%S')}\n")
     stream.flush()
     faulthandler.dump_traceback_later(float(after), repeat=True, file=stream)
+    faulthandler.enable(file=stream, all_threads=True)
     return stream
 
 
@@ -219,6 +221,7 @@ def _worker(rank, world_size, port, backend, collective_timeout_s, tasks, result
         finally:
             if stacks is not None:
                 faulthandler.cancel_dump_traceback_later()
+                faulthandler.enable()  # back to stderr before the file closes
                 stacks.close()
     # Tear down together (see tests/rank_scripts/allreduce.py).
     dist.barrier()

@@ -20,12 +20,15 @@ ever waits for another in this phase. The call number tags the flag value, so a 
 earlier call is never mistaken for a new one and no flag needs resetting between calls.
 
 Receive phase. Work items are (local expert, source rank) pairs, spread over the programs.
-An item waits (bounded) for the counts of its source and of the earlier sources (one vector
-read of them all, then one by one for those not there yet), so its block starts at ``begin`` =
-the sum of the earlier counts; it copies its messages' payloads (found through their
-references), several at a time, into the packed output ``recv_x[expert, begin : begin + count]``
-and records ``(begin, count)``. Blocks are therefore in source-rank order, the same order as the
-reference, and outputs are deterministic.
+An item waits (bounded) for the counts of its source and of the earlier sources (one read of
+all their flags, repeated until they are there), so its block starts at ``begin`` = the sum of
+the earlier counts; it copies its messages' payloads (found through their references), several
+at a time, into the packed output ``recv_x[expert, begin : begin + count]`` and records
+``(begin, count)``. Blocks are therefore in source-rank order, the same order as the reference,
+and outputs are deterministic. A program takes ``ITEMS`` of its items at a time: for small
+batches, whose counts all come at once, its items together (one wait, their messages in one
+list: the dependent reads of counts, headers and payloads are paid once); for larger ones one at
+a time, so that it packs one while the next one's counts are still on the way.
 
 Across nodes (``VIA`` other than ``VIA_STORE``), messages for an owner on another node are
 built in this rank's staging slab ``[expert][slot]`` instead; the program that publishes the
