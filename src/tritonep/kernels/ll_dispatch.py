@@ -146,6 +146,22 @@ def _any(flags):
     return tl.max(tl.max(flags.to(tl.int32), axis=1), axis=0) > 0
 
 
+@triton.jit
+def _listed(m, starts, ends, begin, local, src, item_lanes, NUM_RANKS: tl.constexpr,
+            M: tl.constexpr):  # fmt: skip
+    """Where positions ``m`` of a group's message list lie. The list holds the messages of the
+    group's items (``local`` expert, ``src`` rank) one item after another, item ``j``'s from
+    ``starts[j]`` to ``ends[j]``. Returns each position's message index in the buffer set
+    (``[local expert][source rank][slot]``), its output row within its expert's block (its
+    item's ``begin`` + slot) and its local expert."""
+    at = tl.sum((m[:, None] >= ends[None, :]).to(tl.int32), axis=1)[:, None] == item_lanes[None, :]
+    slot = m - tl.sum(tl.where(at, starts[None, :], 0), axis=1)
+    m_local = tl.sum(tl.where(at, local[None, :], 0), axis=1)
+    m_src = tl.sum(tl.where(at, src[None, :], 0), axis=1)
+    row = tl.sum(tl.where(at, begin[None, :], 0), axis=1) + slot
+    return (m_local * NUM_RANKS + m_src) * M + slot, row, m_local
+
+
 @triton.jit(do_not_specialize=["num_tokens", "timeout_us"])
 def ll_dispatch_kernel(
     x_ptr,  # [N, H] bf16
@@ -506,14 +522,9 @@ def ll_dispatch_kernel(
             for first in range(0, group_msgs, MSG_BLOCK):
                 m = first + msgs
                 mmask = m < group_msgs
-                which = tl.sum((m[:, None] >= ends[None, :]).to(tl.int32), axis=1)
-                m_item = which[:, None] == item_lanes[None, :]
-                m_local = tl.sum(tl.where(m_item, local[None, :], 0), axis=1)
-                m_src = tl.sum(tl.where(m_item, me_src[None, :], 0), axis=1)
-                index = m - tl.sum(tl.where(m_item, starts[None, :], 0), axis=1)
-                row_in = tl.sum(tl.where(m_item, begin[None, :], 0), axis=1) + index
-                msg = set_base + (((m_local * NUM_RANKS + m_src) * M + index).to(tl.int64)
-                                  * MSG_BYTES)  # fmt: skip
+                index, row_in, m_local = _listed(m, starts, ends, begin, local, me_src,
+                                                 item_lanes, NUM_RANKS, M)  # fmt: skip
+                msg = set_base + index.to(tl.int64) * MSG_BYTES
                 rows = (m_local * NUM_RANKS * M + row_in).to(tl.int64)
                 header = aligned_ptr(msg, tl.int32)
                 source_token = tl.load(header, mask=mmask, cache_modifier=".cg")
@@ -539,20 +550,14 @@ def ll_dispatch_kernel(
                     s_m = first + scale_lanes % MSG_BLOCK
                     s_group = scale_lanes // MSG_BLOCK
                     s_mask = (s_group < G) & (s_m < group_msgs)
-                    s_item = tl.sum((s_m[:, None] >= ends[None, :]).to(tl.int32), axis=1)
-                    s_sel = s_item[:, None] == item_lanes[None, :]
-                    s_local = tl.sum(tl.where(s_sel, local[None, :], 0), axis=1)
-                    s_index = s_m - tl.sum(tl.where(s_sel, starts[None, :], 0), axis=1)
-                    s_msg = (((s_local * NUM_RANKS + tl.sum(tl.where(s_sel, me_src[None, :], 0),
-                                                            axis=1)) * M + s_index).to(tl.int64)
-                             * MSG_BYTES)  # fmt: skip
-                    s_header = aligned_ptr(set_base + s_msg, tl.int32)
+                    s_index, s_row, s_local = _listed(s_m, starts, ends, begin, local, me_src,
+                                                      item_lanes, NUM_RANKS, M)  # fmt: skip
+                    s_header = aligned_ptr(set_base + s_index.to(tl.int64) * MSG_BYTES, tl.int32)
                     s_ref = tl.load(s_header + 2, mask=s_mask, other=0, cache_modifier=".cg")
                     s_src = set_base + s_ref.to(tl.int64) * MSG_BYTES + HEADER_BYTES + H
                     scale = tl.load(aligned_ptr(s_src, tl.float32) + s_group, mask=s_mask,
                                     cache_modifier=".cg")  # fmt: skip
-                    row = (tl.sum(tl.where(s_sel, begin[None, :], 0), axis=1) + s_index).to(
-                        tl.int64)  # fmt: skip
+                    row = s_row.to(tl.int64)
                     if PACK_UE8M0:
                         # A power-of-two float32 scale is its exponent byte; byte g % 4 of
                         # int32 column g // 4 (out_scales_ptr is that int32 tensor as bytes).
