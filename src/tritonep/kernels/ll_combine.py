@@ -37,7 +37,7 @@ from .fp8 import from_bf16, to_bf16
 from .ll_dispatch import call_number, finish_launch
 from .logfmt import decode, encode_groups
 from .peer_mask import gave_up, mask_timed_out, masked, wait_peer
-from .sync import add_release, aligned_ptr, limit_ns, record_timeout, wait_tile
+from .sync import add_release, aligned_ptr, any_set, limit_ns, record_timeout, wait_tile
 from .trace import read_clock, write_trace
 from .transport import SIGNAL_ADD, VIA_STORE, put_block, signal
 
@@ -194,8 +194,6 @@ def ll_combine_kernel(
         # running ahead of its peers by more than one call, and so from overwriting the
         # buffer set they still read (several combines of one dispatch, each sending).
         if pid < tl.maximum(num_tokens, 1):
-            sources = tl.arange(0, R_P2)[None, :]
-            done = (my_base + done_offset + sources * 8).to(tl.pointer_type(tl.int64))
             if SHRINK:
                 timeout_ns = limit_ns(timeout_us, status_ptr)
                 for src in range(NUM_RANKS):
@@ -203,36 +201,28 @@ def ll_combine_kernel(
                         w0 = read_clock(trace_ptr, USE_CLOCK)
                     # Calls in which this peer was masked brought no signal from it.
                     expected = (c_recv + 1 - tl.load(skipped_ptr + src)) * E_LOCAL
-                    flag = (my_base + done_offset + src * 8).to(tl.pointer_type(tl.int64))
-                    wait_peer(
-                        flag,
-                        expected,
-                        timeout_ns,
-                        tl.load(mask_ptr + src) != 0,
-                        verdict_ptr + src,
-                        c_recv + 1,
-                        USE_CLOCK,
-                        AT_LEAST=True,
-                    )
+                    done = (my_base + done_offset + src * 8).to(tl.pointer_type(tl.int64))
+                    wait_peer(done, expected, timeout_ns, tl.load(mask_ptr + src) != 0,
+                              verdict_ptr + src, c_recv + 1, USE_CLOCK, AT_LEAST=True)  # fmt: skip
                     if WAIT_STATS:
                         waited = read_clock(trace_ptr, USE_CLOCK) - w0
                         tl.atomic_add(wait_stats_ptr + src, waited, sem="relaxed", scope="gpu")
             else:
                 # Every sender's counter in one read, usually all there; else the read
                 # repeats (bounded) until they are.
+                sources = tl.arange(0, R_P2)[None, :]
+                done = (my_base + done_offset + sources * 8).to(tl.pointer_type(tl.int64))
                 _, missing, waited, limit = wait_tile(
                     done, sources < NUM_RANKS, (c_recv + 1) * E_LOCAL,
                     timeout_us.to(tl.int64) * 1000, timeout_us, status_ptr, USE_CLOCK,
                     AT_LEAST=True, TIMED=WAIT_STATS,
                 )  # fmt: skip
-                missing = tl.max(missing.to(tl.int32), axis=0) > 0
-                if tl.max(missing.to(tl.int32), axis=0) > 0:
-                    gone = tl.min(tl.where(missing, tl.arange(0, R_P2), R_P2), axis=0)
+                if any_set(missing):  # name the first sender still missing
+                    gone = tl.min(tl.min(tl.where(missing, sources, R_P2), axis=1), axis=0)
                     record_timeout(status_ptr, gone, PHASE_COMBINE_RECV, limit)
                 if WAIT_STATS:  # the time until each sender's rows were all there
-                    tl.atomic_add(wait_stats_ptr + tl.arange(0, R_P2), tl.max(waited, axis=0),
-                                  mask=tl.arange(0, R_P2) < NUM_RANKS, sem="relaxed",
-                                  scope="gpu")  # fmt: skip
+                    tl.atomic_add(wait_stats_ptr + sources, waited, mask=sources < NUM_RANKS,
+                                  sem="relaxed", scope="gpu")  # fmt: skip
         if PROFILE:
             t1 = read_clock(trace_ptr, USE_CLOCK)
             t_wait = t1 - t0

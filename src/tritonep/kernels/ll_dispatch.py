@@ -61,7 +61,7 @@ import triton.language as tl
 
 from .fp8 import e4m3_bits, from_bf16, quantize_groups
 from .peer_mask import mask_timed_out, masked, wait_peer
-from .sync import aligned_ptr, lane, limit_ns, record_timeout, wait_tile
+from .sync import aligned_ptr, any_set, lane, limit_ns, record_timeout, wait_tile
 from .trace import read_clock, write_trace
 from .transport import SIGNAL_SET, VIA_STORE, put_block_signal
 
@@ -138,12 +138,6 @@ def first_choices(ids, ks, K: tl.constexpr, NUM_EXPERTS: tl.constexpr):
         column = tl.sum(tl.where(ks[None, :] == j, ids, 0), axis=1)
         valid = valid & ~((ids == column[:, None]) & (ks[None, :] > j))
     return valid
-
-
-@triton.jit
-def _any(flags):
-    """Whether any lane of a 2-D boolean tile is set."""
-    return tl.max(tl.max(flags.to(tl.int32), axis=1), axis=0) > 0
 
 
 @triton.jit
@@ -497,7 +491,7 @@ def ll_dispatch_kernel(
                     count_flags, wanted, c_recv + 1, budget, timeout_us, status_ptr, USE_CLOCK,
                     SHIFT=32, TIMED=WAIT_STATS,
                 )  # fmt: skip
-                if _any(missing):
+                if any_set(missing):
                     # Name the first (item, source) still missing; it contributes nothing.
                     lanes = item_lanes[:, None] * R_P2 + sources[None, :]
                     gone = tl.min(tl.min(tl.where(missing, lanes, ITEMS * R_P2), axis=1), 0)

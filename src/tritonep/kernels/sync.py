@@ -170,6 +170,12 @@ def wait_all_at_least(ptrs, targets, active, timeout_ns, USE_CLOCK: tl.constexpr
 
 
 @triton.jit
+def any_set(flags):
+    """Whether any lane of a 2-D boolean tile is set."""
+    return tl.max(tl.max(flags.to(tl.int32), axis=1), axis=0) > 0
+
+
+@triton.jit
 def wait_tile(ptrs, active, target, budget, timeout_us, status_ptr, USE_CLOCK: tl.constexpr,
               SHIFT: tl.constexpr = 0, AT_LEAST: tl.constexpr = False,
               TIMED: tl.constexpr = False):  # fmt: skip
@@ -196,13 +202,11 @@ def wait_tile(ptrs, active, target, budget, timeout_us, status_ptr, USE_CLOCK: t
     if TIMED:
         waited = tl.where(active, elapsed_ns(start, spins, USE_CLOCK), 0)
     limit = budget
-    if tl.max(tl.max(missing.to(tl.int32), axis=1), axis=0) > 0:
+    if any_set(missing):
         limit = tl.minimum(budget, limit_ns(timeout_us, status_ptr))
         if not TIMED:
             start = start_clock(USE_CLOCK)
-        while (tl.max(tl.max(missing.to(tl.int32), axis=1), axis=0) > 0) & (
-            elapsed_ns(start, spins, USE_CLOCK) < limit
-        ):
+        while any_set(missing) & (elapsed_ns(start, spins, USE_CLOCK) < limit):
             spins += 1
             again = poll_acquire(ptrs, missing, False)
             if AT_LEAST:
