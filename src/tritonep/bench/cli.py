@@ -152,9 +152,10 @@ def _parser() -> argparse.ArgumentParser:
                            help="NVSHMEM heaps: NVSHMEM puts to other nodes (as on a cluster) "
                            "instead of staged copies")  # fmt: skip
     r = sub.add_parser("report", help="CSV -> table, markdown section, plot")
-    r.add_argument("csv")
+    r.add_argument("csv", nargs="+", help="CSV files (their rows one after another)")
     r.add_argument("--markdown", default=None, help="update this markdown file")
     r.add_argument("--section", default="results", help="section marker name in it")
+    r.add_argument("--columns", default=None, help="CSV columns of the markdown table")
     r.add_argument("--plot", default=None)
     r.add_argument("--ceiling", type=float, default=NVLINK_CEILING_GBPS)
     t = sub.add_parser("trace-summary", help="kernel trace files -> time per kernel and phase")
@@ -212,10 +213,12 @@ def _options(args: argparse.Namespace, on_gpu: bool) -> types.SimpleNamespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.mode == "report":
-        rows = report.read_csv(args.csv)
+        rows = [row for path in args.csv for row in report.read_csv(path)]
         report.print_table(rows)
         if args.markdown:
-            report.update_markdown(args.markdown, args.section, report.markdown_table(rows))
+            columns = args.columns.split(",") if args.columns else None
+            table = report.markdown_table(rows, columns)
+            report.update_markdown(args.markdown, args.section, table)
         if args.plot:
             report.plot(rows, args.plot, args.ceiling)
         return 0

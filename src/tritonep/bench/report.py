@@ -29,6 +29,7 @@ TABLE_COLUMNS = {
     "dispatch_remote_GBps": "remote GB/s",
     "fp8_dispatch_us": "FP8 dispatch us",
     "fp8_dispatch_GBps": "FP8 GB/s",
+    "fp8_remote_GBps": "FP8 remote GB/s",
     "combine_us": "combine us",
     "combine_GBps": "combine GB/s",
     "combine_remote_GBps": "combine remote GB/s",
@@ -86,11 +87,12 @@ def read_csv(path: str | Path) -> list[dict]:
         return [{k: parse(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
-def markdown_table(rows: list[dict]) -> str:
-    """A markdown table of the known columns present in ``rows``."""
-    cols = [c for c in TABLE_COLUMNS if any(c in row for row in rows)]
+def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
+    """A markdown table of ``columns`` (CSV column names, in that order), by default of the
+    known columns present in ``rows``."""
+    cols = columns or [c for c in TABLE_COLUMNS if any(c in row for row in rows)]
     lines = [
-        "| " + " | ".join(TABLE_COLUMNS[c] for c in cols) + " |",
+        "| " + " | ".join(TABLE_COLUMNS.get(c, c) for c in cols) + " |",
         "|" + "---|" * len(cols),
     ]
     lines += ["| " + " | ".join(_cell(row.get(c, "")) for c in cols) + " |" for row in rows]

@@ -1,6 +1,6 @@
 """What LogFMT costs a combine: encoding (the sender) and decoding (the reduce), one GPU.
 
-    PYTHONPATH=src python scripts/logfmt_probe.py [--rows 1024] [--topk 8] [--programs 128]
+    PYTHONPATH=src python scripts/probes/logfmt_probe.py [--rows 1024] [--topk 8] [--programs 128]
 
 Encoding: each program takes a contiguous run of BF16 rows and stores them into slots laid
 out as the combine receive buffer, either plainly (``copy``, the BF16 combine's send) or as

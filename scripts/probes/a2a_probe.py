@@ -1,13 +1,13 @@
 """What a given number of programs can push to every peer at once: the normal mode's ceiling.
 
-    PYTHONPATH=src python scripts/a2a_probe.py [--ranks 4] [--rows 3674] [--programs 8,12,16,24]
+    PYTHONPATH=src python scripts/probes/a2a_probe.py [--ranks 4] [--rows 3674] [--programs 8,12,16,24]
 
 Every rank runs one kernel of P programs at the same time as the others. The rows of a rank
 (7168 BF16 = 3584 words each) are split into P contiguous ranges; a program loads a tile of its
 rows once and stores it into every peer's symmetric heap (the slot of its source rank there),
 the way a normal-mode dispatch sender feeds its destinations, but with nothing else: no flags,
 no records, no ring. ``--per-peer`` gives each program one peer instead (programs split over
-the peers, as the copy-engine and NCCL ceilings of the hardware notes are measured). 3674 rows
+the peers, the way copy-engine and NCCL all-to-all ceilings are measured). 3674 rows
 to each of 3 peers is what a rank sends in the benchmark's dispatch (4096 tokens, top-8 of 256
 experts on 4 ranks: 158 MB over NVLink) and what a combine sends back.
 

@@ -1,6 +1,6 @@
 """The floor under a low-latency call: what a launch and one flag hand-off cost on their own.
 
-    PYTHONPATH=src python scripts/launch_floor_probe.py [--programs 128] [--warps 16]
+    PYTHONPATH=src python scripts/probes/launch_floor_probe.py [--programs 128] [--warps 16]
 
 A graph-replayed low-latency dispatch of one token takes about 9 us on one H100, most of it
 fixed cost. This probe times, the same way (launches captured in a CUDA graph, replayed, CUDA

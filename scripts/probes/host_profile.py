@@ -1,6 +1,6 @@
 """Where the host time of an eager call goes: cProfile over many calls of each operation.
 
-    PYTHONPATH=src python scripts/host_profile.py [--tokens 512] [--calls 200] [--top 18]
+    PYTHONPATH=src python scripts/probes/host_profile.py [--tokens 512] [--calls 200] [--top 18]
 
 One rank (GPU 0, or a CPU rank, where the kernel launches are left out: under the interpreter
 they would be all of the time, so only this project's Python work is measured). For each of

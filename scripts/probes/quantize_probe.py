@@ -1,6 +1,6 @@
 """FP8 quantization of a batch of tokens and the way back: one-launch kernels against torch ops.
 
-    PYTHONPATH=src python scripts/quantize_probe.py [--tokens 128,4096,16384] [--hidden 7168]
+    PYTHONPATH=src python scripts/probes/quantize_probe.py [--tokens 128,4096,16384] [--hidden 7168]
 
 Both give the same bits (checked here on every run); the reference takes several passes over
 the tokens (group maxima, division, clamp, conversion), the kernel one. Times are CUDA-graph

@@ -1,14 +1,13 @@
 """How fast one program copies rows: the limit the normal-mode kernels run into.
 
-    PYTHONPATH=src python scripts/copy_probe.py [--rows 4096] [--programs 12]
+    PYTHONPATH=src python scripts/probes/copy_probe.py [--rows 4096] [--programs 12]
 
 The normal mode moves every row twice inside its programs (a sender loads a token and stores it
 into the destination rings, a receiver copies it from its ring into the output), with a budget
-of 24 SMs: 12 senders and 12 receivers. Each program moves about 25 GB/s (BENCHMARKS.md), so
-the copy loop of one program, not NVLink, sets the pace. This probe times formulations of that
-copy loop on one GPU (rows of 7168 BF16 = 3584 words, each program a contiguous run of rows),
-as the time of a launch replayed from a CUDA graph, and prints per-program GB/s (bytes copied
-over time over programs):
+of 24 SMs: 12 senders and 12 receivers, so the copy loop of one program, not only NVLink, can
+set the pace. This probe times formulations of that copy loop on one GPU (rows of 7168 BF16 =
+3584 words, each program a contiguous run of rows), as the time of a launch replayed from a
+CUDA graph, and prints per-program GB/s (bytes copied over time over programs):
 
 * ``tile``: a ``[TOK, BW]`` tile per step, the next one loaded before the current one is
   stored (the kernels' loop today), for several tile shapes and warp counts;
