@@ -560,3 +560,45 @@ def test_signatures_match_deep_ep():
         assert deep_ep.Buffer.get_dispatch_config(4).num_sms == 24
     finally:
         deep_ep.Buffer.set_num_sms(20)
+
+
+NAMES = """
+import json
+import torch
+from tritonep.modes import low_latency as ll, normal as nm
+from tritonep.kernels import elastic_combine as ec, elastic_dispatch as ed, normal_notify
+kernels = [ll.DISPATCH_KERNEL, ll.COMBINE_KERNEL, normal_notify.notify_kernel,
+           nm.normal_dispatch.normal_dispatch_kernel, nm.normal_combine.normal_combine_kernel,
+           ed.elastic_dispatch, ed.elastic_dispatch_epilogue, ec.elastic_combine,
+           ec.elastic_combine_epilogue]
+print(json.dumps([torch._C._demangle(k.__name__) for k in kernels]))
+"""
+
+
+def test_kernel_names_as_deep_ep_benchmarks_find_them():
+    """DeepEP's ``bench_kineto`` finds kernels by a substring of the profiler's (demangled)
+    name: each of a call's kernels must name its call once, and when a call launches two
+    kernels (a receive hook), trace events are found by ``::dispatch`` and ``::combine``.
+    Names are given when compiling, so they are read in a process without the interpreter."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    proc = subprocess.run(
+        [sys.executable, "-c", NAMES], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = json.loads(proc.stdout)
+    assert names == [
+        "tritonep::low_latency::dispatch()",
+        "tritonep::low_latency::combine()",
+        "notify_kernel",  # a normal dispatch: notify, then the dispatch kernel
+        "normal_dispatch_kernel",
+        "normal_combine_kernel",
+        "tritonep::elastic::dispatch_impl()",
+        "tritonep::elastic::dispatch_copy_epilogue_impl()",
+        "tritonep::elastic::combine_impl()",
+        "tritonep::elastic::combine_reduce_epilogue_impl()",
+    ]
