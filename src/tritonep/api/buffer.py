@@ -2,28 +2,10 @@
 
 Normal-mode calls (``get_dispatch_layout``, ``dispatch``, ``combine``) and low-latency calls
 (``low_latency_dispatch`` / ``low_latency_combine``) take the same arguments and return the
-same tuples as DeepEP's. Differences, all deliberate:
-
-* each mode's memory is sized and allocated on its first call (normal mode from the hidden
-  size and expert count; low-latency mode from ``num_max_dispatch_tokens_per_rank``, hidden
-  size and expert count), so make one eager call before capturing CUDA graphs; later calls
-  must use the same sizes;
-* both modes run on any number of ranks, within one node or, with ``gpus_per_node``, over
-  nodes (normal mode through :class:`~tritonep.modes.internode.InternodeMode`); its handle is a
-  :class:`~tritonep.modes.normal.NormalHandle` (or ``InternodeHandle``), not DeepEP's tuple,
-  and in worst-case mode
-  (``num_worst_tokens > 0``) the per-expert counts come as an ``[E_local]`` int32 device
-  tensor instead of a list (a list would need the host synchronization that mode avoids);
-* normal-mode kernels run on the buffer's communication stream; outputs are allocated there
-  and recorded on the calling stream, whatever ``allocate_on_comm_stream`` says;
-* ``use_ue8m0`` implies ``round_scale`` (DeepEP requires both) and packs the scales as
-  DeepEP does for any hidden size that is a multiple of 128 (``ceil(H / 512)`` int32 columns;
-  DeepEP: multiples of 512); any top-k up to 16 works;
-* ``num_nvl_bytes``, ``num_rdma_bytes`` and ``num_qps_per_rank`` are accepted; the bytes only
-  need to cover :meth:`Buffer.get_low_latency_rdma_size_hint` when given;
-* the ``*_wait_recv_cost_stats`` tensors accumulate nanoseconds (DeepEP: clock cycles);
-* a wait that times out raises :class:`~tritonep.errors.WaitTimeoutError` from
-  :meth:`Buffer.check` or :meth:`Buffer.destroy` instead of trapping the GPU.
+same tuples as DeepEP's (:mod:`tritonep.deep_ep` is DeepEP's interface itself); every
+difference from DeepEP is listed in ``docs/deepep-compat.md``. Beyond DeepEP's arguments the
+buffer takes ``timeout_s``, ``check_ids``, ``device``, ``profile`` and ``gpus_per_node``, and has
+:meth:`Buffer.check` and :meth:`Buffer.dump_trace`.
 
 What keeps it fast: each mode's memory is allocated once and reused by every call (flags are
 tagged with the call number, so nothing is reset between calls), normal-mode kernels run on a

@@ -61,8 +61,8 @@ def get_logical_domain_size(
 
 @functools.cache
 def _nvlink_gbs(device_index: int, factor: float = 0.9) -> float:
-    """NVLink bandwidth of a GPU in GB/s (``nvidia-smi``'s link speeds summed, times
-    ``factor``); 450 GB/s (H100/H200) times ``factor`` when they cannot be read."""
+    """NVLink bandwidth of a GPU in GB/s: ``nvidia-smi``'s link speeds summed, times
+    ``factor``; when they cannot be read, H100's and H200's (18 links of 26.5625 GB/s)."""
     try:
         text = subprocess.run(
             ["nvidia-smi", "nvlink", "-s", "-i", str(device_index)],
@@ -76,7 +76,7 @@ def _nvlink_gbs(device_index: int, factor: float = 0.9) -> float:
             return sum(speeds) * factor
     except (OSError, subprocess.SubprocessError, ValueError):
         pass
-    return 450.0 * factor
+    return 18 * 26.5625 * factor
 
 
 class EPHandle:

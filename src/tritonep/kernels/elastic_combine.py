@@ -280,7 +280,10 @@ def elastic_combine_epilogue(
                     tl.pointer_type(tl.bfloat16)
                 )
                 y = tl.load(
-                    src[:, None] + h[None, :], mask=used[:, None] & (h < H)[None, :], other=0.0
+                    src[:, None] + h[None, :],
+                    mask=used[:, None] & (h < H)[None, :],
+                    other=0.0,
+                    cache_modifier=".cg",  # written by peers: not from this SM's L1
                 )
                 acc = tl.where(used[:, None], acc + from_bf16(y, EMULATE), acc)
             tl.store(out_ptr + at, to_bf16(acc, EMULATE), mask=m2)
@@ -288,6 +291,9 @@ def elastic_combine_epilogue(
             kmask = tmask[:, None] & (ks < K)[None, :]
             src = slot_rows(region, weight_slot, tokens[:, None], max_tokens, CREC) + 2 * H
             w = tl.load(
-                src.to(tl.pointer_type(tl.float32)) + ks[None, :], mask=kmask & valid, other=0.0
+                src.to(tl.pointer_type(tl.float32)) + ks[None, :],
+                mask=kmask & valid,
+                other=0.0,
+                cache_modifier=".cg",
             )
             tl.store(out_weights_ptr + rows[:, None] * K + ks[None, :], w, mask=kmask)

@@ -452,12 +452,14 @@ def copy_rows(
     for w0 in range(0, PW, BW):
         w = w0 + words
         m = live[:, None] & (w < PW)[None, :]
-        v = tl.load(rec[:, None] + w[None, :], mask=m)
+        v = tl.load(rec[:, None] + w[None, :], mask=m, cache_modifier=".cg")
         tl.store(out_words + rows[:, None] * PW + w[None, :], v, mask=m)
     if HAS_SF:
         g = tl.arange(0, G_P2)
         m = live[:, None] & (g < G)[None, :]
-        v = tl.load(aligned_ptr(src + PAY, tl.int32)[:, None] + g[None, :], mask=m)
+        v = tl.load(
+            aligned_ptr(src + PAY, tl.int32)[:, None] + g[None, :], mask=m, cache_modifier=".cg"
+        )
         at = rows[:, None] * out_sf_token_stride + g[None, :] * out_sf_group_stride
         tl.store(out_sf + at, v, mask=m)
 
@@ -593,11 +595,15 @@ def elastic_dispatch_epilogue(
         rec = my_base + region + spot * REC
         meta = aligned_ptr(rec + PAY + SCL, tl.int32)
         m2 = live[:, None] & kmask[None, :]
-        local = tl.load(meta[:, None] + 3 + ks[None, :], mask=m2, other=-1)
-        weights = tl.load(meta[:, None] + 3 + 2 * K + ks[None, :], mask=m2, other=0)
+        local = tl.load(meta[:, None] + 3 + ks[None, :], mask=m2, other=-1, cache_modifier=".cg")
+        weights = tl.load(
+            meta[:, None] + 3 + 2 * K + ks[None, :], mask=m2, other=0, cache_modifier=".cg"
+        )
         weights = weights.to(tl.float32, bitcast=True)
         if EXPAND:
-            ranked = tl.load(meta[:, None] + 3 + K + ks[None, :], mask=m2, other=0)
+            ranked = tl.load(
+                meta[:, None] + 3 + K + ks[None, :], mask=m2, other=0, cache_modifier=".cg"
+            )
             at = tl.reshape(source[:, None] * EL_P2 + tl.maximum(local, 0), (BR * K_P2,))
             block_start = tl.reshape(tl.gather(start_flat, at, 0), (BR, K_P2))
             dst = tl.where(
@@ -646,9 +652,9 @@ def elastic_dispatch_epilogue(
             if HAS_WEIGHTS:
                 tl.store(out_weights + rows2, tl.where(live[:, None], weights, 0.0), mask=keep)
         if WRITE_META:
-            token = tl.load(meta, mask=live, other=-1)
-            first_col = tl.load(meta + 1, mask=live, other=-1)
-            slot = tl.load(meta + 2, mask=live, other=-1)
+            token = tl.load(meta, mask=live, other=-1, cache_modifier=".cg")
+            first_col = tl.load(meta + 1, mask=live, other=-1, cache_modifier=".cg")
+            slot = tl.load(meta + 2, mask=live, other=-1, cache_modifier=".cg")
             row = out_meta + i.to(tl.int64) * (K + 2)
             in_rows = i < num_rows
             tl.store(row, tl.where(live, source * max_tokens + token, -1), mask=in_rows)
