@@ -288,7 +288,7 @@ def test_elastic_dispatch_combine(
     assert run_ranks(R, _elastic_body, *args) == [True] * R
 
 
-def _dispatch_meta(fp8, weights):
+def _dispatch_meta(fp8):
     return dict(
         K=8,
         K_P2=8,
@@ -307,11 +307,8 @@ def _dispatch_meta(fp8, weights):
         SCL=224 if fp8 else 0,
         HEADER_WORDS=1028,
         BT=16,
+        SCAN_T=128,
         HAS_SF=fp8,
-        HAS_WEIGHTS=weights,
-        HAS_STATS=True,
-        COPY_IDS=True,
-        WRITE_SLOTS=True,
         USE_CLOCK=True,
     )
 
@@ -344,8 +341,9 @@ ELASTIC_KERNELS = [
             "slots_ptr": "*i32",
             "status_ptr": "*i32",
             "timeout_us": "i32",
+            "flags": "i32",
         },
-        _dispatch_meta(True, True),
+        _dispatch_meta(True),
     ),
     (
         "elastic_dispatch_epilogue",
@@ -372,6 +370,7 @@ ELASTIC_KERNELS = [
             "psum_rank_ptr": "*i32",
             "psum_expert_ptr": "*i32",
             "unaligned_ptr": "*i32",
+            "flags": "i32",
         },
         dict(
             K=8,
@@ -389,10 +388,7 @@ ELASTIC_KERNELS = [
             SCL=224,
             BR=16,
             EXPAND=True,
-            ZERO_PAD=True,
             HAS_SF=True,
-            HAS_WEIGHTS=True,
-            WRITE_META=True,
         ),
     ),
     (
@@ -413,6 +409,7 @@ ELASTIC_KERNELS = [
             "state_ptr": "*i64",
             "status_ptr": "*i32",
             "timeout_us": "i32",
+            "has_weights": "i32",
         },
         dict(
             H=7168,
@@ -426,7 +423,6 @@ ELASTIC_KERNELS = [
             BH=1024,
             EXPAND=True,
             MULTI=True,
-            HAS_WEIGHTS=True,
             USE_CLOCK=True,
         ),
     ),
@@ -446,6 +442,8 @@ ELASTIC_KERNELS = [
             "region_bytes": "i32",
             "max_tokens": "i32",
             "state_ptr": "*i64",
+            "num_bias": "i32",
+            "has_weights": "i32",
         },
         dict(
             H=7168,
@@ -456,8 +454,6 @@ ELASTIC_KERNELS = [
             SLOTS=4,
             RANK_SLOTS=True,
             CREC=14368,
-            NUM_BIAS=2,
-            HAS_WEIGHTS=True,
             BT=8,
             BH=1024,
             USE_CLOCK=True,

@@ -49,7 +49,7 @@ def send_sums(
     K: tl.constexpr,
     BH: tl.constexpr,
     EXPAND: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
+    has_weights,
     EMULATE: tl.constexpr,
 ):
     """Store each token's row (the input row ``i``, or with ``EXPAND`` the float32 sum of its
@@ -77,7 +77,7 @@ def send_sums(
                 mask=live[:, None] & hmask[None, :],
             )
         tl.store(out[:, None] + h[None, :], y, mask=live[:, None] & hmask[None, :])
-    if HAS_WEIGHTS:
+    if has_weights:
         kmask = live[:, None] & (ks < K)[None, :]
         if EXPAND:
             w = tl.load(
@@ -118,10 +118,10 @@ def send_expanded(
             tl.store(out[:, None] + h[None, :], y, mask=m2)
 
 
-@kernel("tritonep::elastic::combine_impl", do_not_specialize=["timeout_us"])
+@kernel("tritonep::elastic::combine_impl", do_not_specialize=["timeout_us", "has_weights"])
 def elastic_combine(
     x_ptr,  # [rows, H] bf16: one row per received token, or per expanded slot (EXPAND)
-    weights_ptr,  # [rows, K] (plain) or [rows] (EXPAND) float32 (HAS_WEIGHTS)
+    weights_ptr,  # [rows, K] (plain) or [rows] (EXPAND) float32 (has_weights)
     meta_ptr,  # [tokens, K + 2] int32 recv_src_metadata of the dispatch
     slots_ptr,  # [tokens] int32 each received token's reduction slot
     psum_rank_ptr,  # [R] int32 rows received per source, inclusive (the last: all)
@@ -134,6 +134,7 @@ def elastic_combine(
     state_ptr,
     status_ptr,
     timeout_us,
+    has_weights,  # 1: top-k weights go back with the rows (run-time: no variant of its own)
     H: tl.constexpr,
     K: tl.constexpr,
     K_P2: tl.constexpr,
@@ -145,7 +146,6 @@ def elastic_combine(
     BH: tl.constexpr,
     EXPAND: tl.constexpr,
     MULTI: tl.constexpr,  # EXPAND: reduce a token's rows here before sending one
-    HAS_WEIGHTS: tl.constexpr,
     USE_CLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -187,7 +187,7 @@ def elastic_combine(
                 K,
                 BH,
                 EXPAND,
-                HAS_WEIGHTS,
+                has_weights,
                 not USE_CLOCK,
             )
     if arrive(state_ptr):
@@ -221,13 +221,16 @@ def weight_slots(owner, ks):
     return tl.sum(before.to(tl.int32), 2), tl.sum(last.to(tl.int32), 1)
 
 
-@kernel("tritonep::elastic::combine_reduce_epilogue_impl")
+@kernel(
+    "tritonep::elastic::combine_reduce_epilogue_impl",
+    do_not_specialize=["num_bias", "has_weights"],
+)
 def elastic_combine_epilogue(
     topk_ptr,  # [N, K] int64 the dispatch's ids (this rank's tokens)
-    bias0_ptr,  # [N, H] bf16 (NUM_BIAS >= 1)
-    bias1_ptr,  # [N, H] bf16 (NUM_BIAS == 2)
+    bias0_ptr,  # [N, H] bf16 (num_bias >= 1)
+    bias1_ptr,  # [N, H] bf16 (num_bias == 2)
     out_ptr,  # [N, H] bf16
-    out_weights_ptr,  # [N, K] float32 (HAS_WEIGHTS)
+    out_weights_ptr,  # [N, K] float32 (has_weights)
     num_tokens,
     peer_ptrs,
     rank,
@@ -235,6 +238,8 @@ def elastic_combine_epilogue(
     region_bytes,
     max_tokens,
     state_ptr,
+    num_bias,  # bias tensors, 0 to 2 (run-time, as has_weights)
+    has_weights,
     H: tl.constexpr,
     K: tl.constexpr,
     K_P2: tl.constexpr,
@@ -243,8 +248,6 @@ def elastic_combine_epilogue(
     SLOTS: tl.constexpr,  # slots per token
     RANK_SLOTS: tl.constexpr,  # a slot per destination rank (else per top-k column)
     CREC: tl.constexpr,
-    NUM_BIAS: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
     BT: tl.constexpr,
     BH: tl.constexpr,
     USE_CLOCK: tl.constexpr,
@@ -267,9 +270,9 @@ def elastic_combine_epilogue(
             m2 = tmask[:, None] & (h < H)[None, :]
             at = rows[:, None] * H + h[None, :]
             acc = tl.zeros((BT, BH), tl.float32)
-            if NUM_BIAS >= 1:
+            if num_bias >= 1:
                 acc = from_bf16(tl.load(bias0_ptr + at, mask=m2, other=0.0), EMULATE)
-            if NUM_BIAS == 2:
+            if num_bias == 2:
                 acc = acc + from_bf16(tl.load(bias1_ptr + at, mask=m2, other=0.0), EMULATE)
             for j in range(SLOTS):
                 if RANK_SLOTS:
@@ -287,7 +290,7 @@ def elastic_combine_epilogue(
                 )
                 acc = tl.where(used[:, None], acc + from_bf16(y, EMULATE), acc)
             tl.store(out_ptr + at, to_bf16(acc, EMULATE), mask=m2)
-        if HAS_WEIGHTS:
+        if has_weights:
             kmask = tmask[:, None] & (ks < K)[None, :]
             src = slot_rows(region, weight_slot, tokens[:, None], max_tokens, CREC) + 2 * H
             w = tl.load(

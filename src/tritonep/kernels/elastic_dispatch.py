@@ -49,6 +49,16 @@ def meta_words(topk: int) -> int:
     return 3 + 3 * topk
 
 
+# Bits of the run-time ``flags`` of the two kernels (run-time, so that one compiled variant
+# serves every combination).
+FLAG_WEIGHTS = tl.constexpr(1)  # top-k weights travel with the rows
+FLAG_STATS = tl.constexpr(2)  # the push adds the received choices to stats_ptr
+FLAG_COPY_IDS = tl.constexpr(4)  # the push copies the ids for the handle
+FLAG_SLOTS = tl.constexpr(8)  # the push writes each choice's destination slot
+FLAG_ZERO_PAD = tl.constexpr(16)  # the epilogue zeroes the expanded layout's padding rows
+FLAG_META = tl.constexpr(32)  # the epilogue writes the handle (metadata, prefix sums)
+
+
 @triton.jit
 def load_choices(topk_ptr, tokens, tmask, ks, K: tl.constexpr, NUM_EXPERTS: tl.constexpr):
     """``[T, K_P2]`` raw int64 ids, int32 ids (``-1`` for none or out of range) and validity."""
@@ -146,7 +156,7 @@ def store_record(
     PAY: tl.constexpr,
     SCL: tl.constexpr,
     HAS_SF: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
+    has_weights,
 ):
     """Store the records of the block's tokens ``go`` at the addresses ``rec`` ([T] int64)."""
     kmask = go[:, None] & (ks < K)[None, :]
@@ -156,7 +166,7 @@ def store_record(
     tl.store(meta + 2, slot, mask=go)
     tl.store(meta[:, None] + 3 + ks[None, :], local, mask=kmask)
     tl.store(meta[:, None] + 3 + K + ks[None, :], ranked, mask=kmask)
-    if HAS_WEIGHTS:
+    if has_weights:
         tl.store(
             meta[:, None] + 3 + 2 * K + ks[None, :], weights.to(tl.int32, bitcast=True), mask=kmask
         )
@@ -197,7 +207,7 @@ def send_headers(
     E_LOCAL: tl.constexpr,
     EL1_P2: tl.constexpr,
     HEADER_WORDS: tl.constexpr,
-    HAS_STATS: tl.constexpr,
+    has_stats,
     USE_CLOCK: tl.constexpr,
 ):
     """The last program: each destination's header, the tags, and the decoded counts of every
@@ -234,21 +244,21 @@ def send_headers(
     )
     got = tl.load(mine, mask=grid, other=0, volatile=True)
     tl.store(recv_counts_ptr + ranks[:, None] * (1 + E_LOCAL) + cols[None, :], got, mask=grid)
-    if HAS_STATS:
+    if has_stats:
         experts = cols - 1
         emask = (cols >= 1) & (cols < 1 + E_LOCAL)
         stats = tl.load(stats_ptr + experts, mask=emask, other=0)
         tl.store(stats_ptr + experts, stats + tl.sum(got, 0), mask=emask)
 
 
-@kernel("tritonep::elastic::dispatch_impl", do_not_specialize=["timeout_us"])
+@kernel("tritonep::elastic::dispatch_impl", do_not_specialize=["timeout_us", "flags"])
 def elastic_dispatch(
     x_ptr,  # [N, PW] int32 words of the rows (BF16 or e4m3 bytes)
     sf_ptr,  # [N, G] 4-byte scale packs, viewed as int32, any strides (HAS_SF)
     sf_token_stride,
     sf_group_stride,
     topk_ptr,  # [N, K] int64 expert ids, -1 for none
-    weights_ptr,  # [N, K] float32 (HAS_WEIGHTS)
+    weights_ptr,  # [N, K] float32 (FLAG_WEIGHTS)
     num_tokens,
     max_tokens,  # slots per source rank in a region (num_max_tokens_per_rank)
     peer_ptrs,  # [R] int64 heap base of every rank
@@ -259,11 +269,12 @@ def elastic_dispatch(
     state_ptr,  # [8] int64 mode state (elastic_exchange)
     totals_ptr,  # [R + E] int32 scratch: the last token range's counts, for the headers
     recv_counts_ptr,  # [R, 1 + E_LOCAL] int32 out: what each source sent here
-    stats_ptr,  # [E_LOCAL] int32, choices received added in (HAS_STATS)
-    ids_copy_ptr,  # [N, K] int64 out: a copy of the ids (COPY_IDS)
-    slots_ptr,  # [N, K] int32 out: each choice's slot on its destination (WRITE_SLOTS)
+    stats_ptr,  # [E_LOCAL] int32, choices received added in (FLAG_STATS)
+    ids_copy_ptr,  # [N, K] int64 out: a copy of the ids (FLAG_COPY_IDS)
+    slots_ptr,  # [N, K] int32 out: each choice's slot on its destination (FLAG_SLOTS)
     status_ptr,
     timeout_us,
+    flags,  # FLAG_WEIGHTS | FLAG_STATS | FLAG_COPY_IDS | FLAG_SLOTS
     K: tl.constexpr,
     K_P2: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
@@ -281,14 +292,13 @@ def elastic_dispatch(
     SCL: tl.constexpr,  # bytes of its scale packs (16-byte aligned)
     HEADER_WORDS: tl.constexpr,
     BT: tl.constexpr,  # tokens per block
+    SCAN_T: tl.constexpr,  # tokens per block of the scan of the earlier tokens' ids
     HAS_SF: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
-    HAS_STATS: tl.constexpr,
-    COPY_IDS: tl.constexpr,
-    WRITE_SLOTS: tl.constexpr,
     USE_CLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    has_weights = (flags & FLAG_WEIGHTS) != 0
+    has_stats = (flags & FLAG_STATS) != 0
     call = exchange_number(state_ptr)
     region = region_offset + (call % 2) * region_bytes
     ranks = tl.arange(0, R_P2)
@@ -299,7 +309,9 @@ def elastic_dispatch(
     per = tl.cdiv(num_tokens, tl.num_programs(0))
     t0 = tl.minimum(pid * per, num_tokens)
     t1 = tl.minimum(t0 + per, num_tokens)
-    sent, chosen = counts_before(topk_ptr, t0, ranks, ks, K, NUM_EXPERTS, E_P2, E_LOCAL, BT, K_P2)
+    sent, chosen = counts_before(
+        topk_ptr, t0, ranks, ks, K, NUM_EXPERTS, E_P2, E_LOCAL, SCAN_T, K_P2
+    )
     for first in range(t0, t1, BT):
         tokens = first + tl.arange(0, BT)
         tmask = tokens < t1
@@ -312,11 +324,11 @@ def elastic_dispatch(
         weights = tl.zeros((BT, K_P2), tl.float32)
         at = tokens.to(tl.int64)[:, None] * K + ks[None, :]
         kmask = tmask[:, None] & (ks < K)[None, :]
-        if HAS_WEIGHTS:
+        if has_weights:
             weights = tl.load(weights_ptr + at, mask=kmask, other=0.0)
-        if COPY_IDS:
+        if (flags & FLAG_COPY_IDS) != 0:
             tl.store(ids_copy_ptr + at, raw, mask=kmask)
-        if WRITE_SLOTS:
+        if (flags & FLAG_SLOTS) != 0:
             mine = owner[:, :, None] == ranks[None, None, :]
             dst_slot = tl.sum(tl.where(mine, pos[:, None, :], 0), 2)
             tl.store(slots_ptr + at, tl.where(owner >= 0, dst_slot, -1), mask=kmask)
@@ -348,7 +360,7 @@ def elastic_dispatch(
                     PAY,
                     SCL,
                     HAS_SF,
-                    HAS_WEIGHTS,
+                    has_weights,
                 )
         sent += tl.sum(hit, 0)
         flat = tl.reshape(tl.where(valid & tmask[:, None], ids, 0), (BT * K_P2,))
@@ -376,7 +388,7 @@ def elastic_dispatch(
             E_LOCAL,
             EL1_P2,
             HEADER_WORDS,
-            HAS_STATS,
+            has_stats,
             USE_CLOCK,
         )
         finish_exchange(state_ptr, call)
@@ -483,7 +495,7 @@ def zero_padding(
     G: tl.constexpr,
     G_P2: tl.constexpr,
     HAS_SF: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
+    has_weights,
     BR: tl.constexpr,
 ):
     """Zero the rows between each expert's last row and the next aligned start."""
@@ -506,11 +518,11 @@ def zero_padding(
             if HAS_SF:
                 at = rows[:, None] * out_sf_token_stride + g[None, :] * out_sf_group_stride
                 tl.store(out_sf + at, 0, mask=live[:, None] & (g < G)[None, :])
-            if HAS_WEIGHTS:
+            if has_weights:
                 tl.store(out_weights + rows, 0.0, mask=live)
 
 
-@kernel("tritonep::elastic::dispatch_copy_epilogue_impl")
+@kernel("tritonep::elastic::dispatch_copy_epilogue_impl", do_not_specialize=["flags"])
 def elastic_dispatch_epilogue(
     recv_counts_ptr,  # [R, 1 + E_LOCAL] int32 from elastic_dispatch
     state_ptr,  # [8] int64 mode state (the exchange is closed: its number is EXCHANGES - 1)
@@ -527,12 +539,13 @@ def elastic_dispatch_epilogue(
     out_sf_token_stride,
     out_sf_group_stride,
     out_ids,  # [rows, K] int64 local expert ids (plain)
-    out_weights,  # [rows, K] (plain) or [rows] (EXPAND) float32 (HAS_WEIGHTS)
-    out_meta,  # [tokens, K + 2] int32 recv_src_metadata (WRITE_META)
-    out_slots,  # [tokens] int32 reduction slot of each received token (WRITE_META)
-    psum_rank_ptr,  # [R] int32 out (WRITE_META)
-    psum_expert_ptr,  # [E_LOCAL] int32 out (WRITE_META)
-    unaligned_ptr,  # [E_LOCAL] int32 out (WRITE_META)
+    out_weights,  # [rows, K] (plain) or [rows] (EXPAND) float32 (FLAG_WEIGHTS)
+    out_meta,  # [tokens, K + 2] int32 recv_src_metadata (FLAG_META)
+    out_slots,  # [tokens] int32 reduction slot of each received token (FLAG_META)
+    psum_rank_ptr,  # [R] int32 out (FLAG_META)
+    psum_expert_ptr,  # [E_LOCAL] int32 out (FLAG_META)
+    unaligned_ptr,  # [E_LOCAL] int32 out (FLAG_META)
+    flags,  # FLAG_WEIGHTS | FLAG_ZERO_PAD | FLAG_META
     K: tl.constexpr,
     K_P2: tl.constexpr,
     NUM_RANKS: tl.constexpr,
@@ -548,10 +561,7 @@ def elastic_dispatch_epilogue(
     SCL: tl.constexpr,
     BR: tl.constexpr,  # received tokens per block
     EXPAND: tl.constexpr,
-    ZERO_PAD: tl.constexpr,
     HAS_SF: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
-    WRITE_META: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -562,28 +572,29 @@ def elastic_dispatch_epilogue(
     els = tl.arange(0, EL_P2)
     ks = tl.arange(0, K_P2)
     kmask = ks < K
+    has_weights = (flags & FLAG_WEIGHTS) != 0
+    write_meta = (flags & FLAG_META) != 0
     src_start, src_end, chosen, aligned, expert_start, start = received_layout(
         recv_counts_ptr, ranks, els, alignment, NUM_RANKS, E_LOCAL
     )
     # Rows past the outputs (only if the ranks disagreed on num_max_tokens_per_rank) are not
     # written; rows of worst-case outputs past the received ones are marked (ids -1).
     total = tl.minimum(tl.sum(tl.where(ranks < NUM_RANKS, src_end - src_start, 0), 0), num_rows)
-    if WRITE_META:  # noqa: SIM102 (compiled in or out; the inner test runs)
-        if pid == 0:
-            write_prefix_sums(
-                psum_rank_ptr,
-                psum_expert_ptr,
-                unaligned_ptr,
-                ranks,
-                els,
-                src_end,
-                chosen,
-                aligned,
-                expert_start,
-                NUM_RANKS,
-                E_LOCAL,
-                EXPAND,
-            )
+    if write_meta & (pid == 0):
+        write_prefix_sums(
+            psum_rank_ptr,
+            psum_expert_ptr,
+            unaligned_ptr,
+            ranks,
+            els,
+            src_end,
+            chosen,
+            aligned,
+            expert_start,
+            NUM_RANKS,
+            E_LOCAL,
+            EXPAND,
+        )
     start_flat = tl.reshape(start, (R_P2 * EL_P2,))
     for i0 in range(pid * BR, num_rows, num_programs * BR):
         i = i0 + tl.arange(0, BR)
@@ -626,7 +637,7 @@ def elastic_dispatch_epilogue(
                     PAY,
                     HAS_SF,
                 )
-            if HAS_WEIGHTS:
+            if has_weights:
                 tl.store(out_weights + dst.to(tl.int64), weights, mask=m2 & (dst >= 0))
         else:
             dst = tl.full((BR, K_P2), -1, tl.int32)
@@ -649,9 +660,9 @@ def elastic_dispatch_epilogue(
             rows2 = i.to(tl.int64)[:, None] * K + ks[None, :]
             keep = (live | pad)[:, None] & kmask[None, :]
             tl.store(out_ids + rows2, tl.where(live[:, None], local, -1).to(tl.int64), mask=keep)
-            if HAS_WEIGHTS:
+            if has_weights:
                 tl.store(out_weights + rows2, tl.where(live[:, None], weights, 0.0), mask=keep)
-        if WRITE_META:
+        if write_meta:
             token = tl.load(meta, mask=live, other=-1, cache_modifier=".cg")
             first_col = tl.load(meta + 1, mask=live, other=-1, cache_modifier=".cg")
             slot = tl.load(meta + 2, mask=live, other=-1, cache_modifier=".cg")
@@ -661,25 +672,26 @@ def elastic_dispatch_epilogue(
             tl.store(row + 1, tl.where(live, source * K + first_col, -1), mask=in_rows)
             tl.store(row[:, None] + 2 + ks[None, :], dst, mask=in_rows[:, None] & kmask[None, :])
             tl.store(out_slots + i, tl.where(live, slot, -1), mask=in_rows)
-    if EXPAND & ZERO_PAD:
-        zero_padding(
-            pid,
-            num_programs,
-            chosen,
-            aligned,
-            expert_start,
-            els,
-            out_words,
-            out_sf,
-            out_sf_token_stride,
-            out_sf_group_stride,
-            out_weights,
-            E_LOCAL,
-            PW,
-            BW,
-            G,
-            G_P2,
-            HAS_SF,
-            HAS_WEIGHTS,
-            BR,
-        )
+    if EXPAND:  # noqa: SIM102 (compiled in or out; the inner test runs)
+        if (flags & FLAG_ZERO_PAD) != 0:
+            zero_padding(
+                pid,
+                num_programs,
+                chosen,
+                aligned,
+                expert_start,
+                els,
+                out_words,
+                out_sf,
+                out_sf_token_stride,
+                out_sf_group_stride,
+                out_weights,
+                E_LOCAL,
+                PW,
+                BW,
+                G,
+                G_P2,
+                HAS_SF,
+                has_weights,
+                BR,
+            )

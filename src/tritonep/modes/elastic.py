@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..heap import allocate, default_device
 from ..kernels import elastic_combine, elastic_dispatch, elastic_exchange, launcher
+from ..kernels import elastic_dispatch as ed
 from ..kernels.sync import (
     DEFAULT_TIMEOUT_S,
     STATUS_WORDS,
@@ -236,6 +237,13 @@ class ElasticMode:
             wanted = min(wanted, 2)
         return max(1, min(wanted, -(-work // block)))
 
+    def _block(self, most: int, work: int, programs: int) -> int:
+        """Rows per block: ``most``, or fewer (a power of two) when that leaves programs of the
+        budget idle; decode batches then spread over every SM (one variant per power of two)."""
+        if self.device.type != "cuda":
+            return most
+        return max(1, min(most, _next_pow2(max(1, -(-work // max(1, programs))))))
+
     def check(self) -> None:
         """Wait for the device and raise :class:`~tritonep.errors.WaitTimeoutError` if a wait
         gave up, or :class:`~tritonep.errors.HeapGuardError` if a kernel wrote past the heap."""
@@ -350,7 +358,7 @@ class ElasticMode:
         int32_dummy, int64_dummy = self.status, self.state
         f32_dummy = self._f32_dummy()
         PW, K_P2 = row_bytes // 4, _next_pow2(max(K, 2))
-        BT = max(1, min(16, 128 // K_P2))
+        BT = self._block(max(1, min(16, 128 // K_P2)), N, num_sms)
         rec = record_bytes(row_bytes, G, K)
         pay, scl = _align(row_bytes, 16), _align(4 * G, 16)
         key = (
@@ -359,11 +367,14 @@ class ElasticMode:
             num_experts,
             PW,
             G,
+            BT,
             sf is not None,
-            topk_weights is not None,
-            stats is not None,
-            ids_copy is not None,
-            first_call,
+        )
+        flags = (
+            (ed.FLAG_WEIGHTS.value if topk_weights is not None else 0)
+            | (ed.FLAG_STATS.value if stats is not None else 0)
+            | (ed.FLAG_COPY_IDS.value if ids_copy is not None else 0)
+            | (ed.FLAG_SLOTS.value if first_call else 0)
         )
         self._launch(
             elastic_dispatch.elastic_dispatch,
@@ -390,6 +401,7 @@ class ElasticMode:
                 dst_slots if dst_slots is not None else int32_dummy,
                 self.status,
                 self._timeout_us,
+                flags,
             ),
             key,
             lambda: dict(
@@ -410,11 +422,9 @@ class ElasticMode:
                 SCL=scl,
                 HEADER_WORDS=HEADER_WORDS,
                 BT=BT,
+                # The scan of the earlier ranges' ids reads 1024 of them a step.
+                SCAN_T=max(BT, 1024 // K_P2),
                 HAS_SF=sf is not None,
-                HAS_WEIGHTS=topk_weights is not None,
-                HAS_STATS=stats is not None,
-                COPY_IDS=ids_copy is not None,
-                WRITE_SLOTS=first_call,
                 USE_CLOCK=use_clock(device),
                 num_warps=8,
             ),
@@ -510,9 +520,24 @@ class ElasticMode:
         int32_dummy, int64_dummy, f32_dummy = self.status, self.state, self._f32_dummy()
         write_meta = out.recv_src_metadata is not None
         has_sf, has_w = out.recv_sf is not None, out.recv_topk_weights is not None
-        PW, K_P2, BR = row_bytes // 4, _next_pow2(max(K, 2)), 16
+        PW, K_P2 = row_bytes // 4, _next_pow2(max(K, 2))
+        BR = self._block(16, out.num_recv_tokens, self.num_device_sms)
         rows = out.recv_x.shape[0]
-        key = ("epilogue", K, E_local, PW, G, do_expand, do_zero_padding, has_sf, has_w, write_meta)
+        key = (
+            "epilogue",
+            K,
+            E_local,
+            PW,
+            G,
+            BR,
+            do_expand,
+            has_sf,
+        )
+        flags = (
+            (ed.FLAG_WEIGHTS.value if has_w else 0)
+            | (ed.FLAG_ZERO_PAD.value if do_zero_padding else 0)
+            | (ed.FLAG_META.value if write_meta else 0)
+        )
         self._launch(
             elastic_dispatch.elastic_dispatch_epilogue,
             self._programs(self.num_device_sms, max(out.num_recv_tokens, E_local), BR),
@@ -538,6 +563,7 @@ class ElasticMode:
                 out.psum_num_recv_tokens_per_scaleup_rank if write_meta else int32_dummy,
                 out.psum_num_recv_tokens_per_expert if write_meta else int32_dummy,
                 out.num_unaligned_recv_tokens_per_expert if write_meta else int32_dummy,
+                flags,
             ),
             key,
             lambda: dict(
@@ -556,10 +582,7 @@ class ElasticMode:
                 SCL=_align(4 * G, 16),
                 BR=BR,
                 EXPAND=do_expand,
-                ZERO_PAD=do_zero_padding,
                 HAS_SF=has_sf,
-                HAS_WEIGHTS=has_w,
-                WRITE_META=write_meta,
                 num_warps=8,
             ),
         )
@@ -628,8 +651,9 @@ class ElasticMode:
                 self.state,
                 self.status,
                 self._timeout_us,
+                int(has_w),
             ),
-            ("combine", H, K, do_expand, multi, has_w),
+            ("combine", H, K, do_expand, multi),
             lambda: dict(
                 H=H,
                 K=K,
@@ -642,7 +666,6 @@ class ElasticMode:
                 BH=BH,
                 EXPAND=do_expand,
                 MULTI=multi,
-                HAS_WEIGHTS=has_w,
                 USE_CLOCK=use_clock(device),
                 num_warps=8,
                 enable_fp_fusion=False,
@@ -653,7 +676,7 @@ class ElasticMode:
         out = empty_output(device, (N, H), torch.bfloat16)
         out_w = empty_output(device, (N, K), torch.float32) if has_w else None
         terms = tuple(bias) + (out,) * (2 - len(bias))  # unused pointers when fewer
-        BT = 8
+        BT = self._block(8, N, self.num_device_sms)
         self._launch(
             elastic_combine.elastic_combine_epilogue,
             self._programs(self.num_device_sms, N, BT),
@@ -670,8 +693,10 @@ class ElasticMode:
                 self.layout.region_bytes,
                 num_max_tokens,
                 self.state,
+                len(bias),
+                int(has_w),
             ),
-            ("reduce", H, K, num_experts, slots, multi, len(bias), has_w),
+            ("reduce", H, K, num_experts, slots, multi, BT),
             lambda: dict(
                 H=H,
                 K=K,
@@ -681,8 +706,6 @@ class ElasticMode:
                 SLOTS=slots,
                 RANK_SLOTS=multi,
                 CREC=crec,
-                NUM_BIAS=len(bias),
-                HAS_WEIGHTS=has_w,
                 BT=BT,
                 BH=BH,
                 USE_CLOCK=use_clock(device),
