@@ -19,8 +19,9 @@ there is no GPU: ``init_dist`` is replaced (the only change to DeepEP's files), 
 tests put on ``"cuda"`` go to the CPU, and the timing helpers of ``testing.py`` call the timed
 function once (their times mean nothing there); small shapes by default.
 
-Each test's output goes to ``OUT/<test>.log`` (default ``out/deepep``) and the script exits
-non-zero if any test failed.
+Each test's output goes to ``deepep-<test>.log`` in ``--logs`` (default: ``$OUT`` if set, else
+the build folder ``out/deepep``); the script prints each log's last lines and exits non-zero
+if any test failed.
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ class CudaOnCpu(TorchFunctionMode):
         if name == "all_to_all_single" and args[0].dtype == torch.float8_e4m3fn:
             # gloo moves no FP8: the same bytes as uint8
             args = tuple(a.view(torch.uint8) if isinstance(a, torch.Tensor) else a for a in args)
-        if name in ("all_gather_into_tensor", "all_gather_single") and args[0].dim() > args[1].dim():
+        gathers = name in ("all_gather_into_tensor", "all_gather_single")
+        if gathers and args[0].dim() > args[1].dim():
             # gloo gathers into [R * N, ...] only: the same memory
             args = (args[0].view(-1, *args[1].shape[1:]), *args[1:])
         return func(*args, **kwargs)
@@ -201,8 +203,9 @@ def build(deepep: Path, out: Path, cpu: bool) -> None:
     missing = [name for name in FILES if not (deepep / name).exists()]
     if missing:
         sys.exit(f"{deepep}: missing {missing}; run the extract step first")
-    if out.exists():
-        shutil.rmtree(out)
+    for built in (out / "deep_ep", out / "tests"):
+        if built.exists():
+            shutil.rmtree(built)
     package = out / "deep_ep"
     (package / "utils").mkdir(parents=True)
     (package / "__init__.py").write_text(PACKAGE)
@@ -232,8 +235,11 @@ def run(args) -> int:
     env.setdefault("PYTHONUNBUFFERED", "1")
     if args.cpu:
         env.update(TRITON_INTERPRET="1", TORCHDYNAMO_DISABLE="1", CUDA_VISIBLE_DEVICES="")
-    else:  # as tritonep's GPU checks run (see scripts/gpu_check.sh)
+    else:  # as tritonep's GPU checks run (see scripts/gpu_check.sh), sharing their kernel cache
         env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+        env.setdefault("TRITON_CACHE_DIR", str(REPO / ".triton-cache"))
+    logs = Path(args.logs or out).resolve()
+    logs.mkdir(parents=True, exist_ok=True)
     defaults = CPU_ARGS if args.cpu else GPU_ARGS
     failed = []
     for name in args.only.split(","):
@@ -247,7 +253,7 @@ def run(args) -> int:
             str(args.num_processes),
             *shlex.split(extra),
         ]
-        log = out / f"{name}.log"
+        log = logs / f"deepep-{name}.log"
         print(f"[{name}] {' '.join(cmd)}  (log: {log})", flush=True)
         start = time.monotonic()
         with open(log, "w") as f:
@@ -286,6 +292,11 @@ def main() -> int:
     rn.add_argument("--num-processes", type=int, default=4, help="ranks (default 4)")
     rn.add_argument("--cpu", action="store_true", help="CPU ranks and small shapes (no GPU)")
     rn.add_argument("--timeout", type=float, default=3000, help="seconds per test")
+    rn.add_argument(
+        "--logs",
+        default=os.environ.get("OUT"),
+        help="folder of the logs (default: $OUT if set, else the build folder)",
+    )
     for name in TESTS:
         rn.add_argument(
             f"--args-{name.replace('_', '-')}",
