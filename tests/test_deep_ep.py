@@ -132,17 +132,19 @@ def _intranode_body(ctx, tokens, hidden, experts_per_rank, topk, gpus_per_node=N
         deep_ep.Config(24, 8, 256, 6, 128),
     ]
     for config in configs:
-        recv_x, recv_topk_idx, recv_topk_weights, recv_per_expert, handle, event = (
-            buffer.dispatch(
-                x_in, num_tokens_per_rank=num_tokens_per_rank,
-                num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
-                is_token_in_rank=is_token_in_rank,
-                num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
-                topk_weights=topk_weights, config=config,
-                previous_event=deep_ep.Buffer.capture(), async_finish=True,
-                num_worst_tokens=worst,
-            )
-        )  # fmt: skip
+        recv_x, recv_topk_idx, recv_topk_weights, recv_per_expert, handle, event = buffer.dispatch(
+            x_in,
+            num_tokens_per_rank=num_tokens_per_rank,
+            num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
+            is_token_in_rank=is_token_in_rank,
+            num_tokens_per_expert=num_tokens_per_expert,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+            config=config,
+            previous_event=deep_ep.Buffer.capture(),
+            async_finish=True,
+            num_worst_tokens=worst,
+        )
         event.current_stream_wait()
         num_recv = int(gbl_per_rank[rank])
         assert num_recv == len(sources)
@@ -151,7 +153,9 @@ def _intranode_body(ctx, tokens, hidden, experts_per_rank, topk, gpus_per_node=N
             assert recv_topk_idx.shape[0] == worst
             assert bool((recv_topk_idx[num_recv:] == -1).all())
             assert bool((recv_topk_weights[num_recv:] == 0).all())
-            assert recv_per_expert.tolist() == per_expert
+            # An empty list, as DeepEP returns (a list would need a host read); the counts
+            # stay on the device in the handle.
+            assert recv_per_expert == [] and handle.host_info[1:].tolist() == per_expert
         else:
             assert recv_topk_idx.shape[0] == num_recv and recv_per_expert == per_expert
         payload = recv_x[0] if use_fp8 else recv_x
@@ -189,6 +193,24 @@ def _intranode_body(ctx, tokens, hidden, experts_per_rank, topk, gpus_per_node=N
                           combined_x, combined_w))  # fmt: skip
     assert len(hashes) == 1
 
+    if not gpus_per_node:
+        _check_handle_items(handle, rank, is_token_in_rank)
+        # Without top-k, as DeepEP allows: the layout arguments route the rows.
+        plain_x, plain_idx, plain_w, plain_per_expert, plain_handle, _ = buffer.dispatch(
+            x_in, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
+            num_tokens_per_expert=num_tokens_per_expert, config=config, num_worst_tokens=worst,
+        )  # fmt: skip
+        assert plain_idx is None and plain_w is None
+        assert plain_per_expert == ([] if worst else per_expert)
+        plain_rows = plain_x[0] if use_fp8 else plain_x
+        assert torch.equal(
+            plain_rows[:num_recv].view(torch.uint8), payload[:num_recv].view(torch.uint8)
+        )
+        assert torch.equal(plain_handle.recv_src_idx, handle.recv_src_idx)
+        plain_back, plain_w_back, _ = buffer.combine(rows, plain_handle)
+        assert plain_w_back is None and torch.equal(plain_back, combined_x)
+        with pytest.raises(ValueError, match="is_token_in_rank"):
+            buffer.dispatch(x_in, num_tokens_per_expert=num_tokens_per_expert)
     # Cached mode: the handle moves new rows along the same routing.
     cached_x, cached_idx, _, _, _, _ = buffer.dispatch(x * 2, handle=handle)
     assert cached_idx is None
@@ -199,6 +221,34 @@ def _intranode_body(ctx, tokens, hidden, experts_per_rank, topk, gpus_per_node=N
         buffer.dispatch(x, handle=handle, topk_idx=topk_idx)
     buffer.destroy()
     return True
+
+
+def _check_handle_items(handle, rank, is_token_in_rank):
+    """The handle is DeepEP's six-item tuple, each item with DeepEP's meaning."""
+    rank_prefix_matrix, channel_prefix, recv_channel_prefix, recv_src_idx, in_rank, send_head = (
+        handle
+    )
+    assert len(handle) == 6 and handle[0] is rank_prefix_matrix and handle[-1] is send_head
+    R = is_token_in_rank.shape[1]
+    received = torch.tensor([int(handle.recv_count[s].sum()) for s in range(R)])
+    # [i][rank]: rows this rank receives from ranks 0..i (other ranks' columns: -1).
+    assert rank_prefix_matrix.shape == (R, R) and rank_prefix_matrix.dtype == torch.int32
+    assert rank_prefix_matrix[:, rank].tolist() == received.cumsum(0).tolist()
+    others = [c for c in range(R) if c != rank]
+    assert bool((rank_prefix_matrix[:, others] == -1).all())
+    # Tokens sent to each rank through channels 0..c: the last channel holds them all.
+    sent = is_token_in_rank.to(torch.int32).sum(0)
+    assert tuple(channel_prefix.shape) == tuple(handle.recv_count.shape)
+    assert torch.equal(channel_prefix[:, -1], sent)
+    assert bool((channel_prefix[:, 1:] >= channel_prefix[:, :-1]).all())
+    assert bool((recv_channel_prefix[:, 0] == 0).all())
+    assert torch.equal(recv_channel_prefix + handle.recv_start[:, :1], handle.recv_start)
+    assert recv_src_idx is handle.recv_src_idx and in_rank is handle.is_token_in_rank
+    # Each token's index among the rows sent to a rank, -1 where it is not sent.
+    for r in range(R):
+        col = send_head[:, r]
+        assert col[~is_token_in_rank[:, r]].eq(-1).all()
+        assert col[is_token_in_rank[:, r]].tolist() == list(range(int(sent[r])))
 
 
 def _low_latency_body(ctx, tokens, hidden, experts_per_rank, topk, use_fp8, use_ue8m0=False):
@@ -510,3 +560,45 @@ def test_signatures_match_deep_ep():
         assert deep_ep.Buffer.get_dispatch_config(4).num_sms == 24
     finally:
         deep_ep.Buffer.set_num_sms(20)
+
+
+NAMES = """
+import json
+import torch
+from tritonep.modes import low_latency as ll, normal as nm
+from tritonep.kernels import elastic_combine as ec, elastic_dispatch as ed, normal_notify
+kernels = [ll.DISPATCH_KERNEL, ll.COMBINE_KERNEL, normal_notify.notify_kernel,
+           nm.normal_dispatch.normal_dispatch_kernel, nm.normal_combine.normal_combine_kernel,
+           ed.elastic_dispatch, ed.elastic_dispatch_epilogue, ec.elastic_combine,
+           ec.elastic_combine_epilogue]
+print(json.dumps([torch._C._demangle(k.__name__) for k in kernels]))
+"""
+
+
+def test_kernel_names_as_deep_ep_benchmarks_find_them():
+    """DeepEP's ``bench_kineto`` finds kernels by a substring of the profiler's (demangled)
+    name: each of a call's kernels must name its call once, and when a call launches two
+    kernels (a receive hook), trace events are found by ``::dispatch`` and ``::combine``.
+    Names are given when compiling, so they are read in a process without the interpreter."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    proc = subprocess.run(
+        [sys.executable, "-c", NAMES], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = json.loads(proc.stdout)
+    assert names == [
+        "tritonep::low_latency::dispatch()",
+        "tritonep::low_latency::combine()",
+        "notify_kernel",  # a normal dispatch: notify, then the dispatch kernel
+        "normal_dispatch_kernel",
+        "normal_combine_kernel",
+        "tritonep::elastic::dispatch_impl()",
+        "tritonep::elastic::dispatch_copy_epilogue_impl()",
+        "tritonep::elastic::combine_impl()",
+        "tritonep::elastic::combine_reduce_epilogue_impl()",
+    ]

@@ -297,8 +297,6 @@ def _variants_body(ctx):
     variant) under the default limit, then after calls under a 2 s limit (low-latency mode
     also with batches of other sizes: 1, 16, 7 tokens)."""
     from tritonep.kernels import (
-        ll_combine,
-        ll_dispatch,
         normal_combine,
         normal_dispatch,
         normal_notify,
@@ -308,7 +306,7 @@ def _variants_body(ctx):
     hidden, experts, topk = 128, 2 * R, 2
     low = ll.LowLatencyMode(None, 16, hidden, experts, max_topk=topk, device=dev)
     normal = nm.NormalMode(None, hidden, experts, max_topk=topk, device=dev)
-    kernels = [ll_dispatch.ll_dispatch_kernel, ll_combine.ll_combine_kernel,
+    kernels = [ll.DISPATCH_KERNEL, ll.COMBINE_KERNEL,
                normal_notify.notify_kernel, normal_dispatch.normal_dispatch_kernel,
                normal_combine.normal_combine_kernel]  # fmt: skip
 

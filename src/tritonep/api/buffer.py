@@ -2,28 +2,10 @@
 
 Normal-mode calls (``get_dispatch_layout``, ``dispatch``, ``combine``) and low-latency calls
 (``low_latency_dispatch`` / ``low_latency_combine``) take the same arguments and return the
-same tuples as DeepEP's. Differences, all deliberate:
-
-* each mode's memory is sized and allocated on its first call (normal mode from the hidden
-  size and expert count; low-latency mode from ``num_max_dispatch_tokens_per_rank``, hidden
-  size and expert count), so make one eager call before capturing CUDA graphs; later calls
-  must use the same sizes;
-* both modes run on any number of ranks, within one node or, with ``gpus_per_node``, over
-  nodes (normal mode through :class:`~tritonep.modes.internode.InternodeMode`); its handle is a
-  :class:`~tritonep.modes.normal.NormalHandle` (or ``InternodeHandle``), not DeepEP's tuple,
-  and in worst-case mode
-  (``num_worst_tokens > 0``) the per-expert counts come as an ``[E_local]`` int32 device
-  tensor instead of a list (a list would need the host synchronization that mode avoids);
-* normal-mode kernels run on the buffer's communication stream; outputs are allocated there
-  and recorded on the calling stream, whatever ``allocate_on_comm_stream`` says;
-* ``use_ue8m0`` implies ``round_scale`` (DeepEP requires both) and packs the scales as
-  DeepEP does for any hidden size that is a multiple of 128 (``ceil(H / 512)`` int32 columns;
-  DeepEP: multiples of 512); any top-k up to 16 works;
-* ``num_nvl_bytes``, ``num_rdma_bytes`` and ``num_qps_per_rank`` are accepted; the bytes only
-  need to cover :meth:`Buffer.get_low_latency_rdma_size_hint` when given;
-* the ``*_wait_recv_cost_stats`` tensors accumulate nanoseconds (DeepEP: clock cycles);
-* a wait that times out raises :class:`~tritonep.errors.WaitTimeoutError` from
-  :meth:`Buffer.check` or :meth:`Buffer.destroy` instead of trapping the GPU.
+same tuples as DeepEP's (:mod:`tritonep.deep_ep` is DeepEP's interface itself); every
+difference from DeepEP is listed in ``docs/deepep-compat.md``. Beyond DeepEP's arguments the
+buffer takes ``timeout_s``, ``check_ids``, ``device``, ``profile`` and ``gpus_per_node``, and has
+:meth:`Buffer.check` and :meth:`Buffer.dump_trace`.
 
 What keeps it fast: each mode's memory is allocated once and reused by every call (flags are
 tagged with the call number, so nothing is reset between calls), normal-mode kernels run on a
@@ -110,22 +92,43 @@ class EventOverlap:
     def __init__(self, event: torch.cuda.Event | None = None, extra_tensors: tuple = ()):
         self.event = event
         self.extra_tensors = extra_tensors
+        #: Called once after the next :meth:`current_stream_wait` (DeepEP V2's hook).
+        self.hook_after_wait = None
+        self._release_handle_by_call = False
 
     def cuda_event(self) -> torch.cuda.Event | None:
         """The underlying CUDA event (the event itself, or the one an event handle holds)."""
         return getattr(self.event, "event", self.event)
 
-    def current_stream_wait(self) -> None:
-        """Make the current stream wait for the event."""
+    def current_stream_wait(self, release_handle: bool = False) -> None:
+        """Make the current stream wait for the event, then run the hook registered with
+        :meth:`register_hook_after_wait`; ``release_handle`` drops the event afterwards."""
         event = self.cuda_event()
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
+        hook, self.hook_after_wait = self.hook_after_wait, None
+        if hook is not None:
+            hook()
+        if release_handle:
+            self.event = None
+
+    def register_hook_after_wait(self, hook) -> None:
+        """Run ``hook()`` once, right after the next :meth:`current_stream_wait`."""
+        if self.hook_after_wait is not None:
+            raise RuntimeError("register_hook_after_wait: a hook is already registered")
+        self.hook_after_wait = hook
+
+    def __call__(self, release_handle: bool = False) -> EventOverlap:
+        """``with event(release_handle=True):`` drops the event when the block ends."""
+        self._release_handle_by_call = release_handle
+        return self
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
-        self.current_stream_wait()
+        self.current_stream_wait(release_handle=self._release_handle_by_call)
+        self._release_handle_by_call = False
 
 
 @functools.cache
@@ -418,7 +421,10 @@ class Buffer:
                 without ``handle``.
             num_tokens_per_expert: ``[E]`` int32 from :meth:`get_dispatch_layout`; its length
                 is the number of experts; required without ``handle``.
-            topk_idx: ``[N, K]`` int64 global expert ids, ``-1`` for none.
+            topk_idx: ``[N, K]`` int64 global expert ids, ``-1`` for none; or None: rows go
+                where ``is_token_in_rank`` says, with the per-expert counts of
+                ``num_tokens_per_expert`` (within one node), and ``recv_topk_idx`` and
+                ``recv_topk_weights`` come back None.
             topk_weights: ``[N, K]`` float32, or None.
             expert_alignment: round the per-expert counts up to a multiple of this.
             num_worst_tokens: if > 0, outputs have this many rows (padding ids ``-1``) and the
@@ -452,12 +458,38 @@ class Buffer:
                     raise ValueError(f"{name}: must be None with a handle (cached mode moves "
                                      "rows along the handle's routing)")  # fmt: skip
         payload = check_dispatch_x("x", x)
+        # Without top-k (as DeepEP allows) the layout arguments alone route the rows: the
+        # count exchange runs first and the rows follow its handle.
+        notify_first = handle is None and topk_idx is None
         if handle is not None:
             mode = self._normal_mode(payload.shape[1], None)
         else:
             check_tensor("num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32,
                          shape=(None,))  # fmt: skip
             mode = self._normal_mode(payload.shape[1], num_tokens_per_expert.shape[0])
+        if notify_first:
+            if topk_weights is not None:
+                raise ValueError("topk_weights: needs topk_idx")
+            if self.num_nodes > 1:
+                raise ValueError(
+                    "topk_idx: required for a group that spans nodes (a dispatch "
+                    "without top-k runs within one node)"
+                )
+            if is_token_in_rank is None:
+                raise ValueError("is_token_in_rank: required without topk_idx and handle")
+            check_tensor(
+                "is_token_in_rank",
+                is_token_in_rank,
+                dtype=torch.bool,
+                shape=(payload.shape[0], self.group_size),
+                device=mode.device,
+            )
+            check_tensor(
+                "num_tokens_per_expert",
+                num_tokens_per_expert,
+                dtype=torch.int32,
+                device=mode.device,
+            )
         if handle is None:
             config = config or self.get_dispatch_config(self.group_size)
             # A config may ask for more ring slots than the buffer has (DeepEP's defaults
@@ -471,22 +503,31 @@ class Buffer:
             config = Config(sms, config.nvl_send_chunk, slots, config.rdma_send_chunk,
                             config.rdma_recv_buffer_tokens)  # fmt: skip
         inputs = (x, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert)
-        out, compute = self._on_comm_stream(
-            payload.device,
-            previous_event,
-            inputs,
-            lambda: mode.dispatch(
+
+        def run():
+            routed = handle
+            if notify_first:
+                routed = mode.notify(
+                    is_token_in_rank,
+                    num_tokens_per_expert,
+                    payload.shape[0],
+                    expert_alignment,
+                    num_worst_tokens,
+                    config,
+                )
+            return mode.dispatch(
                 x,
                 topk_idx,
                 topk_weights,
                 num_tokens_per_expert,
                 is_token_in_rank,
-                handle,
+                routed,
                 expert_alignment,
                 num_worst_tokens,
                 config,
-            ),
-        )
+            )
+
+        out, compute = self._on_comm_stream(payload.device, previous_event, inputs, run)
         outputs = (out.recv_x, out.recv_topk_idx, out.recv_topk_weights, out.handle.recv_src_idx)
         event = self._finish(compute, async_finish, outputs)
         return (

@@ -1,4 +1,4 @@
-"""DeepEP's ``deep_ep.utils`` names: :class:`EventOverlap` and :class:`EventHandle`."""
+"""DeepEP's ``deep_ep.utils`` event names: :class:`EventOverlap` and :class:`EventHandle`."""
 
 from __future__ import annotations
 

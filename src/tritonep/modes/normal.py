@@ -834,7 +834,9 @@ class NormalMode:
             num_recv, rows, num_tokens, hidden, self.num_experts, config,
             bounds=bounds, extra=handle.extra,
         )  # fmt: skip
-        per_expert = handle.num_recv_tokens_per_expert if has_topk else None
+        # Set on a handle from notify (a first dispatch, with or without top-k); None on a
+        # dispatch's handle (cached mode).
+        per_expert = handle.num_recv_tokens_per_expert
         return NormalDispatchOutput(recv_x, recv_topk_idx, recv_weights, per_expert, new_handle)
 
     # ---------------------------------------------------------------------------- combine

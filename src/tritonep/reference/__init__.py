@@ -6,12 +6,21 @@ tests compare each Triton kernel against these functions; keep them slow and obv
 * :mod:`.layout` -- where each token goes (``-1`` = no expert);
 * :mod:`.normal` -- normal-mode dispatch (exact size, once per rank) and combine;
 * :mod:`.low_latency` -- low-latency dispatch (per-expert slabs) and weighted combine;
+* :mod:`.elastic` -- DeepEP V2's layouts (plain, expanded per expert) and its ordered combine;
 * :mod:`.fp8` -- FP8 e4m3 per-128-channel quantization and de-quantization;
 * :mod:`.logfmt` -- the LogFMT-10 format of a ``use_logfmt`` low-latency combine;
 * :mod:`.compare` -- strict, block-order-independent comparisons.
 """
 
 from .compare import assert_bitwise_equal, assert_low_latency_dispatch_equal, assert_rows_equal
+from .elastic import (
+    ElasticDispatchResult,
+    elastic_combine,
+    elastic_combine_unreduced,
+    elastic_dispatch,
+    rank_partials,
+    reduction_order,
+)
 from .fp8 import (
     AMAX_FLOOR,
     FP8_MAX,
@@ -38,6 +47,7 @@ __all__ = [
     "AMAX_FLOOR",
     "FP8_MAX",
     "DispatchLayout",
+    "ElasticDispatchResult",
     "LowLatencyDispatchResult",
     "NormalDispatchResult",
     "align_up",
@@ -46,6 +56,9 @@ __all__ = [
     "assert_rows_equal",
     "dequantize_fp8",
     "dispatch_layout",
+    "elastic_combine",
+    "elastic_combine_unreduced",
+    "elastic_dispatch",
     "expert_owner",
     "fp8_scales",
     "logfmt_error_bound",
@@ -58,6 +71,8 @@ __all__ = [
     "pack_range",
     "pack_ue8m0",
     "quantize_fp8",
+    "rank_partials",
+    "reduction_order",
     "round_scale_to_pow2",
     "unpack_range",
     "unpack_ue8m0",

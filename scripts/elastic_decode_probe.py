@@ -1,0 +1,133 @@
+"""Decode through DeepEP V2's ElasticBuffer against the low-latency mode, in CUDA graphs.
+
+    PYTHONPATH=src python scripts/elastic_decode_probe.py [--ranks 4] [--tokens 1,32,128]
+        [--hidden 7168] [--experts 256] [--topk 8] [--prefill 4096]
+
+Per batch size, the device time per call (CUDA-graph replays, mean over ranks) of:
+
+* low-latency dispatch (FP8, quantized in the kernel) and combine (BF16, weighted), the V1
+  decode path (``Buffer.low_latency_dispatch`` / ``low_latency_combine``);
+* elastic dispatch as V2 decodes (``do_cpu_sync=False``, ``do_expand=True``: worst-case
+  sizes, each local expert's rows contiguous), of FP8 rows quantized beforehand and of BF16
+  rows, and the combine of the expanded rows (summed per token on each rank, then in V2's
+  order on the owner).
+
+The bytes differ in kind: the low-latency dispatch moves one FP8 row per (token, rank) and its
+combine one BF16 row per (token, expert); the elastic dispatch moves one row per (token,
+rank) too, its combine one BF16 row per (token, rank). With ``--prefill N`` it also times an
+exact-size (``do_cpu_sync=True``, plain layout) elastic dispatch and combine of N tokens
+against the normal mode's (eager medians: both read a count on the host).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def _decode_line(ctx, opts, elastic, legacy, T, most):
+    """One batch size: device time per call of each decode call, in CUDA graphs."""
+    from tritonep.bench.timing import mean_over_ranks, time_graph
+    from tritonep.reference.fp8 import quantize_fp8
+    from tritonep.testing import route
+
+    E, K = opts.experts, opts.topk
+    gen = torch.Generator().manual_seed(11 + ctx.rank)
+    x = torch.randn(T, opts.hidden, generator=gen).to(torch.bfloat16)
+    idx = route(gen, T, E, K, "random").to(ctx.device)
+    w = torch.rand(T, K, generator=gen).to(ctx.device)
+    x8 = tuple(t.to(ctx.device) for t in quantize_fp8(x))
+    x = x.to(ctx.device)
+    ll = legacy.low_latency_dispatch(x, idx, most, E, use_fp8=True)
+    y_ll = torch.randn(ll[0][0].shape, device=ctx.device).to(torch.bfloat16)
+    common = dict(num_experts=E, do_cpu_sync=False, do_expand=True)
+    recv, _, recv_w, handle, _ = elastic.dispatch(x, idx, w, **common)
+    y = torch.randn(recv.shape, device=ctx.device).to(torch.bfloat16)
+    calls = {
+        "LL dispatch FP8": lambda: legacy.low_latency_dispatch(x, idx, most, E, use_fp8=True),
+        "LL combine": lambda: legacy.low_latency_combine(y_ll, idx, w, ll[2]),
+        "elastic dispatch FP8": lambda: elastic.dispatch(x8, idx, w, **common),
+        "elastic dispatch BF16": lambda: elastic.dispatch(x, idx, w, **common),
+        "elastic combine": lambda: elastic.combine(y, handle, recv_w),
+    }
+    times = mean_over_ranks([time_graph(fn, 5, 10) * 1e3 for fn in calls.values()])
+    timed = ", ".join(f"{name} {t:.1f} us" for name, t in zip(calls, times, strict=True))
+    return f"{T:5d} tokens: {timed}"
+
+
+def _rank(ctx, opts):
+    import tritonep.deep_ep as deep_ep
+    from tritonep.bench.timing import mean_over_ranks, median_ms
+    from tritonep.testing import route
+
+    R, H, E, K = ctx.world_size, opts.hidden, opts.experts, opts.topk
+    most = max(opts.tokens)
+    group = ctx.group
+    elastic = deep_ep.ElasticBuffer(
+        group,
+        num_max_tokens_per_rank=max(most, opts.prefill),
+        hidden=H,
+        num_topk=K,
+        explicitly_destroy=True,
+    )
+    rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(most, H, R, E)
+    legacy = deep_ep.Buffer(group, 0, rdma, low_latency_mode=True, explicitly_destroy=True)
+    lines = [_decode_line(ctx, opts, elastic, legacy, T, most) for T in opts.tokens]
+    if opts.prefill:
+        T = opts.prefill
+        gen = torch.Generator().manual_seed(13 + ctx.rank)
+        x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(ctx.device)
+        idx = route(gen, T, E, K, "random").to(ctx.device)
+        recv, _, _, handle, _ = elastic.dispatch(x, idx, num_experts=E)
+        per_rank, _, per_expert, in_rank, _ = legacy.get_dispatch_layout(idx, E)
+        out = legacy.dispatch(
+            x,
+            num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=idx,
+        )
+        calls = {
+            "normal dispatch": lambda: legacy.dispatch(
+                x,
+                num_tokens_per_rank=per_rank,
+                is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert,
+                topk_idx=idx,
+            ),
+            "normal combine": lambda: legacy.combine(out[0], out[4]),
+            "elastic dispatch": lambda: elastic.dispatch(x, idx, num_experts=E),
+            "elastic combine": lambda: elastic.combine(recv, handle),
+        }
+        times = mean_over_ranks([median_ms(fn, 10, 3) * 1e3 for fn in calls.values()])
+        lines.append(
+            f"{T:5d} tokens (exact sizes, eager): "
+            + ", ".join(f"{name} {t:.1f} us" for name, t in zip(calls, times, strict=True))
+        )
+    elastic.check()
+    elastic.destroy()
+    legacy.destroy()
+    return lines
+
+
+def main() -> None:
+    from tritonep.launch import spawn
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--tokens", default="1,32,128")
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--prefill", type=int, default=0)
+    args = parser.parse_args()
+    args.tokens = [int(v) for v in args.tokens.split(",")]
+    results = spawn(_rank, args.ranks, args, timeout=580)
+    print(f"{args.ranks} ranks, hidden {args.hidden}, {args.experts} experts, top-{args.topk}")
+    for line in results[0]:
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

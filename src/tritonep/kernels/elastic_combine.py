@@ -1,0 +1,302 @@
+"""Elastic combine: every rank stores one row per received token back into a fixed slot of the
+token's owner, then one epilogue on all SMs sums each token's rows in a fixed order.
+
+:func:`elastic_combine` (``tritonep::elastic::combine_impl``), on the rank that holds the
+experts: program ``p`` takes received tokens ``p, p + P, ...`` (blocks of ``BR``). A token's
+row is the input row (plain layout), or the float32 sum of its expanded rows in top-k order,
+rounded to BF16 (expand layout, ``MULTI``); it goes to the owner's region at
+``[slot][source token]`` with the token's top-k weights, ``slot`` being this rank's place in
+the order in which the owner sums the token's rows (``reduction_slots`` of
+:mod:`.elastic_dispatch`, fixed at dispatch). Without ``MULTI`` (expand layout) every expanded
+row goes back alone, to slot ``k`` of its top-k column. The last program sends the tags and
+waits for every rank's.
+
+:func:`elastic_combine_epilogue` (``tritonep::elastic::combine_reduce_epilogue_impl``), on the
+owner: for each token, float32 ``bias_0 + bias_1``, then each slot's row added in slot order
+(the ranks by the column of their last choice, or the top-k columns), rounded to BF16 once: the
+order of DeepEP V2's reference (``deep_ep/utils/refs.py``), so results match it bit for bit.
+Weight ``k`` comes from the row of the rank that holds expert ``k``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .elastic_dispatch import load_choices
+from .elastic_exchange import PHASE_COMBINE, arrive, exchange_number, finish_exchange, tag_and_wait
+from .fp8 import from_bf16, to_bf16
+from .normal_dispatch import column
+from .profiled import kernel
+
+
+@triton.jit
+def slot_rows(region, slot, token, max_tokens, CREC: tl.constexpr):
+    """Address of slot ``slot`` of token ``token`` in a combine region (vectors broadcast)."""
+    return region + (slot * max_tokens + token).to(tl.int64) * CREC
+
+
+@triton.jit
+def send_sums(
+    x_ptr,
+    weights_ptr,
+    rows,
+    i,
+    live,
+    dst,
+    ks,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    BH: tl.constexpr,
+    EXPAND: tl.constexpr,
+    has_weights,
+    EMULATE: tl.constexpr,
+):
+    """Store each token's row (the input row ``i``, or with ``EXPAND`` the float32 sum of its
+    expanded rows ``rows`` in top-k order, rounded) and weights at ``dst`` ([B] int64)."""
+    hs = tl.arange(0, BH)
+    out = dst.to(tl.pointer_type(tl.bfloat16))
+    for h0 in range(0, H, BH):
+        h = h0 + hs
+        hmask = h < H
+        if EXPAND:
+            acc = tl.zeros((i.shape[0], BH), tl.float32)
+            for k in range(K):
+                r = column(rows, ks, k)
+                m = live & (r >= 0)
+                y = tl.load(
+                    x_ptr + r.to(tl.int64)[:, None] * H + h[None, :],
+                    mask=m[:, None] & hmask[None, :],
+                    other=0.0,
+                )
+                acc = tl.where(m[:, None], acc + from_bf16(y, EMULATE), acc)
+            y = to_bf16(acc, EMULATE)
+        else:
+            y = tl.load(
+                x_ptr + i.to(tl.int64)[:, None] * H + h[None, :],
+                mask=live[:, None] & hmask[None, :],
+            )
+        tl.store(out[:, None] + h[None, :], y, mask=live[:, None] & hmask[None, :])
+    if has_weights:
+        kmask = live[:, None] & (ks < K)[None, :]
+        if EXPAND:
+            w = tl.load(
+                weights_ptr + tl.maximum(rows, 0).to(tl.int64), mask=kmask & (rows >= 0), other=0.0
+            )
+        else:
+            w = tl.load(weights_ptr + i.to(tl.int64)[:, None] * K + ks[None, :], mask=kmask)
+        wp = (dst + 2 * H).to(tl.pointer_type(tl.float32))
+        tl.store(wp[:, None] + ks[None, :], w, mask=kmask)
+
+
+@triton.jit
+def send_expanded(
+    x_ptr,
+    rows,
+    live,
+    owner_base,
+    region,
+    token,
+    max_tokens,
+    ks,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    BH: tl.constexpr,
+    CREC: tl.constexpr,
+):
+    """Without reductions here: every expanded row to slot ``k`` (its top-k column)."""
+    hs = tl.arange(0, BH)
+    for k in range(K):
+        r = column(rows, ks, k)
+        m = live & (r >= 0)
+        out = slot_rows(owner_base + region, k, token, max_tokens, CREC)
+        out = out.to(tl.pointer_type(tl.bfloat16))
+        for h0 in range(0, H, BH):
+            h = h0 + hs
+            m2 = m[:, None] & (h < H)[None, :]
+            y = tl.load(x_ptr + tl.maximum(r, 0).to(tl.int64)[:, None] * H + h[None, :], mask=m2)
+            tl.store(out[:, None] + h[None, :], y, mask=m2)
+
+
+@kernel("tritonep::elastic::combine_impl", do_not_specialize=["timeout_us", "has_weights"])
+def elastic_combine(
+    x_ptr,  # [rows, H] bf16: one row per received token, or per expanded slot (EXPAND)
+    weights_ptr,  # [rows, K] (plain) or [rows] (EXPAND) float32 (has_weights)
+    meta_ptr,  # [tokens, K + 2] int32 recv_src_metadata of the dispatch
+    slots_ptr,  # [tokens] int32 each received token's reduction slot
+    psum_rank_ptr,  # [R] int32 rows received per source, inclusive (the last: all)
+    peer_ptrs,
+    rank,
+    header_offset,
+    region_offset,
+    region_bytes,
+    max_tokens,
+    state_ptr,
+    status_ptr,
+    timeout_us,
+    has_weights,  # 1: top-k weights go back with the rows (run-time: no variant of its own)
+    H: tl.constexpr,
+    K: tl.constexpr,
+    K_P2: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    R_P2: tl.constexpr,
+    CREC: tl.constexpr,  # bytes of a combine record: H bf16 values, then K float32 weights
+    HEADER_WORDS: tl.constexpr,
+    BR: tl.constexpr,
+    BH: tl.constexpr,
+    EXPAND: tl.constexpr,
+    MULTI: tl.constexpr,  # EXPAND: reduce a token's rows here before sending one
+    USE_CLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    call = exchange_number(state_ptr)
+    region = region_offset + (call % 2) * region_bytes
+    ranks = tl.arange(0, R_P2)
+    ks = tl.arange(0, K_P2)
+    peer_base = tl.load(peer_ptrs + ranks, mask=ranks < NUM_RANKS, other=0)
+    total = tl.load(psum_rank_ptr + NUM_RANKS - 1)
+    for i0 in range(pid * BR, total, tl.num_programs(0) * BR):
+        i = i0 + tl.arange(0, BR)
+        live = i < total
+        meta = meta_ptr + i.to(tl.int64) * (K + 2)
+        src = tl.load(meta, mask=live, other=0)
+        source = src // max_tokens
+        token = src % max_tokens
+        owner_base = tl.sum(tl.where(ranks[None, :] == source[:, None], peer_base[None, :], 0), 1)
+        rows = tl.full((BR, K_P2), -1, tl.int32)
+        if EXPAND:
+            rows = tl.load(
+                meta[:, None] + 2 + ks[None, :], mask=live[:, None] & (ks < K)[None, :], other=-1
+            )
+        if EXPAND & (not MULTI):
+            send_expanded(
+                x_ptr, rows, live, owner_base, region, token, max_tokens, ks, H, K, BH, CREC
+            )
+        else:
+            slot = tl.load(slots_ptr + i, mask=live, other=0)
+            dst = slot_rows(owner_base + region, slot, token, max_tokens, CREC)
+            send_sums(
+                x_ptr,
+                weights_ptr,
+                rows,
+                i,
+                live,
+                dst,
+                ks,
+                H,
+                K,
+                BH,
+                EXPAND,
+                has_weights,
+                not USE_CLOCK,
+            )
+    if arrive(state_ptr):
+        my_base = tl.load(peer_ptrs + rank)
+        tag_and_wait(
+            call,
+            peer_base,
+            my_base,
+            rank,
+            ranks,
+            header_offset,
+            status_ptr,
+            timeout_us,
+            PHASE_COMBINE,
+            HEADER_WORDS,
+            NUM_RANKS,
+            USE_CLOCK,
+        )
+        finish_exchange(state_ptr, call)
+
+
+@triton.jit
+def weight_slots(owner, ks):
+    """``[T, K_P2]`` number of ranks before a token's rank ``k`` in its summation order (the
+    reduction slot holding weight ``k``), and ``[T]`` the number of ranks."""
+    same = owner[:, :, None] == owner[:, None, :]  # [T, k, k']
+    later = same & (ks[None, None, :] > ks[None, :, None])
+    last = (owner >= 0) & (tl.max(later.to(tl.int32), 2) == 0)  # [T, k']
+    last_col = tl.max(tl.where(same, ks[None, None, :], -1), 2)  # [T, k]: its rank's last column
+    before = last[:, None, :] & (ks[None, None, :] < last_col[:, :, None])
+    return tl.sum(before.to(tl.int32), 2), tl.sum(last.to(tl.int32), 1)
+
+
+@kernel(
+    "tritonep::elastic::combine_reduce_epilogue_impl",
+    do_not_specialize=["num_bias", "has_weights"],
+)
+def elastic_combine_epilogue(
+    topk_ptr,  # [N, K] int64 the dispatch's ids (this rank's tokens)
+    bias0_ptr,  # [N, H] bf16 (num_bias >= 1)
+    bias1_ptr,  # [N, H] bf16 (num_bias == 2)
+    out_ptr,  # [N, H] bf16
+    out_weights_ptr,  # [N, K] float32 (has_weights)
+    num_tokens,
+    peer_ptrs,
+    rank,
+    region_offset,
+    region_bytes,
+    max_tokens,
+    state_ptr,
+    num_bias,  # bias tensors, 0 to 2 (run-time, as has_weights)
+    has_weights,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    K_P2: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    SLOTS: tl.constexpr,  # slots per token
+    RANK_SLOTS: tl.constexpr,  # a slot per destination rank (else per top-k column)
+    CREC: tl.constexpr,
+    BT: tl.constexpr,
+    BH: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+):
+    EMULATE: tl.constexpr = not USE_CLOCK
+    pid = tl.program_id(0)
+    call = tl.load(state_ptr, volatile=True) - 1
+    region = tl.load(peer_ptrs + rank) + region_offset + (call % 2) * region_bytes
+    ks = tl.arange(0, K_P2)
+    hs = tl.arange(0, BH)
+    for t0 in range(pid * BT, num_tokens, tl.num_programs(0) * BT):
+        tokens = t0 + tl.arange(0, BT)
+        tmask = tokens < num_tokens
+        _, ids, valid = load_choices(topk_ptr, tokens, tmask, ks, K, NUM_EXPERTS)
+        owner = tl.where(valid, ids // E_LOCAL, -1)
+        weight_slot, num_slots = weight_slots(owner, ks)
+        rows = tokens.to(tl.int64)
+        for h0 in range(0, H, BH):
+            h = h0 + hs
+            m2 = tmask[:, None] & (h < H)[None, :]
+            at = rows[:, None] * H + h[None, :]
+            acc = tl.zeros((BT, BH), tl.float32)
+            if num_bias >= 1:
+                acc = from_bf16(tl.load(bias0_ptr + at, mask=m2, other=0.0), EMULATE)
+            if num_bias == 2:
+                acc = acc + from_bf16(tl.load(bias1_ptr + at, mask=m2, other=0.0), EMULATE)
+            for j in range(SLOTS):
+                if RANK_SLOTS:
+                    used = tmask & (j < num_slots)
+                else:
+                    used = tmask & (column(valid.to(tl.int32), ks, j) > 0)
+                src = slot_rows(region, j, tokens, max_tokens, CREC).to(
+                    tl.pointer_type(tl.bfloat16)
+                )
+                y = tl.load(
+                    src[:, None] + h[None, :],
+                    mask=used[:, None] & (h < H)[None, :],
+                    other=0.0,
+                    cache_modifier=".cg",  # written by peers: not from this SM's L1
+                )
+                acc = tl.where(used[:, None], acc + from_bf16(y, EMULATE), acc)
+            tl.store(out_ptr + at, to_bf16(acc, EMULATE), mask=m2)
+        if has_weights:
+            kmask = tmask[:, None] & (ks < K)[None, :]
+            src = slot_rows(region, weight_slot, tokens[:, None], max_tokens, CREC) + 2 * H
+            w = tl.load(
+                src.to(tl.pointer_type(tl.float32)) + ks[None, :],
+                mask=kmask & valid,
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            tl.store(out_weights_ptr + rows[:, None] * K + ks[None, :], w, mask=kmask)

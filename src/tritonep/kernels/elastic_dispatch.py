@@ -1,0 +1,697 @@
+"""Elastic dispatch: every rank stores each token once into a fixed slot of every rank it goes
+to, then one epilogue on all SMs lays the received rows out (plain or expanded per expert).
+
+:func:`elastic_dispatch` (shown by profilers as ``tritonep::elastic::dispatch_impl``): program
+``p`` of ``P`` takes the ``p``-th of ``P`` equal token ranges. It first counts, over the tokens
+before its range, how many go to each rank and how many choose each expert (a scan of their
+ids), so that it knows, without any atomics, each of its tokens' slot on every destination
+(the token's rank among the tokens of this source that go there) and, per chosen expert, the
+token's rank among this source's tokens of that expert. It stores into the destination's
+region ``[source][slot]`` a record: the payload, the scale packs (FP8), and the token's
+metadata (:data:`META_WORDS`). The last program to finish sends each destination a header
+(tokens and per-expert counts, then the tag), waits for every source's header and decodes
+them into ``recv_counts [R, 1 + E_local]``.
+
+:func:`elastic_dispatch_epilogue` (``tritonep::elastic::dispatch_copy_epilogue_impl``) reads
+the received records in (source rank, source token) order: row ``i`` of the plain layout, or,
+expanded, one row per (token, local expert) at ``start[expert] + (rows of that expert from
+earlier sources) + the token's rank among its source's tokens of that expert``, each expert's
+block padded to the alignment (zeroed on request). Rows therefore come in the same order on
+every call: deterministic by construction, cached or not.
+
+Why it is cheap: one store per (token, destination rank) crosses NVLink, no ring, no slot
+atomics and no receiver programs spinning on data; the copy into the caller's layout reads
+local memory on every SM.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .elastic_exchange import (
+    PHASE_DISPATCH,
+    arrive,
+    exchange_number,
+    finish_exchange,
+    header_ptr,
+    tag_and_wait,
+)
+from .normal_dispatch import column, rows_before
+from .profiled import kernel
+from .sync import aligned_ptr, lane
+
+
+#: int32 words of a record's metadata: source token, first local top-k column, reduction
+#: slot, then per top-k column the local expert id (``-1`` elsewhere), the token's rank among
+#: its source's tokens of that expert, and the weight (float32 bits).
+def meta_words(topk: int) -> int:
+    return 3 + 3 * topk
+
+
+# Bits of the run-time ``flags`` of the two kernels (run-time, so that one compiled variant
+# serves every combination).
+FLAG_WEIGHTS = tl.constexpr(1)  # top-k weights travel with the rows
+FLAG_STATS = tl.constexpr(2)  # the push adds the received choices to stats_ptr
+FLAG_COPY_IDS = tl.constexpr(4)  # the push copies the ids for the handle
+FLAG_SLOTS = tl.constexpr(8)  # the push writes each choice's destination slot
+FLAG_ZERO_PAD = tl.constexpr(16)  # the epilogue zeroes the expanded layout's padding rows
+FLAG_META = tl.constexpr(32)  # the epilogue writes the handle (metadata, prefix sums)
+
+
+@triton.jit
+def load_choices(topk_ptr, tokens, tmask, ks, K: tl.constexpr, NUM_EXPERTS: tl.constexpr):
+    """``[T, K_P2]`` raw int64 ids, int32 ids (``-1`` for none or out of range) and validity."""
+    at = tokens.to(tl.int64)[:, None] * K + ks[None, :]
+    raw = tl.load(topk_ptr + at, mask=tmask[:, None] & (ks < K)[None, :], other=-1)
+    valid = (raw >= 0) & (raw < NUM_EXPERTS)
+    return raw, tl.where(valid, raw, -1).to(tl.int32), valid
+
+
+@triton.jit
+def owners(ids, valid, ranks, E_LOCAL: tl.constexpr):
+    """``[T, K_P2]`` rank owning each choice (``-1`` none) and ``[T, R_P2]`` 1 where the token
+    goes to each rank."""
+    owner = tl.where(valid, ids // E_LOCAL, -1)
+    hit = tl.max((owner[:, :, None] == ranks[None, None, :]).to(tl.int32), 1)
+    return owner, hit
+
+
+@triton.jit
+def counts_before(
+    topk_ptr,
+    end,
+    ranks,
+    ks,
+    K: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    E_P2: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    BT: tl.constexpr,
+    K_P2: tl.constexpr,
+):
+    """Over tokens ``[0, end)``: ``[R_P2]`` tokens that go to each rank, ``[E_P2]`` choices of
+    each expert."""
+    sent = tl.zeros(ranks.shape, tl.int32)
+    chosen = tl.zeros((E_P2,), tl.int32)
+    for first in range(0, end, BT):
+        tokens = first + tl.arange(0, BT)
+        _, ids, valid = load_choices(topk_ptr, tokens, tokens < end, ks, K, NUM_EXPERTS)
+        _, hit = owners(ids, valid, ranks, E_LOCAL)
+        sent += tl.sum(hit, 0)
+        flat = tl.reshape(tl.where(valid, ids, 0), (BT * K_P2,))
+        chosen += tl.histogram(flat, E_P2, mask=tl.reshape(valid, (BT * K_P2,)))
+    return sent, chosen
+
+
+@triton.jit
+def expert_ranks(ids, valid, chosen, BT: tl.constexpr, K_P2: tl.constexpr):
+    """``[T, K_P2]``: each choice's rank among this source's choices of its expert, given
+    ``chosen`` (``[E_P2]`` choices of each expert before the block)."""
+    F: tl.constexpr = BT * K_P2
+    flat = tl.reshape(ids, (F,))
+    fvalid = tl.reshape(valid, (F,))
+    token = tl.arange(0, F) // K_P2
+    earlier = (flat[:, None] == flat[None, :]) & (token[None, :] < token[:, None]) & fvalid[None, :]
+    within = tl.sum(earlier.to(tl.int32), 1)
+    before = tl.gather(chosen, tl.where(fvalid, flat, 0), 0)
+    return tl.reshape(tl.where(fvalid, before + within, -1), (BT, K_P2))
+
+
+@triton.jit
+def reduction_slots(owner, ranks, ks, K_P2: tl.constexpr):
+    """Per (token, rank): ``[T, R_P2]`` the position of the rank in the order in which a
+    combine sums the token's rows (ranks ordered by the top-k column of their last choice, as
+    DeepEP V2's reference sums them) and ``[T, R_P2]`` the rank's first top-k column."""
+    same = owner[:, :, None] == owner[:, None, :]  # [T, k, k']
+    later = same & (ks[None, None, :] > ks[None, :, None])
+    last = (owner >= 0) & (tl.max(later.to(tl.int32), 2) == 0)  # [T, k]
+    is_rank = owner[:, :, None] == ranks[None, None, :]  # [T, k, r]
+    last_col = tl.max(tl.where(is_rank, ks[None, :, None], -1), 1)  # [T, r]
+    first_col = tl.min(tl.where(is_rank, ks[None, :, None], K_P2), 1)
+    before = last[:, :, None] & (ks[None, :, None] < last_col[:, None, :])
+    return tl.sum(before.to(tl.int32), 1), first_col
+
+
+@triton.jit
+def store_record(
+    rec,
+    tokens,
+    go,
+    first_col,
+    slot,
+    local,
+    ranked,
+    weights,
+    x_ptr,
+    sf_ptr,
+    sf_token_stride,
+    sf_group_stride,
+    ks,
+    K: tl.constexpr,
+    PW: tl.constexpr,
+    BW: tl.constexpr,
+    G: tl.constexpr,
+    G_P2: tl.constexpr,
+    PAY: tl.constexpr,
+    SCL: tl.constexpr,
+    HAS_SF: tl.constexpr,
+    has_weights,
+):
+    """Store the records of the block's tokens ``go`` at the addresses ``rec`` ([T] int64)."""
+    kmask = go[:, None] & (ks < K)[None, :]
+    meta = aligned_ptr(rec + PAY + SCL, tl.int32)
+    tl.store(meta, tokens, mask=go)
+    tl.store(meta + 1, first_col, mask=go)
+    tl.store(meta + 2, slot, mask=go)
+    tl.store(meta[:, None] + 3 + ks[None, :], local, mask=kmask)
+    tl.store(meta[:, None] + 3 + K + ks[None, :], ranked, mask=kmask)
+    if has_weights:
+        tl.store(
+            meta[:, None] + 3 + 2 * K + ks[None, :], weights.to(tl.int32, bitcast=True), mask=kmask
+        )
+    rows = tokens.to(tl.int64)
+    dst = aligned_ptr(rec, tl.int32)
+    words = tl.arange(0, BW)
+    for w0 in range(0, PW, BW):
+        w = w0 + words
+        m = go[:, None] & (w < PW)[None, :]
+        tl.store(
+            dst[:, None] + w[None, :],
+            tl.load(x_ptr + rows[:, None] * PW + w[None, :], mask=m),
+            mask=m,
+        )
+    if HAS_SF:
+        g = tl.arange(0, G_P2)
+        m = go[:, None] & (g < G)[None, :]
+        packs = tl.load(
+            sf_ptr + rows[:, None] * sf_token_stride + g[None, :] * sf_group_stride, mask=m
+        )
+        tl.store(aligned_ptr(rec + PAY, tl.int32)[:, None] + g[None, :], packs, mask=m)
+
+
+@triton.jit
+def send_headers(
+    call,
+    peer_base,
+    my_base,
+    rank,
+    ranks,
+    header_offset,
+    totals_ptr,
+    recv_counts_ptr,
+    stats_ptr,
+    status_ptr,
+    timeout_us,
+    NUM_RANKS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    EL1_P2: tl.constexpr,
+    HEADER_WORDS: tl.constexpr,
+    has_stats,
+    USE_CLOCK: tl.constexpr,
+):
+    """The last program: each destination's header, the tags, and the decoded counts of every
+    source (``recv_counts[s] = [tokens, choices of each local expert...]``)."""
+    parity = call % 2
+    rmask = ranks < NUM_RANKS
+    cols = tl.arange(0, EL1_P2)
+    grid = rmask[:, None] & (cols < 1 + E_LOCAL)[None, :]
+    # Column 0: tokens sent to the rank; column 1 + e: choices of its local expert e.
+    at = tl.where(
+        cols[None, :] == 0, ranks[:, None], NUM_RANKS + ranks[:, None] * E_LOCAL + cols[None, :] - 1
+    )
+    counts = tl.load(totals_ptr + at, mask=grid, other=0, volatile=True)
+    words = header_ptr(
+        peer_base[:, None], header_offset, parity, rank, 1 + cols[None, :], HEADER_WORDS, NUM_RANKS
+    )
+    tl.store(words, counts, mask=grid)
+    tag_and_wait(
+        call,
+        peer_base,
+        my_base,
+        rank,
+        ranks,
+        header_offset,
+        status_ptr,
+        timeout_us,
+        PHASE_DISPATCH,
+        HEADER_WORDS,
+        NUM_RANKS,
+        USE_CLOCK,
+    )
+    mine = header_ptr(
+        my_base, header_offset, parity, ranks[:, None], 1 + cols[None, :], HEADER_WORDS, NUM_RANKS
+    )
+    got = tl.load(mine, mask=grid, other=0, volatile=True)
+    tl.store(recv_counts_ptr + ranks[:, None] * (1 + E_LOCAL) + cols[None, :], got, mask=grid)
+    if has_stats:
+        experts = cols - 1
+        emask = (cols >= 1) & (cols < 1 + E_LOCAL)
+        stats = tl.load(stats_ptr + experts, mask=emask, other=0)
+        tl.store(stats_ptr + experts, stats + tl.sum(got, 0), mask=emask)
+
+
+@kernel("tritonep::elastic::dispatch_impl", do_not_specialize=["timeout_us", "flags"])
+def elastic_dispatch(
+    x_ptr,  # [N, PW] int32 words of the rows (BF16 or e4m3 bytes)
+    sf_ptr,  # [N, G] 4-byte scale packs, viewed as int32, any strides (HAS_SF)
+    sf_token_stride,
+    sf_group_stride,
+    topk_ptr,  # [N, K] int64 expert ids, -1 for none
+    weights_ptr,  # [N, K] float32 (FLAG_WEIGHTS)
+    num_tokens,
+    max_tokens,  # slots per source rank in a region (num_max_tokens_per_rank)
+    peer_ptrs,  # [R] int64 heap base of every rank
+    rank,
+    header_offset,  # byte offset of the headers [2][R][HEADER_WORDS] int32
+    region_offset,  # byte offset of region 0 (region 1 follows at + region_bytes)
+    region_bytes,
+    state_ptr,  # [8] int64 mode state (elastic_exchange)
+    totals_ptr,  # [R + E] int32 scratch: the last token range's counts, for the headers
+    recv_counts_ptr,  # [R, 1 + E_LOCAL] int32 out: what each source sent here
+    stats_ptr,  # [E_LOCAL] int32, choices received added in (FLAG_STATS)
+    ids_copy_ptr,  # [N, K] int64 out: a copy of the ids (FLAG_COPY_IDS)
+    slots_ptr,  # [N, K] int32 out: each choice's slot on its destination (FLAG_SLOTS)
+    status_ptr,
+    timeout_us,
+    flags,  # FLAG_WEIGHTS | FLAG_STATS | FLAG_COPY_IDS | FLAG_SLOTS
+    K: tl.constexpr,
+    K_P2: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    E_P2: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    EL1_P2: tl.constexpr,  # next power of two of E_LOCAL + 1
+    NUM_RANKS: tl.constexpr,
+    R_P2: tl.constexpr,
+    PW: tl.constexpr,  # int32 words of a row
+    BW: tl.constexpr,  # words moved per step
+    G: tl.constexpr,
+    G_P2: tl.constexpr,
+    REC: tl.constexpr,  # bytes of a record
+    PAY: tl.constexpr,  # bytes of its payload (16-byte aligned)
+    SCL: tl.constexpr,  # bytes of its scale packs (16-byte aligned)
+    HEADER_WORDS: tl.constexpr,
+    BT: tl.constexpr,  # tokens per block
+    SCAN_T: tl.constexpr,  # tokens per block of the scan of the earlier tokens' ids
+    HAS_SF: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    has_weights = (flags & FLAG_WEIGHTS) != 0
+    has_stats = (flags & FLAG_STATS) != 0
+    call = exchange_number(state_ptr)
+    region = region_offset + (call % 2) * region_bytes
+    ranks = tl.arange(0, R_P2)
+    rmask = ranks < NUM_RANKS
+    ks = tl.arange(0, K_P2)
+    peer_base = tl.load(peer_ptrs + ranks, mask=rmask, other=0)
+    x_words = x_ptr.to(tl.pointer_type(tl.int32))
+    per = tl.cdiv(num_tokens, tl.num_programs(0))
+    t0 = tl.minimum(pid * per, num_tokens)
+    t1 = tl.minimum(t0 + per, num_tokens)
+    sent, chosen = counts_before(
+        topk_ptr, t0, ranks, ks, K, NUM_EXPERTS, E_P2, E_LOCAL, SCAN_T, K_P2
+    )
+    for first in range(t0, t1, BT):
+        tokens = first + tl.arange(0, BT)
+        tmask = tokens < t1
+        raw, ids, valid = load_choices(topk_ptr, tokens, tmask, ks, K, NUM_EXPERTS)
+        owner, hit = owners(ids, valid, ranks, E_LOCAL)
+        hit = hit * tmask[:, None].to(tl.int32)
+        pos = sent[None, :] + rows_before(hit, BT)  # [T, R] slot on each destination
+        ranked = expert_ranks(ids, valid, chosen, BT, K_P2)
+        slot, first_col = reduction_slots(owner, ranks, ks, K_P2)
+        weights = tl.zeros((BT, K_P2), tl.float32)
+        at = tokens.to(tl.int64)[:, None] * K + ks[None, :]
+        kmask = tmask[:, None] & (ks < K)[None, :]
+        if has_weights:
+            weights = tl.load(weights_ptr + at, mask=kmask, other=0.0)
+        if (flags & FLAG_COPY_IDS) != 0:
+            tl.store(ids_copy_ptr + at, raw, mask=kmask)
+        if (flags & FLAG_SLOTS) != 0:
+            mine = owner[:, :, None] == ranks[None, None, :]
+            dst_slot = tl.sum(tl.where(mine, pos[:, None, :], 0), 2)
+            tl.store(slots_ptr + at, tl.where(owner >= 0, dst_slot, -1), mask=kmask)
+        for d in range(NUM_RANKS):
+            go = column(hit, ranks, d) > 0
+            if tl.max(go.to(tl.int32), 0) > 0:
+                spot = (rank * max_tokens + column(pos, ranks, d)).to(tl.int64)
+                rec = lane(peer_base, ranks, d) + region + spot * REC
+                local = tl.where(owner == d, ids - d * E_LOCAL, -1)
+                store_record(
+                    rec,
+                    tokens,
+                    go,
+                    column(first_col, ranks, d),
+                    column(slot, ranks, d),
+                    local,
+                    ranked,
+                    weights,
+                    x_words,
+                    sf_ptr,
+                    sf_token_stride,
+                    sf_group_stride,
+                    ks,
+                    K,
+                    PW,
+                    BW,
+                    G,
+                    G_P2,
+                    PAY,
+                    SCL,
+                    HAS_SF,
+                    has_weights,
+                )
+        sent += tl.sum(hit, 0)
+        flat = tl.reshape(tl.where(valid & tmask[:, None], ids, 0), (BT * K_P2,))
+        fmask = tl.reshape(valid & tmask[:, None], (BT * K_P2,))
+        chosen += tl.histogram(flat, E_P2, mask=fmask)
+    if pid == tl.num_programs(0) - 1:  # its range ends the tokens: its counts are the totals
+        tl.store(totals_ptr + ranks, sent, mask=rmask)
+        experts = tl.arange(0, E_P2)
+        tl.store(totals_ptr + NUM_RANKS + experts, chosen, mask=experts < NUM_EXPERTS)
+    if arrive(state_ptr):
+        my_base = tl.load(peer_ptrs + rank)
+        send_headers(
+            call,
+            peer_base,
+            my_base,
+            rank,
+            ranks,
+            header_offset,
+            totals_ptr,
+            recv_counts_ptr,
+            stats_ptr,
+            status_ptr,
+            timeout_us,
+            NUM_RANKS,
+            E_LOCAL,
+            EL1_P2,
+            HEADER_WORDS,
+            has_stats,
+            USE_CLOCK,
+        )
+        finish_exchange(state_ptr, call)
+
+
+@triton.jit
+def received_layout(
+    recv_counts_ptr, ranks, els, alignment, NUM_RANKS: tl.constexpr, E_LOCAL: tl.constexpr
+):
+    """From the decoded counts: ``[R_P2]`` each source's first and end row, ``[EL_P2]`` each
+    local expert's choices and first expanded row (blocks aligned), and ``[R_P2, EL_P2]`` the
+    first expanded row of each (source, expert)."""
+    rmask = ranks < NUM_RANKS
+    emask = els < E_LOCAL
+    row = recv_counts_ptr + ranks * (1 + E_LOCAL)
+    tokens = tl.load(row, mask=rmask, other=0)
+    per = tl.load(row[:, None] + 1 + els[None, :], mask=rmask[:, None] & emask[None, :], other=0)
+    src_end = tl.cumsum(tokens, 0)
+    chosen = tl.sum(per, 0)
+    aligned = (chosen + alignment - 1) // alignment * alignment
+    expert_start = tl.cumsum(aligned, 0) - aligned
+    start = expert_start[None, :] + tl.cumsum(per, 0) - per
+    return src_end - tokens, src_end, chosen, aligned, expert_start, start
+
+
+@triton.jit
+def write_prefix_sums(
+    psum_rank_ptr,
+    psum_expert_ptr,
+    unaligned_ptr,
+    ranks,
+    els,
+    src_end,
+    chosen,
+    aligned,
+    expert_start,
+    NUM_RANKS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    EXPAND: tl.constexpr,
+):
+    """The handle's prefix sums (DeepEP V2's meanings): rows per source, inclusive; per local
+    expert, inclusive aligned counts (plain) or the block start plus the real count (expand)."""
+    tl.store(psum_rank_ptr + ranks, src_end, mask=ranks < NUM_RANKS)
+    emask = els < E_LOCAL
+    if EXPAND:
+        tl.store(psum_expert_ptr + els, expert_start + chosen, mask=emask)
+    else:
+        tl.store(psum_expert_ptr + els, expert_start + aligned, mask=emask)
+    tl.store(unaligned_ptr + els, chosen, mask=emask)
+
+
+@triton.jit
+def copy_rows(
+    src,
+    dst_rows,
+    live,
+    out_words,
+    out_sf,
+    out_sf_token_stride,
+    out_sf_group_stride,
+    PW: tl.constexpr,
+    BW: tl.constexpr,
+    G: tl.constexpr,
+    G_P2: tl.constexpr,
+    PAY: tl.constexpr,
+    HAS_SF: tl.constexpr,
+):
+    """Copy the payload and scale packs of records ``src`` ([B] int64) to output rows
+    ``dst_rows`` where ``live``."""
+    words = tl.arange(0, BW)
+    rows = dst_rows.to(tl.int64)
+    rec = aligned_ptr(src, tl.int32)
+    for w0 in range(0, PW, BW):
+        w = w0 + words
+        m = live[:, None] & (w < PW)[None, :]
+        v = tl.load(rec[:, None] + w[None, :], mask=m, cache_modifier=".cg")
+        tl.store(out_words + rows[:, None] * PW + w[None, :], v, mask=m)
+    if HAS_SF:
+        g = tl.arange(0, G_P2)
+        m = live[:, None] & (g < G)[None, :]
+        v = tl.load(
+            aligned_ptr(src + PAY, tl.int32)[:, None] + g[None, :], mask=m, cache_modifier=".cg"
+        )
+        at = rows[:, None] * out_sf_token_stride + g[None, :] * out_sf_group_stride
+        tl.store(out_sf + at, v, mask=m)
+
+
+@triton.jit
+def zero_padding(
+    pid,
+    num_programs,
+    chosen,
+    aligned,
+    expert_start,
+    els,
+    out_words,
+    out_sf,
+    out_sf_token_stride,
+    out_sf_group_stride,
+    out_weights,
+    E_LOCAL: tl.constexpr,
+    PW: tl.constexpr,
+    BW: tl.constexpr,
+    G: tl.constexpr,
+    G_P2: tl.constexpr,
+    HAS_SF: tl.constexpr,
+    has_weights,
+    BR: tl.constexpr,
+):
+    """Zero the rows between each expert's last row and the next aligned start."""
+    words = tl.arange(0, BW)
+    g = tl.arange(0, G_P2)
+    for e in range(pid, E_LOCAL, num_programs):
+        first = lane(expert_start + chosen, els, e)
+        pads = lane(aligned - chosen, els, e)
+        for r0 in range(0, pads, BR):
+            n = r0 + tl.arange(0, BR)
+            live = n < pads
+            rows = (first + n).to(tl.int64)
+            for w0 in range(0, PW, BW):
+                w = w0 + words
+                tl.store(
+                    out_words + rows[:, None] * PW + w[None, :],
+                    0,
+                    mask=live[:, None] & (w < PW)[None, :],
+                )
+            if HAS_SF:
+                at = rows[:, None] * out_sf_token_stride + g[None, :] * out_sf_group_stride
+                tl.store(out_sf + at, 0, mask=live[:, None] & (g < G)[None, :])
+            if has_weights:
+                tl.store(out_weights + rows, 0.0, mask=live)
+
+
+@kernel("tritonep::elastic::dispatch_copy_epilogue_impl", do_not_specialize=["flags"])
+def elastic_dispatch_epilogue(
+    recv_counts_ptr,  # [R, 1 + E_LOCAL] int32 from elastic_dispatch
+    state_ptr,  # [8] int64 mode state (the exchange is closed: its number is EXCHANGES - 1)
+    peer_ptrs,
+    rank,
+    region_offset,
+    region_bytes,
+    max_tokens,
+    alignment,  # expert_alignment
+    num_rows,  # rows of recv_src_metadata (and of the plain outputs)
+    num_out_rows,  # rows of recv_x (expanded: more than num_rows)
+    out_words,  # [rows, PW] int32 words of recv_x
+    out_sf,  # [rows, G] int32 view of the scale packs (HAS_SF), strides below
+    out_sf_token_stride,
+    out_sf_group_stride,
+    out_ids,  # [rows, K] int64 local expert ids (plain)
+    out_weights,  # [rows, K] (plain) or [rows] (EXPAND) float32 (FLAG_WEIGHTS)
+    out_meta,  # [tokens, K + 2] int32 recv_src_metadata (FLAG_META)
+    out_slots,  # [tokens] int32 reduction slot of each received token (FLAG_META)
+    psum_rank_ptr,  # [R] int32 out (FLAG_META)
+    psum_expert_ptr,  # [E_LOCAL] int32 out (FLAG_META)
+    unaligned_ptr,  # [E_LOCAL] int32 out (FLAG_META)
+    flags,  # FLAG_WEIGHTS | FLAG_ZERO_PAD | FLAG_META
+    K: tl.constexpr,
+    K_P2: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    R_P2: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    EL_P2: tl.constexpr,
+    PW: tl.constexpr,
+    BW: tl.constexpr,
+    G: tl.constexpr,
+    G_P2: tl.constexpr,
+    REC: tl.constexpr,
+    PAY: tl.constexpr,
+    SCL: tl.constexpr,
+    BR: tl.constexpr,  # received tokens per block
+    EXPAND: tl.constexpr,
+    HAS_SF: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    call = tl.load(state_ptr, volatile=True) - 1
+    region = region_offset + (call % 2) * region_bytes
+    my_base = tl.load(peer_ptrs + rank)
+    ranks = tl.arange(0, R_P2)
+    els = tl.arange(0, EL_P2)
+    ks = tl.arange(0, K_P2)
+    kmask = ks < K
+    has_weights = (flags & FLAG_WEIGHTS) != 0
+    write_meta = (flags & FLAG_META) != 0
+    src_start, src_end, chosen, aligned, expert_start, start = received_layout(
+        recv_counts_ptr, ranks, els, alignment, NUM_RANKS, E_LOCAL
+    )
+    # Rows past the outputs (only if the ranks disagreed on num_max_tokens_per_rank) are not
+    # written; rows of worst-case outputs past the received ones are marked (ids -1).
+    total = tl.minimum(tl.sum(tl.where(ranks < NUM_RANKS, src_end - src_start, 0), 0), num_rows)
+    if write_meta & (pid == 0):
+        write_prefix_sums(
+            psum_rank_ptr,
+            psum_expert_ptr,
+            unaligned_ptr,
+            ranks,
+            els,
+            src_end,
+            chosen,
+            aligned,
+            expert_start,
+            NUM_RANKS,
+            E_LOCAL,
+            EXPAND,
+        )
+    start_flat = tl.reshape(start, (R_P2 * EL_P2,))
+    for i0 in range(pid * BR, num_rows, num_programs * BR):
+        i = i0 + tl.arange(0, BR)
+        live = i < total
+        source = tl.sum((src_end[None, :] <= i[:, None]).to(tl.int32), 1)
+        source = tl.where(live, source, 0)
+        pos = i - tl.sum(tl.where(ranks[None, :] == source[:, None], src_start[None, :], 0), 1)
+        spot = (source * max_tokens + pos).to(tl.int64)
+        rec = my_base + region + spot * REC
+        meta = aligned_ptr(rec + PAY + SCL, tl.int32)
+        m2 = live[:, None] & kmask[None, :]
+        local = tl.load(meta[:, None] + 3 + ks[None, :], mask=m2, other=-1, cache_modifier=".cg")
+        weights = tl.load(
+            meta[:, None] + 3 + 2 * K + ks[None, :], mask=m2, other=0, cache_modifier=".cg"
+        )
+        weights = weights.to(tl.float32, bitcast=True)
+        if EXPAND:
+            ranked = tl.load(
+                meta[:, None] + 3 + K + ks[None, :], mask=m2, other=0, cache_modifier=".cg"
+            )
+            at = tl.reshape(source[:, None] * EL_P2 + tl.maximum(local, 0), (BR * K_P2,))
+            block_start = tl.reshape(tl.gather(start_flat, at, 0), (BR, K_P2))
+            dst = tl.where(
+                (local >= 0) & (block_start + ranked < num_out_rows), block_start + ranked, -1
+            )
+            for k in range(K):
+                rows = column(dst, ks, k)
+                copy_rows(
+                    rec,
+                    rows,
+                    live & (rows >= 0),
+                    out_words,
+                    out_sf,
+                    out_sf_token_stride,
+                    out_sf_group_stride,
+                    PW,
+                    BW,
+                    G,
+                    G_P2,
+                    PAY,
+                    HAS_SF,
+                )
+            if has_weights:
+                tl.store(out_weights + dst.to(tl.int64), weights, mask=m2 & (dst >= 0))
+        else:
+            dst = tl.full((BR, K_P2), -1, tl.int32)
+            copy_rows(
+                rec,
+                i,
+                live,
+                out_words,
+                out_sf,
+                out_sf_token_stride,
+                out_sf_group_stride,
+                PW,
+                BW,
+                G,
+                G_P2,
+                PAY,
+                HAS_SF,
+            )
+            pad = (i >= total) & (i < num_rows)
+            rows2 = i.to(tl.int64)[:, None] * K + ks[None, :]
+            keep = (live | pad)[:, None] & kmask[None, :]
+            tl.store(out_ids + rows2, tl.where(live[:, None], local, -1).to(tl.int64), mask=keep)
+            if has_weights:
+                tl.store(out_weights + rows2, tl.where(live[:, None], weights, 0.0), mask=keep)
+        if write_meta:
+            token = tl.load(meta, mask=live, other=-1, cache_modifier=".cg")
+            first_col = tl.load(meta + 1, mask=live, other=-1, cache_modifier=".cg")
+            slot = tl.load(meta + 2, mask=live, other=-1, cache_modifier=".cg")
+            row = out_meta + i.to(tl.int64) * (K + 2)
+            in_rows = i < num_rows
+            tl.store(row, tl.where(live, source * max_tokens + token, -1), mask=in_rows)
+            tl.store(row + 1, tl.where(live, source * K + first_col, -1), mask=in_rows)
+            tl.store(row[:, None] + 2 + ks[None, :], dst, mask=in_rows[:, None] & kmask[None, :])
+            tl.store(out_slots + i, tl.where(live, slot, -1), mask=in_rows)
+    if EXPAND:  # noqa: SIM102 (compiled in or out; the inner test runs)
+        if (flags & FLAG_ZERO_PAD) != 0:
+            zero_padding(
+                pid,
+                num_programs,
+                chosen,
+                aligned,
+                expert_start,
+                els,
+                out_words,
+                out_sf,
+                out_sf_token_stride,
+                out_sf_group_stride,
+                out_weights,
+                E_LOCAL,
+                PW,
+                BW,
+                G,
+                G_P2,
+                HAS_SF,
+                has_weights,
+                BR,
+            )

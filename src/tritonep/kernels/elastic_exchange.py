@@ -1,0 +1,143 @@
+"""The elastic mode's handshake: every push of rows ends with a tag to every peer.
+
+The elastic mode (:mod:`tritonep.modes.elastic`) moves rows in *exchanges*: a dispatch or a
+combine, in which every rank stores rows straight into fixed slots of its peers' heaps and
+then tells each peer that it is done. Its heap holds, per rank:
+
+* headers ``[2 parities][R sources][HEADER_WORDS]`` int32: word 0 the tag of the exchange
+  (its number + 1), then what the source says about its rows (a dispatch: the number of
+  tokens it sent here and, per local expert of this rank, how many of their top-k choices
+  name that expert);
+* barrier flags ``[R]`` int32;
+* two regions of rows, one per parity (exchange ``n`` uses region ``n % 2``).
+
+Exchange ``n`` of a rank stores into region ``n % 2`` of its peers only after it has seen
+every peer's tag of exchange ``n - 1``, which each peer sends after it has consumed exchange
+``n - 2`` (its epilogue runs before its next exchange on its stream). So two regions suffice
+and nothing is ever reset: the tags only grow. Every rank must make the same sequence of
+dispatches and combines.
+
+The last program of a launch to finish its stores (:func:`arrive`) sends the tags and waits
+(bounded) for the peers' tags; a wait that gives up records the peer in the status and the
+exchange ends anyway, so later launches do not wait again (:mod:`tritonep.kernels.sync`).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .profiled import kernel
+from .sync import first_lane, limit_ns, record_timeout, wait_all_at_least
+
+# int64 words of the mode's state tensor.
+EXCHANGES = tl.constexpr(0)  # exchanges completed
+ARRIVALS = tl.constexpr(1)  # programs of the running launch done with their stores
+BARRIERS = tl.constexpr(2)  # barriers completed
+
+PHASE_DISPATCH = tl.constexpr(20)
+PHASE_COMBINE = tl.constexpr(21)
+PHASE_BARRIER = tl.constexpr(22)
+
+
+@triton.jit
+def exchange_number(state_ptr):
+    """The number of the exchange this launch takes part in (exchanges completed so far)."""
+    return tl.load(state_ptr + EXCHANGES, volatile=True)
+
+
+@triton.jit
+def arrive(state_ptr):
+    """Count this program as done with its stores; True in the last program of the launch
+    (whose later stores are then ordered after every other program's)."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(state_ptr + ARRIVALS, 1, sem="acq_rel", scope="sys")
+    return arrived == tl.num_programs(0) - 1
+
+
+@triton.jit
+def header_ptr(
+    base, header_offset, parity, source, word, HEADER_WORDS: tl.constexpr, NUM_RANKS: tl.constexpr
+):
+    """Word ``word`` of the header that ``source`` writes, for exchanges of ``parity``, in the
+    heap at ``base`` (vectors broadcast)."""
+    at = header_offset + ((parity * NUM_RANKS + source) * HEADER_WORDS + word) * 4
+    return (base + at).to(tl.pointer_type(tl.int32))
+
+
+@triton.jit
+def tag_and_wait(
+    call,
+    peer_base,
+    my_base,
+    rank,
+    ranks,
+    header_offset,
+    status_ptr,
+    timeout_us,
+    PHASE: tl.constexpr,
+    HEADER_WORDS: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+):
+    """Send exchange ``call``'s tag to every peer (after this program's stores, and so, through
+    :func:`arrive`, after every program's), then wait for every peer's. Returns whether all
+    came; a missing peer is recorded in the status."""
+    rmask = ranks < NUM_RANKS
+    parity = call % 2
+    tag = (call + 1).to(tl.int32)
+    theirs = header_ptr(peer_base, header_offset, parity, rank, 0, HEADER_WORDS, NUM_RANKS)
+    tl.debug_barrier()
+    tl.atomic_xchg(
+        theirs, tag + tl.zeros(ranks.shape, tl.int32), mask=rmask, sem="release", scope="sys"
+    )
+    mine = header_ptr(my_base, header_offset, parity, ranks, 0, HEADER_WORDS, NUM_RANKS)
+    targets = tag + tl.zeros(ranks.shape, tl.int32)
+    values, ok = wait_all_at_least(
+        mine, targets, rmask, limit_ns(timeout_us, status_ptr), USE_CLOCK
+    )
+    if not ok:
+        peer = first_lane(rmask & (values < targets), ranks)
+        record_timeout(status_ptr, peer, PHASE, limit_ns(timeout_us, status_ptr))
+    return ok
+
+
+@triton.jit
+def finish_exchange(state_ptr, call):
+    """Close exchange ``call`` (in the last program, after its wait): the next launch takes
+    part in the next exchange."""
+    tl.store(state_ptr + ARRIVALS, 0)
+    tl.store(state_ptr + EXCHANGES, call + 1)
+
+
+@kernel("tritonep::elastic::barrier", do_not_specialize=["timeout_us"])
+def elastic_barrier(
+    peer_ptrs,  # [R] int64 heap base of every rank
+    rank,
+    barrier_offset,  # byte offset of the [R] int32 barrier flags
+    state_ptr,  # [8] int64 mode state
+    status_ptr,  # [STATUS_WORDS] int32
+    timeout_us,  # limit of the wait, in microseconds (sync.timeout_us)
+    NUM_RANKS: tl.constexpr,
+    R_P2: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+):
+    """One program: every rank stores its barrier count into every peer, then waits for all."""
+    ranks = tl.arange(0, R_P2)
+    rmask = ranks < NUM_RANKS
+    count = (tl.load(state_ptr + BARRIERS, volatile=True) + 1).to(tl.int32)
+    peer_base = tl.load(peer_ptrs + ranks, mask=rmask, other=0)
+    theirs = (peer_base + barrier_offset + rank * 4).to(tl.pointer_type(tl.int32))
+    tl.atomic_xchg(
+        theirs, count + tl.zeros((R_P2,), tl.int32), mask=rmask, sem="release", scope="sys"
+    )
+    my_base = tl.load(peer_ptrs + rank)
+    mine = (my_base + barrier_offset + ranks * 4).to(tl.pointer_type(tl.int32))
+    targets = count + tl.zeros((R_P2,), tl.int32)
+    values, ok = wait_all_at_least(
+        mine, targets, rmask, limit_ns(timeout_us, status_ptr), USE_CLOCK
+    )
+    if not ok:
+        peer = first_lane(rmask & (values < targets), ranks)
+        record_timeout(status_ptr, peer, PHASE_BARRIER, limit_ns(timeout_us, status_ptr))
+    tl.store(state_ptr + BARRIERS, count.to(tl.int64))

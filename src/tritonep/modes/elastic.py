@@ -1,0 +1,720 @@
+"""Elastic mode: DeepEP V2's one dispatch/combine for training, prefill and decode.
+
+Orchestrates :mod:`tritonep.kernels.elastic_dispatch` and :mod:`tritonep.kernels.elastic_combine`
+over one symmetric heap, sized once when the mode is built (:func:`region_bytes` for the
+largest call; :mod:`tritonep.kernels.elastic_exchange` describes the regions). A dispatch is
+two launches:
+
+* the push (``dispatch_impl``): each token's record goes once to every rank it has an expert
+  on, into the slot ``[source][token's rank among this source's tokens for that destination]``;
+  the last program exchanges headers (counts) and decodes them;
+* the copy epilogue (``dispatch_copy_epilogue_impl``): the caller's layout, plain (one row per
+  received token, in source order) or expanded (one row per token and local expert, each
+  expert's rows contiguous and padded to the alignment).
+
+Between the two, ``do_cpu_sync=True`` reads the counts on the host to size the outputs exactly;
+``False`` sizes them for the worst case and never waits for the host, so CUDA graphs can
+capture the calls. A combine is a push of one row per received token (reduced over its local
+experts in the expanded layout) into the owner's slot for it, then a reduce epilogue that sums
+each token's rows in a fixed order. Call counters live on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..heap import allocate, default_device
+from ..kernels import elastic_combine, elastic_dispatch, elastic_exchange, launcher
+from ..kernels import elastic_dispatch as ed
+from ..kernels.sync import (
+    DEFAULT_TIMEOUT_S,
+    STATUS_WORDS,
+    check_status,
+    new_status,
+    raise_on_timeout,
+    timeout_us,
+    use_clock,
+)
+from ..validation import check_num_experts, check_ranks_agree
+from .outputs import empty_output
+
+#: Local experts per rank that the headers have room for.
+MAX_LOCAL_EXPERTS = 1024
+#: int32 words of a header: tag, tokens, then one count per local expert.
+HEADER_WORDS = (2 + MAX_LOCAL_EXPERTS + 3) // 4 * 4
+#: Largest top-k (the record's metadata is sized for it when no top-k is given).
+MAX_TOPK = 32
+#: Scale-factor packs per row are aligned to this in the TMA-aligned column-major layout.
+TMA_SF_ALIGN = 4
+
+PHASES = {
+    elastic_exchange.PHASE_DISPATCH.value: "elastic dispatch",
+    elastic_exchange.PHASE_COMBINE.value: "elastic combine",
+    elastic_exchange.PHASE_BARRIER.value: "elastic barrier",
+}
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def record_bytes(row_bytes: int, num_packs: int, topk: int) -> int:
+    """Bytes of a dispatch record: the row, its 4-byte scale packs, its metadata."""
+    meta = 4 * elastic_dispatch.meta_words(topk)
+    return _align(row_bytes, 16) + _align(4 * num_packs, 16) + _align(meta, 16)
+
+
+def combine_record_bytes(hidden: int, topk: int) -> int:
+    """Bytes of a combine record: ``hidden`` BF16 values, then ``topk`` float32 weights."""
+    return _align(2 * hidden + 4 * topk, 16)
+
+
+def combine_slots(num_ranks: int, topk: int, expand: bool, multiple_reduction: bool) -> int:
+    """Rows a token may get back: one per rank it went to (at most ``min(R, K)``), or one per
+    top-k choice when expanded rows go back unreduced."""
+    return topk if expand and not multiple_reduction else min(num_ranks, topk)
+
+
+def region_bytes(
+    num_ranks: int,
+    num_max_tokens_per_rank: int,
+    hidden: int,
+    topk: int,
+    use_fp8: bool,
+    multiple_reduction: bool = True,
+) -> int:
+    """Bytes of one region for calls of these sizes (the larger of a dispatch's records and a
+    combine's rows; top-k 0 sizes for :data:`MAX_TOPK`)."""
+    topk = topk or MAX_TOPK
+    row = hidden if use_fp8 else 2 * hidden
+    packs = -(-hidden // 32) if use_fp8 else 0  # at most one 4-byte pack per 32 channels
+    dispatch = num_ranks * num_max_tokens_per_rank * record_bytes(row, packs, topk)
+    slots = combine_slots(num_ranks, topk, True, multiple_reduction)
+    combine = slots * num_max_tokens_per_rank * combine_record_bytes(hidden, topk)
+    return _align(max(dispatch, combine), 128)
+
+
+@dataclass(frozen=True)
+class ElasticLayout:
+    """Byte offsets of the heap: headers, barrier flags, two regions."""
+
+    header: int
+    barrier: int
+    region: int
+    region_bytes: int
+    total: int
+
+    @staticmethod
+    def of(num_ranks: int, num_bytes: int) -> ElasticLayout:
+        """The layout of a heap of about ``num_bytes``: the headers and flags first, the rest
+        split into the two regions."""
+        header = 0
+        barrier = _align(2 * num_ranks * HEADER_WORDS * 4, 128)
+        region = barrier + _align(4 * num_ranks, 128)
+        each = max(128, (num_bytes - region) // 2 // 128 * 128)
+        return ElasticLayout(header, barrier, region, each, region + 2 * each)
+
+    @staticmethod
+    def size_for(num_ranks: int, region: int) -> int:
+        """Heap bytes whose regions hold ``region`` bytes each."""
+        return ElasticLayout.of(num_ranks, 0).region + 2 * region
+
+
+@dataclass
+class ElasticDispatchOutput:
+    """What :meth:`ElasticMode.dispatch` returns (DeepEP V2's outputs and handle fields).
+
+    Attributes:
+        recv_x: ``[rows, H]`` like ``x`` (BF16 or e4m3).
+        recv_sf: ``[rows, G]`` scale packs in the dtype of the input's (FP8), else None.
+        recv_topk_idx: ``[rows, K]`` int64 local expert ids (plain layout), else None.
+        recv_topk_weights: ``[rows, K]`` (plain) or ``[rows]`` (expanded) float32, or None.
+        num_recv_tokens, num_expanded_tokens: rows of each layout (worst case without a host
+            read).
+        num_recv_tokens_per_expert_list: per local expert, its aligned count (after a host
+            read), else empty.
+        psum_num_recv_tokens_per_scaleup_rank, psum_num_recv_tokens_per_expert,
+            num_unaligned_recv_tokens_per_expert, recv_src_metadata, dst_buffer_slot_idx,
+            reduction_slot, topk_idx: the handle's tensors (a cached dispatch returns None
+            for those it reuses).
+    """
+
+    recv_x: torch.Tensor
+    recv_sf: torch.Tensor | None
+    recv_topk_idx: torch.Tensor | None
+    recv_topk_weights: torch.Tensor | None
+    num_recv_tokens: int
+    num_expanded_tokens: int
+    num_recv_tokens_per_expert_list: list[int]
+    psum_num_recv_tokens_per_scaleup_rank: torch.Tensor | None = None
+    psum_num_recv_tokens_per_expert: torch.Tensor | None = None
+    num_unaligned_recv_tokens_per_expert: torch.Tensor | None = None
+    recv_src_metadata: torch.Tensor | None = None
+    dst_buffer_slot_idx: torch.Tensor | None = None
+    reduction_slot: torch.Tensor | None = None
+    topk_idx: torch.Tensor | None = None
+
+
+@dataclass
+class CachedLayout:
+    """What a cached dispatch reuses: the output sizes of the dispatch it repeats."""
+
+    num_recv_tokens: int
+    num_expanded_tokens: int
+    num_recv_tokens_per_expert_list: list[int]
+
+
+class ElasticMode:
+    """Elastic dispatch and combine for one expert-parallel group whose heaps every rank maps
+    (one node, or one NVLink domain; CPU ranks share memory).
+
+    Args:
+        group: the process group (default: the world); every rank constructs it together.
+        num_bytes: heap bytes per rank (:func:`region_bytes` and :meth:`ElasticLayout.size_for`
+            size it for a call shape); every rank passes the same.
+        device: a CUDA device, or ``"cpu"`` for CPU ranks (kernels under the interpreter).
+        timeout_s: limit of every wait inside the kernels, in seconds.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        num_bytes: int = 1 << 26,
+        device: torch.device | str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ):
+        self.group = group or dist.group.WORLD
+        device = torch.device(device) if device is not None else default_device(self.group)
+        check_ranks_agree(self.group, "ElasticMode", num_bytes=num_bytes, device_type=device.type)
+        self.rank = dist.get_rank(self.group)
+        self.num_ranks = dist.get_world_size(self.group)
+        self.layout = ElasticLayout.of(self.num_ranks, num_bytes)
+        self.heap = allocate(self.layout.total, self.group, device)
+        if not self.heap.all_mapped:
+            raise ValueError(
+                "group: the elastic mode needs every rank's memory mapped here "
+                "(one node or NVLink domain)"
+            )
+        self.device = self.heap.device
+        self.timeout_s = timeout_s
+        self.state = torch.zeros(8, dtype=torch.int64, device=self.device)
+        self.status = new_status(self.device)
+        self._totals: dict[int, torch.Tensor] = {}
+        self._metas: dict[tuple, dict] = {}
+        on_gpu = self.device.type == "cuda"
+        self.num_device_sms = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else 4
+        )
+
+    @property
+    def timeout_s(self) -> float:
+        """Limit of every wait inside the kernels, in seconds (may change between calls)."""
+        return self._timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        self._timeout_us = timeout_us(value)
+        self._timeout_s = value
+
+    # ---------------------------------------------------------------------------- helpers
+    def _launch(self, kernel, num_programs: int, args: tuple, key: tuple, build_meta) -> None:
+        meta = self._metas.get((kernel, key))
+        if meta is None:
+            meta = self._metas[(kernel, key)] = build_meta()
+        launcher.launch(kernel, (max(1, num_programs),), args, meta)
+
+    def _programs(self, wanted: int, work: int, block: int) -> int:
+        """Programs of a launch: ``wanted`` (an SM budget), no more than blocks of work, fewer
+        on CPU ranks (the interpreter runs programs one after another)."""
+        if self.device.type != "cuda":
+            wanted = min(wanted, 2)
+        return max(1, min(wanted, -(-work // block)))
+
+    def _block(self, most: int, work: int, programs: int) -> int:
+        """Rows per block: ``most``, or fewer (a power of two) when that leaves programs of the
+        budget idle; decode batches then spread over every SM (one variant per power of two)."""
+        if self.device.type != "cuda":
+            return most
+        return max(1, min(most, _next_pow2(max(1, -(-work // max(1, programs))))))
+
+    def check(self) -> None:
+        """Wait for the device and raise :class:`~tritonep.errors.WaitTimeoutError` if a wait
+        gave up, or :class:`~tritonep.errors.HeapGuardError` if a kernel wrote past the heap."""
+        raise_on_timeout(self.status, self.rank, PHASES)
+        self.heap.check_guard()
+
+    def barrier(self) -> None:
+        """Every rank's barrier kernel waits for every other's (on the current stream)."""
+        R = self.num_ranks
+        self._launch(
+            elastic_exchange.elastic_barrier,
+            1,
+            (
+                self.heap.peer_ptrs,
+                self.rank,
+                self.layout.barrier,
+                self.state,
+                self.status,
+                self._timeout_us,
+            ),
+            ("barrier",),
+            lambda: dict(NUM_RANKS=R, R_P2=_next_pow2(max(R, 2)), USE_CLOCK=use_clock(self.device)),
+        )
+
+    def capacity_error(
+        self,
+        num_max_tokens: int,
+        hidden: int,
+        topk: int,
+        row_bytes: int,
+        num_packs: int,
+        slots: int,
+    ) -> str | None:
+        """Why calls of these sizes do not fit the regions, or None."""
+        need = max(
+            self.num_ranks * num_max_tokens * record_bytes(row_bytes, num_packs, topk),
+            slots * num_max_tokens * combine_record_bytes(hidden, topk),
+        )
+        if need > self.layout.region_bytes:
+            return (
+                f"num_max_tokens_per_rank={num_max_tokens}, hidden={hidden}, top-k {topk} "
+                f"need {ElasticLayout.size_for(self.num_ranks, need)} bytes of buffer, "
+                f"more than the {self.layout.total} it has (get_buffer_size_hint)"
+            )
+        return None
+
+    def _totals_for(self, words: int) -> torch.Tensor:
+        totals = self._totals.get(words)
+        if totals is None:
+            totals = self._totals[words] = torch.zeros(words, dtype=torch.int32, device=self.device)
+        return totals
+
+    # --------------------------------------------------------------------------- dispatch
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        sf: torch.Tensor | None,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor | None,
+        num_experts: int,
+        num_max_tokens: int,
+        expert_alignment: int = 1,
+        num_sms: int = 16,
+        cached: CachedLayout | None = None,
+        do_cpu_sync: bool = True,
+        do_expand: bool = False,
+        do_zero_padding: bool = False,
+        tma_sf: bool = False,
+        stats: torch.Tensor | None = None,
+        copy_ids: bool = True,
+        before_epilogue=None,
+    ) -> ElasticDispatchOutput:
+        """Dispatch ``x`` (checked by the caller) along ``topk_idx``.
+
+        Args:
+            x: ``[N, H]`` BF16 or e4m3, rows of a multiple of 16 bytes, contiguous.
+            sf: ``[N, G]`` float32 or int32 scale packs of an e4m3 ``x`` (any strides), or None.
+            topk_idx: ``[N, K]`` int64 global expert ids, ``-1`` for none (out-of-range ids
+                count as ``-1``).
+            topk_weights: ``[N, K]`` float32, or None.
+            num_experts, num_max_tokens, expert_alignment: as DeepEP V2's.
+            num_sms: programs of the push (the epilogue uses every SM).
+            cached: the sizes of the dispatch whose handle this call reuses (no host read).
+            do_cpu_sync: read the counts on the host and size the outputs exactly.
+            do_expand, do_zero_padding, tma_sf: DeepEP V2's ``do_expand``,
+                ``do_zero_padding``, ``use_tma_aligned_col_major_sf``.
+            stats: ``[E_local]`` int32; received choices per local expert are added to it.
+            copy_ids: return a copy of ``topk_idx`` for the handle (else the handle keeps it).
+            before_epilogue: called before the epilogue is launched (stream waits).
+        Returns:
+            an :class:`ElasticDispatchOutput`.
+        """
+        R, rank = self.num_ranks, self.rank
+        E_local = check_num_experts(num_experts, R)
+        if E_local > MAX_LOCAL_EXPERTS:
+            raise ValueError(
+                f"num_experts: at most {MAX_LOCAL_EXPERTS} experts per rank, got {E_local}"
+            )
+        N, H = x.shape
+        K = topk_idx.shape[1]
+        G = sf.shape[1] if sf is not None else 0
+        row_bytes = H * x.element_size()
+        error = self.capacity_error(num_max_tokens, H, K, row_bytes, G, min(R, K))
+        if error:
+            raise ValueError(error)
+        device = self.device
+        totals = self._totals_for(R + num_experts)
+        recv_counts = torch.empty(R, 1 + E_local, dtype=torch.int32, device=device)
+        first_call = cached is None
+        ids_copy = torch.empty_like(topk_idx) if first_call and copy_ids else None
+        dst_slots = empty_output(device, (N, K), torch.int32) if first_call else None
+        int32_dummy, int64_dummy = self.status, self.state
+        f32_dummy = self._f32_dummy()
+        PW, K_P2 = row_bytes // 4, _next_pow2(max(K, 2))
+        BT = self._block(max(1, min(16, 128 // K_P2)), N, num_sms)
+        rec = record_bytes(row_bytes, G, K)
+        pay, scl = _align(row_bytes, 16), _align(4 * G, 16)
+        key = (
+            "dispatch",
+            K,
+            num_experts,
+            PW,
+            G,
+            BT,
+            sf is not None,
+        )
+        flags = (
+            (ed.FLAG_WEIGHTS.value if topk_weights is not None else 0)
+            | (ed.FLAG_STATS.value if stats is not None else 0)
+            | (ed.FLAG_COPY_IDS.value if ids_copy is not None else 0)
+            | (ed.FLAG_SLOTS.value if first_call else 0)
+        )
+        self._launch(
+            elastic_dispatch.elastic_dispatch,
+            self._programs(num_sms, N, BT),
+            (
+                x.view(torch.int32),
+                sf.view(torch.int32) if sf is not None else int32_dummy,
+                sf.stride(0) if sf is not None else 0,
+                sf.stride(1) if sf is not None else 0,
+                topk_idx,
+                topk_weights if topk_weights is not None else f32_dummy,
+                N,
+                num_max_tokens,
+                self.heap.peer_ptrs,
+                rank,
+                self.layout.header,
+                self.layout.region,
+                self.layout.region_bytes,
+                self.state,
+                totals,
+                recv_counts,
+                stats if stats is not None else int32_dummy,
+                ids_copy if ids_copy is not None else int64_dummy,
+                dst_slots if dst_slots is not None else int32_dummy,
+                self.status,
+                self._timeout_us,
+                flags,
+            ),
+            key,
+            lambda: dict(
+                K=K,
+                K_P2=K_P2,
+                NUM_EXPERTS=num_experts,
+                E_P2=_next_pow2(max(num_experts, 2)),
+                E_LOCAL=E_local,
+                EL1_P2=_next_pow2(E_local + 1),
+                NUM_RANKS=R,
+                R_P2=_next_pow2(max(R, 2)),
+                PW=PW,
+                BW=min(_next_pow2(PW), 8192 // BT),
+                G=G,
+                G_P2=_next_pow2(max(G, 2)),
+                REC=rec,
+                PAY=pay,
+                SCL=scl,
+                HEADER_WORDS=HEADER_WORDS,
+                BT=BT,
+                # The scan of the earlier ranges' ids reads 1024 of them a step.
+                SCAN_T=max(BT, 1024 // K_P2),
+                HAS_SF=sf is not None,
+                USE_CLOCK=use_clock(device),
+                num_warps=8,
+            ),
+        )
+        if cached is not None:
+            num_recv, num_expanded = cached.num_recv_tokens, cached.num_expanded_tokens
+            per_expert = cached.num_recv_tokens_per_expert_list
+        elif do_cpu_sync:
+            # The one host read of a dispatch: the counts every source sent here.
+            info = torch.cat([recv_counts.flatten(), self.status]).tolist()
+            check_status(info[-STATUS_WORDS:], rank, PHASES)
+            counts = [info[s * (1 + E_local) : (s + 1) * (1 + E_local)] for s in range(R)]
+            num_recv = sum(c[0] for c in counts)
+            per_expert = [
+                _align(sum(c[1 + e] for c in counts), expert_alignment) for e in range(E_local)
+            ]
+            num_expanded = sum(per_expert)
+        else:
+            num_recv = R * num_max_tokens
+            num_expanded = num_recv * min(K, E_local) + (expert_alignment - 1) * E_local
+            num_expanded = _align(num_expanded, expert_alignment)
+            per_expert = []
+        if before_epilogue is not None:
+            before_epilogue()
+        out = self._dispatch_outputs(
+            x, sf, topk_weights, K, E_local, num_recv, num_expanded, do_expand, tma_sf, first_call
+        )
+        out.num_recv_tokens_per_expert_list = per_expert
+        out.dst_buffer_slot_idx = dst_slots
+        out.topk_idx = ids_copy if ids_copy is not None else (topk_idx if first_call else None)
+        self._epilogue(
+            out,
+            recv_counts,
+            num_max_tokens,
+            expert_alignment,
+            row_bytes,
+            G,
+            K,
+            E_local,
+            do_expand,
+            do_zero_padding,
+        )
+        return out
+
+    def _f32_dummy(self) -> torch.Tensor:
+        dummy = getattr(self, "_f32", None)
+        if dummy is None:
+            dummy = self._f32 = torch.zeros(4, dtype=torch.float32, device=self.device)
+        return dummy
+
+    def _dispatch_outputs(
+        self, x, sf, topk_weights, K, E_local, num_recv, num_expanded, do_expand, tma_sf, first_call
+    ) -> ElasticDispatchOutput:
+        device, R = self.device, self.num_ranks
+        rows = num_expanded if do_expand else num_recv
+        recv_x = empty_output(device, (rows, x.shape[1]), x.dtype)
+        recv_sf = None
+        if sf is not None:
+            G = sf.shape[1]
+            if tma_sf:  # column-major, each column's rows padded to a 16-byte multiple
+                stride = _align(max(rows, 1), TMA_SF_ALIGN)
+                recv_sf = empty_output(device, (G, stride), sf.dtype).T[:rows]
+            else:
+                recv_sf = empty_output(device, (rows, G), sf.dtype)
+        recv_idx = None if do_expand else empty_output(device, (rows, K), torch.int64)
+        recv_w = None
+        if topk_weights is not None:
+            shape = (rows,) if do_expand else (rows, K)
+            recv_w = empty_output(device, shape, torch.float32)
+        out = ElasticDispatchOutput(recv_x, recv_sf, recv_idx, recv_w, num_recv, num_expanded, [])
+        if first_call:
+            out.psum_num_recv_tokens_per_scaleup_rank = empty_output(device, (R,), torch.int32)
+            out.psum_num_recv_tokens_per_expert = empty_output(device, (E_local,), torch.int32)
+            out.num_unaligned_recv_tokens_per_expert = empty_output(device, (E_local,), torch.int32)
+            out.recv_src_metadata = empty_output(device, (num_recv, K + 2), torch.int32)
+            out.reduction_slot = empty_output(device, (num_recv,), torch.int32)
+        return out
+
+    def _epilogue(
+        self,
+        out: ElasticDispatchOutput,
+        recv_counts,
+        num_max_tokens,
+        expert_alignment,
+        row_bytes,
+        G,
+        K,
+        E_local,
+        do_expand,
+        do_zero_padding,
+    ) -> None:
+        R = self.num_ranks
+        int32_dummy, int64_dummy, f32_dummy = self.status, self.state, self._f32_dummy()
+        write_meta = out.recv_src_metadata is not None
+        has_sf, has_w = out.recv_sf is not None, out.recv_topk_weights is not None
+        PW, K_P2 = row_bytes // 4, _next_pow2(max(K, 2))
+        BR = self._block(16, out.num_recv_tokens, self.num_device_sms)
+        rows = out.recv_x.shape[0]
+        key = (
+            "epilogue",
+            K,
+            E_local,
+            PW,
+            G,
+            BR,
+            do_expand,
+            has_sf,
+        )
+        flags = (
+            (ed.FLAG_WEIGHTS.value if has_w else 0)
+            | (ed.FLAG_ZERO_PAD.value if do_zero_padding else 0)
+            | (ed.FLAG_META.value if write_meta else 0)
+        )
+        self._launch(
+            elastic_dispatch.elastic_dispatch_epilogue,
+            self._programs(self.num_device_sms, max(out.num_recv_tokens, E_local), BR),
+            (
+                recv_counts,
+                self.state,
+                self.heap.peer_ptrs,
+                self.rank,
+                self.layout.region,
+                self.layout.region_bytes,
+                num_max_tokens,
+                expert_alignment,
+                out.num_recv_tokens,
+                rows,
+                out.recv_x.view(torch.int32),
+                out.recv_sf.view(torch.int32) if has_sf else int32_dummy,
+                out.recv_sf.stride(0) if has_sf else 0,
+                out.recv_sf.stride(1) if has_sf else 0,
+                out.recv_topk_idx if out.recv_topk_idx is not None else int64_dummy,
+                out.recv_topk_weights if has_w else f32_dummy,
+                out.recv_src_metadata if write_meta else int32_dummy,
+                out.reduction_slot if write_meta else int32_dummy,
+                out.psum_num_recv_tokens_per_scaleup_rank if write_meta else int32_dummy,
+                out.psum_num_recv_tokens_per_expert if write_meta else int32_dummy,
+                out.num_unaligned_recv_tokens_per_expert if write_meta else int32_dummy,
+                flags,
+            ),
+            key,
+            lambda: dict(
+                K=K,
+                K_P2=K_P2,
+                NUM_RANKS=R,
+                R_P2=_next_pow2(max(R, 2)),
+                E_LOCAL=E_local,
+                EL_P2=_next_pow2(max(E_local, 2)),
+                PW=PW,
+                BW=min(_next_pow2(PW), 512),
+                G=G,
+                G_P2=_next_pow2(max(G, 2)),
+                REC=record_bytes(row_bytes, G, K),
+                PAY=_align(row_bytes, 16),
+                SCL=_align(4 * G, 16),
+                BR=BR,
+                EXPAND=do_expand,
+                HAS_SF=has_sf,
+                num_warps=8,
+            ),
+        )
+
+    # ---------------------------------------------------------------------------- combine
+    def combine(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor | None,
+        bias: tuple[torch.Tensor, ...],
+        recv_src_metadata: torch.Tensor,
+        reduction_slot: torch.Tensor,
+        psum_num_recv_tokens_per_scaleup_rank: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_experts: int,
+        num_max_tokens: int,
+        do_expand: bool,
+        multiple_reduction: bool = True,
+        num_sms: int = 16,
+        before_epilogue=None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hand every received token's row back and sum each token's rows in DeepEP V2's order.
+
+        Args:
+            x: ``[rows, H]`` BF16: one row per received token (plain), or per expanded row.
+            topk_weights: ``[rows, K]`` (plain) or ``[rows]`` (expanded) float32, or None.
+            bias: up to two ``[N, H]`` BF16 tensors added first.
+            recv_src_metadata, reduction_slot, psum_num_recv_tokens_per_scaleup_rank,
+                topk_idx: the dispatch handle's.
+            num_experts, num_max_tokens: the dispatch's.
+            do_expand: ``x`` is in the expanded layout.
+            multiple_reduction: expanded rows are summed here per token before they go back
+                (else each goes back alone, and ``topk_weights`` must be None).
+            num_sms: programs of the push (the epilogue uses every SM).
+            before_epilogue: called before the epilogue is launched (stream waits).
+        Returns:
+            ``(combined_x [N, H] BF16, combined_topk_weights [N, K] float32 or None)``.
+        """
+        R, device = self.num_ranks, self.device
+        E_local = num_experts // R
+        N, K = topk_idx.shape
+        H = x.shape[1]
+        slots = combine_slots(R, K, do_expand, multiple_reduction)
+        error = self.capacity_error(num_max_tokens, H, K, 0, 0, slots)
+        if error:
+            raise ValueError(error)
+        has_w = topk_weights is not None
+        multi = multiple_reduction or not do_expand
+        f32_dummy, crec = self._f32_dummy(), combine_record_bytes(H, K)
+        K_P2, BR, BH = _next_pow2(max(K, 2)), 8, min(_next_pow2(H), 1024)
+        self._launch(
+            elastic_combine.elastic_combine,
+            self._programs(num_sms, recv_src_metadata.shape[0], BR),
+            (
+                x,
+                topk_weights if has_w else f32_dummy,
+                recv_src_metadata,
+                reduction_slot,
+                psum_num_recv_tokens_per_scaleup_rank,
+                self.heap.peer_ptrs,
+                self.rank,
+                self.layout.header,
+                self.layout.region,
+                self.layout.region_bytes,
+                num_max_tokens,
+                self.state,
+                self.status,
+                self._timeout_us,
+                int(has_w),
+            ),
+            ("combine", H, K, do_expand, multi),
+            lambda: dict(
+                H=H,
+                K=K,
+                K_P2=K_P2,
+                NUM_RANKS=R,
+                R_P2=_next_pow2(max(R, 2)),
+                CREC=crec,
+                HEADER_WORDS=HEADER_WORDS,
+                BR=BR,
+                BH=BH,
+                EXPAND=do_expand,
+                MULTI=multi,
+                USE_CLOCK=use_clock(device),
+                num_warps=8,
+                enable_fp_fusion=False,
+            ),
+        )
+        if before_epilogue is not None:
+            before_epilogue()
+        out = empty_output(device, (N, H), torch.bfloat16)
+        out_w = empty_output(device, (N, K), torch.float32) if has_w else None
+        terms = tuple(bias) + (out,) * (2 - len(bias))  # unused pointers when fewer
+        BT = self._block(8, N, self.num_device_sms)
+        self._launch(
+            elastic_combine.elastic_combine_epilogue,
+            self._programs(self.num_device_sms, N, BT),
+            (
+                topk_idx,
+                terms[0],
+                terms[1],
+                out,
+                out_w if has_w else f32_dummy,
+                N,
+                self.heap.peer_ptrs,
+                self.rank,
+                self.layout.region,
+                self.layout.region_bytes,
+                num_max_tokens,
+                self.state,
+                len(bias),
+                int(has_w),
+            ),
+            ("reduce", H, K, num_experts, slots, multi, BT),
+            lambda: dict(
+                H=H,
+                K=K,
+                K_P2=K_P2,
+                NUM_EXPERTS=num_experts,
+                E_LOCAL=E_local,
+                SLOTS=slots,
+                RANK_SLOTS=multi,
+                CREC=crec,
+                BT=BT,
+                BH=BH,
+                USE_CLOCK=use_clock(device),
+                num_warps=8,
+                enable_fp_fusion=False,
+            ),
+        )
+        return out, out_w
+
+    def destroy(self) -> None:
+        """Release the heap (collective); raises if a wait had timed out."""
+        self.heap.close_checked(self.check)
