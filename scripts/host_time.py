@@ -17,7 +17,9 @@ worst-case dispatch, combine and exact-size dispatch (whose host waits for the r
 Each low-latency line also splits the time into this project's Python (the same calls with
 the kernel launches left out) and the launches.
 
-With ``--ranks`` above 1 (one GPU each) it also times the eager loop of issue 48: per
+It first prints the time of the first dispatch and combine (their compiling included, on an
+empty ``TRITON_CACHE_DIR``). With ``--ranks`` above 1 (one GPU each) it also times the eager
+loop of issue 48: per
 iteration an L2 flush (a 256 MB memset), an event, a dispatch and a combine, an event; the
 events' median over 50 iterations after 50 warm-ups.
 
@@ -161,9 +163,18 @@ def _low_latency(ctx, args, group, lines, on_gpu):
     def mode_dispatch():
         state["mode"] = mode.dispatch(x, idx, use_fp8=True, recv_stats=stats)
 
+    # The first call of each (its variants compiled, or loaded from Triton's cache).
+    start = time.perf_counter()
     api_dispatch()
-    mode_dispatch()
+    _sync(device)
+    first = time.perf_counter() - start
     y = torch.zeros(state["api"][0][0].shape, dtype=torch.bfloat16, device=device)
+    start = time.perf_counter()
+    buffer.low_latency_combine(y, idx, w, state["api"][2])
+    _sync(device)
+    lines.append(f"first calls (compile or cache load included): dispatch {first:.2f} s, "
+                 f"combine {time.perf_counter() - start:.2f} s")  # fmt: skip
+    mode_dispatch()
     ops = [
         ("deep_ep.Buffer.low_latency_dispatch", api_dispatch),
         ("deep_ep.Buffer.low_latency_combine",
