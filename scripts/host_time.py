@@ -14,8 +14,10 @@ Operations: low-latency dispatch (FP8, with ``cumulative_local_expert_recv_stats
 combine, through ``tritonep.deep_ep.Buffer`` (what users call) and through
 ``LowLatencyMode`` (the mode alone); with ``--normal`` also the normal mode's cached dispatch,
 worst-case dispatch, combine and exact-size dispatch (whose host waits for the received count).
-Each low-latency line also splits the time into this project's Python (the same calls with
-the kernel launches left out) and the launches.
+Each line also splits the time on GPUs into this project's Python (the same calls with the
+kernel launches left out) and the launches. The script also runs on a tree from before issue
+48 (``PYTHONPATH=prev/src``), whose modes check ids on the host by default (a synchronization
+per call, counted in its figures, as its users get it).
 
 It first prints the time of the first dispatch and combine (their compiling included, on an
 empty ``TRITON_CACHE_DIR``). With ``--ranks`` above 1 (one GPU each) it also times the eager
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import inspect
 import io
 import pstats
 import statistics
@@ -65,13 +68,17 @@ def _launches_left_out():
     """Every low-latency launch (and every launch through ``launcher.launch``) is skipped."""
     from tritonep.kernels import launcher
 
-    call, launch = launcher.KernelLaunch.__call__, launcher.launch
-    launcher.KernelLaunch.__call__ = lambda self, call, shared: None
+    bundled = getattr(launcher, "KernelLaunch", None)  # (absent from trees before issue 48)
+    call, launch = bundled.__call__ if bundled is not None else None, launcher.launch
+    if bundled is not None:
+        bundled.__call__ = lambda self, call, shared: None
     launcher.launch = lambda fn, grid, args, meta: None
     try:
         yield
     finally:
-        launcher.KernelLaunch.__call__, launcher.launch = call, launch
+        launcher.launch = launch
+        if bundled is not None:
+            bundled.__call__ = call
 
 
 @contextlib.contextmanager
@@ -153,6 +160,7 @@ def _low_latency(ctx, args, group, lines, on_gpu):
     buffer = deep_ep.Buffer(group, 0, LowLatencyMode.size_hint(N, H, R, E), low_latency_mode=True)
     stats = torch.zeros(E // R, dtype=torch.int32, device=device)
     mode = LowLatencyMode(group, N, H, E, max_topk=K, device=device)
+    new_tree = "recv_stats" in inspect.signature(mode.dispatch).parameters
     state = {}
 
     def api_dispatch():
@@ -161,7 +169,11 @@ def _low_latency(ctx, args, group, lines, on_gpu):
         )
 
     def mode_dispatch():
-        state["mode"] = mode.dispatch(x, idx, use_fp8=True, recv_stats=stats)
+        if new_tree:
+            state["mode"] = mode.dispatch(x, idx, use_fp8=True, recv_stats=stats)
+        else:  # a tree before issue 48: the Buffer added the statistic itself
+            state["mode"] = mode.dispatch(x, idx, use_fp8=True)
+            stats.add_(state["mode"][1])
 
     # The first call of each (its variants compiled, or loaded from Triton's cache).
     start = time.perf_counter()
