@@ -121,8 +121,8 @@ LL_DISPATCH_META = dict(
     G_P2=64,
     R_P2=4,
     BINS=256,
-    MSG_BLOCK=8,
-    ITEMS=2,
+    BLOCK_MSGS=8,
+    BLOCK_ITEMS=2,
     PROFILE=False,
     WAIT_STATS=False,
     RECV_STATS=False,
@@ -147,17 +147,17 @@ LL_COMBINE_META = dict(
     USE_CLOCK=True,
     G_P2=64,
     R_P2=4,
-    ROW_BLOCK=4,
-    REDUCE_BW=8192,
+    BLOCK_ROWS=4,
+    BLOCK_CHANNELS=8192,
     PROFILE=False,
     WAIT_STATS=False,
     SHRINK=False,
     VIA=0,
     LOGFMT=False,
-    LOGFMT_GROUPS=8,
+    BLOCK_GROUPS=8,
 )
 TRACED = dict(PROFILE=True, WAIT_STATS=True)
-LOGFMT = dict(LOGFMT=True, ROW_BLOCK=2, REDUCE_BW=4096, LOGFMT_GROUPS=64)
+LOGFMT = dict(LOGFMT=True, BLOCK_ROWS=2, BLOCK_CHANNELS=4096, BLOCK_GROUPS=64)
 for name, sig, meta in [
     ("ll_dispatch", LL_DISPATCH, LL_DISPATCH_META),
     ("ll_combine", LL_COMBINE, LL_COMBINE_META),
@@ -173,7 +173,7 @@ for name, sig, meta in [
     (
         "ll_dispatch",
         {**LL_DISPATCH, "out_x_ptr": "*bf16", "out_scales_ptr": "*i32"},
-        {**LL_DISPATCH_META, "USE_FP8": False, "MSG_BLOCK": 4},
+        {**LL_DISPATCH_META, "USE_FP8": False, "BLOCK_MSGS": 4},
     ),
     # Across nodes, emulated (copies from the staging slabs)
     ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "VIA": 1}),

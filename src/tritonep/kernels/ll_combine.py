@@ -93,14 +93,14 @@ class CombineVariant(NamedTuple):
     USE_CLOCK: bool
     G_P2: int
     R_P2: int
-    ROW_BLOCK: int
-    REDUCE_BW: int
+    BLOCK_ROWS: int
+    BLOCK_CHANNELS: int
     PROFILE: bool
     WAIT_STATS: bool
     SHRINK: bool
     VIA: int
     LOGFMT: bool
-    LOGFMT_GROUPS: int
+    BLOCK_GROUPS: int
 
 
 @triton.jit(do_not_specialize=["num_tokens", "timeout_us"])
@@ -145,14 +145,14 @@ def ll_combine_kernel(
     USE_CLOCK: tl.constexpr,  # on a GPU (else the interpreter)
     G_P2: tl.constexpr,  # power of two >= H / 128
     R_P2: tl.constexpr,  # power of two >= max(NUM_RANKS, 2)
-    ROW_BLOCK: tl.constexpr,  # rows a sending program moves at a time
-    REDUCE_BW: tl.constexpr,  # channels of a token reduced at a time (power of two)
+    BLOCK_ROWS: tl.constexpr,  # rows a sending program moves at a time
+    BLOCK_CHANNELS: tl.constexpr,  # channels of a token reduced at a time (power of two)
     PROFILE: tl.constexpr,  # record traces
     WAIT_STATS: tl.constexpr,  # add the time waited per source rank to wait_stats_ptr
     SHRINK: tl.constexpr,  # masked peers are skipped, timeouts mask (peer_mask)
     VIA: tl.constexpr,  # how rows reach other nodes (transport)
     LOGFMT: tl.constexpr,  # rows travel as LogFMT-10 (:mod:`.logfmt`)
-    LOGFMT_GROUPS: tl.constexpr,  # 128-channel groups encoded at a time (power of two)
+    BLOCK_GROUPS: tl.constexpr,  # 128-channel groups encoded at a time (power of two)
 ):
     verdict_ptr += NUM_RANKS  # the combine's row
     c_send = call_number(state_ptr, COMBINE_SEND_CALLS)
@@ -170,8 +170,8 @@ def ll_combine_kernel(
         t_send = _send_rows(
             x_ptr, src_ptr, slot_ptr, range_ptr, trace_ptr, peer_ptrs, pe_ptr, rank, c_send,
             mask_ptr, H, K_MAX, NUM_EXPERTS, NUM_RANKS, M, RECV_SET_BYTES, SLOT_BYTES,
-            RECV_OFFSET, STAGE_OFFSET, GPUS_PER_NODE, USE_CLOCK, G_P2, ROW_BLOCK, PROFILE,
-            SHRINK, VIA, LOGFMT, LOGFMT_GROUPS,
+            RECV_OFFSET, STAGE_OFFSET, GPUS_PER_NODE, USE_CLOCK, G_P2, BLOCK_ROWS, PROFILE,
+            SHRINK, VIA, LOGFMT, BLOCK_GROUPS,
         )  # fmt: skip
         t1 = t_start
         if PROFILE:
@@ -197,7 +197,7 @@ def ll_combine_kernel(
         _reduce_tokens(
             topk_idx_ptr, topk_weights_ptr, num_tokens, out_ptr, failed, c_recv, peer_ptrs,
             rank, status_ptr, mask_ptr, verdict_ptr, H, K, K_MAX, NUM_EXPERTS, NUM_RANKS,
-            RECV_SET_BYTES, SLOT_BYTES, RECV_OFFSET, USE_CLOCK, REDUCE_BW, SHRINK, LOGFMT,
+            RECV_SET_BYTES, SLOT_BYTES, RECV_OFFSET, USE_CLOCK, BLOCK_CHANNELS, SHRINK, LOGFMT,
         )  # fmt: skip
         if PROFILE:
             t_reduce = read_clock(trace_ptr, USE_CLOCK) - t1
@@ -227,19 +227,19 @@ def _send_rows(
     H: tl.constexpr, K_MAX: tl.constexpr, NUM_EXPERTS: tl.constexpr, NUM_RANKS: tl.constexpr,
     M: tl.constexpr, RECV_SET_BYTES: tl.constexpr, SLOT_BYTES: tl.constexpr,
     RECV_OFFSET: tl.constexpr, STAGE_OFFSET: tl.constexpr, GPUS_PER_NODE: tl.constexpr,
-    USE_CLOCK: tl.constexpr, G_P2: tl.constexpr, ROW_BLOCK: tl.constexpr,
+    USE_CLOCK: tl.constexpr, G_P2: tl.constexpr, BLOCK_ROWS: tl.constexpr,
     PROFILE: tl.constexpr, SHRINK: tl.constexpr, VIA: tl.constexpr, LOGFMT: tl.constexpr,
-    LOGFMT_GROUPS: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
 ):  # fmt: skip
     """Store this program's (local expert, source rank) blocks into their source ranks' slots,
-    ``ROW_BLOCK`` rows at a time so that their loads and remote stores are in flight
+    ``BLOCK_ROWS`` rows at a time so that their loads and remote stores are in flight
     together. Returns the trace's send total."""
     E_LOCAL: tl.constexpr = NUM_EXPERTS // NUM_RANKS
     G: tl.constexpr = H // 128
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     set_off = (c_send % 2) * RECV_SET_BYTES
-    rows_in_block = tl.arange(0, ROW_BLOCK)
+    rows_in_block = tl.arange(0, BLOCK_ROWS)
     flat = tl.arange(0, G_P2 * 128)
     flat_mask = flat < H
     my_base = tl.load(peer_ptrs + rank)
@@ -257,7 +257,7 @@ def _send_rows(
             count = tl.where(tl.load(mask_ptr + src) != 0, 0, count)
         base = tl.load(peer_ptrs + src)
         remote = (src // GPUS_PER_NODE) != (rank // GPUS_PER_NODE)
-        for first in range(0, count, ROW_BLOCK):
+        for first in range(0, count, BLOCK_ROWS):
             rmask = (first + rows_in_block) < count
             rows = (local * NUM_RANKS * M + begin + first + rows_in_block).to(tl.int64)
             token = tl.load(src_ptr + rows, mask=rmask).to(tl.int64)
@@ -268,7 +268,7 @@ def _send_rows(
                 # A source on another node: stage the rows in this rank's heap first.
                 dst = tl.where(remote, my_base + STAGE_OFFSET + rows * SLOT_BYTES, dst)
             if LOGFMT:
-                _send_logfmt(x_ptr + rows * H, dst, rmask, H, G, LOGFMT_GROUPS, ROW_BLOCK,
+                _send_logfmt(x_ptr + rows * H, dst, rmask, H, G, BLOCK_GROUPS, BLOCK_ROWS,
                              USE_CLOCK)  # fmt: skip
             else:
                 y = tl.load(x_ptr + rows[:, None] * H + flat[None, :], mask=mask2)
@@ -374,7 +374,7 @@ def _reduce_tokens(
     status_ptr, mask_ptr, verdict_ptr, H: tl.constexpr, K: tl.constexpr, K_MAX: tl.constexpr,
     NUM_EXPERTS: tl.constexpr, NUM_RANKS: tl.constexpr, RECV_SET_BYTES: tl.constexpr,
     SLOT_BYTES: tl.constexpr, RECV_OFFSET: tl.constexpr, USE_CLOCK: tl.constexpr,
-    REDUCE_BW: tl.constexpr, SHRINK: tl.constexpr, LOGFMT: tl.constexpr,
+    BLOCK_CHANNELS: tl.constexpr, SHRINK: tl.constexpr, LOGFMT: tl.constexpr,
 ):  # fmt: skip
     """Each of this program's tokens (``p, p + P, ...``) gets the weighted sum of its top-k
     rows, in top-k order as the reference sums, in float32 to BF16; NaN where ``failed`` (a
@@ -391,16 +391,16 @@ def _reduce_tokens(
         token64 = tl.cast(token, tl.int64)
         ids_ptr = topk_idx_ptr + token64 * K
         rows = my_base + RECV_OFFSET + set_off + token64 * K_MAX * SLOT_BYTES
-        # A chunk of REDUCE_BW channels at a time; within it every top-k row is loaded without
+        # A chunk of BLOCK_CHANNELS channels at a time; within it every top-k row is loaded without
         # a branch (all K loads in flight together).
-        for c0 in range(0, H, REDUCE_BW):
+        for c0 in range(0, H, BLOCK_CHANNELS):
             if LOGFMT:  # channels as [groups, 128]: parameters are read once per group
-                groups = c0 // 128 + tl.arange(0, REDUCE_BW // 128)
+                groups = c0 // 128 + tl.arange(0, BLOCK_CHANNELS // 128)
                 cols = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
-                acc = tl.zeros((REDUCE_BW // 128, 128), tl.float32)
+                acc = tl.zeros((BLOCK_CHANNELS // 128, 128), tl.float32)
             else:
-                cols = c0 + tl.arange(0, REDUCE_BW)
-                acc = tl.zeros((REDUCE_BW,), tl.float32)
+                cols = c0 + tl.arange(0, BLOCK_CHANNELS)
+                acc = tl.zeros((BLOCK_CHANNELS,), tl.float32)
             cmask = cols < H
             for k in tl.static_range(K):
                 expert = tl.load(ids_ptr + k)

@@ -25,7 +25,7 @@ all their flags, repeated until they are there), so its block starts at ``begin`
 the earlier counts; it copies its messages' payloads (found through their references), several
 at a time, into the packed output ``recv_x[expert, begin : begin + count]`` and records
 ``(begin, count)``. Blocks are therefore in source-rank order, the same order as the reference,
-and outputs are deterministic. A program takes ``ITEMS`` of its items at a time: for small
+and outputs are deterministic. A program takes ``BLOCK_ITEMS`` of its items at a time: for small
 batches, whose counts all come at once, its items together (one wait, their messages in one
 list: the dependent reads of counts, headers and payloads are paid once); for larger ones one at
 a time, so that it packs one while the next one's counts are still on the way.
@@ -62,7 +62,7 @@ One compiled variant serves every batch size: the send phase of one token (whose
 masks fold away: 0.6 us faster on one H100, BENCHMARKS.md) and of many are both compiled into
 it and picked by a uniform branch on ``num_tokens``; counting by adds or by histograms is a
 runtime argument the host picks from the shapes (``count_by_adds``); so is the number of
-items a receiving program takes at a time (``items_per_group``: 1, or the ``ITEMS`` lanes of
+items a receiving program takes at a time (``items_per_group``: 1, or the ``BLOCK_ITEMS`` lanes of
 the tile).
 
 Traced launches (``PROFILE``) record, per program, the time spent quantizing and sending,
@@ -173,8 +173,8 @@ class DispatchVariant(NamedTuple):
     G_P2: int
     R_P2: int
     BINS: int
-    MSG_BLOCK: int
-    ITEMS: int
+    BLOCK_MSGS: int
+    BLOCK_ITEMS: int
     PROFILE: bool
     WAIT_STATS: bool
     RECV_STATS: bool
@@ -255,7 +255,7 @@ def ll_dispatch_kernel(
     topk_idx_ptr,  # [N, K] int64 global expert ids, -1 for none
     num_tokens,  # N
     count_by_adds,  # 1: senders count the ids by atomic adds, 0: by histograms
-    items_per_group,  # (expert, source) items a receiving program moves together: 1 or ITEMS
+    items_per_group,  # (expert, source) items a receiving program moves together: 1 or BLOCK_ITEMS
     out_x_ptr,  # [E_local, R * M, H] bf16, or e4m3 (USE_FP8)
     out_scales_ptr,  # [E_local, G, R * M] float32, or [E_local, G / 4, R * M] int32 (PACK_UE8M0)
     out_src_ptr,  # [2, E_local, R * M] int32: each row's source token, then its top-k column
@@ -299,8 +299,8 @@ def ll_dispatch_kernel(
     G_P2: tl.constexpr,  # power of two >= H / 128
     R_P2: tl.constexpr,  # power of two >= max(NUM_RANKS, 2)
     BINS: tl.constexpr,  # power of two >= max(NUM_EXPERTS, 2): one bin per expert
-    MSG_BLOCK: tl.constexpr,  # messages a receiving program copies at a time
-    ITEMS: tl.constexpr,  # lanes of a receiving program's group of items (power of two)
+    BLOCK_MSGS: tl.constexpr,  # messages a receiving program copies at a time
+    BLOCK_ITEMS: tl.constexpr,  # lanes of a receiving program's group of items (power of two)
     PROFILE: tl.constexpr,  # record traces
     WAIT_STATS: tl.constexpr,  # add the time waited per source rank to wait_stats_ptr
     RECV_STATS: tl.constexpr,  # add the rows per expert to recv_stats_ptr
@@ -344,8 +344,8 @@ def ll_dispatch_kernel(
             out_range_ptr, recv_stats_ptr, wait_stats_ptr, trace_ptr, peer_ptrs, rank,
             status_ptr, timeout_us, mask_ptr, verdict_ptr, H, NUM_EXPERTS, NUM_RANKS, M,
             MSG_BYTES, RECV_SET_BYTES, FLAG_SET_BYTES, RECV_OFFSET, FLAG_OFFSET, PACK_UE8M0,
-            USE_FP8, USE_CLOCK, G_P2, R_P2, MSG_BLOCK, ITEMS, PROFILE, WAIT_STATS, RECV_STATS,
-            SHRINK,
+            USE_FP8, USE_CLOCK, G_P2, R_P2, BLOCK_MSGS, BLOCK_ITEMS, PROFILE, WAIT_STATS,
+            RECV_STATS, SHRINK,
         )  # fmt: skip
     if PROFILE:
         t_end = read_clock(trace_ptr, USE_CLOCK)
@@ -683,8 +683,8 @@ def _receive(
     NUM_RANKS: tl.constexpr, M: tl.constexpr, MSG_BYTES: tl.constexpr,
     RECV_SET_BYTES: tl.constexpr, FLAG_SET_BYTES: tl.constexpr, RECV_OFFSET: tl.constexpr,
     FLAG_OFFSET: tl.constexpr, PACK_UE8M0: tl.constexpr, USE_FP8: tl.constexpr,
-    USE_CLOCK: tl.constexpr, G_P2: tl.constexpr, R_P2: tl.constexpr, MSG_BLOCK: tl.constexpr,
-    ITEMS: tl.constexpr, PROFILE: tl.constexpr, WAIT_STATS: tl.constexpr,
+    USE_CLOCK: tl.constexpr, G_P2: tl.constexpr, R_P2: tl.constexpr, BLOCK_MSGS: tl.constexpr,
+    BLOCK_ITEMS: tl.constexpr, PROFILE: tl.constexpr, WAIT_STATS: tl.constexpr,
     RECV_STATS: tl.constexpr, SHRINK: tl.constexpr,
 ):  # fmt: skip
     """The receive phase of this program. Work items are (local expert, source rank) pairs; a
@@ -701,7 +701,7 @@ def _receive(
     flag_set_off = (c_recv % 2) * FLAG_SET_BYTES
     my_base = tl.load(peer_ptrs + rank)
     set_base = my_base + RECV_OFFSET + set_off
-    item_lanes = tl.arange(0, ITEMS)
+    item_lanes = tl.arange(0, BLOCK_ITEMS)
     # After one wait gives up, the program's later waits give up at once, so a launch ends
     # within about one timeout however many waits it has.
     budget = timeout_us.to(tl.int64) * 1000
@@ -719,14 +719,14 @@ def _receive(
         if SHRINK:  # shrink mode settles each source's outcome with the other programs
             begin, count = _wait_settled(
                 flag_rows, live, me_src, item_lanes, c_recv, wait_stats_ptr, trace_ptr,
-                status_ptr, timeout_us, mask_ptr, verdict_ptr, USE_CLOCK, ITEMS, WAIT_STATS,
+                status_ptr, timeout_us, mask_ptr, verdict_ptr, USE_CLOCK, BLOCK_ITEMS, WAIT_STATS,
             )  # fmt: skip
             gave_up = False
-            own_missing = tl.zeros((ITEMS,), tl.int1)
+            own_missing = tl.zeros((BLOCK_ITEMS,), tl.int1)
         else:
             begin, count, own_missing, gave_up, budget = _wait_counts(
                 flag_rows, live, local, me_src, item_lanes, c_recv, budget, wait_stats_ptr,
-                trace_ptr, status_ptr, timeout_us, USE_CLOCK, R_P2, ITEMS, WAIT_STATS,
+                trace_ptr, status_ptr, timeout_us, USE_CLOCK, R_P2, BLOCK_ITEMS, WAIT_STATS,
             )  # fmt: skip
         t1 = t0
         if PROFILE:
@@ -738,12 +738,12 @@ def _receive(
         _pack_group(
             set_base, begin, moved, local, me_src, item_lanes, out_x_ptr, out_scales_ptr,
             out_src_ptr, H, NUM_RANKS * E_LOCAL, NUM_RANKS, M, MSG_BYTES, PACK_UE8M0, USE_FP8,
-            G_P2, MSG_BLOCK, ITEMS,
+            G_P2, BLOCK_MSGS, BLOCK_ITEMS,
         )  # fmt: skip
         if gave_up:
             _poison_rows(
                 begin, own_missing & live, local, item_lanes, out_x_ptr, out_scales_ptr,
-                out_src_ptr, H, E_LOCAL, NUM_RANKS, M, PACK_UE8M0, USE_FP8, G_P2, ITEMS,
+                out_src_ptr, H, E_LOCAL, NUM_RANKS, M, PACK_UE8M0, USE_FP8, G_P2, BLOCK_ITEMS,
             )  # fmt: skip
         packed = (begin.to(tl.int64) << 32) | moved
         tl.store(out_range_ptr + local * NUM_RANKS + me_src, packed, mask=live)
@@ -760,7 +760,7 @@ def _receive(
 @triton.jit
 def _wait_counts(
     flag_rows, live, local, me_src, item_lanes, c_recv, budget, wait_stats_ptr, trace_ptr,
-    status_ptr, timeout_us, USE_CLOCK: tl.constexpr, R_P2: tl.constexpr, ITEMS: tl.constexpr,
+    status_ptr, timeout_us, USE_CLOCK: tl.constexpr, R_P2: tl.constexpr, BLOCK_ITEMS: tl.constexpr,
     WAIT_STATS: tl.constexpr,
 ):  # fmt: skip
     """Every count a group of items needs in one vector read, usually all there; else the
@@ -780,12 +780,12 @@ def _wait_counts(
                       mask=tl.max(wanted.to(tl.int32), axis=0) > 0, sem="relaxed",
                       scope="gpu")  # fmt: skip
     counts = tl.where(wanted & ~missing, (tagged & 0xFFFFFFFF).to(tl.int32), 0)
-    own_missing = tl.zeros((ITEMS,), tl.int1)
+    own_missing = tl.zeros((BLOCK_ITEMS,), tl.int1)
     gave_up = any_set(missing)
     if gave_up:
         # Name the first (item, source) still missing.
         lanes = item_lanes[:, None] * R_P2 + sources[None, :]
-        gone = tl.min(tl.min(tl.where(missing, lanes, ITEMS * R_P2), axis=1), 0)
+        gone = tl.min(tl.min(tl.where(missing, lanes, BLOCK_ITEMS * R_P2), axis=1), 0)
         record_timeout(status_ptr, gone % R_P2, PHASE_DISPATCH_RECV, limit,
                        lane(local, item_lanes, gone // R_P2))  # fmt: skip
         budget = budget * 0
@@ -800,14 +800,14 @@ def _wait_counts(
 @triton.jit
 def _wait_settled(
     flag_rows, live, me_src, item_lanes, c_recv, wait_stats_ptr, trace_ptr, status_ptr,
-    timeout_us, mask_ptr, verdict_ptr, USE_CLOCK: tl.constexpr, ITEMS: tl.constexpr,
+    timeout_us, mask_ptr, verdict_ptr, USE_CLOCK: tl.constexpr, BLOCK_ITEMS: tl.constexpr,
     WAIT_STATS: tl.constexpr,
 ):  # fmt: skip
     """:func:`_wait_counts` in shrink mode: each source's outcome is settled with the other
     programs, and a source given up on contributes nothing (it is masked at the end)."""
-    begin = tl.zeros((ITEMS,), tl.int32)
-    count = tl.zeros((ITEMS,), tl.int32)
-    for j in tl.static_range(ITEMS):
+    begin = tl.zeros((BLOCK_ITEMS,), tl.int32)
+    count = tl.zeros((BLOCK_ITEMS,), tl.int32)
+    for j in tl.static_range(BLOCK_ITEMS):
         item_begin = tl.zeros((), tl.int32)
         item_count = tl.zeros((), tl.int32)
         item_live = lane(live.to(tl.int32), item_lanes, j) != 0
@@ -836,21 +836,21 @@ def _pack_group(
     set_base, begin, count, local, me_src, item_lanes, out_x_ptr, out_scales_ptr, out_src_ptr,
     H: tl.constexpr, ITEMS_TOTAL: tl.constexpr, NUM_RANKS: tl.constexpr, M: tl.constexpr,
     MSG_BYTES: tl.constexpr, PACK_UE8M0: tl.constexpr, USE_FP8: tl.constexpr,
-    G_P2: tl.constexpr, MSG_BLOCK: tl.constexpr, ITEMS: tl.constexpr,
+    G_P2: tl.constexpr, BLOCK_MSGS: tl.constexpr, BLOCK_ITEMS: tl.constexpr,
 ):  # fmt: skip
-    """Copy a group's messages, ``MSG_BLOCK`` at a time, into the packed outputs: item ``j``'s
+    """Copy a group's messages, ``BLOCK_MSGS`` at a time, into the packed outputs: item ``j``'s
     ``count[j]`` messages to rows ``begin[j]...`` of its expert's block. The group's messages
     form one list: item j's come after those of items < j."""
     G: tl.constexpr = H // 128
-    msgs = tl.arange(0, MSG_BLOCK)
-    scale_lanes = tl.arange(0, G_P2 * MSG_BLOCK)
+    msgs = tl.arange(0, BLOCK_MSGS)
+    scale_lanes = tl.arange(0, G_P2 * BLOCK_MSGS)
     flat = tl.arange(0, G_P2 * 128)
     flat_mask = flat < H
     out_slot_ptr = out_src_ptr + ITEMS_TOTAL * M  # the second half of [2, E_local, R * M]
     ends = tl.cumsum(count, axis=0)
     starts = ends - count
     group_msgs = tl.sum(count, axis=0)
-    for first in range(0, group_msgs, MSG_BLOCK):
+    for first in range(0, group_msgs, BLOCK_MSGS):
         m = first + msgs
         mmask = m < group_msgs
         index, row_in, m_local = _listed(m, starts, ends, begin, local, me_src, item_lanes,
@@ -878,8 +878,8 @@ def _pack_group(
             # neighbouring lanes store neighbouring rows of one group; a [messages, groups]
             # tile costs a layout change through shared memory (1.2 us more per dispatch at
             # 128 tokens, BENCHMARKS.md).
-            s_m = first + scale_lanes % MSG_BLOCK
-            s_group = scale_lanes // MSG_BLOCK
+            s_m = first + scale_lanes % BLOCK_MSGS
+            s_group = scale_lanes // BLOCK_MSGS
             s_mask = (s_group < G) & (s_m < group_msgs)
             s_index, s_row, s_local = _listed(s_m, starts, ends, begin, local, me_src,
                                               item_lanes, NUM_RANKS, M)  # fmt: skip
@@ -909,7 +909,7 @@ def _pack_group(
 def _poison_rows(
     begin, poisoned, local, item_lanes, out_x_ptr, out_scales_ptr, out_src_ptr,
     H: tl.constexpr, E_LOCAL: tl.constexpr, NUM_RANKS: tl.constexpr, M: tl.constexpr,
-    PACK_UE8M0: tl.constexpr, USE_FP8: tl.constexpr, G_P2: tl.constexpr, ITEMS: tl.constexpr,
+    PACK_UE8M0: tl.constexpr, USE_FP8: tl.constexpr, G_P2: tl.constexpr, BLOCK_ITEMS: tl.constexpr,
 ):  # fmt: skip
     """Fill the row at ``begin`` of each ``poisoned`` item's block with 0xFF bytes: its payload
     and scales read as NaN, its source token and column as -1. Runs only after a timeout."""
@@ -917,7 +917,7 @@ def _poison_rows(
     ROWS: tl.constexpr = NUM_RANKS * M
     flat = tl.arange(0, G_P2 * 128)
     groups = tl.arange(0, G_P2)
-    for j in tl.static_range(ITEMS):
+    for j in tl.static_range(BLOCK_ITEMS):
         if lane(poisoned.to(tl.int32), item_lanes, j) != 0:
             expert = lane(local, item_lanes, j).to(tl.int64)
             at = lane(begin, item_lanes, j)

@@ -599,8 +599,8 @@ class LowLatencyMode:
             BINS=self._bins,
             # Messages copied together on receive: 64 KB of payload in flight, on 16 warps
             # (the pack's loads wait on the headers that locate the payloads).
-            MSG_BLOCK=_rows_in_flight(H, 1 if use_fp8 else 2, 65536),
-            ITEMS=self._items,
+            BLOCK_MSGS=_rows_in_flight(H, 1 if use_fp8 else 2, 65536),
+            BLOCK_ITEMS=self._items,
             PROFILE=self.trace is not None,
             WAIT_STATS=wait_stats,
             RECV_STATS=recv_stats,
@@ -727,19 +727,19 @@ class LowLatencyMode:
             G_P2=_next_pow2(H // 128),
             R_P2=_next_pow2(max(R, 2)),
             # 16 warps: a BF16 sender keeps 64 KB in flight, the reduce takes whole rows
-            # (BENCHMARKS.md, "Low-latency combine on 16 warps"). LogFMT encodes ROW_BLOCK
-            # rows x LOGFMT_GROUPS groups at a time: whole rows, 32 KB of BF16 a step (its
+            # (BENCHMARKS.md, "Low-latency combine on 16 warps"). LogFMT encodes BLOCK_ROWS
+            # rows x BLOCK_GROUPS groups at a time: whole rows, 32 KB of BF16 a step (its
             # sender is bound by instructions; few, large steps hide the load latency).
-            ROW_BLOCK=_rows_in_flight(H, 2, 32768 if logfmt else 65536),
-            # A token's top-k rows reduced together: K x REDUCE_BW BF16 values are at most
+            BLOCK_ROWS=_rows_in_flight(H, 2, 32768 if logfmt else 65536),
+            # A token's top-k rows reduced together: K x BLOCK_CHANNELS BF16 values are at most
             # 64 registers a thread (LogFMT: 4096 channels, the fastest measured).
-            REDUCE_BW=min(_next_pow2(H), 65536 // _next_pow2(topk), 4096 if logfmt else 8192),
+            BLOCK_CHANNELS=min(_next_pow2(H), 65536 // _next_pow2(topk), 4096 if logfmt else 8192),
             PROFILE=self.trace is not None,
             WAIT_STATS=wait_stats,
             SHRINK=self.enable_shrink,
             VIA=self.transport.via,
             LOGFMT=logfmt,
-            LOGFMT_GROUPS=min(_next_pow2(H // 128), 64),
+            BLOCK_GROUPS=min(_next_pow2(H // 128), 64),
         )
         # No fused multiply-add: products round as in the reference, so the sum is bit-exact.
         options = {"num_warps": 16, "enable_fp_fusion": False}
