@@ -38,6 +38,7 @@ import weakref
 from typing import Any, NamedTuple
 
 import torch
+from triton import knobs
 from triton.runtime.jit import JITFunction
 
 try:  # Triton's per-argument specialization (what its generated binder calls)
@@ -160,7 +161,6 @@ def launch(fn, grid: tuple[int, ...], args: tuple, meta: dict[str, Any]) -> None
     if not isinstance(fn, JITFunction):
         fn[grid](*args, **meta)
         return
-    from triton import knobs
     from triton.runtime.driver import driver
 
     if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
@@ -273,7 +273,7 @@ class KernelLaunch:
         self.device = -1
         self._shared_spec: list | None = None
 
-    def key(self, addresses: list[int]) -> Any:
+    def key(self, addresses) -> Any:
         """The alignment of the call's pointers: True when all are 16-byte aligned."""
         aligned = 0
         for a in addresses:
@@ -284,17 +284,20 @@ class KernelLaunch:
 
     def __call__(self, call: tuple, shared: Shared) -> None:
         if self.direct and self.compiled:
-            from triton import knobs
-
             rt = knobs.runtime
             if not (_hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook)):
                 values = list(call)
-                addresses = []
+                aligned = 0
                 for i in self.pointers:
                     a = values[i] = values[i].data_ptr()
-                    addresses.append(a)
-                key = (self.key(addresses), rt.debug, knobs.compilation.instrumentation_mode)
-                entry = self.compiled.get(key)
+                    aligned |= a
+                if aligned & 15 == 0:
+                    aligned = True
+                else:
+                    aligned = tuple(values[i] & 15 == 0 for i in self.pointers)
+                entry = self.compiled.get(
+                    (aligned, rt.debug, knobs.compilation.instrumentation_mode)
+                )
                 if entry is not None and torch._C._cuda_getDevice() == self.device:
                     run, function, packed, cooperative, pdl, constexprs = entry
                     stream = torch._C._cuda_getCurrentRawStream(self.device)
@@ -329,7 +332,6 @@ class KernelLaunch:
 
     def _record(self, call: tuple, shared: Shared, compiled) -> None:
         """Keep the kernel Triton just launched, if its binding is what :meth:`key` assumes."""
-        from triton import knobs
         from triton.runtime.driver import driver
 
         device = driver.active.get_current_device()
