@@ -520,7 +520,9 @@ class LowLatencyMode:
             raise ValueError(f"topk_idx: top-k {topk} exceeds max_topk={self.max_topk}")
         if wait_stats is not None:
             check_tensor("wait_stats", wait_stats, dtype=torch.int64, shape=(R,), device=device)
-        if recv_stats is not None:
+        if recv_stats is not None and (
+            not _plain(recv_stats, torch.int32, at) or recv_stats.shape != (E_local,)
+        ):
             check_tensor("cumulative_local_expert_recv_stats", recv_stats, dtype=torch.int32,
                          shape=(E_local,), device=device)  # fmt: skip
         key = (use_fp8, use_ue8m0, pack_ue8m0, topk, hook, wait_stats is None, recv_stats is None)
