@@ -55,32 +55,34 @@ KERNELS = [
     ),
 ]
 
+LL_SHARED = {
+    "peer_ptrs": "*i64",
+    "pe_ptr": "*i32",
+    "rank": "i32",
+    "state_ptr": "*i64",
+    "scratch_ptr": "*i32",
+    "expert_done_ptr": "*i32",
+    "status_ptr": "*i32",
+    "timeout_us": "i32",
+    "mask_ptr": "*i32",
+    "verdict_ptr": "*i64",
+    "skipped_ptr": "*i64",
+}
 LL_DISPATCH = {
     "x_ptr": "*bf16",
     "topk_idx_ptr": "*i64",
     "num_tokens": "i32",
-    "peer_ptrs": "*i64",
-    "rank": "i32",
-    "recv_offset": "i64",
-    "flag_offset": "i64",
-    "stage_offset": "i64",
-    "gpus_per_node": "i32",
-    "pe_ptr": "*i32",
-    "state_ptr": "*i64",
-    "scratch_ptr": "*i32",
-    "expert_done_ptr": "*i32",
-    "out_x_ptr": "*u8",
+    "count_by_adds": "i32",
+    "items_per_group": "i32",
+    "out_x_ptr": "*fp8e4nv",
     "out_scales_ptr": "*fp32",
     "out_src_ptr": "*i32",
-    "out_slot_ptr": "*i32",
     "out_count_ptr": "*i32",
     "out_range_ptr": "*i64",
-    "status_ptr": "*i32",
-    "timeout_us": "i32",
-    "trace_ptr": "*i64",
+    "recv_stats_ptr": "*i32",
     "wait_stats_ptr": "*i64",
-    "mask_ptr": "*i32",
-    "verdict_ptr": "*i64",
+    "trace_ptr": "*i64",
+    **LL_SHARED,
 }
 LL_COMBINE = {
     "x_ptr": "*bf16",
@@ -91,21 +93,9 @@ LL_COMBINE = {
     "topk_weights_ptr": "*fp32",
     "num_tokens": "i32",
     "out_ptr": "*bf16",
-    "peer_ptrs": "*i64",
-    "rank": "i32",
-    "recv_offset": "i64",
-    "done_offset": "i64",
-    "stage_offset": "i64",
-    "gpus_per_node": "i32",
-    "pe_ptr": "*i32",
-    "state_ptr": "*i64",
-    "status_ptr": "*i32",
-    "timeout_us": "i32",
-    "trace_ptr": "*i64",
     "wait_stats_ptr": "*i64",
-    "mask_ptr": "*i32",
-    "verdict_ptr": "*i64",
-    "skipped_ptr": "*i64",
+    "trace_ptr": "*i64",
+    **LL_SHARED,
 }
 LL_DISPATCH_META = dict(
     H=7168,
@@ -116,6 +106,10 @@ LL_DISPATCH_META = dict(
     MSG_BYTES=7312,
     RECV_SET_BYTES=1 << 28,
     FLAG_SET_BYTES=2048,
+    RECV_OFFSET=0,
+    FLAG_OFFSET=1 << 29,
+    STAGE_OFFSET=(1 << 29) + (1 << 26) + 4096,
+    GPUS_PER_NODE=4,
     USE_FP8=True,
     USE_UE8M0=False,
     PACK_UE8M0=False,
@@ -123,18 +117,17 @@ LL_DISPATCH_META = dict(
     DO_RECV=True,
     USE_CLOCK=True,
     BLOCK_N=128,
-    COUNT_BY_ADDS=True,
     K_P2=8,
     G_P2=64,
     R_P2=4,
     BINS=256,
-    MSG_BLOCK=8,
-    ITEMS=2,
+    BLOCK_MSGS=8,
+    BLOCK_ITEMS=2,
     PROFILE=False,
     WAIT_STATS=False,
+    RECV_STATS=False,
     SHRINK=False,
     VIA=0,
-    ONE_TOKEN=False,
 )
 LL_COMBINE_META = dict(
     H=7168,
@@ -145,42 +138,48 @@ LL_COMBINE_META = dict(
     M=128,
     RECV_SET_BYTES=1 << 25,
     SLOT_BYTES=14784,
+    RECV_OFFSET=(1 << 29) + 4096,
+    DONE_OFFSET=(1 << 29) + (1 << 26) + 4096,
+    STAGE_OFFSET=(1 << 29) + (1 << 26) + 4224,
+    GPUS_PER_NODE=4,
     DO_SEND=True,
     DO_RECV=True,
     USE_CLOCK=True,
     G_P2=64,
     R_P2=4,
-    ROW_BLOCK=4,
-    REDUCE_BW=8192,
+    BLOCK_ROWS=4,
+    BLOCK_CHANNELS=8192,
     PROFILE=False,
     WAIT_STATS=False,
     SHRINK=False,
     VIA=0,
     LOGFMT=False,
-    LOGFMT_GROUPS=8,
+    BLOCK_GROUPS=8,
 )
 TRACED = dict(PROFILE=True, WAIT_STATS=True)
-LOGFMT = dict(LOGFMT=True, ROW_BLOCK=2, REDUCE_BW=4096, LOGFMT_GROUPS=64)
+LOGFMT = dict(LOGFMT=True, BLOCK_ROWS=2, BLOCK_CHANNELS=4096, BLOCK_GROUPS=64)
 for name, sig, meta in [
     ("ll_dispatch", LL_DISPATCH, LL_DISPATCH_META),
     ("ll_combine", LL_COMBINE, LL_COMBINE_META),
     ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, **TRACED}),
     ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, **TRACED}),
-    # Scales packed as UE8M0 bytes (DeepEP's use_ue8m0)
+    # Scales packed as UE8M0 bytes (DeepEP's use_ue8m0), rows counted into a statistic
     (
         "ll_dispatch",
-        {**LL_DISPATCH, "out_scales_ptr": "*u8"},
-        {**LL_DISPATCH_META, "USE_UE8M0": True, "PACK_UE8M0": True},
+        {**LL_DISPATCH, "out_scales_ptr": "*i32"},
+        {**LL_DISPATCH_META, "USE_UE8M0": True, "PACK_UE8M0": True, "RECV_STATS": True},
+    ),
+    # BF16 payloads
+    (
+        "ll_dispatch",
+        {**LL_DISPATCH, "out_x_ptr": "*bf16", "out_scales_ptr": "*i32"},
+        {**LL_DISPATCH_META, "USE_FP8": False, "BLOCK_MSGS": 4},
     ),
     # Across nodes, emulated (copies from the staging slabs)
     ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "VIA": 1}),
     ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, "VIA": 1}),
     # Shrink mode (masked peers skipped, timeouts mask), within a node and across nodes
     ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "SHRINK": True}),
-    # Ids counted by histograms and items packed one at a time (many tokens)
-    ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "COUNT_BY_ADDS": False, "ITEMS": 1}),
-    # A batch of one token, its size known when compiling
-    ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "ONE_TOKEN": True}),
     ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, "SHRINK": True}),
     ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "SHRINK": True, "VIA": 1}),
     ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, "SHRINK": True, "VIA": 1}),
@@ -391,8 +390,7 @@ def _id(kernel):
     shrink = "-shrink" if meta.get("SHRINK") else ""
     packed = "-ue8m0" if meta.get("PACK_UE8M0") else ""
     packed += "-logfmt" if meta.get("LOGFMT") else ""
-    packed += "-histograms" if meta.get("COUNT_BY_ADDS") is False else ""
-    packed += "-one-token" if meta.get("ONE_TOKEN") else ""
+    packed += "-bf16" if meta.get("USE_FP8") is False else ""
     packed += f"-release{meta['RELEASE_STEPS']}" if meta.get("RELEASE_STEPS", 1) > 1 else ""
     return kernel[1] + traced + ("-staged" if meta.get("VIA") else "") + shrink + packed + relay
 
@@ -585,13 +583,17 @@ def test_a_new_limit_compiles_nothing(name):
     assert triton_specializations(name, "timeout_us", limits) == [["i32", None]] * 7
 
 
-@pytest.mark.parametrize("name", ["ll_dispatch", "ll_combine"])
-def test_a_new_batch_size_compiles_nothing_in_low_latency_mode(name):
-    """Decode batches change size from step to step: a batch of a multiple of 16 tokens must
-    not compile a variant of its own while the peers wait (one token has its own dispatch
-    variant, chosen by the host: ``ONE_TOKEN``)."""
-    got = triton_specializations(f"{name}_kernel", "num_tokens", [0, 1, 16, 17, 128, 256])
-    assert got == [["i32", None]] * 6
+@pytest.mark.parametrize(
+    "name, param",
+    [("ll_dispatch", "num_tokens"), ("ll_dispatch", "count_by_adds"),
+     ("ll_dispatch", "items_per_group"), ("ll_combine", "num_tokens")],
+)  # fmt: skip
+def test_a_new_batch_size_compiles_nothing_in_low_latency_mode(name, param):
+    """Decode batches change size from step to step: no batch size (one token, a multiple of
+    16) may compile a variant of its own while the peers wait, nor may the choices the host
+    makes from it (how senders count, how many items a receiver takes at a time)."""
+    got = triton_specializations(f"{name}_kernel", param, [0, 1, 2, 4, 16, 17, 128, 256])
+    assert got == [["i32", None]] * 8
 
 
 @pytest.mark.parametrize(

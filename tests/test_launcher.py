@@ -1,5 +1,7 @@
 """The fast launch path gives what ``kernel[grid]`` gives, and skips Triton's binding on repeats."""
 
+from typing import NamedTuple
+
 import pytest
 import torch
 import triton
@@ -156,3 +158,61 @@ def test_nvshmem_hook_is_installed_once_and_keeps_the_previous_one(monkeypatch):
     assert knobs.runtime.jit_post_compile_hook is hook  # not wrapped twice
     hook(compile={"extern_libs": None, "device": 0}, key="key", fn=None)
     assert len(earlier) == 1  # a hook set before (a profiler's, PyTorch's) still runs
+
+
+@triton.jit(do_not_specialize=["n"])
+def bundled_copy(src_ptr, dst_ptr, n, factor, BLOCK: tl.constexpr, ADD: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask) * factor + ADD, mask=mask)
+
+
+class CopyCall(NamedTuple):
+    src_ptr: object
+    dst_ptr: object
+    n: int
+
+
+def _bundled_launches(device, repeats):
+    """KernelLaunch: a call bundle and shared arguments, over aligned and unaligned pointers
+    and element counts Triton would otherwise specialize (1, multiples of 16)."""
+    gen = torch.Generator().manual_seed(6)
+    base = torch.randint(-1000, 1000, (256,), generator=gen, dtype=torch.int32).to(device)
+    grid = (8,)
+    launch = launcher.KernelLaunch(bundled_copy, grid, dict(BLOCK=32, ADD=3, num_warps=1),
+                                   CopyCall._fields, (0, 1))  # fmt: skip
+    shared = launcher.Shared.of((5,))
+    for _ in range(repeats):
+        for offset, n in [(0, 100), (1, 99), (0, 1), (0, 64), (3, 77), (0, 16)]:
+            src = base[offset : offset + n]
+            out = torch.full((256,), -7, dtype=torch.int32, device=device)
+            dst = out[offset : offset + n]
+            launch(CopyCall(src_ptr=src, dst_ptr=dst, n=n), shared)
+            assert torch.equal(dst, src * 5 + 3), (offset, n)
+            assert bool((out[:offset] == -7).all()) and bool((out[offset + n :] == -7).all())
+    return launch
+
+
+def test_bundled_launches_match_the_kernel_everywhere():
+    _bundled_launches("cuda" if torch.cuda.is_available() else "cpu", repeats=2)
+
+
+@pytest.mark.gpu
+def test_bundled_launches_go_straight_to_the_compiled_kernel(monkeypatch):
+    """After the first launch of each pointer alignment, a KernelLaunch calls the compiled
+    kernel's launcher with addresses: Triton's binding is not called again, and a new element
+    count (1, 16, 99) compiles nothing."""
+    launch = _bundled_launches("cuda", repeats=1)
+    assert launch.direct and len(launch.compiled) == 2, list(launch.compiled)  # two alignments
+    calls = []
+    original = type(bundled_copy).run
+
+    def counting_run(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(bundled_copy), "run", counting_run)
+    before = launcher.triton_path_launches
+    _bundled_launches("cuda", repeats=2)  # (a new KernelLaunch: its first launch is Triton's)
+    assert launcher.triton_path_launches - before == len(calls) == 2, len(calls)
+    assert len(bundled_copy.device_caches[torch.cuda.current_device()][0]) == 2

@@ -335,10 +335,12 @@ def test_a_token_crosses_to_each_rank_once(run_ranks, use_fp8):
 
 
 def _unchecked_ids_body(ctx):
-    """Without the host check, ids outside [-1, E) are dropped, and nothing else changes."""
+    """Ids outside [-1, E) are dropped by the kernels, nothing else changes, and the next call
+    raises (after its launches, so the ranks stay in step); so does ``check()`` for a
+    combine's own bad ids. No host check (``check_ids`` is off by default)."""
     R, me = ctx.world_size, ctx.rank
     M, H, E, K = 6, 128, 4 * R, 3
-    mode = ll.LowLatencyMode(None, M, H, E, max_topk=K, device=ctx.device, check_ids=False)
+    mode = ll.LowLatencyMode(None, M, H, E, max_topk=K, device=ctx.device)
     case = make_case(5, [M] * R, H, E, K, "random")
     bad = [idx.clone() for idx in case.topk_idx]
     for idx in bad:
@@ -349,15 +351,42 @@ def _unchecked_ids_body(ctx):
     weights = case.topk_weights[me].to(ctx.device)
     recv_x, recv_count, handle, _ = mode.dispatch(dev_x, dev_bad, use_fp8=False)
     outputs = _expert_outputs(recv_x, False, me)
-    combined, _ = mode.combine(outputs, dev_bad, weights, handle)
-    mode.check()
+    combined = torch.empty(M, H, dtype=torch.bfloat16, device=ctx.device)
+    errors = []
+    try:
+        mode.combine(outputs, dev_bad, weights, handle, out=combined)
+    except ValueError as e:
+        errors.append(str(e))
+    mode.check()  # raised once
     _verify_call(ctx, case, M, False, False, recv_x, recv_count, handle, outputs, combined)
+    # The buffer goes on: good ids, then a combine whose own ids are bad.
+    good = case.topk_idx[me].to(ctx.device)
+    recv_x, recv_count, handle, _ = mode.dispatch(dev_x, good, use_fp8=False)
+    outputs = _expert_outputs(recv_x, False, me)
+    combined, _ = mode.combine(outputs, good, weights, handle)
+    _verify_call(ctx, case, M, False, False, recv_x, recv_count, handle, outputs, combined)
+    later = good.clone()
+    later[4, 1] = -7
+    mode.combine(outputs, later, weights, handle)
+    try:
+        mode.check()
+    except ValueError as e:
+        errors.append(str(e))
+    mode.check()
     mode.destroy()
-    return True
+    return errors
 
 
-def test_unchecked_out_of_range_ids_are_dropped_safely(run_ranks):
-    assert run_ranks(2, _unchecked_ids_body) == [True, True]
+def test_out_of_range_ids_are_dropped_and_raised_by_the_next_call(run_ranks):
+    for rank, errors in enumerate(run_ranks(2, _unchecked_ids_body)):
+        assert len(errors) == 2, errors
+        assert errors[0].startswith(
+            f"topk_idx: token 0, column 0 of rank {rank}'s low-latency dispatch names expert 11, "
+            "outside [-1, 8)"
+        ), errors[0]
+        assert errors[1].startswith(
+            f"topk_idx: token 4, column 1 of rank {rank}'s low-latency combine names expert -7"
+        ), errors[1]
 
 
 def _skip_body(ctx, phase):
@@ -420,7 +449,8 @@ def test_a_rank_without_tokens_does_not_run_ahead(run_ranks):
 
 
 def _bad_input_body(ctx):
-    mode = ll.LowLatencyMode(None, 4, 256, 2 * ctx.world_size, max_topk=4, device=ctx.device)
+    mode = ll.LowLatencyMode(None, 4, 256, 2 * ctx.world_size, max_topk=4, device=ctx.device,
+                             check_ids=True)  # fmt: skip
     x = torch.randn(5, 256, device=ctx.device).to(torch.bfloat16)
     idx = torch.zeros(5, 2, dtype=torch.long, device=ctx.device)
     messages = []

@@ -9,10 +9,10 @@ buffer takes ``timeout_s``, ``check_ids``, ``device``, ``profile`` and ``gpus_pe
 
 What keeps it fast: each mode's memory is allocated once and reused by every call (flags are
 tagged with the call number, so nothing is reset between calls), normal-mode kernels run on a
-side stream that events join to the caller's, and cached, worst-case and low-latency calls
-never synchronize with the host, apart from the id check of ``check_ids=True`` (the default:
-one read of the ids' smallest and largest value per eager call, none inside CUDA-graph
-capture; ``check_ids=False`` drops it, and kernels then ignore out-of-range ids).
+side stream that events join to the caller's, and cached and low-latency calls never
+synchronize with the host (unless ``check_ids=True``); low-latency calls run their
+Python under ``torch._C.DisableTorchFunction``, so a process-wide
+``torch.set_default_device`` costs them nothing.
 """
 
 from __future__ import annotations
@@ -131,6 +131,10 @@ class EventOverlap:
         self._release_handle_by_call = False
 
 
+#: What a call without ``async_finish`` returns as its event (nothing to wait for).
+_NO_EVENT = EventOverlap(None)
+
+
 @functools.cache
 def _warn_logfmt_once() -> None:
     warnings.warn(
@@ -143,7 +147,7 @@ def _warn_logfmt_once() -> None:
 
 def _event_after(device: torch.device, async_finish: bool, tensors: tuple) -> EventOverlap:
     if not async_finish or device.type != "cuda":
-        return EventOverlap(None)
+        return _NO_EVENT
     event = torch.cuda.Event()
     event.record()
     return EventOverlap(event, tensors)
@@ -175,7 +179,11 @@ class Buffer:
             ``tritonep.kernels.sync.MAX_TIMEOUT_S``, about 35 minutes); assigning
             ``buffer.timeout_s`` later changes it for the following calls of both modes
             (without compiling anything).
-        check_ids: read top-k ids on the host to reject out-of-range ids (a GPU sync per call).
+        check_ids: read top-k ids on the host to reject out-of-range ids before launching (a
+            GPU synchronization per call); False: never. None (the default): not in
+            low-latency calls, whose kernels drop such ids and make the next call raise; in
+            normal-mode calls (``get_dispatch_layout``, ``dispatch`` with ids), whose kernels
+            drop them without saying so, still on the host.
         device: where the modes' memory and outputs live: a CUDA device, or ``"cpu"`` for CPU
             ranks; None: :func:`tritonep.heap.default_device` of the group.
         profile: record kernel traces of every call (:meth:`dump_trace`).
@@ -202,7 +210,7 @@ class Buffer:
         num_qps_per_rank: int = 24,
         explicitly_destroy: bool = False,
         timeout_s: float = 100.0,
-        check_ids: bool = True,
+        check_ids: bool | None = None,
         device: torch.device | str | None = None,
         profile: bool = False,
         gpus_per_node: int | None = None,
@@ -216,6 +224,7 @@ class Buffer:
         self._ll: LowLatencyMode | None = None
         self._normal: NormalMode | None = None
         self.timeout_s, self.check_ids, self.device = timeout_s, check_ids, device
+        self._normal_ids = check_ids is not False  # normal-mode kernels record no bad ids yet
         self.profile = profile
         self.enable_shrink = bool(enable_shrink)
         # Masked ranks set before the low-latency mode exists (it is built on the first call).
@@ -299,7 +308,7 @@ class Buffer:
             second item counts tokens per node, None within one node.
         """
         check_num_experts(num_experts, self.group_size)
-        check_topk_idx("topk_idx", topk_idx, None, num_experts, check_range=self.check_ids)
+        check_topk_idx("topk_idx", topk_idx, None, num_experts, check_range=self._normal_ids)
         if previous_event is not None:
             previous_event.current_stream_wait()
         if self._layout_arrivals is None or self._layout_arrivals.device != topk_idx.device:
@@ -337,7 +346,7 @@ class Buffer:
             common = dict(
                 device=self.device,
                 timeout_s=self.timeout_s,
-                check_ids=self.check_ids,
+                check_ids=self._normal_ids,
                 max_sms=max(32, type(self).num_sms) if torch.cuda.is_available() else None,
             )
             common["profile"] = self._profile()
@@ -624,7 +633,7 @@ class Buffer:
                 num_experts,
                 device=self.device,
                 timeout_s=self.timeout_s,
-                check_ids=self.check_ids,
+                check_ids=bool(self.check_ids),
                 profile=self._profile(),
                 gpus_per_node=self.gpus_per_node,
                 enable_shrink=self.enable_shrink,
@@ -682,36 +691,27 @@ class Buffer:
             num_max, hidden, num_experts, topk_slot [E_local, R * num_max] int32)``, an
             :class:`EventOverlap` and the hook (None unless ``return_recv_hook``).
         """
-        check_tensor("x", x, dtype=torch.bfloat16, shape=(None, None))
-        mode = self._low_latency(num_max_dispatch_tokens_per_rank, x.shape[1], num_experts)
-        if cumulative_local_expert_recv_stats is not None:
-            check_tensor(
-                "cumulative_local_expert_recv_stats",
-                cumulative_local_expert_recv_stats,
-                dtype=torch.int32,
-                shape=(mode.num_local_experts,),
-                device=mode.device,
+        with torch._C.DisableTorchFunction():  # a function mode would see every tensor access
+            mode = self._ll
+            if (
+                mode is None
+                or mode.max_tokens != num_max_dispatch_tokens_per_rank
+                or mode.num_experts != num_experts
+            ):
+                check_tensor("x", x, dtype=torch.bfloat16, shape=(None, None))
+                mode = self._low_latency(num_max_dispatch_tokens_per_rank, x.shape[1], num_experts)
+            recv_x, recv_count, handle, hook = mode.dispatch(
+                x,
+                topk_idx,
+                use_fp8=use_fp8,
+                use_ue8m0=round_scale or use_ue8m0,
+                return_recv_hook=return_recv_hook,
+                wait_stats=dispatch_wait_recv_cost_stats,
+                pack_ue8m0=use_ue8m0,
+                recv_stats=cumulative_local_expert_recv_stats,
             )
-        recv_x, recv_count, handle, hook = mode.dispatch(
-            x,
-            topk_idx,
-            use_fp8=use_fp8,
-            use_ue8m0=round_scale or use_ue8m0,
-            return_recv_hook=return_recv_hook,
-            wait_stats=dispatch_wait_recv_cost_stats,
-            pack_ue8m0=use_ue8m0,
-        )
-        stats = cumulative_local_expert_recv_stats
-
-        def receive():
-            hook()
-            if stats is not None:
-                stats.add_(recv_count)
-
-        if not return_recv_hook and stats is not None:
-            stats.add_(recv_count)
-        event = _event_after(mode.device, async_finish, (x, topk_idx))
-        return recv_x, recv_count, handle, event, (receive if return_recv_hook else None)
+            event = _event_after(mode.device, async_finish, (x, topk_idx))
+            return recv_x, recv_count, handle, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """``[E_local, R * num_max, H]`` BF16 to write expert outputs into for ``zero_copy``
@@ -757,22 +757,23 @@ class Buffer:
             ``(combined_x [N, H] BF16, event, hook)``; the hook is None unless
             ``return_recv_hook``.
         """
-        mode = self._require_ll()
-        if use_logfmt:
-            _warn_logfmt_once()
-        out, hook = mode.combine(
-            x,
-            topk_idx,
-            topk_weights,
-            handle,
-            zero_copy=zero_copy,
-            return_recv_hook=return_recv_hook,
-            out=out,
-            wait_stats=combine_wait_recv_cost_stats,
-            use_logfmt=use_logfmt,
-        )
-        event = _event_after(mode.device, async_finish, (x, topk_idx, topk_weights))
-        return out, event, hook
+        with torch._C.DisableTorchFunction():
+            mode = self._require_ll()
+            if use_logfmt:
+                _warn_logfmt_once()
+            out, hook = mode.combine(
+                x,
+                topk_idx,
+                topk_weights,
+                handle,
+                zero_copy=zero_copy,
+                return_recv_hook=return_recv_hook,
+                out=out,
+                wait_stats=combine_wait_recv_cost_stats,
+                use_logfmt=use_logfmt,
+            )
+            event = _event_after(mode.device, async_finish, (x, topk_idx, topk_weights))
+            return out, event, hook
 
     def clean_low_latency_buffer(
         self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int

@@ -31,12 +31,14 @@ makes a kernel slower on a rank count that was not timed.
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from triton import knobs
 from triton.runtime.jit import JITFunction
 
 try:  # Triton's per-argument specialization (what its generated binder calls)
@@ -159,7 +161,6 @@ def launch(fn, grid: tuple[int, ...], args: tuple, meta: dict[str, Any]) -> None
     if not isinstance(fn, JITFunction):
         fn[grid](*args, **meta)
         return
-    from triton import knobs
     from triton.runtime.driver import driver
 
     if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
@@ -186,3 +187,189 @@ def launch(fn, grid: tuple[int, ...], args: tuple, meta: dict[str, Any]) -> None
     stream = driver.active.get_current_stream(device)
     compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
                  None, None, None, *args, *constexprs)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels whose arguments come as named bundles, launched with addresses.
+
+
+def kernel_params(fn) -> tuple[list[str], list[str]]:
+    """The names of a kernel's runtime parameters and of its constexprs, in order (a JIT
+    kernel or one the interpreter runs)."""
+    runtime, constexprs = [], []
+    for p in inspect.signature(getattr(fn, "fn", fn)).parameters.values():
+        (constexprs if "constexpr" in str(p.annotation) else runtime).append(p.name)
+    return runtime, constexprs
+
+
+def not_specialized(fn) -> set[str]:
+    """The parameters a kernel does not specialize on their value (``do_not_specialize``)."""
+    names = getattr(fn, "do_not_specialize", None)
+    if names is None:  # the interpreter keeps the decorator's arguments
+        names = getattr(fn, "kwargs", {}).get("do_not_specialize", ())
+    runtime, _ = kernel_params(fn)
+    return {runtime[n] if isinstance(n, int) else n for n in names or ()}
+
+
+class Shared(NamedTuple):
+    """The trailing runtime arguments of a kernel that stay the same from call to call (a
+    buffer's memory, its rank, its limit): ``args`` as given (tensors and ints), ``values``
+    the same with each tensor replaced by its address."""
+
+    args: tuple
+    values: tuple
+
+    @staticmethod
+    def of(args: tuple) -> Shared:
+        values = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+        return Shared(tuple(args), values)
+
+
+#: Launches that went through Triton's own launch path (``kernel[grid]``: binding, cache key,
+#: compiling where needed) rather than straight to a compiled kernel, over the process.
+triton_path_launches = 0
+
+
+class KernelLaunch:
+    """One variant of a kernel and its grid, launched from a named argument bundle.
+
+    ``KernelLaunch(fn, grid, meta, call_fields, pointers)`` then ``launch(call, shared)``: the
+    kernel's runtime parameters are the fields of ``call`` (a NamedTuple of the values that
+    change from call to call) followed by ``shared.args``; ``meta`` holds its constexprs and
+    launch options. ``pointers`` are the indices of ``call``'s tensor fields.
+
+    A launch first takes Triton's path (``fn[grid](...)``), which compiles the variant if
+    needed; the compiled kernel is then kept under the alignment of the call's pointers (the
+    one thing about this variant's arguments that Triton specializes and that may change from
+    call to call: integers of the call must be ``do_not_specialize``, the shared arguments
+    must keep their specialization, both checked against Triton's own binding, or the kernel
+    always takes Triton's path). Later launches with the same key hand Triton's compiled
+    launcher the arguments as addresses and ints: no binding, no cache key, no ``data_ptr``
+    calls or driver pointer queries in the launcher, nothing that a ``torch`` function mode
+    (``torch.set_default_device``) intercepts.
+
+    Triton's path is taken whenever this one does not apply: under the interpreter, while a
+    launch hook is set (profilers), on another current device, for a new key.
+    """
+
+    def __init__(
+        self,
+        fn,
+        grid: tuple[int, ...],
+        meta: dict[str, Any],
+        call_fields: tuple,
+        pointers: tuple[int, ...],
+    ):
+        self.fn, self.meta = fn, meta
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.pointers = pointers
+        self.direct = isinstance(fn, JITFunction)
+        if self.direct:
+            free = not_specialized(fn)
+            ints = [name for i, name in enumerate(call_fields) if i not in pointers]
+            self.direct = all(name in free for name in ints)
+        #: key -> (C launcher, function, packed metadata, cooperative, pdl, constexpr values)
+        self.compiled: dict[Any, tuple] = {}
+        self.device = -1
+        self._shared_spec: list | None = None
+
+    def key(self, addresses) -> Any:
+        """The alignment of the call's pointers: True when all are 16-byte aligned."""
+        aligned = 0
+        for a in addresses:
+            aligned |= a
+        if aligned & 15 == 0:
+            return True
+        return tuple(a & 15 == 0 for a in addresses)
+
+    def __call__(self, call: tuple, shared: Shared) -> None:
+        if self.direct and self.compiled:
+            rt = knobs.runtime
+            if not (_hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook)):
+                values = list(call)
+                aligned = 0
+                for i in self.pointers:
+                    a = values[i] = values[i].data_ptr()
+                    aligned |= a
+                if aligned & 15 == 0:
+                    aligned = True
+                else:
+                    aligned = tuple(values[i] & 15 == 0 for i in self.pointers)
+                entry = self.compiled.get(
+                    (aligned, rt.debug, knobs.compilation.instrumentation_mode)
+                )
+                if entry is not None and torch._C._cuda_getDevice() == self.device:
+                    run, function, packed, cooperative, pdl, constexprs = entry
+                    stream = torch._C._cuda_getCurrentRawStream(self.device)
+                    g0, g1, g2 = self.grid
+                    run(
+                        g0,
+                        g1,
+                        g2,
+                        stream,
+                        function,
+                        cooperative,
+                        pdl,
+                        None,
+                        None,
+                        packed,
+                        None,
+                        None,
+                        None,
+                        *values,
+                        *shared.values,
+                        *constexprs,
+                    )
+                    return
+        self._triton_path(call, shared)
+
+    def _triton_path(self, call: tuple, shared: Shared) -> None:
+        global triton_path_launches
+        triton_path_launches += 1
+        compiled = self.fn[self.grid](*call, *shared.args, **self.meta)
+        if self.direct and compiled is not None:
+            self._record(call, shared, compiled)
+
+    def _record(self, call: tuple, shared: Shared, compiled) -> None:
+        """Keep the kernel Triton just launched, if its binding is what :meth:`key` assumes."""
+        from triton.runtime.driver import driver
+
+        device = driver.active.get_current_device()
+        binder = self.fn.device_caches[device][4]
+        _, specialization, _ = binder(*call, *shared.args, **self.meta)
+        n = len(call)
+        addresses = [call[i].data_ptr() for i in self.pointers]
+        shared_spec = specialization[n:]
+        assumed = all(
+            (specialization[i][1] == "D") == (a % 16 == 0)
+            for i, a in zip(self.pointers, addresses, strict=True)
+        )
+        if self._shared_spec is None:
+            self._shared_spec = shared_spec
+        if not assumed or shared_spec != self._shared_spec or self.device not in (-1, device):
+            self.direct = False  # Triton specializes otherwise than assumed: never guess
+            self.compiled.clear()
+            return
+        if hasattr(compiled, "result"):  # compiled asynchronously
+            compiled = compiled.result()
+        runner = compiled.run
+        scratch = getattr(runner, "global_scratch_size", 1) or getattr(
+            runner, "profile_scratch_size", 1
+        )
+        if scratch or not hasattr(runner, "launch"):
+            self.direct = False  # a launcher that allocates scratch: leave it to Triton
+            return
+        bound, _, _ = binder(*call, *shared.args, **self.meta)
+        constexprs = tuple(bound.values())[n + len(shared.args) :]
+        key = (self.key(addresses), knobs.runtime.debug, knobs.compilation.instrumentation_mode)
+        self.device = device
+        self.compiled[key] = (
+            runner.launch,
+            compiled.function,
+            compiled.packed_metadata,
+            runner.launch_cooperative_grid,
+            runner.launch_pdl,
+            constexprs,
+        )
+        if REPORT_RESOURCES:
+            report_resources(self.fn, self.meta, compiled)

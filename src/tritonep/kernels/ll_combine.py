@@ -15,6 +15,10 @@ raised by a signal ordered after the puts (:mod:`tritonep.kernels.transport`).
 Receive phase. Program ``p`` owns tokens ``p, p + P, ...``: once every sender is done, each
 token gets ``sum_k w[t, k] * row(t, k)`` in float32, cast to BF16. A token that names one
 expert twice reads that expert's single row twice (dispatch sent it once, at the first column).
+An id outside ``[-1, NUM_EXPERTS)`` adds nothing and is recorded (the first in token order) in
+the status (:mod:`tritonep.kernels.status`). A program whose wait for a sender gave up writes
+NaN into every row it owns (the rows it would sum were not all sent): a timed-out combine
+returns no row that could pass for data.
 
 Why it is fast: the receive buffer is indexed by (token, top-k column), which is
 ``max_tokens * top-k`` rows instead of ``num_experts * max_tokens`` (32x smaller at 256 experts,
@@ -30,6 +34,8 @@ and reducing; ``WAIT_STATS`` adds the time waited per source rank. Both compile 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 
@@ -37,68 +43,118 @@ from .fp8 import from_bf16, to_bf16
 from .ll_dispatch import call_number, finish_launch
 from .logfmt import decode, encode_groups
 from .peer_mask import gave_up, mask_timed_out, masked, wait_peer
+from .status import first_bad_id, record_bad_id
 from .sync import add_release, aligned_ptr, any_set, limit_ns, record_timeout, wait_tile
 from .trace import read_clock, write_trace
 from .transport import SIGNAL_ADD, VIA_STORE, put_block, signal
 
 PHASE_COMBINE_RECV = tl.constexpr(3)
+#: The phase named in a bad-id record of a combine.
+PHASE_COMBINE_IDS = tl.constexpr(5)
 
 COMBINE_SEND_CALLS = tl.constexpr(2)
 COMBINE_RECV_CALLS = tl.constexpr(3)
 COMBINE_ARRIVALS = tl.constexpr(5)  # (column 0)
 
 
+class CombineCall(NamedTuple):
+    """The leading runtime arguments of :func:`ll_combine_kernel`, in its order: what changes
+    from call to call (its trailing ones are :class:`~.ll_dispatch.LowLatencyShared`)."""
+
+    x_ptr: object
+    src_ptr: object
+    slot_ptr: object
+    range_ptr: object
+    topk_idx_ptr: object
+    topk_weights_ptr: object
+    num_tokens: int
+    out_ptr: object
+    wait_stats_ptr: object
+    trace_ptr: object
+
+
+class CombineVariant(NamedTuple):
+    """One compiled variant of :func:`ll_combine_kernel`: its constexprs, in its order."""
+
+    H: int
+    K: int
+    K_MAX: int
+    NUM_EXPERTS: int
+    NUM_RANKS: int
+    M: int
+    RECV_SET_BYTES: int
+    SLOT_BYTES: int
+    RECV_OFFSET: int
+    DONE_OFFSET: int
+    STAGE_OFFSET: int
+    GPUS_PER_NODE: int
+    DO_SEND: bool
+    DO_RECV: bool
+    USE_CLOCK: bool
+    G_P2: int
+    R_P2: int
+    BLOCK_ROWS: int
+    BLOCK_CHANNELS: int
+    PROFILE: bool
+    WAIT_STATS: bool
+    SHRINK: bool
+    VIA: int
+    LOGFMT: bool
+    BLOCK_GROUPS: int
+
+
 @triton.jit(do_not_specialize=["num_tokens", "timeout_us"])
 def ll_combine_kernel(
+    # What changes from call to call (CombineCall).
     x_ptr,  # [E_local, R * M, H] bf16 expert outputs, rows as dispatch packed them
     src_ptr,  # [E_local, R * M] int32 source token of each row
     slot_ptr,  # [E_local, R * M] int32 top-k column of each row
     range_ptr,  # [E_local, R] int64 begin << 32 | count
-    topk_idx_ptr,  # [N, K] int64
+    topk_idx_ptr,  # [N, K] int64 global expert ids, -1 for none
     topk_weights_ptr,  # [N, K] float32
-    num_tokens,
+    num_tokens,  # N
     out_ptr,  # [N, H] bf16
-    peer_ptrs,
-    rank,
-    recv_offset,  # byte offset of buffer set 0 of [M][K_MAX] slots of SLOT_BYTES in the heap
-    done_offset,  # byte offset of the [R] int64 done counters
-    stage_offset,  # byte offset of the staging slots [E_local * R * M] (VIA != VIA_STORE)
-    gpus_per_node,  # ranks r and r' share a node when r // gpus_per_node == r' // gpus_per_node
-    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
-    state_ptr,
-    status_ptr,
-    timeout_us,  # limit of every wait, in microseconds (sync.timeout_us)
-    trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE), or the clock of WAIT_STATS
     wait_stats_ptr,  # [R] int64 time spent waiting for each source rank (WAIT_STATS)
+    trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE), or the clock of WAIT_STATS
+    # What stays from call to call (ll_dispatch.LowLatencyShared).
+    peer_ptrs,  # [R] int64 heap base addresses
+    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
+    rank,  # this rank
+    state_ptr,  # [STATE_ROWS, P] int64 call counters per program (and shrink's arrivals)
+    scratch_ptr,  # (the dispatch's; unused here)
+    expert_done_ptr,  # (the dispatch's; unused here)
+    status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
+    timeout_us,  # limit of every wait, in microseconds (sync.timeout_us)
     mask_ptr,  # [R] int32 masked peers (SHRINK)
-    verdict_ptr,  # [R] int64 this launch's verdict on each source rank (SHRINK)
+    verdict_ptr,  # [2, R] int64 this launch's verdict on each source rank, row 1 (SHRINK)
     skipped_ptr,  # [R] int64 calls whose signal from each rank was not waited for (SHRINK)
-    H: tl.constexpr,
-    K: tl.constexpr,
-    K_MAX: tl.constexpr,
+    H: tl.constexpr,  # hidden size
+    K: tl.constexpr,  # top-k
+    K_MAX: tl.constexpr,  # top-k columns of a token's receive slots
     NUM_EXPERTS: tl.constexpr,
     NUM_RANKS: tl.constexpr,
-    M: tl.constexpr,
-    RECV_SET_BYTES: tl.constexpr,
+    M: tl.constexpr,  # max tokens per rank
+    RECV_SET_BYTES: tl.constexpr,  # a buffer set of the receive slots
     SLOT_BYTES: tl.constexpr,  # a row's slot: H BF16 values, then [H / 128] (log_amin, step)
+    RECV_OFFSET: tl.constexpr,  # heap byte offset of buffer set 0 of the [M][K_MAX] slots
+    DONE_OFFSET: tl.constexpr,  # heap byte offset of the [R] int64 done counters
+    STAGE_OFFSET: tl.constexpr,  # heap byte offset of the staging slots [E_local * R * M] (VIA)
+    GPUS_PER_NODE: tl.constexpr,  # ranks r, r' share a node when r // it == r' // it
     DO_SEND: tl.constexpr,
     DO_RECV: tl.constexpr,
-    USE_CLOCK: tl.constexpr,
-    G_P2: tl.constexpr,
-    R_P2: tl.constexpr,  # power of two >= NUM_RANKS
-    ROW_BLOCK: tl.constexpr,
-    REDUCE_BW: tl.constexpr,  # channels of a token reduced at a time (power of two)
-    PROFILE: tl.constexpr,
-    WAIT_STATS: tl.constexpr,
-    SHRINK: tl.constexpr = False,  # masked peers are skipped, timeouts mask (peer_mask)
-    VIA: tl.constexpr = VIA_STORE,
-    LOGFMT: tl.constexpr = False,  # rows travel as LogFMT-10 (:mod:`.logfmt`)
-    LOGFMT_GROUPS: tl.constexpr = 64,  # 128-channel groups encoded at a time (power of two)
+    USE_CLOCK: tl.constexpr,  # on a GPU (else the interpreter)
+    G_P2: tl.constexpr,  # power of two >= H / 128
+    R_P2: tl.constexpr,  # power of two >= max(NUM_RANKS, 2)
+    BLOCK_ROWS: tl.constexpr,  # rows a sending program moves at a time
+    BLOCK_CHANNELS: tl.constexpr,  # channels of a token reduced at a time (power of two)
+    PROFILE: tl.constexpr,  # record traces
+    WAIT_STATS: tl.constexpr,  # add the time waited per source rank to wait_stats_ptr
+    SHRINK: tl.constexpr,  # masked peers are skipped, timeouts mask (peer_mask)
+    VIA: tl.constexpr,  # how rows reach other nodes (transport)
+    LOGFMT: tl.constexpr,  # rows travel as LogFMT-10 (:mod:`.logfmt`)
+    BLOCK_GROUPS: tl.constexpr,  # 128-channel groups encoded at a time (power of two)
 ):
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    E_LOCAL: tl.constexpr = NUM_EXPERTS // NUM_RANKS
-    G: tl.constexpr = H // 128
+    verdict_ptr += NUM_RANKS  # the combine's row
     c_send = call_number(state_ptr, COMBINE_SEND_CALLS)
     c_recv = call_number(state_ptr, COMBINE_RECV_CALLS)
     # Trace: sub-phase totals (send, signal, wait, reduce).
@@ -110,166 +166,41 @@ def ll_combine_kernel(
     t_signal = tl.zeros((), tl.int64)
     t_wait = tl.zeros((), tl.int64)
     t_reduce = tl.zeros((), tl.int64)
-
     if DO_SEND:
-        set_off = (c_send % 2) * RECV_SET_BYTES
-        rows_in_block = tl.arange(0, ROW_BLOCK)
-        flat = tl.arange(0, G_P2 * 128)
-        flat_mask = flat < H
-        my_base = tl.load(peer_ptrs + rank)
-        # One work item per (local expert, source rank) block; ROW_BLOCK rows at a time so
-        # that their loads and remote stores are in flight together.
-        for item in range(pid, E_LOCAL * NUM_RANKS, num_programs):
-            local = item // NUM_RANKS
-            src = item % NUM_RANKS
-            if PROFILE:
-                t0 = read_clock(trace_ptr, USE_CLOCK)
-            packed = tl.load(range_ptr + local * NUM_RANKS + src)
-            begin = (packed >> 32).to(tl.int32)
-            count = (packed & 0xFFFFFFFF).to(tl.int32)
-            if SHRINK:  # a peer masked since the dispatch gets nothing back
-                count = tl.where(tl.load(mask_ptr + src) != 0, 0, count)
-            base = tl.load(peer_ptrs + src)
-            remote = (src // gpus_per_node) != (rank // gpus_per_node)
-            for first in range(0, count, ROW_BLOCK):
-                rmask = (first + rows_in_block) < count
-                rows = (local * NUM_RANKS * M + begin + first + rows_in_block).to(tl.int64)
-                token = tl.load(src_ptr + rows, mask=rmask).to(tl.int64)
-                column = tl.load(slot_ptr + rows, mask=rmask).to(tl.int64)
-                mask2 = rmask[:, None] & flat_mask[None, :]
-                dst = base + recv_offset + set_off + (token * K_MAX + column) * SLOT_BYTES
-                if VIA != VIA_STORE:
-                    # A source on another node: stage the rows in this rank's heap first.
-                    dst = tl.where(remote, my_base + stage_offset + rows * SLOT_BYTES, dst)
-                if LOGFMT:
-                    _send_logfmt(x_ptr + rows * H, dst, rmask, H, G, LOGFMT_GROUPS, ROW_BLOCK,
-                                 USE_CLOCK)  # fmt: skip
-                else:
-                    y = tl.load(x_ptr + rows[:, None] * H + flat[None, :], mask=mask2)
-                    tl.store(aligned_ptr(dst, tl.bfloat16)[:, None] + flat[None, :], y,
-                             mask=mask2)  # fmt: skip
-            if VIA != VIA_STORE:  # noqa: SIM102 - compiled out without a transport
-                if remote:
-                    pe = tl.load(pe_ptr + src)
-                    for r in range(0, count):
-                        row = (local * NUM_RANKS * M + begin + r).to(tl.int64)
-                        token = tl.load(src_ptr + row).to(tl.int64)
-                        column = tl.load(slot_ptr + row).to(tl.int64)
-                        offset = recv_offset + set_off + (token * K_MAX + column) * SLOT_BYTES
-                        stage = my_base + stage_offset + row * SLOT_BYTES
-                        put_block(my_base, base, offset, stage, SLOT_BYTES if LOGFMT else H * 2,
-                                  pe, VIA)  # fmt: skip
-            if PROFILE:
-                t_send += read_clock(trace_ptr, USE_CLOCK) - t0
-        # One counter update per source rank for all of this program's blocks to it (one
-        # system-scope release each): its receiver needs every block anyway, so signalling
-        # each block as it is stored would only add releases.
+        t_send = _send_rows(
+            x_ptr, src_ptr, slot_ptr, range_ptr, trace_ptr, peer_ptrs, pe_ptr, rank, c_send,
+            mask_ptr, H, K_MAX, NUM_EXPERTS, NUM_RANKS, M, RECV_SET_BYTES, SLOT_BYTES,
+            RECV_OFFSET, STAGE_OFFSET, GPUS_PER_NODE, USE_CLOCK, G_P2, BLOCK_ROWS, PROFILE,
+            SHRINK, VIA, LOGFMT, BLOCK_GROUPS,
+        )  # fmt: skip
+        t1 = t_start
         if PROFILE:
             t1 = read_clock(trace_ptr, USE_CLOCK)
-        for peer in range(NUM_RANKS):
-            blocks = tl.zeros((), tl.int64)
-            for item in range(pid, E_LOCAL * NUM_RANKS, num_programs):
-                if item % NUM_RANKS == peer:
-                    blocks += 1
-            if SHRINK:
-                blocks = tl.where(tl.load(mask_ptr + peer) != 0, 0, blocks)
-            if blocks > 0:
-                base = tl.load(peer_ptrs + peer)
-                if VIA == VIA_STORE:
-                    add_release((base + done_offset + rank * 8).to(tl.pointer_type(tl.int64)),
-                                blocks)  # fmt: skip
-                else:
-                    signal(my_base, base, done_offset + rank * 8,
-                           blocks, SIGNAL_ADD, tl.load(pe_ptr + peer), VIA)  # fmt: skip
+        _signal_sources(peer_ptrs, pe_ptr, rank, mask_ptr, NUM_EXPERTS, NUM_RANKS,
+                        DONE_OFFSET, SHRINK, VIA)  # fmt: skip
         if PROFILE:
             t_send_end = read_clock(trace_ptr, USE_CLOCK)
             t_signal = t_send_end - t1
-
     if DO_RECV:
-        set_off = (c_recv % 2) * RECV_SET_BYTES
-        my_base = tl.load(peer_ptrs + rank)
+        t0 = t_start
         if PROFILE:
             t0 = read_clock(trace_ptr, USE_CLOCK)
-        # A rank without tokens waits too (one program): its wait is what keeps it from
-        # running ahead of its peers by more than one call, and so from overwriting the
-        # buffer set they still read (several combines of one dispatch, each sending).
-        if pid < tl.maximum(num_tokens, 1):
-            if SHRINK:
-                timeout_ns = limit_ns(timeout_us, status_ptr)
-                for src in range(NUM_RANKS):
-                    if WAIT_STATS:
-                        w0 = read_clock(trace_ptr, USE_CLOCK)
-                    # Calls in which this peer was masked brought no signal from it.
-                    expected = (c_recv + 1 - tl.load(skipped_ptr + src)) * E_LOCAL
-                    done = (my_base + done_offset + src * 8).to(tl.pointer_type(tl.int64))
-                    wait_peer(done, expected, timeout_ns, tl.load(mask_ptr + src) != 0,
-                              verdict_ptr + src, c_recv + 1, USE_CLOCK, AT_LEAST=True)  # fmt: skip
-                    if WAIT_STATS:
-                        waited = read_clock(trace_ptr, USE_CLOCK) - w0
-                        tl.atomic_add(wait_stats_ptr + src, waited, sem="relaxed", scope="gpu")
-            else:
-                # Every sender's counter in one read, usually all there; else the read
-                # repeats (bounded) until they are.
-                sources = tl.arange(0, R_P2)[None, :]
-                done = (my_base + done_offset + sources * 8).to(tl.pointer_type(tl.int64))
-                _, missing, waited, limit = wait_tile(
-                    done, sources < NUM_RANKS, (c_recv + 1) * E_LOCAL,
-                    timeout_us.to(tl.int64) * 1000, timeout_us, status_ptr, USE_CLOCK,
-                    AT_LEAST=True, TIMED=WAIT_STATS,
-                )  # fmt: skip
-                if any_set(missing):  # name the first sender still missing
-                    gone = tl.min(tl.min(tl.where(missing, sources, R_P2), axis=1), axis=0)
-                    record_timeout(status_ptr, gone, PHASE_COMBINE_RECV, limit)
-                if WAIT_STATS:  # the time until each sender's rows were all there
-                    tl.atomic_add(wait_stats_ptr + sources, waited, mask=sources < NUM_RANKS,
-                                  sem="relaxed", scope="gpu")  # fmt: skip
+        failed = _wait_senders(
+            num_tokens, c_recv, wait_stats_ptr, trace_ptr, peer_ptrs, rank, status_ptr,
+            timeout_us, mask_ptr, verdict_ptr, skipped_ptr, NUM_EXPERTS, NUM_RANKS, DONE_OFFSET,
+            USE_CLOCK, R_P2, WAIT_STATS, SHRINK,
+        )  # fmt: skip
+        t1 = t0
         if PROFILE:
             t1 = read_clock(trace_ptr, USE_CLOCK)
             t_wait = t1 - t0
-        for token in range(pid, num_tokens, num_programs):
-            token64 = tl.cast(token, tl.int64)
-            ids_ptr = topk_idx_ptr + token64 * K
-            rows = my_base + recv_offset + set_off + token64 * K_MAX * SLOT_BYTES
-            # A chunk of REDUCE_BW channels at a time; within it every top-k row is loaded
-            # without a branch (all K loads in flight together) and summed in top-k order, as
-            # the reference sums.
-            for c0 in range(0, H, REDUCE_BW):
-                if LOGFMT:  # channels as [groups, 128]: parameters are read once per group
-                    groups = c0 // 128 + tl.arange(0, REDUCE_BW // 128)
-                    cols = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
-                    acc = tl.zeros((REDUCE_BW // 128, 128), tl.float32)
-                else:
-                    cols = c0 + tl.arange(0, REDUCE_BW)
-                    acc = tl.zeros((REDUCE_BW,), tl.float32)
-                cmask = cols < H
-                for k in tl.static_range(K):
-                    expert = tl.load(ids_ptr + k)
-                    valid = (expert >= 0) & (expert < NUM_EXPERTS)
-                    if SHRINK:  # the experts of a masked or given-up peer add nothing
-                        owner = expert // E_LOCAL
-                        dead = masked(mask_ptr, owner, valid)
-                        dead = dead | gave_up(verdict_ptr, owner, c_recv + 1, valid)
-                        valid = valid & ~dead
-                    # A token that names an expert twice got its row once, at the first column.
-                    column = tl.full((), k, tl.int64)
-                    for j in tl.static_range(k):
-                        first = (tl.load(ids_ptr + j) == expert) & (column == k)
-                        column = tl.where(first, j, column)
-                    weight = tl.load(topk_weights_ptr + token64 * K + k)
-                    row = rows + column * SLOT_BYTES
-                    if LOGFMT:
-                        value = _load_logfmt(row, groups, (groups < G) & valid, H, USE_CLOCK)
-                    else:
-                        y = tl.load(aligned_ptr(row, tl.bfloat16) + cols, mask=cmask & valid,
-                                    other=0.0, cache_modifier=".cg")  # fmt: skip
-                        value = from_bf16(y, not USE_CLOCK)
-                    # Rows not read are 0: a weight of 0 adds nothing, without a select
-                    # per channel.
-                    acc += tl.where(valid, weight, 0.0) * value
-                tl.store(out_ptr + token64 * H + cols, to_bf16(acc, not USE_CLOCK), mask=cmask)
+        _reduce_tokens(
+            topk_idx_ptr, topk_weights_ptr, num_tokens, out_ptr, failed, c_recv, peer_ptrs,
+            rank, status_ptr, mask_ptr, verdict_ptr, H, K, K_MAX, NUM_EXPERTS, NUM_RANKS,
+            RECV_SET_BYTES, SLOT_BYTES, RECV_OFFSET, USE_CLOCK, BLOCK_CHANNELS, SHRINK, LOGFMT,
+        )  # fmt: skip
         if PROFILE:
             t_reduce = read_clock(trace_ptr, USE_CLOCK) - t1
-
     if PROFILE:
         t_end = read_clock(trace_ptr, USE_CLOCK)
         write_trace(trace_ptr, t_start, t_send_end, t_end, t_send, t_signal, t_wait, t_reduce, 0,
@@ -288,6 +219,218 @@ def ll_combine_kernel(
     if SHRINK and DO_RECV:  # noqa: SIM102 - compiled out without SHRINK
         if last:
             mask_timed_out(mask_ptr, verdict_ptr, skipped_ptr, c_recv + 1, NUM_RANKS, True)
+
+
+@triton.jit
+def _send_rows(
+    x_ptr, src_ptr, slot_ptr, range_ptr, trace_ptr, peer_ptrs, pe_ptr, rank, c_send, mask_ptr,
+    H: tl.constexpr, K_MAX: tl.constexpr, NUM_EXPERTS: tl.constexpr, NUM_RANKS: tl.constexpr,
+    M: tl.constexpr, RECV_SET_BYTES: tl.constexpr, SLOT_BYTES: tl.constexpr,
+    RECV_OFFSET: tl.constexpr, STAGE_OFFSET: tl.constexpr, GPUS_PER_NODE: tl.constexpr,
+    USE_CLOCK: tl.constexpr, G_P2: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    PROFILE: tl.constexpr, SHRINK: tl.constexpr, VIA: tl.constexpr, LOGFMT: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+):  # fmt: skip
+    """Store this program's (local expert, source rank) blocks into their source ranks' slots,
+    ``BLOCK_ROWS`` rows at a time so that their loads and remote stores are in flight
+    together. Returns the trace's send total."""
+    E_LOCAL: tl.constexpr = NUM_EXPERTS // NUM_RANKS
+    G: tl.constexpr = H // 128
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    set_off = (c_send % 2) * RECV_SET_BYTES
+    rows_in_block = tl.arange(0, BLOCK_ROWS)
+    flat = tl.arange(0, G_P2 * 128)
+    flat_mask = flat < H
+    my_base = tl.load(peer_ptrs + rank)
+    t_send = tl.zeros((), tl.int64)
+    for item in range(pid, E_LOCAL * NUM_RANKS, num_programs):
+        local = item // NUM_RANKS
+        src = item % NUM_RANKS
+        t0 = t_send
+        if PROFILE:
+            t0 = read_clock(trace_ptr, USE_CLOCK)
+        packed = tl.load(range_ptr + local * NUM_RANKS + src)
+        begin = (packed >> 32).to(tl.int32)
+        count = (packed & 0xFFFFFFFF).to(tl.int32)
+        if SHRINK:  # a peer masked since the dispatch gets nothing back
+            count = tl.where(tl.load(mask_ptr + src) != 0, 0, count)
+        base = tl.load(peer_ptrs + src)
+        remote = (src // GPUS_PER_NODE) != (rank // GPUS_PER_NODE)
+        for first in range(0, count, BLOCK_ROWS):
+            rmask = (first + rows_in_block) < count
+            rows = (local * NUM_RANKS * M + begin + first + rows_in_block).to(tl.int64)
+            token = tl.load(src_ptr + rows, mask=rmask).to(tl.int64)
+            column = tl.load(slot_ptr + rows, mask=rmask).to(tl.int64)
+            mask2 = rmask[:, None] & flat_mask[None, :]
+            dst = base + RECV_OFFSET + set_off + (token * K_MAX + column) * SLOT_BYTES
+            if VIA != VIA_STORE:
+                # A source on another node: stage the rows in this rank's heap first.
+                dst = tl.where(remote, my_base + STAGE_OFFSET + rows * SLOT_BYTES, dst)
+            if LOGFMT:
+                _send_logfmt(x_ptr + rows * H, dst, rmask, H, G, BLOCK_GROUPS, BLOCK_ROWS,
+                             USE_CLOCK)  # fmt: skip
+            else:
+                y = tl.load(x_ptr + rows[:, None] * H + flat[None, :], mask=mask2)
+                tl.store(aligned_ptr(dst, tl.bfloat16)[:, None] + flat[None, :], y,
+                         mask=mask2)  # fmt: skip
+        if VIA != VIA_STORE:  # noqa: SIM102 - compiled out without a transport
+            if remote:
+                pe = tl.load(pe_ptr + src)
+                for r in range(0, count):
+                    row = (local * NUM_RANKS * M + begin + r).to(tl.int64)
+                    token = tl.load(src_ptr + row).to(tl.int64)
+                    column = tl.load(slot_ptr + row).to(tl.int64)
+                    offset = RECV_OFFSET + set_off + (token * K_MAX + column) * SLOT_BYTES
+                    stage = my_base + STAGE_OFFSET + row * SLOT_BYTES
+                    put_block(my_base, base, offset, stage, SLOT_BYTES if LOGFMT else H * 2,
+                              pe, VIA)  # fmt: skip
+        if PROFILE:
+            t_send += read_clock(trace_ptr, USE_CLOCK) - t0
+    return t_send
+
+
+@triton.jit
+def _signal_sources(peer_ptrs, pe_ptr, rank, mask_ptr, NUM_EXPERTS: tl.constexpr,
+                    NUM_RANKS: tl.constexpr, DONE_OFFSET: tl.constexpr, SHRINK: tl.constexpr,
+                    VIA: tl.constexpr):  # fmt: skip
+    """One counter update per source rank for all of this program's blocks to it (one
+    system-scope release each): its receiver needs every block anyway, so signalling each
+    block as it is stored would only add releases."""
+    E_LOCAL: tl.constexpr = NUM_EXPERTS // NUM_RANKS
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    my_base = tl.load(peer_ptrs + rank)
+    for peer in range(NUM_RANKS):
+        blocks = tl.zeros((), tl.int64)
+        for item in range(pid, E_LOCAL * NUM_RANKS, num_programs):
+            if item % NUM_RANKS == peer:
+                blocks += 1
+        if SHRINK:
+            blocks = tl.where(tl.load(mask_ptr + peer) != 0, 0, blocks)
+        if blocks > 0:
+            base = tl.load(peer_ptrs + peer)
+            if VIA == VIA_STORE:
+                add_release((base + DONE_OFFSET + rank * 8).to(tl.pointer_type(tl.int64)),
+                            blocks)  # fmt: skip
+            else:
+                signal(my_base, base, DONE_OFFSET + rank * 8, blocks, SIGNAL_ADD,
+                       tl.load(pe_ptr + peer), VIA)  # fmt: skip
+
+
+@triton.jit
+def _wait_senders(
+    num_tokens, c_recv, wait_stats_ptr, trace_ptr, peer_ptrs, rank, status_ptr, timeout_us,
+    mask_ptr, verdict_ptr, skipped_ptr, NUM_EXPERTS: tl.constexpr, NUM_RANKS: tl.constexpr,
+    DONE_OFFSET: tl.constexpr, USE_CLOCK: tl.constexpr, R_P2: tl.constexpr,
+    WAIT_STATS: tl.constexpr, SHRINK: tl.constexpr,
+):  # fmt: skip
+    """Wait until every sender's rows for this rank are stored. A rank without tokens waits
+    too (one program): its wait is what keeps it from running ahead of its peers by more than
+    one call, and so from overwriting the buffer set they still read (several combines of one
+    dispatch, each sending). Returns whether a wait gave up (never in shrink mode, where the
+    peer is masked instead)."""
+    E_LOCAL: tl.constexpr = NUM_EXPERTS // NUM_RANKS
+    my_base = tl.load(peer_ptrs + rank)
+    failed = tl.zeros((), tl.int1)
+    if tl.program_id(0) < tl.maximum(num_tokens, 1):
+        if SHRINK:
+            timeout_ns = limit_ns(timeout_us, status_ptr)
+            for src in range(NUM_RANKS):
+                w0 = tl.zeros((), tl.int64)
+                if WAIT_STATS:
+                    w0 = read_clock(trace_ptr, USE_CLOCK)
+                # Calls in which this peer was masked brought no signal from it.
+                expected = (c_recv + 1 - tl.load(skipped_ptr + src)) * E_LOCAL
+                done = (my_base + DONE_OFFSET + src * 8).to(tl.pointer_type(tl.int64))
+                wait_peer(done, expected, timeout_ns, tl.load(mask_ptr + src) != 0,
+                          verdict_ptr + src, c_recv + 1, USE_CLOCK, AT_LEAST=True)  # fmt: skip
+                if WAIT_STATS:
+                    waited = read_clock(trace_ptr, USE_CLOCK) - w0
+                    tl.atomic_add(wait_stats_ptr + src, waited, sem="relaxed", scope="gpu")
+        else:
+            # Every sender's counter in one read, usually all there; else the read repeats
+            # (bounded) until they are.
+            sources = tl.arange(0, R_P2)[None, :]
+            done = (my_base + DONE_OFFSET + sources * 8).to(tl.pointer_type(tl.int64))
+            _, missing, waited, limit = wait_tile(
+                done, sources < NUM_RANKS, (c_recv + 1) * E_LOCAL,
+                timeout_us.to(tl.int64) * 1000, timeout_us, status_ptr, USE_CLOCK,
+                AT_LEAST=True, TIMED=WAIT_STATS,
+            )  # fmt: skip
+            failed = any_set(missing)
+            if failed:  # name the first sender still missing
+                gone = tl.min(tl.min(tl.where(missing, sources, R_P2), axis=1), axis=0)
+                record_timeout(status_ptr, gone, PHASE_COMBINE_RECV, limit)
+            if WAIT_STATS:  # the time until each sender's rows were all there
+                tl.atomic_add(wait_stats_ptr + sources, waited, mask=sources < NUM_RANKS,
+                              sem="relaxed", scope="gpu")  # fmt: skip
+    return failed
+
+
+@triton.jit
+def _reduce_tokens(
+    topk_idx_ptr, topk_weights_ptr, num_tokens, out_ptr, failed, c_recv, peer_ptrs, rank,
+    status_ptr, mask_ptr, verdict_ptr, H: tl.constexpr, K: tl.constexpr, K_MAX: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr, NUM_RANKS: tl.constexpr, RECV_SET_BYTES: tl.constexpr,
+    SLOT_BYTES: tl.constexpr, RECV_OFFSET: tl.constexpr, USE_CLOCK: tl.constexpr,
+    BLOCK_CHANNELS: tl.constexpr, SHRINK: tl.constexpr, LOGFMT: tl.constexpr,
+):  # fmt: skip
+    """Each of this program's tokens (``p, p + P, ...``) gets the weighted sum of its top-k
+    rows, in top-k order as the reference sums, in float32 to BF16; NaN where ``failed`` (a
+    wait gave up: not every row came)."""
+    E_LOCAL: tl.constexpr = NUM_EXPERTS // NUM_RANKS
+    G: tl.constexpr = H // 128
+    set_off = (c_recv % 2) * RECV_SET_BYTES
+    my_base = tl.load(peer_ptrs + rank)
+    bad_seen = tl.zeros((), tl.int1)
+    # Added to every weight: NaN makes every sum NaN; 0 changes no sum (the sums start at +0,
+    # so the -0 it turns into +0 adds nothing either way).
+    poison = tl.where(failed, float("nan"), 0.0)
+    for token in range(tl.program_id(0), num_tokens, tl.num_programs(0)):
+        token64 = tl.cast(token, tl.int64)
+        ids_ptr = topk_idx_ptr + token64 * K
+        rows = my_base + RECV_OFFSET + set_off + token64 * K_MAX * SLOT_BYTES
+        # A chunk of BLOCK_CHANNELS channels at a time; within it every top-k row is loaded without
+        # a branch (all K loads in flight together).
+        for c0 in range(0, H, BLOCK_CHANNELS):
+            if LOGFMT:  # channels as [groups, 128]: parameters are read once per group
+                groups = c0 // 128 + tl.arange(0, BLOCK_CHANNELS // 128)
+                cols = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
+                acc = tl.zeros((BLOCK_CHANNELS // 128, 128), tl.float32)
+            else:
+                cols = c0 + tl.arange(0, BLOCK_CHANNELS)
+                acc = tl.zeros((BLOCK_CHANNELS,), tl.float32)
+            cmask = cols < H
+            for k in tl.static_range(K):
+                expert = tl.load(ids_ptr + k)
+                valid = (expert >= 0) & (expert < NUM_EXPERTS)
+                bad_seen = bad_seen | (expert < -1) | (expert >= NUM_EXPERTS)
+                if SHRINK:  # the experts of a masked or given-up peer add nothing
+                    owner = expert // E_LOCAL
+                    dead = masked(mask_ptr, owner, valid)
+                    dead = dead | gave_up(verdict_ptr, owner, c_recv + 1, valid)
+                    valid = valid & ~dead
+                # A token that names an expert twice got its row once, at the first column.
+                column = tl.full((), k, tl.int64)
+                for j in tl.static_range(k):
+                    first = (tl.load(ids_ptr + j) == expert) & (column == k)
+                    column = tl.where(first, j, column)
+                weight = tl.load(topk_weights_ptr + token64 * K + k)
+                row = rows + column * SLOT_BYTES
+                if LOGFMT:
+                    value = _load_logfmt(row, groups, (groups < G) & valid, H, USE_CLOCK)
+                else:
+                    y = tl.load(aligned_ptr(row, tl.bfloat16) + cols, mask=cmask & valid,
+                                other=0.0, cache_modifier=".cg")  # fmt: skip
+                    value = from_bf16(y, not USE_CLOCK)
+                # Rows not read are 0: a weight of 0 adds nothing, without a select per
+                # channel.
+                acc += (tl.where(valid, weight, 0.0) + poison) * value
+            tl.store(out_ptr + token64 * H + cols, to_bf16(acc, not USE_CLOCK), mask=cmask)
+    if bad_seen:  # the first such id of the batch, whichever program records it
+        token, column, bad_id = first_bad_id(topk_idx_ptr, num_tokens, K, NUM_EXPERTS, 16, 64)
+        record_bad_id(status_ptr, rank, PHASE_COMBINE_IDS, token, column, bad_id)
 
 
 @triton.jit

@@ -25,7 +25,7 @@ all their flags, repeated until they are there), so its block starts at ``begin`
 the earlier counts; it copies its messages' payloads (found through their references), several
 at a time, into the packed output ``recv_x[expert, begin : begin + count]`` and records
 ``(begin, count)``. Blocks are therefore in source-rank order, the same order as the reference,
-and outputs are deterministic. A program takes ``ITEMS`` of its items at a time: for small
+and outputs are deterministic. A program takes ``BLOCK_ITEMS`` of its items at a time: for small
 batches, whose counts all come at once, its items together (one wait, their messages in one
 list: the dependent reads of counts, headers and payloads are paid once); for larger ones one at
 a time, so that it packs one while the next one's counts are still on the way.
@@ -49,6 +49,22 @@ programs are resident) or as two launches (the receive hook, and the Triton inte
 runs programs one after another). Two buffer sets alternate between calls (``call % 2``); the
 call counters live on the device, so captured CUDA graphs replay correctly.
 
+Bad ids and failed waits. An id outside ``[-1, NUM_EXPERTS)`` gets no message (every program
+counting the batch sees it, in the same atomic add as its counts; histograms carry a flag);
+program 0 then finds the first one and records (rank, token, column, id) in the status
+(:mod:`tritonep.kernels.status`), which the host raises on the next call. A receiving item whose
+wait for a source's count gives up takes that source's block as one *poison row*: its payload,
+scales, source token and column all 0xFF bytes (NaN, NaN, -1, -1) at the place the block would
+start, counted in ``recv_count`` but not in ``layout_range`` (whose count for that source is
+0, so combine sends it nowhere). The output thus cannot pass for a complete one.
+
+One compiled variant serves every batch size: the send phase of one token (whose loops and
+masks fold away: 0.6 us faster on one H100, BENCHMARKS.md) and of many are both compiled into
+it and picked by a uniform branch on ``num_tokens``; counting by adds or by histograms is a
+runtime argument the host picks from the shapes (``count_by_adds``); so is the number of
+items a receiving program takes at a time (``items_per_group``: 1, or the ``BLOCK_ITEMS`` lanes of
+the tile).
+
 Traced launches (``PROFILE``) record, per program, the time spent quantizing and sending,
 sending counts, waiting and packing; ``WAIT_STATS`` adds the time waited per source rank
 (:mod:`tritonep.kernels.trace`). Both compile out when off.
@@ -56,16 +72,21 @@ sending counts, waiting and packing; ``WAIT_STATS`` adds the time waited per sou
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 
 from .fp8 import e4m3_bits, from_bf16, quantize_groups
 from .peer_mask import mask_timed_out, masked, wait_peer
+from .status import first_bad_id, record_bad_id
 from .sync import aligned_ptr, any_set, lane, limit_ns, record_timeout, wait_tile
 from .trace import read_clock, write_trace
 from .transport import SIGNAL_SET, VIA_STORE, put_block_signal
 
 PHASE_DISPATCH_RECV = tl.constexpr(2)
+#: The phase named in a bad-id record of a dispatch.
+PHASE_DISPATCH_IDS = tl.constexpr(4)
 
 # Device state (int64), shared with the combine kernel module: row ``r`` of ``[8, P]``. The
 # call counters are per program (program ``p`` keeps its own in column ``p``): a program reads
@@ -80,7 +101,7 @@ DISPATCH_ARRIVALS = tl.constexpr(4)  # (column 0)
 STATE_ROWS = 8
 
 #: Count by atomic adds while all programs' adds together stay within this many (see the send
-#: phase), by histograms beyond (``COUNT_BY_ADDS``, chosen by the host from the shapes).
+#: phase), by histograms beyond (``count_by_adds``, chosen by the host from the shapes).
 COUNT_ADDS = 32768
 
 HEADER_BYTES = tl.constexpr(16)
@@ -88,6 +109,77 @@ HEADER_BYTES = tl.constexpr(16)
 #: token being sent (top-k at most 16): its messages' addresses (int64), then per column the
 #: owner key, the message index and the payload reference (int32).
 TOKEN_WORDS = tl.constexpr(80)
+
+
+class LowLatencyShared(NamedTuple):
+    """The trailing runtime arguments of both low-latency kernels, in their order: what stays
+    the same from call to call of one mode (see the kernels' signatures for each)."""
+
+    peer_ptrs: object
+    pe_ptr: object
+    rank: int
+    state_ptr: object
+    scratch_ptr: object
+    expert_done_ptr: object
+    status_ptr: object
+    timeout_us: int
+    mask_ptr: object
+    verdict_ptr: object
+    skipped_ptr: object
+
+
+class DispatchCall(NamedTuple):
+    """The leading runtime arguments of :func:`ll_dispatch_kernel`, in its order: what changes
+    from call to call."""
+
+    x_ptr: object
+    topk_idx_ptr: object
+    num_tokens: int
+    count_by_adds: int
+    items_per_group: int
+    out_x_ptr: object
+    out_scales_ptr: object
+    out_src_ptr: object
+    out_count_ptr: object
+    out_range_ptr: object
+    recv_stats_ptr: object
+    wait_stats_ptr: object
+    trace_ptr: object
+
+
+class DispatchVariant(NamedTuple):
+    """One compiled variant of :func:`ll_dispatch_kernel`: its constexprs, in its order."""
+
+    H: int
+    K: int
+    NUM_EXPERTS: int
+    NUM_RANKS: int
+    M: int
+    MSG_BYTES: int
+    RECV_SET_BYTES: int
+    FLAG_SET_BYTES: int
+    RECV_OFFSET: int
+    FLAG_OFFSET: int
+    STAGE_OFFSET: int
+    GPUS_PER_NODE: int
+    USE_FP8: bool
+    USE_UE8M0: bool
+    PACK_UE8M0: bool
+    DO_SEND: bool
+    DO_RECV: bool
+    USE_CLOCK: bool
+    BLOCK_N: int
+    K_P2: int
+    G_P2: int
+    R_P2: int
+    BINS: int
+    BLOCK_MSGS: int
+    BLOCK_ITEMS: int
+    PROFILE: bool
+    WAIT_STATS: bool
+    RECV_STATS: bool
+    SHRINK: bool
+    VIA: int
 
 
 @triton.jit
@@ -156,75 +248,65 @@ def _listed(m, starts, ends, begin, local, src, item_lanes, NUM_RANKS: tl.conste
     return (m_local * NUM_RANKS + m_src) * M + slot, row, m_local
 
 
-@triton.jit(do_not_specialize=["num_tokens", "timeout_us"])
+@triton.jit(do_not_specialize=["num_tokens", "count_by_adds", "items_per_group", "timeout_us"])
 def ll_dispatch_kernel(
-    x_ptr,  # [N, H] bf16
-    topk_idx_ptr,  # [N, K] int64
-    num_tokens,
+    # What changes from call to call (DispatchCall).
+    x_ptr,  # [N, H] bf16 tokens
+    topk_idx_ptr,  # [N, K] int64 global expert ids, -1 for none
+    num_tokens,  # N
+    count_by_adds,  # 1: senders count the ids by atomic adds, 0: by histograms
+    items_per_group,  # (expert, source) items a receiving program moves together: 1 or BLOCK_ITEMS
+    out_x_ptr,  # [E_local, R * M, H] bf16, or e4m3 (USE_FP8)
+    out_scales_ptr,  # [E_local, G, R * M] float32, or [E_local, G / 4, R * M] int32 (PACK_UE8M0)
+    out_src_ptr,  # [2, E_local, R * M] int32: each row's source token, then its top-k column
+    out_count_ptr,  # [E_local] int32 rows of each local expert
+    out_range_ptr,  # [E_local, R] int64 begin << 32 | count of each source rank's block
+    recv_stats_ptr,  # [E_local] int32 each expert's rows are added to it (RECV_STATS)
+    wait_stats_ptr,  # [R] int64 time spent waiting for each source rank (WAIT_STATS)
+    trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE), or the clock of WAIT_STATS
+    # What stays from call to call (LowLatencyShared).
     peer_ptrs,  # [R] int64 heap base addresses
-    rank,
-    recv_offset,  # byte offset of buffer set 0 of the receive slabs in the heap
-    flag_offset,  # byte offset of buffer set 0 of the count flags
-    stage_offset,  # byte offset of the staging slabs [E][M] messages (VIA != VIA_STORE)
-    gpus_per_node,  # ranks r and r' share a node when r // gpus_per_node == r' // gpus_per_node
     pe_ptr,  # [R] int32 NVSHMEM PE of each rank
+    rank,  # this rank
     state_ptr,  # [STATE_ROWS, P] int64 call counters per program (and shrink's arrivals)
     scratch_ptr,  # [P, 3 * BINS + TOKEN_WORDS] int32 per-program slot counters and lists
     expert_done_ptr,  # [BINS] int32 messages stored per expert in this launch, zero between
-    out_x_ptr,  # [E_local, R * M, H] bf16, or the e4m3 output viewed as uint8
-    out_scales_ptr,  # [E_local, G, R * M] float32, or [E_local, G / 4, R * M] int32 as bytes
-    out_src_ptr,  # [E_local, R * M] int32
-    out_slot_ptr,  # [E_local, R * M] int32 top-k column of each row
-    out_count_ptr,  # [E_local] int32
-    out_range_ptr,  # [E_local, R] int64
-    status_ptr,  # [STATUS_WORDS] int32
+    status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
     timeout_us,  # limit of every wait, in microseconds (sync.timeout_us)
-    trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE), or the clock of WAIT_STATS
-    wait_stats_ptr,  # [R] int64 time spent waiting for each source rank (WAIT_STATS)
     mask_ptr,  # [R] int32 masked peers (SHRINK)
-    verdict_ptr,  # [R] int64 this launch's verdict on each source rank (SHRINK)
-    H: tl.constexpr,
-    K: tl.constexpr,
+    verdict_ptr,  # [2, R] int64 this launch's verdict on each source rank, row 0 (SHRINK)
+    skipped_ptr,  # [R] int64 (the combine's; unused here)
+    H: tl.constexpr,  # hidden size
+    K: tl.constexpr,  # top-k
     NUM_EXPERTS: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     M: tl.constexpr,  # max tokens per rank
-    MSG_BYTES: tl.constexpr,
-    RECV_SET_BYTES: tl.constexpr,
-    FLAG_SET_BYTES: tl.constexpr,
-    USE_FP8: tl.constexpr,
-    USE_UE8M0: tl.constexpr,
+    MSG_BYTES: tl.constexpr,  # a message: header, payload, scales
+    RECV_SET_BYTES: tl.constexpr,  # a buffer set of the receive slabs
+    FLAG_SET_BYTES: tl.constexpr,  # a buffer set of the count flags
+    RECV_OFFSET: tl.constexpr,  # heap byte offset of buffer set 0 of the receive slabs
+    FLAG_OFFSET: tl.constexpr,  # heap byte offset of buffer set 0 of the count flags
+    STAGE_OFFSET: tl.constexpr,  # heap byte offset of the staging slabs [E][M] (VIA)
+    GPUS_PER_NODE: tl.constexpr,  # ranks r, r' share a node when r // it == r' // it
+    USE_FP8: tl.constexpr,  # quantize to e4m3 with a float32 scale per 128 channels
+    USE_UE8M0: tl.constexpr,  # scales rounded up to powers of two
     PACK_UE8M0: tl.constexpr,  # scales as exponent bytes, four to an int32 (implies USE_UE8M0)
     DO_SEND: tl.constexpr,
     DO_RECV: tl.constexpr,
-    USE_CLOCK: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    COUNT_BY_ADDS: tl.constexpr,  # count the ids by atomic adds, else by histograms
-    K_P2: tl.constexpr,
-    G_P2: tl.constexpr,
-    R_P2: tl.constexpr,  # power of two >= NUM_RANKS
+    USE_CLOCK: tl.constexpr,  # on a GPU (else the interpreter)
+    BLOCK_N: tl.constexpr,  # tokens whose ids are counted at a time
+    K_P2: tl.constexpr,  # power of two >= max(K, 2)
+    G_P2: tl.constexpr,  # power of two >= H / 128
+    R_P2: tl.constexpr,  # power of two >= max(NUM_RANKS, 2)
     BINS: tl.constexpr,  # power of two >= max(NUM_EXPERTS, 2): one bin per expert
-    MSG_BLOCK: tl.constexpr,
-    ITEMS: tl.constexpr,  # work items a receiving program moves together (power of two)
-    PROFILE: tl.constexpr,
-    WAIT_STATS: tl.constexpr,
-    SHRINK: tl.constexpr = False,  # masked peers are skipped, timeouts mask (peer_mask)
-    VIA: tl.constexpr = VIA_STORE,
-    ONE_TOKEN: tl.constexpr = False,  # num_tokens == 1, known when compiling
+    BLOCK_MSGS: tl.constexpr,  # messages a receiving program copies at a time
+    BLOCK_ITEMS: tl.constexpr,  # lanes of a receiving program's group of items (power of two)
+    PROFILE: tl.constexpr,  # record traces
+    WAIT_STATS: tl.constexpr,  # add the time waited per source rank to wait_stats_ptr
+    RECV_STATS: tl.constexpr,  # add the rows per expert to recv_stats_ptr
+    SHRINK: tl.constexpr,  # masked peers are skipped, timeouts mask (peer_mask)
+    VIA: tl.constexpr,  # how staged blocks reach other nodes (transport)
 ):
-    # The batch size is not specialized (a decode step's batch changes from step to step, and
-    # a compile inside a call keeps every peer waiting), except for one token: a send whose
-    # loops and masks fold away is 0.6 us faster (8.1 against 8.8 us on one H100, BENCHMARKS.md).
-    if ONE_TOKEN:
-        num_tokens = 1
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    E_LOCAL: tl.constexpr = NUM_EXPERTS // NUM_RANKS
-    G: tl.constexpr = H // 128
-    groups = tl.arange(0, G_P2)
-    channels = tl.arange(0, 128)
-    gmask = groups < G
-    row_offs = groups[:, None] * 128 + channels[None, :]
-    row_mask = gmask[:, None]
     c_send = call_number(state_ptr, DISPATCH_SEND_CALLS)
     c_recv = call_number(state_ptr, DISPATCH_RECV_CALLS)
     # Trace: sub-phase totals (quantize and send, count send, wait, pack).
@@ -236,343 +318,35 @@ def ll_dispatch_kernel(
     t_count_send = tl.zeros((), tl.int64)
     t_wait = tl.zeros((), tl.int64)
     t_pack = tl.zeros((), tl.int64)
-
     if DO_SEND:
-        set_off = (c_send % 2) * RECV_SET_BYTES
-        flag_set_off = (c_send % 2) * FLAG_SET_BYTES
-        if PROFILE:
-            t0 = read_clock(trace_ptr, USE_CLOCK)
-        ks = tl.arange(0, K_P2)
-        experts = tl.arange(0, BINS)
-        my_base = tl.load(peer_ptrs + rank)
-        # This program's tokens: a contiguous run, so that slots follow token order.
-        per_program = tl.cdiv(num_tokens, num_programs)
-        first_token = tl.minimum(pid * per_program, num_tokens)
-        last_token = tl.minimum(first_token + per_program, num_tokens)
-        expert_owners = experts // E_LOCAL
-        owner_bases = tl.load(peer_ptrs + expert_owners, mask=experts < NUM_EXPERTS, other=0)
-        if SHRINK:  # experts of masked peers are chosen by no token: no message, no count
-            expert_dead = masked(mask_ptr, expert_owners, experts < NUM_EXPERTS)
-        # Tokens per expert, of the whole batch and of the tokens before this program's. Few
-        # ids: one atomic add per chosen id into this program's scratch row (the batch's count
-        # in the low word of tally[e], the earlier tokens' in the high word), as many adds as
-        # ids. Many ids: two histograms, whose cost (~0.9 us each for 256 bins) does not grow
-        # with the ids but which all programs' adds together exceed beyond ~32K adds (one H100,
-        # top-8: adds save 1.0 us at 1-32 tokens, cost 0.2-0.7 us more at 128-256). Programs
-        # without tokens count nothing; the programs with tokens publish the zero counts.
-        next_slot = scratch_ptr + pid * (3 * BINS + TOKEN_WORDS)
-        tally = next_slot.to(tl.pointer_type(tl.int64))
-        senders = tl.maximum(tl.cdiv(num_tokens, tl.maximum(per_program, 1)), 1)
-        total = tl.zeros((BINS,), tl.int32)
-        before = tl.zeros((BINS,), tl.int32)
-        # The first token's row is loaded now, so that its memory latency passes while the
-        # ids are counted; each token's send then loads the next one's.
-        x_next = tl.load(x_ptr + tl.cast(first_token, tl.int64) * H + row_offs,
-                         mask=row_mask & (first_token < last_token), other=0.0)  # fmt: skip
-        if COUNT_BY_ADDS:
-            tl.store(tally + experts, tl.zeros((BINS,), tl.int64))
-            tl.debug_barrier()
-        for start in range(0, tl.where(pid < senders, num_tokens, 0), BLOCK_N):
-            tokens = start + tl.arange(0, BLOCK_N)
-            ids = tl.load(
-                topk_idx_ptr + tokens[:, None].to(tl.int64) * K + ks[None, :],
-                mask=(tokens[:, None] < num_tokens) & (ks[None, :] < K),
-                other=-1,
-            )
-            chosen = first_choices(ids, ks, K, NUM_EXPERTS)
-            if SHRINK:
-                chosen = chosen & ~masked(mask_ptr, ids // E_LOCAL, chosen)
-            earlier = chosen & (tokens[:, None] < first_token)
-            if COUNT_BY_ADDS:
-                tl.atomic_add(tally + tl.where(chosen, ids, 0),
-                              tl.where(earlier, (1 << 32) + 1, 1), mask=chosen, sem="relaxed",
-                              scope="cta")  # fmt: skip
-            else:
-                binned = tl.reshape(tl.where(chosen, ids, 0).to(tl.int32), (BLOCK_N * K_P2,))
-                total += tl.histogram(binned, BINS, mask=tl.reshape(chosen, (BLOCK_N * K_P2,)))
-                before += tl.histogram(binned, BINS, mask=tl.reshape(earlier, (BLOCK_N * K_P2,)))
-        if COUNT_BY_ADDS:  # (the load waits for the adds: a round trip to the L2)
-            tl.debug_barrier()
-            tallied = tl.load(tally + experts, cache_modifier=".cg")
-            total = tallied.to(tl.int32)
-            before = (tallied >> 32).to(tl.int32)
-            tl.debug_barrier()
-        # next_slot[e]: the slot of this program's next token for expert e.
-        dests = (next_slot + 3 * BINS).to(tl.pointer_type(tl.int64))
-        keys = next_slot + 3 * BINS + 32
-        indexes = keys + 16
-        refs = indexes + 16
-        # A token's columns as a [column k, column j] tile, for finding each column's payload.
-        col_k = ks[:, None] + 0 * ks[None, :]
-        col_j = ks[None, :] + 0 * ks[:, None]
-        tl.store(next_slot + experts, before)
-        tl.debug_barrier()
-        for token in range(first_token, last_token):
-            ids = tl.load(topk_idx_ptr + tl.cast(token, tl.int64) * K + ks, mask=ks < K, other=-1)
-            valid = tl.reshape(first_choices(ids[None, :], ks, K, NUM_EXPERTS), (K_P2,))
-            if SHRINK:
-                valid = valid & ~masked(mask_ptr, ids // E_LOCAL, valid)
-            ids = tl.where(valid, ids, 0).to(tl.int32)
-            slots = tl.load(next_slot + ids, mask=valid, other=0)
-            tl.debug_barrier()
-            tl.store(next_slot + ids, slots + 1, mask=valid)
-            # Quantize the token once, then store it to each of its experts.
-            x = x_next
-            x_next = tl.load(x_ptr + tl.cast(token + 1, tl.int64) * H + row_offs,
-                             mask=row_mask & (token + 1 < last_token), other=0.0)  # fmt: skip
-            if USE_FP8:
-                q, scale = quantize_groups(from_bf16(x, not USE_CLOCK), USE_UE8M0, not USE_CLOCK)
-                q = e4m3_bits(q, not USE_CLOCK)
-            # Where each message goes, computed for all columns at once; then one message per
-            # column, its address read back (scalar loads, no cross-warp reductions).
-            owners = ids // E_LOCAL
-            msgs = tl.load(peer_ptrs + owners, mask=valid, other=0) + recv_offset + set_off
-            msgs += (((ids % E_LOCAL) * NUM_RANKS + rank) * M).to(tl.int64) * MSG_BYTES
-            if VIA != VIA_STORE:
-                # An owner on another node: the message goes to this rank's staging slab,
-                # whose block of the expert is put there once the block is complete.
-                far = (owners // gpus_per_node) != (rank // gpus_per_node)
-                staged = my_base + stage_offset + ids.to(tl.int64) * (M * MSG_BYTES)
-                msgs = tl.where(far, staged, msgs)
-            msgs += slots.to(tl.int64) * MSG_BYTES
-            tl.store(dests + ks, tl.where(valid, msgs, 0), mask=ks < K)
-            # The payload crosses to an owner once: the first column of each owner reached
-            # by stores carries it, the owner's other columns only a header that names that
-            # message (index in the owner's buffer set). Staged messages all carry it. The
-            # [column, earlier column] tile is read back from the scratch row: built from
-            # the vectors in registers it takes two layout changes, which cost more.
-            key = tl.where(valid, owners, -1)
-            if VIA != VIA_STORE:
-                key = tl.where(far, -1, key)
-            tl.store(keys + ks, key)
-            tl.store(indexes + ks, ((ids % E_LOCAL) * NUM_RANKS + rank) * M + slots)
-            tl.debug_barrier()
-            key_k = tl.load(keys + col_k)
-            same = ((tl.load(keys + col_j) == key_k) & (key_k >= 0)) | (col_j == col_k)
-            first = tl.min(tl.where(same, col_j, K_P2), axis=1)
-            ref = tl.sum(tl.where(col_j == first[:, None], tl.load(indexes + col_j), 0), axis=1)
-            # -ref - 1 marks a header-only message.
-            tl.store(refs + ks, tl.where(first == ks, ref, -ref - 1))
-            tl.debug_barrier()
-            for k in tl.static_range(K):
-                msg = tl.load(dests + k)
-                ref = tl.load(refs + k)
-                if msg != 0:
-                    header = aligned_ptr(msg, tl.int32)
-                    tl.store(header, token)
-                    tl.store(header + 1, k)
-                    tl.store(header + 2, tl.where(ref >= 0, ref, -ref - 1))
-                if (msg != 0) & (ref >= 0):
-                    if USE_FP8:
-                        q_ptr = aligned_ptr(msg + HEADER_BYTES, tl.uint8)
-                        tl.store(q_ptr + row_offs, q, mask=row_mask)
-                        scale_ptr = aligned_ptr(msg + HEADER_BYTES + H, tl.float32)
-                        tl.store(scale_ptr + groups, scale, mask=gmask)
-                    else:
-                        x_dst = aligned_ptr(msg + HEADER_BYTES, tl.bfloat16)
-                        tl.store(x_dst + row_offs, x, mask=row_mask)
-            tl.debug_barrier()
-        if PROFILE:
-            t1 = read_clock(trace_ptr, USE_CLOCK)
-        # Count this program's messages as stored. The program whose add completes an expert
-        # (brings its count to the total) publishes the count; program e % senders publishes the
-        # zero count of an expert that no token chose. Nothing waits here. The counters are
-        # this GPU's, so GPU scope suffices: release/acquire orderings compose, and the
-        # publisher's system-scope release then orders every program's messages before the
-        # count for the owner (a system-scope add here costs ~0.6 us more per launch).
-        mine = tl.load(next_slot + experts) - before
-        tl.debug_barrier()
-        done = tl.atomic_add(expert_done_ptr + experts, mine, mask=mine > 0, sem="acq_rel",
-                             scope="gpu")  # fmt: skip
-        completed = (mine > 0) & (done + mine == total)
-        tl.store(expert_done_ptr + experts, 0, mask=completed)  # ready for the next call
-        publish = completed | ((total == 0) & (experts % senders == pid) & (experts < NUM_EXPERTS))
-        if SHRINK:
-            publish = publish & ~expert_dead
-        flags = flag_offset + flag_set_off + ((experts % E_LOCAL) * NUM_RANKS + rank) * 8
-        values = ((c_send + 1) << 32) | total.to(tl.int64)
-        nearby = publish
-        if VIA != VIA_STORE:
-            nearby = publish & ((expert_owners // gpus_per_node) == (rank // gpus_per_node))
-        peer_base = tl.where(nearby, owner_bases, 0)
-        tl.debug_barrier()
-        tl.atomic_xchg((peer_base + flags).to(tl.pointer_type(tl.int64)), values, mask=nearby,
-                       sem="release", scope="sys")  # fmt: skip
-        if VIA != VIA_STORE:
-            # Experts on other nodes: one put of the staged block each, the count its signal.
-            far = (publish & ~nearby).to(tl.int32)
-            listed = tl.cumsum(far, axis=0) - far
-            far_experts = next_slot + BINS
-            far_totals = far_experts + BINS
-            tl.store(far_experts + listed, experts, mask=far > 0)
-            tl.store(far_totals + listed, total, mask=far > 0)
-            tl.debug_barrier()
-            for i in range(tl.sum(far, axis=0)):
-                expert = tl.load(far_experts + i)
-                count = tl.load(far_totals + i)
-                owner = expert // E_LOCAL
-                local = expert % E_LOCAL
-                put_block_signal(
-                    my_base, tl.load(peer_ptrs + owner),
-                    recv_offset + set_off + ((local * NUM_RANKS + rank) * M) * MSG_BYTES,
-                    my_base + stage_offset + expert.to(tl.int64) * (M * MSG_BYTES),
-                    count.to(tl.int64) * MSG_BYTES,
-                    flag_offset + flag_set_off + (local * NUM_RANKS + rank) * 8,
-                    ((c_send + 1) << 32) | count.to(tl.int64), SIGNAL_SET,
-                    tl.load(pe_ptr + owner), VIA,
-                )  # fmt: skip
-        tl.debug_barrier()
-        if PROFILE:
-            t_send_end = read_clock(trace_ptr, USE_CLOCK)
-            t_quantize_send += t1 - t0
-            t_count_send += t_send_end - t1
-
+        # One token: a send whose loops and masks fold away with the count known when
+        # compiling is 0.6 us faster (8.1 against 8.8 us on one H100, BENCHMARKS.md); both
+        # sends are in this variant, so no batch size compiles one of its own.
+        if num_tokens == 1:
+            t_quantize_send, t_count_send, t_send_end = _send(
+                x_ptr, topk_idx_ptr, 1, count_by_adds, trace_ptr, peer_ptrs, pe_ptr, rank,
+                c_send, scratch_ptr, expert_done_ptr, status_ptr, mask_ptr, H, K,
+                NUM_EXPERTS, NUM_RANKS, M, MSG_BYTES, RECV_SET_BYTES, FLAG_SET_BYTES,
+                RECV_OFFSET, FLAG_OFFSET, STAGE_OFFSET, GPUS_PER_NODE, USE_FP8, USE_UE8M0,
+                USE_CLOCK, BLOCK_N, K_P2, G_P2, BINS, PROFILE, SHRINK, VIA,
+            )  # fmt: skip
+        else:
+            t_quantize_send, t_count_send, t_send_end = _send(
+                x_ptr, topk_idx_ptr, num_tokens, count_by_adds, trace_ptr, peer_ptrs, pe_ptr,
+                rank, c_send, scratch_ptr, expert_done_ptr, status_ptr, mask_ptr, H, K,
+                NUM_EXPERTS, NUM_RANKS, M, MSG_BYTES, RECV_SET_BYTES, FLAG_SET_BYTES,
+                RECV_OFFSET, FLAG_OFFSET, STAGE_OFFSET, GPUS_PER_NODE, USE_FP8, USE_UE8M0,
+                USE_CLOCK, BLOCK_N, K_P2, G_P2, BINS, PROFILE, SHRINK, VIA,
+            )  # fmt: skip
     if DO_RECV:
-        set_off = (c_recv % 2) * RECV_SET_BYTES
-        flag_set_off = (c_recv % 2) * FLAG_SET_BYTES
-        my_base = tl.load(peer_ptrs + rank)
-        set_base = my_base + recv_offset + set_off
-        msgs = tl.arange(0, MSG_BLOCK)
-        sources = tl.arange(0, R_P2)
-        item_lanes = tl.arange(0, ITEMS)
-        scale_lanes = tl.arange(0, G_P2 * MSG_BLOCK)
-        flat = tl.arange(0, G_P2 * 128)
-        flat_mask = flat < H
-        # After one wait gives up, the program's later waits give up at once, so a launch
-        # ends within about one timeout however many waits it has.
-        budget = timeout_us.to(tl.int64) * 1000
-        # Work items are (local expert, source rank) pairs; a block starts after the blocks of
-        # the earlier sources, whose counts it reads from their flags (in source-rank order,
-        # so the output is deterministic and matches the reference). A program takes its
-        # items ITEMS at a time and moves them as one: one wait for all their counts, then
-        # their messages together, so the dependent reads (counts, headers, payloads) are
-        # paid once per group rather than once per item.
-        for group in range(0, tl.cdiv(E_LOCAL * NUM_RANKS, num_programs), ITEMS):
-            items = pid + (group + item_lanes) * num_programs
-            live = items < E_LOCAL * NUM_RANKS
-            local = tl.where(live, items // NUM_RANKS, 0)
-            me_src = tl.where(live, items % NUM_RANKS, 0)
-            if PROFILE:
-                t0 = read_clock(trace_ptr, USE_CLOCK)
-            flag_rows = my_base + flag_offset + flag_set_off + local * NUM_RANKS * 8
-            if SHRINK:  # shrink mode settles each source's outcome with the other programs
-                begin = tl.zeros((ITEMS,), tl.int32)
-                count = tl.zeros((ITEMS,), tl.int32)
-                for j in tl.static_range(ITEMS):
-                    item_begin = tl.zeros((), tl.int32)
-                    item_count = tl.zeros((), tl.int32)
-                    item_live = lane(live.to(tl.int32), item_lanes, j) != 0
-                    item_src = tl.where(item_live, lane(me_src, item_lanes, j), -1)
-                    item_row = lane(flag_rows, item_lanes, j)
-                    for src in range(0, item_src + 1):
-                        timeout_ns = limit_ns(timeout_us, status_ptr)
-                        flag = (item_row + src * 8).to(tl.pointer_type(tl.int64))
-                        if WAIT_STATS:
-                            w0 = read_clock(trace_ptr, USE_CLOCK)
-                        value, ok = wait_peer(flag, c_recv + 1, timeout_ns,
-                                              tl.load(mask_ptr + src) != 0, verdict_ptr + src,
-                                              c_recv + 1, USE_CLOCK, SHIFT=32)  # fmt: skip
-                        if WAIT_STATS:
-                            waited = read_clock(trace_ptr, USE_CLOCK) - w0
-                            tl.atomic_add(wait_stats_ptr + src, waited, sem="relaxed",
-                                          scope="gpu")  # fmt: skip
-                        # A source given up on contributes nothing (it is masked at the end).
-                        item_begin += item_count
-                        item_count = tl.where(ok, (value & 0xFFFFFFFF).to(tl.int32), 0)
-                    begin = tl.where(item_lanes == j, item_begin, begin)
-                    count = tl.where(item_lanes == j, item_count, count)
-            else:
-                # Every count of the group in one vector read, usually all there; else the
-                # read repeats (bounded) until they are.
-                wanted = live[:, None] & (sources[None, :] <= me_src[:, None])
-                count_flags = (flag_rows[:, None] + sources[None, :] * 8).to(
-                    tl.pointer_type(tl.int64))  # fmt: skip
-                tagged, missing, waited, limit = wait_tile(
-                    count_flags, wanted, c_recv + 1, budget, timeout_us, status_ptr, USE_CLOCK,
-                    SHIFT=32, TIMED=WAIT_STATS,
-                )  # fmt: skip
-                if any_set(missing):
-                    # Name the first (item, source) still missing; it contributes nothing.
-                    lanes = item_lanes[:, None] * R_P2 + sources[None, :]
-                    gone = tl.min(tl.min(tl.where(missing, lanes, ITEMS * R_P2), axis=1), 0)
-                    record_timeout(status_ptr, gone % R_P2, PHASE_DISPATCH_RECV, limit,
-                                   lane(local, item_lanes, gone // R_P2))  # fmt: skip
-                    budget = budget * 0
-                if WAIT_STATS:  # the time until each source's counts were all there
-                    tl.atomic_add(wait_stats_ptr + sources, tl.max(waited, axis=0),
-                                  mask=tl.max(wanted.to(tl.int32), axis=0) > 0, sem="relaxed",
-                                  scope="gpu")  # fmt: skip
-                counts = tl.where(wanted & ~missing, (tagged & 0xFFFFFFFF).to(tl.int32), 0)
-                begin = tl.sum(tl.where(sources[None, :] < me_src[:, None], counts, 0), axis=1)
-                count = tl.sum(tl.where(sources[None, :] == me_src[:, None], counts, 0), axis=1)
-            if PROFILE:
-                t1 = read_clock(trace_ptr, USE_CLOCK)
-                t_wait += t1 - t0
-            count = tl.where(live, count, 0)
-            # The group's messages as one list: item j's come after those of items < j.
-            ends = tl.cumsum(count, axis=0)
-            starts = ends - count
-            group_msgs = tl.sum(count, axis=0)
-            for first in range(0, group_msgs, MSG_BLOCK):
-                m = first + msgs
-                mmask = m < group_msgs
-                index, row_in, m_local = _listed(m, starts, ends, begin, local, me_src,
-                                                 item_lanes, NUM_RANKS, M)  # fmt: skip
-                msg = set_base + index.to(tl.int64) * MSG_BYTES
-                rows = (m_local * NUM_RANKS * M + row_in).to(tl.int64)
-                header = aligned_ptr(msg, tl.int32)
-                source_token = tl.load(header, mask=mmask, cache_modifier=".cg")
-                column = tl.load(header + 1, mask=mmask, cache_modifier=".cg")
-                # The message that carries the payload (this one, or the first message of
-                # the same token to this rank, for another expert).
-                ref = tl.load(header + 2, mask=mmask, other=0, cache_modifier=".cg")
-                payload = set_base + ref.to(tl.int64) * MSG_BYTES + HEADER_BYTES
-                tl.store(out_src_ptr + rows, source_token, mask=mmask)
-                tl.store(out_slot_ptr + rows, column, mask=mmask)
-                mask2 = mmask[:, None] & flat_mask[None, :]
-                dst = rows[:, None] * H + flat[None, :]
-                if USE_FP8:
-                    # Bytes move as bytes: out_x_ptr is the e4m3 output viewed as uint8.
-                    q_ptr = aligned_ptr(payload, tl.uint8)
-                    q = tl.load(q_ptr[:, None] + flat[None, :], mask=mask2, cache_modifier=".cg")
-                    tl.store(out_x_ptr + dst, q, mask=mask2)
-                    # Scales go column-major per expert (the row index fastest), the layout
-                    # TMA-based grouped GEMMs read. One lane per (group, message), messages
-                    # fastest, so neighbouring lanes store neighbouring rows of one group; a
-                    # [messages, groups] tile costs a layout change through shared memory
-                    # (1.2 us more per dispatch at 128 tokens, BENCHMARKS.md).
-                    s_m = first + scale_lanes % MSG_BLOCK
-                    s_group = scale_lanes // MSG_BLOCK
-                    s_mask = (s_group < G) & (s_m < group_msgs)
-                    s_index, s_row, s_local = _listed(s_m, starts, ends, begin, local, me_src,
-                                                      item_lanes, NUM_RANKS, M)  # fmt: skip
-                    s_header = aligned_ptr(set_base + s_index.to(tl.int64) * MSG_BYTES, tl.int32)
-                    s_ref = tl.load(s_header + 2, mask=s_mask, other=0, cache_modifier=".cg")
-                    s_src = set_base + s_ref.to(tl.int64) * MSG_BYTES + HEADER_BYTES + H
-                    scale = tl.load(aligned_ptr(s_src, tl.float32) + s_group, mask=s_mask,
-                                    cache_modifier=".cg")  # fmt: skip
-                    row = s_row.to(tl.int64)
-                    if PACK_UE8M0:
-                        # A power-of-two float32 scale is its exponent byte; byte g % 4 of
-                        # int32 column g // 4 (out_scales_ptr is that int32 tensor as bytes).
-                        e8 = ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
-                        s_column = s_local * ((G + 3) // 4) + s_group // 4
-                        dst_s = (s_column * (NUM_RANKS * M) + row) * 4 + s_group % 4
-                        tl.store(out_scales_ptr + dst_s, e8, mask=s_mask)
-                    else:
-                        s_column = s_local * G + s_group
-                        tl.store(out_scales_ptr + s_column * (NUM_RANKS * M) + row, scale,
-                                 mask=s_mask)  # fmt: skip
-                else:
-                    x_src = aligned_ptr(payload, tl.bfloat16)[:, None] + flat[None, :]
-                    x = tl.load(x_src, mask=mask2, cache_modifier=".cg")
-                    tl.store(out_x_ptr + dst, x, mask=mask2)
-            packed = (begin.to(tl.int64) << 32) | count
-            tl.store(out_range_ptr + local * NUM_RANKS + me_src, packed, mask=live)
-            tl.store(out_count_ptr + local, begin + count, mask=live & (me_src == NUM_RANKS - 1))
-            if PROFILE:
-                t_pack += read_clock(trace_ptr, USE_CLOCK) - t1
-
+        t_wait, t_pack = _receive(
+            c_recv, items_per_group, out_x_ptr, out_scales_ptr, out_src_ptr, out_count_ptr,
+            out_range_ptr, recv_stats_ptr, wait_stats_ptr, trace_ptr, peer_ptrs, rank,
+            status_ptr, timeout_us, mask_ptr, verdict_ptr, H, NUM_EXPERTS, NUM_RANKS, M,
+            MSG_BYTES, RECV_SET_BYTES, FLAG_SET_BYTES, RECV_OFFSET, FLAG_OFFSET, PACK_UE8M0,
+            USE_FP8, USE_CLOCK, G_P2, R_P2, BLOCK_MSGS, BLOCK_ITEMS, PROFILE, WAIT_STATS,
+            RECV_STATS, SHRINK,
+        )  # fmt: skip
     if PROFILE:
         t_end = read_clock(trace_ptr, USE_CLOCK)
         write_trace(
@@ -593,3 +367,574 @@ def ll_dispatch_kernel(
     if SHRINK and DO_RECV:  # noqa: SIM102 - compiled out without SHRINK
         if last:
             mask_timed_out(mask_ptr, verdict_ptr, verdict_ptr, c_recv + 1, NUM_RANKS, False)
+
+
+@triton.jit
+def _send(
+    x_ptr, topk_idx_ptr, num_tokens, count_by_adds, trace_ptr, peer_ptrs, pe_ptr, rank, c_send,
+    scratch_ptr, expert_done_ptr, status_ptr, mask_ptr, H: tl.constexpr, K: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr, NUM_RANKS: tl.constexpr, M: tl.constexpr,
+    MSG_BYTES: tl.constexpr, RECV_SET_BYTES: tl.constexpr, FLAG_SET_BYTES: tl.constexpr,
+    RECV_OFFSET: tl.constexpr, FLAG_OFFSET: tl.constexpr, STAGE_OFFSET: tl.constexpr,
+    GPUS_PER_NODE: tl.constexpr, USE_FP8: tl.constexpr, USE_UE8M0: tl.constexpr,
+    USE_CLOCK: tl.constexpr, BLOCK_N: tl.constexpr, K_P2: tl.constexpr, G_P2: tl.constexpr,
+    BINS: tl.constexpr, PROFILE: tl.constexpr, SHRINK: tl.constexpr, VIA: tl.constexpr,
+):  # fmt: skip
+    """The send phase of this program: count the batch's ids, store its tokens' messages,
+    publish the counts it completes. Returns the trace's (quantize and send, count send)
+    totals and the send phase's end."""
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    set_off = (c_send % 2) * RECV_SET_BYTES
+    t0 = tl.zeros((), tl.int64)
+    if PROFILE:
+        t0 = read_clock(trace_ptr, USE_CLOCK)
+    # This program's tokens: a contiguous run, so that slots follow token order.
+    per_program = tl.cdiv(num_tokens, num_programs)
+    first_token = tl.minimum(pid * per_program, num_tokens)
+    last_token = tl.minimum(first_token + per_program, num_tokens)
+    senders = tl.maximum(tl.cdiv(num_tokens, tl.maximum(per_program, 1)), 1)
+    next_slot = scratch_ptr + pid * (3 * BINS + TOKEN_WORDS)
+    # The first token's row is loaded now, so that its memory latency passes while the ids are
+    # counted; each token's send then loads the next one's.
+    groups = tl.arange(0, G_P2)
+    row_offs = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
+    x_next = tl.load(x_ptr + tl.cast(first_token, tl.int64) * H + row_offs,
+                     mask=(groups < H // 128)[:, None] & (first_token < last_token),
+                     other=0.0)  # fmt: skip
+    if count_by_adds:
+        total, before, bad = _count_by_adds(
+            topk_idx_ptr, tl.where(pid < senders, num_tokens, 0), first_token, next_slot,
+            mask_ptr, K, NUM_EXPERTS, NUM_RANKS, BLOCK_N, K_P2, BINS, SHRINK,
+        )  # fmt: skip
+    else:
+        total, before, bad = _count_by_histograms(
+            topk_idx_ptr, tl.where(pid < senders, num_tokens, 0), first_token, mask_ptr, K,
+            NUM_EXPERTS, NUM_RANKS, BLOCK_N, K_P2, BINS, SHRINK,
+        )  # fmt: skip
+    # An id outside [-1, NUM_EXPERTS): every counting program saw it, program 0 records it.
+    if bad & (pid == 0):
+        token, column, bad_id = first_bad_id(topk_idx_ptr, num_tokens, K, NUM_EXPERTS, K_P2,
+                                             BLOCK_N)  # fmt: skip
+        record_bad_id(status_ptr, rank, PHASE_DISPATCH_IDS, token, column, bad_id)
+    # next_slot[e]: the slot of this program's next token for expert e.
+    tl.store(next_slot + tl.arange(0, BINS), before)
+    tl.debug_barrier()
+    _send_tokens(
+        x_ptr, topk_idx_ptr, x_next, first_token, last_token, next_slot, peer_ptrs, rank,
+        set_off, mask_ptr, H, K, NUM_EXPERTS, NUM_RANKS, M, MSG_BYTES, RECV_OFFSET,
+        STAGE_OFFSET, GPUS_PER_NODE, USE_FP8, USE_UE8M0, USE_CLOCK, K_P2, G_P2, BINS, SHRINK,
+        VIA,
+    )  # fmt: skip
+    t1 = t0
+    if PROFILE:
+        t1 = read_clock(trace_ptr, USE_CLOCK)
+    _publish_counts(
+        total, before, next_slot, senders, c_send, expert_done_ptr, peer_ptrs, pe_ptr, rank,
+        mask_ptr, NUM_EXPERTS, NUM_RANKS, M, MSG_BYTES, RECV_SET_BYTES, FLAG_SET_BYTES,
+        RECV_OFFSET, FLAG_OFFSET, STAGE_OFFSET, GPUS_PER_NODE, BINS, SHRINK, VIA,
+    )  # fmt: skip
+    tl.debug_barrier()
+    t_end = t0
+    if PROFILE:
+        t_end = read_clock(trace_ptr, USE_CLOCK)
+    return t1 - t0, t_end - t1, t_end
+
+
+@triton.jit
+def _batch_ids(topk_idx_ptr, start, num_tokens, first_token, mask_ptr, K: tl.constexpr,
+               NUM_EXPERTS: tl.constexpr, E_LOCAL: tl.constexpr, BLOCK_N: tl.constexpr,
+               K_P2: tl.constexpr, SHRINK: tl.constexpr):  # fmt: skip
+    """A block of the batch's ids: ``[BLOCK_N, K_P2]`` ids, which of them get a message,
+    which belong to tokens before ``first_token``, and which lie outside ``[-1, NUM_EXPERTS)``."""
+    ks = tl.arange(0, K_P2)
+    tokens = start + tl.arange(0, BLOCK_N)
+    ids = tl.load(
+        topk_idx_ptr + tokens[:, None].to(tl.int64) * K + ks[None, :],
+        mask=(tokens[:, None] < num_tokens) & (ks[None, :] < K),
+        other=-1,
+    )
+    chosen = first_choices(ids, ks, K, NUM_EXPERTS)
+    if SHRINK:
+        chosen = chosen & ~masked(mask_ptr, ids // E_LOCAL, chosen)
+    earlier = chosen & (tokens[:, None] < first_token)
+    bad = (ids < -1) | (ids >= NUM_EXPERTS)
+    return ids, chosen, earlier, bad
+
+
+@triton.jit
+def _count_by_adds(topk_idx_ptr, num_tokens, first_token, next_slot, mask_ptr,
+                   K: tl.constexpr, NUM_EXPERTS: tl.constexpr, NUM_RANKS: tl.constexpr,
+                   BLOCK_N: tl.constexpr, K_P2: tl.constexpr, BINS: tl.constexpr,
+                   SHRINK: tl.constexpr):  # fmt: skip
+    """Tokens per expert of the first ``num_tokens`` of the batch and of those before
+    ``first_token``: one atomic add per chosen id into this program's scratch row (the batch's
+    count in the low word of ``tally[e]``, the earlier tokens' in the high word), as many adds
+    as ids. Few ids: adds save 1.0 us against histograms at 1-32 tokens (one H100, top-8),
+    and cost 0.2-0.7 us more at 128-256. Ids outside ``[-1, NUM_EXPERTS)`` add to
+    ``tally[BINS]`` in the same instruction. Returns ``(total, before, bad)``."""
+    experts = tl.arange(0, BINS)
+    tally = next_slot.to(tl.pointer_type(tl.int64))
+    tl.store(tally + experts, tl.zeros((BINS,), tl.int64))
+    tl.store(tally + BINS, 0)
+    tl.debug_barrier()
+    for start in range(0, num_tokens, BLOCK_N):
+        ids, chosen, earlier, bad = _batch_ids(topk_idx_ptr, start, num_tokens, first_token,
+                                               mask_ptr, K, NUM_EXPERTS,
+                                               NUM_EXPERTS // NUM_RANKS, BLOCK_N, K_P2,
+                                               SHRINK)  # fmt: skip
+        tl.atomic_add(tally + tl.where(chosen, ids, BINS), tl.where(earlier, (1 << 32) + 1, 1),
+                      mask=chosen | bad, sem="relaxed", scope="cta")  # fmt: skip
+    tl.debug_barrier()  # (the load waits for the adds: a round trip to the L2)
+    tallied = tl.load(tally + experts, cache_modifier=".cg")
+    bad = tl.load(tally + BINS, cache_modifier=".cg") != 0
+    tl.debug_barrier()
+    return tallied.to(tl.int32), (tallied >> 32).to(tl.int32), bad
+
+
+@triton.jit
+def _count_by_histograms(topk_idx_ptr, num_tokens, first_token, mask_ptr, K: tl.constexpr,
+                         NUM_EXPERTS: tl.constexpr, NUM_RANKS: tl.constexpr,
+                         BLOCK_N: tl.constexpr, K_P2: tl.constexpr, BINS: tl.constexpr,
+                         SHRINK: tl.constexpr):  # fmt: skip
+    """:func:`_count_by_adds` by two histograms per block of ids, whose cost (~0.9 us each for
+    256 bins) does not grow with the ids but which all programs' adds together exceed beyond
+    ~32K adds. Returns ``(total, before, bad)``."""
+    total = tl.zeros((BINS,), tl.int32)
+    before = tl.zeros((BINS,), tl.int32)
+    seen = tl.zeros((BLOCK_N, K_P2), tl.int1)
+    for start in range(0, num_tokens, BLOCK_N):
+        ids, chosen, earlier, bad = _batch_ids(topk_idx_ptr, start, num_tokens, first_token,
+                                               mask_ptr, K, NUM_EXPERTS,
+                                               NUM_EXPERTS // NUM_RANKS, BLOCK_N, K_P2,
+                                               SHRINK)  # fmt: skip
+        binned = tl.reshape(tl.where(chosen, ids, 0).to(tl.int32), (BLOCK_N * K_P2,))
+        total += tl.histogram(binned, BINS, mask=tl.reshape(chosen, (BLOCK_N * K_P2,)))
+        before += tl.histogram(binned, BINS, mask=tl.reshape(earlier, (BLOCK_N * K_P2,)))
+        seen = seen | bad
+    return total, before, any_set(seen)
+
+
+@triton.jit
+def _send_tokens(
+    x_ptr, topk_idx_ptr, x_next, first_token, last_token, next_slot, peer_ptrs, rank, set_off,
+    mask_ptr, H: tl.constexpr, K: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+    NUM_RANKS: tl.constexpr, M: tl.constexpr, MSG_BYTES: tl.constexpr,
+    RECV_OFFSET: tl.constexpr, STAGE_OFFSET: tl.constexpr, GPUS_PER_NODE: tl.constexpr,
+    USE_FP8: tl.constexpr, USE_UE8M0: tl.constexpr, USE_CLOCK: tl.constexpr,
+    K_P2: tl.constexpr, G_P2: tl.constexpr, BINS: tl.constexpr, SHRINK: tl.constexpr,
+    VIA: tl.constexpr,
+):  # fmt: skip
+    """Store the messages of tokens ``[first_token, last_token)``: per token, load the row once
+    (``x_next`` holds the first), quantize it once, and store one message per distinct expert
+    into its owner's slab (or this rank's staging slab) at the expert's next slot."""
+    E_LOCAL: tl.constexpr = NUM_EXPERTS // NUM_RANKS
+    ks = tl.arange(0, K_P2)
+    groups = tl.arange(0, G_P2)
+    gmask = groups < H // 128
+    row_offs = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
+    row_mask = gmask[:, None]
+    my_base = tl.load(peer_ptrs + rank)
+    dests = (next_slot + 3 * BINS).to(tl.pointer_type(tl.int64))
+    keys = next_slot + 3 * BINS + 32
+    indexes = keys + 16
+    refs = indexes + 16
+    # A token's columns as a [column k, column j] tile, for finding each column's payload.
+    col_k = ks[:, None] + 0 * ks[None, :]
+    col_j = ks[None, :] + 0 * ks[:, None]
+    for token in range(first_token, last_token):
+        ids = tl.load(topk_idx_ptr + tl.cast(token, tl.int64) * K + ks, mask=ks < K, other=-1)
+        valid = tl.reshape(first_choices(ids[None, :], ks, K, NUM_EXPERTS), (K_P2,))
+        if SHRINK:
+            valid = valid & ~masked(mask_ptr, ids // E_LOCAL, valid)
+        ids = tl.where(valid, ids, 0).to(tl.int32)
+        slots = tl.load(next_slot + ids, mask=valid, other=0)
+        tl.debug_barrier()
+        tl.store(next_slot + ids, slots + 1, mask=valid)
+        # Quantize the token once, then store it to each of its experts.
+        x = x_next
+        x_next = tl.load(x_ptr + tl.cast(token + 1, tl.int64) * H + row_offs,
+                         mask=row_mask & (token + 1 < last_token), other=0.0)  # fmt: skip
+        if USE_FP8:
+            q, scale = quantize_groups(from_bf16(x, not USE_CLOCK), USE_UE8M0, not USE_CLOCK)
+            q = e4m3_bits(q, not USE_CLOCK)
+        # Where each message goes, computed for all columns at once; then one message per
+        # column, its address read back (scalar loads, no cross-warp reductions).
+        owners = ids // E_LOCAL
+        msgs = tl.load(peer_ptrs + owners, mask=valid, other=0) + RECV_OFFSET + set_off
+        msgs += (((ids % E_LOCAL) * NUM_RANKS + rank) * M).to(tl.int64) * MSG_BYTES
+        if VIA != VIA_STORE:
+            # An owner on another node: the message goes to this rank's staging slab, whose
+            # block of the expert is put there once the block is complete.
+            far = (owners // GPUS_PER_NODE) != (rank // GPUS_PER_NODE)
+            staged = my_base + STAGE_OFFSET + ids.to(tl.int64) * (M * MSG_BYTES)
+            msgs = tl.where(far, staged, msgs)
+        msgs += slots.to(tl.int64) * MSG_BYTES
+        tl.store(dests + ks, tl.where(valid, msgs, 0), mask=ks < K)
+        # The payload crosses to an owner once: the first column of each owner reached by
+        # stores carries it, the owner's other columns only a header that names that message
+        # (index in the owner's buffer set). Staged messages all carry it. The [column,
+        # earlier column] tile is read back from the scratch row: built from the vectors in
+        # registers it takes two layout changes, which cost more.
+        key = tl.where(valid, owners, -1)
+        if VIA != VIA_STORE:
+            key = tl.where(far, -1, key)
+        tl.store(keys + ks, key)
+        tl.store(indexes + ks, ((ids % E_LOCAL) * NUM_RANKS + rank) * M + slots)
+        tl.debug_barrier()
+        key_k = tl.load(keys + col_k)
+        same = ((tl.load(keys + col_j) == key_k) & (key_k >= 0)) | (col_j == col_k)
+        first = tl.min(tl.where(same, col_j, K_P2), axis=1)
+        ref = tl.sum(tl.where(col_j == first[:, None], tl.load(indexes + col_j), 0), axis=1)
+        # -ref - 1 marks a header-only message.
+        tl.store(refs + ks, tl.where(first == ks, ref, -ref - 1))
+        tl.debug_barrier()
+        for k in tl.static_range(K):
+            msg = tl.load(dests + k)
+            ref = tl.load(refs + k)
+            if msg != 0:
+                header = aligned_ptr(msg, tl.int32)
+                tl.store(header, token)
+                tl.store(header + 1, k)
+                tl.store(header + 2, tl.where(ref >= 0, ref, -ref - 1))
+            if (msg != 0) & (ref >= 0):
+                if USE_FP8:
+                    q_ptr = aligned_ptr(msg + HEADER_BYTES, tl.uint8)
+                    tl.store(q_ptr + row_offs, q, mask=row_mask)
+                    scale_ptr = aligned_ptr(msg + HEADER_BYTES + H, tl.float32)
+                    tl.store(scale_ptr + groups, scale, mask=gmask)
+                else:
+                    x_dst = aligned_ptr(msg + HEADER_BYTES, tl.bfloat16)
+                    tl.store(x_dst + row_offs, x, mask=row_mask)
+        tl.debug_barrier()
+
+
+@triton.jit
+def _publish_counts(
+    total, before, next_slot, senders, c_send, expert_done_ptr, peer_ptrs, pe_ptr, rank,
+    mask_ptr, NUM_EXPERTS: tl.constexpr, NUM_RANKS: tl.constexpr, M: tl.constexpr,
+    MSG_BYTES: tl.constexpr, RECV_SET_BYTES: tl.constexpr, FLAG_SET_BYTES: tl.constexpr,
+    RECV_OFFSET: tl.constexpr, FLAG_OFFSET: tl.constexpr, STAGE_OFFSET: tl.constexpr,
+    GPUS_PER_NODE: tl.constexpr, BINS: tl.constexpr, SHRINK: tl.constexpr,
+    VIA: tl.constexpr,
+):  # fmt: skip
+    """Count this program's messages as stored. The program whose add completes an expert
+    (brings its count to the total) publishes the count; program ``e % senders`` publishes
+    the zero count of an expert that no token chose. Nothing waits here. The counters are this
+    GPU's, so GPU scope suffices: release/acquire orderings compose, and the publisher's
+    system-scope release then orders every program's messages before the count for the owner
+    (a system-scope add here costs ~0.6 us more per launch)."""
+    E_LOCAL: tl.constexpr = NUM_EXPERTS // NUM_RANKS
+    pid = tl.program_id(0)
+    experts = tl.arange(0, BINS)
+    set_off = (c_send % 2) * RECV_SET_BYTES
+    flag_set_off = (c_send % 2) * FLAG_SET_BYTES
+    expert_owners = experts // E_LOCAL
+    owner_bases = tl.load(peer_ptrs + expert_owners, mask=experts < NUM_EXPERTS, other=0)
+    mine = tl.load(next_slot + experts) - before
+    tl.debug_barrier()
+    done = tl.atomic_add(expert_done_ptr + experts, mine, mask=mine > 0, sem="acq_rel",
+                         scope="gpu")  # fmt: skip
+    completed = (mine > 0) & (done + mine == total)
+    tl.store(expert_done_ptr + experts, 0, mask=completed)  # ready for the next call
+    publish = completed | ((total == 0) & (experts % senders == pid) & (experts < NUM_EXPERTS))
+    if SHRINK:  # experts of masked peers are chosen by no token: no message, no count
+        publish = publish & ~masked(mask_ptr, expert_owners, experts < NUM_EXPERTS)
+    flags = FLAG_OFFSET + flag_set_off + ((experts % E_LOCAL) * NUM_RANKS + rank) * 8
+    values = ((c_send + 1) << 32) | total.to(tl.int64)
+    nearby = publish
+    if VIA != VIA_STORE:
+        nearby = publish & ((expert_owners // GPUS_PER_NODE) == (rank // GPUS_PER_NODE))
+    peer_base = tl.where(nearby, owner_bases, 0)
+    tl.debug_barrier()
+    tl.atomic_xchg((peer_base + flags).to(tl.pointer_type(tl.int64)), values, mask=nearby,
+                   sem="release", scope="sys")  # fmt: skip
+    if VIA != VIA_STORE:
+        # Experts on other nodes: one put of the staged block each, the count its signal.
+        my_base = tl.load(peer_ptrs + rank)
+        far = (publish & ~nearby).to(tl.int32)
+        listed = tl.cumsum(far, axis=0) - far
+        far_experts = next_slot + BINS
+        far_totals = far_experts + BINS
+        tl.store(far_experts + listed, experts, mask=far > 0)
+        tl.store(far_totals + listed, total, mask=far > 0)
+        tl.debug_barrier()
+        for i in range(tl.sum(far, axis=0)):
+            expert = tl.load(far_experts + i)
+            count = tl.load(far_totals + i)
+            owner = expert // E_LOCAL
+            local = expert % E_LOCAL
+            put_block_signal(
+                my_base, tl.load(peer_ptrs + owner),
+                RECV_OFFSET + set_off + ((local * NUM_RANKS + rank) * M) * MSG_BYTES,
+                my_base + STAGE_OFFSET + expert.to(tl.int64) * (M * MSG_BYTES),
+                count.to(tl.int64) * MSG_BYTES,
+                FLAG_OFFSET + flag_set_off + (local * NUM_RANKS + rank) * 8,
+                ((c_send + 1) << 32) | count.to(tl.int64), SIGNAL_SET,
+                tl.load(pe_ptr + owner), VIA,
+            )  # fmt: skip
+
+
+@triton.jit
+def _receive(
+    c_recv, items_per_group, out_x_ptr, out_scales_ptr, out_src_ptr, out_count_ptr,
+    out_range_ptr, recv_stats_ptr, wait_stats_ptr, trace_ptr, peer_ptrs, rank, status_ptr,
+    timeout_us, mask_ptr, verdict_ptr, H: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+    NUM_RANKS: tl.constexpr, M: tl.constexpr, MSG_BYTES: tl.constexpr,
+    RECV_SET_BYTES: tl.constexpr, FLAG_SET_BYTES: tl.constexpr, RECV_OFFSET: tl.constexpr,
+    FLAG_OFFSET: tl.constexpr, PACK_UE8M0: tl.constexpr, USE_FP8: tl.constexpr,
+    USE_CLOCK: tl.constexpr, G_P2: tl.constexpr, R_P2: tl.constexpr, BLOCK_MSGS: tl.constexpr,
+    BLOCK_ITEMS: tl.constexpr, PROFILE: tl.constexpr, WAIT_STATS: tl.constexpr,
+    RECV_STATS: tl.constexpr, SHRINK: tl.constexpr,
+):  # fmt: skip
+    """The receive phase of this program. Work items are (local expert, source rank) pairs; a
+    block starts after the blocks of the earlier sources, whose counts it reads from their
+    flags (in source-rank order, so the output is deterministic and matches the reference).
+    A program takes its items ``items_per_group`` at a time and moves them as one: one wait for
+    all their counts, then their messages together, so the dependent reads (counts, headers,
+    payloads) are paid once per group rather than once per item. Returns the trace's (wait,
+    pack) totals."""
+    E_LOCAL: tl.constexpr = NUM_EXPERTS // NUM_RANKS
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    set_off = (c_recv % 2) * RECV_SET_BYTES
+    flag_set_off = (c_recv % 2) * FLAG_SET_BYTES
+    my_base = tl.load(peer_ptrs + rank)
+    set_base = my_base + RECV_OFFSET + set_off
+    item_lanes = tl.arange(0, BLOCK_ITEMS)
+    # After one wait gives up, the program's later waits give up at once, so a launch ends
+    # within about one timeout however many waits it has.
+    budget = timeout_us.to(tl.int64) * 1000
+    t_wait = tl.zeros((), tl.int64)
+    t_pack = tl.zeros((), tl.int64)
+    for group in range(0, tl.cdiv(E_LOCAL * NUM_RANKS, num_programs), items_per_group):
+        items = pid + (group + item_lanes) * num_programs
+        live = (items < E_LOCAL * NUM_RANKS) & (item_lanes < items_per_group)
+        local = tl.where(live, items // NUM_RANKS, 0)
+        me_src = tl.where(live, items % NUM_RANKS, 0)
+        t0 = t_wait
+        if PROFILE:
+            t0 = read_clock(trace_ptr, USE_CLOCK)
+        flag_rows = my_base + FLAG_OFFSET + flag_set_off + local * NUM_RANKS * 8
+        if SHRINK:  # shrink mode settles each source's outcome with the other programs
+            begin, count = _wait_settled(
+                flag_rows, live, me_src, item_lanes, c_recv, wait_stats_ptr, trace_ptr,
+                status_ptr, timeout_us, mask_ptr, verdict_ptr, USE_CLOCK, BLOCK_ITEMS, WAIT_STATS,
+            )  # fmt: skip
+            gave_up = False
+            own_missing = tl.zeros((BLOCK_ITEMS,), tl.int1)
+        else:
+            begin, count, own_missing, gave_up, budget = _wait_counts(
+                flag_rows, live, local, me_src, item_lanes, c_recv, budget, wait_stats_ptr,
+                trace_ptr, status_ptr, timeout_us, USE_CLOCK, R_P2, BLOCK_ITEMS, WAIT_STATS,
+            )  # fmt: skip
+        t1 = t0
+        if PROFILE:
+            t1 = read_clock(trace_ptr, USE_CLOCK)
+            t_wait += t1 - t0
+        count = tl.where(live, count, 0)
+        # A missing source's block is one poison row: no messages to move.
+        moved = tl.where(own_missing, 0, count)
+        _pack_group(
+            set_base, begin, moved, local, me_src, item_lanes, out_x_ptr, out_scales_ptr,
+            out_src_ptr, H, NUM_RANKS * E_LOCAL, NUM_RANKS, M, MSG_BYTES, PACK_UE8M0, USE_FP8,
+            G_P2, BLOCK_MSGS, BLOCK_ITEMS,
+        )  # fmt: skip
+        if gave_up:
+            _poison_rows(
+                begin, own_missing & live, local, item_lanes, out_x_ptr, out_scales_ptr,
+                out_src_ptr, H, E_LOCAL, NUM_RANKS, M, PACK_UE8M0, USE_FP8, G_P2, BLOCK_ITEMS,
+            )  # fmt: skip
+        packed = (begin.to(tl.int64) << 32) | moved
+        tl.store(out_range_ptr + local * NUM_RANKS + me_src, packed, mask=live)
+        last_source = live & (me_src == NUM_RANKS - 1)
+        tl.store(out_count_ptr + local, begin + count, mask=last_source)
+        if RECV_STATS:
+            tl.atomic_add(recv_stats_ptr + local, begin + count, mask=last_source, sem="relaxed",
+                          scope="gpu")  # fmt: skip
+        if PROFILE:
+            t_pack += read_clock(trace_ptr, USE_CLOCK) - t1
+    return t_wait, t_pack
+
+
+@triton.jit
+def _wait_counts(
+    flag_rows, live, local, me_src, item_lanes, c_recv, budget, wait_stats_ptr, trace_ptr,
+    status_ptr, timeout_us, USE_CLOCK: tl.constexpr, R_P2: tl.constexpr, BLOCK_ITEMS: tl.constexpr,
+    WAIT_STATS: tl.constexpr,
+):  # fmt: skip
+    """Every count a group of items needs in one vector read, usually all there; else the
+    read repeats (bounded) until they are. Returns each item's ``begin`` and ``count``, which
+    items' own source gave up (``own_missing``), whether any wait gave up, and the budget
+    left. A source that gave up counts as one (poison) row, so that every later block keeps
+    its place and the poisoned one stands out."""
+    sources = tl.arange(0, R_P2)
+    wanted = live[:, None] & (sources[None, :] <= me_src[:, None])
+    count_flags = (flag_rows[:, None] + sources[None, :] * 8).to(tl.pointer_type(tl.int64))
+    tagged, missing, waited, limit = wait_tile(
+        count_flags, wanted, c_recv + 1, budget, timeout_us, status_ptr, USE_CLOCK, SHIFT=32,
+        TIMED=WAIT_STATS,
+    )  # fmt: skip
+    if WAIT_STATS:  # the time until each source's counts were all there
+        tl.atomic_add(wait_stats_ptr + sources, tl.max(waited, axis=0),
+                      mask=tl.max(wanted.to(tl.int32), axis=0) > 0, sem="relaxed",
+                      scope="gpu")  # fmt: skip
+    counts = tl.where(wanted & ~missing, (tagged & 0xFFFFFFFF).to(tl.int32), 0)
+    own_missing = tl.zeros((BLOCK_ITEMS,), tl.int1)
+    gave_up = any_set(missing)
+    if gave_up:
+        # Name the first (item, source) still missing.
+        lanes = item_lanes[:, None] * R_P2 + sources[None, :]
+        gone = tl.min(tl.min(tl.where(missing, lanes, BLOCK_ITEMS * R_P2), axis=1), 0)
+        record_timeout(status_ptr, gone % R_P2, PHASE_DISPATCH_RECV, limit,
+                       lane(local, item_lanes, gone // R_P2))  # fmt: skip
+        budget = budget * 0
+        counts = tl.where(missing, 1, counts)
+        own = (sources[None, :] == me_src[:, None]) & missing
+        own_missing = tl.sum(own.to(tl.int32), axis=1) > 0
+    begin = tl.sum(tl.where(sources[None, :] < me_src[:, None], counts, 0), axis=1)
+    count = tl.sum(tl.where(sources[None, :] == me_src[:, None], counts, 0), axis=1)
+    return begin, count, own_missing, gave_up, budget
+
+
+@triton.jit
+def _wait_settled(
+    flag_rows, live, me_src, item_lanes, c_recv, wait_stats_ptr, trace_ptr, status_ptr,
+    timeout_us, mask_ptr, verdict_ptr, USE_CLOCK: tl.constexpr, BLOCK_ITEMS: tl.constexpr,
+    WAIT_STATS: tl.constexpr,
+):  # fmt: skip
+    """:func:`_wait_counts` in shrink mode: each source's outcome is settled with the other
+    programs, and a source given up on contributes nothing (it is masked at the end)."""
+    begin = tl.zeros((BLOCK_ITEMS,), tl.int32)
+    count = tl.zeros((BLOCK_ITEMS,), tl.int32)
+    for j in tl.static_range(BLOCK_ITEMS):
+        item_begin = tl.zeros((), tl.int32)
+        item_count = tl.zeros((), tl.int32)
+        item_live = lane(live.to(tl.int32), item_lanes, j) != 0
+        item_src = tl.where(item_live, lane(me_src, item_lanes, j), -1)
+        item_row = lane(flag_rows, item_lanes, j)
+        for src in range(0, item_src + 1):
+            timeout_ns = limit_ns(timeout_us, status_ptr)
+            flag = (item_row + src * 8).to(tl.pointer_type(tl.int64))
+            w0 = tl.zeros((), tl.int64)
+            if WAIT_STATS:
+                w0 = read_clock(trace_ptr, USE_CLOCK)
+            value, ok = wait_peer(flag, c_recv + 1, timeout_ns, tl.load(mask_ptr + src) != 0,
+                                  verdict_ptr + src, c_recv + 1, USE_CLOCK, SHIFT=32)  # fmt: skip
+            if WAIT_STATS:
+                waited = read_clock(trace_ptr, USE_CLOCK) - w0
+                tl.atomic_add(wait_stats_ptr + src, waited, sem="relaxed", scope="gpu")
+            item_begin += item_count
+            item_count = tl.where(ok, (value & 0xFFFFFFFF).to(tl.int32), 0)
+        begin = tl.where(item_lanes == j, item_begin, begin)
+        count = tl.where(item_lanes == j, item_count, count)
+    return begin, count
+
+
+@triton.jit
+def _pack_group(
+    set_base, begin, count, local, me_src, item_lanes, out_x_ptr, out_scales_ptr, out_src_ptr,
+    H: tl.constexpr, ITEMS_TOTAL: tl.constexpr, NUM_RANKS: tl.constexpr, M: tl.constexpr,
+    MSG_BYTES: tl.constexpr, PACK_UE8M0: tl.constexpr, USE_FP8: tl.constexpr,
+    G_P2: tl.constexpr, BLOCK_MSGS: tl.constexpr, BLOCK_ITEMS: tl.constexpr,
+):  # fmt: skip
+    """Copy a group's messages, ``BLOCK_MSGS`` at a time, into the packed outputs: item ``j``'s
+    ``count[j]`` messages to rows ``begin[j]...`` of its expert's block. The group's messages
+    form one list: item j's come after those of items < j."""
+    G: tl.constexpr = H // 128
+    msgs = tl.arange(0, BLOCK_MSGS)
+    scale_lanes = tl.arange(0, G_P2 * BLOCK_MSGS)
+    flat = tl.arange(0, G_P2 * 128)
+    flat_mask = flat < H
+    out_slot_ptr = out_src_ptr + ITEMS_TOTAL * M  # the second half of [2, E_local, R * M]
+    ends = tl.cumsum(count, axis=0)
+    starts = ends - count
+    group_msgs = tl.sum(count, axis=0)
+    for first in range(0, group_msgs, BLOCK_MSGS):
+        m = first + msgs
+        mmask = m < group_msgs
+        index, row_in, m_local = _listed(m, starts, ends, begin, local, me_src, item_lanes,
+                                         NUM_RANKS, M)  # fmt: skip
+        msg = set_base + index.to(tl.int64) * MSG_BYTES
+        rows = (m_local * NUM_RANKS * M + row_in).to(tl.int64)
+        header = aligned_ptr(msg, tl.int32)
+        source_token = tl.load(header, mask=mmask, cache_modifier=".cg")
+        column = tl.load(header + 1, mask=mmask, cache_modifier=".cg")
+        # The message that carries the payload (this one, or the first message of the same
+        # token to this rank, for another expert).
+        ref = tl.load(header + 2, mask=mmask, other=0, cache_modifier=".cg")
+        payload = set_base + ref.to(tl.int64) * MSG_BYTES + HEADER_BYTES
+        tl.store(out_src_ptr + rows, source_token, mask=mmask)
+        tl.store(out_slot_ptr + rows, column, mask=mmask)
+        mask2 = mmask[:, None] & flat_mask[None, :]
+        dst = rows[:, None] * H + flat[None, :]
+        if USE_FP8:
+            # Bytes move as bytes (out_x_ptr is the e4m3 output).
+            q_ptr = aligned_ptr(payload, tl.uint8)
+            q = tl.load(q_ptr[:, None] + flat[None, :], mask=mask2, cache_modifier=".cg")
+            tl.store(out_x_ptr.to(tl.pointer_type(tl.uint8)) + dst, q, mask=mask2)
+            # Scales go column-major per expert (the row index fastest), the layout TMA-based
+            # grouped GEMMs read. One lane per (group, message), messages fastest, so
+            # neighbouring lanes store neighbouring rows of one group; a [messages, groups]
+            # tile costs a layout change through shared memory (1.2 us more per dispatch at
+            # 128 tokens, BENCHMARKS.md).
+            s_m = first + scale_lanes % BLOCK_MSGS
+            s_group = scale_lanes // BLOCK_MSGS
+            s_mask = (s_group < G) & (s_m < group_msgs)
+            s_index, s_row, s_local = _listed(s_m, starts, ends, begin, local, me_src,
+                                              item_lanes, NUM_RANKS, M)  # fmt: skip
+            s_header = aligned_ptr(set_base + s_index.to(tl.int64) * MSG_BYTES, tl.int32)
+            s_ref = tl.load(s_header + 2, mask=s_mask, other=0, cache_modifier=".cg")
+            s_src = set_base + s_ref.to(tl.int64) * MSG_BYTES + HEADER_BYTES + H
+            scale = tl.load(aligned_ptr(s_src, tl.float32) + s_group, mask=s_mask,
+                            cache_modifier=".cg")  # fmt: skip
+            row = s_row.to(tl.int64)
+            if PACK_UE8M0:
+                # A power-of-two float32 scale is its exponent byte; byte g % 4 of int32
+                # column g // 4 (out_scales_ptr is that int32 tensor).
+                e8 = ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
+                s_column = s_local * ((G + 3) // 4) + s_group // 4
+                dst_s = (s_column * (NUM_RANKS * M) + row) * 4 + s_group % 4
+                tl.store(out_scales_ptr.to(tl.pointer_type(tl.uint8)) + dst_s, e8, mask=s_mask)
+            else:
+                s_column = s_local * G + s_group
+                tl.store(out_scales_ptr + s_column * (NUM_RANKS * M) + row, scale, mask=s_mask)
+        else:
+            x_src = aligned_ptr(payload, tl.bfloat16)[:, None] + flat[None, :]
+            x = tl.load(x_src, mask=mask2, cache_modifier=".cg")
+            tl.store(out_x_ptr + dst, x, mask=mask2)
+
+
+@triton.jit
+def _poison_rows(
+    begin, poisoned, local, item_lanes, out_x_ptr, out_scales_ptr, out_src_ptr,
+    H: tl.constexpr, E_LOCAL: tl.constexpr, NUM_RANKS: tl.constexpr, M: tl.constexpr,
+    PACK_UE8M0: tl.constexpr, USE_FP8: tl.constexpr, G_P2: tl.constexpr, BLOCK_ITEMS: tl.constexpr,
+):  # fmt: skip
+    """Fill the row at ``begin`` of each ``poisoned`` item's block with 0xFF bytes: its payload
+    and scales read as NaN, its source token and column as -1. Runs only after a timeout."""
+    G: tl.constexpr = H // 128
+    ROWS: tl.constexpr = NUM_RANKS * M
+    flat = tl.arange(0, G_P2 * 128)
+    groups = tl.arange(0, G_P2)
+    for j in tl.static_range(BLOCK_ITEMS):
+        if lane(poisoned.to(tl.int32), item_lanes, j) != 0:
+            expert = lane(local, item_lanes, j).to(tl.int64)
+            at = lane(begin, item_lanes, j)
+            row = expert * ROWS + at
+            if USE_FP8:
+                tl.store(out_x_ptr.to(tl.pointer_type(tl.uint8)) + row * H + flat, 0xFF,
+                         mask=flat < H)  # fmt: skip
+                if PACK_UE8M0:  # exponent byte g % 4 of int32 column g // 4
+                    column = expert * ((G + 3) // 4) + groups // 4
+                    scales = out_scales_ptr.to(tl.pointer_type(tl.uint8))
+                    tl.store(scales + (column * ROWS + at) * 4 + groups % 4, 0xFF,
+                             mask=groups < G)  # fmt: skip
+                else:
+                    scales = out_scales_ptr.to(tl.pointer_type(tl.int32))
+                    tl.store(scales + (expert * G + groups) * ROWS + at, -1, mask=groups < G)
+            else:
+                bits = out_x_ptr.to(tl.pointer_type(tl.int16))
+                tl.store(bits + row * H + flat, -1, mask=flat < H)
+            tl.store(out_src_ptr + row, -1)
+            tl.store(out_src_ptr + E_LOCAL * ROWS + row, -1)

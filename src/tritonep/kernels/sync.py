@@ -8,8 +8,8 @@ barrier on the side where other threads' memory accesses must be ordered with it
 Every wait is bounded. On a GPU the deadline comes from the nanosecond ``globaltimer``; the
 Triton interpreter has no clock, so there the time is counted in spins of
 :data:`INTERPRETER_SPIN_NS` each. A wait that gives up records (peer, phase) in a small device
-*status* tensor and returns ``False``; the kernel then skips the rest of its work and the host
-turns the status into :class:`~tritonep.errors.WaitTimeoutError` (:func:`raise_on_timeout`).
+*status* (:mod:`tritonep.kernels.status`) and returns ``False``; the kernel then skips the
+rest of its work and the host turns the status into :class:`~tritonep.errors.WaitTimeoutError`.
 No kernel ever traps, so the CUDA context survives a timeout.
 
 A recorded timeout stays: the mode's call counters no longer agree with its peers', so the
@@ -32,20 +32,24 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import WaitTimeoutError
+from .status import (  # noqa: F401 - the status words and their records, named here too
+    STATUS_BAD_ID,
+    STATUS_OK,
+    STATUS_OVERFLOW,
+    STATUS_TIMEOUT,
+    STATUS_WORDS,
+    Status,
+    check_status,
+    new_status,
+    raise_on_timeout,
+    record_timeout,
+)
 
 #: Wall time one spin of a wait loop is assumed to take under the Triton interpreter.
 INTERPRETER_SPIN_NS = tl.constexpr(1_000_000)
 
 #: Default limit of every wait, in seconds.
 DEFAULT_TIMEOUT_S = 100.0
-
-#: Words of a status tensor: code, peer, phase, detail, limit of the failed wait in microseconds.
-STATUS_WORDS = 5
-STATUS_OK = tl.constexpr(0)
-STATUS_TIMEOUT = tl.constexpr(1)
-#: More rows arrived than the outputs hold (worst-case sizing); the excess was not written.
-STATUS_OVERFLOW = tl.constexpr(2)
 
 
 @triton.jit
@@ -251,30 +255,6 @@ def lane(vector, lanes, index):
     return tl.sum(tl.where(lanes == index, vector, 0), 0)
 
 
-@triton.jit
-def record_timeout(status_ptr, peer, phase, timeout_ns, detail=-1,
-                   code: tl.constexpr = STATUS_TIMEOUT):  # fmt: skip
-    """Record the first failure: ``status = [code, peer, phase, detail, limit in microseconds]``
-    (``timeout_ns``: the limit the wait had, from :func:`limit_ns`). A timeout also replaces
-    an overflow that nobody has checked yet: the overflow would hide it, and later launches
-    would wait again."""
-    won = tl.atomic_cas(status_ptr, STATUS_OK, code, sem="relaxed") == STATUS_OK
-    if code == STATUS_TIMEOUT:  # noqa: SIM102 (compiled in or out; the inner test runs)
-        if not won:
-            was = tl.atomic_cas(status_ptr, STATUS_OVERFLOW, code, sem="relaxed")
-            won = was == STATUS_OVERFLOW
-    if won:
-        tl.store(status_ptr + 1, peer)
-        tl.store(status_ptr + 2, phase)
-        tl.store(status_ptr + 3, detail)
-        tl.store(status_ptr + 4, timeout_ns // 1000)  # the store narrows it to int32
-
-
-def new_status(device: torch.device) -> torch.Tensor:
-    """A zeroed ``int32 [STATUS_WORDS]`` status tensor: one per mode, kept across launches."""
-    return torch.zeros(STATUS_WORDS, dtype=torch.int32, device=device)
-
-
 def use_clock(device: torch.device) -> bool:
     """Whether kernels on ``device`` can read the GPU clock (not under the interpreter)."""
     return device.type == "cuda"
@@ -292,32 +272,3 @@ def timeout_us(timeout_s: float) -> int:
             f"timeout_s: expected a number of seconds in (0, {MAX_TIMEOUT_S:.0f}], got {timeout_s}"
         )
     return max(1, round(timeout_s * 1e6))
-
-
-def raise_on_timeout(
-    status: torch.Tensor, rank: int, phases: dict[int, str], detail: str = ""
-) -> None:
-    """Raise :class:`WaitTimeoutError` if a launch recorded a timeout (reads ``status``: syncs).
-
-    ``detail`` is formatted with the recorded detail value (e.g. ``"expert {}"``).
-    """
-    check_status(status.tolist(), rank, phases, detail)
-
-
-def check_status(words: list[int], rank: int, phases: dict[int, str], detail: str = "") -> None:
-    """:func:`raise_on_timeout` for a status already read to the host (``STATUS_WORDS`` ints).
-
-    Raises :class:`WaitTimeoutError` for a timeout, ``ValueError`` for an overflow of
-    worst-case outputs.
-    """
-    code, peer, phase, value, limit_us = words
-    if code == STATUS_OVERFLOW.value:
-        raise ValueError(
-            f"num_worst_tokens: rank {rank} received {value} rows, more than the outputs hold; "
-            "the rows past the end were dropped (raise num_worst_tokens)"
-        )
-    if code == STATUS_TIMEOUT.value:
-        name = phases.get(phase, f"phase {phase}")
-        if detail and value >= 0:
-            name = f"{name}, {detail.format(value)}"
-        raise WaitTimeoutError(rank, peer, name, limit_us / 1e6)

@@ -12,8 +12,7 @@ between them):
 * combine receive rows ``[max_tokens][max_topk][H]`` BF16;
 
 plus ``[R]`` combine counters. Call counters live in a small device tensor, so calls need no
-host synchronization (eager calls with ``check_ids`` read the ids' range on the host; capture
-skips that read) and a captured CUDA graph can be replayed any number of times.
+host synchronization and a captured CUDA graph can be replayed any number of times.
 
 Across nodes (``gpus_per_node`` smaller than the group), peers on this rank's node are written
 as above; for peers on other nodes, messages and rows are first built in a staging region of
@@ -27,6 +26,28 @@ peers are skipped from then on (:mod:`tritonep.kernels.peer_mask`; :attr:`peer_m
 Outputs are allocated per call (``torch.empty``: rows past ``recv_count`` are undefined).
 At most two dispatches (and two combines) may be in flight at once, and every rank must make
 the same sequence of calls, as with DeepEP.
+
+Errors without a host synchronization. Ids outside ``[-1, num_experts)`` are dropped by the
+kernels and recorded, as is a wait that gave up, in the mode's status
+(:mod:`tritonep.kernels.status`), whose host copy each call reads before it launches: the call
+then launches as usual (so that its peers get what they wait for) and raises the recorded
+error, a ``ValueError`` naming the token and the id, or a
+:class:`~tritonep.errors.WaitTimeoutError` naming the rank, the peer and the phase.
+:meth:`LowLatencyMode.check` waits for the device and raises the same. A timed-out call leaves
+outputs that say so: a dispatch whose wait for a source gave up holds one row of 0xFF bytes
+(NaN payload and scales, source token -1) where that source's block would start, counted in
+``recv_count`` but in no ``layout_range`` block; a combine whose wait gave up returns NaN in
+every row. A timeout stays (every later call raises it, and its outputs are poisoned the same
+way, its waits giving up at once); bad ids are raised once.
+
+The call path. Each configuration (dtypes, top-k, hook, statistics) gets a plan on its first
+call: its kernels' variants (``DispatchVariant``, ``CombineVariant``), whose compiled kernels
+later calls launch with addresses (:class:`~tritonep.kernels.launcher.KernelLaunch`). A call
+then checks its tensors, allocates its outputs and launches, all under
+``torch._C.DisableTorchFunction`` (a ``torch`` function mode, such as
+``torch.set_default_device``'s, would otherwise intercept every tensor access). A new batch size
+compiles nothing: token counts are run-time values, and the choices made from them (one token,
+counting by adds or histograms, items per group) are made inside one compiled variant.
 """
 
 from __future__ import annotations
@@ -37,15 +58,13 @@ import torch
 import torch.distributed as dist
 
 from ..heap import allocate
-from ..kernels import launcher, ll_combine, ll_dispatch, transport
+from ..kernels import ll_combine, ll_dispatch, transport
+from ..kernels.launcher import KernelLaunch, Shared
+from ..kernels.ll_combine import CombineCall, CombineVariant
+from ..kernels.ll_dispatch import DispatchCall, DispatchVariant, LowLatencyShared
 from ..kernels.profiled import profiled
-from ..kernels.sync import (
-    DEFAULT_TIMEOUT_S,
-    new_status,
-    raise_on_timeout,
-    timeout_us,
-    use_clock,
-)
+from ..kernels.status import STATUS_BAD_ID, Status, bad_id_error, check_status
+from ..kernels.sync import DEFAULT_TIMEOUT_S, timeout_us, use_clock
 from ..validation import (
     check_hidden,
     check_num_experts,
@@ -53,7 +72,7 @@ from ..validation import (
     check_tensor,
     check_topk_idx,
 )
-from .outputs import empty_output
+from .outputs import POISON_OUTPUTS
 from .trace import SLOTS, TraceRecorder
 
 MAX_TOPK = 16
@@ -64,7 +83,23 @@ COMBINE_KERNEL = profiled(ll_combine.ll_combine_kernel, "tritonep::low_latency::
 PHASES = {
     ll_dispatch.PHASE_DISPATCH_RECV.value: "low-latency dispatch receive",
     ll_combine.PHASE_COMBINE_RECV.value: "low-latency combine receive",
+    ll_dispatch.PHASE_DISPATCH_IDS.value: "low-latency dispatch",
+    ll_combine.PHASE_COMBINE_IDS.value: "low-latency combine",
 }
+
+_no_torch_function = torch._C.DisableTorchFunction
+
+
+def _plain(t: object, dtype: torch.dtype, device_index: int) -> bool:
+    """Whether ``t`` is a contiguous tensor of ``dtype`` on the device of index
+    ``device_index`` (-1: the CPU): a call's checks as plain comparisons, before
+    :func:`~tritonep.validation.check_tensor` names whatever is wrong."""
+    return (
+        type(t) is torch.Tensor
+        and t.dtype is dtype
+        and t.get_device() == device_index
+        and t.is_contiguous()
+    )
 
 
 def _align(n: int, a: int = 128) -> int:
@@ -173,10 +208,10 @@ class LowLatencyMode:
         timeout_s: limit of every wait inside the kernels.
         num_programs: programs per launch (default: up to 128 on GPUs, leaving some SMs
             free; 4 on CPU).
-        check_ids: read the top-k ids on the host before each call and raise ``ValueError``
-            for ids outside ``[-1, num_experts)``. That read waits for the GPU; without it
-            (and always inside CUDA-graph capture) out-of-range ids are ignored by the
-            kernels, which never write out of bounds.
+        check_ids: also read the top-k ids on the host before each call and raise
+            ``ValueError`` there for ids outside ``[-1, num_experts)``, before anything is
+            launched. That read waits for the GPU (skipped inside CUDA-graph capture).
+            Without it the kernels drop such ids and the next call raises (module docs).
         profile: record kernel traces of every launch (``self.trace``); a
             :class:`~tritonep.modes.trace.TraceRecorder` to share one with another mode.
         gpus_per_node: ranks per node (consecutive ranks share a node); None: the whole
@@ -197,7 +232,7 @@ class LowLatencyMode:
         device: torch.device | str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         num_programs: int | None = None,
-        check_ids: bool = True,
+        check_ids: bool = False,
         profile: bool | TraceRecorder = False,
         gpus_per_node: int | None = None,
         enable_shrink: bool = False,
@@ -255,7 +290,8 @@ class LowLatencyMode:
         # Call counters, one per program (every launch has this grid; ll_dispatch.STATE_ROWS).
         self.state = torch.zeros(ll_dispatch.STATE_ROWS * num_programs, dtype=torch.int64,
                                  device=self.device)  # fmt: skip
-        self.status = new_status(self.device)
+        #: What went wrong, on the device and in host memory (:mod:`tritonep.kernels.status`).
+        self.status = Status(self.device)
         # Dispatch senders: per-program slot counters and lists, and per-expert counts of
         # stored messages (the completing program zeroes each for the next call).
         # At least 2 bins: the scratch row (3 * bins + TOKEN_WORDS int32) stays even, so its
@@ -272,11 +308,9 @@ class LowLatencyMode:
         self.peer_mask = torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device)
         # Per source rank: the verdicts of the last dispatch and combine receive (call
         # tagged), and the combines whose signal was not waited for.
-        self._verdicts = tuple(torch.zeros(self.num_ranks, dtype=torch.int64, device=self.device)
-                               for _ in range(2))  # fmt: skip
+        self._verdicts = torch.zeros(2, self.num_ranks, dtype=torch.int64, device=self.device)
         self._skipped = torch.zeros(self.num_ranks, dtype=torch.int64, device=self.device)
         self._combine_input: torch.Tensor | None = None
-        self._metas: dict[tuple, dict] = {}  # launch options per configuration (_run)
         on_gpu = use_clock(self.device)
         #: Kernel traces (``profile=True``): :meth:`TraceRecorder.dump` writes them.
         self.trace = TraceRecorder.of(profile, self.rank, self.device, on_gpu)
@@ -284,21 +318,41 @@ class LowLatencyMode:
         # is ever used, by wait statistics.
         self._untraced = torch.zeros(num_programs * SLOTS + 1, dtype=torch.int64,
                                      device=self.device)  # fmt: skip
+        # The lanes of a receiving program's group of dispatch items: its (expert, source)
+        # items together where the batch is small and all counts come at once; for larger
+        # batches, whose counts come spread out, one at a time (items_per_group), so that it
+        # packs one while the next one's counts are still on the way (4x H100: 2 together
+        # 14.6-14.7 against 15.1-15.5 us at 32 tokens, 26.0-26.9 against 24.6-24.7 at 128;
+        # BENCHMARKS.md).
+        self._items = min(4, _next_pow2(-(-num_experts // num_programs)))
+        self._plans: dict[tuple, tuple] = {}
+        self._device_index = self.device.index if self.device.type == "cuda" else -1
+        self._shared_args()
+
+    def _shared_args(self) -> None:
+        """The kernels' trailing arguments (:class:`LowLatencyShared`), tensors and addresses."""
+        self._shared = Shared.of(LowLatencyShared(
+            peer_ptrs=self.heap.peer_ptrs, pe_ptr=self.transport.pes, rank=self.rank,
+            state_ptr=self.state, scratch_ptr=self.scratch, expert_done_ptr=self.expert_done,
+            status_ptr=self.status.words, timeout_us=self._timeout_us, mask_ptr=self.peer_mask,
+            verdict_ptr=self._verdicts, skipped_ptr=self._skipped,
+        ))  # fmt: skip
 
     @property
     def timeout_s(self) -> float:
         """Limit of every wait inside the kernels, in seconds, at most ``MAX_TIMEOUT_S``. It
-        may change between calls and a change compiles nothing (nor does a new batch size,
-        but for one token: that dispatch has a variant of its own). With ``enable_shrink``, a
-        limit shorter than a peer's first call of a kernel variant (which compiles it:
-        seconds) masks a live peer, so warm up every variant (dtype, hook, top-k, one token)
-        under a long limit, then shorten it."""
+        may change between calls and a change compiles nothing (nor does a new batch size).
+        With ``enable_shrink``, a limit shorter than a peer's first call of a kernel variant
+        (which compiles it: seconds) masks a live peer, so warm up every variant (dtype, hook,
+        top-k) under a long limit, then shorten it."""
         return self._timeout_s
 
     @timeout_s.setter
     def timeout_s(self, value: float) -> None:
         self._timeout_us = timeout_us(value)
         self._timeout_s = value
+        if hasattr(self, "_shared"):
+            self._shared_args()
 
     # ------------------------------------------------------------------------------ sizes
     @staticmethod
@@ -317,60 +371,91 @@ class LowLatencyMode:
             num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, max_topk, num_nodes
         ).total
 
-    # ---------------------------------------------------------------------------- helpers
-    def _run(self, kernel, name, args: tuple, key, build_meta, return_recv_hook, wait_stats,
-             shrink_args: tuple):  # fmt: skip
-        """Launch the send and receive phases of ``kernel``; returns the hook or None.
-
-        On GPUs without a hook both phases run in one cooperative launch (receivers spin on
-        senders of the same launch, so all programs must be resident). With a hook, or under
-        the interpreter (which runs programs one after another), they are two launches.
-        ``build_meta()`` gives the constexprs and options, built once per ``key`` (what they
-        depend on besides the mode). ``wait_stats`` (``[R]`` int64 or None) accumulates the
-        time waited per source rank; ``shrink_args`` are the kernel's shrink-mode tensors. A
-        launch that only receives puts nothing, so it is not
-        linked with NVSHMEM.
-        """
+    # ------------------------------------------------------------------------------ plans
+    def _plan(self, kernel, call_type, variant, options: dict) -> tuple:
+        """The launches of one configuration: ``(both phases, send, receive)``. On GPUs
+        without a hook both phases run in one cooperative launch (receivers spin on senders
+        of the same launch, so all programs must be resident); with a hook, or under the
+        interpreter (which runs programs one after another), they are two launches. A launch
+        that only receives puts nothing, so it is not linked with NVSHMEM."""
+        pointers = tuple(i for i, name in enumerate(call_type._fields) if name.endswith("_ptr"))
         grid = (self.num_programs,)
-        traced = self.trace is not None
 
         def launch(do_send, do_recv, cooperative=False):
-            meta_key = (name, key, do_send, do_recv, cooperative, traced, wait_stats is not None)
-            meta = self._metas.get(meta_key)
-            if meta is None:
-                meta = self._metas[meta_key] = dict(
-                    build_meta(), DO_SEND=do_send, DO_RECV=do_recv, PROFILE=traced,
-                    WAIT_STATS=wait_stats is not None, VIA=self.transport.via,
-                    SHRINK=self.enable_shrink,
-                    **(self.transport.options if do_send else {}),
-                )  # fmt: skip
-                if cooperative:
-                    meta["launch_cooperative_grid"] = True
-            readings = self._untraced
-            if traced:
-                readings = self.trace.buffer(name, self.num_programs, do_send, do_recv)
-            stats = wait_stats if wait_stats is not None else self.state
-            launcher.launch(kernel, grid, (*args, readings, stats, *shrink_args), meta)
+            meta = {**variant._replace(DO_SEND=do_send, DO_RECV=do_recv)._asdict(), **options}
+            if do_send:
+                meta.update(self.transport.options)
+            if cooperative:
+                meta["launch_cooperative_grid"] = True
+            return KernelLaunch(kernel, grid, meta, call_type._fields, pointers)
 
-        if not return_recv_hook and self.device.type == "cuda":
-            launch(True, True, cooperative=True)
+        both = launch(True, True, True) if self.device.type == "cuda" else None
+        return both, launch(True, False), launch(False, True)
+
+    def _launch(self, plan: tuple, name: str, call, return_recv_hook: bool):
+        """Launch a call's phases; returns the hook that receives (``return_recv_hook``),
+        else None."""
+        both, send, receive = plan
+        if self.trace is None:
+            if both is not None and not return_recv_hook:
+                both(call, self._shared)
+                return None
+            send(call, self._shared)
+            if not return_recv_hook:
+                receive(call, self._shared)
+                return None
+        elif both is not None and not return_recv_hook:
+            both(self._traced(call, name, True, True), self._shared)
             return None
-        launch(True, False)
+        else:
+            send(self._traced(call, name, True, False), self._shared)
 
-        def receive():
-            launch(False, True)
+        def hook():
+            with _no_torch_function():
+                received = call if self.trace is None else self._traced(call, name, False, True)
+                receive(received, self._shared)
 
         if return_recv_hook:
-            return receive
-        receive()
+            return hook
+        hook()
         return None
 
+    def _traced(self, call, name: str, send: bool, receive: bool):
+        """``call`` with a readings buffer of its own (``profile``)."""
+        readings = self.trace.buffer(name, self.num_programs, send, receive)
+        return call._replace(trace_ptr=readings)
+
+    # ------------------------------------------------------------------------------ errors
     def check(self) -> None:
-        """Wait for the device and raise :class:`WaitTimeoutError` if a wait gave up (never
-        in shrink mode, where the peer is masked instead), or
+        """Wait for the device and raise what a kernel recorded: :class:`WaitTimeoutError` if
+        a wait gave up (never in shrink mode, where the peer is masked instead), ``ValueError``
+        for ids outside ``[-1, num_experts)``; or
         :class:`~tritonep.errors.HeapGuardError` if a kernel wrote past the heap's regions."""
-        raise_on_timeout(self.status, self.rank, PHASES, "expert {}")
+        self.status.raise_recorded(self.status.synced_record(), self._raise)
         self.heap.check_guard()
+
+    def _raise(self, words: list[int]) -> None:
+        code, _, phase = words[:3]
+        if code == STATUS_BAD_ID.value:
+            raise bad_id_error(words, PHASES.get(phase, f"phase {phase}"), self.num_experts)
+        check_status(words, self.rank, PHASES, "expert {}")
+
+    def _raise_recorded(self, hook) -> None:
+        """Raise what an earlier call recorded, once this call's launches are made (its
+        receive too: a rank that stopped between its phases would fall out of step)."""
+        if hook is not None:
+            hook()
+        self.status.raise_recorded(self.status.record(), self._raise)
+
+    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype, strides=None) -> torch.Tensor:
+        """An output: one allocation (of ``strides``, if given)."""
+        if strides is None:
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+        else:
+            t = torch.empty_strided(shape, strides, dtype=dtype, device=self.device)
+        if POISON_OUTPUTS:  # (tests) unwritten rows show: 0xFF bytes, NaN or -1
+            t.untyped_storage().fill_(0xFF)
+        return t
 
     # --------------------------------------------------------------------------- dispatch
     def dispatch(
@@ -382,6 +467,7 @@ class LowLatencyMode:
         return_recv_hook: bool = False,
         wait_stats: torch.Tensor | None = None,
         pack_ue8m0: bool = False,
+        recv_stats: torch.Tensor | None = None,
     ):
         """Send each token to each distinct expert of its top-k.
 
@@ -395,6 +481,8 @@ class LowLatencyMode:
                 each source rank is added to it (ns on GPUs; a slow rank stands out).
             pack_ue8m0: return the (power-of-two) scales packed as UE8M0 exponent bytes,
                 four to an int32 (implies ``use_ue8m0``).
+            recv_stats: optional ``[E_local]`` int32; the rows each local expert received
+                are added to it (DeepEP's ``cumulative_local_expert_recv_stats``).
         Returns:
             ``(recv_x, recv_count, handle, hook)``: ``recv_x`` is ``[E_local, R * max, H]``
             BF16, or float8_e4m3fn with ``use_fp8`` (then a tuple with the scales: float32
@@ -406,72 +494,93 @@ class LowLatencyMode:
             (None unless ``return_recv_hook``). The scales are column-major within each
             expert (strides ``(columns * R * max, 1, R * max)``), the layout in which
             TMA-based grouped GEMMs read them (DeepEP's); ``.contiguous()`` gives row-major.
+        Raises:
+            ``ValueError``/``TypeError`` naming the argument, before anything is launched;
+            after its launches, what an earlier call recorded (module docs).
         """
-        check_tensor("x", x, dtype=torch.bfloat16, shape=(None, self.hidden), device=self.device)
+        with _no_torch_function():
+            recorded = self.status.recorded()
+            out = self._dispatch(x, topk_idx, use_fp8, use_ue8m0 or pack_ue8m0,
+                                 return_recv_hook, wait_stats, pack_ue8m0, recv_stats)  # fmt: skip
+            if recorded:
+                self._raise_recorded(out[3])
+            return out
+
+    def _dispatch(self, x, topk_idx, use_fp8, use_ue8m0, hook, wait_stats, pack_ue8m0,
+                  recv_stats):  # fmt: skip
+        E_local, R, M, H = self.num_local_experts, self.num_ranks, self.max_tokens, self.hidden
+        device, at = self.device, self._device_index
+        shape = x.shape if _plain(x, torch.bfloat16, at) else ()
+        if len(shape) != 2 or shape[1] != H:
+            check_tensor("x", x, dtype=torch.bfloat16, shape=(None, H), device=device)
         num_tokens = x.shape[0]
-        if num_tokens > self.max_tokens:
-            raise ValueError(
-                f"x: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank={self.max_tokens}"
-            )
-        check_topk_idx(
-            "topk_idx", topk_idx, num_tokens, self.num_experts, self.device, self.check_ids
-        )
+        if num_tokens > M:
+            raise ValueError(f"x: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank={M}")
+        shape = topk_idx.shape if _plain(topk_idx, torch.int64, at) else ()
+        if self.check_ids or len(shape) != 2 or shape[0] != num_tokens or shape[1] < 1:
+            check_topk_idx("topk_idx", topk_idx, num_tokens, self.num_experts, device,
+                           self.check_ids)  # fmt: skip
         topk = topk_idx.shape[1]
         if topk > self.max_topk:
             raise ValueError(f"topk_idx: top-k {topk} exceeds max_topk={self.max_topk}")
+        if wait_stats is not None:
+            check_tensor("wait_stats", wait_stats, dtype=torch.int64, shape=(R,), device=device)
+        if recv_stats is not None and (
+            not _plain(recv_stats, torch.int32, at) or recv_stats.shape != (E_local,)
+        ):
+            check_tensor("cumulative_local_expert_recv_stats", recv_stats, dtype=torch.int32,
+                         shape=(E_local,), device=device)  # fmt: skip
+        key = (use_fp8, use_ue8m0, pack_ue8m0, topk, hook, wait_stats is None, recv_stats is None)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._dispatch_plan(
+                use_fp8, use_ue8m0, pack_ue8m0, topk, wait_stats is not None,
+                recv_stats is not None,
+            )  # fmt: skip
 
-        E_local, R, M, H = self.num_local_experts, self.num_ranks, self.max_tokens, self.hidden
         rows = R * M
-        recv_x = empty_output(
-            self.device, (E_local, rows, H), torch.float8_e4m3fn if use_fp8 else torch.bfloat16
-        )
-        use_ue8m0 = use_ue8m0 or pack_ue8m0
-        recv_scales = scales_out = None
-        if use_fp8:  # column-major per expert: allocated [E_local, columns, rows], transposed
+        recv_x = self._empty((E_local, rows, H), torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
+        recv_scales = None
+        if use_fp8:  # column-major per expert (one column: a unit last stride, viewable)
             columns = -(-H // 512) if pack_ue8m0 else H // 128
-            dtype = torch.int32 if pack_ue8m0 else torch.float32
-            scales_out = empty_output(self.device, (E_local, columns, rows), dtype)
-            # One column: the same memory either way, and a unit last stride lets callers
-            # view it as bytes (torch calls a size-1 dimension contiguous whatever its stride).
-            recv_scales = scales_out.transpose(1, 2) if columns > 1 else scales_out.view(
-                E_local, rows, 1)  # fmt: skip
-            if pack_ue8m0:
-                scales_out = scales_out.view(torch.uint8)
-        # One allocation for both [E_local, rows] int32 outputs (one allocator call fewer per
-        # eager call).
-        src_info, topk_slot = empty_output(self.device, (2, E_local, rows), torch.int32).unbind(0)
-        recv_count = empty_output(self.device, (E_local,), torch.int32)
-        layout_range = empty_output(self.device, (E_local, R), torch.int64)
+            recv_scales = self._empty(
+                (E_local, rows, columns),
+                torch.int32 if pack_ue8m0 else torch.float32,
+                (columns * rows, 1, rows if columns > 1 else 1),
+            )
+        src_and_slot = self._empty((2, E_local, rows), torch.int32)
+        recv_count = self._empty((E_local,), torch.int32)
+        layout_range = self._empty((E_local, R), torch.int64)
         # How the senders count the ids: by atomic adds or histograms (ll_dispatch.COUNT_ADDS);
         # from the shapes alone, so a captured graph keeps its choice.
         per_program = -(-num_tokens // self.num_programs)
         senders = -(-num_tokens // per_program) if num_tokens else 1
         by_adds = senders * num_tokens * topk <= self.count_adds
-
-        args = (
-            x,
-            topk_idx,
-            num_tokens,
-            self.heap.peer_ptrs,
-            self.rank,
-            self.layout.recv,
-            self.layout.flags,
-            self.layout.stage,
-            self.gpus_per_node,
-            self.transport.pes,
-            self.state,
-            self.scratch,
-            self.expert_done,
-            recv_x.view(torch.uint8) if use_fp8 else recv_x,
-            scales_out if use_fp8 else recv_count,  # unused pointer without FP8
-            src_info,
-            topk_slot,
-            recv_count,
-            layout_range,
-            self.status,
-            self._timeout_us,
+        call = DispatchCall(
+            x_ptr=x,
+            topk_idx_ptr=topk_idx,
+            num_tokens=num_tokens,
+            count_by_adds=int(by_adds),
+            items_per_group=self._items if by_adds else 1,
+            out_x_ptr=recv_x,
+            out_scales_ptr=recv_scales if use_fp8 else recv_count,  # unused without FP8
+            out_src_ptr=src_and_slot,
+            out_count_ptr=recv_count,
+            out_range_ptr=layout_range,
+            recv_stats_ptr=recv_stats if recv_stats is not None else recv_count,
+            wait_stats_ptr=wait_stats if wait_stats is not None else self.state,
+            trace_ptr=self._untraced,
         )
-        build_meta = lambda: dict(  # once per key below: _run
+        src_info, topk_slot = src_and_slot.unbind(0)
+        handle = LowLatencyHandle(
+            src_info, layout_range, M, H, self.num_experts, topk_slot, num_tokens, topk
+        )
+        receive = self._launch(plan, "low-latency dispatch", call, hook)
+        return (recv_x, recv_scales) if use_fp8 else recv_x, recv_count, handle, receive
+
+    def _dispatch_plan(self, use_fp8, use_ue8m0, pack_ue8m0, topk, wait_stats, recv_stats):
+        H, R, M = self.hidden, self.num_ranks, self.max_tokens
+        variant = DispatchVariant(
             H=H,
             K=topk,
             NUM_EXPERTS=self.num_experts,
@@ -480,39 +589,33 @@ class LowLatencyMode:
             MSG_BYTES=message_bytes(H, use_fp8),
             RECV_SET_BYTES=self.layout.recv_set,
             FLAG_SET_BYTES=self.layout.flags_set,
+            RECV_OFFSET=self.layout.recv,
+            FLAG_OFFSET=self.layout.flags,
+            STAGE_OFFSET=self.layout.stage,
+            GPUS_PER_NODE=self.gpus_per_node,
             USE_FP8=use_fp8,
             USE_UE8M0=use_ue8m0,
             PACK_UE8M0=pack_ue8m0,
+            DO_SEND=True,
+            DO_RECV=True,
             USE_CLOCK=use_clock(self.device),
             BLOCK_N=min(128, _next_pow2(max(M, 16))),
-            COUNT_BY_ADDS=by_adds,
-            ONE_TOKEN=num_tokens == 1,
             K_P2=_next_pow2(max(topk, 2)),
             G_P2=_next_pow2(H // 128),
             R_P2=_next_pow2(max(R, 2)),
             BINS=self._bins,
             # Messages copied together on receive: 64 KB of payload in flight, on 16 warps
             # (the pack's loads wait on the headers that locate the payloads).
-            MSG_BLOCK=_rows_in_flight(H, 1 if use_fp8 else 2, 65536),
-            # A receiving program moves its (expert, source) items together (one wait for
-            # their counts, their messages in one list) where the batch is small and all
-            # counts come at once; for larger batches, whose counts come spread out, one at
-            # a time, so that it packs one while the next one's counts are still on the way
-            # (4x H100: 2 together 14.6-14.7 against 15.1-15.5 us at 32 tokens, 26.0-26.9
-            # against 24.6-24.7 at 128; BENCHMARKS.md).
-            ITEMS=min(4, _next_pow2(-(-self.num_experts // self.num_programs))) if by_adds else 1,
-            num_warps=16,
+            BLOCK_MSGS=_rows_in_flight(H, 1 if use_fp8 else 2, 65536),
+            BLOCK_ITEMS=self._items,
+            PROFILE=self.trace is not None,
+            WAIT_STATS=wait_stats,
+            RECV_STATS=recv_stats,
+            SHRINK=self.enable_shrink,
+            VIA=self.transport.via,
         )
-        handle = LowLatencyHandle(
-            src_info, layout_range, M, H, self.num_experts, topk_slot, num_tokens, topk
-        )
-        out_x = (recv_x, recv_scales) if use_fp8 else recv_x
-        self._check_wait_stats(wait_stats)
-        key = (use_fp8, use_ue8m0, pack_ue8m0, topk, by_adds, num_tokens == 1)
-        hook = self._run(DISPATCH_KERNEL, "low-latency dispatch", args, key,
-                         build_meta, return_recv_hook, wait_stats,
-                         (self.peer_mask, self._verdicts[0]))  # fmt: skip
-        return out_x, recv_count, handle, hook
+        return self._plan(DISPATCH_KERNEL, DispatchCall, variant,
+                          {"num_warps": 16})  # fmt: skip
 
     # ---------------------------------------------------------------------------- combine
     def get_next_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
@@ -554,91 +657,100 @@ class LowLatencyMode:
                 that saves on NVLink today (BENCHMARKS.md); results are not bit-exact.
         Returns:
             ``(combined [N, H] BF16, hook)``; the hook is None unless ``return_recv_hook``.
+        Raises:
+            as :meth:`dispatch`.
         """
+        with _no_torch_function():
+            recorded = self.status.recorded()
+            result = self._combine(x, topk_idx, topk_weights, handle, return_recv_hook, out,
+                                   wait_stats, bool(use_logfmt))  # fmt: skip
+            if recorded:
+                self._raise_recorded(result[1])
+            return result
+
+    def _combine(self, x, topk_idx, topk_weights, handle, hook, out, wait_stats, logfmt):
         E_local, R, M, H = self.num_local_experts, self.num_ranks, self.max_tokens, self.hidden
+        device = self.device
         if handle.num_max_dispatch_tokens_per_rank != M or handle.hidden != H:
             raise ValueError("handle: it comes from a dispatch with other sizes")
-        check_tensor("x", x, dtype=torch.bfloat16, shape=(E_local, R * M, H), device=self.device)
-        check_topk_idx("topk_idx", topk_idx, None, self.num_experts, self.device, self.check_ids)
+        at = self._device_index
+        if not _plain(x, torch.bfloat16, at) or x.shape != (E_local, R * M, H):
+            check_tensor("x", x, dtype=torch.bfloat16, shape=(E_local, R * M, H), device=device)
         # Token t's rows come back to slots [t][k] of this rank's receive set: ids of another
         # shape would read slots this call never filled, or past the set.
         num_tokens, topk = handle.num_tokens, handle.topk
-        if tuple(topk_idx.shape) != (num_tokens, topk):
+        if self.check_ids or not _plain(topk_idx, torch.int64, at):
+            check_topk_idx("topk_idx", topk_idx, None, self.num_experts, device, self.check_ids)
+        if topk_idx.shape != (num_tokens, topk):
             raise ValueError(
                 f"topk_idx: shape {list(topk_idx.shape)} differs from that of the dispatch "
                 f"whose handle this is, [{num_tokens}, {topk}]"
             )
-        check_tensor(
-            "topk_weights",
-            topk_weights,
-            dtype=torch.float32,
-            shape=(num_tokens, topk),
-            device=self.device,
-        )
+        if not _plain(topk_weights, torch.float32, at) or topk_weights.shape != (num_tokens, topk):
+            check_tensor("topk_weights", topk_weights, dtype=torch.float32,
+                         shape=(num_tokens, topk), device=device)  # fmt: skip
         if out is None:
-            out = empty_output(self.device, (num_tokens, H), torch.bfloat16)
+            out = self._empty((num_tokens, H), torch.bfloat16)
         else:
-            check_tensor(
-                "out", out, dtype=torch.bfloat16, shape=(num_tokens, H), device=self.device
-            )
-
-        args = (
-            x,
-            handle.recv_src_info,
-            handle.recv_topk_slot,
-            handle.recv_layout_range,
-            topk_idx,
-            topk_weights,
-            num_tokens,
-            out,
-            self.heap.peer_ptrs,
-            self.rank,
-            self.layout.combine,
-            self.layout.done,
-            self.layout.stage,
-            self.gpus_per_node,
-            self.transport.pes,
-            self.state,
-            self.status,
-            self._timeout_us,
+            check_tensor("out", out, dtype=torch.bfloat16, shape=(num_tokens, H), device=device)
+        if wait_stats is not None:
+            check_tensor("wait_stats", wait_stats, dtype=torch.int64, shape=(R,), device=device)
+        key = ("combine", topk, logfmt, hook, wait_stats is None)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._combine_plan(topk, logfmt, wait_stats is not None)
+        call = CombineCall(
+            x_ptr=x,
+            src_ptr=handle.recv_src_info,
+            slot_ptr=handle.recv_topk_slot,
+            range_ptr=handle.recv_layout_range,
+            topk_idx_ptr=topk_idx,
+            topk_weights_ptr=topk_weights,
+            num_tokens=num_tokens,
+            out_ptr=out,
+            wait_stats_ptr=wait_stats if wait_stats is not None else self.state,
+            trace_ptr=self._untraced,
         )
-        build_meta = lambda: dict(  # once per (top-k, LogFMT): _run
+        return out, self._launch(plan, "low-latency combine", call, hook)
+
+    def _combine_plan(self, topk, logfmt, wait_stats):
+        H, R = self.hidden, self.num_ranks
+        variant = CombineVariant(
             H=H,
             K=topk,
             K_MAX=self.max_topk,
             NUM_EXPERTS=self.num_experts,
             NUM_RANKS=R,
-            M=M,
+            M=self.max_tokens,
             RECV_SET_BYTES=self.layout.combine_set,
             SLOT_BYTES=combine_slot_bytes(H),
-            LOGFMT=bool(use_logfmt),
+            RECV_OFFSET=self.layout.combine,
+            DONE_OFFSET=self.layout.done,
+            STAGE_OFFSET=self.layout.stage,
+            GPUS_PER_NODE=self.gpus_per_node,
+            DO_SEND=True,
+            DO_RECV=True,
             USE_CLOCK=use_clock(self.device),
             G_P2=_next_pow2(H // 128),
             R_P2=_next_pow2(max(R, 2)),
             # 16 warps: a BF16 sender keeps 64 KB in flight, the reduce takes whole rows
-            # (BENCHMARKS.md, "Low-latency combine on 16 warps"). LogFMT encodes ROW_BLOCK
-            # rows x LOGFMT_GROUPS groups at a time: whole rows, 32 KB of BF16 a step (its
+            # (BENCHMARKS.md, "Low-latency combine on 16 warps"). LogFMT encodes BLOCK_ROWS
+            # rows x BLOCK_GROUPS groups at a time: whole rows, 32 KB of BF16 a step (its
             # sender is bound by instructions; few, large steps hide the load latency).
-            ROW_BLOCK=_rows_in_flight(H, 2, 32768 if use_logfmt else 65536),
-            # A token's top-k rows reduced together: K x REDUCE_BW BF16 values are at most
+            BLOCK_ROWS=_rows_in_flight(H, 2, 32768 if logfmt else 65536),
+            # A token's top-k rows reduced together: K x BLOCK_CHANNELS BF16 values are at most
             # 64 registers a thread (LogFMT: 4096 channels, the fastest measured).
-            REDUCE_BW=min(_next_pow2(H), 65536 // _next_pow2(topk), 4096 if use_logfmt else 8192),
-            LOGFMT_GROUPS=min(_next_pow2(H // 128), 64),
-            num_warps=16,
-            # No fused multiply-add: products round as in the reference, so the sum is
-            # bit-exact with it.
-            enable_fp_fusion=False,
+            BLOCK_CHANNELS=min(_next_pow2(H), 65536 // _next_pow2(topk), 4096 if logfmt else 8192),
+            PROFILE=self.trace is not None,
+            WAIT_STATS=wait_stats,
+            SHRINK=self.enable_shrink,
+            VIA=self.transport.via,
+            LOGFMT=logfmt,
+            BLOCK_GROUPS=min(_next_pow2(H // 128), 64),
         )
-        self._check_wait_stats(wait_stats)
-        hook = self._run(COMBINE_KERNEL, "low-latency combine", args,
-                         (topk, bool(use_logfmt)), build_meta, return_recv_hook, wait_stats,
-                         (self.peer_mask, self._verdicts[1], self._skipped))  # fmt: skip
-        return out, hook
-
-    def _check_wait_stats(self, wait_stats: torch.Tensor | None) -> None:
-        if wait_stats is not None:
-            check_tensor("wait_stats", wait_stats, dtype=torch.int64, shape=(self.num_ranks,),
-                         device=self.device)  # fmt: skip
+        # No fused multiply-add: products round as in the reference, so the sum is bit-exact.
+        options = {"num_warps": 16, "enable_fp_fusion": False}
+        return self._plan(COMBINE_KERNEL, CombineCall, variant, options)
 
     def destroy(self) -> None:
         """Release the heap (collective: every rank calls it); raises if a wait had timed out

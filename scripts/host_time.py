@@ -1,0 +1,316 @@
+"""Host time of eager calls, with and without process-wide torch defaults.
+
+    PYTHONPATH=src python scripts/host_time.py [--ranks 1] [--tokens 128] [--calls 300]
+        [--hidden 7168] [--experts 288] [--topk 8] [--normal] [--profile 12]
+
+Every rank makes the same calls. For each operation it prints the host time per call, the
+median over ``--repeats`` runs of ``--calls`` calls issued back to back (no synchronization
+inside a run), once in a plain process and once after ``torch.set_default_device('cuda')`` and
+``torch.set_default_dtype(torch.bfloat16)`` (what DeepEP's test harness does), then how many
+launches of the timed calls went through Triton's own launch path (``JITFunction.run``: its
+binding and cache key) instead of straight to the compiled kernel; that count should be 0.
+
+Operations: low-latency dispatch (FP8, with ``cumulative_local_expert_recv_stats``) and
+combine, through ``tritonep.deep_ep.Buffer`` (what users call) and through
+``LowLatencyMode`` (the mode alone); with ``--normal`` also the normal mode's cached dispatch,
+worst-case dispatch, combine and exact-size dispatch (whose host waits for the received count).
+Each line also splits the time on GPUs into this project's Python (the same calls with the
+kernel launches left out) and the launches. The script also runs on a tree from before issue
+48 (``PYTHONPATH=prev/src``), whose modes check ids on the host by default (a synchronization
+per call, counted in its figures, as its users get it).
+
+It first prints the time of the first dispatch and combine (their compiling included, on an
+empty ``TRITON_CACHE_DIR``). With ``--ranks`` above 1 (one GPU each) it also times the eager
+loop of issue 48: per
+iteration an L2 flush (a 256 MB memset), an event, a dispatch and a combine, an event; the
+events' median over 50 iterations after 50 warm-ups.
+
+On CPU ranks (no GPU) the launches are left out altogether: the figures are this project's
+Python alone, under the interpreter's process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import inspect
+import io
+import pstats
+import statistics
+import time
+
+import torch
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def _defaults(device, on: bool):
+    """The process-wide defaults DeepEP's tests set (or nothing)."""
+    if not on:
+        yield
+        return
+    torch.set_default_device(device)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        yield
+    finally:
+        torch.set_default_device(None)
+        torch.set_default_dtype(torch.float32)
+
+
+@contextlib.contextmanager
+def _launches_left_out():
+    """Every low-latency launch (and every launch through ``launcher.launch``) is skipped."""
+    from tritonep.kernels import launcher
+
+    bundled = getattr(launcher, "KernelLaunch", None)  # (absent from trees before issue 48)
+    call, launch = bundled.__call__ if bundled is not None else None, launcher.launch
+    if bundled is not None:
+        bundled.__call__ = lambda self, call, shared: None
+    launcher.launch = lambda fn, grid, args, meta: None
+    try:
+        yield
+    finally:
+        launcher.launch = launch
+        if bundled is not None:
+            bundled.__call__ = call
+
+
+@contextlib.contextmanager
+def _count_triton_path(counts: list):
+    """Counts the launches that go through Triton's binding (``JITFunction.run``)."""
+    from triton.runtime.jit import JITFunction
+
+    original = JITFunction.run
+
+    def counting(self, *args, **kwargs):
+        counts.append(self.__name__)
+        return original(self, *args, **kwargs)
+
+    JITFunction.run = counting
+    try:
+        yield
+    finally:
+        JITFunction.run = original
+
+
+def _per_call_us(fn, calls, repeats, device, group):
+    """Median and least over ``repeats`` runs of the host microseconds per call of ``fn``,
+    issued back to back; the ranks start each run together."""
+    import torch.distributed as dist
+
+    runs = []
+    for _ in range(repeats):
+        _sync(device)
+        if group is not None:
+            dist.barrier(group)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        runs.append((time.perf_counter() - start) / calls * 1e6)
+    _sync(device)
+    return statistics.median(runs), min(runs)
+
+
+def _report(name, fn, args, device, group, on_gpu, lines, profile):
+    """Time ``fn`` plainly and with its launches left out; count Triton-path launches."""
+    slow: list = []
+    with _count_triton_path(slow), contextlib.nullcontext() if on_gpu else _launches_left_out():
+        whole, least = _per_call_us(fn, args.calls, args.repeats, device, group)
+    line = f"{name:58s} {whole:7.1f} us/call (least {least:5.1f})"
+    if on_gpu:
+        with _launches_left_out():
+            python, _ = _per_call_us(fn, args.calls, args.repeats, device, None)
+        line += f", Python {python:5.1f}, launches {whole - python:5.1f}"
+    line += f"; Triton-path launches: {len(slow)}"
+    lines.append(line)
+    if profile:
+        profiler = cProfile.Profile()
+        with contextlib.nullcontext() if on_gpu else _launches_left_out():
+            profiler.enable()
+            for _ in range(args.calls):
+                fn()
+            profiler.disable()
+        _sync(device)
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(profile)
+        body = text.getvalue().splitlines()
+        start = next(i for i, t in enumerate(body) if "ncalls" in t)
+        lines.append("\n".join(body[start : start + profile + 1]))
+
+
+def _low_latency(ctx, args, group, lines, on_gpu):
+    import tritonep.deep_ep as deep_ep
+    from tritonep.modes.low_latency import LowLatencyMode
+    from tritonep.testing import route
+
+    device, R = ctx.device, ctx.world_size
+    H, E, K, N = args.hidden, args.experts, args.topk, args.tokens
+    if not on_gpu:
+        H, E, K = 256, 8 * R, 4
+    gen = torch.Generator().manual_seed(ctx.rank)
+    x = torch.randn(N, H, generator=gen).to(torch.bfloat16).to(device)
+    idx = route(gen, N, E, K, "random").to(device)
+    w = torch.rand(N, K, generator=gen).to(device)
+    buffer = deep_ep.Buffer(group, 0, LowLatencyMode.size_hint(N, H, R, E), low_latency_mode=True)
+    stats = torch.zeros(E // R, dtype=torch.int32, device=device)
+    mode = LowLatencyMode(group, N, H, E, max_topk=K, device=device)
+    new_tree = "recv_stats" in inspect.signature(mode.dispatch).parameters
+    state = {}
+
+    def api_dispatch():
+        state["api"] = buffer.low_latency_dispatch(
+            x, idx, N, E, cumulative_local_expert_recv_stats=stats, use_fp8=True
+        )
+
+    def mode_dispatch():
+        if new_tree:
+            state["mode"] = mode.dispatch(x, idx, use_fp8=True, recv_stats=stats)
+        else:  # a tree before issue 48: the Buffer added the statistic itself
+            state["mode"] = mode.dispatch(x, idx, use_fp8=True)
+            stats.add_(state["mode"][1])
+
+    # The first call of each (its variants compiled, or loaded from Triton's cache).
+    start = time.perf_counter()
+    api_dispatch()
+    _sync(device)
+    first = time.perf_counter() - start
+    y = torch.zeros(state["api"][0][0].shape, dtype=torch.bfloat16, device=device)
+    start = time.perf_counter()
+    buffer.low_latency_combine(y, idx, w, state["api"][2])
+    _sync(device)
+    lines.append(f"first calls (compile or cache load included): dispatch {first:.2f} s, "
+                 f"combine {time.perf_counter() - start:.2f} s")  # fmt: skip
+    mode_dispatch()
+    ops = [
+        ("deep_ep.Buffer.low_latency_dispatch", api_dispatch),
+        ("deep_ep.Buffer.low_latency_combine",
+         lambda: buffer.low_latency_combine(y, idx, w, state["api"][2])),
+        ("LowLatencyMode.dispatch", mode_dispatch),
+        ("LowLatencyMode.combine", lambda: mode.combine(y, idx, w, state["mode"][2])),
+    ]  # fmt: skip
+    for fn in (f for _, f in ops):  # every variant compiled before any timing
+        fn()
+    _sync(device)
+    for defaults in (False, True):
+        with _defaults(device, defaults):
+            for name, fn in ops:
+                label = f"{name} ({'with' if defaults else 'no'} defaults)"
+                _report(label, fn, args, device, group, on_gpu, lines, args.profile)
+    if R > 1 and on_gpu:
+        for defaults in (False, True):
+            with _defaults(device, defaults):
+                pair = _eager_loop(buffer, x, idx, w, y, N, E, stats, device, group)
+            lines.append(f"eager loop, L2 flushed, dispatch + combine "
+                         f"({'with' if defaults else 'no'} defaults): {pair:.1f} us")  # fmt: skip
+    mode.check()
+    buffer.check()
+    mode.destroy()
+    buffer.destroy()
+
+
+def _eager_loop(buffer, x, idx, w, y, N, E, stats, device, group, iters=50):
+    """Issue 48's loop: per iteration an L2 flush, an event, a dispatch, a combine, an event."""
+    import torch.distributed as dist
+
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    times = []
+    for i in range(2 * iters):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        _, _, handle, _, _ = buffer.low_latency_dispatch(
+            x, idx, N, E, cumulative_local_expert_recv_stats=stats, use_fp8=True
+        )
+        buffer.low_latency_combine(y, idx, w, handle)
+        end.record()
+        end.synchronize()
+        if i >= iters:
+            times.append(start.elapsed_time(end) * 1e3)
+    dist.barrier(group)
+    return statistics.median(times)
+
+
+def _normal(ctx, args, group, lines, on_gpu):
+    from tritonep.modes.normal import NormalMode
+    from tritonep.reference.fp8 import quantize_fp8
+    from tritonep.testing import route
+
+    device, R = ctx.device, ctx.world_size
+    H, E, K, N = args.hidden, args.experts, args.topk, args.tokens
+    if not on_gpu:
+        H, E, K = 256, 8 * R, 4
+    gen = torch.Generator().manual_seed(ctx.rank)
+    x = torch.randn(N, H, generator=gen).to(torch.bfloat16).to(device)
+    idx = route(gen, N, E, K, "random").to(device)
+    w = torch.rand(N, K, generator=gen).to(device)
+    x8 = tuple(t.to(device) for t in quantize_fp8(x.cpu()))
+    mode = NormalMode(group, H, E, max_topk=K, device=device)
+    _, per_expert, in_rank = mode.get_dispatch_layout(idx)
+    out = mode.dispatch(x, idx, w, per_expert, in_rank)
+    y = out.recv_x.clone()
+    worst = N * R
+    ops = [
+        ("NormalMode cached dispatch", lambda: mode.dispatch(x, handle=out.handle)),
+        ("NormalMode cached dispatch FP8", lambda: mode.dispatch(x8, handle=out.handle)),
+        ("NormalMode worst-case dispatch",
+         lambda: mode.dispatch(x, idx, w, per_expert, in_rank, num_worst_tokens=worst)),
+        ("NormalMode combine", lambda: mode.combine(y, out.handle)),
+    ]  # fmt: skip
+    if on_gpu:  # its host waits for the count: the notify kernel must run
+        ops.append(("NormalMode exact-size dispatch (waits for the count)",
+                    lambda: mode.dispatch(x, idx, w, per_expert, in_rank)))  # fmt: skip
+    for fn in (f for _, f in ops):
+        fn()
+    _sync(device)
+    for defaults in (False, True):
+        with _defaults(device, defaults):
+            for name, fn in ops:
+                label = f"{name} ({'with' if defaults else 'no'} defaults)"
+                _report(label, fn, args, device, group, on_gpu, lines, args.profile)
+    mode.check()
+    mode.destroy()
+
+
+def _rank(ctx, args):
+    import torch.distributed as dist
+
+    on_gpu = ctx.device.type == "cuda"
+    group = dist.group.WORLD
+    shape = (f"hidden {args.hidden}, {args.experts} experts, top-{args.topk}" if on_gpu
+             else f"hidden 256, {8 * ctx.world_size} experts, top-4")  # fmt: skip
+    where = torch.cuda.get_device_name(ctx.device) if on_gpu else "CPU, launches left out"
+    lines = [f"rank {ctx.rank} of {ctx.world_size}, {where}, {args.tokens} tokens, {shape}"]
+    _low_latency(ctx, args, group, lines, on_gpu)
+    if args.normal:
+        _normal(ctx, args, group, lines, on_gpu)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    from tritonep.launch import spawn
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--experts", type=int, default=288)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--normal", action="store_true", help="also the normal mode's calls")
+    parser.add_argument("--profile", type=int, default=0,
+                        help="print the N functions with the most own time per op")  # fmt: skip
+    args = parser.parse_args()
+    results = spawn(_rank, args.ranks, args, timeout=1800)
+    for text in results if isinstance(results, list) else [results]:
+        print(text, flush=True)
+
+
+if __name__ == "__main__":
+    main()

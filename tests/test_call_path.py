@@ -1,0 +1,302 @@
+"""The low-latency call path: named arguments, no host synchronization, no compile per batch
+size, errors raised by the next call, timed-out outputs that cannot pass for data, and the
+same results under a process-wide default device and dtype.
+"""
+
+import contextlib
+
+import pytest
+import torch
+
+from tests.test_low_latency import _expert_outputs, _verify_call
+from tritonep.kernels import launcher, ll_combine, ll_dispatch
+from tritonep.modes import low_latency as ll
+from tritonep.testing import make_case
+
+KERNELS = [
+    (ll_dispatch.ll_dispatch_kernel, ll_dispatch.DispatchCall, ll_dispatch.DispatchVariant),
+    (ll_combine.ll_combine_kernel, ll_combine.CombineCall, ll_combine.CombineVariant),
+]
+
+
+@pytest.mark.parametrize("kernel, call, variant", KERNELS, ids=["dispatch", "combine"])
+def test_bundles_follow_the_kernel_signatures(kernel, call, variant):
+    """A call bundle and the shared bundle are the kernel's runtime parameters, in order; the
+    variant is its constexprs, in order. Integers of a call are not specialized (a new value
+    compiles nothing), and every other field of a call is a pointer (``*_ptr``), as the fast
+    launch path assumes (it passes their addresses)."""
+    runtime, constexprs = launcher.kernel_params(kernel)
+    assert list(call._fields + ll_dispatch.LowLatencyShared._fields) == runtime
+    assert list(variant._fields) == constexprs
+    free = launcher.not_specialized(kernel)
+    for name in call._fields:
+        assert name.endswith("_ptr") or name in free, name
+    assert "timeout_us" in free
+
+
+def _warm_mode(ctx, tokens=5, **kwargs):
+    R, me = ctx.world_size, ctx.rank
+    mode = ll.LowLatencyMode(None, 8, 256, 4 * R, max_topk=3, device=ctx.device, timeout_s=60,
+                             **kwargs)  # fmt: skip
+    case = make_case(3, [tokens] * R, 256, 4 * R, 3, "random")
+    dev = case.to(ctx.device)
+    x, idx, w = dev.x[me], dev.topk_idx[me], dev.topk_weights[me]
+    return mode, case, x, idx, w
+
+
+def _host_reads_body(ctx):
+    """Dispatch and combine (every variant the body uses made once), then the same calls
+    with the launches left out, counting every read of a tensor's value on the host and every
+    call a ``torch`` function mode sees."""
+    from torch.overrides import TorchFunctionMode
+
+    mode, _, x, idx, w = _warm_mode(ctx)
+    stats = torch.zeros(mode.num_local_experts, dtype=torch.int32, device=ctx.device)
+
+    y = torch.zeros(mode.num_local_experts, mode.num_ranks * 8, 256, dtype=torch.bfloat16,
+                    device=ctx.device)  # fmt: skip
+
+    def calls():
+        for use_fp8, hook in [(True, False), (False, True)]:
+            _, _, handle, recv_hook = mode.dispatch(x, idx, use_fp8=use_fp8,
+                                                         return_recv_hook=hook,
+                                                         recv_stats=stats)  # fmt: skip
+            if hook:
+                recv_hook()
+            _, comb_hook = mode.combine(y, idx, w, handle, return_recv_hook=hook)
+            if hook:
+                comb_hook()
+
+    calls()
+    mode.check()
+    reads = []
+    names = ["item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"]
+    originals = {name: getattr(torch.Tensor, name) for name in names}
+
+    def counted(name):
+        def read(self, *args, **kwargs):
+            reads.append(name)
+            return originals[name](self, *args, **kwargs)
+
+        return read
+
+    seen = []
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    launch = launcher.KernelLaunch.__call__
+    try:
+        launcher.KernelLaunch.__call__ = lambda self, call, shared: None
+        for name in names:
+            setattr(torch.Tensor, name, counted(name))
+        with Count():
+            calls()
+    finally:
+        launcher.KernelLaunch.__call__ = launch
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)
+    mode.check()
+    mode.destroy()
+    return reads, seen
+
+
+def test_calls_read_nothing_on_the_host(run_ranks):
+    """The CPU counterpart of ``torch.cuda.set_sync_debug_mode("error")``: no value of any
+    tensor is read on the host (``check_ids`` is off by default), and nothing goes through a
+    ``torch`` function mode (as ``torch.set_default_device`` installs)."""
+    for reads, seen in run_ranks(2, _host_reads_body):
+        assert reads == [] and seen == [], (reads, seen)
+
+
+def _sync_debug_body(ctx):
+    mode, _, x, idx, w = _warm_mode(ctx)
+    from tritonep.api import Buffer
+
+    buffer = Buffer(None, device=ctx.device)
+    stats = torch.zeros(mode.num_local_experts, dtype=torch.int32, device=ctx.device)
+    E = mode.num_experts
+
+    def calls():
+        for use_fp8 in (True, False):
+            recv_x, _, handle, _ = mode.dispatch(x, idx, use_fp8=use_fp8, recv_stats=stats)
+            y = torch.zeros(recv_x[0].shape if use_fp8 else recv_x.shape, dtype=torch.bfloat16,
+                            device=ctx.device)  # fmt: skip
+            mode.combine(y, idx, w, handle)
+            recv_x, _, handle, _, _ = buffer.low_latency_dispatch(
+                x, idx, 8, E, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8
+            )
+            buffer.low_latency_combine(y, idx, w, handle)
+
+    calls()  # compiles; the buffer's first call sizes its memory (collectives)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            calls()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    mode.check()
+    buffer.check()
+    mode.destroy()
+    buffer.destroy()
+    return True
+
+
+@pytest.mark.gpu(n=2)
+def test_calls_do_not_synchronize_on_gpus(run_ranks):
+    assert run_ranks(2, _sync_debug_body) == [True, True]
+
+
+def _variants_body(ctx):
+    """The kernel variants (constexprs and Triton's specialization of every argument) a loop
+    over batch sizes asks for, after its first step and at its end."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    R, me = ctx.world_size, ctx.rank
+    M, H, E, K = 40, 128, 2 * R, 2
+    mode = ll.LowLatencyMode(None, M, H, E, max_topk=K, device=ctx.device, timeout_s=60)
+    mode.count_adds = 64  # the larger batches count by histograms
+    keys = set()
+    triton_path = launcher.KernelLaunch._triton_path
+
+    def recording(self, call, shared):
+        free = launcher.not_specialized(self.fn)
+        names = list(call._fields) + list(ll_dispatch.LowLatencyShared._fields)
+        args = list(call) + list(shared.args)
+        spec = tuple(native_specialize_impl(BaseBackend, a, False, n not in free, True)
+                     for n, a in zip(names, args, strict=True))  # fmt: skip
+        keys.add((self.fn.__name__, tuple(sorted(self.meta.items())), spec))
+        return triton_path(self, call, shared)
+
+    launcher.KernelLaunch._triton_path = recording
+    seen = []
+    try:
+        for step, tokens in enumerate([M, 1, 2, 17, 16, 32, 3, 0, 33]):
+            case = make_case(100 + step, [tokens] * R, H, E, K, "random")
+            dev = case.to(ctx.device)
+            recv_x, recv_count, handle, _ = mode.dispatch(dev.x[me], dev.topk_idx[me],
+                                                          use_fp8=True)  # fmt: skip
+            outputs = _expert_outputs(recv_x, True, me)
+            combined, _ = mode.combine(outputs, dev.topk_idx[me], dev.topk_weights[me], handle)
+            mode.check()
+            _verify_call(ctx, case, M, True, False, recv_x, recv_count, handle, outputs,
+                         combined)  # fmt: skip
+            seen.append(len(keys))
+    finally:
+        launcher.KernelLaunch._triton_path = triton_path
+    mode.destroy()
+    return seen
+
+
+def test_a_new_batch_size_compiles_nothing(run_ranks):
+    """Batches of 1 to 40 tokens, counted by adds and by histograms: the variants of the
+    first step (a send and a receive launch of each kernel on CPU ranks) serve them all."""
+    for seen in run_ranks(2, _variants_body):
+        assert seen == [4] * len(seen), seen
+
+
+def _zeroed_outputs(mode):
+    """Outputs filled with zeros rather than the suite's 0xFF marker: poison must come from
+    the kernels."""
+
+    def empty(shape, dtype, strides=None):
+        strides = strides or torch.empty(shape, device="meta").stride()
+        return torch.empty_strided(shape, strides, dtype=dtype, device=mode.device).zero_()
+
+    mode._empty = empty
+
+
+def _timed_out_body(ctx, phase):
+    """Rank 1 skips a dispatch (or a combine); rank 0's call gives up on it after 1 s."""
+    from tritonep.errors import WaitTimeoutError
+
+    R, me = ctx.world_size, ctx.rank
+    M, H, E, K = 6, 128, 2 * R, 2
+    mode = ll.LowLatencyMode(None, M, H, E, max_topk=K, device=ctx.device, timeout_s=60)
+    case = make_case(7, [5, 4], H, E, K, "random")
+    dev = case.to(ctx.device)
+    x, idx, w = dev.x[me], dev.topk_idx[me], dev.topk_weights[me]
+    recv_x, recv_count, handle, _ = mode.dispatch(x, idx, use_fp8=True)
+    mode.check()
+    if me == 1:
+        if phase == "combine":  # dispatches once more, then stops before the combine
+            mode.dispatch(x, idx, use_fp8=True)
+        with contextlib.suppress(WaitTimeoutError):
+            mode.destroy()
+        return None
+    _zeroed_outputs(mode)
+    mode.timeout_s = 1.0
+    recv_x, recv_count, handle, _ = mode.dispatch(x, idx, use_fp8=True)
+    result = {}
+    if phase == "dispatch":
+        payload, scales = recv_x
+        # Rank 0's own block of each expert came; rank 1's is one poison row after it.
+        own = [int(r) & 0xFFFFFFFF for r in handle.recv_layout_range[:, 0].tolist()]
+        rows = []
+        for e, n in enumerate(own):
+            begin, count = divmod(int(handle.recv_layout_range[e, 1]), 1 << 32)
+            rows.append((int(recv_count[e]), n, begin, count,
+                         bool(payload[e, n].view(torch.uint8).eq(0xFF).all()),
+                         bool(scales[e, n].isnan().all()), int(handle.recv_src_info[e, n]),
+                         int(handle.recv_topk_slot[e, n])))  # fmt: skip
+        result["rows"] = rows
+    else:
+        out = torch.zeros(idx.shape[0], H, dtype=torch.bfloat16, device=ctx.device)
+        mode.combine(_expert_outputs(recv_x, True, me), idx, w, handle, out=out)
+        result["combined_nan"] = bool(out.isnan().all())
+    # The next call launches, then raises the recorded timeout.
+    mode.timeout_s = 30.0
+    try:
+        mode.dispatch(x, idx, use_fp8=True)
+        result["next"] = None
+    except WaitTimeoutError as e:
+        result["next"] = str(e)
+    with contextlib.suppress(WaitTimeoutError):
+        mode.destroy()
+    return result
+
+
+@pytest.mark.parametrize("phase", ["dispatch", "combine"])
+def test_a_timed_out_call_poisons_its_outputs(run_ranks, phase):
+    result, skipped = run_ranks(2, _timed_out_body, phase)
+    assert skipped is None
+    assert result["next"] is not None and result["next"].startswith(
+        f"rank 0 timed out after 1 s in phase 'low-latency {phase} receive"
+    ), result["next"]
+    assert "waiting for peer 1" in result["next"]
+    if phase == "dispatch":
+        for count, own, begin, moved, nan_payload, nan_scales, src, slot in result["rows"]:
+            # Counted in recv_count, in no layout_range block, 0xFF bytes: NaN and -1.
+            assert (count, begin, moved) == (own + 1, own, 0)
+            assert nan_payload and nan_scales and (src, slot) == (-1, -1)
+    else:
+        assert result["combined_nan"]
+
+
+def _defaults_body(ctx):
+    """The same calls without and with a process-wide default device and dtype."""
+    mode, case, x, idx, w = _warm_mode(ctx)
+    results = []
+    for defaults in (False, True):
+        if defaults:
+            torch.set_default_device(ctx.device)
+            torch.set_default_dtype(torch.bfloat16)
+        try:
+            recv_x, recv_count, handle, _ = mode.dispatch(x, idx, use_fp8=True)
+            outputs = _expert_outputs(recv_x, True, ctx.rank)
+            combined, _ = mode.combine(outputs, idx, w, handle)
+        finally:
+            torch.set_default_device(None)
+            torch.set_default_dtype(torch.float32)
+        _verify_call(ctx, case, 8, True, False, recv_x, recv_count, handle, outputs, combined)
+        results.append([t.cpu() for t in (recv_x[0].view(torch.uint8), recv_count, combined)])
+    mode.destroy()
+    return all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_a_process_wide_default_device_and_dtype_change_nothing(run_ranks):
+    assert run_ranks(2, _defaults_body) == [True, True]
