@@ -266,9 +266,14 @@ def ll_dispatch_kernel(
         total = tl.zeros((BINS,), tl.int32)
         before = tl.zeros((BINS,), tl.int32)
         # The first token's row is loaded now, so that its memory latency passes while the
-        # ids are counted; each token's send then loads the next one's.
-        x_next = tl.load(x_ptr + tl.cast(first_token, tl.int64) * H + row_offs,
-                         mask=row_mask & (first_token < last_token), other=0.0)  # fmt: skip
+        # ids are counted; each token's send then loads the next one's. Past the program's run
+        # no group is loaded. (The mask is a tile compare, not `row_mask & scalar`: Triton
+        # 3.9's interpreter splats a scalar comparison as int32, which no mask accepts.)
+        x_next = tl.load(
+            x_ptr + tl.cast(first_token, tl.int64) * H + row_offs,
+            mask=(groups < tl.where(first_token < last_token, G, 0))[:, None],
+            other=0.0,
+        )
         if COUNT_BY_ADDS:
             tl.store(tally + experts, tl.zeros((BINS,), tl.int64))
             tl.debug_barrier()
@@ -318,8 +323,11 @@ def ll_dispatch_kernel(
             tl.store(next_slot + ids, slots + 1, mask=valid)
             # Quantize the token once, then store it to each of its experts.
             x = x_next
-            x_next = tl.load(x_ptr + tl.cast(token + 1, tl.int64) * H + row_offs,
-                             mask=row_mask & (token + 1 < last_token), other=0.0)  # fmt: skip
+            x_next = tl.load(
+                x_ptr + tl.cast(token + 1, tl.int64) * H + row_offs,
+                mask=(groups < tl.where(token + 1 < last_token, G, 0))[:, None],
+                other=0.0,
+            )
             if USE_FP8:
                 q, scale = quantize_groups(from_bf16(x, not USE_CLOCK), USE_UE8M0, not USE_CLOCK)
                 q = e4m3_bits(q, not USE_CLOCK)
