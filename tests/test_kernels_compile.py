@@ -2,7 +2,7 @@
 
 The interpreter accepts code that the compiler rejects, so the CPU suite also runs Triton's
 real compiler (front end, LLVM and ptxas) for an H100/H200 target. It runs in a subprocess
-because this process builds its kernels for the interpreter.
+with ``TRITON_INTERPRET=0`` because this process builds its kernels for the interpreter.
 """
 
 import functools
@@ -359,8 +359,8 @@ print("// cubin holds the device state:", _holds_device_state({"cubin": compiled
 
 
 def compile_ptx(module, name, signature, constexprs, options=None):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    # Compiled, not interpreted, even without a GPU (importing tritonep keeps an explicit 0).
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.run(
         [
             sys.executable,
@@ -551,8 +551,8 @@ print(json.dumps(flags))
 def _param_flags() -> dict:
     """How Triton's binder treats each parameter of every kernel here (``name.param`` ->
     its specialization flags), read once in a process without the interpreter."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    # Compiled, not interpreted, even without a GPU (importing tritonep keeps an explicit 0).
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join(sys.path))
     kernels = sorted({(k[0], k[1]) for k in KERNELS})
     proc = subprocess.run([sys.executable, "-c", PARAM_FLAGS, json.dumps(kernels)],
                           capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
