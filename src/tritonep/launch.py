@@ -387,13 +387,16 @@ def spawn(
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .cli import HelpFormatter
+
     parser = argparse.ArgumentParser(
         prog="python -m tritonep.launch",
         description="Run a script (or -m module) on N local ranks, like torchrun --nproc_per_node.",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("-n", "--nproc", type=int, required=True, help="number of ranks")
     parser.add_argument(
-        "--timeout", type=float, default=None, help="kill all ranks after this many seconds"
+        "--timeout", type=float, help="kill all ranks after this many seconds (default: none)"
     )
     parser.add_argument("-m", dest="module", action="store_true", help="run the target as a module")
     parser.add_argument("target", help="script path (or module name with -m)")
