@@ -173,7 +173,7 @@ def test_spawn_from_a_script_that_imports_tritonep_at_the_top(tmp_path):
     assert f"spawn: [(True, {backend}), (True, {backend})]" in proc.stdout, proc.stdout
 
 
-@pytest.mark.skipif(0 < machine_gpus() < 2, reason="2 GPUs, or none (CPU ranks)")
+@pytest.mark.skipif(0 < torch.cuda.device_count() < 2, reason="2 GPUs, or none (CPU ranks)")
 def test_torchrun_script_with_its_own_process_group(tmp_path):
     """torchrun starts a script that imports tritonep and makes its own process group (gloo on
     CPU ranks): the kernels run under the interpreter without being told to."""
