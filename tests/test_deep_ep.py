@@ -609,8 +609,9 @@ def test_kernel_names_as_deep_ep_benchmarks_find_them():
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    # Compiled, not interpreted: without a GPU, importing tritonep would choose the
+    # interpreter, so the choice is made explicit.
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.run(
         [sys.executable, "-c", NAMES], capture_output=True, text=True, env=env, timeout=300
     )

@@ -15,6 +15,14 @@ against), :mod:`tritonep.torch_backend` (the ``all_to_all_single`` baseline),
 :mod:`tritonep.launch` (start N ranks), :mod:`tritonep.bench` (``tritonep bench``),
 :mod:`tritonep.soak` (randomized calls checked against the reference) and
 :mod:`tritonep.costmodel` (predicted times across nodes).
+
+Importing the package first decides whether this process's Triton kernels are compiled for the
+GPU or run under Triton's interpreter (no usable GPU: ``TRITON_INTERPRET=1``), before any kernel
+is defined (:mod:`tritonep.interpret`).
 """
+
+from . import interpret as _interpret
+
+_interpret.decide()
 
 __version__ = "0.1.0"

@@ -116,10 +116,14 @@ def _rank_main(ctx, num_tokens_per_rank):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .cli import HelpFormatter
+
     parser = argparse.ArgumentParser(
-        prog="python -m tritonep.demo", description=__doc__.split("\n")[0]
+        prog="python -m tritonep.demo", description=__doc__, formatter_class=HelpFormatter
     )
-    parser.add_argument("--ranks", type=int, default=4, help="rank processes (1 to 8)")
+    parser.add_argument(
+        "--ranks", type=int, default=4, help=f"rank processes, dividing {EXPERTS}, at most 8"
+    )
     opts = parser.parse_args(argv)
     if not 1 <= opts.ranks <= len(TOKENS) or EXPERTS % opts.ranks:
         parser.error(f"--ranks must divide {EXPERTS} and lie in [1, {len(TOKENS)}]")

@@ -17,6 +17,7 @@ remote bytes (received from other ranks) over time.
 from __future__ import annotations
 
 import itertools
+import sys
 
 import torch
 
@@ -111,7 +112,7 @@ def normal_rank(ctx, opts, progress):
     baseline = TorchBackend()
     rival, note = compare.load(opts.compare)
     if note and ctx.rank == 0:
-        print(note, flush=True)
+        print(note, file=sys.stderr, flush=True)
     rows = []
     for hidden, experts, topk in itertools.product(opts.hidden, opts.experts, opts.topk):
         mode = NormalMode(

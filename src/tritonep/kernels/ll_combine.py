@@ -419,10 +419,14 @@ def _reduce_tokens(
                     column = tl.where(first, j, column)
                 weight = tl.load(topk_weights_ptr + token64 * K + k)
                 row = rows + column * SLOT_BYTES
+                # An invalid expert reads nothing: its bound is 0 (a tile compare, not
+                # `mask & valid`: Triton 3.9's interpreter splats a scalar comparison as int32,
+                # which no mask accepts).
                 if LOGFMT:
-                    value = _load_logfmt(row, groups, (groups < G) & valid, H, USE_CLOCK)
+                    value = _load_logfmt(row, groups, groups < tl.where(valid, G, 0), H, USE_CLOCK)
                 else:
-                    y = tl.load(aligned_ptr(row, tl.bfloat16) + cols, mask=cmask & valid,
+                    y = tl.load(aligned_ptr(row, tl.bfloat16) + cols,
+                                mask=cols < tl.where(valid, H, 0),
                                 other=0.0, cache_modifier=".cg")  # fmt: skip
                     value = from_bf16(y, not USE_CLOCK)
                 # Rows not read are 0: a weight of 0 adds nothing, without a select per

@@ -398,11 +398,14 @@ def _send(
     senders = tl.maximum(tl.cdiv(num_tokens, tl.maximum(per_program, 1)), 1)
     next_slot = scratch_ptr + pid * (3 * BINS + TOKEN_WORDS)
     # The first token's row is loaded now, so that its memory latency passes while the ids are
-    # counted; each token's send then loads the next one's.
+    # counted; each token's send then loads the next one's. (A tile compare, not `mask &
+    # scalar`: Triton 3.9's interpreter splats a scalar comparison as int32, which no mask
+    # accepts.)
     groups = tl.arange(0, G_P2)
     row_offs = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
     x_next = tl.load(x_ptr + tl.cast(first_token, tl.int64) * H + row_offs,
-                     mask=(row_offs < H) & (first_token < last_token), other=0.0)  # fmt: skip
+                     mask=row_offs < tl.where(first_token < last_token, H, 0),
+                     other=0.0)  # fmt: skip
     if count_by_adds:
         total, before, bad = _count_by_adds(
             topk_idx_ptr, tl.where(pid < senders, num_tokens, 0), first_token, next_slot,
@@ -557,8 +560,11 @@ def _send_tokens(
         tl.store(next_slot + ids, slots + 1, mask=valid)
         # Quantize the token once, then store it to each of its experts.
         x = x_next
+        # (A tile compare, not `row_mask & scalar`: Triton 3.9's interpreter splats a scalar
+        # comparison as int32, which no mask accepts.)
         x_next = tl.load(x_ptr + tl.cast(token + 1, tl.int64) * H + row_offs,
-                         mask=row_mask & (token + 1 < last_token), other=0.0)  # fmt: skip
+                         mask=row_offs < tl.where(token + 1 < last_token, H, 0),
+                         other=0.0)  # fmt: skip
         if USE_FP8:
             q, scale = quantize_groups(from_bf16(x, not USE_CLOCK), USE_UE8M0, not USE_CLOCK)
             q = e4m3_bits(q, not USE_CLOCK)
