@@ -58,9 +58,9 @@ def test_buffer_low_latency(run_ranks, hook):
     assert run_ranks(2, _buffer_body, hook) == [True, True]
 
 
-def _layer_body(ctx, online_quant_fp8):
+def _layer_body(ctx, online_quant_fp8, H=128):
     R, me = ctx.world_size, ctx.rank
-    M, H, E, K = 4, 128, 2 * R, 2
+    M, E, K = 4, 2 * R, 2
     layer = EPLowLatencyAllToAllLayer(M, H, K, online_quant_fp8, me, E, R, R)
     case = make_case(9, [M] * R, H, E, K, "random")
     x, idx = case.x[me].to(ctx.device), case.topk_idx[me].to(ctx.device)
@@ -81,6 +81,11 @@ def _layer_body(ctx, online_quant_fp8):
 @pytest.mark.parametrize("fp8", [True, False])
 def test_seed_low_latency_layer(run_ranks, fp8):
     assert run_ranks(2, _layer_body, fp8) == [True, True]
+
+
+def test_seed_low_latency_layer_at_a_partial_group(run_ranks):
+    # Hidden 200: the last group of 128 channels holds 72 and has a scale of its own.
+    assert run_ranks(2, _layer_body, True, 200) == [True, True]
 
 
 def _layer_arg_errors(ctx):

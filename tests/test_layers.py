@@ -405,10 +405,10 @@ def test_moe_layer_forward_matches_dense(run_ranks, mode, use_fp8):
 
 
 # ------------------------------------------------------------------------------ adapters
-def _adapter_body(ctx, style, mode, use_fp8):
+def _adapter_body(ctx, style, mode, use_fp8, hidden=128):
     """The MoE layer through a serving adapter, against the dense layer."""
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
-    tokens, hidden, experts_per_rank, topk = [9, 0, 6, 5][:R], 128, 2, 3
+    tokens, experts_per_rank, topk = [9, 0, 6, 5][:R], 2, 3
     E = experts_per_rank * R
     router, experts = init_params(hidden, E, seed=5)
     xs, _ = _inputs(tokens, hidden, seed=6)
@@ -450,3 +450,11 @@ def _adapter_body(ctx, style, mode, use_fp8):
 )
 def test_serving_adapters_match_dense(run_ranks, style, mode, use_fp8):
     assert len(run_ranks(3, _adapter_body, style, mode, use_fp8)) == 3
+
+
+@pytest.mark.parametrize(
+    "style, mode", [("vllm", "normal"), ("sglang", "low_latency")], ids=["vllm-normal", "sglang-ll"]
+)
+def test_serving_adapters_at_a_partial_group(run_ranks, style, mode):
+    # FP8 at hidden 208: rows of 13 x 16 bytes, the last group of 128 channels holds 80.
+    assert len(run_ranks(2, _adapter_body, style, mode, True, 208)) == 2

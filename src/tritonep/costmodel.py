@@ -66,8 +66,9 @@ def uniform_probabilities(num_experts: int, topk: int, num_nodes: int, gpus_per_
 
 
 def row_bytes(hidden: int, use_fp8: bool) -> int:
-    """Bytes of one token's payload: BF16, or e4m3 plus a float32 scale per 128 channels."""
-    return hidden + hidden // 128 * 4 if use_fp8 else 2 * hidden
+    """Bytes of one token's payload: BF16, or e4m3 plus a float32 scale per (partial) 128
+    channels."""
+    return hidden + -(-hidden // 128) * 4 if use_fp8 else 2 * hidden
 
 
 @dataclass(frozen=True)

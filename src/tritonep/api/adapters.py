@@ -51,7 +51,8 @@ class Prepared:
     Attributes:
         tokens: low-latency: ``[E_local, R * max_tokens, H]`` e4m3 or BF16 slabs; normal:
             ``[M, H]`` BF16 (or e4m3) rows, one per (token, this rank).
-        scales: float32 scales per 128 channels matching ``tokens``, or None for BF16.
+        scales: float32 scales per 128 channels matching ``tokens`` (``ceil(H / 128)`` of
+            them per row), or None for BF16.
         expert_num_tokens: low-latency: ``[E_local]`` int32 valid rows per slab; normal: the
             per-local-expert row counts (a list of int).
         topk_ids: normal mode: ``[M, K]`` int64 local expert ids of each row (``-1``

@@ -204,7 +204,8 @@ class EPLowLatencyAllToAllLayer:
 
     Args:
         max_m: most tokens a rank dispatches per call.
-        hidden: hidden size (a multiple of 128).
+        hidden: hidden size, a multiple of 8 (e.g. 2880: FP8 scales per 128 channels, the
+            last of them for a partial group of 64).
         topk: experts per token (1 to 16).
         online_quant_fp8: quantize to FP8 inside dispatch; False sends BF16.
         rank, num_experts, local_world_size, world_size: the group's shape; ``rank`` and
@@ -269,7 +270,7 @@ class EPLowLatencyAllToAllLayer:
         Returns:
             ``(recv_token, recv_scale, expert_recv_count, dispatch_meta)``: ``recv_token``
             ``[E_local, world_size * max_m, hidden]`` (e4m3 or BF16), ``recv_scale``
-            ``[E_local, world_size * max_m, hidden / 128]`` float32, column-major within each
+            ``[E_local, world_size * max_m, ceil(hidden / 128)]`` float32, column-major within each
             expert as TMA-based grouped GEMMs read it (None for BF16), ``expert_recv_count``
             ``[E_local]`` int32; ``dispatch_meta`` goes to :meth:`combine`.
         """
