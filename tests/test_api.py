@@ -1,4 +1,4 @@
-"""The public low-latency APIs (DeepEP-like Buffer, seed layer) against the reference."""
+"""The public low-latency APIs (Buffer, Triton-distributed's layer) against the reference."""
 
 from types import SimpleNamespace
 
@@ -8,8 +8,9 @@ import torch
 from tests.conftest import gpu_ranks
 from tests.test_low_latency import _expert_outputs, _verify_call
 from tests.test_normal import _combine_input, _to, _verify
-from tritonep.api import Buffer, EPLowLatencyAllToAllLayer
+from tritonep import Buffer
 from tritonep.heap import shared_gpu
+from tritonep.integrations import EPLowLatencyAllToAllLayer
 from tritonep.testing import make_case, static_inputs
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import tritonep.deep_ep as deep_ep
 from tests.conftest import gpu_ranks
-from tritonep.api import quantize_fp8
+from tritonep import quantize_fp8
 from tritonep.reference import pack_ue8m0
 from tritonep.reference.elastic import (
     elastic_combine,
@@ -39,7 +39,7 @@ def _inputs(rank, tokens, hidden, num_experts, topk, fp8, seed):
     idx = _choices(gen, n, num_experts, topk, 0.2)
     weights = torch.rand(n, topk, generator=gen)
     if fp8 in ("quantized", "quantized-ue8m0"):
-        # What tritonep.api.quantize_fp8 makes of the rows: ceil(H / 128) float32 scales (a
+        # What tritonep.quantize_fp8 makes of the rows: ceil(H / 128) float32 scales (a
         # partial last group has its own), or those as UE8M0 packs, ceil(ceil(H / 128) / 4).
         ue8m0 = fp8 == "quantized-ue8m0"
         q, sf = quantize_fp8(x, use_ue8m0=ue8m0)
@@ -299,7 +299,7 @@ def test_elastic_dispatch_combine(
 
 @pytest.mark.parametrize("fp8", ["quantized", "quantized-ue8m0"])
 def test_elastic_takes_what_quantize_fp8_makes(run_ranks, fp8):
-    """The scales of :func:`tritonep.api.quantize_fp8` (as the low-latency mode returns them
+    """The scales of :func:`tritonep.quantize_fp8` (as the low-latency mode returns them
     too) are what the elastic mode takes, at a hidden size with a partial last group (208:
     two float32 scales, the last for 80 channels, or one UE8M0 pack)."""
     args = ([6, 0, 4], 208, 2, 3, fp8, True, 2, 1, True)

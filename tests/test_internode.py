@@ -311,7 +311,7 @@ def test_internode_timeouts_name_ranks_of_the_whole_group_and_the_leg(run_ranks)
 def _buffer_body(ctx):
     """Through the DeepEP-like Buffer: per-node counts, dispatch, combine, cached dispatch,
     then low-latency dispatch and combine across the nodes."""
-    from tritonep.api import Buffer
+    from tritonep import Buffer
 
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
     E, tokens = 2 * R, [6, 0, 5, 4]
@@ -361,7 +361,7 @@ def test_buffer_spans_emulated_nodes(run_ranks):
 def _trace_body(ctx, tmp):
     import json
 
-    from tritonep.api import Buffer
+    from tritonep import Buffer
 
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
     case = make_case(2, [4, 3, 0, 5], 128, 2 * R, 2)

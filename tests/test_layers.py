@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import gpu_ranks
-from tritonep.api import Buffer, EPAll2AllLayer, autograd
-from tritonep.api.adapters import PrepareFinalize, TwoPhaseDispatcher
-from tritonep.moe import MoELayer, dense_moe, init_params, local_experts, route
+from tritonep import Buffer
+from tritonep.integrations import EPAll2AllLayer, autograd
+from tritonep.integrations.moe import MoELayer, dense_moe, init_params, local_experts, route
+from tritonep.integrations.serving import PrepareFinalize, TwoPhaseDispatcher
 from tritonep.reference import dequantize_fp8
 from tritonep.testing import make_case, tag_rows
 
@@ -65,7 +66,7 @@ def _ep_layer_body(ctx, tokens, hidden, experts_per_rank, topk, routing, id_dtyp
     for call in range(2):
         case = tag_rows(make_case(50 * call + 3, tokens[:R], hidden, E, topk, routing))
         ids = case.topk_idx[me].clone()
-        # Half of the dropped choices in the seed's convention (id == number of experts).
+        # Half of the dropped choices in Triton-distributed's convention (id == number of experts).
         marker = torch.arange(ids.numel()).view(ids.shape) % 2 == 0
         ids = torch.where((ids == -1) & marker, E, ids)
         out, weights, desc = layer.dispatch(
@@ -263,7 +264,7 @@ def _operators_body(ctx, variant, worst, backend="aot_eager"):
         create_selective_checkpoint_contexts,
     )
 
-    from tritonep.api.autograd import _HANDLES
+    from tritonep.integrations.autograd import _HANDLES
 
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
     E, N, H, K = 4 * R, [13, 6, 9, 0][me], 128, 3

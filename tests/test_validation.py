@@ -174,7 +174,7 @@ def test_torch_backend_rejects_bad_input_on_every_rank(run_ranks):
 
 
 def _disagree_body(ctx, which):
-    from tritonep.api import Buffer
+    from tritonep import Buffer
     from tritonep.modes.internode import InternodeMode
     from tritonep.modes.low_latency import LowLatencyMode
     from tritonep.modes.normal import NormalMode

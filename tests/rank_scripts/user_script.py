@@ -3,7 +3,7 @@
     python user_script.py spawn                                  # tritonep.launch.spawn
     torchrun --standalone --nproc_per_node=2 user_script.py      # its own process group
 
-Importing ``tritonep.api`` defines the kernels as the module loads, in this process and again in
+Importing ``tritonep.Buffer`` defines the kernels as its module loads, in this process and again in
 every rank that ``spawn`` starts (a spawned process imports its parent's ``__main__``). Each
 rank passes a block to the next one through the symmetric heap with a Triton kernel and
 checks what it received from the previous one.
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import tritonep
-from tritonep.api import Buffer  # noqa: F401  (defines the kernels at import)
+from tritonep import Buffer  # noqa: F401  (defines the kernels at import)
 from tritonep.heap import allocate
 from tritonep.kernels.put_signal import put_signal, wait_signal
 from tritonep.launch import spawn

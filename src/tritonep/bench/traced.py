@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..api import Buffer
+from ..buffer import Buffer
 from ..modes.trace import TICKS
 from ..testing import route
 

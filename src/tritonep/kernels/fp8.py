@@ -197,7 +197,7 @@ def quantize_fp8(x: torch.Tensor, use_ue8m0: bool = False):
     Returns:
         ``(q, scales)``: ``q`` float8_e4m3fn ``[N, H]``, ``scales`` float32
         ``[N, ceil(H / 128)]`` (contiguous), the input that
-        :meth:`tritonep.api.Buffer.dispatch` takes in FP8 (whose rows must be a multiple of 16
+        :meth:`tritonep.Buffer.dispatch` takes in FP8 (whose rows must be a multiple of 16
         bytes: ``H`` a multiple of 16).
     """
     _, num_tokens, hidden = _check_rows(

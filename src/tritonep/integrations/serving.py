@@ -6,7 +6,7 @@
   ``combine_a`` start the transfer and return at once, ``dispatch_b`` / ``combine_b`` finish
   it, so another micro-batch can compute in between.
 
-Both sit on one :class:`~tritonep.api.Buffer` and take ``mode="low_latency"`` (decode:
+Both sit on one :class:`~tritonep.Buffer` and take ``mode="low_latency"`` (decode:
 per-expert slabs ``[E_local, R * max_tokens, H]``, FP8 optional, no host synchronization) or
 ``mode="normal"`` (prefill: one row per (token, rank), exact sizes). The experts' input is
 the dispatch output itself (no copy), low-latency ``finalize`` reduces straight into the
@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
+from ..buffer import Buffer
 from ..kernels.fp8 import quantize_fp8
-from .buffer import Buffer
 
 MODES = ("low_latency", "normal")
 
@@ -147,7 +147,7 @@ class PrepareFinalize(_Adapter):
     """vLLM-style prepare (quantize + dispatch) and finalize (combine + weighted reduce).
 
     Args:
-        buffer: the group's :class:`~tritonep.api.Buffer`.
+        buffer: the group's :class:`~tritonep.Buffer`.
         num_experts: experts in total.
         mode: ``"low_latency"`` (batched per-expert slabs) or ``"normal"`` (one row per
             (token, rank)).

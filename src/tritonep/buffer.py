@@ -26,13 +26,13 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ..heap import default_device
-from ..kernels.layout import dispatch_layout
-from ..kernels.sync import timeout_us
-from ..modes.internode import InternodeHandle, InternodeMode, token_in_node
-from ..modes.low_latency import LowLatencyHandle, LowLatencyMode
-from ..modes.normal import Config, NormalHandle, NormalMode
-from ..validation import (
+from .heap import default_device
+from .kernels.layout import dispatch_layout
+from .kernels.sync import timeout_us
+from .modes.internode import InternodeHandle, InternodeMode, token_in_node
+from .modes.low_latency import LowLatencyHandle, LowLatencyMode
+from .modes.normal import Config, NormalHandle, NormalMode
+from .validation import (
     check_dispatch_x,
     check_num_experts,
     check_ranks_agree,
@@ -246,7 +246,7 @@ class Buffer:
         self.num_nodes = self.group_size // self.gpus_per_node
         self._layout_arrivals: torch.Tensor | None = None
         self._comm_stream: torch.cuda.Stream | None = None
-        #: A number naming this buffer in operators (:mod:`tritonep.api.autograd`).
+        #: A number naming this buffer in operators (:mod:`tritonep.integrations.autograd`).
         self.key = next(_KEYS)
         _BUFFERS[self.key] = self
 
