@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from . import interpret
 from .heap import shared_gpu
+from .validation import default_group
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -70,7 +71,7 @@ class RankContext:
         """The default process group. Looked up, not stored: a context kept in a module
         global would otherwise keep the group alive past ``destroy_process_group`` into
         interpreter shutdown, where destroying it can abort the process."""
-        return dist.group.WORLD
+        return default_group(None)
 
     @property
     def backend(self) -> str:

@@ -44,7 +44,7 @@ def _normal_call(ctx, mode, seed, opts, check):
     out = mode.dispatch(x, idx, w, num_worst_tokens=worst)
     if rng.random() < 0.3:  # cached: the same routing moves the payload again
         out.recv_x = mode.dispatch(x, handle=out.handle).recv_x
-    rows = ref.dequantize_fp8(*out.recv_x) if use_fp8 else out.recv_x.float()
+    rows = _float_rows(out.recv_x)
     rows = torch.nan_to_num(rows)  # padding rows of worst-case outputs hold anything
     combined, _ = mode.combine(rows.to(torch.bfloat16), out.handle)
     if not check:
@@ -53,16 +53,21 @@ def _normal_call(ctx, mode, seed, opts, check):
     want, n = wants[me], wants[me].num_recv_tokens
     ref.assert_rows_equal(out.recv_x, want.recv_x, n, f"seed {seed} recv_x")
     ref.assert_bitwise_equal(out.recv_topk_idx[:n].cpu(), want.recv_topk_idx, f"seed {seed} ids")
-    ys = [
-        (ref.dequantize_fp8(*d.recv_x) if use_fp8 else d.recv_x.float()).to(torch.bfloat16)
-        for d in wants
-    ]
+    ys = [_float_rows(d.recv_x).to(torch.bfloat16) for d in wants]
     expected, _ = ref.normal_combine(ys, wants, tokens)[me]
     if getattr(mode, "num_nodes", 1) == 1:
         ref.assert_bitwise_equal(combined.cpu(), expected, f"seed {seed} combined")
     else:  # sums within each node are rounded to BF16 before the network: two roundings
         torch.testing.assert_close(combined.cpu(), expected, rtol=2e-2, atol=1e-2,
                                    msg=f"seed {seed} combined")  # fmt: skip
+
+
+def _float_rows(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Received rows in float32: BF16 rows, or FP8 rows with their scales."""
+    if isinstance(x, tuple):
+        q, scales = x
+        return ref.dequantize_fp8(q, scales)
+    return x.float()
 
 
 def _low_latency_call(ctx, mode, seed, opts, check):
@@ -76,7 +81,7 @@ def _low_latency_call(ctx, mode, seed, opts, check):
     )
     if recv_hook is not None:
         recv_hook()
-    rows = ref.dequantize_fp8(*recv_x) if use_fp8 else recv_x.float()
+    rows = _float_rows(recv_x)
     outputs = torch.nan_to_num(rows).to(torch.bfloat16)  # rows past the counts hold anything
     combined, _ = mode.combine(outputs, idx, case.topk_weights[me].to(dev), handle)
     if check:
@@ -92,6 +97,7 @@ def _rank_main(ctx, opts):
     from .modes.normal import NormalMode
 
     report = {}
+    mode: NormalMode | InternodeMode | LowLatencyMode
     for name in opts.modes:
         if name == "normal":
             mode = NormalMode(None, opts.hidden, opts.experts, max_topk=opts.topk,

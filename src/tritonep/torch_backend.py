@@ -27,6 +27,7 @@ from .validation import (
     check_tensor,
     check_topk_idx,
     check_topk_weights,
+    default_group,
 )
 
 XLike = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -106,7 +107,7 @@ class TorchBackend:
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None):
-        self.group = group or dist.group.WORLD
+        self.group = default_group(group)
         self.rank = dist.get_rank(self.group)
         self.num_ranks = dist.get_world_size(self.group)
 
@@ -284,12 +285,13 @@ class TorchBackend:
         slab[slot] = recv_payload
         src_info = torch.full((rows_total,), -1, dtype=torch.int32, device=device)
         src_info[slot] = recv_token.to(torch.int32)
-        recv_x: XLike = slab.view(experts_per_rank, R * max_tokens, hidden)
+        recv_data = slab.view(experts_per_rank, R * max_tokens, hidden)
+        recv_x: XLike = recv_data
         if scales is not None:
             groups = scales.shape[1]  # ceil(hidden / 128)
             scale_slab = torch.zeros(rows_total, groups, dtype=torch.float32, device=device)
             scale_slab[slot] = move(scales[token])
-            recv_x = (recv_x, scale_slab.view(experts_per_rank, R * max_tokens, groups))
+            recv_x = (recv_data, scale_slab.view(experts_per_rank, R * max_tokens, groups))
         recv_count = recv_per_expert.sum(dim=0).to(torch.int32)
         handle = TorchLowLatencyHandle(
             recv_src_info=src_info.view(experts_per_rank, R * max_tokens),

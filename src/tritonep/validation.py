@@ -34,8 +34,8 @@ def check_tensor(
         got = t.shape
         ok = len(got) == len(shape)
         if ok:
-            for g, want in zip(got, shape, strict=True):
-                if want is not None and g != want:
+            for g, size in zip(got, shape, strict=True):
+                if size is not None and g != size:
                     ok = False
                     break
         if not ok:
@@ -144,6 +144,19 @@ def check_topk_weights(name: str, topk_weights: object, topk_idx: torch.Tensor) 
     )
 
 
+def default_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """``group``, or the default process group when it is ``None``."""
+    if group is not None:
+        return group
+    world = dist.group.WORLD
+    if world is None:
+        raise RuntimeError(
+            "group: torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group first or pass a process group"
+        )
+    return world
+
+
 def check_ranks_agree(group: dist.ProcessGroup, what: str, **config: object) -> None:
     """Raise the same ``ValueError`` on every rank of ``group`` unless all pass equal values.
 
@@ -151,7 +164,7 @@ def check_ranks_agree(group: dist.ProcessGroup, what: str, **config: object) -> 
     the hidden size would otherwise compute different buffer layouts and write into each
     other's memory at the wrong offsets, or wait for messages that never come.
     """
-    gathered: list[dict | None] = [None] * dist.get_world_size(group)
+    gathered: list[dict] = [{}] * dist.get_world_size(group)
     # ``what`` travels too: ranks that reached different objects (one rank's mode built for
     # several nodes, its peers' for one) must fail alike, with the key sets that differ.
     dist.all_gather_object(gathered, {"object": what, **config}, group=group)

@@ -41,14 +41,24 @@ SWEEPS = {
     "internode": ([128, 256, 512, 1024, 2048, 4096, 8192, 16384], [4, 8, 16, 32]),
 }
 
-# Defaults: (on GPUs, on CPU ranks).
-DEFAULTS = {
-    "normal": {"tokens": ("4096", "16"), "hidden": ("7168", "256"), "topk": ("8", "4"),
-               "experts": ("256", "16"), "iters": (30, 2)},
-    "low-latency": {"tokens": ("128", "8"), "hidden": ("7168", "256"), "topk": ("8", "4"),
-                    "experts": ("256", "16"), "iters": (50, 2)},
-}  # fmt: skip
+# Defaults of the sweep options, as on the command line: (on GPUs, on CPU ranks).
+DEFAULTS: dict[str, dict[str, tuple[str, str]]] = {
+    "normal": {
+        "tokens": ("4096", "16"),
+        "hidden": ("7168", "256"),
+        "topk": ("8", "4"),
+        "experts": ("256", "16"),
+    },
+    "low-latency": {
+        "tokens": ("128", "8"),
+        "hidden": ("7168", "256"),
+        "topk": ("8", "4"),
+        "experts": ("256", "16"),
+    },
+}
 DEFAULTS["internode"] = DEFAULTS["normal"]
+#: Timed iterations: (on GPUs, on CPU ranks).
+DEFAULT_ITERS = {"normal": (30, 2), "low-latency": (50, 2), "internode": (30, 2)}
 #: Normal-mode configuration defaults: (on GPUs, on CPU ranks).
 CONFIG_DEFAULTS = {"sms": ("24", "4"), "ring": ("128", "64")}
 
@@ -280,7 +290,7 @@ def _options(args: argparse.Namespace, on_gpu: bool) -> types.SimpleNamespace:
         hidden=_ints(args.hidden or defaults["hidden"][pick]),
         topk=_ints(args.topk or defaults["topk"][pick]),
         experts=_ints(args.experts or defaults["experts"][pick]),
-        iters=args.iters or defaults["iters"][pick],
+        iters=args.iters or DEFAULT_ITERS[args.mode][pick],
         compare=args.compare,
         quiet=args.quiet,
         trace=args.trace,

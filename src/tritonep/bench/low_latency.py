@@ -41,7 +41,7 @@ def _low_latency_point(ctx, mode, baseline, rival, opts, T, topk, max_tokens):
 
     t_disp, t_comb = time_pair(dispatch, combine, opts.iters, 10)
     mode.check()
-    recv_rows = int(state["d"][1].sum())
+    recv_rows: float = int(state["d"][1].sum())
     g_disp, g_comb = time_graph(dispatch, 10, 20), time_graph(combine, 10, 20)
     mode.check()
     b_disp, b_comb = time_pair(

@@ -64,8 +64,8 @@ def _point(ctx, mode, baseline, rival, opts, num_tokens, topk, config):
     t_bdisp = median_ms(base_dispatch, base_iters, 2)
     t_bcomb = median_ms(lambda: baseline.combine(y_base, state["b"][4]), base_iters, 2)
 
-    recv = handle.num_recv_tokens
-    local = int(handle.recv_count[ctx.rank].sum())
+    recv: float = handle.num_recv_tokens
+    local: float = int(handle.recv_count[ctx.rank].sum())
     vals = [t_full, t_bf16, t_fp8, t_comb, g_bf16, g_fp8, g_comb, t_bdisp, t_bcomb, recv, local]
     vals = mean_over_ranks(vals)
     t_full, t_bf16, t_fp8, t_comb, g_bf16, g_fp8, g_comb, t_bdisp, t_bcomb, recv, local = vals

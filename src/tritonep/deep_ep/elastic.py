@@ -241,7 +241,9 @@ class ElasticBuffer:
             raise ValueError(f"num_bytes: expected a positive int, got {num_bytes!r}")
         self.num_bytes = num_bytes
         self.num_allocated_qps = num_allocated_qps or (129 if allow_hybrid_mode else 17)
-        self.runtime = ElasticMode(group, num_bytes, timeout_s=float(num_gpu_timeout_secs))
+        self.runtime: ElasticMode | None = ElasticMode(
+            group, num_bytes, timeout_s=float(num_gpu_timeout_secs)
+        )
         self.num_scaleout_ranks, self.num_scaleup_ranks = self.get_logical_domain_size()
         self.scaleout_rank_idx = self.rank_idx // self.num_scaleup_ranks
         self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
@@ -303,7 +305,7 @@ class ElasticBuffer:
         if with_cpu_sync and on_gpu:
             torch.cuda.synchronize(runtime.device)
         if use_comm_stream and on_gpu:
-            comm = self.get_comm_stream()
+            comm = self._cuda_comm_stream()
             comm.wait_stream(torch.cuda.current_stream(runtime.device))
             with torch.cuda.stream(comm):
                 runtime.barrier()
@@ -320,9 +322,14 @@ class ElasticBuffer:
 
     def get_comm_stream(self) -> torch.cuda.Stream | None:
         """The stream the kernels run on (None on CPU ranks)."""
-        runtime = self._require_runtime()
-        if self._comm_stream is None and runtime.device.type == "cuda":
-            self._comm_stream = torch.cuda.Stream(runtime.device)
+        if self._require_runtime().device.type != "cuda":
+            return None
+        return self._cuda_comm_stream()
+
+    def _cuda_comm_stream(self) -> torch.cuda.Stream:
+        """The communication stream of a CUDA rank, made on first use."""
+        if self._comm_stream is None:
+            self._comm_stream = torch.cuda.Stream(self._require_runtime().device)
         return self._comm_stream
 
     def get_physical_domain_size(self) -> tuple[int, int]:
@@ -390,7 +397,7 @@ class ElasticBuffer:
             yield None
             return
         compute = torch.cuda.current_stream(runtime.device)
-        comm = self.get_comm_stream()
+        comm = self._cuda_comm_stream()
         event = _cuda_event(previous_event)
         if event is not None:
             comm.wait_event(event)
@@ -519,7 +526,7 @@ class ElasticBuffer:
         if num_experts is None:
             raise ValueError("num_experts: required without a handle")
         e_local = check_num_experts(num_experts, self.num_ranks)
-        check_tensor(
+        topk_idx = check_tensor(
             "topk_idx", topk_idx, dtype=torch.int64, shape=(num_tokens, None), device=runtime.device
         )
         topk = topk_idx.shape[1]
@@ -558,7 +565,7 @@ class ElasticBuffer:
                 f"num_qps: at most num_allocated_qps={self.num_allocated_qps}, got {num_qps}"
             )
         cached = None
-        if not first_call:
+        if handle is not None:
             cached = CachedLayout(
                 handle.num_recv_tokens,
                 handle.num_expanded_tokens,
@@ -584,22 +591,22 @@ class ElasticBuffer:
                 do_handle_copy,
                 self._before_epilogue(previous_event_before_epilogue),
             )
-        if first_call:
+        if handle is None:
             handle = EPHandle(
                 do_expand,
                 num_experts,
                 expert_alignment,
                 num_max,
                 num_sms,
-                out.topk_idx,
+                _made(out.topk_idx),
                 out.num_recv_tokens,
                 out.num_expanded_tokens,
                 out.num_recv_tokens_per_expert_list,
-                out.psum_num_recv_tokens_per_scaleup_rank,
-                out.psum_num_recv_tokens_per_expert,
-                out.num_unaligned_recv_tokens_per_expert,
-                out.recv_src_metadata,
-                out.dst_buffer_slot_idx,
+                _made(out.psum_num_recv_tokens_per_scaleup_rank),
+                _made(out.psum_num_recv_tokens_per_expert),
+                _made(out.num_unaligned_recv_tokens_per_expert),
+                _made(out.recv_src_metadata),
+                _made(out.dst_buffer_slot_idx),
                 None,
                 None,
                 reduction_slot=out.reduction_slot,
@@ -658,6 +665,9 @@ class ElasticBuffer:
         runtime = self._require_runtime()
         if not isinstance(handle, EPHandle):
             raise TypeError(f"handle: expected an EPHandle, got {type(handle).__name__}")
+        if handle.reduction_slot is None:
+            raise ValueError("handle: it has no reduction_slot; pass a handle a dispatch returned")
+        reduction_slot = handle.reduction_slot
         device = runtime.device
         rows = handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens
         num_tokens, topk = handle.topk_idx.shape
@@ -695,7 +705,7 @@ class ElasticBuffer:
                 topk_weights,
                 terms,
                 handle.recv_src_metadata,
-                handle.reduction_slot,
+                reduction_slot,
                 handle.psum_num_recv_tokens_per_scaleup_rank,
                 handle.topk_idx,
                 handle.num_experts,
@@ -772,6 +782,12 @@ _PP = "pipeline-parallel send/recv (PP) is not implemented in tritonep"
 _AGRS = "all-gather reduce-scatter (AGRS, all_gather) is not implemented in tritonep"
 
 
+def _made(t: torch.Tensor | None) -> torch.Tensor:
+    """A handle tensor of a first (not cached) dispatch, which makes every one."""
+    assert t is not None
+    return t
+
+
 def _cuda_event(event) -> torch.cuda.Event | None:
     """The CUDA event inside an :class:`EventHandle`, an :class:`EventOverlap` or an event."""
     while event is not None and not isinstance(event, torch.cuda.Event):
@@ -781,10 +797,9 @@ def _cuda_event(event) -> torch.cuda.Event | None:
 
 def _check_x(payload: object, sf: object, device: torch.device) -> int:
     """Check a dispatch's ``x``; returns its token count."""
-    check_tensor(
+    payload = check_tensor(
         "x", payload, dtype=(torch.bfloat16, torch.float8_e4m3fn), shape=(None, None), device=device
     )
-    assert isinstance(payload, torch.Tensor)
     num_tokens, hidden = payload.shape
     if hidden < 1 or hidden * payload.element_size() % 16:
         raise ValueError(
@@ -795,7 +810,7 @@ def _check_x(payload: object, sf: object, device: torch.device) -> int:
     if fp8 != (sf is not None):
         raise TypeError("x: FP8 rows come as a tuple (x, scale packs), BF16 rows alone")
     if sf is not None:
-        check_tensor(
+        sf = check_tensor(
             "x[1]",
             sf,
             dtype=(torch.float32, torch.int32),

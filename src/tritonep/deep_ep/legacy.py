@@ -95,6 +95,9 @@ class LegacyHandle(NormalHandle):
       not sent.
     """
 
+    #: The rank that made the dispatch (set by :meth:`of`; not a dataclass field).
+    rank: int
+
     @classmethod
     def of(cls, handle: NormalHandle, rank: int) -> LegacyHandle:
         """``handle`` (of a dispatch on rank ``rank``) as a :class:`LegacyHandle`."""
@@ -207,7 +210,7 @@ class Buffer(_Buffer):
         topk_weights=None,
         expert_alignment: int = 1,
         num_worst_tokens: int = 0,
-        config: Config | None = None,
+        config: _Config | None = None,
         previous_event: EventOverlap | None = None,
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .. import interpret
+from ..validation import default_group
 from .base import SymmetricHeap
 
 __all__ = ["GUARD_BYTES", "SymmetricHeap", "allocate", "default_device", "set_backend"]
@@ -44,7 +45,7 @@ def shared_gpu() -> bool:
 def default_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """Where a rank of ``group`` keeps its buffers: the current CUDA device for NCCL groups
     and for ranks sharing a GPU, else the CPU."""
-    group = group or dist.group.WORLD
+    group = default_group(group)
     if dist.get_backend(group) == "nccl" or shared_gpu():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -77,7 +78,7 @@ def allocate(
     """
     if not isinstance(nbytes, int) or nbytes <= 0:
         raise ValueError(f"nbytes: expected a positive int, got {nbytes!r}")
-    group = group or dist.group.WORLD
+    group = default_group(group)
     device = torch.device(device) if device is not None else default_device(group)
     interpret.check(device)  # kernels built for this device, before any runs
     sizes = [None] * dist.get_world_size(group)

@@ -29,7 +29,7 @@ class SymmetricHeap:
     def __init__(
         self,
         group: dist.ProcessGroup,
-        peers: Sequence[torch.Tensor],
+        peers: Sequence[torch.Tensor | None],
         peer_ptrs: Sequence[int],
         barrier: Callable[[], None],
         keepalive: object = None,
@@ -39,8 +39,12 @@ class SymmetricHeap:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self._peers = list(peers)
-        self.local = self._peers[self.rank]
+        # None for a peer this GPU cannot map (another node): reached by NVSHMEM puts only.
+        self._peers: list[torch.Tensor | None] | None = list(peers)
+        local = self._peers[self.rank]
+        if local is None:
+            raise ValueError(f"peers: this rank's own buffer (index {self.rank}) is missing")
+        self.local = local
         self.nbytes = self.local.numel()
         self.device = self.local.device
         self.peer_ptrs = torch.tensor(list(peer_ptrs), dtype=torch.int64, device=self.device)
@@ -69,12 +73,13 @@ class SymmetricHeap:
                 f"offset: [{offset}, {offset + count * itemsize}) lies outside the heap of "
                 f"{self.nbytes} bytes"
             )
-        if self._peers[rank] is None:
+        peer = self._peers[rank]
+        if peer is None:
             raise ValueError(
                 f"rank: rank {rank}'s heap is not mapped on this GPU (another node); "
                 "it is reached through NVSHMEM puts only"
             )
-        raw = self._peers[rank][offset : offset + count * itemsize]
+        raw = peer[offset : offset + count * itemsize]
         return raw.view(dtype).view(tuple(shape))
 
     def add_guard(self, guard_bytes: int) -> None:
@@ -107,7 +112,9 @@ class SymmetricHeap:
             return
         self.barrier()
         self._peers = None
-        self.local = None
+        # An empty tensor, not None: `local` stays a tensor for every reader, and the mapping
+        # is released all the same.
+        self.local = self.local.new_empty(0)
         self._guard = None
         self._keepalive = None
         if self._release is not None:

@@ -16,7 +16,7 @@ def set_backend(name: str) -> None:
         raise ValueError(f"name: expected one of {BACKENDS}, got {name!r}")
     if name == "NVSHMEM" and not symm_mem.is_nvshmem_available():
         raise RuntimeError("the NVSHMEM backend is not available in this PyTorch build")
-    symm_mem.set_backend(name)
+    symm_mem.set_backend("NVSHMEM" if name == "NVSHMEM" else "CUDA")
     global _chosen
     _chosen = name
 
@@ -42,7 +42,7 @@ def allocate_cuda(nbytes: int, group: dist.ProcessGroup, device: torch.device) -
     local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
     handle = symm_mem.rendezvous(local, group.group_name)
     ptrs = list(handle.buffer_ptrs)
-    peers = []
+    peers: list[torch.Tensor | None] = []
     for r in range(world_size):
         if r == rank:
             peers.append(local)

@@ -10,6 +10,8 @@ the same ``peer_ptrs`` they see on symmetric memory. The handles travel over the
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
@@ -24,7 +26,7 @@ def allocate_cuda_ipc(nbytes: int, group: dist.ProcessGroup, device: torch.devic
     torch.cuda.ipc_collect()
     local = torch.zeros(nbytes, dtype=torch.uint8, device=device)
     torch.cuda.synchronize(device)
-    handles = [None] * world_size
+    handles: list[Any] = [None] * world_size
     # (rebuild function, its arguments): what torch.multiprocessing pickles for a CUDA tensor.
     dist.all_gather_object(handles, reduce_tensor(local), group=group)
     peers = [local if r == rank else handles[r][0](*handles[r][1]) for r in range(world_size)]

@@ -133,8 +133,9 @@ class MoELayer(torch.nn.Module):
         recv, _, handle, _, _ = self.buffer.low_latency_dispatch(
             x, ids, self.max_tokens, self.num_experts, use_fp8=self.use_fp8
         )
-        if self.use_fp8:
-            recv = dequantize_fp8(*recv, dtype=torch.float32)
+        if isinstance(recv, tuple):
+            q, scales = recv
+            recv = dequantize_fp8(q, scales, dtype=torch.float32)
         y = torch.bmm(recv.float(), self.experts.float()).to(torch.bfloat16)
         out, _, _ = self.buffer.low_latency_combine(y, ids, weights.detach(), handle)
         return out

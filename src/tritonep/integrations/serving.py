@@ -96,12 +96,12 @@ class _Adapter:
             )  # fmt: skip
             tokens, scales = recv if self.use_fp8 else (recv, None)
 
-            def finish():
+            def finish_low_latency():
                 if recv_hook is not None:
                     recv_hook()
                 return Prepared(tokens, scales, count, None, None, handle, (topk_ids, topk_weights))
 
-            return finish
+            return finish_low_latency
         payload = quantize_fp8(x) if self.use_fp8 else x
         per_rank, _, per_expert, in_rank, _ = b.get_dispatch_layout(topk_ids, self.num_experts)
         recv, idx, weights, counts, handle, event = b.dispatch(
@@ -128,12 +128,12 @@ class _Adapter:
                 out=out,
             )  # fmt: skip
 
-            def finish():
+            def finish_low_latency():
                 if recv_hook is not None:
                     recv_hook()
                 return out
 
-            return finish
+            return finish_low_latency
         out, _, event = b.combine(expert_output, prepared.handle, async_finish=hook)
 
         def finish():

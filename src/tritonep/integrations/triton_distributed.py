@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ..heap import default_device
 from ..modes.low_latency import LowLatencyHandle, LowLatencyMode
 from ..modes.normal import Config, NormalHandle, NormalMode
-from ..validation import check_tensor, check_topk_idx
+from ..validation import check_tensor, check_topk_idx, default_group
 
 
 def _check_group(group: dist.ProcessGroup, rank: int, world_size: int) -> None:
@@ -90,7 +90,7 @@ class EPAll2AllLayer:
         num_sm: int = 24,
         enable_local_combine: bool = True,
     ):
-        group = ep_group or dist.group.WORLD
+        group = default_group(ep_group)
         _check_group(group, rank, world_size)
         if local_world_size != world_size:
             raise ValueError(
@@ -151,7 +151,9 @@ class EPAll2AllLayer:
                        mode.check_ids)  # fmt: skip
         ids = torch.where(ids == self.num_experts, -1, ids)
         out = mode.dispatch(tokens, ids, routing_weights.float().contiguous(), config=self.config)
-        recv_idx, recv_w = out.recv_topk_idx, out.recv_topk_weights
+        recv_x, recv_idx, recv_w = out.recv_x, out.recv_topk_idx, out.recv_topk_weights
+        # BF16 rows with weights in, so BF16 rows, ids and weights out.
+        assert isinstance(recv_x, torch.Tensor) and recv_idx is not None and recv_w is not None
         # Copies in (local expert, received row) order: a stable sort of the row-major
         # (row, column) pairs by expert keeps each expert's rows in source order.
         rows, cols = (recv_idx >= 0).nonzero(as_tuple=True)
@@ -161,11 +163,12 @@ class EPAll2AllLayer:
         # The dispatch already counted the top-k entries per local expert (= copies) on the
         # host: no second read of the device.
         counts = out.num_recv_tokens_per_expert
+        assert isinstance(counts, list)  # exact mode: counted on the host
         per_expert = torch.tensor(counts, dtype=torch.int64, device=mode.device)
         offsets = torch.zeros(mode.num_local_experts + 1, dtype=torch.int64, device=mode.device)
         torch.cumsum(per_expert, 0, out=offsets[1:])
         desc = EPLayoutDesc(out.handle, copy_row, copy_topk, per_expert, offsets, counts)
-        output = out.recv_x.index_select(0, copy_row)
+        output = recv_x.index_select(0, copy_row)
         weights = recv_w[copy_row, copy_topk].to(self.weight_dtype)
         return output, weights, desc
 
@@ -235,7 +238,7 @@ class EPLowLatencyAllToAllLayer:
         enable_profiling: bool = False,
         group: dist.ProcessGroup | None = None,
     ):
-        group = group or dist.group.WORLD
+        group = default_group(group)
         _check_group(group, rank, world_size)
         if fp8_gsize != 128:
             raise ValueError(f"fp8_gsize: only 128 is supported, got {fp8_gsize}")

@@ -137,7 +137,8 @@ def _install_hook() -> None:
         _initialize_module(kwargs)
         return previous(*args, **kwargs) if previous is not None else None
 
-    hook._tritonep = True
+    # A mark on the function itself: the hook installed is whichever Triton holds now.
+    hook._tritonep = True  # type: ignore[attr-defined]
     knobs.runtime.jit_post_compile_hook = hook
 
 

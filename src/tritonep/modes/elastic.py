@@ -38,7 +38,7 @@ from ..kernels.sync import (
     timeout_us,
     use_clock,
 )
-from ..validation import check_num_experts, check_ranks_agree
+from ..validation import check_num_experts, check_ranks_agree, default_group
 from .outputs import empty_output
 
 #: Local experts per rank that the headers have room for.
@@ -190,7 +190,7 @@ class ElasticMode:
         device: torch.device | str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ):
-        self.group = group or dist.group.WORLD
+        self.group = default_group(group)
         device = torch.device(device) if device is not None else default_device(self.group)
         check_ranks_agree(self.group, "ElasticMode", num_bytes=num_bytes, device_type=device.type)
         self.rank = dist.get_rank(self.group)
@@ -519,7 +519,8 @@ class ElasticMode:
         R = self.num_ranks
         int32_dummy, int64_dummy, f32_dummy = self.status, self.state, self._f32_dummy()
         write_meta = out.recv_src_metadata is not None
-        has_sf, has_w = out.recv_sf is not None, out.recv_topk_weights is not None
+        recv_sf = out.recv_sf
+        has_sf, has_w = recv_sf is not None, out.recv_topk_weights is not None
         PW, K_P2 = row_bytes // 4, _next_pow2(max(K, 2))
         BR = self._block(16, out.num_recv_tokens, self.num_device_sms)
         rows = out.recv_x.shape[0]
@@ -553,9 +554,9 @@ class ElasticMode:
                 out.num_recv_tokens,
                 rows,
                 out.recv_x.view(torch.int32),
-                out.recv_sf.view(torch.int32) if has_sf else int32_dummy,
-                out.recv_sf.stride(0) if has_sf else 0,
-                out.recv_sf.stride(1) if has_sf else 0,
+                recv_sf.view(torch.int32) if recv_sf is not None else int32_dummy,
+                recv_sf.stride(0) if recv_sf is not None else 0,
+                recv_sf.stride(1) if recv_sf is not None else 0,
                 out.recv_topk_idx if out.recv_topk_idx is not None else int64_dummy,
                 out.recv_topk_weights if has_w else f32_dummy,
                 out.recv_src_metadata if write_meta else int32_dummy,

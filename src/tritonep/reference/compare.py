@@ -80,6 +80,8 @@ def assert_low_latency_dispatch_equal(
                 got.recv_x[local, g_rows], expected.recv_x[local, e_rows], f"{where} payload"
             )
             if expected.recv_x_scales is not None:
+                if got.recv_x_scales is None:
+                    raise AssertionError(f"{where} scales: none received")
                 assert_bitwise_equal(
                     got.recv_x_scales[local, g_rows],
                     expected.recv_x_scales[local, e_rows],

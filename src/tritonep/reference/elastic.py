@@ -86,11 +86,14 @@ class ElasticDispatchResult:
 
     def expand_weights(self) -> torch.Tensor:
         """``[rows]`` float32: each expanded row's weight (zeros in padding rows)."""
+        weights = self.recv_topk_weights
+        if weights is None:
+            raise ValueError("expand_weights: the tokens were dispatched without topk_weights")
         out = torch.zeros(self.num_expanded_tokens, dtype=torch.float32)
         for i in range(self.num_recv_tokens):
             for k, row in enumerate(self.expanded_row[i].tolist()):
                 if row >= 0:
-                    out[row] = self.recv_topk_weights[i, k]
+                    out[row] = weights[i, k]
         return out
 
 
@@ -111,7 +114,8 @@ def elastic_dispatch(
         rows, sfs, ids, weights, src, cols = [], [], [], [], [], []
         per_source = []
         for s in range(R):
-            x, sf = xs[s] if isinstance(xs[s], tuple) else (xs[s], None)
+            x_s = xs[s]
+            x, sf = x_s if isinstance(x_s, tuple) else (x_s, None)
             idx = topk_idx[s].cpu()
             K = idx.shape[1]
             local = (idx >= first) & (idx < end)
@@ -159,11 +163,11 @@ def elastic_dispatch(
 def reduction_order(ids: Sequence[int], num_local_experts: int) -> list[int]:
     """The ranks a token went to, in the order a combine adds their rows: by the top-k column
     of each rank's last choice."""
-    last = {}
+    last: dict[int, int] = {}
     for k, e in enumerate(ids):
         if e >= 0:
             last[e // num_local_experts] = k
-    return sorted(last, key=last.get)
+    return sorted(last, key=lambda rank: last[rank])
 
 
 def rank_partials(expanded_x: torch.Tensor, expanded_row: torch.Tensor) -> torch.Tensor:

@@ -130,7 +130,7 @@ def low_latency_dispatch(
                 end = begin + tokens.numel()
                 q, scale = payloads[src]
                 recv_x[local, begin:end] = q[tokens]
-                if recv_scales is not None:
+                if recv_scales is not None and scale is not None:
                     recv_scales[local, begin:end] = scale[tokens]
                 src_info[local, begin:end] = tokens.to(torch.int32)
                 layout_range[local, src] = pack_range(begin, tokens.numel())

@@ -62,9 +62,11 @@ def _rows(x: XLike, index: torch.Tensor) -> XLike:
 
 
 def _cat(parts: list[XLike]) -> XLike:
-    if isinstance(parts[0], tuple):
-        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    return torch.cat(parts)
+    pairs = [p for p in parts if isinstance(p, tuple)]
+    if pairs:
+        assert len(pairs) == len(parts), "parts: every part is a pair or none is"
+        return torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
+    return torch.cat([p for p in parts if isinstance(p, torch.Tensor)])
 
 
 def align_up(value: int, alignment: int) -> int:
@@ -154,10 +156,11 @@ def normal_combine(
             mine = dispatched[dst].recv_src_rank == src
             rows = dispatched[dst].recv_src_idx[mine]
             acc.index_add_(0, rows, recv_xs[dst][mine].float())
-            if acc_w is not None:
+            if acc_w is not None and recv_topk_weights is not None:
                 acc_w.index_add_(0, rows, recv_topk_weights[dst][mine].float())
-        if bias is not None and bias[src] is not None:
-            terms = bias[src] if isinstance(bias[src], tuple) else (bias[src],)
+        rank_bias = bias[src] if bias is not None else None
+        if rank_bias is not None:
+            terms = rank_bias if isinstance(rank_bias, tuple) else (rank_bias,)
             for term in terms:
                 acc += term.float()
         out.append((acc.to(recv_xs[0].dtype), acc_w))
