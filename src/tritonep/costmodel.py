@@ -22,10 +22,10 @@ for legs that do not overlap at all, ``fixed + network / B_net + nvlink / B_nvl`
 
 On one host that emulates nodes (``shared_links=True``) both legs are the intranode kernels
 moving rows to one peer each (the rail leg to the same-index GPU of the other node, the node
-leg to the node's other GPU), and the legs were measured to add up (2 x 2 on 4x H200: each leg
-alone 359 + 525 us, both 886 us): ``t = fixed + (network + nvlink bytes) / B_leg`` with
-``B_leg`` the kernels' rate to one peer, measured apart from any internode run (2-rank
-intranode dispatch). ``python -m tritonep.costmodel`` prints predictions for 2 to 32 nodes.
+leg to the node's other GPU). They share the GPUs' links, so their times add up:
+``t = fixed + (network + nvlink bytes) / B_leg`` with ``B_leg`` the kernels' rate to one peer
+(a 2-rank intranode dispatch). ``python -m tritonep.costmodel`` prints predictions for 2 to 32
+nodes.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ import torch
 class Links:
     """Per-GPU bandwidths (GB/s, one direction) and the fixed cost of a call (us).
 
-    Defaults: NVLink at the all-to-all ceiling measured on 4x H200 (370 GB/s remote per GPU),
-    a 400 Gb/s NIC per GPU at 90% (45 GB/s), and 25 us of launches and count exchange.
+    Defaults: NVLink at the all-to-all ceiling of 4x H200 (370 GB/s remote per GPU), a
+    400 Gb/s NIC per GPU at 90% (45 GB/s), and 25 us of launches and count exchange.
     ``emulated_leg_gbps``: on emulated nodes, the rate of a leg, the intranode kernels moving
-    rows to one peer (2-rank dispatch, remote bytes: 195-198 GB/s on 2x H100, 2026-11-25).
+    rows to one peer (a 2-rank dispatch on H100 reaches about 200 GB/s of remote bytes).
     """
 
     nvlink_gbps: float = 370.0

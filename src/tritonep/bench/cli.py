@@ -62,7 +62,7 @@ DEFAULT_ITERS = {"normal": (30, 2), "low-latency": (50, 2), "internode": (30, 2)
 #: Normal-mode configuration defaults: (on GPUs, on CPU ranks).
 CONFIG_DEFAULTS = {"sms": ("24", "4"), "ring": ("128", "64")}
 
-#: Measured all-to-all ceiling of 4x H200 (remote GB/s per rank), the plot's reference line.
+#: The all-to-all ceiling of 4x H200 (remote GB/s per rank), the plot's reference line.
 NVLINK_CEILING_GBPS = 370.0
 
 

@@ -17,7 +17,7 @@ from ..testing import route
 def trace_calls(ctx, mode: str, opts, path: str, calls: int = 3) -> str:
     """Run ``calls`` dispatch + combine pairs traced, after one whose readings are dropped
     (it compiles the profiled kernels, and a rank done compiling first waits inside them for
-    its peers: 0.4-0.7 s of "wait" in the first 4-GPU traces); returns this rank's trace
+    its peers, a long "wait" that says nothing about the kernels); returns this rank's trace
     file."""
     tokens, hidden, experts, topk = opts.tokens[0], opts.hidden[0], opts.experts[0], opts.topk[0]
     gen = torch.Generator().manual_seed(3000 + ctx.rank)

@@ -121,10 +121,9 @@ class SymmetricHeap:
             self._release()
         if self.device.type == "cpu":
             # Kernels on CPU ranks run in Triton's interpreter, whose launches leave reference
-            # cycles holding tensors; collected at interpreter exit instead, they made a gloo
-            # worker thread free tensors of an earlier collective after finalization had
-            # begun, which aborts the process (about one exit in fifteen of the training
-            # example; none in 80 with this collection).
+            # cycles holding tensors; collected at interpreter exit instead, they can make a
+            # gloo worker thread free tensors of an earlier collective after finalization has
+            # begun, which aborts the process.
             gc.collect()
 
     def close_checked(self, check) -> None:

@@ -1,36 +1,11 @@
 """Low-latency combine: expert outputs go straight back to their token's slot, then a weighted sum.
 
-Send phase. Work items are (local expert, source rank) blocks of the slab, spread over the
-programs. Each row came from one (source rank, token, top-k column); the program stores it,
-several rows at a time, into that source rank's receive buffer ``[token][column][H]`` with
-plain NVLink stores; once all its blocks are stored, it adds the number of its blocks for
-each source rank to a counter on that rank with one system-scope release. The
-counters only grow (every call adds ``E_local`` per sender), so a receiver waits until its
-counter of every sender reaches ``(call + 1) * E_local``: no reset, no tags.
-
-Across nodes (``VIA`` other than ``VIA_STORE``), rows for a source rank on another node are
-staged in this rank's heap, put row by row into their slots there, and the counter is then
-raised by a signal ordered after the puts (:mod:`tritonep.kernels.transport`).
-
-Receive phase. Program ``p`` owns tokens ``p, p + P, ...``: once every sender is done, each
-token gets ``sum_k w[t, k] * row(t, k)`` in float32, cast to BF16. A token that names one
-expert twice reads that expert's single row twice (dispatch sent it once, at the first column).
-An id outside ``[-1, NUM_EXPERTS)`` adds nothing and is recorded (the first in token order) in
-the status (:mod:`tritonep.kernels.status`). A program whose wait for a sender gave up writes
-NaN into every row it owns (the rows it would sum were not all sent): a timed-out combine
-returns no row that could pass for data.
-
-Why it is fast: the receive buffer is indexed by (token, top-k column), which is
-``max_tokens * top-k`` rows instead of ``num_experts * max_tokens`` (32x smaller at 256 experts,
-top-8), every row crosses NVLink once, and the reduction reads local memory only.
-
-With ``LOGFMT`` (DeepEP's ``use_logfmt``) the sender encodes each row as LogFMT-10 into its
-slot and the receiver decodes while it reduces (:mod:`.logfmt`); each slot holds 256 bytes
-per group of 128 channels (``H`` BF16 values, and room for a partial last group's codes) and
-then the groups' LogFMT parameters either way.
-
-Traced launches (``PROFILE``) record, per program, the time spent sending, signalling, waiting
-and reducing; ``WAIT_STATS`` adds the time waited per source rank. Both compile out when off.
+Send phase: programs store the rows of (local expert, source rank) blocks into the source
+rank's receive buffer ``[token][top-k column][H]`` (optionally LogFMT-10 encoded), then raise a
+counter on that rank that only grows, so no reset is needed. Receive phase: once every sender
+is done, each token gets ``sum_k w[t, k] * row(t, k)`` in float32, cast to BF16; a program
+whose wait gave up writes NaN into its rows. docs/design/low_latency.md gives the whole
+design and why it is fast.
 """
 
 from __future__ import annotations

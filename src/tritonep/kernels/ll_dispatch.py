@@ -1,75 +1,14 @@
 """Low-latency dispatch: quantize each token on the fly and store it straight into the owner's slot.
 
-Send phase, token-major. Program ``p`` owns a contiguous run of tokens. It first counts (atomic
-adds into its own scratch row for a few ids, histograms for many) the tokens per expert of the
-whole batch and of the tokens before its run, so it knows the slot of each of its tokens in each
-expert's block without asking any other program: slots follow token order (a token that names an
-expert twice is sent there once). Then, per token, it loads the row once, quantizes it once (FP8
-e4m3 per 128 channels, or keeps BF16) and stores one message per distinct expert into the owner's
-receive slab ``[local_expert][source_rank][slot]`` with plain NVLink stores: a 16-byte header
-(token index, top-k column, payload reference), the payload and the scales (from the next
-16-byte boundary; a hidden size that is not a multiple of 128 has a partial last group, loaded
-with its missing channels as zeros, with a scale of its own). The payload crosses to
-an owner once, however many of its experts the token chose: the token's first message to that owner
-carries it, its other messages there are headers whose reference names that message (its index in
-the owner's buffer set; a carrier names itself).
-
-Counts. Each program adds the messages it stored for each expert to a per-expert counter (release).
-The program whose add brings an expert to its total publishes that expert's count with a
-system-scope release of ``call << 32 | count`` on the owner's flag; an expert that no token chose
-gets its zero count from program ``e % S`` (``S`` programs have tokens, at least one). No program
-ever waits for another in this phase. The call number tags the flag value, so a stale count of an
-earlier call is never mistaken for a new one and no flag needs resetting between calls.
-
-Receive phase. Work items are (local expert, source rank) pairs, spread over the programs.
-An item waits (bounded) for the counts of its source and of the earlier sources (one read of
-all their flags, repeated until they are there), so its block starts at ``begin`` = the sum of
-the earlier counts; it copies its messages' payloads (found through their references), several
-at a time, into the packed output ``recv_x[expert, begin : begin + count]`` and records
-``(begin, count)``. Blocks are therefore in source-rank order, the same order as the reference,
-and outputs are deterministic. A program takes ``BLOCK_ITEMS`` of its items at a time: for small
-batches, whose counts all come at once, its items together (one wait, their messages in one
-list: the dependent reads of counts, headers and payloads are paid once); for larger ones one at
-a time, so that it packs one while the next one's counts are still on the way.
-
-Across nodes (``VIA`` other than ``VIA_STORE``), messages for an owner on another node are
-built in this rank's staging slab ``[expert][slot]`` instead; the program that publishes the
-expert's count moves the block in one put whose signal is the count
-(:mod:`tritonep.kernels.transport`). Owners on this node still get plain stores.
-
-Why it is fast: one launch, no host synchronization, no count exchange before the data (the count
-follows the data on the same path), a token's payload crosses NVLink once per destination rank
-rather than once per expert (at top-8 over 256 experts on 4 ranks, 2.7 payloads a token instead of
-6), and every token is read and quantized once however many experts it goes to (quantizing, whose
-quotients must round as IEEE division does, is the costly part of a token's send; an expert-major
-send repeats it top-k times per token). Slot numbering follows token order, not the order of any
-atomic (counting adds commute), so outputs are deterministic. Messages to owners on other nodes
-(staged, then put per expert block) each carry their payload.
-
-Both phases can run in one launch (the GPU default, launched cooperatively so that all
-programs are resident) or as two launches (the receive hook, and the Triton interpreter, which
-runs programs one after another). Two buffer sets alternate between calls (``call % 2``); the
-call counters live on the device, so captured CUDA graphs replay correctly.
-
-Bad ids and failed waits. An id outside ``[-1, NUM_EXPERTS)`` gets no message (every program
-counting the batch sees it, in the same atomic add as its counts; histograms carry a flag);
-program 0 then finds the first one and records (rank, token, column, id) in the status
-(:mod:`tritonep.kernels.status`), which the host raises on the next call. A receiving item whose
-wait for a source's count gives up takes that source's block as one *poison row*: its payload,
-scales, source token and column all 0xFF bytes (NaN, NaN, -1, -1) at the place the block would
-start, counted in ``recv_count`` but not in ``layout_range`` (whose count for that source is
-0, so combine sends it nowhere). The output thus cannot pass for a complete one.
-
-One compiled variant serves every batch size: the send phase of one token (whose loops and
-masks fold away: 0.6 us faster on one H100, BENCHMARKS.md) and of many are both compiled into
-it and picked by a uniform branch on ``num_tokens``; counting by adds or by histograms is a
-runtime argument the host picks from the shapes (``count_by_adds``); so is the number of
-items a receiving program takes at a time (``items_per_group``: 1, or the ``BLOCK_ITEMS`` lanes of
-the tile).
-
-Traced launches (``PROFILE``) record, per program, the time spent quantizing and sending,
-sending counts, waiting and packing; ``WAIT_STATS`` adds the time waited per source rank
-(:mod:`tritonep.kernels.trace`). Both compile out when off.
+Send phase: each program counts the batch's tokens per expert (so it knows every slot of its
+own tokens without asking another program), loads and quantizes each of its tokens once, and
+stores one message per distinct expert into the owner's receive slab
+``[local_expert][source_rank][slot]``; a token's payload crosses to an owner once. The program
+that completes an expert's count publishes it, tagged with the call number, after the data.
+Receive phase: each (local expert, source rank) item waits (bounded) for the counts of its
+source and the earlier ones, then packs its messages into ``recv_x`` in source-rank order, so
+outputs are deterministic. A failed wait leaves a poison row; bad ids are recorded in the
+status. docs/design/low_latency.md gives the whole design and why it is fast.
 """
 
 from __future__ import annotations
@@ -94,8 +33,8 @@ PHASE_DISPATCH_IDS = tl.constexpr(4)
 # call counters are per program (program ``p`` keeps its own in column ``p``): a program reads
 # its counter at its start and writes the next value at its end, and only the same program of
 # the next launch reads it again, so no program waits on another to advance it. Counting the
-# programs of a launch (an atomic per program at its end, ~0.9 us more per launch on one H100,
-# BENCHMARKS.md) is left to shrink mode, whose last program settles the verdicts.
+# programs of a launch (an atomic per program at its end, about a microsecond per launch) is
+# left to shrink mode, whose last program settles the verdicts.
 DISPATCH_SEND_CALLS = tl.constexpr(0)
 DISPATCH_RECV_CALLS = tl.constexpr(1)
 DISPATCH_ARRIVALS = tl.constexpr(4)  # (column 0)
@@ -322,8 +261,8 @@ def ll_dispatch_kernel(
     t_pack = tl.zeros((), tl.int64)
     if DO_SEND:
         # One token: a send whose loops and masks fold away with the count known when
-        # compiling is 0.6 us faster (8.1 against 8.8 us on one H100, BENCHMARKS.md); both
-        # sends are in this variant, so no batch size compiles one of its own.
+        # compiling saves a visible share of a decode step; both sends are in this variant,
+        # so no batch size compiles one of its own.
         if num_tokens == 1:
             t_quantize_send, t_count_send, t_send_end = _send(
                 x_ptr, topk_idx_ptr, 1, count_by_adds, trace_ptr, peer_ptrs, pe_ptr, rank,
@@ -474,8 +413,8 @@ def _count_by_adds(topk_idx_ptr, num_tokens, first_token, next_slot, mask_ptr,
     """Tokens per expert of the first ``num_tokens`` of the batch and of those before
     ``first_token``: one atomic add per chosen id into this program's scratch row (the batch's
     count in the low word of ``tally[e]``, the earlier tokens' in the high word), as many adds
-    as ids. Few ids: adds save 1.0 us against histograms at 1-32 tokens (one H100, top-8),
-    and cost 0.2-0.7 us more at 128-256. Ids outside ``[-1, NUM_EXPERTS)`` add to
+    as ids. Cheaper than histograms for few ids (decode batches of up to a few dozen tokens
+    at top-8), dearer for a few hundred tokens. Ids outside ``[-1, NUM_EXPERTS)`` add to
     ``tally[BINS]`` in the same instruction. Returns ``(total, before, bad)``."""
     experts = tl.arange(0, BINS)
     tally = next_slot.to(tl.pointer_type(tl.int64))
@@ -887,8 +826,7 @@ def _pack_group(
             # Scales go column-major per expert (the row index fastest), the layout TMA-based
             # grouped GEMMs read. One lane per (group, message), messages fastest, so
             # neighbouring lanes store neighbouring rows of one group; a [messages, groups]
-            # tile costs a layout change through shared memory (1.2 us more per dispatch at
-            # 128 tokens, BENCHMARKS.md).
+            # tile would cost a layout change through shared memory.
             s_m = first + scale_lanes % BLOCK_MSGS
             s_group = scale_lanes // BLOCK_MSGS
             s_mask = (s_group < G) & (s_m < group_msgs)

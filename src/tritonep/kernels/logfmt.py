@@ -9,8 +9,8 @@ a channel, four channels a byte (32 bytes). After the payload, the slot holds ea
 
 What it costs: an encoded row moves 168 of 256 bytes per group, but a sender spends about
 20 instructions a channel encoding it, so one program per SM is bound by instructions, not
-bytes: on NVLink a LogFMT combine takes about 2.5 times a BF16 one (BENCHMARKS.md, "LogFMT
-combine"); it pays where bytes are dear (across nodes). What keeps it that cheap: whole
+bytes: on NVLink a LogFMT combine takes about 2.5 times a BF16 one; it pays where bytes are
+dear (across nodes). What keeps it that cheap: whole
 rows per step on 16 warps (few, large steps hide the load latency), channels contiguous in
 registers (16-byte loads, group reductions within a warp: no shared memory), the hardware's
 approximate logarithm (as DeepEP's), and no per-channel work that the clamps make

@@ -90,8 +90,8 @@ def limit_ns(timeout_us, status_ptr):
     argument (:func:`timeout_us`), or 0 (one poll, no wait) once ``status_ptr`` holds a timeout
     of an earlier launch or of another program of this one. It costs a load: call it where
     the program's waits begin, or only once a first read found a flag not yet set (the
-    low-latency dispatch, whose counts are usually all there: one load at the start of its
-    receiving part cost 0.5 us of 15.5, BENCHMARKS.md)."""
+    low-latency dispatch, whose counts are usually all there, where a load at the start of its
+    receiving part would be a visible share of a short call)."""
     failed = tl.load(status_ptr, volatile=True) == STATUS_TIMEOUT
     return tl.where(failed, 0, timeout_us.to(tl.int64) * 1000)
 
