@@ -187,8 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     opts = parser.parse_args(argv)
     links = Links(opts.nvlink_gbps, opts.network_gbps, opts.fixed_us, opts.emulated_leg_gbps)
-    cols = ["nodes", "dispatch_us", "dispatch_serial_us", "dispatch_GBps", "combine_us",
-            "combine_GBps", "dispatch_network_MB", "dispatch_nvlink_MB"]  # fmt: skip
+    cols = [
+        "nodes",
+        "dispatch_us",
+        "dispatch_serial_us",
+        "dispatch_GBps",
+        "combine_us",
+        "combine_GBps",
+        "dispatch_network_MB",
+        "dispatch_nvlink_MB",
+    ]
     print("  ".join(f"{c:>19}" for c in cols))
     for nodes in (int(v) for v in opts.nodes.split(",")):
         traffic = uniform_traffic(opts.tokens, opts.experts, opts.topk, nodes, opts.gpus_per_node)

@@ -64,9 +64,12 @@ def _rank_main(ctx, num_tokens_per_rank):
     # Normal mode: one row per (token, rank); apply every local expert the row names.
     _, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(ids, EXPERTS)
     recv_x, recv_ids, recv_w, _, handle, _ = buffer.dispatch(
-        x, topk_idx=ids, topk_weights=w, num_tokens_per_expert=per_expert,
+        x,
+        topk_idx=ids,
+        topk_weights=w,
+        num_tokens_per_expert=per_expert,
         is_token_in_rank=in_rank,
-    )  # fmt: skip
+    )
     expected = ref.normal_dispatch(xs, ids_all, w_all, EXPERTS)[me]
     ref.assert_bitwise_equal(recv_x, expected.recv_x.to(dev), f"rank {me} normal recv_x")
     ref.assert_bitwise_equal(recv_ids, expected.recv_topk_idx.to(dev), f"rank {me} recv_topk_idx")

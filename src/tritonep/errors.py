@@ -16,8 +16,10 @@ class WaitTimeoutError(TimeoutError):
     def __init__(self, rank: int, peer: int, phase: str, timeout_s: float):
         self.rank, self.peer, self.phase, self.timeout_s = rank, peer, phase, timeout_s
         if peer >= 0:
-            waited = (f"waiting for peer {peer}; that peer is stuck, crashed, or called with "
-                      "different arguments")  # fmt: skip
+            waited = (
+                f"waiting for peer {peer}; that peer is stuck, crashed, or called with "
+                "different arguments"
+            )
         else:  # e.g. a relay between two launches on this GPU: its writer names the peer
             waited = "waiting for no single peer (the phase says for what)"
         super().__init__(f"rank {rank} timed out after {timeout_s:g} s in phase '{phase}' {waited}")

@@ -58,8 +58,9 @@ def _normal_call(ctx, mode, seed, opts, check):
     if getattr(mode, "num_nodes", 1) == 1:
         ref.assert_bitwise_equal(combined.cpu(), expected, f"seed {seed} combined")
     else:  # sums within each node are rounded to BF16 before the network: two roundings
-        torch.testing.assert_close(combined.cpu(), expected, rtol=2e-2, atol=1e-2,
-                                   msg=f"seed {seed} combined")  # fmt: skip
+        torch.testing.assert_close(
+            combined.cpu(), expected, rtol=2e-2, atol=1e-2, msg=f"seed {seed} combined"
+        )
 
 
 def _float_rows(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -100,20 +101,38 @@ def _rank_main(ctx, opts):
     mode: NormalMode | InternodeMode | LowLatencyMode
     for name in opts.modes:
         if name == "normal":
-            mode = NormalMode(None, opts.hidden, opts.experts, max_topk=opts.topk,
-                              device=ctx.device, timeout_s=opts.timeout)  # fmt: skip
+            mode = NormalMode(
+                None,
+                opts.hidden,
+                opts.experts,
+                max_topk=opts.topk,
+                device=ctx.device,
+                timeout_s=opts.timeout,
+            )
             step = _normal_call
         elif name == "internode":
-            mode = InternodeMode(None, opts.hidden, opts.experts, opts.gpus_per_node,
-                                 max_topk=opts.topk, device=ctx.device,
-                                 timeout_s=opts.timeout)  # fmt: skip
+            mode = InternodeMode(
+                None,
+                opts.hidden,
+                opts.experts,
+                opts.gpus_per_node,
+                max_topk=opts.topk,
+                device=ctx.device,
+                timeout_s=opts.timeout,
+            )
             step = _normal_call
         else:
             nodes = name == "low_latency_internode"
-            mode = LowLatencyMode(None, opts.tokens, opts.hidden, opts.experts,
-                                  max_topk=opts.topk, device=ctx.device, timeout_s=opts.timeout,
-                                  gpus_per_node=opts.gpus_per_node if nodes else None,
-                                  )  # fmt: skip
+            mode = LowLatencyMode(
+                None,
+                opts.tokens,
+                opts.hidden,
+                opts.experts,
+                max_topk=opts.topk,
+                device=ctx.device,
+                timeout_s=opts.timeout,
+                gpus_per_node=opts.gpus_per_node if nodes else None,
+            )
             step = _low_latency_call
         start, checks = time.monotonic(), 0
         last = start
@@ -127,13 +146,18 @@ def _rank_main(ctx, opts):
             due = opts.progress and (call + 1) % opts.progress == 0
             if ctx.rank == 0 and (due or now - last >= opts.progress_s):
                 last = now
-                print(f"{name}: {call + 1}/{opts.calls} calls (seeds {opts.seed}-"
-                      f"{opts.seed + call}, {checks} checked, all matched), "
-                      f"{now - start:.0f} s; continue with --seed {opts.seed + call + 1}",
-                      flush=True)  # fmt: skip
+                print(
+                    f"{name}: {call + 1}/{opts.calls} calls (seeds {opts.seed}-"
+                    f"{opts.seed + call}, {checks} checked, all matched), "
+                    f"{now - start:.0f} s; continue with --seed {opts.seed + call + 1}",
+                    flush=True,
+                )
         mode.destroy()  # raises if any wait timed out
-        report[name] = {"calls": opts.calls, "checked": checks,
-                        "seconds": round(time.monotonic() - start, 1)}  # fmt: skip
+        report[name] = {
+            "calls": opts.calls,
+            "checked": checks,
+            "seconds": round(time.monotonic() - start, 1),
+        }
     return report
 
 

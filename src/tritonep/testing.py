@@ -47,8 +47,9 @@ class Case:
             self.num_experts,
         )
 
-    def copy_to(self, rank: int, x: torch.Tensor, topk_idx: torch.Tensor,
-                topk_weights: torch.Tensor) -> Case:  # fmt: skip
+    def copy_to(
+        self, rank: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+    ) -> Case:
         """Copy ``rank``'s inputs into tensors that keep their storage (the static inputs of
         a captured CUDA graph, from :func:`static_inputs`); returns this case."""
         x.copy_(self.x[rank])

@@ -66,13 +66,22 @@ def check_dispatch_x(name: str, x: object) -> torch.Tensor:
         payload = check_tensor(f"{name}[0]", x[0], dtype=torch.float8_e4m3fn, shape=(None, None))
         num_tokens, hidden = payload.shape
         if hidden == 0 or hidden % 16:
-            raise ValueError(f"{name}[0]: FP8 rows must be a positive multiple of 16 bytes "
-                             f"(H a multiple of 16), got hidden {hidden}")  # fmt: skip
-        check_tensor(f"{name}[1]", x[1], dtype=(torch.float32, torch.int32),
-                     shape=(num_tokens, None), contiguous=False)  # fmt: skip
+            raise ValueError(
+                f"{name}[0]: FP8 rows must be a positive multiple of 16 bytes "
+                f"(H a multiple of 16), got hidden {hidden}"
+            )
+        check_tensor(
+            f"{name}[1]",
+            x[1],
+            dtype=(torch.float32, torch.int32),
+            shape=(num_tokens, None),
+            contiguous=False,
+        )
         if not 1 <= x[1].shape[1] <= -(-hidden // 32):
-            raise ValueError(f"{name}[1]: expected 1 to {-(-hidden // 32)} scale words per token "
-                             f"(hidden {hidden}), got {x[1].shape[1]}")  # fmt: skip
+            raise ValueError(
+                f"{name}[1]: expected 1 to {-(-hidden // 32)} scale words per token "
+                f"(hidden {hidden}), got {x[1].shape[1]}"
+            )
         if x[1].device != payload.device:
             raise ValueError(f"{name}[1]: expected a tensor on {payload.device}, got {x[1].device}")
         return payload

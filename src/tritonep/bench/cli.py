@@ -127,8 +127,9 @@ def _rank_main(ctx, mode: str, opts: types.SimpleNamespace) -> list[dict]:
     me = ctx.rank == 0
     progress = _Progress(points, me and not opts.quiet, opts.csv if me else None, tags)
     try:
-        run = {"normal": normal_rank, "low-latency": low_latency_rank,
-               "internode": internode_rank}[mode]  # fmt: skip
+        run = {"normal": normal_rank, "low-latency": low_latency_rank, "internode": internode_rank}[
+            mode
+        ]
         rows = run(ctx, opts, progress)
     finally:
         progress.close()
@@ -271,8 +272,10 @@ def _launch_constants(settings: list[str]) -> dict[str, int]:
     for setting in settings:
         name, sep, value = setting.partition("=")
         if not sep or not value.strip().isdigit():
-            raise SystemExit(f"tritonep bench: --launch expects NAME=VALUE with NAME one of "
-                             f"{', '.join(LAUNCH_CONSTANTS)}, got {setting!r}")  # fmt: skip
+            raise SystemExit(
+                f"tritonep bench: --launch expects NAME=VALUE with NAME one of "
+                f"{', '.join(LAUNCH_CONSTANTS)}, got {setting!r}"
+            )
         values[name.strip()] = int(value)
     try:
         check_launch_constants(values)
@@ -335,8 +338,11 @@ def main(argv: list[str] | None = None) -> int:
         report.print_table(summarize(args.traces))
         return 0
     if shared_gpu():
-        print("tritonep bench: ranks that share one GPU (TRITONEP_SHARED_GPU) take turns on it, "
-              "so nothing can be timed that way", file=sys.stderr)  # fmt: skip
+        print(
+            "tritonep bench: ranks that share one GPU (TRITONEP_SHARED_GPU) take turns on it, "
+            "so nothing can be timed that way",
+            file=sys.stderr,
+        )
         return 2
     if args.csv:
         open(args.csv, "w").close()  # a path that cannot be written fails now; rows follow

@@ -30,10 +30,14 @@ def normal_point(module, x, topk_idx, topk_weights, num_experts, iters) -> dict:
     buffer = module.Buffer(dist.group.WORLD, int(1e9), 0)
     per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
     recv_x, _, _, _, handle, _ = buffer.dispatch(
-        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
-        is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx,
+        x,
+        num_tokens_per_rank=per_rank,
+        num_tokens_per_rdma_rank=per_rdma,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx,
         topk_weights=topk_weights,
-    )  # fmt: skip
+    )
     y = torch.ones_like(recv_x)
     t_disp = median_ms(lambda: buffer.dispatch(x, handle=handle), iters, 3)
     t_comb = median_ms(lambda: buffer.combine(y, handle), iters, 3)

@@ -35,8 +35,9 @@ def _point(ctx, mode, baseline, opts, num_tokens, topk):
     t_rail = median_ms(lambda: mode.rail.dispatch(x, handle=handle.rail), opts.iters, 3)
     t_node = median_ms(
         lambda: mode.node.dispatch(rail_x, handle=handle.node, src_tag=handle.tag),
-        opts.iters, 3,
-    )  # fmt: skip
+        opts.iters,
+        3,
+    )
     mode.check()
     t_torch = median_ms(lambda: baseline.dispatch(x, idx, None, E), max(opts.iters // 4, 1), 1)
     # Rows per leg: what arrived over the rail from other nodes, what the forwarder sent on to
@@ -81,8 +82,15 @@ def internode_rank(ctx, opts, progress):
     baseline = TorchBackend()
     rows = []
     for hidden, experts, topk in itertools.product(opts.hidden, opts.experts, opts.topk):
-        mode = InternodeMode(None, hidden, experts, opts.gpus_per_node, max_topk=max(topk, 2),
-                             device=ctx.device, check_ids=False)  # fmt: skip
+        mode = InternodeMode(
+            None,
+            hidden,
+            experts,
+            opts.gpus_per_node,
+            max_topk=max(topk, 2),
+            device=ctx.device,
+            check_ids=False,
+        )
         for tokens in opts.tokens:
             row = _point(ctx, mode, baseline, opts, tokens, topk)
             rows.append(row)

@@ -80,8 +80,9 @@ def _low_latency_point(ctx, mode, baseline, rival, opts, T, topk, max_tokens):
         "combine_remote_GBps": sent_comb / (t_comb * 1e-3) / 1e9,
     }
     if rival is not None:
-        row.update(compare.low_latency_point(rival, x, idx, w, E, max_tokens, use_fp8, opts.iters,
-                                             logfmt))  # fmt: skip
+        row.update(
+            compare.low_latency_point(rival, x, idx, w, E, max_tokens, use_fp8, opts.iters, logfmt)
+        )
     return row
 
 
@@ -117,9 +118,15 @@ def low_latency_rank(ctx, opts, progress):
     for hidden, experts, topk in itertools.product(opts.hidden, opts.experts, opts.topk):
         # No host read of the ids per call: that is a GPU sync, which decode loops avoid.
         mode = LowLatencyMode(
-            None, max_tokens, hidden, experts, max_topk=max(topk, 2), device=ctx.device,
-            check_ids=False, gpus_per_node=getattr(opts, "gpus_per_node", None),
-        )  # fmt: skip
+            None,
+            max_tokens,
+            hidden,
+            experts,
+            max_topk=max(topk, 2),
+            device=ctx.device,
+            check_ids=False,
+            gpus_per_node=getattr(opts, "gpus_per_node", None),
+        )
         for tokens in opts.tokens:
             row = _low_latency_point(ctx, mode, baseline, rival, opts, tokens, topk, max_tokens)
             rows.append(row)

@@ -116,9 +116,15 @@ def normal_rank(ctx, opts, progress):
     rows = []
     for hidden, experts, topk in itertools.product(opts.hidden, opts.experts, opts.topk):
         mode = NormalMode(
-            None, hidden, experts, max_topk=max(topk, 2), device=ctx.device, check_ids=False,
-            max_sms=max(opts.sms), ring_tokens=max(opts.ring),
-        )  # fmt: skip
+            None,
+            hidden,
+            experts,
+            max_topk=max(topk, 2),
+            device=ctx.device,
+            check_ids=False,
+            max_sms=max(opts.sms),
+            ring_tokens=max(opts.ring),
+        )
         for tokens, sms, chunk, ring in itertools.product(
             opts.tokens, opts.sms, opts.chunk, opts.ring
         ):

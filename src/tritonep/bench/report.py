@@ -214,8 +214,7 @@ def plot(rows: list[dict], path: str | Path, ceiling_gbps: float | None = None) 
                 values = [r.get(key) for r in group]
                 if any(v is not None and v == v for v in values):  # not all missing or NaN
                     label = f"{label} ({tag})" if tag else label
-                    axes.plot(tokens, values, style, color=color,
-                              marker=marker, label=label)  # fmt: skip
+                    axes.plot(tokens, values, style, color=color, marker=marker, label=label)
                     labels.append(label)
     lat.set_xscale("log", base=2)
     clock = "wall-clock us, interpreted" if on_cpu else "us"
@@ -230,8 +229,11 @@ def plot(rows: list[dict], path: str | Path, ceiling_gbps: float | None = None) 
     bw.set(xlabel="tokens per rank", ylabel="GB/s per rank")
     bw.legend(fontsize=7)
     first = next(iter(groups))
-    common = ", ".join(f"{CONFIG_COLUMNS[i]} {first[i]}" for i in range(len(CONFIG_COLUMNS))
-                       if i not in varying and first[i] is not None)  # fmt: skip
+    common = ", ".join(
+        f"{CONFIG_COLUMNS[i]} {first[i]}"
+        for i in range(len(CONFIG_COLUMNS))
+        if i not in varying and first[i] is not None
+    )
     title = f"tritonep: {common}"
     if on_cpu:
         title += f"\n{INTERPRETER_NOTE}"

@@ -32,9 +32,12 @@ def trace_calls(ctx, mode: str, opts, path: str, calls: int = 3) -> str:
         if mode == "normal":
             _, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, experts)
             recv_x, _, _, _, handle, _ = buffer.dispatch(
-                x, topk_idx=idx, topk_weights=w, num_tokens_per_expert=per_expert,
+                x,
+                topk_idx=idx,
+                topk_weights=w,
+                num_tokens_per_expert=per_expert,
                 is_token_in_rank=in_rank,
-            )  # fmt: skip
+            )
             buffer.combine(recv_x, handle)
         else:
             recv, _, handle, _, _ = buffer.low_latency_dispatch(
@@ -83,9 +86,18 @@ def summarize(paths: list[str]) -> list[dict]:
             spans[launch] = (min(begin, e["ts"]), max(end, e["ts"] + e["dur"]))
     rows: dict[tuple, dict] = {}
     for (kernel, rank, call, name), durations in per_launch.items():
-        row = rows.setdefault((kernel, name), {"kernel": kernel, "slice": name, "launches": 0,
-                                               "programs": [], "median": [], "max": [],
-                                               "span": []})  # fmt: skip
+        row = rows.setdefault(
+            (kernel, name),
+            {
+                "kernel": kernel,
+                "slice": name,
+                "launches": 0,
+                "programs": [],
+                "median": [],
+                "max": [],
+                "span": [],
+            },
+        )
         begin, end = spans[(kernel, rank, call)]
         row["launches"] += 1
         row["programs"].append(len(durations))
@@ -94,10 +106,14 @@ def summarize(paths: list[str]) -> list[dict]:
         row["span"].append(end - begin)
     unit = "ticks" if ticks else "us"
     return [
-        {"kernel": r["kernel"], "slice": r["slice"], "launches": r["launches"],
-         "programs": int(statistics.median(r["programs"])),
-         f"median_{unit}": round(statistics.median(r["median"]), 2),
-         f"max_{unit}": round(statistics.median(r["max"]), 2),
-         f"launch_span_{unit}": round(statistics.median(r["span"]), 2)}
+        {
+            "kernel": r["kernel"],
+            "slice": r["slice"],
+            "launches": r["launches"],
+            "programs": int(statistics.median(r["programs"])),
+            f"median_{unit}": round(statistics.median(r["median"]), 2),
+            f"max_{unit}": round(statistics.median(r["max"]), 2),
+            f"launch_span_{unit}": round(statistics.median(r["span"]), 2),
+        }
         for r in rows.values()
-    ]  # fmt: skip
+    ]

@@ -220,10 +220,21 @@ class Buffer(_Buffer):
         the per-expert counts are an empty list, as DeepEP returns them (the counts are in
         the handle's ``host_info[1:]`` on the device)."""
         recv_x, recv_idx, recv_weights, per_expert, out_handle, event = super().dispatch(
-            x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-            num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
-            config, previous_event, async_finish, allocate_on_comm_stream,
-        )  # fmt: skip
+            x,
+            handle,
+            num_tokens_per_rank,
+            num_tokens_per_rdma_rank,
+            is_token_in_rank,
+            num_tokens_per_expert,
+            topk_idx,
+            topk_weights,
+            expert_alignment,
+            num_worst_tokens,
+            config,
+            previous_event,
+            async_finish,
+            allocate_on_comm_stream,
+        )
         if isinstance(out_handle, NormalHandle):
             out_handle = LegacyHandle.of(out_handle, self.rank)
         if isinstance(per_expert, torch.Tensor):
@@ -261,10 +272,21 @@ class Buffer(_Buffer):
         """:meth:`dispatch` (DeepEP's internal entry for groups that span nodes; here one
         method serves every group)."""
         return self.dispatch(
-            x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-            num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, 0, config,
-            previous_event, async_finish, allocate_on_comm_stream,
-        )  # fmt: skip
+            x,
+            handle,
+            num_tokens_per_rank,
+            num_tokens_per_rdma_rank,
+            is_token_in_rank,
+            num_tokens_per_expert,
+            topk_idx,
+            topk_weights,
+            expert_alignment,
+            0,
+            config,
+            previous_event,
+            async_finish,
+            allocate_on_comm_stream,
+        )
 
     def internode_combine(
         self,
@@ -279,14 +301,23 @@ class Buffer(_Buffer):
     ):
         """:meth:`combine` (DeepEP's internal entry for groups that span nodes)."""
         return self.combine(
-            x, handle, topk_weights, bias, config, previous_event, async_finish,
+            x,
+            handle,
+            topk_weights,
+            bias,
+            config,
+            previous_event,
+            async_finish,
             allocate_on_comm_stream,
-        )  # fmt: skip
+        )
 
     def get_local_buffer_tensor(
-        self, dtype: torch.dtype, size: torch.Size | None = None, offset: int = 0,
+        self,
+        dtype: torch.dtype,
+        size: torch.Size | None = None,
+        offset: int = 0,
         use_rdma_buffer: bool = False,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """Not provided: DeepEP hands out views of its one raw buffer, while here each mode
         lays out its own memory when first called. Raises ``NotImplementedError``."""
         raise NotImplementedError(

@@ -37,8 +37,13 @@ def allocate_cuda(nbytes: int, group: dist.ProcessGroup, device: torch.device) -
         # A group of one rank (a node of one GPU, the rail of one node) has no peer to map:
         # plain device memory (the NVSHMEM backend cannot rendezvous a group of one).
         local = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        return SymmetricHeap(group, [local], [local.data_ptr()],
-                             lambda: torch.cuda.synchronize(device), backend="CUDA")  # fmt: skip
+        return SymmetricHeap(
+            group,
+            [local],
+            [local.data_ptr()],
+            lambda: torch.cuda.synchronize(device),
+            backend="CUDA",
+        )
     local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
     handle = symm_mem.rendezvous(local, group.group_name)
     ptrs = list(handle.buffer_ptrs)
@@ -60,6 +65,10 @@ def allocate_cuda(nbytes: int, group: dist.ProcessGroup, device: torch.device) -
     local.zero_()
     barrier()
     return SymmetricHeap(
-        group, peers, ptrs, barrier, keepalive=handle,
+        group,
+        peers,
+        ptrs,
+        barrier,
+        keepalive=handle,
         backend=backend_of(device),
-    )  # fmt: skip
+    )

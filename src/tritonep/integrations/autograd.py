@@ -132,9 +132,12 @@ def _expert_rows(recv_x, use_fp8: bool, handle) -> torch.Tensor:
 def _rows_back(ctx, handle_id, grad_rows: torch.Tensor, weights: torch.Tensor | None):
     """The backward of both dispatches: a combine of the rows' gradients (and weights')."""
     return torch.ops.tritonep.combine(
-        grad_rows.to(torch.bfloat16).contiguous(), handle_id, weights, ctx.buffer_key,
+        grad_rows.to(torch.bfloat16).contiguous(),
+        handle_id,
+        weights,
+        ctx.buffer_key,
         ctx.num_tokens,
-    )  # fmt: skip
+    )
 
 
 # --- dispatch -------------------------------------------------------------------------------
@@ -153,10 +156,14 @@ def _dispatch(
     buffer = buffer_by_key(buffer_key)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
     recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
-        quantize_fp8(x) if use_fp8 else x, topk_idx=topk_idx, topk_weights=topk_weights,
-        num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert,
-        is_token_in_rank=in_rank, num_worst_tokens=num_worst_tokens,
-    )  # fmt: skip
+        quantize_fp8(x) if use_fp8 else x,
+        topk_idx=topk_idx,
+        topk_weights=topk_weights,
+        num_tokens_per_rank=per_rank,
+        num_tokens_per_expert=per_expert,
+        is_token_in_rank=in_rank,
+        num_worst_tokens=num_worst_tokens,
+    )
     recv_x = _expert_rows(recv_x, use_fp8, handle)
     if recv_w is None:
         recv_w = recv_x.new_empty(recv_x.shape[0], 0, dtype=torch.float32)
@@ -294,8 +301,10 @@ def _check_handle(buffer: Buffer, handle) -> None:
             f"got {type(handle).__name__}"
         )
     if handle.buffer_key != buffer.key:
-        raise ValueError(f"handle: made by the buffer with key {handle.buffer_key}, not this "
-                         f"one (key {buffer.key})")  # fmt: skip
+        raise ValueError(
+            f"handle: made by the buffer with key {handle.buffer_key}, not this "
+            f"one (key {buffer.key})"
+        )
 
 
 def dispatch(

@@ -122,9 +122,14 @@ class MoELayer(torch.nn.Module):
         if self.mode == "low_latency":
             return self._low_latency(x, ids, weights)
         recv_x, recv_idx, recv_w, _, handle = autograd.dispatch(
-            self.buffer, x, ids, weights, self.num_experts, use_fp8=self.use_fp8,
+            self.buffer,
+            x,
+            ids,
+            weights,
+            self.num_experts,
+            use_fp8=self.use_fp8,
             num_worst_tokens=self.num_worst_tokens,
-        )  # fmt: skip
+        )
         y = local_experts(recv_x, recv_idx, recv_w, self.experts)
         return autograd.combine(self.buffer, y.to(torch.bfloat16), handle)
 

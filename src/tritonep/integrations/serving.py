@@ -91,9 +91,13 @@ class _Adapter:
         b = self.buffer
         if self.mode == "low_latency":
             recv, count, handle, _, recv_hook = b.low_latency_dispatch(
-                x, topk_ids, self.max_tokens, self.num_experts, use_fp8=self.use_fp8,
+                x,
+                topk_ids,
+                self.max_tokens,
+                self.num_experts,
+                use_fp8=self.use_fp8,
                 return_recv_hook=hook,
-            )  # fmt: skip
+            )
             tokens, scales = recv if self.use_fp8 else (recv, None)
 
             def finish_low_latency():
@@ -105,10 +109,14 @@ class _Adapter:
         payload = quantize_fp8(x) if self.use_fp8 else x
         per_rank, _, per_expert, in_rank, _ = b.get_dispatch_layout(topk_ids, self.num_experts)
         recv, idx, weights, counts, handle, event = b.dispatch(
-            payload, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, topk_idx=topk_ids, topk_weights=topk_weights,
+            payload,
+            num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=topk_ids,
+            topk_weights=topk_weights,
             async_finish=hook,
-        )  # fmt: skip
+        )
         tokens, scales = recv if self.use_fp8 else (recv, None)
 
         def finish():
@@ -117,16 +125,27 @@ class _Adapter:
 
         return finish
 
-    def _combine(self, expert_output, topk_ids, topk_weights, prepared: Prepared, hook: bool,
-                 out: torch.Tensor | None = None):  # fmt: skip
+    def _combine(
+        self,
+        expert_output,
+        topk_ids,
+        topk_weights,
+        prepared: Prepared,
+        hook: bool,
+        out: torch.Tensor | None = None,
+    ):
         """Start or run a combine; ``finish()`` gives the result (low-latency mode: written
         into ``out`` when given)."""
         b = self.buffer
         if self.mode == "low_latency":
             out, _, recv_hook = b.low_latency_combine(
-                expert_output, topk_ids, topk_weights, prepared.handle, return_recv_hook=hook,
+                expert_output,
+                topk_ids,
+                topk_weights,
+                prepared.handle,
+                return_recv_hook=hook,
                 out=out,
-            )  # fmt: skip
+            )
 
             def finish_low_latency():
                 if recv_hook is not None:
@@ -181,8 +200,9 @@ class PrepareFinalize(_Adapter):
         # Low-latency mode reduces straight into a BF16 contiguous ``output``; otherwise the
         # sums are copied there.
         direct = output.dtype == torch.bfloat16 and output.is_contiguous()
-        out = self._combine(fused_expert_output, topk_ids, topk_weights, prepared, False,
-                            output if direct else None)()  # fmt: skip
+        out = self._combine(
+            fused_expert_output, topk_ids, topk_weights, prepared, False, output if direct else None
+        )()
         if out is not output:
             output.copy_(out)
 

@@ -109,9 +109,12 @@ class EPAll2AllLayer:
         self.num_experts, self.weight_dtype = num_tot_experts, weight_dtype
         self.enable_local_combine = enable_local_combine
         self.mode = NormalMode(
-            group, hidden, num_tot_experts, max_topk=topk,
+            group,
+            hidden,
+            num_tot_experts,
+            max_topk=topk,
             max_sms=num_sm if default_device(group).type == "cuda" else None,
-        )  # fmt: skip
+        )
         self.config = Config(num_sms=num_sm) if self.mode.device.type == "cuda" else None
 
     def dispatch(
@@ -136,19 +139,31 @@ class EPAll2AllLayer:
             size is exact, so the host waits for the received count (one synchronization).
         """
         mode = self.mode
-        check_tensor("tokens", tokens, dtype=torch.bfloat16, shape=(None, self.hidden),
-                     device=mode.device)  # fmt: skip
+        check_tensor(
+            "tokens", tokens, dtype=torch.bfloat16, shape=(None, self.hidden), device=mode.device
+        )
         num_tokens = tokens.shape[0]
         if num_tokens > self.max_tokens:
             raise ValueError(f"tokens: {num_tokens} rows exceed max_tokens={self.max_tokens}")
-        check_tensor("expert_ids", expert_ids, dtype=(torch.int64, torch.int32),
-                     shape=(num_tokens, self.topk), device=mode.device)  # fmt: skip
-        check_tensor("routing_weights", routing_weights, dtype=(torch.float32, torch.bfloat16),
-                     shape=(num_tokens, self.topk), device=mode.device)  # fmt: skip
+        check_tensor(
+            "expert_ids",
+            expert_ids,
+            dtype=(torch.int64, torch.int32),
+            shape=(num_tokens, self.topk),
+            device=mode.device,
+        )
+        check_tensor(
+            "routing_weights",
+            routing_weights,
+            dtype=(torch.float32, torch.bfloat16),
+            shape=(num_tokens, self.topk),
+            device=mode.device,
+        )
         ids = expert_ids.long()
         # Triton-distributed marks a dropped choice with id == num_experts; the modes use -1.
-        check_topk_idx("expert_ids", ids, num_tokens, self.num_experts + 1, mode.device,
-                       mode.check_ids)  # fmt: skip
+        check_topk_idx(
+            "expert_ids", ids, num_tokens, self.num_experts + 1, mode.device, mode.check_ids
+        )
         ids = torch.where(ids == self.num_experts, -1, ids)
         out = mode.dispatch(tokens, ids, routing_weights.float().contiguous(), config=self.config)
         recv_x, recv_idx, recv_w = out.recv_x, out.recv_topk_idx, out.recv_topk_weights
@@ -189,11 +204,17 @@ class EPAll2AllLayer:
                 f"layout_desc: expected an EPLayoutDesc, got {type(layout_desc).__name__}"
             )
         copies = layout_desc.copy_row.shape[0]
-        check_tensor("expert_output", expert_output, dtype=torch.bfloat16,
-                     shape=(copies, self.hidden), device=self.mode.device)  # fmt: skip
+        check_tensor(
+            "expert_output",
+            expert_output,
+            dtype=torch.bfloat16,
+            shape=(copies, self.hidden),
+            device=self.mode.device,
+        )
         handle = layout_desc.handle
-        partial = torch.zeros(handle.num_rows, self.hidden, dtype=torch.float32,
-                              device=self.mode.device)  # fmt: skip
+        partial = torch.zeros(
+            handle.num_rows, self.hidden, dtype=torch.float32, device=self.mode.device
+        )
         partial.index_add_(0, layout_desc.copy_row, expert_output.float())
         out, _ = self.mode.combine(partial.to(torch.bfloat16), handle)
         return out
@@ -256,9 +277,14 @@ class EPLowLatencyAllToAllLayer:
         self.topk, self.online_quant_fp8 = topk, online_quant_fp8
         self.local_world_size = local_world_size
         self.mode = LowLatencyMode(
-            group, max_m, hidden, num_experts, max_topk=max(topk, 1), profile=enable_profiling,
+            group,
+            max_m,
+            hidden,
+            num_experts,
+            max_topk=max(topk, 1),
+            profile=enable_profiling,
             gpus_per_node=local_world_size,
-        )  # fmt: skip
+        )
 
     def dispatch(
         self,

@@ -138,9 +138,17 @@ def e4m3_bits(q, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def quantize_fp8_kernel(x_ptr, q_ptr, scale_ptr, x_stride, H: tl.constexpr, G_P2: tl.constexpr,
-                        USE_UE8M0: tl.constexpr, IS_BF16: tl.constexpr,
-                        EMULATE: tl.constexpr):  # fmt: skip
+def quantize_fp8_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    x_stride,
+    H: tl.constexpr,
+    G_P2: tl.constexpr,
+    USE_UE8M0: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
     """One token per program: its ``[G, 128]`` groups, loaded once, quantized, stored."""
     G: tl.constexpr = (H + 127) // 128
     token = tl.program_id(0).to(tl.int64)
@@ -166,8 +174,9 @@ def _check_rows(name: str, t: torch.Tensor, dtypes, batched: bool = False) -> to
     return t if t.dim() == 3 else t.unsqueeze(0)
 
 
-def _launch_per_token(kernel, device: torch.device, grid: tuple, hidden: int, args: tuple,
-                      **meta) -> bool:  # fmt: skip
+def _launch_per_token(
+    kernel, device: torch.device, grid: tuple, hidden: int, args: tuple, **meta
+) -> bool:
     """Launch ``kernel`` with one program per token (``grid``) on ``device``; False (nothing
     launched) for CPU tensors outside the Triton interpreter, where the caller uses the
     reference."""
@@ -175,8 +184,12 @@ def _launch_per_token(kernel, device: torch.device, grid: tuple, hidden: int, ar
     if not on_gpu and isinstance(kernel, triton.runtime.JITFunction):
         return False
     groups = -(-hidden // 128)
-    meta.update(H=hidden, G_P2=triton.next_power_of_2(groups), EMULATE=not on_gpu,
-                num_warps=4 if groups <= 16 else 8)  # fmt: skip
+    meta.update(
+        H=hidden,
+        G_P2=triton.next_power_of_2(groups),
+        EMULATE=not on_gpu,
+        num_warps=4 if groups <= 16 else 8,
+    )
     with torch.cuda.device(device) if on_gpu else contextlib.nullcontext():
         launch(kernel, grid, args, meta)
     return True
@@ -208,8 +221,15 @@ def quantize_fp8(x: torch.Tensor, use_ue8m0: bool = False):
     if num_tokens == 0:
         return q, scales
     args = (x, q.view(torch.uint8), scales, x.stride(0))
-    if not _launch_per_token(quantize_fp8_kernel, x.device, (num_tokens,), hidden, args,
-                             USE_UE8M0=use_ue8m0, IS_BF16=x.dtype == torch.bfloat16):  # fmt: skip
+    if not _launch_per_token(
+        quantize_fp8_kernel,
+        x.device,
+        (num_tokens,),
+        hidden,
+        args,
+        USE_UE8M0=use_ue8m0,
+        IS_BF16=x.dtype == torch.bfloat16,
+    ):
         return reference.quantize_fp8(x, use_ue8m0=use_ue8m0)
     return q, scales
 
@@ -236,10 +256,21 @@ def e4m3_value(code, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def dequantize_fp8_kernel(q_ptr, scale_ptr, out_ptr, num_tokens, q_batch_stride, q_stride,
-                          scale_batch_stride, scale_stride, scale_group_stride, H: tl.constexpr,
-                          G_P2: tl.constexpr, TO_BF16: tl.constexpr,
-                          EMULATE: tl.constexpr):  # fmt: skip
+def dequantize_fp8_kernel(
+    q_ptr,
+    scale_ptr,
+    out_ptr,
+    num_tokens,
+    q_batch_stride,
+    q_stride,
+    scale_batch_stride,
+    scale_stride,
+    scale_group_stride,
+    H: tl.constexpr,
+    G_P2: tl.constexpr,
+    TO_BF16: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
     """One token per program (axis 0: token, axis 1: batch): ``e4m3 * scale`` in float32,
     stored as the output dtype. Scales may have any strides (the low-latency dispatch returns
     them column-major per expert)."""
@@ -247,11 +278,11 @@ def dequantize_fp8_kernel(q_ptr, scale_ptr, out_ptr, num_tokens, q_batch_stride,
     batch = tl.program_id(1).to(tl.int64)
     groups = tl.arange(0, G_P2)
     offs = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
-    code = tl.load(q_ptr + batch * q_batch_stride + token * q_stride + offs, mask=offs < H,
-                   other=0)  # fmt: skip
+    code = tl.load(q_ptr + batch * q_batch_stride + token * q_stride + offs, mask=offs < H, other=0)
     scale_row = scale_ptr + batch * scale_batch_stride + token * scale_stride
-    scale = tl.load(scale_row + groups * scale_group_stride, mask=groups < (H + 127) // 128,
-                    other=0.0)  # fmt: skip
+    scale = tl.load(
+        scale_row + groups * scale_group_stride, mask=groups < (H + 127) // 128, other=0.0
+    )
     y = e4m3_value(code, EMULATE) * scale[:, None]
     if TO_BF16:
         y = to_bf16(y, EMULATE)
@@ -279,17 +310,36 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = t
     """
     batched = _check_rows("q", q, torch.float8_e4m3fn, batched=True)
     batch, num_tokens, hidden = batched.shape
-    check_tensor("scales", scales, dtype=torch.float32, shape=(*q.shape[:-1], -(-hidden // 128)),
-                 device=q.device, contiguous=False)  # fmt: skip
+    check_tensor(
+        "scales",
+        scales,
+        dtype=torch.float32,
+        shape=(*q.shape[:-1], -(-hidden // 128)),
+        device=q.device,
+        contiguous=False,
+    )
     if dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"dtype: expected torch.bfloat16 or torch.float32, got {dtype}")
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     if out.numel() == 0:
         return out
     batched_scales = scales if scales.dim() == 3 else scales.unsqueeze(0)
-    args = (batched.view(torch.uint8), batched_scales, out, num_tokens, batched.stride(0),
-            batched.stride(1), *batched_scales.stride())  # fmt: skip
-    if not _launch_per_token(dequantize_fp8_kernel, q.device, (num_tokens, batch), hidden, args,
-                             TO_BF16=dtype == torch.bfloat16):  # fmt: skip
+    args = (
+        batched.view(torch.uint8),
+        batched_scales,
+        out,
+        num_tokens,
+        batched.stride(0),
+        batched.stride(1),
+        *batched_scales.stride(),
+    )
+    if not _launch_per_token(
+        dequantize_fp8_kernel,
+        q.device,
+        (num_tokens, batch),
+        hidden,
+        args,
+        TO_BF16=dtype == torch.bfloat16,
+    ):
         return reference.dequantize_fp8(q, scales).to(dtype)
     return out

@@ -144,16 +144,41 @@ def ll_combine_kernel(
     t_reduce = tl.zeros((), tl.int64)
     if DO_SEND:
         t_send = _send_rows(
-            x_ptr, src_ptr, slot_ptr, range_ptr, trace_ptr, peer_ptrs, pe_ptr, rank, c_send,
-            mask_ptr, H, K_MAX, NUM_EXPERTS, NUM_RANKS, M, RECV_SET_BYTES, SLOT_BYTES,
-            RECV_OFFSET, STAGE_OFFSET, GPUS_PER_NODE, USE_CLOCK, G_P2, BLOCK_ROWS, PROFILE,
-            SHRINK, VIA, LOGFMT, BLOCK_GROUPS,
-        )  # fmt: skip
+            x_ptr,
+            src_ptr,
+            slot_ptr,
+            range_ptr,
+            trace_ptr,
+            peer_ptrs,
+            pe_ptr,
+            rank,
+            c_send,
+            mask_ptr,
+            H,
+            K_MAX,
+            NUM_EXPERTS,
+            NUM_RANKS,
+            M,
+            RECV_SET_BYTES,
+            SLOT_BYTES,
+            RECV_OFFSET,
+            STAGE_OFFSET,
+            GPUS_PER_NODE,
+            USE_CLOCK,
+            G_P2,
+            BLOCK_ROWS,
+            PROFILE,
+            SHRINK,
+            VIA,
+            LOGFMT,
+            BLOCK_GROUPS,
+        )
         t1 = t_start
         if PROFILE:
             t1 = read_clock(trace_ptr, USE_CLOCK)
-        _signal_sources(peer_ptrs, pe_ptr, rank, mask_ptr, NUM_EXPERTS, NUM_RANKS,
-                        DONE_OFFSET, SHRINK, VIA)  # fmt: skip
+        _signal_sources(
+            peer_ptrs, pe_ptr, rank, mask_ptr, NUM_EXPERTS, NUM_RANKS, DONE_OFFSET, SHRINK, VIA
+        )
         if PROFILE:
             t_send_end = read_clock(trace_ptr, USE_CLOCK)
             t_signal = t_send_end - t1
@@ -162,25 +187,61 @@ def ll_combine_kernel(
         if PROFILE:
             t0 = read_clock(trace_ptr, USE_CLOCK)
         failed = _wait_senders(
-            num_tokens, c_recv, wait_stats_ptr, trace_ptr, peer_ptrs, rank, status_ptr,
-            timeout_us, mask_ptr, verdict_ptr, skipped_ptr, NUM_EXPERTS, NUM_RANKS, DONE_OFFSET,
-            USE_CLOCK, R_P2, WAIT_STATS, SHRINK,
-        )  # fmt: skip
+            num_tokens,
+            c_recv,
+            wait_stats_ptr,
+            trace_ptr,
+            peer_ptrs,
+            rank,
+            status_ptr,
+            timeout_us,
+            mask_ptr,
+            verdict_ptr,
+            skipped_ptr,
+            NUM_EXPERTS,
+            NUM_RANKS,
+            DONE_OFFSET,
+            USE_CLOCK,
+            R_P2,
+            WAIT_STATS,
+            SHRINK,
+        )
         t1 = t0
         if PROFILE:
             t1 = read_clock(trace_ptr, USE_CLOCK)
             t_wait = t1 - t0
         _reduce_tokens(
-            topk_idx_ptr, topk_weights_ptr, num_tokens, out_ptr, failed, c_recv, peer_ptrs,
-            rank, status_ptr, mask_ptr, verdict_ptr, H, K, K_MAX, NUM_EXPERTS, NUM_RANKS,
-            RECV_SET_BYTES, SLOT_BYTES, RECV_OFFSET, USE_CLOCK, BLOCK_CHANNELS, SHRINK, LOGFMT,
-        )  # fmt: skip
+            topk_idx_ptr,
+            topk_weights_ptr,
+            num_tokens,
+            out_ptr,
+            failed,
+            c_recv,
+            peer_ptrs,
+            rank,
+            status_ptr,
+            mask_ptr,
+            verdict_ptr,
+            H,
+            K,
+            K_MAX,
+            NUM_EXPERTS,
+            NUM_RANKS,
+            RECV_SET_BYTES,
+            SLOT_BYTES,
+            RECV_OFFSET,
+            USE_CLOCK,
+            BLOCK_CHANNELS,
+            SHRINK,
+            LOGFMT,
+        )
         if PROFILE:
             t_reduce = read_clock(trace_ptr, USE_CLOCK) - t1
     if PROFILE:
         t_end = read_clock(trace_ptr, USE_CLOCK)
-        write_trace(trace_ptr, t_start, t_send_end, t_end, t_send, t_signal, t_wait, t_reduce, 0,
-                    USE_CLOCK)  # fmt: skip
+        write_trace(
+            trace_ptr, t_start, t_send_end, t_end, t_send, t_signal, t_wait, t_reduce, 0, USE_CLOCK
+        )
     last = finish_launch(
         state_ptr,
         COMBINE_ARRIVALS,
@@ -199,14 +260,35 @@ def ll_combine_kernel(
 
 @triton.jit
 def _send_rows(
-    x_ptr, src_ptr, slot_ptr, range_ptr, trace_ptr, peer_ptrs, pe_ptr, rank, c_send, mask_ptr,
-    H: tl.constexpr, K_MAX: tl.constexpr, NUM_EXPERTS: tl.constexpr, NUM_RANKS: tl.constexpr,
-    M: tl.constexpr, RECV_SET_BYTES: tl.constexpr, SLOT_BYTES: tl.constexpr,
-    RECV_OFFSET: tl.constexpr, STAGE_OFFSET: tl.constexpr, GPUS_PER_NODE: tl.constexpr,
-    USE_CLOCK: tl.constexpr, G_P2: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-    PROFILE: tl.constexpr, SHRINK: tl.constexpr, VIA: tl.constexpr, LOGFMT: tl.constexpr,
+    x_ptr,
+    src_ptr,
+    slot_ptr,
+    range_ptr,
+    trace_ptr,
+    peer_ptrs,
+    pe_ptr,
+    rank,
+    c_send,
+    mask_ptr,
+    H: tl.constexpr,
+    K_MAX: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    M: tl.constexpr,
+    RECV_SET_BYTES: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    RECV_OFFSET: tl.constexpr,
+    STAGE_OFFSET: tl.constexpr,
+    GPUS_PER_NODE: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    G_P2: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    PROFILE: tl.constexpr,
+    SHRINK: tl.constexpr,
+    VIA: tl.constexpr,
+    LOGFMT: tl.constexpr,
     BLOCK_GROUPS: tl.constexpr,
-):  # fmt: skip
+):
     """Store this program's (local expert, source rank) blocks into their source ranks' slots,
     ``BLOCK_ROWS`` rows at a time so that their loads and remote stores are in flight
     together. Returns the trace's send total."""
@@ -244,12 +326,12 @@ def _send_rows(
                 # A source on another node: stage the rows in this rank's heap first.
                 dst = tl.where(remote, my_base + STAGE_OFFSET + rows * SLOT_BYTES, dst)
             if LOGFMT:
-                _send_logfmt(x_ptr + rows * H, dst, rmask, H, G, BLOCK_GROUPS, BLOCK_ROWS,
-                             USE_CLOCK)  # fmt: skip
+                _send_logfmt(
+                    x_ptr + rows * H, dst, rmask, H, G, BLOCK_GROUPS, BLOCK_ROWS, USE_CLOCK
+                )
             else:
                 y = tl.load(x_ptr + rows[:, None] * H + flat[None, :], mask=mask2)
-                tl.store(aligned_ptr(dst, tl.bfloat16)[:, None] + flat[None, :], y,
-                         mask=mask2)  # fmt: skip
+                tl.store(aligned_ptr(dst, tl.bfloat16)[:, None] + flat[None, :], y, mask=mask2)
         if VIA != VIA_STORE:  # noqa: SIM102 - compiled out without a transport
             if remote:
                 pe = tl.load(pe_ptr + src)
@@ -259,17 +341,26 @@ def _send_rows(
                     column = tl.load(slot_ptr + row).to(tl.int64)
                     offset = RECV_OFFSET + set_off + (token * K_MAX + column) * SLOT_BYTES
                     stage = my_base + STAGE_OFFSET + row * SLOT_BYTES
-                    put_block(my_base, base, offset, stage, SLOT_BYTES if LOGFMT else H * 2,
-                              pe, VIA)  # fmt: skip
+                    put_block(
+                        my_base, base, offset, stage, SLOT_BYTES if LOGFMT else H * 2, pe, VIA
+                    )
         if PROFILE:
             t_send += read_clock(trace_ptr, USE_CLOCK) - t0
     return t_send
 
 
 @triton.jit
-def _signal_sources(peer_ptrs, pe_ptr, rank, mask_ptr, NUM_EXPERTS: tl.constexpr,
-                    NUM_RANKS: tl.constexpr, DONE_OFFSET: tl.constexpr, SHRINK: tl.constexpr,
-                    VIA: tl.constexpr):  # fmt: skip
+def _signal_sources(
+    peer_ptrs,
+    pe_ptr,
+    rank,
+    mask_ptr,
+    NUM_EXPERTS: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    DONE_OFFSET: tl.constexpr,
+    SHRINK: tl.constexpr,
+    VIA: tl.constexpr,
+):
     """One counter update per source rank for all of this program's blocks to it (one
     system-scope release each): its receiver needs every block anyway, so signalling each
     block as it is stored would only add releases."""
@@ -287,20 +378,40 @@ def _signal_sources(peer_ptrs, pe_ptr, rank, mask_ptr, NUM_EXPERTS: tl.constexpr
         if blocks > 0:
             base = tl.load(peer_ptrs + peer)
             if VIA == VIA_STORE:
-                add_release((base + DONE_OFFSET + rank * 8).to(tl.pointer_type(tl.int64)),
-                            blocks)  # fmt: skip
+                add_release((base + DONE_OFFSET + rank * 8).to(tl.pointer_type(tl.int64)), blocks)
             else:
-                signal(my_base, base, DONE_OFFSET + rank * 8, blocks, SIGNAL_ADD,
-                       tl.load(pe_ptr + peer), VIA)  # fmt: skip
+                signal(
+                    my_base,
+                    base,
+                    DONE_OFFSET + rank * 8,
+                    blocks,
+                    SIGNAL_ADD,
+                    tl.load(pe_ptr + peer),
+                    VIA,
+                )
 
 
 @triton.jit
 def _wait_senders(
-    num_tokens, c_recv, wait_stats_ptr, trace_ptr, peer_ptrs, rank, status_ptr, timeout_us,
-    mask_ptr, verdict_ptr, skipped_ptr, NUM_EXPERTS: tl.constexpr, NUM_RANKS: tl.constexpr,
-    DONE_OFFSET: tl.constexpr, USE_CLOCK: tl.constexpr, R_P2: tl.constexpr,
-    WAIT_STATS: tl.constexpr, SHRINK: tl.constexpr,
-):  # fmt: skip
+    num_tokens,
+    c_recv,
+    wait_stats_ptr,
+    trace_ptr,
+    peer_ptrs,
+    rank,
+    status_ptr,
+    timeout_us,
+    mask_ptr,
+    verdict_ptr,
+    skipped_ptr,
+    NUM_EXPERTS: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    DONE_OFFSET: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    R_P2: tl.constexpr,
+    WAIT_STATS: tl.constexpr,
+    SHRINK: tl.constexpr,
+):
     """Wait until every sender's rows for this rank are stored. A rank without tokens waits
     too (one program): its wait is what keeps it from running ahead of its peers by more than
     one call, and so from overwriting the buffer set they still read (several combines of one
@@ -319,8 +430,16 @@ def _wait_senders(
                 # Calls in which this peer was masked brought no signal from it.
                 expected = (c_recv + 1 - tl.load(skipped_ptr + src)) * E_LOCAL
                 done = (my_base + DONE_OFFSET + src * 8).to(tl.pointer_type(tl.int64))
-                wait_peer(done, expected, timeout_ns, tl.load(mask_ptr + src) != 0,
-                          verdict_ptr + src, c_recv + 1, USE_CLOCK, AT_LEAST=True)  # fmt: skip
+                wait_peer(
+                    done,
+                    expected,
+                    timeout_ns,
+                    tl.load(mask_ptr + src) != 0,
+                    verdict_ptr + src,
+                    c_recv + 1,
+                    USE_CLOCK,
+                    AT_LEAST=True,
+                )
                 if WAIT_STATS:
                     waited = read_clock(trace_ptr, USE_CLOCK) - w0
                     tl.atomic_add(wait_stats_ptr + src, waited, sem="relaxed", scope="gpu")
@@ -330,28 +449,57 @@ def _wait_senders(
             sources = tl.arange(0, R_P2)[None, :]
             done = (my_base + DONE_OFFSET + sources * 8).to(tl.pointer_type(tl.int64))
             _, missing, waited, limit = wait_tile(
-                done, sources < NUM_RANKS, (c_recv + 1) * E_LOCAL,
-                timeout_us.to(tl.int64) * 1000, timeout_us, status_ptr, USE_CLOCK,
-                AT_LEAST=True, TIMED=WAIT_STATS,
-            )  # fmt: skip
+                done,
+                sources < NUM_RANKS,
+                (c_recv + 1) * E_LOCAL,
+                timeout_us.to(tl.int64) * 1000,
+                timeout_us,
+                status_ptr,
+                USE_CLOCK,
+                AT_LEAST=True,
+                TIMED=WAIT_STATS,
+            )
             failed = any_set(missing)
             if failed:  # name the first sender still missing
                 gone = tl.min(tl.min(tl.where(missing, sources, R_P2), axis=1), axis=0)
                 record_timeout(status_ptr, gone, PHASE_COMBINE_RECV, limit)
             if WAIT_STATS:  # the time until each sender's rows were all there
-                tl.atomic_add(wait_stats_ptr + sources, waited, mask=sources < NUM_RANKS,
-                              sem="relaxed", scope="gpu")  # fmt: skip
+                tl.atomic_add(
+                    wait_stats_ptr + sources,
+                    waited,
+                    mask=sources < NUM_RANKS,
+                    sem="relaxed",
+                    scope="gpu",
+                )
     return failed
 
 
 @triton.jit
 def _reduce_tokens(
-    topk_idx_ptr, topk_weights_ptr, num_tokens, out_ptr, failed, c_recv, peer_ptrs, rank,
-    status_ptr, mask_ptr, verdict_ptr, H: tl.constexpr, K: tl.constexpr, K_MAX: tl.constexpr,
-    NUM_EXPERTS: tl.constexpr, NUM_RANKS: tl.constexpr, RECV_SET_BYTES: tl.constexpr,
-    SLOT_BYTES: tl.constexpr, RECV_OFFSET: tl.constexpr, USE_CLOCK: tl.constexpr,
-    BLOCK_CHANNELS: tl.constexpr, SHRINK: tl.constexpr, LOGFMT: tl.constexpr,
-):  # fmt: skip
+    topk_idx_ptr,
+    topk_weights_ptr,
+    num_tokens,
+    out_ptr,
+    failed,
+    c_recv,
+    peer_ptrs,
+    rank,
+    status_ptr,
+    mask_ptr,
+    verdict_ptr,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    K_MAX: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    RECV_SET_BYTES: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    RECV_OFFSET: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    BLOCK_CHANNELS: tl.constexpr,
+    SHRINK: tl.constexpr,
+    LOGFMT: tl.constexpr,
+):
     """Each of this program's tokens (``p, p + P, ...``) gets the weighted sum of its top-k
     rows, in top-k order as the reference sums, in float32 to BF16; NaN where ``failed`` (a
     wait gave up: not every row came)."""
@@ -400,9 +548,12 @@ def _reduce_tokens(
                 if LOGFMT:
                     value = _load_logfmt(row, groups, groups < tl.where(valid, G, 0), H, USE_CLOCK)
                 else:
-                    y = tl.load(aligned_ptr(row, tl.bfloat16) + cols,
-                                mask=cols < tl.where(valid, H, 0),
-                                other=0.0, cache_modifier=".cg")  # fmt: skip
+                    y = tl.load(
+                        aligned_ptr(row, tl.bfloat16) + cols,
+                        mask=cols < tl.where(valid, H, 0),
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
                     value = from_bf16(y, not USE_CLOCK)
                 # Rows not read are 0: a weight of 0 adds nothing, without a select per
                 # channel.
@@ -414,8 +565,16 @@ def _reduce_tokens(
 
 
 @triton.jit
-def _send_logfmt(src, dst, rmask, H: tl.constexpr, G: tl.constexpr, GROUPS: tl.constexpr,
-                 ROWS: tl.constexpr, USE_CLOCK: tl.constexpr):  # fmt: skip
+def _send_logfmt(
+    src,
+    dst,
+    rmask,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    GROUPS: tl.constexpr,
+    ROWS: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+):
     """Store the BF16 rows at ``src [ROWS]`` to the slots at ``dst [ROWS]`` as LogFMT, GROUPS
     groups at a time: each group encoded or unchanged, and its parameters (:mod:`.logfmt`).
     A partial last group (``H`` not a multiple of 128) is a group of its channels alone; its
@@ -432,8 +591,9 @@ def _send_logfmt(src, dst, rmask, H: tl.constexpr, G: tl.constexpr, GROUPS: tl.c
         live = rmask[:, None] & (gi < G)[None, :]
         at = (gi * 128)[None, :, None] + lane
         y = tl.load(rows + at, mask=live[:, :, None] & (at < H), other=0.0)
-        encoded, low, high, log_amin, step = encode_groups(from_bf16(y, EMULATE), at < H,
-                                                           H % 128 != 0, EMULATE)  # fmt: skip
+        encoded, low, high, log_amin, step = encode_groups(
+            from_bf16(y, EMULATE), at < H, H % 128 != 0, EMULATE
+        )
         # Channel c of group g: code byte at 256 g + c, BF16 at byte 2 (128 g + c); its high
         # bits in byte 256 g + 128 + c // 4.
         as_code = (live & encoded)[:, :, None]
@@ -459,12 +619,17 @@ def _load_logfmt(row, groups, gmask, H: tl.constexpr, USE_CLOCK: tl.constexpr):
     slot = aligned_ptr(row, tl.uint8) + (groups * 256)[:, None]
     low = tl.load(slot + lane, mask=mask, other=0, cache_modifier=".cg")
     quad = tl.arange(0, 32)[None, :]
-    packed = tl.load(slot + 128 + quad, mask=gmask[:, None] & (quad < 32), other=0,
-                     cache_modifier=".cg").to(tl.int32)  # fmt: skip
+    packed = tl.load(
+        slot + 128 + quad, mask=gmask[:, None] & (quad < 32), other=0, cache_modifier=".cg"
+    ).to(tl.int32)
     # Channel 4 q + j from bits 2 j of byte q: join (j = 0, 2) with (1, 3) -> index 2 i + j'.
     high = tl.join(tl.join(packed & 3, (packed >> 4) & 3), tl.join((packed >> 2) & 3, packed >> 6))
     high = tl.reshape(high, (groups.shape[0], 128))
-    raw = tl.load(aligned_ptr(row, tl.bfloat16) + (groups * 128)[:, None] + lane, mask=mask,
-                  other=0.0, cache_modifier=".cg")  # fmt: skip
+    raw = tl.load(
+        aligned_ptr(row, tl.bfloat16) + (groups * 128)[:, None] + lane,
+        mask=mask,
+        other=0.0,
+        cache_modifier=".cg",
+    )
     value = decode(low, high, log_amin, step)
     return tl.where(step > 0, value, from_bf16(raw, not USE_CLOCK))

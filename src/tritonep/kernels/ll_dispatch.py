@@ -154,8 +154,7 @@ def finish_launch(
         tl.store(state_ptr + recv_calls * num_programs + column, c_recv + 1)
     last = False
     if ARRIVE:
-        arrived = tl.atomic_add(state_ptr + arrivals * num_programs, 1, sem="acq_rel",
-                                scope="gpu")  # fmt: skip
+        arrived = tl.atomic_add(state_ptr + arrivals * num_programs, 1, sem="acq_rel", scope="gpu")
         last = arrived == num_programs - 1
         if last:
             tl.store(state_ptr + arrivals * num_programs, 0)
@@ -174,8 +173,9 @@ def first_choices(ids, ks, K: tl.constexpr, NUM_EXPERTS: tl.constexpr):
 
 
 @triton.jit
-def _listed(m, starts, ends, begin, local, src, item_lanes, NUM_RANKS: tl.constexpr,
-            M: tl.constexpr):  # fmt: skip
+def _listed(
+    m, starts, ends, begin, local, src, item_lanes, NUM_RANKS: tl.constexpr, M: tl.constexpr
+):
     """Where positions ``m`` of a group's message list lie. The list holds the messages of the
     group's items (``local`` expert, ``src`` rank) one item after another, item ``j``'s from
     ``starts[j]`` to ``ends[j]``. Returns each position's message index in the buffer set
@@ -265,35 +265,133 @@ def ll_dispatch_kernel(
         # so no batch size compiles one of its own.
         if num_tokens == 1:
             t_quantize_send, t_count_send, t_send_end = _send(
-                x_ptr, topk_idx_ptr, 1, count_by_adds, trace_ptr, peer_ptrs, pe_ptr, rank,
-                c_send, scratch_ptr, expert_done_ptr, status_ptr, mask_ptr, H, K,
-                NUM_EXPERTS, NUM_RANKS, M, MSG_BYTES, RECV_SET_BYTES, FLAG_SET_BYTES,
-                RECV_OFFSET, FLAG_OFFSET, STAGE_OFFSET, GPUS_PER_NODE, USE_FP8, USE_UE8M0,
-                USE_CLOCK, BLOCK_N, K_P2, G_P2, BINS, PROFILE, SHRINK, VIA,
-            )  # fmt: skip
+                x_ptr,
+                topk_idx_ptr,
+                1,
+                count_by_adds,
+                trace_ptr,
+                peer_ptrs,
+                pe_ptr,
+                rank,
+                c_send,
+                scratch_ptr,
+                expert_done_ptr,
+                status_ptr,
+                mask_ptr,
+                H,
+                K,
+                NUM_EXPERTS,
+                NUM_RANKS,
+                M,
+                MSG_BYTES,
+                RECV_SET_BYTES,
+                FLAG_SET_BYTES,
+                RECV_OFFSET,
+                FLAG_OFFSET,
+                STAGE_OFFSET,
+                GPUS_PER_NODE,
+                USE_FP8,
+                USE_UE8M0,
+                USE_CLOCK,
+                BLOCK_N,
+                K_P2,
+                G_P2,
+                BINS,
+                PROFILE,
+                SHRINK,
+                VIA,
+            )
         else:
             t_quantize_send, t_count_send, t_send_end = _send(
-                x_ptr, topk_idx_ptr, num_tokens, count_by_adds, trace_ptr, peer_ptrs, pe_ptr,
-                rank, c_send, scratch_ptr, expert_done_ptr, status_ptr, mask_ptr, H, K,
-                NUM_EXPERTS, NUM_RANKS, M, MSG_BYTES, RECV_SET_BYTES, FLAG_SET_BYTES,
-                RECV_OFFSET, FLAG_OFFSET, STAGE_OFFSET, GPUS_PER_NODE, USE_FP8, USE_UE8M0,
-                USE_CLOCK, BLOCK_N, K_P2, G_P2, BINS, PROFILE, SHRINK, VIA,
-            )  # fmt: skip
+                x_ptr,
+                topk_idx_ptr,
+                num_tokens,
+                count_by_adds,
+                trace_ptr,
+                peer_ptrs,
+                pe_ptr,
+                rank,
+                c_send,
+                scratch_ptr,
+                expert_done_ptr,
+                status_ptr,
+                mask_ptr,
+                H,
+                K,
+                NUM_EXPERTS,
+                NUM_RANKS,
+                M,
+                MSG_BYTES,
+                RECV_SET_BYTES,
+                FLAG_SET_BYTES,
+                RECV_OFFSET,
+                FLAG_OFFSET,
+                STAGE_OFFSET,
+                GPUS_PER_NODE,
+                USE_FP8,
+                USE_UE8M0,
+                USE_CLOCK,
+                BLOCK_N,
+                K_P2,
+                G_P2,
+                BINS,
+                PROFILE,
+                SHRINK,
+                VIA,
+            )
     if DO_RECV:
         t_wait, t_pack = _receive(
-            c_recv, items_per_group, out_x_ptr, out_scales_ptr, out_src_ptr, out_count_ptr,
-            out_range_ptr, recv_stats_ptr, wait_stats_ptr, trace_ptr, peer_ptrs, rank,
-            status_ptr, timeout_us, mask_ptr, verdict_ptr, H, NUM_EXPERTS, NUM_RANKS, M,
-            MSG_BYTES, RECV_SET_BYTES, FLAG_SET_BYTES, RECV_OFFSET, FLAG_OFFSET, PACK_UE8M0,
-            USE_FP8, USE_CLOCK, G_P2, R_P2, BLOCK_MSGS, BLOCK_ITEMS, PROFILE, WAIT_STATS,
-            RECV_STATS, SHRINK,
-        )  # fmt: skip
+            c_recv,
+            items_per_group,
+            out_x_ptr,
+            out_scales_ptr,
+            out_src_ptr,
+            out_count_ptr,
+            out_range_ptr,
+            recv_stats_ptr,
+            wait_stats_ptr,
+            trace_ptr,
+            peer_ptrs,
+            rank,
+            status_ptr,
+            timeout_us,
+            mask_ptr,
+            verdict_ptr,
+            H,
+            NUM_EXPERTS,
+            NUM_RANKS,
+            M,
+            MSG_BYTES,
+            RECV_SET_BYTES,
+            FLAG_SET_BYTES,
+            RECV_OFFSET,
+            FLAG_OFFSET,
+            PACK_UE8M0,
+            USE_FP8,
+            USE_CLOCK,
+            G_P2,
+            R_P2,
+            BLOCK_MSGS,
+            BLOCK_ITEMS,
+            PROFILE,
+            WAIT_STATS,
+            RECV_STATS,
+            SHRINK,
+        )
     if PROFILE:
         t_end = read_clock(trace_ptr, USE_CLOCK)
         write_trace(
-            trace_ptr, t_start, t_send_end, t_end, t_quantize_send, t_count_send, t_wait,
-            t_pack, 0, USE_CLOCK,
-        )  # fmt: skip
+            trace_ptr,
+            t_start,
+            t_send_end,
+            t_end,
+            t_quantize_send,
+            t_count_send,
+            t_wait,
+            t_pack,
+            0,
+            USE_CLOCK,
+        )
     last = finish_launch(
         state_ptr,
         DISPATCH_ARRIVALS,
@@ -312,15 +410,42 @@ def ll_dispatch_kernel(
 
 @triton.jit
 def _send(
-    x_ptr, topk_idx_ptr, num_tokens, count_by_adds, trace_ptr, peer_ptrs, pe_ptr, rank, c_send,
-    scratch_ptr, expert_done_ptr, status_ptr, mask_ptr, H: tl.constexpr, K: tl.constexpr,
-    NUM_EXPERTS: tl.constexpr, NUM_RANKS: tl.constexpr, M: tl.constexpr,
-    MSG_BYTES: tl.constexpr, RECV_SET_BYTES: tl.constexpr, FLAG_SET_BYTES: tl.constexpr,
-    RECV_OFFSET: tl.constexpr, FLAG_OFFSET: tl.constexpr, STAGE_OFFSET: tl.constexpr,
-    GPUS_PER_NODE: tl.constexpr, USE_FP8: tl.constexpr, USE_UE8M0: tl.constexpr,
-    USE_CLOCK: tl.constexpr, BLOCK_N: tl.constexpr, K_P2: tl.constexpr, G_P2: tl.constexpr,
-    BINS: tl.constexpr, PROFILE: tl.constexpr, SHRINK: tl.constexpr, VIA: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    topk_idx_ptr,
+    num_tokens,
+    count_by_adds,
+    trace_ptr,
+    peer_ptrs,
+    pe_ptr,
+    rank,
+    c_send,
+    scratch_ptr,
+    expert_done_ptr,
+    status_ptr,
+    mask_ptr,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    M: tl.constexpr,
+    MSG_BYTES: tl.constexpr,
+    RECV_SET_BYTES: tl.constexpr,
+    FLAG_SET_BYTES: tl.constexpr,
+    RECV_OFFSET: tl.constexpr,
+    FLAG_OFFSET: tl.constexpr,
+    STAGE_OFFSET: tl.constexpr,
+    GPUS_PER_NODE: tl.constexpr,
+    USE_FP8: tl.constexpr,
+    USE_UE8M0: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_P2: tl.constexpr,
+    G_P2: tl.constexpr,
+    BINS: tl.constexpr,
+    PROFILE: tl.constexpr,
+    SHRINK: tl.constexpr,
+    VIA: tl.constexpr,
+):
     """The send phase of this program: count the batch's ids, store its tokens' messages,
     publish the counts it completes. Returns the trace's (quantize and send, count send)
     totals and the send phase's end."""
@@ -342,41 +467,106 @@ def _send(
     # accepts.)
     groups = tl.arange(0, G_P2)
     row_offs = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
-    x_next = tl.load(x_ptr + tl.cast(first_token, tl.int64) * H + row_offs,
-                     mask=row_offs < tl.where(first_token < last_token, H, 0),
-                     other=0.0)  # fmt: skip
+    x_next = tl.load(
+        x_ptr + tl.cast(first_token, tl.int64) * H + row_offs,
+        mask=row_offs < tl.where(first_token < last_token, H, 0),
+        other=0.0,
+    )
     if count_by_adds:
         total, before, bad = _count_by_adds(
-            topk_idx_ptr, tl.where(pid < senders, num_tokens, 0), first_token, next_slot,
-            mask_ptr, K, NUM_EXPERTS, NUM_RANKS, BLOCK_N, K_P2, BINS, SHRINK,
-        )  # fmt: skip
+            topk_idx_ptr,
+            tl.where(pid < senders, num_tokens, 0),
+            first_token,
+            next_slot,
+            mask_ptr,
+            K,
+            NUM_EXPERTS,
+            NUM_RANKS,
+            BLOCK_N,
+            K_P2,
+            BINS,
+            SHRINK,
+        )
     else:
         total, before, bad = _count_by_histograms(
-            topk_idx_ptr, tl.where(pid < senders, num_tokens, 0), first_token, mask_ptr, K,
-            NUM_EXPERTS, NUM_RANKS, BLOCK_N, K_P2, BINS, SHRINK,
-        )  # fmt: skip
+            topk_idx_ptr,
+            tl.where(pid < senders, num_tokens, 0),
+            first_token,
+            mask_ptr,
+            K,
+            NUM_EXPERTS,
+            NUM_RANKS,
+            BLOCK_N,
+            K_P2,
+            BINS,
+            SHRINK,
+        )
     # An id outside [-1, NUM_EXPERTS): every counting program saw it, program 0 records it.
     if bad & (pid == 0):
-        token, column, bad_id = first_bad_id(topk_idx_ptr, num_tokens, K, NUM_EXPERTS, K_P2,
-                                             BLOCK_N)  # fmt: skip
+        token, column, bad_id = first_bad_id(
+            topk_idx_ptr, num_tokens, K, NUM_EXPERTS, K_P2, BLOCK_N
+        )
         record_bad_id(status_ptr, rank, PHASE_DISPATCH_IDS, token, column, bad_id)
     # next_slot[e]: the slot of this program's next token for expert e.
     tl.store(next_slot + tl.arange(0, BINS), before)
     tl.debug_barrier()
     _send_tokens(
-        x_ptr, topk_idx_ptr, x_next, first_token, last_token, next_slot, peer_ptrs, rank,
-        set_off, mask_ptr, H, K, NUM_EXPERTS, NUM_RANKS, M, MSG_BYTES, RECV_OFFSET,
-        STAGE_OFFSET, GPUS_PER_NODE, USE_FP8, USE_UE8M0, USE_CLOCK, K_P2, G_P2, BINS, SHRINK,
+        x_ptr,
+        topk_idx_ptr,
+        x_next,
+        first_token,
+        last_token,
+        next_slot,
+        peer_ptrs,
+        rank,
+        set_off,
+        mask_ptr,
+        H,
+        K,
+        NUM_EXPERTS,
+        NUM_RANKS,
+        M,
+        MSG_BYTES,
+        RECV_OFFSET,
+        STAGE_OFFSET,
+        GPUS_PER_NODE,
+        USE_FP8,
+        USE_UE8M0,
+        USE_CLOCK,
+        K_P2,
+        G_P2,
+        BINS,
+        SHRINK,
         VIA,
-    )  # fmt: skip
+    )
     t1 = t0
     if PROFILE:
         t1 = read_clock(trace_ptr, USE_CLOCK)
     _publish_counts(
-        total, before, next_slot, senders, c_send, expert_done_ptr, peer_ptrs, pe_ptr, rank,
-        mask_ptr, NUM_EXPERTS, NUM_RANKS, M, MSG_BYTES, RECV_SET_BYTES, FLAG_SET_BYTES,
-        RECV_OFFSET, FLAG_OFFSET, STAGE_OFFSET, GPUS_PER_NODE, BINS, SHRINK, VIA,
-    )  # fmt: skip
+        total,
+        before,
+        next_slot,
+        senders,
+        c_send,
+        expert_done_ptr,
+        peer_ptrs,
+        pe_ptr,
+        rank,
+        mask_ptr,
+        NUM_EXPERTS,
+        NUM_RANKS,
+        M,
+        MSG_BYTES,
+        RECV_SET_BYTES,
+        FLAG_SET_BYTES,
+        RECV_OFFSET,
+        FLAG_OFFSET,
+        STAGE_OFFSET,
+        GPUS_PER_NODE,
+        BINS,
+        SHRINK,
+        VIA,
+    )
     tl.debug_barrier()
     t_end = t0
     if PROFILE:
@@ -385,9 +575,19 @@ def _send(
 
 
 @triton.jit
-def _batch_ids(topk_idx_ptr, start, num_tokens, first_token, mask_ptr, K: tl.constexpr,
-               NUM_EXPERTS: tl.constexpr, E_LOCAL: tl.constexpr, BLOCK_N: tl.constexpr,
-               K_P2: tl.constexpr, SHRINK: tl.constexpr):  # fmt: skip
+def _batch_ids(
+    topk_idx_ptr,
+    start,
+    num_tokens,
+    first_token,
+    mask_ptr,
+    K: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_P2: tl.constexpr,
+    SHRINK: tl.constexpr,
+):
     """A block of the batch's ids: ``[BLOCK_N, K_P2]`` ids, which of them get a message,
     which belong to tokens before ``first_token``, and which lie outside ``[-1, NUM_EXPERTS)``."""
     ks = tl.arange(0, K_P2)
@@ -406,10 +606,20 @@ def _batch_ids(topk_idx_ptr, start, num_tokens, first_token, mask_ptr, K: tl.con
 
 
 @triton.jit
-def _count_by_adds(topk_idx_ptr, num_tokens, first_token, next_slot, mask_ptr,
-                   K: tl.constexpr, NUM_EXPERTS: tl.constexpr, NUM_RANKS: tl.constexpr,
-                   BLOCK_N: tl.constexpr, K_P2: tl.constexpr, BINS: tl.constexpr,
-                   SHRINK: tl.constexpr):  # fmt: skip
+def _count_by_adds(
+    topk_idx_ptr,
+    num_tokens,
+    first_token,
+    next_slot,
+    mask_ptr,
+    K: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_P2: tl.constexpr,
+    BINS: tl.constexpr,
+    SHRINK: tl.constexpr,
+):
     """Tokens per expert of the first ``num_tokens`` of the batch and of those before
     ``first_token``: one atomic add per chosen id into this program's scratch row (the batch's
     count in the low word of ``tally[e]``, the earlier tokens' in the high word), as many adds
@@ -422,12 +632,26 @@ def _count_by_adds(topk_idx_ptr, num_tokens, first_token, next_slot, mask_ptr,
     tl.store(tally + BINS, 0)
     tl.debug_barrier()
     for start in range(0, num_tokens, BLOCK_N):
-        ids, chosen, earlier, bad = _batch_ids(topk_idx_ptr, start, num_tokens, first_token,
-                                               mask_ptr, K, NUM_EXPERTS,
-                                               NUM_EXPERTS // NUM_RANKS, BLOCK_N, K_P2,
-                                               SHRINK)  # fmt: skip
-        tl.atomic_add(tally + tl.where(chosen, ids, BINS), tl.where(earlier, (1 << 32) + 1, 1),
-                      mask=chosen | bad, sem="relaxed", scope="cta")  # fmt: skip
+        ids, chosen, earlier, bad = _batch_ids(
+            topk_idx_ptr,
+            start,
+            num_tokens,
+            first_token,
+            mask_ptr,
+            K,
+            NUM_EXPERTS,
+            NUM_EXPERTS // NUM_RANKS,
+            BLOCK_N,
+            K_P2,
+            SHRINK,
+        )
+        tl.atomic_add(
+            tally + tl.where(chosen, ids, BINS),
+            tl.where(earlier, (1 << 32) + 1, 1),
+            mask=chosen | bad,
+            sem="relaxed",
+            scope="cta",
+        )
     tl.debug_barrier()  # (the load waits for the adds: a round trip to the L2)
     tallied = tl.load(tally + experts, cache_modifier=".cg")
     bad = tl.load(tally + BINS, cache_modifier=".cg") != 0
@@ -436,10 +660,19 @@ def _count_by_adds(topk_idx_ptr, num_tokens, first_token, next_slot, mask_ptr,
 
 
 @triton.jit
-def _count_by_histograms(topk_idx_ptr, num_tokens, first_token, mask_ptr, K: tl.constexpr,
-                         NUM_EXPERTS: tl.constexpr, NUM_RANKS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, K_P2: tl.constexpr, BINS: tl.constexpr,
-                         SHRINK: tl.constexpr):  # fmt: skip
+def _count_by_histograms(
+    topk_idx_ptr,
+    num_tokens,
+    first_token,
+    mask_ptr,
+    K: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_P2: tl.constexpr,
+    BINS: tl.constexpr,
+    SHRINK: tl.constexpr,
+):
     """:func:`_count_by_adds` by two histograms per block of ids, whose cost (~0.9 us each for
     256 bins) does not grow with the ids but which all programs' adds together exceed beyond
     ~32K adds. Returns ``(total, before, bad)``."""
@@ -447,10 +680,19 @@ def _count_by_histograms(topk_idx_ptr, num_tokens, first_token, mask_ptr, K: tl.
     before = tl.zeros((BINS,), tl.int32)
     seen = tl.zeros((BLOCK_N, K_P2), tl.int1)
     for start in range(0, num_tokens, BLOCK_N):
-        ids, chosen, earlier, bad = _batch_ids(topk_idx_ptr, start, num_tokens, first_token,
-                                               mask_ptr, K, NUM_EXPERTS,
-                                               NUM_EXPERTS // NUM_RANKS, BLOCK_N, K_P2,
-                                               SHRINK)  # fmt: skip
+        ids, chosen, earlier, bad = _batch_ids(
+            topk_idx_ptr,
+            start,
+            num_tokens,
+            first_token,
+            mask_ptr,
+            K,
+            NUM_EXPERTS,
+            NUM_EXPERTS // NUM_RANKS,
+            BLOCK_N,
+            K_P2,
+            SHRINK,
+        )
         binned = tl.reshape(tl.where(chosen, ids, 0).to(tl.int32), (BLOCK_N * K_P2,))
         total += tl.histogram(binned, BINS, mask=tl.reshape(chosen, (BLOCK_N * K_P2,)))
         before += tl.histogram(binned, BINS, mask=tl.reshape(earlier, (BLOCK_N * K_P2,)))
@@ -460,14 +702,34 @@ def _count_by_histograms(topk_idx_ptr, num_tokens, first_token, mask_ptr, K: tl.
 
 @triton.jit
 def _send_tokens(
-    x_ptr, topk_idx_ptr, x_next, first_token, last_token, next_slot, peer_ptrs, rank, set_off,
-    mask_ptr, H: tl.constexpr, K: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-    NUM_RANKS: tl.constexpr, M: tl.constexpr, MSG_BYTES: tl.constexpr,
-    RECV_OFFSET: tl.constexpr, STAGE_OFFSET: tl.constexpr, GPUS_PER_NODE: tl.constexpr,
-    USE_FP8: tl.constexpr, USE_UE8M0: tl.constexpr, USE_CLOCK: tl.constexpr,
-    K_P2: tl.constexpr, G_P2: tl.constexpr, BINS: tl.constexpr, SHRINK: tl.constexpr,
+    x_ptr,
+    topk_idx_ptr,
+    x_next,
+    first_token,
+    last_token,
+    next_slot,
+    peer_ptrs,
+    rank,
+    set_off,
+    mask_ptr,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    M: tl.constexpr,
+    MSG_BYTES: tl.constexpr,
+    RECV_OFFSET: tl.constexpr,
+    STAGE_OFFSET: tl.constexpr,
+    GPUS_PER_NODE: tl.constexpr,
+    USE_FP8: tl.constexpr,
+    USE_UE8M0: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    K_P2: tl.constexpr,
+    G_P2: tl.constexpr,
+    BINS: tl.constexpr,
+    SHRINK: tl.constexpr,
     VIA: tl.constexpr,
-):  # fmt: skip
+):
     """Store the messages of tokens ``[first_token, last_token)``: per token, load the row once
     (``x_next`` holds the first), quantize it once, and store one message per distinct expert
     into its owner's slab (or this rank's staging slab) at the expert's next slot."""
@@ -501,9 +763,11 @@ def _send_tokens(
         x = x_next
         # (A tile compare, not `row_mask & scalar`: Triton 3.9's interpreter splats a scalar
         # comparison as int32, which no mask accepts.)
-        x_next = tl.load(x_ptr + tl.cast(token + 1, tl.int64) * H + row_offs,
-                         mask=row_offs < tl.where(token + 1 < last_token, H, 0),
-                         other=0.0)  # fmt: skip
+        x_next = tl.load(
+            x_ptr + tl.cast(token + 1, tl.int64) * H + row_offs,
+            mask=row_offs < tl.where(token + 1 < last_token, H, 0),
+            other=0.0,
+        )
         if USE_FP8:
             q, scale = quantize_groups(from_bf16(x, not USE_CLOCK), USE_UE8M0, not USE_CLOCK)
             q = e4m3_bits(q, not USE_CLOCK)
@@ -560,13 +824,30 @@ def _send_tokens(
 
 @triton.jit
 def _publish_counts(
-    total, before, next_slot, senders, c_send, expert_done_ptr, peer_ptrs, pe_ptr, rank,
-    mask_ptr, NUM_EXPERTS: tl.constexpr, NUM_RANKS: tl.constexpr, M: tl.constexpr,
-    MSG_BYTES: tl.constexpr, RECV_SET_BYTES: tl.constexpr, FLAG_SET_BYTES: tl.constexpr,
-    RECV_OFFSET: tl.constexpr, FLAG_OFFSET: tl.constexpr, STAGE_OFFSET: tl.constexpr,
-    GPUS_PER_NODE: tl.constexpr, BINS: tl.constexpr, SHRINK: tl.constexpr,
+    total,
+    before,
+    next_slot,
+    senders,
+    c_send,
+    expert_done_ptr,
+    peer_ptrs,
+    pe_ptr,
+    rank,
+    mask_ptr,
+    NUM_EXPERTS: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    M: tl.constexpr,
+    MSG_BYTES: tl.constexpr,
+    RECV_SET_BYTES: tl.constexpr,
+    FLAG_SET_BYTES: tl.constexpr,
+    RECV_OFFSET: tl.constexpr,
+    FLAG_OFFSET: tl.constexpr,
+    STAGE_OFFSET: tl.constexpr,
+    GPUS_PER_NODE: tl.constexpr,
+    BINS: tl.constexpr,
+    SHRINK: tl.constexpr,
     VIA: tl.constexpr,
-):  # fmt: skip
+):
     """Count this program's messages as stored. The program whose add completes an expert
     (brings its count to the total) publishes the count; program ``e % senders`` publishes
     the zero count of an expert that no token chose. Nothing waits here. The counters are this
@@ -582,8 +863,7 @@ def _publish_counts(
     owner_bases = tl.load(peer_ptrs + expert_owners, mask=experts < NUM_EXPERTS, other=0)
     mine = tl.load(next_slot + experts) - before
     tl.debug_barrier()
-    done = tl.atomic_add(expert_done_ptr + experts, mine, mask=mine > 0, sem="acq_rel",
-                         scope="gpu")  # fmt: skip
+    done = tl.atomic_add(expert_done_ptr + experts, mine, mask=mine > 0, sem="acq_rel", scope="gpu")
     completed = (mine > 0) & (done + mine == total)
     tl.store(expert_done_ptr + experts, 0, mask=completed)  # ready for the next call
     publish = completed | ((total == 0) & (experts % senders == pid) & (experts < NUM_EXPERTS))
@@ -596,8 +876,13 @@ def _publish_counts(
         nearby = publish & ((expert_owners // GPUS_PER_NODE) == (rank // GPUS_PER_NODE))
     peer_base = tl.where(nearby, owner_bases, 0)
     tl.debug_barrier()
-    tl.atomic_xchg((peer_base + flags).to(tl.pointer_type(tl.int64)), values, mask=nearby,
-                   sem="release", scope="sys")  # fmt: skip
+    tl.atomic_xchg(
+        (peer_base + flags).to(tl.pointer_type(tl.int64)),
+        values,
+        mask=nearby,
+        sem="release",
+        scope="sys",
+    )
     if VIA != VIA_STORE:
         # Experts on other nodes: one put of the staged block each, the count its signal.
         my_base = tl.load(peer_ptrs + rank)
@@ -614,28 +899,58 @@ def _publish_counts(
             owner = expert // E_LOCAL
             local = expert % E_LOCAL
             put_block_signal(
-                my_base, tl.load(peer_ptrs + owner),
+                my_base,
+                tl.load(peer_ptrs + owner),
                 RECV_OFFSET + set_off + ((local * NUM_RANKS + rank) * M) * MSG_BYTES,
                 my_base + STAGE_OFFSET + expert.to(tl.int64) * (M * MSG_BYTES),
                 count.to(tl.int64) * MSG_BYTES,
                 FLAG_OFFSET + flag_set_off + (local * NUM_RANKS + rank) * 8,
-                ((c_send + 1) << 32) | count.to(tl.int64), SIGNAL_SET,
-                tl.load(pe_ptr + owner), VIA,
-            )  # fmt: skip
+                ((c_send + 1) << 32) | count.to(tl.int64),
+                SIGNAL_SET,
+                tl.load(pe_ptr + owner),
+                VIA,
+            )
 
 
 @triton.jit
 def _receive(
-    c_recv, items_per_group, out_x_ptr, out_scales_ptr, out_src_ptr, out_count_ptr,
-    out_range_ptr, recv_stats_ptr, wait_stats_ptr, trace_ptr, peer_ptrs, rank, status_ptr,
-    timeout_us, mask_ptr, verdict_ptr, H: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-    NUM_RANKS: tl.constexpr, M: tl.constexpr, MSG_BYTES: tl.constexpr,
-    RECV_SET_BYTES: tl.constexpr, FLAG_SET_BYTES: tl.constexpr, RECV_OFFSET: tl.constexpr,
-    FLAG_OFFSET: tl.constexpr, PACK_UE8M0: tl.constexpr, USE_FP8: tl.constexpr,
-    USE_CLOCK: tl.constexpr, G_P2: tl.constexpr, R_P2: tl.constexpr, BLOCK_MSGS: tl.constexpr,
-    BLOCK_ITEMS: tl.constexpr, PROFILE: tl.constexpr, WAIT_STATS: tl.constexpr,
-    RECV_STATS: tl.constexpr, SHRINK: tl.constexpr,
-):  # fmt: skip
+    c_recv,
+    items_per_group,
+    out_x_ptr,
+    out_scales_ptr,
+    out_src_ptr,
+    out_count_ptr,
+    out_range_ptr,
+    recv_stats_ptr,
+    wait_stats_ptr,
+    trace_ptr,
+    peer_ptrs,
+    rank,
+    status_ptr,
+    timeout_us,
+    mask_ptr,
+    verdict_ptr,
+    H: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    M: tl.constexpr,
+    MSG_BYTES: tl.constexpr,
+    RECV_SET_BYTES: tl.constexpr,
+    FLAG_SET_BYTES: tl.constexpr,
+    RECV_OFFSET: tl.constexpr,
+    FLAG_OFFSET: tl.constexpr,
+    PACK_UE8M0: tl.constexpr,
+    USE_FP8: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    G_P2: tl.constexpr,
+    R_P2: tl.constexpr,
+    BLOCK_MSGS: tl.constexpr,
+    BLOCK_ITEMS: tl.constexpr,
+    PROFILE: tl.constexpr,
+    WAIT_STATS: tl.constexpr,
+    RECV_STATS: tl.constexpr,
+    SHRINK: tl.constexpr,
+):
     """The receive phase of this program. Work items are (local expert, source rank) pairs; a
     block starts after the blocks of the earlier sources, whose counts it reads from their
     flags (in source-rank order, so the output is deterministic and matches the reference).
@@ -667,16 +982,41 @@ def _receive(
         flag_rows = my_base + FLAG_OFFSET + flag_set_off + local * NUM_RANKS * 8
         if SHRINK:  # shrink mode settles each source's outcome with the other programs
             begin, count = _wait_settled(
-                flag_rows, live, me_src, item_lanes, c_recv, wait_stats_ptr, trace_ptr,
-                status_ptr, timeout_us, mask_ptr, verdict_ptr, USE_CLOCK, BLOCK_ITEMS, WAIT_STATS,
-            )  # fmt: skip
+                flag_rows,
+                live,
+                me_src,
+                item_lanes,
+                c_recv,
+                wait_stats_ptr,
+                trace_ptr,
+                status_ptr,
+                timeout_us,
+                mask_ptr,
+                verdict_ptr,
+                USE_CLOCK,
+                BLOCK_ITEMS,
+                WAIT_STATS,
+            )
             gave_up = False
             own_missing = tl.zeros((BLOCK_ITEMS,), tl.int1)
         else:
             begin, count, own_missing, gave_up, budget = _wait_counts(
-                flag_rows, live, local, me_src, item_lanes, c_recv, budget, wait_stats_ptr,
-                trace_ptr, status_ptr, timeout_us, USE_CLOCK, R_P2, BLOCK_ITEMS, WAIT_STATS,
-            )  # fmt: skip
+                flag_rows,
+                live,
+                local,
+                me_src,
+                item_lanes,
+                c_recv,
+                budget,
+                wait_stats_ptr,
+                trace_ptr,
+                status_ptr,
+                timeout_us,
+                USE_CLOCK,
+                R_P2,
+                BLOCK_ITEMS,
+                WAIT_STATS,
+            )
         t1 = t0
         if PROFILE:
             t1 = read_clock(trace_ptr, USE_CLOCK)
@@ -685,22 +1025,52 @@ def _receive(
         # A missing source's block is one poison row: no messages to move.
         moved = tl.where(own_missing, 0, count)
         _pack_group(
-            set_base, begin, moved, local, me_src, item_lanes, out_x_ptr, out_scales_ptr,
-            out_src_ptr, H, NUM_RANKS * E_LOCAL, NUM_RANKS, M, MSG_BYTES, PACK_UE8M0, USE_FP8,
-            G_P2, BLOCK_MSGS, BLOCK_ITEMS,
-        )  # fmt: skip
+            set_base,
+            begin,
+            moved,
+            local,
+            me_src,
+            item_lanes,
+            out_x_ptr,
+            out_scales_ptr,
+            out_src_ptr,
+            H,
+            NUM_RANKS * E_LOCAL,
+            NUM_RANKS,
+            M,
+            MSG_BYTES,
+            PACK_UE8M0,
+            USE_FP8,
+            G_P2,
+            BLOCK_MSGS,
+            BLOCK_ITEMS,
+        )
         if gave_up:
             _poison_rows(
-                begin, own_missing & live, local, item_lanes, out_x_ptr, out_scales_ptr,
-                out_src_ptr, H, E_LOCAL, NUM_RANKS, M, PACK_UE8M0, USE_FP8, G_P2, BLOCK_ITEMS,
-            )  # fmt: skip
+                begin,
+                own_missing & live,
+                local,
+                item_lanes,
+                out_x_ptr,
+                out_scales_ptr,
+                out_src_ptr,
+                H,
+                E_LOCAL,
+                NUM_RANKS,
+                M,
+                PACK_UE8M0,
+                USE_FP8,
+                G_P2,
+                BLOCK_ITEMS,
+            )
         packed = (begin.to(tl.int64) << 32) | moved
         tl.store(out_range_ptr + local * NUM_RANKS + me_src, packed, mask=live)
         last_source = live & (me_src == NUM_RANKS - 1)
         tl.store(out_count_ptr + local, begin + count, mask=last_source)
         if RECV_STATS:
-            tl.atomic_add(recv_stats_ptr + local, begin + count, mask=last_source, sem="relaxed",
-                          scope="gpu")  # fmt: skip
+            tl.atomic_add(
+                recv_stats_ptr + local, begin + count, mask=last_source, sem="relaxed", scope="gpu"
+            )
         if PROFILE:
             t_pack += read_clock(trace_ptr, USE_CLOCK) - t1
     return t_wait, t_pack
@@ -708,10 +1078,22 @@ def _receive(
 
 @triton.jit
 def _wait_counts(
-    flag_rows, live, local, me_src, item_lanes, c_recv, budget, wait_stats_ptr, trace_ptr,
-    status_ptr, timeout_us, USE_CLOCK: tl.constexpr, R_P2: tl.constexpr, BLOCK_ITEMS: tl.constexpr,
+    flag_rows,
+    live,
+    local,
+    me_src,
+    item_lanes,
+    c_recv,
+    budget,
+    wait_stats_ptr,
+    trace_ptr,
+    status_ptr,
+    timeout_us,
+    USE_CLOCK: tl.constexpr,
+    R_P2: tl.constexpr,
+    BLOCK_ITEMS: tl.constexpr,
     WAIT_STATS: tl.constexpr,
-):  # fmt: skip
+):
     """Every count a group of items needs in one vector read, usually all there; else the
     read repeats (bounded) until they are. Returns each item's ``begin`` and ``count``, which
     items' own source gave up (``own_missing``), whether any wait gave up, and the budget
@@ -721,13 +1103,24 @@ def _wait_counts(
     wanted = live[:, None] & (sources[None, :] <= me_src[:, None])
     count_flags = (flag_rows[:, None] + sources[None, :] * 8).to(tl.pointer_type(tl.int64))
     tagged, missing, waited, limit = wait_tile(
-        count_flags, wanted, c_recv + 1, budget, timeout_us, status_ptr, USE_CLOCK, SHIFT=32,
+        count_flags,
+        wanted,
+        c_recv + 1,
+        budget,
+        timeout_us,
+        status_ptr,
+        USE_CLOCK,
+        SHIFT=32,
         TIMED=WAIT_STATS,
-    )  # fmt: skip
+    )
     if WAIT_STATS:  # the time until each source's counts were all there
-        tl.atomic_add(wait_stats_ptr + sources, tl.max(waited, axis=0),
-                      mask=tl.max(wanted.to(tl.int32), axis=0) > 0, sem="relaxed",
-                      scope="gpu")  # fmt: skip
+        tl.atomic_add(
+            wait_stats_ptr + sources,
+            tl.max(waited, axis=0),
+            mask=tl.max(wanted.to(tl.int32), axis=0) > 0,
+            sem="relaxed",
+            scope="gpu",
+        )
     counts = tl.where(wanted & ~missing, (tagged & 0xFFFFFFFF).to(tl.int32), 0)
     own_missing = tl.zeros((BLOCK_ITEMS,), tl.int1)
     gave_up = any_set(missing)
@@ -735,8 +1128,13 @@ def _wait_counts(
         # Name the first (item, source) still missing.
         lanes = item_lanes[:, None] * R_P2 + sources[None, :]
         gone = tl.min(tl.min(tl.where(missing, lanes, BLOCK_ITEMS * R_P2), axis=1), 0)
-        record_timeout(status_ptr, gone % R_P2, PHASE_DISPATCH_RECV, limit,
-                       lane(local, item_lanes, gone // R_P2))  # fmt: skip
+        record_timeout(
+            status_ptr,
+            gone % R_P2,
+            PHASE_DISPATCH_RECV,
+            limit,
+            lane(local, item_lanes, gone // R_P2),
+        )
         budget = budget * 0
         counts = tl.where(missing, 1, counts)
         own = (sources[None, :] == me_src[:, None]) & missing
@@ -748,10 +1146,21 @@ def _wait_counts(
 
 @triton.jit
 def _wait_settled(
-    flag_rows, live, me_src, item_lanes, c_recv, wait_stats_ptr, trace_ptr, status_ptr,
-    timeout_us, mask_ptr, verdict_ptr, USE_CLOCK: tl.constexpr, BLOCK_ITEMS: tl.constexpr,
+    flag_rows,
+    live,
+    me_src,
+    item_lanes,
+    c_recv,
+    wait_stats_ptr,
+    trace_ptr,
+    status_ptr,
+    timeout_us,
+    mask_ptr,
+    verdict_ptr,
+    USE_CLOCK: tl.constexpr,
+    BLOCK_ITEMS: tl.constexpr,
     WAIT_STATS: tl.constexpr,
-):  # fmt: skip
+):
     """:func:`_wait_counts` in shrink mode: each source's outcome is settled with the other
     programs, and a source given up on contributes nothing (it is masked at the end)."""
     begin = tl.zeros((BLOCK_ITEMS,), tl.int32)
@@ -768,8 +1177,16 @@ def _wait_settled(
             w0 = tl.zeros((), tl.int64)
             if WAIT_STATS:
                 w0 = read_clock(trace_ptr, USE_CLOCK)
-            value, ok = wait_peer(flag, c_recv + 1, timeout_ns, tl.load(mask_ptr + src) != 0,
-                                  verdict_ptr + src, c_recv + 1, USE_CLOCK, SHIFT=32)  # fmt: skip
+            value, ok = wait_peer(
+                flag,
+                c_recv + 1,
+                timeout_ns,
+                tl.load(mask_ptr + src) != 0,
+                verdict_ptr + src,
+                c_recv + 1,
+                USE_CLOCK,
+                SHIFT=32,
+            )
             if WAIT_STATS:
                 waited = read_clock(trace_ptr, USE_CLOCK) - w0
                 tl.atomic_add(wait_stats_ptr + src, waited, sem="relaxed", scope="gpu")
@@ -782,11 +1199,26 @@ def _wait_settled(
 
 @triton.jit
 def _pack_group(
-    set_base, begin, count, local, me_src, item_lanes, out_x_ptr, out_scales_ptr, out_src_ptr,
-    H: tl.constexpr, ITEMS_TOTAL: tl.constexpr, NUM_RANKS: tl.constexpr, M: tl.constexpr,
-    MSG_BYTES: tl.constexpr, PACK_UE8M0: tl.constexpr, USE_FP8: tl.constexpr,
-    G_P2: tl.constexpr, BLOCK_MSGS: tl.constexpr, BLOCK_ITEMS: tl.constexpr,
-):  # fmt: skip
+    set_base,
+    begin,
+    count,
+    local,
+    me_src,
+    item_lanes,
+    out_x_ptr,
+    out_scales_ptr,
+    out_src_ptr,
+    H: tl.constexpr,
+    ITEMS_TOTAL: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    M: tl.constexpr,
+    MSG_BYTES: tl.constexpr,
+    PACK_UE8M0: tl.constexpr,
+    USE_FP8: tl.constexpr,
+    G_P2: tl.constexpr,
+    BLOCK_MSGS: tl.constexpr,
+    BLOCK_ITEMS: tl.constexpr,
+):
     """Copy a group's messages, ``BLOCK_MSGS`` at a time, into the packed outputs: item ``j``'s
     ``count[j]`` messages to rows ``begin[j]...`` of its expert's block. The group's messages
     form one list: item j's come after those of items < j."""
@@ -803,8 +1235,9 @@ def _pack_group(
     for first in range(0, group_msgs, BLOCK_MSGS):
         m = first + msgs
         mmask = m < group_msgs
-        index, row_in, m_local = _listed(m, starts, ends, begin, local, me_src, item_lanes,
-                                         NUM_RANKS, M)  # fmt: skip
+        index, row_in, m_local = _listed(
+            m, starts, ends, begin, local, me_src, item_lanes, NUM_RANKS, M
+        )
         msg = set_base + index.to(tl.int64) * MSG_BYTES
         rows = (m_local * NUM_RANKS * M + row_in).to(tl.int64)
         header = aligned_ptr(msg, tl.int32)
@@ -830,13 +1263,15 @@ def _pack_group(
             s_m = first + scale_lanes % BLOCK_MSGS
             s_group = scale_lanes // BLOCK_MSGS
             s_mask = (s_group < G) & (s_m < group_msgs)
-            s_index, s_row, s_local = _listed(s_m, starts, ends, begin, local, me_src,
-                                              item_lanes, NUM_RANKS, M)  # fmt: skip
+            s_index, s_row, s_local = _listed(
+                s_m, starts, ends, begin, local, me_src, item_lanes, NUM_RANKS, M
+            )
             s_header = aligned_ptr(set_base + s_index.to(tl.int64) * MSG_BYTES, tl.int32)
             s_ref = tl.load(s_header + 2, mask=s_mask, other=0, cache_modifier=".cg")
             s_src = set_base + s_ref.to(tl.int64) * MSG_BYTES + SCALES_AT
-            scale = tl.load(aligned_ptr(s_src, tl.float32) + s_group, mask=s_mask,
-                            cache_modifier=".cg")  # fmt: skip
+            scale = tl.load(
+                aligned_ptr(s_src, tl.float32) + s_group, mask=s_mask, cache_modifier=".cg"
+            )
             row = s_row.to(tl.int64)
             if PACK_UE8M0:
                 # A power-of-two float32 scale is its exponent byte; byte g % 4 of int32
@@ -856,10 +1291,22 @@ def _pack_group(
 
 @triton.jit
 def _poison_rows(
-    begin, poisoned, local, item_lanes, out_x_ptr, out_scales_ptr, out_src_ptr,
-    H: tl.constexpr, E_LOCAL: tl.constexpr, NUM_RANKS: tl.constexpr, M: tl.constexpr,
-    PACK_UE8M0: tl.constexpr, USE_FP8: tl.constexpr, G_P2: tl.constexpr, BLOCK_ITEMS: tl.constexpr,
-):  # fmt: skip
+    begin,
+    poisoned,
+    local,
+    item_lanes,
+    out_x_ptr,
+    out_scales_ptr,
+    out_src_ptr,
+    H: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    M: tl.constexpr,
+    PACK_UE8M0: tl.constexpr,
+    USE_FP8: tl.constexpr,
+    G_P2: tl.constexpr,
+    BLOCK_ITEMS: tl.constexpr,
+):
     """Fill the row at ``begin`` of each ``poisoned`` item's block with 0xFF bytes: its payload
     and scales read as NaN, its source token and column as -1. Runs only after a timeout."""
     G: tl.constexpr = (H + 127) // 128
@@ -872,13 +1319,13 @@ def _poison_rows(
             at = lane(begin, item_lanes, j)
             row = expert * ROWS + at
             if USE_FP8:
-                tl.store(out_x_ptr.to(tl.pointer_type(tl.uint8)) + row * H + flat, 0xFF,
-                         mask=flat < H)  # fmt: skip
+                tl.store(
+                    out_x_ptr.to(tl.pointer_type(tl.uint8)) + row * H + flat, 0xFF, mask=flat < H
+                )
                 if PACK_UE8M0:  # exponent byte g % 4 of int32 column g // 4
                     column = expert * ((G + 3) // 4) + groups // 4
                     scales = out_scales_ptr.to(tl.pointer_type(tl.uint8))
-                    tl.store(scales + (column * ROWS + at) * 4 + groups % 4, 0xFF,
-                             mask=groups < G)  # fmt: skip
+                    tl.store(scales + (column * ROWS + at) * 4 + groups % 4, 0xFF, mask=groups < G)
                 else:
                     scales = out_scales_ptr.to(tl.pointer_type(tl.int32))
                     tl.store(scales + (expert * G + groups) * ROWS + at, -1, mask=groups < G)

@@ -34,9 +34,13 @@ def _call(symbol, arg_types, args, _semantic):
     """An NVSHMEM device function returning int32, called with every thread of the program."""
     signature = tuple(core.dtype(t) for t in arg_types)
     return core.extern_elementwise(
-        "", "", args, {signature: (symbol, core.dtype("int32"))}, is_pure=False,
+        "",
+        "",
+        args,
+        {signature: (symbol, core.dtype("int32"))},
+        is_pure=False,
         _semantic=_semantic,
-    )  # fmt: skip
+    )
 
 
 @core.extern

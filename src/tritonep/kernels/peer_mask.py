@@ -93,8 +93,9 @@ def gave_up(verdict_ptr, peers, tag, active):
 
 
 @triton.jit
-def mask_timed_out(mask_ptr, verdict_ptr, skipped_ptr, tag, NUM_RANKS: tl.constexpr,
-                   COUNT_SKIPS: tl.constexpr):  # fmt: skip
+def mask_timed_out(
+    mask_ptr, verdict_ptr, skipped_ptr, tag, NUM_RANKS: tl.constexpr, COUNT_SKIPS: tl.constexpr
+):
     """Run by the last program of a receiving launch: mask the peers this call gave up on and
     (``COUNT_SKIPS``) count the calls each peer was not waited for."""
     for peer in range(NUM_RANKS):

@@ -118,8 +118,9 @@ def put_signal(
         raise ValueError(f"peer: expected a rank in [0, {heap.world_size}), got {peer}")
     nbytes = src.numel() * src.element_size()
     _check_offset("data_offset", heap, data_offset, nbytes, 16)
-    _check_offset("flag_offset", heap, flag_offset, 8 if via == "nvshmem" else 4,
-                  8 if via == "nvshmem" else 4)  # fmt: skip
+    _check_offset(
+        "flag_offset", heap, flag_offset, 8 if via == "nvshmem" else 4, 8 if via == "nvshmem" else 4
+    )
     if via == "nvshmem":
         pe = dist.get_global_rank(heap.group, peer)  # NVSHMEM numbers PEs by world rank
         put_signal_nvshmem_kernel[(1,)](

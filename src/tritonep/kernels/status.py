@@ -65,8 +65,9 @@ _FENCE = tl.constexpr(not knobs.runtime.interpret)
 def fence_system():
     """Order this thread's earlier stores before its later ones for every observer."""
     if _FENCE:
-        tl.inline_asm_elementwise("fence.sc.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)  # fmt: skip
+        tl.inline_asm_elementwise(
+            "fence.sc.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
 
 
 @triton.jit
@@ -93,8 +94,9 @@ def write_record(status_ptr, code, peer, phase, detail, limit_us, column, bad_id
 
 
 @triton.jit
-def record_timeout(status_ptr, peer, phase, timeout_ns, detail=-1,
-                   code: tl.constexpr = STATUS_TIMEOUT):  # fmt: skip
+def record_timeout(
+    status_ptr, peer, phase, timeout_ns, detail=-1, code: tl.constexpr = STATUS_TIMEOUT
+):
     """Record the first failure: a wait for ``peer`` gave up after ``timeout_ns`` (the limit it
     had, from :func:`~tritonep.kernels.sync.limit_ns`), or (``code=STATUS_OVERFLOW``) rows
     overflowed. A timeout also replaces an overflow or bad ids nobody has read yet: they
@@ -117,13 +119,18 @@ def record_bad_id(status_ptr, rank, phase, token, column, bad_id):
     ``column`` of ``token``, unless the status already holds a record."""
     won = tl.atomic_cas(status_ptr, STATUS_OK, STATUS_BAD_ID, sem="relaxed") == STATUS_OK
     if won:
-        write_record(status_ptr, STATUS_BAD_ID, rank, phase, token, 0, column,
-                     bad_id.to(tl.int64))  # fmt: skip
+        write_record(status_ptr, STATUS_BAD_ID, rank, phase, token, 0, column, bad_id.to(tl.int64))
 
 
 @triton.jit
-def first_bad_id(topk_idx_ptr, num_tokens, K: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-                 K_P2: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+def first_bad_id(
+    topk_idx_ptr,
+    num_tokens,
+    K: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    K_P2: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """The first (token, column, id) of ``[num_tokens, K]`` int64 ids whose id lies outside
     ``[-1, NUM_EXPERTS)``, in token order; ``(-1, -1, 0)`` if none. A slow scan: it runs
     only once a kernel has seen such an id."""
@@ -132,8 +139,9 @@ def first_bad_id(topk_idx_ptr, num_tokens, K: tl.constexpr, NUM_EXPERTS: tl.cons
     for start in range(0, num_tokens, BLOCK_N):
         tokens = start + tl.arange(0, BLOCK_N)
         valid = (tokens[:, None] < num_tokens) & (ks[None, :] < K)
-        ids = tl.load(topk_idx_ptr + tokens[:, None].to(tl.int64) * K + ks[None, :], mask=valid,
-                      other=-1)  # fmt: skip
+        ids = tl.load(
+            topk_idx_ptr + tokens[:, None].to(tl.int64) * K + ks[None, :], mask=valid, other=-1
+        )
         bad = valid & ((ids < -1) | (ids >= NUM_EXPERTS))
         at = tl.where(bad, tokens[:, None] * K + ks[None, :], 2**31 - 1)
         found = tl.minimum(found, tl.min(tl.min(at, axis=1), axis=0))

@@ -152,8 +152,9 @@ def poll_acquire(ptrs, active, GPU_SCOPE: tl.constexpr):
 
 
 @triton.jit
-def wait_all_at_least(ptrs, targets, active, timeout_ns, USE_CLOCK: tl.constexpr,
-                      GPU_SCOPE: tl.constexpr = False):  # fmt: skip
+def wait_all_at_least(
+    ptrs, targets, active, timeout_ns, USE_CLOCK: tl.constexpr, GPU_SCOPE: tl.constexpr = False
+):
     """Spin (acquire) until ``ptrs[i] >= targets[i]`` for every ``active`` lane.
 
     One vector of flags polled together: int64 ring counters, one per peer, or
@@ -180,9 +181,18 @@ def any_set(flags):
 
 
 @triton.jit
-def wait_tile(ptrs, active, target, budget, timeout_us, status_ptr, USE_CLOCK: tl.constexpr,
-              SHIFT: tl.constexpr = 0, AT_LEAST: tl.constexpr = False,
-              TIMED: tl.constexpr = False):  # fmt: skip
+def wait_tile(
+    ptrs,
+    active,
+    target,
+    budget,
+    timeout_us,
+    status_ptr,
+    USE_CLOCK: tl.constexpr,
+    SHIFT: tl.constexpr = 0,
+    AT_LEAST: tl.constexpr = False,
+    TIMED: tl.constexpr = False,
+):
     """Spin (acquire) until every ``active`` lane of a 2-D tile of int64 flags has
     ``flag >> SHIFT`` equal to ``target`` (or reaching it, ``AT_LEAST``).
 

@@ -64,6 +64,15 @@ def trace_role(trace_ptr, start, end, SENDS, waited, USE_CLOCK: tl.constexpr):
     send_end = tl.where(SENDS, end, start)
     busy = end - start - waited
     zero = tl.zeros((), tl.int64)
-    write_trace(trace_ptr, start, send_end, end, tl.where(SENDS, waited, zero),
-                tl.where(SENDS, busy, zero), tl.where(SENDS, zero, waited),
-                tl.where(SENDS, zero, busy), zero, USE_CLOCK)  # fmt: skip
+    write_trace(
+        trace_ptr,
+        start,
+        send_end,
+        end,
+        tl.where(SENDS, waited, zero),
+        tl.where(SENDS, busy, zero),
+        tl.where(SENDS, zero, waited),
+        tl.where(SENDS, zero, busy),
+        zero,
+        USE_CLOCK,
+    )

@@ -67,8 +67,11 @@ class PeerTransport:
         self.via = via.value
         self.name = ("store", "copy", "nvshmem")[self.via]
         ranks = range(heap.world_size)
-        self.pes = torch.tensor([dist.get_global_rank(heap.group, r) for r in ranks],
-                                dtype=torch.int32, device=heap.device)  # fmt: skip
+        self.pes = torch.tensor(
+            [dist.get_global_rank(heap.group, r) for r in ranks],
+            dtype=torch.int32,
+            device=heap.device,
+        )
 
     @property
     def options(self) -> dict:
@@ -102,16 +105,29 @@ def copy_bytes(dst_addr, src_addr, nbytes, TILE: tl.constexpr = COPY_WORDS):
 
 @triton.jit
 def put_block_signal(
-    my_base, peer_base, dst_offset, src_addr, nbytes, signal_offset, value, SIG_OP: tl.constexpr,
-    pe, VIA: tl.constexpr,
-):  # fmt: skip
+    my_base,
+    peer_base,
+    dst_offset,
+    src_addr,
+    nbytes,
+    signal_offset,
+    value,
+    SIG_OP: tl.constexpr,
+    pe,
+    VIA: tl.constexpr,
+):
     """Move a staged block to a peer, then set or add to its 64-bit signal."""
     if VIA == VIA_NVSHMEM:
         tl.debug_barrier()  # every thread's staging stores come before the put
         nvshmem.putmem_signal_block(
-            my_base + dst_offset, src_addr, nbytes,
-            my_base + signal_offset, value, SIG_OP, pe,
-        )  # fmt: skip
+            my_base + dst_offset,
+            src_addr,
+            nbytes,
+            my_base + signal_offset,
+            value,
+            SIG_OP,
+            pe,
+        )
     else:
         copy_bytes(peer_base + dst_offset, src_addr, nbytes)
         signal(my_base, peer_base, signal_offset, value, SIG_OP, pe, VIA)
@@ -122,8 +138,7 @@ def put_block(my_base, peer_base, dst_offset, src_addr, nbytes, pe, VIA: tl.cons
     """Move a staged block to a peer; a later :func:`signal` orders it before the signal."""
     if VIA == VIA_NVSHMEM:
         tl.debug_barrier()
-        nvshmem.putmem_block(my_base + dst_offset, src_addr,
-                             nbytes, pe)  # fmt: skip
+        nvshmem.putmem_block(my_base + dst_offset, src_addr, nbytes, pe)
     else:
         copy_bytes(peer_base + dst_offset, src_addr, nbytes)
 
@@ -145,9 +160,19 @@ def signal(my_base, peer_base, signal_offset, value, SIG_OP: tl.constexpr, pe, V
 
 @triton.jit
 def put_ring_slots(
-    my_base, peer_base, ring_offset, mirror, first, last, tail_offset, tag, pe,
-    RING: tl.constexpr, SLOT_BYTES: tl.constexpr, VIA: tl.constexpr,
-):  # fmt: skip
+    my_base,
+    peer_base,
+    ring_offset,
+    mirror,
+    first,
+    last,
+    tail_offset,
+    tag,
+    pe,
+    RING: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    VIA: tl.constexpr,
+):
     """Ring positions ``[first, last)`` of a staged mirror ring go to the same slots of the
     peer's ring at ``ring_offset`` (two puts when they wrap around its end); then the peer's
     tail becomes ``tag | last``."""
@@ -156,41 +181,83 @@ def put_ring_slots(
         at = first % RING
         part = tl.minimum(n, RING - at)
         offset = at.to(tl.int64) * SLOT_BYTES
-        put_block(my_base, peer_base, ring_offset + offset, mirror + offset,
-                  part.to(tl.int64) * SLOT_BYTES, pe, VIA)  # fmt: skip
+        put_block(
+            my_base,
+            peer_base,
+            ring_offset + offset,
+            mirror + offset,
+            part.to(tl.int64) * SLOT_BYTES,
+            pe,
+            VIA,
+        )
         if n > part:
-            put_block(my_base, peer_base, ring_offset, mirror,
-                      (n - part).to(tl.int64) * SLOT_BYTES, pe, VIA)  # fmt: skip
+            put_block(
+                my_base,
+                peer_base,
+                ring_offset,
+                mirror,
+                (n - part).to(tl.int64) * SLOT_BYTES,
+                pe,
+                VIA,
+            )
         signal(my_base, peer_base, tail_offset, tag | last.to(tl.int64), SIGNAL_SET, pe, VIA)
 
 
 @triton.jit
 def put_rings(
-    my_base, peer_base, lanes, ring_offset, rings, first, last, tail_offset, tag, pe_ptr,
-    NUM_RANKS: tl.constexpr, RING: tl.constexpr, SLOT_BYTES: tl.constexpr, VIA: tl.constexpr,
-):  # fmt: skip
+    my_base,
+    peer_base,
+    lanes,
+    ring_offset,
+    rings,
+    first,
+    last,
+    tail_offset,
+    tag,
+    pe_ptr,
+    NUM_RANKS: tl.constexpr,
+    RING: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    VIA: tl.constexpr,
+):
     """A sender's step is complete: every peer ``p`` with ``last[p] > first[p]`` gets its tail
     at ``tail_offset`` set to ``tag | last[p]`` (release), after the ring positions
     ``[first[p], last[p])``. With ``VIA_STORE`` the rows are already in the peers' rings
     (``rings`` point there); staged, they are put from this rank's mirrors ``rings``."""
     if VIA == VIA_STORE:
         tail = (peer_base + tail_offset).to(tl.pointer_type(tl.int64))
-        tl.atomic_xchg(tail, tag | last.to(tl.int64), mask=last > first, sem="release",
-                       scope="sys")  # fmt: skip
+        tl.atomic_xchg(tail, tag | last.to(tl.int64), mask=last > first, sem="release", scope="sys")
     else:
         for p in range(NUM_RANKS):  # a loop, not unrolled: one put body
             put_ring_slots(
-                my_base, lane(peer_base, lanes, p), ring_offset, lane(rings, lanes, p),
-                lane(first, lanes, p), lane(last, lanes, p), tail_offset, tag,
-                tl.load(pe_ptr + p), RING, SLOT_BYTES, VIA,
-            )  # fmt: skip
+                my_base,
+                lane(peer_base, lanes, p),
+                ring_offset,
+                lane(rings, lanes, p),
+                lane(first, lanes, p),
+                lane(last, lanes, p),
+                tail_offset,
+                tag,
+                tl.load(pe_ptr + p),
+                RING,
+                SLOT_BYTES,
+                VIA,
+            )
 
 
 @triton.jit
 def set_peer_flags(
-    my_base, peer_base, lanes, flag_offset, values, mask, pe_ptr, NUM_RANKS: tl.constexpr,
-    VIA: tl.constexpr, SEM: tl.constexpr,
-):  # fmt: skip
+    my_base,
+    peer_base,
+    lanes,
+    flag_offset,
+    values,
+    mask,
+    pe_ptr,
+    NUM_RANKS: tl.constexpr,
+    VIA: tl.constexpr,
+    SEM: tl.constexpr,
+):
     """Set the 64-bit flag at ``flag_offset`` on every peer ``p`` with ``mask[p]`` to
     ``values[p]`` (``peer_base`` and ``values`` are ``[lanes]``): one vector store with ``SEM``
     into mapped peers, else one signal (a release) per peer."""
@@ -200,5 +267,12 @@ def set_peer_flags(
     else:
         for p in range(NUM_RANKS):  # a loop, not unrolled
             if lane(mask.to(tl.int32), lanes, p) > 0:
-                signal(my_base, lane(peer_base, lanes, p), flag_offset, lane(values, lanes, p),
-                       SIGNAL_SET, tl.load(pe_ptr + p), VIA)  # fmt: skip
+                signal(
+                    my_base,
+                    lane(peer_base, lanes, p),
+                    flag_offset,
+                    lane(values, lanes, p),
+                    SIGNAL_SET,
+                    tl.load(pe_ptr + p),
+                    VIA,
+                )

@@ -34,6 +34,7 @@ SLOTS, START, SEND_END, END, FIRST_PHASE, SM = (
 #: Each traced kernel's two phases, as (name, sub-phase names): the send phase, the receive
 #: phase. Normal-mode programs either send or receive, so each shows one of the two, split
 #: into the time it waited (for ring space, rows or tails) and the rest.
+# fmt: off
 PHASES = {
     "low-latency dispatch": (("send", ("quantize and send", "count send")),
                              ("receive", ("wait", "pack"))),
@@ -41,7 +42,8 @@ PHASES = {
     "normal notify": (("notify", ()), ("receive", ())),
     "normal dispatch": (("send", ("wait", "copy")), ("receive", ("wait", "copy"))),
     "normal combine": (("send", ("wait", "copy")), ("receive", ("wait", "reduce"))),
-}  # fmt: skip
+}
+# fmt: on
 
 
 def phases(kernel: str):
@@ -111,8 +113,7 @@ class TraceRecorder:
         if origin is None:
             return []
         name = f"rank {self.rank}" + ("" if self.device.type == "cuda" else f" ({TICKS})")
-        events = [{"ph": "M", "name": "process_name", "pid": self.rank,
-                   "args": {"name": name}}]  # fmt: skip
+        events = [{"ph": "M", "name": "process_name", "pid": self.rank, "args": {"name": name}}]
         for launch, table in zip(launches, tables, strict=True):
             (send_name, send_subs), (recv_name, recv_subs) = phases(launch.kernel)
             for program, row in enumerate(table.tolist()):
@@ -122,20 +123,32 @@ class TraceRecorder:
                 totals = row[FIRST_PHASE:SM]
                 spans = [
                     (send_name, start, send_end, send_subs, totals[: len(send_subs)]),
-                    (recv_name, send_end, end, recv_subs,
-                     totals[len(send_subs) : len(send_subs) + len(recv_subs)]),
-                ]  # fmt: skip
+                    (
+                        recv_name,
+                        send_end,
+                        end,
+                        recv_subs,
+                        totals[len(send_subs) : len(send_subs) + len(recv_subs)],
+                    ),
+                ]
                 for ran, (name, begin, finish, subnames, subtotals) in zip(
                     launch.phases, spans, strict=True
                 ):
                     if not ran or (finish <= begin and not any(subtotals)):
                         continue
-                    args = {"kernel": launch.kernel, "call": launch.call, "program": program,
-                            "phase": name}  # fmt: skip
+                    args = {
+                        "kernel": launch.kernel,
+                        "call": launch.call,
+                        "program": program,
+                        "phase": name,
+                    }
                     if row[SM] >= 0:  # GPUs: the SM the program ran on
                         args["sm"] = row[SM]
-                    events.append(self._slice(f"{launch.kernel}: {name}", begin, finish - begin,
-                                              origin, program, args))  # fmt: skip
+                    events.append(
+                        self._slice(
+                            f"{launch.kernel}: {name}", begin, finish - begin, origin, program, args
+                        )
+                    )
                     at = begin
                     for subname, total in zip(subnames, subtotals, strict=True):
                         if total > 0:

@@ -93,8 +93,9 @@ def pack_ue8m0(scale: torch.Tensor) -> torch.Tensor:
     bytes (group ``g`` in byte ``g % 4`` of int32 ``g // 4``; missing groups' bytes zero)."""
     exponents = (scale.float().contiguous().view(torch.int32) >> 23) & 0xFF
     groups = scale.shape[-1]
-    padded = torch.zeros(*scale.shape[:-1], -(-groups // 4) * 4, dtype=torch.uint8,
-                         device=scale.device)  # fmt: skip
+    padded = torch.zeros(
+        *scale.shape[:-1], -(-groups // 4) * 4, dtype=torch.uint8, device=scale.device
+    )
     padded[..., :groups] = exponents.to(torch.uint8)
     return padded.view(torch.int32)
 
