@@ -24,10 +24,11 @@ import triton
 import triton.language as tl
 
 from .elastic_dispatch import load_choices
-from .elastic_exchange import PHASE_COMBINE, arrive, exchange_number, finish_exchange, tag_and_wait
+from .elastic_exchange import arrive, exchange_number, finish_exchange, tag_and_wait
 from .fp8 import from_bf16, to_bf16
-from .normal_dispatch import column
+from .phases import ELASTIC_COMBINE
 from .profiled import kernel
+from .sync import lane
 
 
 @triton.jit
@@ -62,7 +63,7 @@ def send_sums(
         if EXPAND:
             acc = tl.zeros((i.shape[0], BH), tl.float32)
             for k in range(K):
-                r = column(rows, ks, k)
+                r = lane(rows, ks, k)
                 m = live & (r >= 0)
                 y = tl.load(
                     x_ptr + r.to(tl.int64)[:, None] * H + h[None, :],
@@ -107,7 +108,7 @@ def send_expanded(
     """Without reductions here: every expanded row to slot ``k`` (its top-k column)."""
     hs = tl.arange(0, BH)
     for k in range(K):
-        r = column(rows, ks, k)
+        r = lane(rows, ks, k)
         m = live & (r >= 0)
         out = slot_rows(owner_base + region, k, token, max_tokens, CREC)
         out = out.to(tl.pointer_type(tl.bfloat16))
@@ -201,7 +202,7 @@ def elastic_combine(
             header_offset,
             status_ptr,
             timeout_us,
-            PHASE_COMBINE,
+            ELASTIC_COMBINE,
             HEADER_WORDS,
             NUM_RANKS,
             USE_CLOCK,
@@ -278,7 +279,7 @@ def elastic_combine_epilogue(
                 if RANK_SLOTS:
                     used = tmask & (j < num_slots)
                 else:
-                    used = tmask & (column(valid.to(tl.int32), ks, j) > 0)
+                    used = tmask & (lane(valid.to(tl.int32), ks, j) > 0)
                 src = slot_rows(region, j, tokens, max_tokens, CREC).to(
                     tl.pointer_type(tl.bfloat16)
                 )

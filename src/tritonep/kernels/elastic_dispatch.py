@@ -30,16 +30,15 @@ import triton
 import triton.language as tl
 
 from .elastic_exchange import (
-    PHASE_DISPATCH,
     arrive,
     exchange_number,
     finish_exchange,
     header_ptr,
     tag_and_wait,
 )
-from .normal_dispatch import column, rows_before
+from .phases import ELASTIC_DISPATCH
 from .profiled import kernel
-from .sync import aligned_ptr, lane
+from .sync import aligned_ptr, lane, rows_before
 
 
 #: int32 words of a record's metadata: source token, first local top-k column, reduction
@@ -234,7 +233,7 @@ def send_headers(
         header_offset,
         status_ptr,
         timeout_us,
-        PHASE_DISPATCH,
+        ELASTIC_DISPATCH,
         HEADER_WORDS,
         NUM_RANKS,
         USE_CLOCK,
@@ -333,17 +332,17 @@ def elastic_dispatch(
             dst_slot = tl.sum(tl.where(mine, pos[:, None, :], 0), 2)
             tl.store(slots_ptr + at, tl.where(owner >= 0, dst_slot, -1), mask=kmask)
         for d in range(NUM_RANKS):
-            go = column(hit, ranks, d) > 0
+            go = lane(hit, ranks, d) > 0
             if tl.max(go.to(tl.int32), 0) > 0:
-                spot = (rank * max_tokens + column(pos, ranks, d)).to(tl.int64)
+                spot = (rank * max_tokens + lane(pos, ranks, d)).to(tl.int64)
                 rec = lane(peer_base, ranks, d) + region + spot * REC
                 local = tl.where(owner == d, ids - d * E_LOCAL, -1)
                 store_record(
                     rec,
                     tokens,
                     go,
-                    column(first_col, ranks, d),
-                    column(slot, ranks, d),
+                    lane(first_col, ranks, d),
+                    lane(slot, ranks, d),
                     local,
                     ranked,
                     weights,
@@ -621,7 +620,7 @@ def elastic_dispatch_epilogue(
                 (local >= 0) & (block_start + ranked < num_out_rows), block_start + ranked, -1
             )
             for k in range(K):
-                rows = column(dst, ks, k)
+                rows = lane(dst, ks, k)
                 copy_rows(
                     rec,
                     rows,

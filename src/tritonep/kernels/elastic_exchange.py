@@ -27,6 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .phases import ELASTIC_BARRIER
 from .profiled import kernel
 from .sync import first_lane, limit_ns, record_timeout, wait_all_at_least
 
@@ -34,10 +35,6 @@ from .sync import first_lane, limit_ns, record_timeout, wait_all_at_least
 EXCHANGES = tl.constexpr(0)  # exchanges completed
 ARRIVALS = tl.constexpr(1)  # programs of the running launch done with their stores
 BARRIERS = tl.constexpr(2)  # barriers completed
-
-PHASE_DISPATCH = tl.constexpr(20)
-PHASE_COMBINE = tl.constexpr(21)
-PHASE_BARRIER = tl.constexpr(22)
 
 
 @triton.jit
@@ -139,5 +136,5 @@ def elastic_barrier(
     )
     if not ok:
         peer = first_lane(rmask & (values < targets), ranks)
-        record_timeout(status_ptr, peer, PHASE_BARRIER, limit_ns(timeout_us, status_ptr))
+        record_timeout(status_ptr, peer, ELASTIC_BARRIER, limit_ns(timeout_us, status_ptr))
     tl.store(state_ptr + BARRIERS, count.to(tl.int64))

@@ -16,17 +16,26 @@ import triton
 import triton.language as tl
 
 from .fp8 import from_bf16, to_bf16
-from .ll_dispatch import call_number, finish_launch
 from .logfmt import decode, encode_groups
 from .peer_mask import gave_up, mask_timed_out, masked, wait_peer
+from .phases import LL_COMBINE_IDS, LL_COMBINE_RECV
 from .status import first_bad_id, record_bad_id
-from .sync import add_release, aligned_ptr, any_set, limit_ns, record_timeout, wait_tile
+from .sync import (
+    add_release,
+    aligned_ptr,
+    any_set,
+    call_number,
+    finish_launch,
+    limit_ns,
+    record_timeout,
+    wait_tile,
+)
 from .trace import read_clock, write_trace
 from .transport import SIGNAL_ADD, VIA_STORE, put_block, signal
 
-PHASE_COMBINE_RECV = tl.constexpr(3)
-#: The phase named in a bad-id record of a combine.
-PHASE_COMBINE_IDS = tl.constexpr(5)
+# The names modes/low_latency.py reads until it takes them from .phases.
+PHASE_COMBINE_RECV = LL_COMBINE_RECV
+PHASE_COMBINE_IDS = LL_COMBINE_IDS
 
 COMBINE_SEND_CALLS = tl.constexpr(2)
 COMBINE_RECV_CALLS = tl.constexpr(3)
@@ -462,7 +471,7 @@ def _wait_senders(
             failed = any_set(missing)
             if failed:  # name the first sender still missing
                 gone = tl.min(tl.min(tl.where(missing, sources, R_P2), axis=1), axis=0)
-                record_timeout(status_ptr, gone, PHASE_COMBINE_RECV, limit)
+                record_timeout(status_ptr, gone, LL_COMBINE_RECV, limit)
             if WAIT_STATS:  # the time until each sender's rows were all there
                 tl.atomic_add(
                     wait_stats_ptr + sources,
@@ -561,7 +570,7 @@ def _reduce_tokens(
             tl.store(out_ptr + token64 * H + cols, to_bf16(acc, not USE_CLOCK), mask=cmask)
     if bad_seen:  # the first such id of the batch, whichever program records it
         token, column, bad_id = first_bad_id(topk_idx_ptr, num_tokens, K, NUM_EXPERTS, 16, 64)
-        record_bad_id(status_ptr, rank, PHASE_COMBINE_IDS, token, column, bad_id)
+        record_bad_id(status_ptr, rank, LL_COMBINE_IDS, token, column, bad_id)
 
 
 @triton.jit

@@ -20,14 +20,24 @@ import triton.language as tl
 
 from .fp8 import e4m3_bits, from_bf16, quantize_groups
 from .peer_mask import mask_timed_out, masked, wait_peer
+from .phases import LL_DISPATCH_IDS, LL_DISPATCH_RECV
 from .status import first_bad_id, record_bad_id
-from .sync import aligned_ptr, any_set, lane, limit_ns, record_timeout, wait_tile
+from .sync import (
+    aligned_ptr,
+    any_set,
+    call_number,
+    finish_launch,
+    lane,
+    limit_ns,
+    record_timeout,
+    wait_tile,
+)
 from .trace import read_clock, write_trace
 from .transport import SIGNAL_SET, VIA_STORE, put_block_signal
 
-PHASE_DISPATCH_RECV = tl.constexpr(2)
-#: The phase named in a bad-id record of a dispatch.
-PHASE_DISPATCH_IDS = tl.constexpr(4)
+# The names modes/low_latency.py reads until it takes them from .phases.
+PHASE_DISPATCH_RECV = LL_DISPATCH_RECV
+PHASE_DISPATCH_IDS = LL_DISPATCH_IDS
 
 # Device state (int64), shared with the combine kernel module: row ``r`` of ``[8, P]``. The
 # call counters are per program (program ``p`` keeps its own in column ``p``): a program reads
@@ -121,44 +131,6 @@ class DispatchVariant(NamedTuple):
     RECV_STATS: bool
     SHRINK: bool
     VIA: int
-
-
-@triton.jit
-def call_number(state_ptr, calls):
-    """This program's call counter of row ``calls``: the launches of that phase before this one."""
-    return tl.load(state_ptr + calls * tl.num_programs(0) + tl.program_id(0), volatile=True)
-
-
-@triton.jit
-def finish_launch(
-    state_ptr,
-    arrivals,
-    send_calls,
-    recv_calls,
-    c_send,
-    c_recv,
-    DO_SEND: tl.constexpr,
-    DO_RECV: tl.constexpr,
-    ARRIVE: tl.constexpr,
-):
-    """Advance this program's call counters of the phases it ran.
-
-    With ``ARRIVE``, also counts the programs that got here and returns whether this one is
-    the last (every other program's work is done); without, returns False."""
-    num_programs = tl.num_programs(0)
-    column = tl.program_id(0)
-    tl.debug_barrier()  # every thread of the program has read its counter long before
-    if DO_SEND:
-        tl.store(state_ptr + send_calls * num_programs + column, c_send + 1)
-    if DO_RECV:
-        tl.store(state_ptr + recv_calls * num_programs + column, c_recv + 1)
-    last = False
-    if ARRIVE:
-        arrived = tl.atomic_add(state_ptr + arrivals * num_programs, 1, sem="acq_rel", scope="gpu")
-        last = arrived == num_programs - 1
-        if last:
-            tl.store(state_ptr + arrivals * num_programs, 0)
-    return last
 
 
 @triton.jit
@@ -506,7 +478,7 @@ def _send(
         token, column, bad_id = first_bad_id(
             topk_idx_ptr, num_tokens, K, NUM_EXPERTS, K_P2, BLOCK_N
         )
-        record_bad_id(status_ptr, rank, PHASE_DISPATCH_IDS, token, column, bad_id)
+        record_bad_id(status_ptr, rank, LL_DISPATCH_IDS, token, column, bad_id)
     # next_slot[e]: the slot of this program's next token for expert e.
     tl.store(next_slot + tl.arange(0, BINS), before)
     tl.debug_barrier()
@@ -1131,7 +1103,7 @@ def _wait_counts(
         record_timeout(
             status_ptr,
             gone % R_P2,
-            PHASE_DISPATCH_RECV,
+            LL_DISPATCH_RECV,
             limit,
             lane(local, item_lanes, gone // R_P2),
         )

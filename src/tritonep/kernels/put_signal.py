@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 from ..heap import SymmetricHeap
+from . import phases
 from .nvshmem import SIGNAL_SET, link_options, putmem_signal_block
+from .phases import SIGNAL
 from .sync import (
     DEFAULT_TIMEOUT_S,
     limit_ns,
@@ -33,9 +35,6 @@ from .sync import (
     use_clock,
     wait_flag,
 )
-
-PHASE_SIGNAL = tl.constexpr(1)
-PHASES = {PHASE_SIGNAL.value: "signal"}
 
 
 @triton.jit
@@ -71,7 +70,7 @@ def wait_signal_kernel(
     timeout_ns = limit_ns(timeout_us, status_ptr)
     _, ok = wait_flag(flag, value, timeout_ns, USE_CLOCK)
     if not ok:
-        record_timeout(status_ptr, peer, PHASE_SIGNAL, timeout_ns)
+        record_timeout(status_ptr, peer, SIGNAL, timeout_ns)
 
 
 def _check_offset(name: str, heap: SymmetricHeap, offset: int, nbytes: int, align: int) -> None:
@@ -166,4 +165,4 @@ def wait_signal(
         status,
         USE_CLOCK=use_clock(heap.device),
     )
-    raise_on_timeout(status, heap.rank, PHASES)
+    raise_on_timeout(status, heap.rank, phases.NAMES)

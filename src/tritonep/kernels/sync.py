@@ -260,9 +260,23 @@ def first_lane(cond, lanes):
 
 
 @triton.jit
-def lane(vector, lanes, index):
-    """Element ``index`` of a small vector (a masked sum: Triton has no dynamic indexing)."""
-    return tl.sum(tl.where(lanes == index, vector, 0), 0)
+def lane(values, lanes, index):
+    """Element ``index`` along the last axis of a small tensor: of a ``[lanes]`` vector, a
+    scalar; of a ``[rows, lanes]`` matrix, its ``[rows]`` column. A masked sum: Triton has no
+    dynamic indexing."""
+    return tl.sum(tl.where(lanes == index, values, 0), -1)
+
+
+@triton.jit
+def rows_before(hit, ROWS: tl.constexpr):
+    """Exclusive prefix sum down the rows of a small ``[ROWS, lanes]`` int32 tensor.
+
+    A masked sum over a ``[ROWS, ROWS, lanes]`` broadcast: Triton 3.6's scan lowering fails
+    for some layouts of small 2-D tensors, and ``ROWS`` is at most a few dozen here.
+    """
+    rows = tl.arange(0, ROWS)
+    earlier = (rows[None, :] < rows[:, None]).to(tl.int32)  # [row, earlier row]
+    return tl.sum(earlier[:, :, None] * hit[None, :, :], 1)
 
 
 def use_clock(device: torch.device) -> bool:
@@ -282,3 +296,41 @@ def timeout_us(timeout_s: float) -> int:
             f"timeout_s: expected a number of seconds in (0, {MAX_TIMEOUT_S:.0f}], got {timeout_s}"
         )
     return max(1, round(timeout_s * 1e6))
+
+
+@triton.jit
+def call_number(state_ptr, calls):
+    """This program's call counter of row ``calls``: the launches of that phase before this one."""
+    return tl.load(state_ptr + calls * tl.num_programs(0) + tl.program_id(0), volatile=True)
+
+
+@triton.jit
+def finish_launch(
+    state_ptr,
+    arrivals,
+    send_calls,
+    recv_calls,
+    c_send,
+    c_recv,
+    DO_SEND: tl.constexpr,
+    DO_RECV: tl.constexpr,
+    ARRIVE: tl.constexpr,
+):
+    """Advance this program's call counters of the phases it ran.
+
+    With ``ARRIVE``, also counts the programs that got here and returns whether this one is
+    the last (every other program's work is done); without, returns False."""
+    num_programs = tl.num_programs(0)
+    column = tl.program_id(0)
+    tl.debug_barrier()  # every thread of the program has read its counter long before
+    if DO_SEND:
+        tl.store(state_ptr + send_calls * num_programs + column, c_send + 1)
+    if DO_RECV:
+        tl.store(state_ptr + recv_calls * num_programs + column, c_recv + 1)
+    last = False
+    if ARRIVE:
+        arrived = tl.atomic_add(state_ptr + arrivals * num_programs, 1, sem="acq_rel", scope="gpu")
+        last = arrived == num_programs - 1
+        if last:
+            tl.store(state_ptr + arrivals * num_programs, 0)
+    return last

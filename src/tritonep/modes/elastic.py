@@ -25,9 +25,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import triton
 
 from ..heap import allocate, default_device
-from ..kernels import elastic_combine, elastic_dispatch, elastic_exchange, launcher
+from ..kernels import elastic_combine, elastic_dispatch, elastic_exchange, launcher, phases
 from ..kernels import elastic_dispatch as ed
 from ..kernels.sync import (
     DEFAULT_TIMEOUT_S,
@@ -50,19 +51,9 @@ MAX_TOPK = 32
 #: Scale-factor packs per row are aligned to this in the TMA-aligned column-major layout.
 TMA_SF_ALIGN = 4
 
-PHASES = {
-    elastic_exchange.PHASE_DISPATCH.value: "elastic dispatch",
-    elastic_exchange.PHASE_COMBINE.value: "elastic combine",
-    elastic_exchange.PHASE_BARRIER.value: "elastic barrier",
-}
-
 
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def record_bytes(row_bytes: int, num_packs: int, topk: int) -> int:
@@ -242,12 +233,12 @@ class ElasticMode:
         budget idle; decode batches then spread over every SM (one variant per power of two)."""
         if self.device.type != "cuda":
             return most
-        return max(1, min(most, _next_pow2(max(1, -(-work // max(1, programs))))))
+        return max(1, min(most, triton.next_power_of_2(max(1, -(-work // max(1, programs))))))
 
     def check(self) -> None:
         """Wait for the device and raise :class:`~tritonep.errors.WaitTimeoutError` if a wait
         gave up, or :class:`~tritonep.errors.HeapGuardError` if a kernel wrote past the heap."""
-        raise_on_timeout(self.status, self.rank, PHASES)
+        raise_on_timeout(self.status, self.rank, phases.NAMES)
         self.heap.check_guard()
 
     def barrier(self) -> None:
@@ -265,7 +256,11 @@ class ElasticMode:
                 self._timeout_us,
             ),
             ("barrier",),
-            lambda: dict(NUM_RANKS=R, R_P2=_next_pow2(max(R, 2)), USE_CLOCK=use_clock(self.device)),
+            lambda: dict(
+                NUM_RANKS=R,
+                R_P2=triton.next_power_of_2(max(R, 2)),
+                USE_CLOCK=use_clock(self.device),
+            ),
         )
 
     def capacity_error(
@@ -357,7 +352,7 @@ class ElasticMode:
         dst_slots = empty_output(device, (N, K), torch.int32) if first_call else None
         int32_dummy, int64_dummy = self.status, self.state
         f32_dummy = self._f32_dummy()
-        PW, K_P2 = row_bytes // 4, _next_pow2(max(K, 2))
+        PW, K_P2 = row_bytes // 4, triton.next_power_of_2(max(K, 2))
         BT = self._block(max(1, min(16, 128 // K_P2)), N, num_sms)
         rec = record_bytes(row_bytes, G, K)
         pay, scl = _align(row_bytes, 16), _align(4 * G, 16)
@@ -408,15 +403,15 @@ class ElasticMode:
                 K=K,
                 K_P2=K_P2,
                 NUM_EXPERTS=num_experts,
-                E_P2=_next_pow2(max(num_experts, 2)),
+                E_P2=triton.next_power_of_2(max(num_experts, 2)),
                 E_LOCAL=E_local,
-                EL1_P2=_next_pow2(E_local + 1),
+                EL1_P2=triton.next_power_of_2(E_local + 1),
                 NUM_RANKS=R,
-                R_P2=_next_pow2(max(R, 2)),
+                R_P2=triton.next_power_of_2(max(R, 2)),
                 PW=PW,
-                BW=min(_next_pow2(PW), 8192 // BT),
+                BW=min(triton.next_power_of_2(PW), 8192 // BT),
                 G=G,
-                G_P2=_next_pow2(max(G, 2)),
+                G_P2=triton.next_power_of_2(max(G, 2)),
                 REC=rec,
                 PAY=pay,
                 SCL=scl,
@@ -435,7 +430,7 @@ class ElasticMode:
         elif do_cpu_sync:
             # The one host read of a dispatch: the counts every source sent here.
             info = torch.cat([recv_counts.flatten(), self.status]).tolist()
-            check_status(info[-STATUS_WORDS:], rank, PHASES)
+            check_status(info[-STATUS_WORDS:], rank, phases.NAMES)
             counts = [info[s * (1 + E_local) : (s + 1) * (1 + E_local)] for s in range(R)]
             num_recv = sum(c[0] for c in counts)
             per_expert = [
@@ -521,7 +516,7 @@ class ElasticMode:
         write_meta = out.recv_src_metadata is not None
         recv_sf = out.recv_sf
         has_sf, has_w = recv_sf is not None, out.recv_topk_weights is not None
-        PW, K_P2 = row_bytes // 4, _next_pow2(max(K, 2))
+        PW, K_P2 = row_bytes // 4, triton.next_power_of_2(max(K, 2))
         BR = self._block(16, out.num_recv_tokens, self.num_device_sms)
         rows = out.recv_x.shape[0]
         key = (
@@ -571,13 +566,13 @@ class ElasticMode:
                 K=K,
                 K_P2=K_P2,
                 NUM_RANKS=R,
-                R_P2=_next_pow2(max(R, 2)),
+                R_P2=triton.next_power_of_2(max(R, 2)),
                 E_LOCAL=E_local,
-                EL_P2=_next_pow2(max(E_local, 2)),
+                EL_P2=triton.next_power_of_2(max(E_local, 2)),
                 PW=PW,
-                BW=min(_next_pow2(PW), 512),
+                BW=min(triton.next_power_of_2(PW), 512),
                 G=G,
-                G_P2=_next_pow2(max(G, 2)),
+                G_P2=triton.next_power_of_2(max(G, 2)),
                 REC=record_bytes(row_bytes, G, K),
                 PAY=_align(row_bytes, 16),
                 SCL=_align(4 * G, 16),
@@ -633,7 +628,7 @@ class ElasticMode:
         has_w = topk_weights is not None
         multi = multiple_reduction or not do_expand
         f32_dummy, crec = self._f32_dummy(), combine_record_bytes(H, K)
-        K_P2, BR, BH = _next_pow2(max(K, 2)), 8, min(_next_pow2(H), 1024)
+        K_P2, BR, BH = triton.next_power_of_2(max(K, 2)), 8, min(triton.next_power_of_2(H), 1024)
         self._launch(
             elastic_combine.elastic_combine,
             self._programs(num_sms, recv_src_metadata.shape[0], BR),
@@ -660,7 +655,7 @@ class ElasticMode:
                 K=K,
                 K_P2=K_P2,
                 NUM_RANKS=R,
-                R_P2=_next_pow2(max(R, 2)),
+                R_P2=triton.next_power_of_2(max(R, 2)),
                 CREC=crec,
                 HEADER_WORDS=HEADER_WORDS,
                 BR=BR,
