@@ -158,35 +158,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topk", type=int, default=8, help="experts per token")
     parser.add_argument("--experts", type=int, default=256, help="experts in all")
     parser.add_argument("--fp8", action="store_true", help="FP8 dispatch payloads (not BF16)")
-    parser.add_argument(
-        "--nvlink-gbps",
-        type=float,
-        default=Links.nvlink_gbps,
-        help="NVLink bandwidth per GPU, GB/s one way",
-    )
-    parser.add_argument(
-        "--network-gbps",
-        type=float,
-        default=Links.network_gbps,
-        help="network bandwidth per GPU, GB/s one way",
-    )
-    parser.add_argument(
-        "--fixed-us",
-        type=float,
-        default=Links.fixed_us,
-        help="fixed cost of a call (launches, count exchange), us",
-    )
-    parser.add_argument(
-        "--emulated-leg-gbps",
-        type=float,
-        default=Links.emulated_leg_gbps,
-        help="with --emulated: the rate of each leg, GB/s",
-    )
+    link_options = {
+        "nvlink_gbps": "NVLink bandwidth per GPU, GB/s one way",
+        "network_gbps": "network bandwidth per GPU, GB/s one way",
+        "fixed_us": "fixed cost of a call (launches, count exchange), us",
+        "emulated_leg_gbps": "with --emulated: the rate of each leg, GB/s",
+    }
+    for field, text in link_options.items():
+        flag = "--" + field.replace("_", "-")
+        parser.add_argument(flag, type=float, default=getattr(Links, field), help=text)
     parser.add_argument(
         "--emulated", action="store_true", help="nodes emulated on one host: both legs share NVLink"
     )
     opts = parser.parse_args(argv)
-    links = Links(opts.nvlink_gbps, opts.network_gbps, opts.fixed_us, opts.emulated_leg_gbps)
+    links = Links(**{field: getattr(opts, field) for field in link_options})
     cols = [
         "nodes",
         "dispatch_us",

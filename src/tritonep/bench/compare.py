@@ -8,6 +8,7 @@ code anywhere (the tests do).
 from __future__ import annotations
 
 import importlib
+import sys
 
 import torch
 import torch.distributed as dist
@@ -15,14 +16,17 @@ import torch.distributed as dist
 from .timing import mean_over_ranks, median_ms, time_pair
 
 
-def load(name: str | None):
-    """The module, or None (with the reason) when it does not import."""
+def load(name: str | None, rank: int):
+    """The module ``--compare`` names, or None when there is none or it does not import (rank 0
+    then says why on standard error)."""
     if not name:
-        return None, None
+        return None
     try:
-        return importlib.import_module(name), None
+        return importlib.import_module(name)
     except ImportError as e:
-        return None, f"--compare {name}: not importable here ({e}); skipped"
+        if rank == 0:
+            print(f"--compare {name}: not importable here ({e}); skipped", file=sys.stderr)
+        return None
 
 
 def normal_point(module, x, topk_idx, topk_weights, num_experts, iters) -> dict:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import sys
 
 import torch
 
@@ -111,9 +110,7 @@ def low_latency_rank(ctx, opts, progress):
 
     max_tokens = max(opts.tokens)
     baseline = TorchBackend()
-    rival, note = compare.load(opts.compare)
-    if note and ctx.rank == 0:
-        print(note, file=sys.stderr, flush=True)
+    rival = compare.load(opts.compare, ctx.rank)
     rows = []
     for hidden, experts, topk in itertools.product(opts.hidden, opts.experts, opts.topk):
         # No host read of the ids per call: that is a GPU sync, which decode loops avoid.

@@ -17,7 +17,6 @@ remote bytes (received from other ranks) over time.
 from __future__ import annotations
 
 import itertools
-import sys
 
 import torch
 
@@ -110,9 +109,7 @@ def normal_rank(ctx, opts, progress):
     from ..torch_backend import TorchBackend
 
     baseline = TorchBackend()
-    rival, note = compare.load(opts.compare)
-    if note and ctx.rank == 0:
-        print(note, file=sys.stderr, flush=True)
+    rival = compare.load(opts.compare, ctx.rank)
     rows = []
     for hidden, experts, topk in itertools.product(opts.hidden, opts.experts, opts.topk):
         mode = NormalMode(
