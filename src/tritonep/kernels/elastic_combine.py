@@ -2,7 +2,7 @@
 token's owner, then one epilogue on all SMs sums each token's rows in a fixed order.
 
 :func:`elastic_combine` (``tritonep::elastic::combine_impl``), on the rank that holds the
-experts: program ``p`` takes received tokens ``p, p + P, ...`` (blocks of ``BR``). A token's
+experts: program ``p`` takes received tokens ``p, p + P, ...`` (blocks of ``BLOCK_ROWS``). A token's
 row is the input row (plain layout), or the float32 sum of its expanded rows in top-k order,
 rounded to BF16 (expand layout, ``MULTI``); it goes to the owner's region at
 ``[slot][source token]`` with the token's top-k weights, ``slot`` being this rank's place in
@@ -32,9 +32,9 @@ from .sync import lane
 
 
 @triton.jit
-def slot_rows(region, slot, token, max_tokens, CREC: tl.constexpr):
+def slot_rows(region, slot, token, max_tokens, COMBINE_RECORD_BYTES: tl.constexpr):
     """Address of slot ``slot`` of token ``token`` in a combine region (vectors broadcast)."""
-    return region + (slot * max_tokens + token).to(tl.int64) * CREC
+    return region + (slot * max_tokens + token).to(tl.int64) * COMBINE_RECORD_BYTES
 
 
 @triton.jit
@@ -48,20 +48,20 @@ def send_sums(
     ks,
     H: tl.constexpr,
     K: tl.constexpr,
-    BH: tl.constexpr,
+    BLOCK_CHANNELS: tl.constexpr,
     EXPAND: tl.constexpr,
     has_weights,
     EMULATE: tl.constexpr,
 ):
     """Store each token's row (the input row ``i``, or with ``EXPAND`` the float32 sum of its
     expanded rows ``rows`` in top-k order, rounded) and weights at ``dst`` ([B] int64)."""
-    hs = tl.arange(0, BH)
+    hs = tl.arange(0, BLOCK_CHANNELS)
     out = dst.to(tl.pointer_type(tl.bfloat16))
-    for h0 in range(0, H, BH):
+    for h0 in range(0, H, BLOCK_CHANNELS):
         h = h0 + hs
         hmask = h < H
         if EXPAND:
-            acc = tl.zeros((i.shape[0], BH), tl.float32)
+            acc = tl.zeros((i.shape[0], BLOCK_CHANNELS), tl.float32)
             for k in range(K):
                 r = lane(rows, ks, k)
                 m = live & (r >= 0)
@@ -102,17 +102,17 @@ def send_expanded(
     ks,
     H: tl.constexpr,
     K: tl.constexpr,
-    BH: tl.constexpr,
-    CREC: tl.constexpr,
+    BLOCK_CHANNELS: tl.constexpr,
+    COMBINE_RECORD_BYTES: tl.constexpr,
 ):
     """Without reductions here: every expanded row to slot ``k`` (its top-k column)."""
-    hs = tl.arange(0, BH)
+    hs = tl.arange(0, BLOCK_CHANNELS)
     for k in range(K):
         r = lane(rows, ks, k)
         m = live & (r >= 0)
-        out = slot_rows(owner_base + region, k, token, max_tokens, CREC)
+        out = slot_rows(owner_base + region, k, token, max_tokens, COMBINE_RECORD_BYTES)
         out = out.to(tl.pointer_type(tl.bfloat16))
-        for h0 in range(0, H, BH):
+        for h0 in range(0, H, BLOCK_CHANNELS):
             h = h0 + hs
             m2 = m[:, None] & (h < H)[None, :]
             y = tl.load(x_ptr + tl.maximum(r, 0).to(tl.int64)[:, None] * H + h[None, :], mask=m2)
@@ -126,56 +126,68 @@ def elastic_combine(
     meta_ptr,  # [tokens, K + 2] int32 recv_src_metadata of the dispatch
     slots_ptr,  # [tokens] int32 each received token's reduction slot
     psum_rank_ptr,  # [R] int32 rows received per source, inclusive (the last: all)
-    peer_ptrs,
-    rank,
-    header_offset,
-    region_offset,
-    region_bytes,
-    max_tokens,
-    state_ptr,
-    status_ptr,
-    timeout_us,
+    peer_ptrs,  # [R] int64 heap base of every rank
+    rank,  # this rank
+    header_offset,  # byte offset of the headers [2][R][HEADER_WORDS] int32
+    region_offset,  # byte offset of region 0 (region 1 follows at + region_bytes)
+    region_bytes,  # bytes of a region
+    max_tokens,  # slots per source rank in a region (num_max_tokens_per_rank)
+    state_ptr,  # [8] int64 mode state (elastic_exchange)
+    status_ptr,  # [STATUS_WORDS] int32 status record (kernels.status)
+    timeout_us,  # limit of a wait in microseconds (sync.timeout_us)
     has_weights,  # 1: top-k weights go back with the rows (run-time: no variant of its own)
-    H: tl.constexpr,
-    K: tl.constexpr,
-    K_P2: tl.constexpr,
-    NUM_RANKS: tl.constexpr,
-    R_P2: tl.constexpr,
-    CREC: tl.constexpr,  # bytes of a combine record: H bf16 values, then K float32 weights
-    HEADER_WORDS: tl.constexpr,
-    BR: tl.constexpr,
-    BH: tl.constexpr,
-    EXPAND: tl.constexpr,
+    H: tl.constexpr,  # hidden size: channels of a row
+    K: tl.constexpr,  # top-k: choices per token
+    BLOCK_K: tl.constexpr,  # K as a power of two (at least 2)
+    NUM_RANKS: tl.constexpr,  # R: ranks of the group
+    BLOCK_RANKS: tl.constexpr,  # NUM_RANKS as a power of two (at least 2)
+    # bytes of a combine record: H bf16 values, then K float32 weights
+    COMBINE_RECORD_BYTES: tl.constexpr,
+    HEADER_WORDS: tl.constexpr,  # int32 words of a header
+    BLOCK_ROWS: tl.constexpr,  # rows per block
+    BLOCK_CHANNELS: tl.constexpr,  # channels moved per step
+    EXPAND: tl.constexpr,  # expanded layout: a row per (token, local expert)
     MULTI: tl.constexpr,  # EXPAND: reduce a token's rows here before sending one
-    USE_CLOCK: tl.constexpr,
+    USE_CLOCK: tl.constexpr,  # waits read the GPU clock (not under the interpreter)
 ):
     pid = tl.program_id(0)
     call = exchange_number(state_ptr)
     region = region_offset + (call % 2) * region_bytes
-    ranks = tl.arange(0, R_P2)
-    ks = tl.arange(0, K_P2)
+    ranks = tl.arange(0, BLOCK_RANKS)
+    ks = tl.arange(0, BLOCK_K)
     peer_base = tl.load(peer_ptrs + ranks, mask=ranks < NUM_RANKS, other=0)
     total = tl.load(psum_rank_ptr + NUM_RANKS - 1)
-    for i0 in range(pid * BR, total, tl.num_programs(0) * BR):
-        i = i0 + tl.arange(0, BR)
+    for i0 in range(pid * BLOCK_ROWS, total, tl.num_programs(0) * BLOCK_ROWS):
+        i = i0 + tl.arange(0, BLOCK_ROWS)
         live = i < total
         meta = meta_ptr + i.to(tl.int64) * (K + 2)
         src = tl.load(meta, mask=live, other=0)
         source = src // max_tokens
         token = src % max_tokens
         owner_base = tl.sum(tl.where(ranks[None, :] == source[:, None], peer_base[None, :], 0), 1)
-        rows = tl.full((BR, K_P2), -1, tl.int32)
+        rows = tl.full((BLOCK_ROWS, BLOCK_K), -1, tl.int32)
         if EXPAND:
             rows = tl.load(
                 meta[:, None] + 2 + ks[None, :], mask=live[:, None] & (ks < K)[None, :], other=-1
             )
         if EXPAND & (not MULTI):
             send_expanded(
-                x_ptr, rows, live, owner_base, region, token, max_tokens, ks, H, K, BH, CREC
+                x_ptr,
+                rows,
+                live,
+                owner_base,
+                region,
+                token,
+                max_tokens,
+                ks,
+                H,
+                K,
+                BLOCK_CHANNELS,
+                COMBINE_RECORD_BYTES,
             )
         else:
             slot = tl.load(slots_ptr + i, mask=live, other=0)
-            dst = slot_rows(owner_base + region, slot, token, max_tokens, CREC)
+            dst = slot_rows(owner_base + region, slot, token, max_tokens, COMBINE_RECORD_BYTES)
             send_sums(
                 x_ptr,
                 weights_ptr,
@@ -186,7 +198,7 @@ def elastic_combine(
                 ks,
                 H,
                 K,
-                BH,
+                BLOCK_CHANNELS,
                 EXPAND,
                 has_weights,
                 not USE_CLOCK,
@@ -212,7 +224,7 @@ def elastic_combine(
 
 @triton.jit
 def weight_slots(owner, ks):
-    """``[T, K_P2]`` number of ranks before a token's rank ``k`` in its summation order (the
+    """``[T, BLOCK_K]`` number of ranks before a token's rank ``k`` in its summation order (the
     reduction slot holding weight ``k``), and ``[T]`` the number of ranks."""
     same = owner[:, :, None] == owner[:, None, :]  # [T, k, k']
     later = same & (ks[None, None, :] > ks[None, :, None])
@@ -232,45 +244,45 @@ def elastic_combine_epilogue(
     bias1_ptr,  # [N, H] bf16 (num_bias == 2)
     out_ptr,  # [N, H] bf16
     out_weights_ptr,  # [N, K] float32 (has_weights)
-    num_tokens,
-    peer_ptrs,
-    rank,
-    region_offset,
-    region_bytes,
-    max_tokens,
-    state_ptr,
+    num_tokens,  # N: this rank's tokens
+    peer_ptrs,  # [R] int64 heap base of every rank
+    rank,  # this rank
+    region_offset,  # byte offset of region 0 (region 1 follows at + region_bytes)
+    region_bytes,  # bytes of a region
+    max_tokens,  # slots per source rank in a region (num_max_tokens_per_rank)
+    state_ptr,  # [8] int64 mode state (elastic_exchange)
     num_bias,  # bias tensors, 0 to 2 (run-time, as has_weights)
-    has_weights,
-    H: tl.constexpr,
-    K: tl.constexpr,
-    K_P2: tl.constexpr,
-    NUM_EXPERTS: tl.constexpr,
-    E_LOCAL: tl.constexpr,
+    has_weights,  # 1: weights come back too (run-time: no variant of its own)
+    H: tl.constexpr,  # hidden size: channels of a row
+    K: tl.constexpr,  # top-k: choices per token
+    BLOCK_K: tl.constexpr,  # K as a power of two (at least 2)
+    NUM_EXPERTS: tl.constexpr,  # experts in all
+    E_LOCAL: tl.constexpr,  # experts per rank
     SLOTS: tl.constexpr,  # slots per token
     RANK_SLOTS: tl.constexpr,  # a slot per destination rank (else per top-k column)
-    CREC: tl.constexpr,
-    BT: tl.constexpr,
-    BH: tl.constexpr,
-    USE_CLOCK: tl.constexpr,
+    COMBINE_RECORD_BYTES: tl.constexpr,  # bytes of a combine record
+    BLOCK_TOKENS: tl.constexpr,  # tokens per block
+    BLOCK_CHANNELS: tl.constexpr,  # channels moved per step
+    USE_CLOCK: tl.constexpr,  # waits read the GPU clock (not under the interpreter)
 ):
     EMULATE: tl.constexpr = not USE_CLOCK
     pid = tl.program_id(0)
     call = tl.load(state_ptr, volatile=True) - 1
     region = tl.load(peer_ptrs + rank) + region_offset + (call % 2) * region_bytes
-    ks = tl.arange(0, K_P2)
-    hs = tl.arange(0, BH)
-    for t0 in range(pid * BT, num_tokens, tl.num_programs(0) * BT):
-        tokens = t0 + tl.arange(0, BT)
+    ks = tl.arange(0, BLOCK_K)
+    hs = tl.arange(0, BLOCK_CHANNELS)
+    for t0 in range(pid * BLOCK_TOKENS, num_tokens, tl.num_programs(0) * BLOCK_TOKENS):
+        tokens = t0 + tl.arange(0, BLOCK_TOKENS)
         tmask = tokens < num_tokens
         _, ids, valid = load_choices(topk_ptr, tokens, tmask, ks, K, NUM_EXPERTS)
         owner = tl.where(valid, ids // E_LOCAL, -1)
         weight_slot, num_slots = weight_slots(owner, ks)
         rows = tokens.to(tl.int64)
-        for h0 in range(0, H, BH):
+        for h0 in range(0, H, BLOCK_CHANNELS):
             h = h0 + hs
             m2 = tmask[:, None] & (h < H)[None, :]
             at = rows[:, None] * H + h[None, :]
-            acc = tl.zeros((BT, BH), tl.float32)
+            acc = tl.zeros((BLOCK_TOKENS, BLOCK_CHANNELS), tl.float32)
             if num_bias >= 1:
                 acc = from_bf16(tl.load(bias0_ptr + at, mask=m2, other=0.0), EMULATE)
             if num_bias == 2:
@@ -280,7 +292,7 @@ def elastic_combine_epilogue(
                     used = tmask & (j < num_slots)
                 else:
                     used = tmask & (lane(valid.to(tl.int32), ks, j) > 0)
-                src = slot_rows(region, j, tokens, max_tokens, CREC).to(
+                src = slot_rows(region, j, tokens, max_tokens, COMBINE_RECORD_BYTES).to(
                     tl.pointer_type(tl.bfloat16)
                 )
                 y = tl.load(
@@ -293,7 +305,10 @@ def elastic_combine_epilogue(
             tl.store(out_ptr + at, to_bf16(acc, EMULATE), mask=m2)
         if has_weights:
             kmask = tmask[:, None] & (ks < K)[None, :]
-            src = slot_rows(region, weight_slot, tokens[:, None], max_tokens, CREC) + 2 * H
+            src = (
+                slot_rows(region, weight_slot, tokens[:, None], max_tokens, COMBINE_RECORD_BYTES)
+                + 2 * H
+            )
             w = tl.load(
                 src.to(tl.pointer_type(tl.float32)) + ks[None, :],
                 mask=kmask & valid,

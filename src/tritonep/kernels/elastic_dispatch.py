@@ -60,7 +60,7 @@ FLAG_META = tl.constexpr(32)  # the epilogue writes the handle (metadata, prefix
 
 @triton.jit
 def load_choices(topk_ptr, tokens, tmask, ks, K: tl.constexpr, NUM_EXPERTS: tl.constexpr):
-    """``[T, K_P2]`` raw int64 ids, int32 ids (``-1`` for none or out of range) and validity."""
+    """``[T, BLOCK_K]`` raw int64 ids, int32 ids (``-1`` for none or out of range) and validity."""
     at = tokens.to(tl.int64)[:, None] * K + ks[None, :]
     raw = tl.load(topk_ptr + at, mask=tmask[:, None] & (ks < K)[None, :], other=-1)
     valid = (raw >= 0) & (raw < NUM_EXPERTS)
@@ -69,8 +69,8 @@ def load_choices(topk_ptr, tokens, tmask, ks, K: tl.constexpr, NUM_EXPERTS: tl.c
 
 @triton.jit
 def owners(ids, valid, ranks, E_LOCAL: tl.constexpr):
-    """``[T, K_P2]`` rank owning each choice (``-1`` none) and ``[T, R_P2]`` 1 where the token
-    goes to each rank."""
+    """``[T, BLOCK_K]`` rank owning each choice (``-1`` none) and ``[T, BLOCK_RANKS]`` 1 where
+    the token goes to each rank."""
     owner = tl.where(valid, ids // E_LOCAL, -1)
     hit = tl.max((owner[:, :, None] == ranks[None, None, :]).to(tl.int32), 1)
     return owner, hit
@@ -84,50 +84,52 @@ def counts_before(
     ks,
     K: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
-    E_P2: tl.constexpr,
+    BLOCK_EXPERTS: tl.constexpr,
     E_LOCAL: tl.constexpr,
-    BT: tl.constexpr,
-    K_P2: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    """Over tokens ``[0, end)``: ``[R_P2]`` tokens that go to each rank, ``[E_P2]`` choices of
-    each expert."""
+    """Over tokens ``[0, end)``: ``[BLOCK_RANKS]`` tokens that go to each rank,
+    ``[BLOCK_EXPERTS]`` choices of each expert."""
     sent = tl.zeros(ranks.shape, tl.int32)
-    chosen = tl.zeros((E_P2,), tl.int32)
-    for first in range(0, end, BT):
-        tokens = first + tl.arange(0, BT)
+    chosen = tl.zeros((BLOCK_EXPERTS,), tl.int32)
+    for first in range(0, end, BLOCK_TOKENS):
+        tokens = first + tl.arange(0, BLOCK_TOKENS)
         _, ids, valid = load_choices(topk_ptr, tokens, tokens < end, ks, K, NUM_EXPERTS)
         _, hit = owners(ids, valid, ranks, E_LOCAL)
         sent += tl.sum(hit, 0)
-        flat = tl.reshape(tl.where(valid, ids, 0), (BT * K_P2,))
-        chosen += tl.histogram(flat, E_P2, mask=tl.reshape(valid, (BT * K_P2,)))
+        flat = tl.reshape(tl.where(valid, ids, 0), (BLOCK_TOKENS * BLOCK_K,))
+        chosen += tl.histogram(
+            flat, BLOCK_EXPERTS, mask=tl.reshape(valid, (BLOCK_TOKENS * BLOCK_K,))
+        )
     return sent, chosen
 
 
 @triton.jit
-def expert_ranks(ids, valid, chosen, BT: tl.constexpr, K_P2: tl.constexpr):
-    """``[T, K_P2]``: each choice's rank among this source's choices of its expert, given
-    ``chosen`` (``[E_P2]`` choices of each expert before the block)."""
-    F: tl.constexpr = BT * K_P2
-    flat = tl.reshape(ids, (F,))
-    fvalid = tl.reshape(valid, (F,))
-    token = tl.arange(0, F) // K_P2
+def expert_ranks(ids, valid, chosen, BLOCK_TOKENS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``[T, BLOCK_K]``: each choice's rank among this source's choices of its expert, given
+    ``chosen`` (``[BLOCK_EXPERTS]`` choices of each expert before the block)."""
+    FLAT: tl.constexpr = BLOCK_TOKENS * BLOCK_K
+    flat = tl.reshape(ids, (FLAT,))
+    fvalid = tl.reshape(valid, (FLAT,))
+    token = tl.arange(0, FLAT) // BLOCK_K
     earlier = (flat[:, None] == flat[None, :]) & (token[None, :] < token[:, None]) & fvalid[None, :]
     within = tl.sum(earlier.to(tl.int32), 1)
     before = tl.gather(chosen, tl.where(fvalid, flat, 0), 0)
-    return tl.reshape(tl.where(fvalid, before + within, -1), (BT, K_P2))
+    return tl.reshape(tl.where(fvalid, before + within, -1), (BLOCK_TOKENS, BLOCK_K))
 
 
 @triton.jit
-def reduction_slots(owner, ranks, ks, K_P2: tl.constexpr):
-    """Per (token, rank): ``[T, R_P2]`` the position of the rank in the order in which a
+def reduction_slots(owner, ranks, ks, BLOCK_K: tl.constexpr):
+    """Per (token, rank): ``[T, BLOCK_RANKS]`` the position of the rank in the order in which a
     combine sums the token's rows (ranks ordered by the top-k column of their last choice, as
-    DeepEP V2's reference sums them) and ``[T, R_P2]`` the rank's first top-k column."""
+    DeepEP V2's reference sums them) and ``[T, BLOCK_RANKS]`` the rank's first top-k column."""
     same = owner[:, :, None] == owner[:, None, :]  # [T, k, k']
     later = same & (ks[None, None, :] > ks[None, :, None])
     last = (owner >= 0) & (tl.max(later.to(tl.int32), 2) == 0)  # [T, k]
     is_rank = owner[:, :, None] == ranks[None, None, :]  # [T, k, r]
     last_col = tl.max(tl.where(is_rank, ks[None, :, None], -1), 1)  # [T, r]
-    first_col = tl.min(tl.where(is_rank, ks[None, :, None], K_P2), 1)
+    first_col = tl.min(tl.where(is_rank, ks[None, :, None], BLOCK_K), 1)
     before = last[:, :, None] & (ks[None, :, None] < last_col[:, None, :])
     return tl.sum(before.to(tl.int32), 1), first_col
 
@@ -148,18 +150,18 @@ def store_record(
     sf_group_stride,
     ks,
     K: tl.constexpr,
-    PW: tl.constexpr,
-    BW: tl.constexpr,
+    ROW_WORDS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
     G: tl.constexpr,
-    G_P2: tl.constexpr,
-    PAY: tl.constexpr,
-    SCL: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+    PAYLOAD_BYTES: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
     HAS_SF: tl.constexpr,
     has_weights,
 ):
     """Store the records of the block's tokens ``go`` at the addresses ``rec`` ([T] int64)."""
     kmask = go[:, None] & (ks < K)[None, :]
-    meta = aligned_ptr(rec + PAY + SCL, tl.int32)
+    meta = aligned_ptr(rec + PAYLOAD_BYTES + SCALE_BYTES, tl.int32)
     tl.store(meta, tokens, mask=go)
     tl.store(meta + 1, first_col, mask=go)
     tl.store(meta + 2, slot, mask=go)
@@ -171,22 +173,22 @@ def store_record(
         )
     rows = tokens.to(tl.int64)
     dst = aligned_ptr(rec, tl.int32)
-    words = tl.arange(0, BW)
-    for w0 in range(0, PW, BW):
+    words = tl.arange(0, BLOCK_WORDS)
+    for w0 in range(0, ROW_WORDS, BLOCK_WORDS):
         w = w0 + words
-        m = go[:, None] & (w < PW)[None, :]
+        m = go[:, None] & (w < ROW_WORDS)[None, :]
         tl.store(
             dst[:, None] + w[None, :],
-            tl.load(x_ptr + rows[:, None] * PW + w[None, :], mask=m),
+            tl.load(x_ptr + rows[:, None] * ROW_WORDS + w[None, :], mask=m),
             mask=m,
         )
     if HAS_SF:
-        g = tl.arange(0, G_P2)
+        g = tl.arange(0, BLOCK_GROUPS)
         m = go[:, None] & (g < G)[None, :]
         packs = tl.load(
             sf_ptr + rows[:, None] * sf_token_stride + g[None, :] * sf_group_stride, mask=m
         )
-        tl.store(aligned_ptr(rec + PAY, tl.int32)[:, None] + g[None, :], packs, mask=m)
+        tl.store(aligned_ptr(rec + PAYLOAD_BYTES, tl.int32)[:, None] + g[None, :], packs, mask=m)
 
 
 @triton.jit
@@ -204,7 +206,7 @@ def send_headers(
     timeout_us,
     NUM_RANKS: tl.constexpr,
     E_LOCAL: tl.constexpr,
-    EL1_P2: tl.constexpr,
+    BLOCK_COUNTS: tl.constexpr,
     HEADER_WORDS: tl.constexpr,
     has_stats,
     USE_CLOCK: tl.constexpr,
@@ -213,7 +215,7 @@ def send_headers(
     source (``recv_counts[s] = [tokens, choices of each local expert...]``)."""
     parity = call % 2
     rmask = ranks < NUM_RANKS
-    cols = tl.arange(0, EL1_P2)
+    cols = tl.arange(0, BLOCK_COUNTS)
     grid = rmask[:, None] & (cols < 1 + E_LOCAL)[None, :]
     # Column 0: tokens sent to the rank; column 1 + e: choices of its local expert e.
     at = tl.where(
@@ -252,75 +254,75 @@ def send_headers(
 
 @kernel("tritonep::elastic::dispatch_impl", do_not_specialize=["timeout_us", "flags"])
 def elastic_dispatch(
-    x_ptr,  # [N, PW] int32 words of the rows (BF16 or e4m3 bytes)
+    x_ptr,  # [N, ROW_WORDS] int32 words of the rows (BF16 or e4m3 bytes)
     sf_ptr,  # [N, G] 4-byte scale packs, viewed as int32, any strides (HAS_SF)
-    sf_token_stride,
+    sf_token_stride,  # strides of sf_ptr, in packs
     sf_group_stride,
     topk_ptr,  # [N, K] int64 expert ids, -1 for none
     weights_ptr,  # [N, K] float32 (FLAG_WEIGHTS)
-    num_tokens,
+    num_tokens,  # N: this rank's tokens
     max_tokens,  # slots per source rank in a region (num_max_tokens_per_rank)
     peer_ptrs,  # [R] int64 heap base of every rank
-    rank,
+    rank,  # this rank
     header_offset,  # byte offset of the headers [2][R][HEADER_WORDS] int32
     region_offset,  # byte offset of region 0 (region 1 follows at + region_bytes)
-    region_bytes,
+    region_bytes,  # bytes of a region
     state_ptr,  # [8] int64 mode state (elastic_exchange)
     totals_ptr,  # [R + E] int32 scratch: the last token range's counts, for the headers
     recv_counts_ptr,  # [R, 1 + E_LOCAL] int32 out: what each source sent here
     stats_ptr,  # [E_LOCAL] int32, choices received added in (FLAG_STATS)
     ids_copy_ptr,  # [N, K] int64 out: a copy of the ids (FLAG_COPY_IDS)
     slots_ptr,  # [N, K] int32 out: each choice's slot on its destination (FLAG_SLOTS)
-    status_ptr,
-    timeout_us,
+    status_ptr,  # [STATUS_WORDS] int32 status record (kernels.status)
+    timeout_us,  # limit of a wait in microseconds (sync.timeout_us)
     flags,  # FLAG_WEIGHTS | FLAG_STATS | FLAG_COPY_IDS | FLAG_SLOTS
-    K: tl.constexpr,
-    K_P2: tl.constexpr,
-    NUM_EXPERTS: tl.constexpr,
-    E_P2: tl.constexpr,
-    E_LOCAL: tl.constexpr,
-    EL1_P2: tl.constexpr,  # next power of two of E_LOCAL + 1
-    NUM_RANKS: tl.constexpr,
-    R_P2: tl.constexpr,
-    PW: tl.constexpr,  # int32 words of a row
-    BW: tl.constexpr,  # words moved per step
-    G: tl.constexpr,
-    G_P2: tl.constexpr,
-    REC: tl.constexpr,  # bytes of a record
-    PAY: tl.constexpr,  # bytes of its payload (16-byte aligned)
-    SCL: tl.constexpr,  # bytes of its scale packs (16-byte aligned)
-    HEADER_WORDS: tl.constexpr,
-    BT: tl.constexpr,  # tokens per block
-    SCAN_T: tl.constexpr,  # tokens per block of the scan of the earlier tokens' ids
-    HAS_SF: tl.constexpr,
-    USE_CLOCK: tl.constexpr,
+    K: tl.constexpr,  # top-k: choices per token
+    BLOCK_K: tl.constexpr,  # K as a power of two (at least 2)
+    NUM_EXPERTS: tl.constexpr,  # experts in all
+    BLOCK_EXPERTS: tl.constexpr,  # NUM_EXPERTS as a power of two
+    E_LOCAL: tl.constexpr,  # experts per rank
+    BLOCK_COUNTS: tl.constexpr,  # next power of two of E_LOCAL + 1
+    NUM_RANKS: tl.constexpr,  # R: ranks of the group
+    BLOCK_RANKS: tl.constexpr,  # NUM_RANKS as a power of two (at least 2)
+    ROW_WORDS: tl.constexpr,  # int32 words of a row
+    BLOCK_WORDS: tl.constexpr,  # words moved per step
+    G: tl.constexpr,  # scale packs per row
+    BLOCK_GROUPS: tl.constexpr,  # G as a power of two (at least 2)
+    RECORD_BYTES: tl.constexpr,  # bytes of a record
+    PAYLOAD_BYTES: tl.constexpr,  # bytes of its payload (16-byte aligned)
+    SCALE_BYTES: tl.constexpr,  # bytes of its scale packs (16-byte aligned)
+    HEADER_WORDS: tl.constexpr,  # int32 words of a header
+    BLOCK_TOKENS: tl.constexpr,  # tokens per block
+    SCAN_BLOCK_TOKENS: tl.constexpr,  # tokens per block of the scan of the earlier tokens' ids
+    HAS_SF: tl.constexpr,  # the rows come with scale packs (FP8)
+    USE_CLOCK: tl.constexpr,  # waits read the GPU clock (not under the interpreter)
 ):
     pid = tl.program_id(0)
     has_weights = (flags & FLAG_WEIGHTS) != 0
     has_stats = (flags & FLAG_STATS) != 0
     call = exchange_number(state_ptr)
     region = region_offset + (call % 2) * region_bytes
-    ranks = tl.arange(0, R_P2)
+    ranks = tl.arange(0, BLOCK_RANKS)
     rmask = ranks < NUM_RANKS
-    ks = tl.arange(0, K_P2)
+    ks = tl.arange(0, BLOCK_K)
     peer_base = tl.load(peer_ptrs + ranks, mask=rmask, other=0)
     x_words = x_ptr.to(tl.pointer_type(tl.int32))
     per = tl.cdiv(num_tokens, tl.num_programs(0))
     t0 = tl.minimum(pid * per, num_tokens)
     t1 = tl.minimum(t0 + per, num_tokens)
     sent, chosen = counts_before(
-        topk_ptr, t0, ranks, ks, K, NUM_EXPERTS, E_P2, E_LOCAL, SCAN_T, K_P2
+        topk_ptr, t0, ranks, ks, K, NUM_EXPERTS, BLOCK_EXPERTS, E_LOCAL, SCAN_BLOCK_TOKENS, BLOCK_K
     )
-    for first in range(t0, t1, BT):
-        tokens = first + tl.arange(0, BT)
+    for first in range(t0, t1, BLOCK_TOKENS):
+        tokens = first + tl.arange(0, BLOCK_TOKENS)
         tmask = tokens < t1
         raw, ids, valid = load_choices(topk_ptr, tokens, tmask, ks, K, NUM_EXPERTS)
         owner, hit = owners(ids, valid, ranks, E_LOCAL)
         hit = hit * tmask[:, None].to(tl.int32)
-        pos = sent[None, :] + rows_before(hit, BT)  # [T, R] slot on each destination
-        ranked = expert_ranks(ids, valid, chosen, BT, K_P2)
-        slot, first_col = reduction_slots(owner, ranks, ks, K_P2)
-        weights = tl.zeros((BT, K_P2), tl.float32)
+        pos = sent[None, :] + rows_before(hit, BLOCK_TOKENS)  # [T, R] slot on each destination
+        ranked = expert_ranks(ids, valid, chosen, BLOCK_TOKENS, BLOCK_K)
+        slot, first_col = reduction_slots(owner, ranks, ks, BLOCK_K)
+        weights = tl.zeros((BLOCK_TOKENS, BLOCK_K), tl.float32)
         at = tokens.to(tl.int64)[:, None] * K + ks[None, :]
         kmask = tmask[:, None] & (ks < K)[None, :]
         if has_weights:
@@ -335,7 +337,7 @@ def elastic_dispatch(
             go = lane(hit, ranks, d) > 0
             if tl.max(go.to(tl.int32), 0) > 0:
                 spot = (rank * max_tokens + lane(pos, ranks, d)).to(tl.int64)
-                rec = lane(peer_base, ranks, d) + region + spot * REC
+                rec = lane(peer_base, ranks, d) + region + spot * RECORD_BYTES
                 local = tl.where(owner == d, ids - d * E_LOCAL, -1)
                 store_record(
                     rec,
@@ -352,22 +354,22 @@ def elastic_dispatch(
                     sf_group_stride,
                     ks,
                     K,
-                    PW,
-                    BW,
+                    ROW_WORDS,
+                    BLOCK_WORDS,
                     G,
-                    G_P2,
-                    PAY,
-                    SCL,
+                    BLOCK_GROUPS,
+                    PAYLOAD_BYTES,
+                    SCALE_BYTES,
                     HAS_SF,
                     has_weights,
                 )
         sent += tl.sum(hit, 0)
-        flat = tl.reshape(tl.where(valid & tmask[:, None], ids, 0), (BT * K_P2,))
-        fmask = tl.reshape(valid & tmask[:, None], (BT * K_P2,))
-        chosen += tl.histogram(flat, E_P2, mask=fmask)
+        flat = tl.reshape(tl.where(valid & tmask[:, None], ids, 0), (BLOCK_TOKENS * BLOCK_K,))
+        fmask = tl.reshape(valid & tmask[:, None], (BLOCK_TOKENS * BLOCK_K,))
+        chosen += tl.histogram(flat, BLOCK_EXPERTS, mask=fmask)
     if pid == tl.num_programs(0) - 1:  # its range ends the tokens: its counts are the totals
         tl.store(totals_ptr + ranks, sent, mask=rmask)
-        experts = tl.arange(0, E_P2)
+        experts = tl.arange(0, BLOCK_EXPERTS)
         tl.store(totals_ptr + NUM_RANKS + experts, chosen, mask=experts < NUM_EXPERTS)
     if arrive(state_ptr):
         my_base = tl.load(peer_ptrs + rank)
@@ -385,7 +387,7 @@ def elastic_dispatch(
             timeout_us,
             NUM_RANKS,
             E_LOCAL,
-            EL1_P2,
+            BLOCK_COUNTS,
             HEADER_WORDS,
             has_stats,
             USE_CLOCK,
@@ -397,9 +399,10 @@ def elastic_dispatch(
 def received_layout(
     recv_counts_ptr, ranks, els, alignment, NUM_RANKS: tl.constexpr, E_LOCAL: tl.constexpr
 ):
-    """From the decoded counts: ``[R_P2]`` each source's first and end row, ``[EL_P2]`` each
-    local expert's choices and first expanded row (blocks aligned), and ``[R_P2, EL_P2]`` the
-    first expanded row of each (source, expert)."""
+    """From the decoded counts: ``[BLOCK_RANKS]`` each source's first and end row,
+    ``[BLOCK_LOCAL_EXPERTS]`` each local expert's choices and first expanded row (blocks
+    aligned), and ``[BLOCK_RANKS, BLOCK_LOCAL_EXPERTS]`` the first expanded row of each
+    (source, expert)."""
     rmask = ranks < NUM_RANKS
     emask = els < E_LOCAL
     row = recv_counts_ptr + ranks * (1 + E_LOCAL)
@@ -448,28 +451,30 @@ def copy_rows(
     out_sf,
     out_sf_token_stride,
     out_sf_group_stride,
-    PW: tl.constexpr,
-    BW: tl.constexpr,
+    ROW_WORDS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
     G: tl.constexpr,
-    G_P2: tl.constexpr,
-    PAY: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+    PAYLOAD_BYTES: tl.constexpr,
     HAS_SF: tl.constexpr,
 ):
     """Copy the payload and scale packs of records ``src`` ([B] int64) to output rows
     ``dst_rows`` where ``live``."""
-    words = tl.arange(0, BW)
+    words = tl.arange(0, BLOCK_WORDS)
     rows = dst_rows.to(tl.int64)
     rec = aligned_ptr(src, tl.int32)
-    for w0 in range(0, PW, BW):
+    for w0 in range(0, ROW_WORDS, BLOCK_WORDS):
         w = w0 + words
-        m = live[:, None] & (w < PW)[None, :]
+        m = live[:, None] & (w < ROW_WORDS)[None, :]
         v = tl.load(rec[:, None] + w[None, :], mask=m, cache_modifier=".cg")
-        tl.store(out_words + rows[:, None] * PW + w[None, :], v, mask=m)
+        tl.store(out_words + rows[:, None] * ROW_WORDS + w[None, :], v, mask=m)
     if HAS_SF:
-        g = tl.arange(0, G_P2)
+        g = tl.arange(0, BLOCK_GROUPS)
         m = live[:, None] & (g < G)[None, :]
         v = tl.load(
-            aligned_ptr(src + PAY, tl.int32)[:, None] + g[None, :], mask=m, cache_modifier=".cg"
+            aligned_ptr(src + PAYLOAD_BYTES, tl.int32)[:, None] + g[None, :],
+            mask=m,
+            cache_modifier=".cg",
         )
         at = rows[:, None] * out_sf_token_stride + g[None, :] * out_sf_group_stride
         tl.store(out_sf + at, v, mask=m)
@@ -489,30 +494,30 @@ def zero_padding(
     out_sf_group_stride,
     out_weights,
     E_LOCAL: tl.constexpr,
-    PW: tl.constexpr,
-    BW: tl.constexpr,
+    ROW_WORDS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
     G: tl.constexpr,
-    G_P2: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
     HAS_SF: tl.constexpr,
     has_weights,
-    BR: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
 ):
     """Zero the rows between each expert's last row and the next aligned start."""
-    words = tl.arange(0, BW)
-    g = tl.arange(0, G_P2)
+    words = tl.arange(0, BLOCK_WORDS)
+    g = tl.arange(0, BLOCK_GROUPS)
     for e in range(pid, E_LOCAL, num_programs):
         first = lane(expert_start + chosen, els, e)
         pads = lane(aligned - chosen, els, e)
-        for r0 in range(0, pads, BR):
-            n = r0 + tl.arange(0, BR)
+        for r0 in range(0, pads, BLOCK_ROWS):
+            n = r0 + tl.arange(0, BLOCK_ROWS)
             live = n < pads
             rows = (first + n).to(tl.int64)
-            for w0 in range(0, PW, BW):
+            for w0 in range(0, ROW_WORDS, BLOCK_WORDS):
                 w = w0 + words
                 tl.store(
-                    out_words + rows[:, None] * PW + w[None, :],
+                    out_words + rows[:, None] * ROW_WORDS + w[None, :],
                     0,
-                    mask=live[:, None] & (w < PW)[None, :],
+                    mask=live[:, None] & (w < ROW_WORDS)[None, :],
                 )
             if HAS_SF:
                 at = rows[:, None] * out_sf_token_stride + g[None, :] * out_sf_group_stride
@@ -525,17 +530,17 @@ def zero_padding(
 def elastic_dispatch_epilogue(
     recv_counts_ptr,  # [R, 1 + E_LOCAL] int32 from elastic_dispatch
     state_ptr,  # [8] int64 mode state (the exchange is closed: its number is EXCHANGES - 1)
-    peer_ptrs,
-    rank,
-    region_offset,
-    region_bytes,
-    max_tokens,
+    peer_ptrs,  # [R] int64 heap base of every rank
+    rank,  # this rank
+    region_offset,  # byte offset of region 0 (region 1 follows at + region_bytes)
+    region_bytes,  # bytes of a region
+    max_tokens,  # slots per source rank in a region (num_max_tokens_per_rank)
     alignment,  # expert_alignment
     num_rows,  # rows of recv_src_metadata (and of the plain outputs)
     num_out_rows,  # rows of recv_x (expanded: more than num_rows)
-    out_words,  # [rows, PW] int32 words of recv_x
+    out_words,  # [rows, ROW_WORDS] int32 words of recv_x
     out_sf,  # [rows, G] int32 view of the scale packs (HAS_SF), strides below
-    out_sf_token_stride,
+    out_sf_token_stride,  # strides of out_sf, in packs
     out_sf_group_stride,
     out_ids,  # [rows, K] int64 local expert ids (plain)
     out_weights,  # [rows, K] (plain) or [rows] (EXPAND) float32 (FLAG_WEIGHTS)
@@ -545,31 +550,31 @@ def elastic_dispatch_epilogue(
     psum_expert_ptr,  # [E_LOCAL] int32 out (FLAG_META)
     unaligned_ptr,  # [E_LOCAL] int32 out (FLAG_META)
     flags,  # FLAG_WEIGHTS | FLAG_ZERO_PAD | FLAG_META
-    K: tl.constexpr,
-    K_P2: tl.constexpr,
-    NUM_RANKS: tl.constexpr,
-    R_P2: tl.constexpr,
-    E_LOCAL: tl.constexpr,
-    EL_P2: tl.constexpr,
-    PW: tl.constexpr,
-    BW: tl.constexpr,
-    G: tl.constexpr,
-    G_P2: tl.constexpr,
-    REC: tl.constexpr,
-    PAY: tl.constexpr,
-    SCL: tl.constexpr,
-    BR: tl.constexpr,  # received tokens per block
-    EXPAND: tl.constexpr,
-    HAS_SF: tl.constexpr,
+    K: tl.constexpr,  # top-k: choices per token
+    BLOCK_K: tl.constexpr,  # K as a power of two (at least 2)
+    NUM_RANKS: tl.constexpr,  # R: ranks of the group
+    BLOCK_RANKS: tl.constexpr,  # NUM_RANKS as a power of two (at least 2)
+    E_LOCAL: tl.constexpr,  # experts per rank
+    BLOCK_LOCAL_EXPERTS: tl.constexpr,  # E_LOCAL as a power of two (at least 2)
+    ROW_WORDS: tl.constexpr,  # int32 words of a row
+    BLOCK_WORDS: tl.constexpr,  # words moved per step
+    G: tl.constexpr,  # scale packs per row
+    BLOCK_GROUPS: tl.constexpr,  # G as a power of two (at least 2)
+    RECORD_BYTES: tl.constexpr,  # bytes of a dispatch record
+    PAYLOAD_BYTES: tl.constexpr,  # bytes of its payload (16-byte aligned)
+    SCALE_BYTES: tl.constexpr,  # bytes of its scale packs (16-byte aligned)
+    BLOCK_ROWS: tl.constexpr,  # received tokens per block
+    EXPAND: tl.constexpr,  # expanded layout: a row per (token, local expert)
+    HAS_SF: tl.constexpr,  # the rows come with scale packs (FP8)
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     call = tl.load(state_ptr, volatile=True) - 1
     region = region_offset + (call % 2) * region_bytes
     my_base = tl.load(peer_ptrs + rank)
-    ranks = tl.arange(0, R_P2)
-    els = tl.arange(0, EL_P2)
-    ks = tl.arange(0, K_P2)
+    ranks = tl.arange(0, BLOCK_RANKS)
+    els = tl.arange(0, BLOCK_LOCAL_EXPERTS)
+    ks = tl.arange(0, BLOCK_K)
     kmask = ks < K
     has_weights = (flags & FLAG_WEIGHTS) != 0
     write_meta = (flags & FLAG_META) != 0
@@ -594,16 +599,16 @@ def elastic_dispatch_epilogue(
             E_LOCAL,
             EXPAND,
         )
-    start_flat = tl.reshape(start, (R_P2 * EL_P2,))
-    for i0 in range(pid * BR, num_rows, num_programs * BR):
-        i = i0 + tl.arange(0, BR)
+    start_flat = tl.reshape(start, (BLOCK_RANKS * BLOCK_LOCAL_EXPERTS,))
+    for i0 in range(pid * BLOCK_ROWS, num_rows, num_programs * BLOCK_ROWS):
+        i = i0 + tl.arange(0, BLOCK_ROWS)
         live = i < total
         source = tl.sum((src_end[None, :] <= i[:, None]).to(tl.int32), 1)
         source = tl.where(live, source, 0)
         pos = i - tl.sum(tl.where(ranks[None, :] == source[:, None], src_start[None, :], 0), 1)
         spot = (source * max_tokens + pos).to(tl.int64)
-        rec = my_base + region + spot * REC
-        meta = aligned_ptr(rec + PAY + SCL, tl.int32)
+        rec = my_base + region + spot * RECORD_BYTES
+        meta = aligned_ptr(rec + PAYLOAD_BYTES + SCALE_BYTES, tl.int32)
         m2 = live[:, None] & kmask[None, :]
         local = tl.load(meta[:, None] + 3 + ks[None, :], mask=m2, other=-1, cache_modifier=".cg")
         weights = tl.load(
@@ -614,8 +619,11 @@ def elastic_dispatch_epilogue(
             ranked = tl.load(
                 meta[:, None] + 3 + K + ks[None, :], mask=m2, other=0, cache_modifier=".cg"
             )
-            at = tl.reshape(source[:, None] * EL_P2 + tl.maximum(local, 0), (BR * K_P2,))
-            block_start = tl.reshape(tl.gather(start_flat, at, 0), (BR, K_P2))
+            at = tl.reshape(
+                source[:, None] * BLOCK_LOCAL_EXPERTS + tl.maximum(local, 0),
+                (BLOCK_ROWS * BLOCK_K,),
+            )
+            block_start = tl.reshape(tl.gather(start_flat, at, 0), (BLOCK_ROWS, BLOCK_K))
             dst = tl.where(
                 (local >= 0) & (block_start + ranked < num_out_rows), block_start + ranked, -1
             )
@@ -629,17 +637,17 @@ def elastic_dispatch_epilogue(
                     out_sf,
                     out_sf_token_stride,
                     out_sf_group_stride,
-                    PW,
-                    BW,
+                    ROW_WORDS,
+                    BLOCK_WORDS,
                     G,
-                    G_P2,
-                    PAY,
+                    BLOCK_GROUPS,
+                    PAYLOAD_BYTES,
                     HAS_SF,
                 )
             if has_weights:
                 tl.store(out_weights + dst.to(tl.int64), weights, mask=m2 & (dst >= 0))
         else:
-            dst = tl.full((BR, K_P2), -1, tl.int32)
+            dst = tl.full((BLOCK_ROWS, BLOCK_K), -1, tl.int32)
             copy_rows(
                 rec,
                 i,
@@ -648,11 +656,11 @@ def elastic_dispatch_epilogue(
                 out_sf,
                 out_sf_token_stride,
                 out_sf_group_stride,
-                PW,
-                BW,
+                ROW_WORDS,
+                BLOCK_WORDS,
                 G,
-                G_P2,
-                PAY,
+                BLOCK_GROUPS,
+                PAYLOAD_BYTES,
                 HAS_SF,
             )
             pad = (i >= total) & (i < num_rows)
@@ -686,11 +694,11 @@ def elastic_dispatch_epilogue(
                 out_sf_group_stride,
                 out_weights,
                 E_LOCAL,
-                PW,
-                BW,
+                ROW_WORDS,
+                BLOCK_WORDS,
                 G,
-                G_P2,
+                BLOCK_GROUPS,
                 HAS_SF,
                 has_weights,
-                BR,
+                BLOCK_ROWS,
             )

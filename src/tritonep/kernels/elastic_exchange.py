@@ -110,27 +110,27 @@ def finish_exchange(state_ptr, call):
 @kernel("tritonep::elastic::barrier", do_not_specialize=["timeout_us"])
 def elastic_barrier(
     peer_ptrs,  # [R] int64 heap base of every rank
-    rank,
+    rank,  # this rank
     barrier_offset,  # byte offset of the [R] int32 barrier flags
     state_ptr,  # [8] int64 mode state
     status_ptr,  # [STATUS_WORDS] int32
     timeout_us,  # limit of the wait, in microseconds (sync.timeout_us)
-    NUM_RANKS: tl.constexpr,
-    R_P2: tl.constexpr,
-    USE_CLOCK: tl.constexpr,
+    NUM_RANKS: tl.constexpr,  # R: ranks of the group
+    BLOCK_RANKS: tl.constexpr,  # NUM_RANKS as a power of two (at least 2)
+    USE_CLOCK: tl.constexpr,  # waits read the GPU clock (not under the interpreter)
 ):
     """One program: every rank stores its barrier count into every peer, then waits for all."""
-    ranks = tl.arange(0, R_P2)
+    ranks = tl.arange(0, BLOCK_RANKS)
     rmask = ranks < NUM_RANKS
     count = (tl.load(state_ptr + BARRIERS, volatile=True) + 1).to(tl.int32)
     peer_base = tl.load(peer_ptrs + ranks, mask=rmask, other=0)
     theirs = (peer_base + barrier_offset + rank * 4).to(tl.pointer_type(tl.int32))
     tl.atomic_xchg(
-        theirs, count + tl.zeros((R_P2,), tl.int32), mask=rmask, sem="release", scope="sys"
+        theirs, count + tl.zeros((BLOCK_RANKS,), tl.int32), mask=rmask, sem="release", scope="sys"
     )
     my_base = tl.load(peer_ptrs + rank)
     mine = (my_base + barrier_offset + ranks * 4).to(tl.pointer_type(tl.int32))
-    targets = count + tl.zeros((R_P2,), tl.int32)
+    targets = count + tl.zeros((BLOCK_RANKS,), tl.int32)
     values, ok = wait_all_at_least(
         mine, targets, rmask, limit_ns(timeout_us, status_ptr), USE_CLOCK
     )

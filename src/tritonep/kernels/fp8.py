@@ -139,20 +139,20 @@ def e4m3_bits(q, EMULATE: tl.constexpr):
 
 @triton.jit
 def quantize_fp8_kernel(
-    x_ptr,
-    q_ptr,
-    scale_ptr,
-    x_stride,
-    H: tl.constexpr,
-    G_P2: tl.constexpr,
-    USE_UE8M0: tl.constexpr,
-    IS_BF16: tl.constexpr,
-    EMULATE: tl.constexpr,
+    x_ptr,  # [N, H] BF16 or float32 rows
+    q_ptr,  # [N, H] e4m3 bytes out
+    scale_ptr,  # [N, G] float32 scales out
+    x_stride,  # elements between rows of x
+    H: tl.constexpr,  # hidden size: channels of a row
+    BLOCK_GROUPS: tl.constexpr,  # G = ceil(H / 128) groups as a power of two
+    USE_UE8M0: tl.constexpr,  # round scales up to powers of two
+    IS_BF16: tl.constexpr,  # x is BF16 (else float32)
+    EMULATE: tl.constexpr,  # bit-level conversions (no FP8 hardware: the interpreter)
 ):
     """One token per program: its ``[G, 128]`` groups, loaded once, quantized, stored."""
     G: tl.constexpr = (H + 127) // 128
     token = tl.program_id(0).to(tl.int64)
-    groups = tl.arange(0, G_P2)
+    groups = tl.arange(0, BLOCK_GROUPS)
     offs = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
     x = tl.load(x_ptr + token * x_stride + offs, mask=offs < H, other=0.0)
     x = from_bf16(x, EMULATE) if IS_BF16 else x.to(tl.float32)
@@ -186,7 +186,7 @@ def _launch_per_token(
     groups = -(-hidden // 128)
     meta.update(
         H=hidden,
-        G_P2=triton.next_power_of_2(groups),
+        BLOCK_GROUPS=triton.next_power_of_2(groups),
         EMULATE=not on_gpu,
         num_warps=4 if groups <= 16 else 8,
     )
@@ -257,26 +257,26 @@ def e4m3_value(code, EMULATE: tl.constexpr):
 
 @triton.jit
 def dequantize_fp8_kernel(
-    q_ptr,
-    scale_ptr,
-    out_ptr,
-    num_tokens,
-    q_batch_stride,
+    q_ptr,  # [B, N, H] e4m3 bytes
+    scale_ptr,  # [B, N, G] float32 scales, any strides
+    out_ptr,  # [B, N, H] BF16 or float32 out
+    num_tokens,  # N: rows per batch
+    q_batch_stride,  # strides of q_ptr, in bytes
     q_stride,
-    scale_batch_stride,
+    scale_batch_stride,  # strides of scale_ptr, in scales
     scale_stride,
     scale_group_stride,
-    H: tl.constexpr,
-    G_P2: tl.constexpr,
-    TO_BF16: tl.constexpr,
-    EMULATE: tl.constexpr,
+    H: tl.constexpr,  # hidden size: channels of a row
+    BLOCK_GROUPS: tl.constexpr,  # G = ceil(H / 128) groups as a power of two
+    TO_BF16: tl.constexpr,  # store BF16 (else float32)
+    EMULATE: tl.constexpr,  # bit-level conversions (no FP8 hardware: the interpreter)
 ):
     """One token per program (axis 0: token, axis 1: batch): ``e4m3 * scale`` in float32,
     stored as the output dtype. Scales may have any strides (the low-latency dispatch returns
     them column-major per expert)."""
     token = tl.program_id(0).to(tl.int64)
     batch = tl.program_id(1).to(tl.int64)
-    groups = tl.arange(0, G_P2)
+    groups = tl.arange(0, BLOCK_GROUPS)
     offs = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
     code = tl.load(q_ptr + batch * q_batch_stride + token * q_stride + offs, mask=offs < H, other=0)
     scale_row = scale_ptr + batch * scale_batch_stride + token * scale_stride

@@ -116,8 +116,8 @@ def ll_combine_kernel(
     H: tl.constexpr,  # hidden size
     K: tl.constexpr,  # top-k
     K_MAX: tl.constexpr,  # top-k columns of a token's receive slots
-    NUM_EXPERTS: tl.constexpr,
-    NUM_RANKS: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,  # experts in all
+    NUM_RANKS: tl.constexpr,  # R: ranks of the group
     M: tl.constexpr,  # max tokens per rank
     RECV_SET_BYTES: tl.constexpr,  # a buffer set of the receive slots
     SLOT_BYTES: tl.constexpr,  # a row's slot: 256 bytes per group, then [G] (log_amin, step)
@@ -125,8 +125,8 @@ def ll_combine_kernel(
     DONE_OFFSET: tl.constexpr,  # heap byte offset of the [R] int64 done counters
     STAGE_OFFSET: tl.constexpr,  # heap byte offset of the staging slots [E_local * R * M] (VIA)
     GPUS_PER_NODE: tl.constexpr,  # ranks r, r' share a node when r // it == r' // it
-    DO_SEND: tl.constexpr,
-    DO_RECV: tl.constexpr,
+    DO_SEND: tl.constexpr,  # run the send phase
+    DO_RECV: tl.constexpr,  # run the receive phase
     USE_CLOCK: tl.constexpr,  # on a GPU (else the interpreter)
     G_P2: tl.constexpr,  # power of two >= ceil(H / 128)
     R_P2: tl.constexpr,  # power of two >= max(NUM_RANKS, 2)

@@ -191,8 +191,8 @@ def ll_dispatch_kernel(
     skipped_ptr,  # [R] int64 (the combine's; unused here)
     H: tl.constexpr,  # hidden size
     K: tl.constexpr,  # top-k
-    NUM_EXPERTS: tl.constexpr,
-    NUM_RANKS: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,  # experts in all
+    NUM_RANKS: tl.constexpr,  # R: ranks of the group
     M: tl.constexpr,  # max tokens per rank
     MSG_BYTES: tl.constexpr,  # a message: header, payload, scales
     RECV_SET_BYTES: tl.constexpr,  # a buffer set of the receive slabs
@@ -204,8 +204,8 @@ def ll_dispatch_kernel(
     USE_FP8: tl.constexpr,  # quantize to e4m3 with a float32 scale per (partial) 128 channels
     USE_UE8M0: tl.constexpr,  # scales rounded up to powers of two
     PACK_UE8M0: tl.constexpr,  # scales as exponent bytes, four to an int32 (implies USE_UE8M0)
-    DO_SEND: tl.constexpr,
-    DO_RECV: tl.constexpr,
+    DO_SEND: tl.constexpr,  # run the send phase
+    DO_RECV: tl.constexpr,  # run the receive phase
     USE_CLOCK: tl.constexpr,  # on a GPU (else the interpreter)
     BLOCK_N: tl.constexpr,  # tokens whose ids are counted at a time
     K_P2: tl.constexpr,  # power of two >= max(K, 2)

@@ -128,13 +128,13 @@ def first_bad_id(
     num_tokens,
     K: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
-    K_P2: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """The first (token, column, id) of ``[num_tokens, K]`` int64 ids whose id lies outside
     ``[-1, NUM_EXPERTS)``, in token order; ``(-1, -1, 0)`` if none. A slow scan: it runs
     only once a kernel has seen such an id."""
-    ks = tl.arange(0, K_P2)
+    ks = tl.arange(0, BLOCK_K)
     found = tl.full((), 2**31 - 1, tl.int32)
     for start in range(0, num_tokens, BLOCK_N):
         tokens = start + tl.arange(0, BLOCK_N)

@@ -81,23 +81,23 @@ class PeerTransport:
 
 
 @triton.jit
-def copy_bytes(dst_addr, src_addr, nbytes, TILE: tl.constexpr = COPY_WORDS):
+def copy_bytes(dst_addr, src_addr, nbytes, BLOCK_WORDS: tl.constexpr = COPY_WORDS):
     """Copy ``nbytes`` (a multiple of 16) between 16-byte aligned addresses, after every
     thread's earlier stores to ``src_addr``.
 
     16-byte vectors (the word count is declared a multiple of 4, else the mask splits every
     access into words), and the next tile loaded before the current one is stored: one
-    program moves a tile per load latency, so a tile in flight sets its rate. ``TILE`` words
+    program moves a tile per load latency, so a tile in flight sets its rate. ``BLOCK_WORDS`` words
     (int32) per step: larger tiles copy faster and take more registers.
     """
     tl.debug_barrier()
     src = aligned_ptr(src_addr, tl.int32)
     dst = aligned_ptr(dst_addr, tl.int32)
     words = tl.multiple_of((tl.cast(nbytes, tl.int64) // 16) * 4, 4)
-    offs = tl.arange(0, TILE)
+    offs = tl.arange(0, BLOCK_WORDS)
     tile = tl.load(src + offs, mask=offs < words)
-    for start in range(0, words, TILE):
-        ahead = start + TILE + offs
+    for start in range(0, words, BLOCK_WORDS):
+        ahead = start + BLOCK_WORDS + offs
         tile_ahead = tl.load(src + ahead, mask=ahead < words)
         tl.store(dst + start + offs, tile, mask=start + offs < words)
         tile = tile_ahead

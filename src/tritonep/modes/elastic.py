@@ -258,7 +258,7 @@ class ElasticMode:
             ("barrier",),
             lambda: dict(
                 NUM_RANKS=R,
-                R_P2=triton.next_power_of_2(max(R, 2)),
+                BLOCK_RANKS=triton.next_power_of_2(max(R, 2)),
                 USE_CLOCK=use_clock(self.device),
             ),
         )
@@ -352,17 +352,17 @@ class ElasticMode:
         dst_slots = empty_output(device, (N, K), torch.int32) if first_call else None
         int32_dummy, int64_dummy = self.status, self.state
         f32_dummy = self._f32_dummy()
-        PW, K_P2 = row_bytes // 4, triton.next_power_of_2(max(K, 2))
-        BT = self._block(max(1, min(16, 128 // K_P2)), N, num_sms)
+        ROW_WORDS, BLOCK_K = row_bytes // 4, triton.next_power_of_2(max(K, 2))
+        BLOCK_TOKENS = self._block(max(1, min(16, 128 // BLOCK_K)), N, num_sms)
         rec = record_bytes(row_bytes, G, K)
         pay, scl = _align(row_bytes, 16), _align(4 * G, 16)
         key = (
             "dispatch",
             K,
             num_experts,
-            PW,
+            ROW_WORDS,
             G,
-            BT,
+            BLOCK_TOKENS,
             sf is not None,
         )
         flags = (
@@ -373,7 +373,7 @@ class ElasticMode:
         )
         self._launch(
             elastic_dispatch.elastic_dispatch,
-            self._programs(num_sms, N, BT),
+            self._programs(num_sms, N, BLOCK_TOKENS),
             (
                 x.view(torch.int32),
                 sf.view(torch.int32) if sf is not None else int32_dummy,
@@ -401,24 +401,24 @@ class ElasticMode:
             key,
             lambda: dict(
                 K=K,
-                K_P2=K_P2,
+                BLOCK_K=BLOCK_K,
                 NUM_EXPERTS=num_experts,
-                E_P2=triton.next_power_of_2(max(num_experts, 2)),
+                BLOCK_EXPERTS=triton.next_power_of_2(max(num_experts, 2)),
                 E_LOCAL=E_local,
-                EL1_P2=triton.next_power_of_2(E_local + 1),
+                BLOCK_COUNTS=triton.next_power_of_2(E_local + 1),
                 NUM_RANKS=R,
-                R_P2=triton.next_power_of_2(max(R, 2)),
-                PW=PW,
-                BW=min(triton.next_power_of_2(PW), 8192 // BT),
+                BLOCK_RANKS=triton.next_power_of_2(max(R, 2)),
+                ROW_WORDS=ROW_WORDS,
+                BLOCK_WORDS=min(triton.next_power_of_2(ROW_WORDS), 8192 // BLOCK_TOKENS),
                 G=G,
-                G_P2=triton.next_power_of_2(max(G, 2)),
-                REC=rec,
-                PAY=pay,
-                SCL=scl,
+                BLOCK_GROUPS=triton.next_power_of_2(max(G, 2)),
+                RECORD_BYTES=rec,
+                PAYLOAD_BYTES=pay,
+                SCALE_BYTES=scl,
                 HEADER_WORDS=HEADER_WORDS,
-                BT=BT,
+                BLOCK_TOKENS=BLOCK_TOKENS,
                 # The scan of the earlier ranges' ids reads 1024 of them a step.
-                SCAN_T=max(BT, 1024 // K_P2),
+                SCAN_BLOCK_TOKENS=max(BLOCK_TOKENS, 1024 // BLOCK_K),
                 HAS_SF=sf is not None,
                 USE_CLOCK=use_clock(device),
                 num_warps=8,
@@ -516,16 +516,16 @@ class ElasticMode:
         write_meta = out.recv_src_metadata is not None
         recv_sf = out.recv_sf
         has_sf, has_w = recv_sf is not None, out.recv_topk_weights is not None
-        PW, K_P2 = row_bytes // 4, triton.next_power_of_2(max(K, 2))
-        BR = self._block(16, out.num_recv_tokens, self.num_device_sms)
+        ROW_WORDS, BLOCK_K = row_bytes // 4, triton.next_power_of_2(max(K, 2))
+        BLOCK_ROWS = self._block(16, out.num_recv_tokens, self.num_device_sms)
         rows = out.recv_x.shape[0]
         key = (
             "epilogue",
             K,
             E_local,
-            PW,
+            ROW_WORDS,
             G,
-            BR,
+            BLOCK_ROWS,
             do_expand,
             has_sf,
         )
@@ -536,7 +536,7 @@ class ElasticMode:
         )
         self._launch(
             elastic_dispatch.elastic_dispatch_epilogue,
-            self._programs(self.num_device_sms, max(out.num_recv_tokens, E_local), BR),
+            self._programs(self.num_device_sms, max(out.num_recv_tokens, E_local), BLOCK_ROWS),
             (
                 recv_counts,
                 self.state,
@@ -564,19 +564,19 @@ class ElasticMode:
             key,
             lambda: dict(
                 K=K,
-                K_P2=K_P2,
+                BLOCK_K=BLOCK_K,
                 NUM_RANKS=R,
-                R_P2=triton.next_power_of_2(max(R, 2)),
+                BLOCK_RANKS=triton.next_power_of_2(max(R, 2)),
                 E_LOCAL=E_local,
-                EL_P2=triton.next_power_of_2(max(E_local, 2)),
-                PW=PW,
-                BW=min(triton.next_power_of_2(PW), 512),
+                BLOCK_LOCAL_EXPERTS=triton.next_power_of_2(max(E_local, 2)),
+                ROW_WORDS=ROW_WORDS,
+                BLOCK_WORDS=min(triton.next_power_of_2(ROW_WORDS), 512),
                 G=G,
-                G_P2=triton.next_power_of_2(max(G, 2)),
-                REC=record_bytes(row_bytes, G, K),
-                PAY=_align(row_bytes, 16),
-                SCL=_align(4 * G, 16),
-                BR=BR,
+                BLOCK_GROUPS=triton.next_power_of_2(max(G, 2)),
+                RECORD_BYTES=record_bytes(row_bytes, G, K),
+                PAYLOAD_BYTES=_align(row_bytes, 16),
+                SCALE_BYTES=_align(4 * G, 16),
+                BLOCK_ROWS=BLOCK_ROWS,
                 EXPAND=do_expand,
                 HAS_SF=has_sf,
                 num_warps=8,
@@ -628,10 +628,14 @@ class ElasticMode:
         has_w = topk_weights is not None
         multi = multiple_reduction or not do_expand
         f32_dummy, crec = self._f32_dummy(), combine_record_bytes(H, K)
-        K_P2, BR, BH = triton.next_power_of_2(max(K, 2)), 8, min(triton.next_power_of_2(H), 1024)
+        BLOCK_K, BLOCK_ROWS, BLOCK_CHANNELS = (
+            triton.next_power_of_2(max(K, 2)),
+            8,
+            min(triton.next_power_of_2(H), 1024),
+        )
         self._launch(
             elastic_combine.elastic_combine,
-            self._programs(num_sms, recv_src_metadata.shape[0], BR),
+            self._programs(num_sms, recv_src_metadata.shape[0], BLOCK_ROWS),
             (
                 x,
                 topk_weights if has_w else f32_dummy,
@@ -653,13 +657,13 @@ class ElasticMode:
             lambda: dict(
                 H=H,
                 K=K,
-                K_P2=K_P2,
+                BLOCK_K=BLOCK_K,
                 NUM_RANKS=R,
-                R_P2=triton.next_power_of_2(max(R, 2)),
-                CREC=crec,
+                BLOCK_RANKS=triton.next_power_of_2(max(R, 2)),
+                COMBINE_RECORD_BYTES=crec,
                 HEADER_WORDS=HEADER_WORDS,
-                BR=BR,
-                BH=BH,
+                BLOCK_ROWS=BLOCK_ROWS,
+                BLOCK_CHANNELS=BLOCK_CHANNELS,
                 EXPAND=do_expand,
                 MULTI=multi,
                 USE_CLOCK=use_clock(device),
@@ -672,10 +676,10 @@ class ElasticMode:
         out = empty_output(device, (N, H), torch.bfloat16)
         out_w = empty_output(device, (N, K), torch.float32) if has_w else None
         terms = tuple(bias) + (out,) * (2 - len(bias))  # unused pointers when fewer
-        BT = self._block(8, N, self.num_device_sms)
+        BLOCK_TOKENS = self._block(8, N, self.num_device_sms)
         self._launch(
             elastic_combine.elastic_combine_epilogue,
-            self._programs(self.num_device_sms, N, BT),
+            self._programs(self.num_device_sms, N, BLOCK_TOKENS),
             (
                 topk_idx,
                 terms[0],
@@ -692,18 +696,18 @@ class ElasticMode:
                 len(bias),
                 int(has_w),
             ),
-            ("reduce", H, K, num_experts, slots, multi, BT),
+            ("reduce", H, K, num_experts, slots, multi, BLOCK_TOKENS),
             lambda: dict(
                 H=H,
                 K=K,
-                K_P2=K_P2,
+                BLOCK_K=BLOCK_K,
                 NUM_EXPERTS=num_experts,
                 E_LOCAL=E_local,
                 SLOTS=slots,
                 RANK_SLOTS=multi,
-                CREC=crec,
-                BT=BT,
-                BH=BH,
+                COMBINE_RECORD_BYTES=crec,
+                BLOCK_TOKENS=BLOCK_TOKENS,
+                BLOCK_CHANNELS=BLOCK_CHANNELS,
                 USE_CLOCK=use_clock(device),
                 num_warps=8,
                 enable_fp_fusion=False,
