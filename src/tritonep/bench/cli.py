@@ -145,7 +145,10 @@ def _rank_main(ctx, mode: str, opts: types.SimpleNamespace) -> list[dict]:
 def _by_device(mode: str, name: str) -> str:
     """``(default: G on GPUs, C on CPU ranks)`` for an option whose default depends on where
     the ranks run."""
-    gpu, cpu = DEFAULTS[mode][name] if name in DEFAULTS[mode] else CONFIG_DEFAULTS[name]
+    if name == "iters":
+        gpu, cpu = (str(n) for n in DEFAULT_ITERS[mode])
+    else:
+        gpu, cpu = DEFAULTS[mode][name] if name in DEFAULTS[mode] else CONFIG_DEFAULTS[name]
     return f"(default: {gpu} on GPUs, {cpu} on CPU ranks)"
 
 
