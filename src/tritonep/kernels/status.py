@@ -122,11 +122,12 @@ def record_bad_id(status_ptr, rank, phase, token, column, bad_id):
 
 
 @triton.jit
-def first_bad_id(topk_idx_ptr, num_tokens, K: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-                 K_P2: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+def first_bad_id(topk_idx_ptr, num_tokens, K, NUM_EXPERTS: tl.constexpr, K_P2: tl.constexpr,
+                 BLOCK_N: tl.constexpr):  # fmt: skip
     """The first (token, column, id) of ``[num_tokens, K]`` int64 ids whose id lies outside
-    ``[-1, NUM_EXPERTS)``, in token order; ``(-1, -1, 0)`` if none. A slow scan: it runs
-    only once a kernel has seen such an id."""
+    ``[-1, NUM_EXPERTS)``, in token order; ``(-1, -1, 0)`` if none (``K``, at most ``K_P2``,
+    a constexpr or a run-time value). A slow scan: it runs only once a kernel has seen such
+    an id."""
     ks = tl.arange(0, K_P2)
     found = tl.full((), 2**31 - 1, tl.int32)
     for start in range(0, num_tokens, BLOCK_N):
