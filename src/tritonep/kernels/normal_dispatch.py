@@ -397,7 +397,9 @@ def dispatch_send(
             if not arrived:
                 record_timeout(status_ptr, -1, PHASE_DISPATCH_RELAY, timeout_ns, channel)
                 budget = tl.zeros((), tl.int64)
-            tmask = tmask & arrived
+            # Rows not arrived are not read. (A tile compare, not `tmask & arrived`: Triton
+            # 3.9's interpreter splats a scalar comparison as int32, which no mask accepts.)
+            tmask = tokens < tl.where(arrived, t1, 0)
         if HAS_TOPK or RANKS_FROM_IDS:
             ids, bad_here = step_ids(topk_idx_ptr, tokens, tmask, K, E_LOCAL * NUM_RANKS,
                                      BLOCK_K)  # fmt: skip
