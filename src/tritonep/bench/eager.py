@@ -9,6 +9,8 @@
   (``torch.profiler``), summed per call.
 * :func:`process_defaults`: ``torch.set_default_device`` and ``set_default_dtype(bfloat16)``,
   as DeepEP's tests set them, for the loops above run both ways.
+* :func:`eager_columns`: all of the above for one dispatch and combine, as a benchmark row's
+  columns (``tritonep bench normal|low-latency --eager``).
 
 GPU only: every figure is None on CPU ranks, whose kernels run under the interpreter.
 """
@@ -42,8 +44,9 @@ def process_defaults(device: torch.device, on: bool):
         torch.set_default_dtype(torch.float32)
 
 
-def eager_pair_us(dispatch, combine, device: torch.device, group=None, iters: int = 50,
-                  warmups: int = 50) -> float | None:  # fmt: skip
+def eager_pair_us(
+    dispatch, combine, device: torch.device, group=None, iters: int = 50, warmups: int = 50
+) -> float | None:
     """Median microseconds from an event before ``dispatch()`` to one after ``combine()``
     (``combine`` takes what ``dispatch`` returned), each iteration after an L2 flush."""
     if device.type != "cuda":
@@ -64,8 +67,9 @@ def eager_pair_us(dispatch, combine, device: torch.device, group=None, iters: in
     return statistics.median(times)
 
 
-def host_us(fn, device: torch.device, group=None, calls: int = 200,
-            repeats: int = 5) -> float | None:  # fmt: skip
+def host_us(
+    fn, device: torch.device, group=None, calls: int = 200, repeats: int = 5
+) -> float | None:
     """Median over ``repeats`` runs of the host microseconds per call of ``fn``, ``calls``
     calls back to back; every rank starts each run together."""
     if device.type != "cuda":
@@ -103,3 +107,29 @@ def kernel_us(fn, device: torch.device, group=None, calls: int = 20) -> float | 
         if getattr(event, "device_type", None) == torch.autograd.DeviceType.CUDA:
             total += event.device_time_total if hasattr(event, "device_time_total") else 0.0
     return total / calls
+
+
+def eager_columns(
+    dispatch, combine, device: torch.device, group=None, iters: int = 50
+) -> dict[str, float]:
+    """Columns of a benchmark row (microseconds, this rank's; the caller averages over ranks):
+    ``eager_pair_us`` (:func:`eager_pair_us`), ``host_dispatch_us`` and ``host_combine_us``
+    (:func:`host_us`; combine of the last dispatch's output), each again with the process-wide
+    defaults set (``*_defaults_us``), and ``kernel_pair_us`` (:func:`kernel_us`). ``dispatch()``
+    returns what ``combine`` takes; their inputs must not depend on the defaults (built with
+    an explicit device and dtype). Empty on CPU ranks."""
+    if device.type != "cuda":
+        return {}
+    columns = {}
+    for suffix, on in (("", False), ("_defaults", True)):
+        with process_defaults(device, on):
+            columns[f"eager_pair{suffix}_us"] = eager_pair_us(
+                dispatch, combine, device, group, iters, iters
+            )
+            out = dispatch()
+            columns[f"host_dispatch{suffix}_us"] = host_us(dispatch, device, group)
+            columns[f"host_combine{suffix}_us"] = host_us(
+                lambda out=out: combine(out), device, group
+            )
+    columns["kernel_pair_us"] = kernel_us(lambda: combine(dispatch()), device, group)
+    return columns
