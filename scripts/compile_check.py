@@ -50,10 +50,14 @@ def _rank(ctx, args):
     low = ll.LowLatencyMode(None, args.ll_max_tokens, H, E, max_topk=K, device=device)
     stats = torch.zeros(E // R, dtype=torch.int32, device=device)
     kernels = {
-        "normal": [layout.dispatch_layout_kernel, normal_notify.notify_kernel,
-                   normal_dispatch.normal_dispatch_kernel, normal_combine.normal_combine_kernel],
+        "normal": [
+            layout.dispatch_layout_kernel,
+            normal_notify.notify_kernel,
+            normal_dispatch.normal_dispatch_kernel,
+            normal_combine.normal_combine_kernel,
+        ],
         "low-latency": [ll.DISPATCH_KERNEL, ll.COMBINE_KERNEL],
-    }  # fmt: skip
+    }
 
     def normal_step(n):
         x = torch.randn(n, H, generator=gen).to(torch.bfloat16).to(device)
@@ -76,8 +80,10 @@ def _rank(ctx, args):
         y = torch.zeros(recv_x[0].shape, dtype=torch.bfloat16, device=device)
         low.combine(y, idx, w, handle)
 
-    for name, step, most in [("normal", normal_step, args.max_tokens),
-                             ("low-latency", low_latency_step, args.ll_max_tokens)]:  # fmt: skip
+    for name, step, most in [
+        ("normal", normal_step, args.max_tokens),
+        ("low-latency", low_latency_step, args.ll_max_tokens),
+    ]:
         for i in range(args.steps):
             n = int(torch.randint(1, most + 1, (1,), generator=gen))
             torch.cuda.synchronize(device)

@@ -274,8 +274,10 @@ def _normal(ctx, args, group, lines, on_gpu):
         fn()
         _sync(device)
         first.append((name, time.perf_counter() - start))
-    lines.append("normal first calls (compile or cache load included): "
-                 + ", ".join(f"{name} {t:.2f} s" for name, t in first))  # fmt: skip
+    lines.append(
+        "normal first calls (compile or cache load included): "
+        + ", ".join(f"{name} {t:.2f} s" for name, t in first)
+    )
     for defaults in (False, True):
         with _defaults(device, defaults):
             for name, fn in ops:

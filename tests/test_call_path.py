@@ -24,19 +24,43 @@ from tritonep.testing import make_case
 LL_SHARED = ll_dispatch.LowLatencyShared
 NORMAL_SHARED = normal_dispatch.NormalShared
 KERNELS = {
-    "ll-dispatch": (ll_dispatch.ll_dispatch_kernel, ll_dispatch.DispatchCall, LL_SHARED,
-                    ll_dispatch.DispatchVariant),
-    "ll-combine": (ll_combine.ll_combine_kernel, ll_combine.CombineCall, LL_SHARED,
-                   ll_combine.CombineVariant),
-    "notify": (normal_notify.notify_kernel, normal_notify.NotifyCall, NORMAL_SHARED,
-               normal_notify.NotifyVariant),
-    "normal-dispatch": (normal_dispatch.normal_dispatch_kernel, normal_dispatch.DispatchCall,
-                        NORMAL_SHARED, normal_dispatch.DispatchVariant),
-    "normal-combine": (normal_combine.normal_combine_kernel, normal_combine.CombineCall,
-                       NORMAL_SHARED, normal_combine.CombineVariant),
-    "layout": (layout.dispatch_layout_kernel, layout.LayoutCall, layout.LayoutShared,
-               layout.LayoutVariant),
-}  # fmt: skip
+    "ll-dispatch": (
+        ll_dispatch.ll_dispatch_kernel,
+        ll_dispatch.DispatchCall,
+        LL_SHARED,
+        ll_dispatch.DispatchVariant,
+    ),
+    "ll-combine": (
+        ll_combine.ll_combine_kernel,
+        ll_combine.CombineCall,
+        LL_SHARED,
+        ll_combine.CombineVariant,
+    ),
+    "notify": (
+        normal_notify.notify_kernel,
+        normal_notify.NotifyCall,
+        NORMAL_SHARED,
+        normal_notify.NotifyVariant,
+    ),
+    "normal-dispatch": (
+        normal_dispatch.normal_dispatch_kernel,
+        normal_dispatch.DispatchCall,
+        NORMAL_SHARED,
+        normal_dispatch.DispatchVariant,
+    ),
+    "normal-combine": (
+        normal_combine.normal_combine_kernel,
+        normal_combine.CombineCall,
+        NORMAL_SHARED,
+        normal_combine.CombineVariant,
+    ),
+    "layout": (
+        layout.dispatch_layout_kernel,
+        layout.LayoutCall,
+        layout.LayoutShared,
+        layout.LayoutVariant,
+    ),
+}
 
 
 @pytest.mark.parametrize("name", list(KERNELS))
@@ -364,8 +388,7 @@ def _normal_host_reads_body(ctx):
     from tritonep.modes import normal as nm
 
     me = ctx.rank
-    mode = nm.NormalMode(None, 128, 2 * ctx.world_size, max_topk=3, device=ctx.device,
-                         timeout_s=60)  # fmt: skip
+    mode = nm.NormalMode(None, 128, 2 * ctx.world_size, max_topk=3, device=ctx.device, timeout_s=60)
     _, dev = _normal_case(ctx, 5, [7, 4, 9])
     calls = _normal_calls(mode, dev, me, 40)
     calls()  # every variant made once
@@ -411,8 +434,7 @@ def test_normal_calls_read_nothing_on_the_host(run_ranks):
 def _normal_sync_debug_body(ctx):
     from tritonep.modes import normal as nm
 
-    mode = nm.NormalMode(None, 128, 2 * ctx.world_size, max_topk=3, device=ctx.device,
-                         timeout_s=60)  # fmt: skip
+    mode = nm.NormalMode(None, 128, 2 * ctx.world_size, max_topk=3, device=ctx.device, timeout_s=60)
     _, dev = _normal_case(ctx, 5, [7, 4, 9, 3])
     calls = _normal_calls(mode, dev, ctx.rank, 64)
     calls()
@@ -453,8 +475,10 @@ def _normal_variants_body(ctx, steps):
         free = launcher.not_specialized(self.fn)
         runtime, _ = launcher.kernel_params(self.fn)
         args = [self.placeholder if a is None else a for a in list(call) + list(shared.args)]
-        spec = tuple(native_specialize_impl(BaseBackend, a, False, n not in free, True)
-                     for n, a in zip(runtime, args, strict=True))  # fmt: skip
+        spec = tuple(
+            native_specialize_impl(BaseBackend, a, False, n not in free, True)
+            for n, a in zip(runtime, args, strict=True)
+        )
         keys.add((self.fn.__name__, tuple(sorted(self.meta.items())), spec))
         return triton_path(self, call, shared, grid)
 
@@ -599,12 +623,10 @@ def _normal_bad_ids_body(ctx, kind):
     elif kind == "dispatch":  # a layout made elsewhere: the dispatch kernel records
         clean = torch.where(bad >= E, -1, bad)
         _, per_expert, in_rank = mode.get_dispatch_layout(clean)
-        first = attempt(lambda: mode.dispatch(x, bad, w, per_expert, in_rank,
-                                              num_worst_tokens=40))  # fmt: skip
+        first = attempt(lambda: mode.dispatch(x, bad, w, per_expert, in_rank, num_worst_tokens=40))
     else:
         first = attempt(lambda: mode.dispatch(x, bad, w, num_worst_tokens=40))
-    attempt(lambda: mode.combine(_combine_input(first, me), first.handle,
-                                 first.recv_topk_weights))  # fmt: skip
+    attempt(lambda: mode.combine(_combine_input(first, me), first.handle, first.recv_topk_weights))
     # Still in step: a clean call matches the reference on every rank.
     out = mode.dispatch(x, idx, w)
     y = _combine_input(out, me)
@@ -621,8 +643,7 @@ def test_normal_bad_ids_are_dropped_and_raised_after_the_launches(run_ranks, kin
     assert errors[1] == errors[2] == [None, None], errors
     bad = -5 if kind == "negative" else 9
     where = "dispatch" if kind == "dispatch" else "get_dispatch_layout"
-    message = (f"topk_idx: token 4, column 2 of rank 0's {where} names expert {bad}, outside "
-               "[-1, 6)")  # fmt: skip
+    message = f"topk_idx: token 4, column 2 of rank 0's {where} names expert {bad}, outside [-1, 6)"
     if kind == "exact":  # raised by the call that read the host
         assert errors[0][0].startswith(message) and errors[0][1] is None, errors[0]
     else:
@@ -634,8 +655,7 @@ def _normal_defaults_body(ctx):
     from tritonep.modes import normal as nm
 
     me = ctx.rank
-    mode = nm.NormalMode(None, 128, 2 * ctx.world_size, max_topk=3, device=ctx.device,
-                         timeout_s=60)  # fmt: skip
+    mode = nm.NormalMode(None, 128, 2 * ctx.world_size, max_topk=3, device=ctx.device, timeout_s=60)
     _, dev = _normal_case(ctx, 71, [7, 4, 9])
     x, idx, w = dev.x[me], dev.topk_idx[me], dev.topk_weights[me]
     results = []
@@ -648,15 +668,24 @@ def _normal_defaults_body(ctx):
             exact = mode.dispatch(x, idx, w, per_expert, in_rank)
             worst = mode.dispatch(x, idx, w, num_worst_tokens=40)
             cached = mode.dispatch(x, handle=exact.handle)
-            combined, combined_w = mode.combine(exact.recv_x, exact.handle,
-                                                exact.recv_topk_weights)  # fmt: skip
+            combined, combined_w = mode.combine(exact.recv_x, exact.handle, exact.recv_topk_weights)
         finally:
             torch.set_default_device(None)
             torch.set_default_dtype(torch.float32)
-        tensors = (per_expert, in_rank, exact.recv_x, exact.recv_topk_idx, worst.recv_x[:5],
-                   worst.recv_topk_idx, cached.recv_x, combined, combined_w)  # fmt: skip
-        results.append([t.cpu().view(torch.uint8) if t.dtype.is_floating_point else t.cpu()
-                        for t in tensors])  # fmt: skip
+        tensors = (
+            per_expert,
+            in_rank,
+            exact.recv_x,
+            exact.recv_topk_idx,
+            worst.recv_x[:5],
+            worst.recv_topk_idx,
+            cached.recv_x,
+            combined,
+            combined_w,
+        )
+        results.append(
+            [t.cpu().view(torch.uint8) if t.dtype.is_floating_point else t.cpu() for t in tensors]
+        )
     mode.check()
     mode.destroy()
     return all(torch.equal(a, b) for a, b in zip(*results, strict=True))

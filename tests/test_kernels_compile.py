@@ -225,20 +225,50 @@ for name, sig, meta in [
 # The normal-mode kernels, their signatures from their argument bundles (as launched).
 TYPES = {
     # shared (NormalShared, LayoutShared)
-    "peer_ptrs": "*i64", "pe_ptr": "*i32", "rank": "i32", "state_ptr": "*i64",
-    "status_ptr": "*i32", "timeout_us": "i32", "decoded_ptr": "*i32", "partial_ptr": "*i32",
+    "peer_ptrs": "*i64",
+    "pe_ptr": "*i32",
+    "rank": "i32",
+    "state_ptr": "*i64",
+    "status_ptr": "*i32",
+    "timeout_us": "i32",
+    "decoded_ptr": "*i32",
+    "partial_ptr": "*i32",
     "arrivals_ptr": "*i32",
     # per call
-    "counts_ptr": "*i1", "num_tokens": "i32", "num_rows": "i32", "max_rows": "i32", "K": "i32",
-    "alignment": "i32", "per_expert_ptr": "*i32", "per_rank_ptr": "*i32", "extra_ptr": "*i32",
-    "extra_out_ptr": "*i32", "recv_count_ptr": "*i32", "recv_start_ptr": "*i32",
-    "host_info_ptr": "*i32", "trace_ptr": "*i64", "x_ptr": "*fp8e4nv", "scales_ptr": "*fp32",
-    "topk_idx_ptr": "*i64", "topk_weights_ptr": "*fp32", "in_rank_ptr": "*i1",
-    "src_tag_ptr": "*i32", "out_x_ptr": "*fp8e4nv", "out_scales_ptr": "*fp32",
-    "out_topk_idx_ptr": "*i64", "out_weights_ptr": "*fp32", "out_src_ptr": "*i32",
-    "bounds_ptr": "*i32", "ready_ptr": "*i32", "relay_call_ptr": "*i64", "row_map_ptr": "*i32",
-    "weights_ptr": "*fp32", "bias0_ptr": "*bf16", "bias1_ptr": "*bf16", "out_ptr": "*bf16",
-}  # fmt: skip
+    "counts_ptr": "*i1",
+    "num_tokens": "i32",
+    "num_rows": "i32",
+    "max_rows": "i32",
+    "K": "i32",
+    "alignment": "i32",
+    "per_expert_ptr": "*i32",
+    "per_rank_ptr": "*i32",
+    "extra_ptr": "*i32",
+    "extra_out_ptr": "*i32",
+    "recv_count_ptr": "*i32",
+    "recv_start_ptr": "*i32",
+    "host_info_ptr": "*i32",
+    "trace_ptr": "*i64",
+    "x_ptr": "*fp8e4nv",
+    "scales_ptr": "*fp32",
+    "topk_idx_ptr": "*i64",
+    "topk_weights_ptr": "*fp32",
+    "in_rank_ptr": "*i1",
+    "src_tag_ptr": "*i32",
+    "out_x_ptr": "*fp8e4nv",
+    "out_scales_ptr": "*fp32",
+    "out_topk_idx_ptr": "*i64",
+    "out_weights_ptr": "*fp32",
+    "out_src_ptr": "*i32",
+    "bounds_ptr": "*i32",
+    "ready_ptr": "*i32",
+    "relay_call_ptr": "*i64",
+    "row_map_ptr": "*i32",
+    "weights_ptr": "*fp32",
+    "bias0_ptr": "*bf16",
+    "bias1_ptr": "*bf16",
+    "out_ptr": "*bf16",
+}
 
 
 def _signature(call, shared, **types):
@@ -267,12 +297,25 @@ KERNELS.append(
 _LAYOUT = NormalLayout.of(7168, 4, 64, 8, 16, 128, staged=True, notify_extra=96)
 NOTIFY = _signature(normal_notify.NotifyCall, normal_dispatch.NormalShared)
 NOTIFY_META = dict(
-    NUM_RANKS=4, NUM_CHANNELS=12, E_LOCAL=64, ROW_WORDS=_LAYOUT.notify_row,
-    SET_BYTES=_LAYOUT.notify_set, NOTIFY_OFFSET=_LAYOUT.notify,
-    STAGE_OFFSET=_LAYOUT.stage_notify, EXTRA=0, COUNTS_GIVEN=False, CHANNEL_MAJOR=False,
-    USE_CLOCK=True, BLOCK_TOKENS=256, BLOCK_CHANNELS=16, BLOCK_EXPERTS=64, BLOCK_RANKS=4,
-    BLOCK_EXTRA=2, PROFILE=False, VIA=0,
-)  # fmt: skip
+    NUM_RANKS=4,
+    NUM_CHANNELS=12,
+    E_LOCAL=64,
+    ROW_WORDS=_LAYOUT.notify_row,
+    SET_BYTES=_LAYOUT.notify_set,
+    NOTIFY_OFFSET=_LAYOUT.notify,
+    STAGE_OFFSET=_LAYOUT.stage_notify,
+    EXTRA=0,
+    COUNTS_GIVEN=False,
+    CHANNEL_MAJOR=False,
+    USE_CLOCK=True,
+    BLOCK_TOKENS=256,
+    BLOCK_CHANNELS=16,
+    BLOCK_EXPERTS=64,
+    BLOCK_RANKS=4,
+    BLOCK_EXTRA=2,
+    PROFILE=False,
+    VIA=0,
+)
 NORMAL_DISPATCH = _signature(normal_dispatch.DispatchCall, normal_dispatch.NormalShared)
 NORMAL_DISPATCH_META = dict(
     ROW_WORDS=1792, SCALE_WORDS=56, E_LOCAL=64, NUM_RANKS=4, NUM_CHANNELS=12, MAX_CHANNELS=16,
@@ -284,8 +327,7 @@ NORMAL_DISPATCH_META = dict(
     USE_CLOCK=True, BLOCK_TOKENS=8, BLOCK_ROWS=8, BLOCK_SEND_WORDS=512, BLOCK_RECV_WORDS=256,
     BLOCK_RANKS=4, BLOCK_K=8, BLOCK_SCALES=64, PROFILE=False, VIA=0,
 )  # fmt: skip
-NORMAL_COMBINE = _signature(normal_combine.CombineCall, normal_dispatch.NormalShared,
-                            x_ptr="*bf16")  # fmt: skip
+NORMAL_COMBINE = _signature(normal_combine.CombineCall, normal_dispatch.NormalShared, x_ptr="*bf16")
 NORMAL_COMBINE_META = dict(
     H=7168, NUM_RANKS=4, NUM_CHANNELS=12, MAX_CHANNELS=16, RING=128, RING_STRIDE=128,
     SLOT_BYTES=_LAYOUT.combine_slot, RING_OFFSET=_LAYOUT.combine_ring,
@@ -710,11 +752,17 @@ def test_a_new_batch_size_compiles_nothing_in_low_latency_mode(name, param):
 
 @pytest.mark.parametrize(
     "name, param",
-    [("notify_kernel", "num_tokens"), ("notify_kernel", "max_rows"),
-     ("notify_kernel", "alignment"), ("normal_dispatch_kernel", "num_tokens"),
-     ("normal_dispatch_kernel", "max_rows"), ("normal_combine_kernel", "num_tokens"),
-     ("normal_combine_kernel", "num_rows"), ("dispatch_layout_kernel", "num_tokens")],
-)  # fmt: skip
+    [
+        ("notify_kernel", "num_tokens"),
+        ("notify_kernel", "max_rows"),
+        ("notify_kernel", "alignment"),
+        ("normal_dispatch_kernel", "num_tokens"),
+        ("normal_dispatch_kernel", "max_rows"),
+        ("normal_combine_kernel", "num_tokens"),
+        ("normal_combine_kernel", "num_rows"),
+        ("dispatch_layout_kernel", "num_tokens"),
+    ],
+)
 def test_a_new_token_count_compiles_nothing_in_normal_mode(name, param):
     """Token and row counts (one token, a multiple of 16, any other) and the alignment reach
     the normal-mode kernels unspecialized: after 4096 tokens, 128 and 1000 tokens once

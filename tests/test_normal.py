@@ -384,8 +384,10 @@ def test_an_unchecked_overflow_does_not_hide_a_later_timeout(run_ranks):
     assert checked == [checked[0]] * 2, errors
     # The first dispatch read the overflow before its count exchange gave up (or, on CPU
     # ranks, whose launches end before the call returns, the timeout that replaced it).
-    assert dispatched[0] is None or dispatched[0] == checked[0] or (
-        dispatched[0].startswith("ValueError: num_worst_tokens")
+    assert (
+        dispatched[0] is None
+        or dispatched[0] == checked[0]
+        or (dispatched[0].startswith("ValueError: num_worst_tokens"))
     ), errors
     assert dispatched[1] == checked[0], errors
 

@@ -314,8 +314,9 @@ class Buffer:
         """
         with torch._C.DisableTorchFunction():
             check_num_experts(num_experts, self.group_size)
-            check_topk_idx("topk_idx", topk_idx, None, num_experts,
-                           check_range=bool(self.check_ids))  # fmt: skip
+            check_topk_idx(
+                "topk_idx", topk_idx, None, num_experts, check_range=bool(self.check_ids)
+            )
             if previous_event is not None:
                 previous_event.current_stream_wait()
             # Once the normal mode exists, its kernel and status: bad ids are then recorded
@@ -338,8 +339,9 @@ class Buffer:
         if self._layout_status is None or self._layout_status.words.device != device:
             self._layout_status = Status(device)
             self._layouts.clear()
-        layout = DispatchLayout(device, num_experts, self.group_size, self._layout_status,
-                                self.rank)  # fmt: skip
+        layout = DispatchLayout(
+            device, num_experts, self.group_size, self._layout_status, self.rank
+        )
         self._layouts[num_experts] = layout
         return layout
 
@@ -504,17 +506,38 @@ class Buffer:
         with torch._C.DisableTorchFunction():  # a function mode would see every tensor access
             recorded = self._layout_recorded()
             out = self._dispatch(
-                x, handle, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
-                topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
-                previous_event, async_finish,
-            )  # fmt: skip
+                x,
+                handle,
+                num_tokens_per_rdma_rank,
+                is_token_in_rank,
+                num_tokens_per_expert,
+                topk_idx,
+                topk_weights,
+                expert_alignment,
+                num_worst_tokens,
+                config,
+                previous_event,
+                async_finish,
+            )
             if recorded:
                 self._raise_layout_record()
             return out
 
-    def _dispatch(self, x, handle, num_tokens_per_rdma_rank, is_token_in_rank,
-                  num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
-                  num_worst_tokens, config, previous_event, async_finish):  # fmt: skip
+    def _dispatch(
+        self,
+        x,
+        handle,
+        num_tokens_per_rdma_rank,
+        is_token_in_rank,
+        num_tokens_per_expert,
+        topk_idx,
+        topk_weights,
+        expert_alignment,
+        num_worst_tokens,
+        config,
+        previous_event,
+        async_finish,
+    ):
         if num_tokens_per_rdma_rank is not None and self.num_nodes == 1:
             raise ValueError("num_tokens_per_rdma_rank: must be None within one node")
         if handle is not None:

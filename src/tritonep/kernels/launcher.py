@@ -118,8 +118,17 @@ class _Variants:
 REPORT_RESOURCES = os.environ.get("TRITONEP_KERNEL_RESOURCES", "0") not in ("", "0")
 
 #: The constexprs a resource report names a variant by (those that size its tiles).
-_SHAPE_NAMES = ("NUM_RANKS", "BLOCK_TOKENS", "BLOCK_ROWS", "BLOCK_WORDS", "BLOCK_SEND_WORDS",
-                "BLOCK_RECV_WORDS", "num_warps", "AWAIT", "PUBLISH")  # fmt: skip
+_SHAPE_NAMES = (
+    "NUM_RANKS",
+    "BLOCK_TOKENS",
+    "BLOCK_ROWS",
+    "BLOCK_WORDS",
+    "BLOCK_SEND_WORDS",
+    "BLOCK_RECV_WORDS",
+    "num_warps",
+    "AWAIT",
+    "PUBLISH",
+)
 
 
 def report_resources(fn, meta: dict, compiled) -> None:

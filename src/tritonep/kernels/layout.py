@@ -66,9 +66,18 @@ class LayoutVariant(NamedTuple):
 
 
 @triton.jit
-def count_block(topk_idx_ptr, tokens, num_tokens, K, in_rank_ptr, NUM_EXPERTS: tl.constexpr,
-                NUM_RANKS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_RANKS: tl.constexpr,
-                BLOCK_EXPERTS: tl.constexpr):  # fmt: skip
+def count_block(
+    topk_idx_ptr,
+    tokens,
+    num_tokens,
+    K,
+    in_rank_ptr,
+    NUM_EXPERTS: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    BLOCK_EXPERTS: tl.constexpr,
+):
     """Write ``is_token_in_rank`` of a block of ``tokens``; returns its per-rank and per-expert
     counts and where its ids lie outside ``[-1, NUM_EXPERTS)`` (int32 1s)."""
     E_LOCAL: tl.constexpr = NUM_EXPERTS // NUM_RANKS
@@ -88,8 +97,9 @@ def count_block(topk_idx_ptr, tokens, num_tokens, K, in_rank_ptr, NUM_EXPERTS: t
     dst = in_rank_ptr + tokens[:, None].to(tl.int64) * NUM_RANKS + ranks[None, :]
     tl.store(dst, in_rank.to(tl.int8), mask=tmask[:, None] & (ranks[None, :] < NUM_RANKS))
     binned = tl.reshape(tl.where(valid, ids, 0).to(tl.int32), (tokens.shape[0] * BLOCK_K,))
-    per_expert = tl.histogram(binned, BLOCK_EXPERTS,
-                              mask=tl.reshape(valid, (tokens.shape[0] * BLOCK_K,)))  # fmt: skip
+    per_expert = tl.histogram(
+        binned, BLOCK_EXPERTS, mask=tl.reshape(valid, (tokens.shape[0] * BLOCK_K,))
+    )
     return tl.sum(in_rank, axis=0), per_expert, bad
 
 
@@ -124,16 +134,25 @@ def dispatch_layout_kernel(
     for start in range(pid * BLOCK_TOKENS, num_tokens, num_programs * BLOCK_TOKENS):
         tokens = start + tl.arange(0, BLOCK_TOKENS)
         per_rank, per_expert, bad_here = count_block(
-            topk_idx_ptr, tokens, num_tokens, K, in_rank_ptr, NUM_EXPERTS, NUM_RANKS, BLOCK_K,
-            BLOCK_RANKS, BLOCK_EXPERTS,
-        )  # fmt: skip
+            topk_idx_ptr,
+            tokens,
+            num_tokens,
+            K,
+            in_rank_ptr,
+            NUM_EXPERTS,
+            NUM_RANKS,
+            BLOCK_K,
+            BLOCK_RANKS,
+            BLOCK_EXPERTS,
+        )
         rank_counts += per_rank
         expert_counts += per_expert
         bad = bad | bad_here
     if tl.max(tl.max(bad, 1), 0) > 0:  # the error path: the first bad id in token order
         # (whichever program met one finds the same)
-        token, column, bad_id = first_bad_id(topk_idx_ptr, num_tokens, K, NUM_EXPERTS, BLOCK_K,
-                                             BLOCK_TOKENS)  # fmt: skip
+        token, column, bad_id = first_bad_id(
+            topk_idx_ptr, num_tokens, K, NUM_EXPERTS, BLOCK_K, BLOCK_TOKENS
+        )
         record_bad_id(status_ptr, rank, PHASE_LAYOUT_IDS, token, column, bad_id)
     row = partial_ptr + pid * (BLOCK_EXPERTS + BLOCK_RANKS)
     tl.store(row + bins, expert_counts)
@@ -147,12 +166,13 @@ def dispatch_layout_kernel(
             programs = first + tl.arange(0, BLOCK_PROGRAMS)
             rows = partial_ptr + programs[:, None] * (BLOCK_EXPERTS + BLOCK_RANKS)
             pmask = programs[:, None] < num_programs
-            experts += tl.sum(tl.load(rows + bins[None, :], mask=pmask, other=0, volatile=True),
-                              axis=0)  # fmt: skip
+            experts += tl.sum(
+                tl.load(rows + bins[None, :], mask=pmask, other=0, volatile=True), axis=0
+            )
             per_rank += tl.sum(
-                tl.load(rows + BLOCK_EXPERTS + ranks[None, :], mask=pmask, other=0,
-                        volatile=True), axis=0,
-            )  # fmt: skip
+                tl.load(rows + BLOCK_EXPERTS + ranks[None, :], mask=pmask, other=0, volatile=True),
+                axis=0,
+            )
         tl.store(per_expert_ptr + bins, experts, mask=bins < NUM_EXPERTS)
         tl.store(per_rank_ptr + ranks, per_rank, mask=ranks < NUM_RANKS)
         tl.store(arrivals_ptr, 0)
@@ -183,15 +203,22 @@ class DispatchLayout:
         num_programs: most programs per launch (default: :func:`default_programs`).
     """
 
-    def __init__(self, device: torch.device, num_experts: int, num_ranks: int,
-                 status: Status | None = None, rank: int = 0,
-                 num_programs: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        device: torch.device,
+        num_experts: int,
+        num_ranks: int,
+        status: Status | None = None,
+        rank: int = 0,
+        num_programs: int | None = None,
+    ):
         self.device, self.num_experts, self.num_ranks = device, num_experts, num_ranks
         self.status = status if status is not None else Status(device)
         self.max_programs = num_programs or default_programs(device)
         self._bins, self._lanes = _next_pow2(num_experts), _next_pow2(max(num_ranks, 2))
-        partial = torch.empty(self.max_programs, self._bins + self._lanes, dtype=torch.int32,
-                              device=device)  # fmt: skip
+        partial = torch.empty(
+            self.max_programs, self._bins + self._lanes, dtype=torch.int32, device=device
+        )
         arrivals = torch.zeros(1, dtype=torch.int32, device=device)
         self.shared = Shared.of(LayoutShared(partial, arrivals, self.status.words, rank))
         self._plans: dict[int, KernelLaunch] = {}
@@ -207,8 +234,13 @@ class DispatchLayout:
             BLOCK_PROGRAMS=BLOCK_PROGRAMS,
         )
         pointers = tuple(i for i, name in enumerate(LayoutCall._fields) if name.endswith("_ptr"))
-        plan = KernelLaunch(dispatch_layout_kernel, (self.max_programs,), variant._asdict(),
-                            LayoutCall._fields, pointers)  # fmt: skip
+        plan = KernelLaunch(
+            dispatch_layout_kernel,
+            (self.max_programs,),
+            variant._asdict(),
+            LayoutCall._fields,
+            pointers,
+        )
         self._plans[block_k] = plan
         return plan
 
@@ -229,8 +261,11 @@ class DispatchLayout:
         if num_programs is None:
             num_programs = min(self.max_programs, -(-num_tokens // BLOCK_TOKENS)) or 1
         per_rank, per_expert, in_rank = out
-        plan(LayoutCall(topk_idx, num_tokens, topk, per_rank, per_expert, in_rank), self.shared,
-             (num_programs,))  # fmt: skip
+        plan(
+            LayoutCall(topk_idx, num_tokens, topk, per_rank, per_expert, in_rank),
+            self.shared,
+            (num_programs,),
+        )
         return out
 
 

@@ -137,11 +137,29 @@ def first_tile(x_words, start, sent, count, limit, steps, words, W: tl.constexpr
 
 
 @triton.jit
-def send_step(v, x_words, weights_ptr, ring, start, sent, take, count, limit, row_map_ptr, K,
-              H: tl.constexpr, RING: tl.constexpr, SLOT_BYTES: tl.constexpr,
-              HAS_WEIGHTS: tl.constexpr, AWAIT: tl.constexpr, ROW_MAP: tl.constexpr,
-              BLOCK_ROWS: tl.constexpr, BLOCK_WORDS: tl.constexpr, BLOCK_RANKS: tl.constexpr,
-              BLOCK_K: tl.constexpr):  # fmt: skip
+def send_step(
+    v,
+    x_words,
+    weights_ptr,
+    ring,
+    start,
+    sent,
+    take,
+    count,
+    limit,
+    row_map_ptr,
+    K,
+    H: tl.constexpr,
+    RING: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    AWAIT: tl.constexpr,
+    ROW_MAP: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """Store ``take`` rows per source (its tile ``v`` already loaded) into the source's ring
     slots ``sent`` on, with their weights; returns the next step's first tile (read before
     this step's last stores, except from a relay, whose rows are read after their flags)."""
@@ -167,8 +185,11 @@ def send_step(v, x_words, weights_ptr, ring, start, sent, take, count, limit, ro
     p = aligned_ptr(dst, tl.int32)
     rows = x_words + row[:, None] * W
     if HAS_WEIGHTS:
-        wv = tl.load(weights_ptr + row[:, None] * K + ks[None, :],
-                     mask=held[:, None] & kmask[None, :], other=0.0)  # fmt: skip
+        wv = tl.load(
+            weights_ptr + row[:, None] * K + ks[None, :],
+            mask=held[:, None] & kmask[None, :],
+            other=0.0,
+        )
     for w0 in range(0, LAST, BLOCK_WORDS):
         w = w0 + words
         wn = w + BLOCK_WORDS
@@ -179,8 +200,21 @@ def send_step(v, x_words, weights_ptr, ring, start, sent, take, count, limit, ro
     if AWAIT:  # the next tile is read after its flags, at the top of the next step
         tl.store(p[:, None] + w[None, :], v, mask=live[:, None] & (w < W)[None, :])
     else:
-        v_next = first_tile(x_words, start, sent + take, count, limit, steps, words, W,
-                            BLOCK_RANKS, BLOCK_ROWS, AWAIT, row_map_ptr, ROW_MAP)  # fmt: skip
+        v_next = first_tile(
+            x_words,
+            start,
+            sent + take,
+            count,
+            limit,
+            steps,
+            words,
+            W,
+            BLOCK_RANKS,
+            BLOCK_ROWS,
+            AWAIT,
+            row_map_ptr,
+            ROW_MAP,
+        )
         tl.store(p[:, None] + w[None, :], v, mask=live[:, None] & (w < W)[None, :])
         v = v_next
     if HAS_WEIGHTS:
@@ -197,17 +231,40 @@ def combine_send(
     weights_ptr,  # [M, K] float32 (HAS_WEIGHTS)
     num_rows,  # M
     K,  # top-k columns
-    recv_count_ptr, recv_start_ptr,  # [R, C] int32 the dispatch's streams
-    bounds_ptr, ready_ptr, row_map_ptr, trace_ptr,  # as the kernel's
-    peer_ptrs, pe_ptr, rank, status_ptr, timeout_ns,  # NormalShared (limit in ns)
-    H: tl.constexpr, NUM_RANKS: tl.constexpr, NUM_CHANNELS: tl.constexpr, RING: tl.constexpr,
-    RING_STRIDE: tl.constexpr, SLOT_BYTES: tl.constexpr, RING_OFFSET: tl.constexpr,
-    TAIL_OFFSET: tl.constexpr, HEAD_OFFSET: tl.constexpr, STAGE_OFFSET: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr, AWAIT: tl.constexpr, LOCAL: tl.constexpr,
-    ROW_MAP: tl.constexpr, RELEASE_STEPS: tl.constexpr, USE_CLOCK: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr, BLOCK_WORDS: tl.constexpr, BLOCK_RANKS: tl.constexpr,
-    BLOCK_K: tl.constexpr, PROFILE: tl.constexpr, VIA: tl.constexpr,
-):  # fmt: skip
+    recv_count_ptr,
+    recv_start_ptr,  # [R, C] int32 the dispatch's streams
+    bounds_ptr,
+    ready_ptr,
+    row_map_ptr,
+    trace_ptr,  # as the kernel's
+    peer_ptrs,
+    pe_ptr,
+    rank,
+    status_ptr,
+    timeout_ns,  # NormalShared (limit in ns)
+    H: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    NUM_CHANNELS: tl.constexpr,
+    RING: tl.constexpr,
+    RING_STRIDE: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    RING_OFFSET: tl.constexpr,
+    TAIL_OFFSET: tl.constexpr,
+    HEAD_OFFSET: tl.constexpr,
+    STAGE_OFFSET: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    AWAIT: tl.constexpr,
+    LOCAL: tl.constexpr,
+    ROW_MAP: tl.constexpr,
+    RELEASE_STEPS: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PROFILE: tl.constexpr,
+    VIA: tl.constexpr,
+):
     """The sender of ``channel`` (constexprs as :func:`normal_combine_kernel`'s): stream rows
     back to every source rank. Returns the time it polled without progress (with
     ``PROFILE``; 0 otherwise)."""
@@ -249,8 +306,21 @@ def combine_send(
     # a step costs about one memory latency.
     heads = tl.atomic_add(head_flag, 0, mask=sent < count, sem="acquire", scope="sys")
     if not AWAIT:
-        v = first_tile(x_words, start, sent, count, limit, steps, words, W, BLOCK_RANKS,
-                       BLOCK_ROWS, AWAIT, row_map_ptr, ROW_MAP)  # fmt: skip
+        v = first_tile(
+            x_words,
+            start,
+            sent,
+            count,
+            limit,
+            steps,
+            words,
+            W,
+            BLOCK_RANKS,
+            BLOCK_ROWS,
+            AWAIT,
+            row_map_ptr,
+            ROW_MAP,
+        )
     starved = pending < 0  # waiting on the other leg's rows rather than on a peer
     waited = tl.zeros((), tl.int64)
     announced = sent  # rows up to here are announced by the tails
@@ -275,12 +345,45 @@ def combine_send(
             starved = tl.max(take - ready, 0) > 0
             take = tl.minimum(take, ready)
             tl.debug_barrier()
-            v = first_tile(x_words, start, sent, sent + take, limit, steps, words, W,
-                           BLOCK_RANKS, BLOCK_ROWS, AWAIT, row_map_ptr, ROW_MAP)  # fmt: skip
+            v = first_tile(
+                x_words,
+                start,
+                sent,
+                sent + take,
+                limit,
+                steps,
+                words,
+                W,
+                BLOCK_RANKS,
+                BLOCK_ROWS,
+                AWAIT,
+                row_map_ptr,
+                ROW_MAP,
+            )
         if tl.max(take, 0) > 0:
-            v = send_step(v, x_words, weights_ptr, ring, start, sent, take, count, limit,
-                          row_map_ptr, K, H, RING, SLOT_BYTES, HAS_WEIGHTS, AWAIT, ROW_MAP,
-                          BLOCK_ROWS, BLOCK_WORDS, BLOCK_RANKS, BLOCK_K)  # fmt: skip
+            v = send_step(
+                v,
+                x_words,
+                weights_ptr,
+                ring,
+                start,
+                sent,
+                take,
+                count,
+                limit,
+                row_map_ptr,
+                K,
+                H,
+                RING,
+                SLOT_BYTES,
+                HAS_WEIGHTS,
+                AWAIT,
+                ROW_MAP,
+                BLOCK_ROWS,
+                BLOCK_WORDS,
+                BLOCK_RANKS,
+                BLOCK_K,
+            )
             sent += take
             pending = tl.sum(count - sent, 0)
             heads = tl.atomic_add(head_flag, 0, mask=sent < count, sem="acquire", scope="sys")
@@ -323,11 +426,31 @@ def combine_send(
 
 
 @triton.jit
-def sum_step(src, ready, tokens, tmask, own_row, x_ptr, weights_ptr, bias0_ptr, bias1_ptr,
-             out_ptr, out_weights_ptr, rank, K, H: tl.constexpr, NUM_RANKS: tl.constexpr,
-             HAS_WEIGHTS: tl.constexpr, NUM_BIAS: tl.constexpr, LOCAL: tl.constexpr,
-             USE_CLOCK: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCK_WORDS: tl.constexpr,
-             BLOCK_RANKS: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def sum_step(
+    src,
+    ready,
+    tokens,
+    tmask,
+    own_row,
+    x_ptr,
+    weights_ptr,
+    bias0_ptr,
+    bias1_ptr,
+    out_ptr,
+    out_weights_ptr,
+    rank,
+    K,
+    H: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    NUM_BIAS: tl.constexpr,
+    LOCAL: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """Sum a step's tokens: for each, the rows of every rank ``ready`` says (``src``: ring
     slot addresses ``[BLOCK_TOKENS, BLOCK_RANKS]``; this rank's row from ``x_ptr`` at
     ``own_row`` with ``LOCAL``) in float32, in rank order, plus the bias; stores BF16 sums and
@@ -347,8 +470,12 @@ def sum_step(src, ready, tokens, tmask, own_row, x_ptr, weights_ptr, bias0_ptr, 
             p = aligned_ptr(column(src, ranks, d), tl.bfloat16)
             if LOCAL:
                 p = tl.where(rank == d, x_ptr + own_row * H, p)
-            y = tl.load(p[:, None] + e[None, :], mask=from_d[:, None] & em[None, :], other=0.0,
-                        cache_modifier=".cg")  # fmt: skip
+            y = tl.load(
+                p[:, None] + e[None, :],
+                mask=from_d[:, None] & em[None, :],
+                other=0.0,
+                cache_modifier=".cg",
+            )
             acc += from_bf16(y, not USE_CLOCK)
         m2 = tmask[:, None] & em[None, :]
         at = tokens64[:, None] * H + e[None, :]
@@ -364,16 +491,31 @@ def sum_step(src, ready, tokens, tmask, own_row, x_ptr, weights_ptr, bias0_ptr, 
             wp = column(src, ranks, d).to(tl.pointer_type(tl.float32)) + W
             if LOCAL:
                 wp = tl.where(rank == d, weights_ptr + own_row * K, wp)
-            wacc += tl.load(wp[:, None] + ks[None, :], mask=from_d[:, None] & kmask[None, :],
-                            other=0.0, cache_modifier=".cg")  # fmt: skip
+            wacc += tl.load(
+                wp[:, None] + ks[None, :],
+                mask=from_d[:, None] & kmask[None, :],
+                other=0.0,
+                cache_modifier=".cg",
+            )
         at = tokens64[:, None] * K + ks[None, :]
         tl.store(out_weights_ptr + at, wacc, mask=tmask[:, None] & kmask[None, :])
 
 
 @triton.jit
-def poison_lost(hit, ready, tokens, tmask, out_ptr, out_weights_ptr, K, H: tl.constexpr,
-                HAS_WEIGHTS: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-                BLOCK_WORDS: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def poison_lost(
+    hit,
+    ready,
+    tokens,
+    tmask,
+    out_ptr,
+    out_weights_ptr,
+    K,
+    H: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """Overwrite with NaN the sums (and weights) of a step's tokens one of whose rows never
     came (``hit`` but not ``ready``): a pass of its own, after the sums', so that their loop
     stays as it is while every row comes."""
@@ -384,14 +526,18 @@ def poison_lost(hit, ready, tokens, tmask, out_ptr, out_weights_ptr, K, H: tl.co
     out_bits = out_ptr.to(tl.pointer_type(tl.int16))  # 0xFFFF: a BF16 NaN
     for e0 in range(0, H, 2 * BLOCK_WORDS):
         e = e0 + elems
-        tl.store(out_bits + tokens64[:, None] * H + e[None, :],
-                 tl.full((BLOCK_TOKENS, 2 * BLOCK_WORDS), -1, tl.int16),
-                 mask=lost[:, None] & (e < H)[None, :])  # fmt: skip
+        tl.store(
+            out_bits + tokens64[:, None] * H + e[None, :],
+            tl.full((BLOCK_TOKENS, 2 * BLOCK_WORDS), -1, tl.int16),
+            mask=lost[:, None] & (e < H)[None, :],
+        )
     if HAS_WEIGHTS:
         ks = tl.arange(0, BLOCK_K)
-        tl.store(out_weights_ptr + tokens64[:, None] * K + ks[None, :],
-                 tl.full((BLOCK_TOKENS, BLOCK_K), float("nan"), tl.float32),
-                 mask=lost[:, None] & (ks < K)[None, :])  # fmt: skip
+        tl.store(
+            out_weights_ptr + tokens64[:, None] * K + ks[None, :],
+            tl.full((BLOCK_TOKENS, BLOCK_K), float("nan"), tl.float32),
+            mask=lost[:, None] & (ks < K)[None, :],
+        )
 
 
 @triton.jit
@@ -404,17 +550,43 @@ def combine_receive(
     num_tokens,  # N
     num_rows,  # M
     K,  # top-k columns
-    bias0_ptr, bias1_ptr, recv_start_ptr, out_ptr, out_weights_ptr,  # as the kernel's
-    bounds_ptr, ready_ptr, relay_call_ptr, trace_ptr,  # as the kernel's
-    peer_ptrs, pe_ptr, rank, status_ptr, timeout_ns,  # NormalShared (limit in ns)
-    H: tl.constexpr, NUM_RANKS: tl.constexpr, NUM_CHANNELS: tl.constexpr,
-    MAX_CHANNELS: tl.constexpr, RING: tl.constexpr, RING_STRIDE: tl.constexpr,
-    SLOT_BYTES: tl.constexpr, RING_OFFSET: tl.constexpr, TAIL_OFFSET: tl.constexpr,
-    HEAD_OFFSET: tl.constexpr, HAS_WEIGHTS: tl.constexpr, NUM_BIAS: tl.constexpr,
-    BOUNDS: tl.constexpr, PUBLISH: tl.constexpr, LOCAL: tl.constexpr, USE_CLOCK: tl.constexpr,
-    BLOCK_TOKENS: tl.constexpr, BLOCK_WORDS: tl.constexpr, BLOCK_RANKS: tl.constexpr,
-    BLOCK_K: tl.constexpr, PROFILE: tl.constexpr, VIA: tl.constexpr,
-):  # fmt: skip
+    bias0_ptr,
+    bias1_ptr,
+    recv_start_ptr,
+    out_ptr,
+    out_weights_ptr,  # as the kernel's
+    bounds_ptr,
+    ready_ptr,
+    relay_call_ptr,
+    trace_ptr,  # as the kernel's
+    peer_ptrs,
+    pe_ptr,
+    rank,
+    status_ptr,
+    timeout_ns,  # NormalShared (limit in ns)
+    H: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    NUM_CHANNELS: tl.constexpr,
+    MAX_CHANNELS: tl.constexpr,
+    RING: tl.constexpr,
+    RING_STRIDE: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    RING_OFFSET: tl.constexpr,
+    TAIL_OFFSET: tl.constexpr,
+    HEAD_OFFSET: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    NUM_BIAS: tl.constexpr,
+    BOUNDS: tl.constexpr,
+    PUBLISH: tl.constexpr,
+    LOCAL: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PROFILE: tl.constexpr,
+    VIA: tl.constexpr,
+):
     """The receiver of ``channel`` (constexprs as :func:`normal_combine_kernel`'s): sum each
     token's rows from all ranks (with ``LOCAL``, this rank's own rows straight from the input
     ``x_ptr``). Returns the time it waited for rows (with ``PROFILE``; 0 otherwise)."""
@@ -446,8 +618,11 @@ def combine_receive(
     for first in range(t0, t1, BLOCK_TOKENS):
         tokens = first + tl.arange(0, BLOCK_TOKENS)
         tmask = tokens < t1
-        hit = tl.load(in_rank_ptr + tokens.to(tl.int64)[:, None] * NUM_RANKS + ranks[None, :],
-                      mask=tmask[:, None] & rmask[None, :], other=0)  # fmt: skip
+        hit = tl.load(
+            in_rank_ptr + tokens.to(tl.int64)[:, None] * NUM_RANKS + ranks[None, :],
+            mask=tmask[:, None] & rmask[None, :],
+            other=0,
+        )
         hit = (hit != 0).to(tl.int32)
         count = tl.sum(hit, 0)
         target = tag | (taken + count).to(tl.int64)
@@ -473,12 +648,46 @@ def combine_receive(
             # Rows past the input (worst-case outputs that overflowed) read as the last row,
             # as the sender would have sent them.
             own_row = tl.minimum(own_first + column(nth, ranks, rank), last_row).to(tl.int64)
-        sum_step(src, ready, tokens, tmask, own_row, x_ptr, weights_ptr, bias0_ptr, bias1_ptr,
-                 out_ptr, out_weights_ptr, rank, K, H, NUM_RANKS, HAS_WEIGHTS, NUM_BIAS, LOCAL,
-                 USE_CLOCK, BLOCK_TOKENS, BLOCK_WORDS, BLOCK_RANKS, BLOCK_K)  # fmt: skip
+        sum_step(
+            src,
+            ready,
+            tokens,
+            tmask,
+            own_row,
+            x_ptr,
+            weights_ptr,
+            bias0_ptr,
+            bias1_ptr,
+            out_ptr,
+            out_weights_ptr,
+            rank,
+            K,
+            H,
+            NUM_RANKS,
+            HAS_WEIGHTS,
+            NUM_BIAS,
+            LOCAL,
+            USE_CLOCK,
+            BLOCK_TOKENS,
+            BLOCK_WORDS,
+            BLOCK_RANKS,
+            BLOCK_K,
+        )
         if not ok:  # a row never came: its token's sum is NaN
-            poison_lost(hit, ready, tokens, tmask, out_ptr, out_weights_ptr, K, H, HAS_WEIGHTS,
-                        BLOCK_TOKENS, BLOCK_WORDS, BLOCK_K)  # fmt: skip
+            poison_lost(
+                hit,
+                ready,
+                tokens,
+                tmask,
+                out_ptr,
+                out_weights_ptr,
+                K,
+                H,
+                HAS_WEIGHTS,
+                BLOCK_TOKENS,
+                BLOCK_WORDS,
+                BLOCK_K,
+            )
         if PUBLISH:
             publish_rows(ready_ptr + tokens.to(tl.int64), published, tmask)
         taken += count
@@ -565,23 +774,93 @@ def normal_combine_kernel(
     sends = pid < NUM_CHANNELS
     if sends:
         waited = combine_send(
-            pid, call, x_ptr, weights_ptr, num_rows, K, recv_count_ptr, recv_start_ptr,
-            bounds_ptr, ready_ptr, row_map_ptr, trace_ptr, peer_ptrs, pe_ptr, rank, status_ptr,
-            timeout_ns, H, NUM_RANKS, NUM_CHANNELS, RING, RING_STRIDE, SLOT_BYTES, RING_OFFSET,
-            TAIL_OFFSET, HEAD_OFFSET, STAGE_OFFSET, HAS_WEIGHTS, AWAIT, LOCAL, ROW_MAP,
-            RELEASE_STEPS, USE_CLOCK, BLOCK_ROWS, BLOCK_WORDS, BLOCK_RANKS, BLOCK_K, PROFILE,
+            pid,
+            call,
+            x_ptr,
+            weights_ptr,
+            num_rows,
+            K,
+            recv_count_ptr,
+            recv_start_ptr,
+            bounds_ptr,
+            ready_ptr,
+            row_map_ptr,
+            trace_ptr,
+            peer_ptrs,
+            pe_ptr,
+            rank,
+            status_ptr,
+            timeout_ns,
+            H,
+            NUM_RANKS,
+            NUM_CHANNELS,
+            RING,
+            RING_STRIDE,
+            SLOT_BYTES,
+            RING_OFFSET,
+            TAIL_OFFSET,
+            HEAD_OFFSET,
+            STAGE_OFFSET,
+            HAS_WEIGHTS,
+            AWAIT,
+            LOCAL,
+            ROW_MAP,
+            RELEASE_STEPS,
+            USE_CLOCK,
+            BLOCK_ROWS,
+            BLOCK_WORDS,
+            BLOCK_RANKS,
+            BLOCK_K,
+            PROFILE,
             VIA,
-        )  # fmt: skip
+        )
     else:
         waited = combine_receive(
-            pid - NUM_CHANNELS, call, x_ptr, weights_ptr, in_rank_ptr, num_tokens, num_rows, K,
-            bias0_ptr, bias1_ptr, recv_start_ptr, out_ptr, out_weights_ptr, bounds_ptr,
-            ready_ptr, relay_call_ptr, trace_ptr, peer_ptrs, pe_ptr, rank, status_ptr,
-            timeout_ns, H, NUM_RANKS, NUM_CHANNELS, MAX_CHANNELS, RING, RING_STRIDE,
-            SLOT_BYTES, RING_OFFSET, TAIL_OFFSET, HEAD_OFFSET, HAS_WEIGHTS, NUM_BIAS, BOUNDS,
-            PUBLISH, LOCAL, USE_CLOCK, BLOCK_TOKENS, BLOCK_WORDS, BLOCK_RANKS, BLOCK_K,
-            PROFILE, VIA,
-        )  # fmt: skip
+            pid - NUM_CHANNELS,
+            call,
+            x_ptr,
+            weights_ptr,
+            in_rank_ptr,
+            num_tokens,
+            num_rows,
+            K,
+            bias0_ptr,
+            bias1_ptr,
+            recv_start_ptr,
+            out_ptr,
+            out_weights_ptr,
+            bounds_ptr,
+            ready_ptr,
+            relay_call_ptr,
+            trace_ptr,
+            peer_ptrs,
+            pe_ptr,
+            rank,
+            status_ptr,
+            timeout_ns,
+            H,
+            NUM_RANKS,
+            NUM_CHANNELS,
+            MAX_CHANNELS,
+            RING,
+            RING_STRIDE,
+            SLOT_BYTES,
+            RING_OFFSET,
+            TAIL_OFFSET,
+            HEAD_OFFSET,
+            HAS_WEIGHTS,
+            NUM_BIAS,
+            BOUNDS,
+            PUBLISH,
+            LOCAL,
+            USE_CLOCK,
+            BLOCK_TOKENS,
+            BLOCK_WORDS,
+            BLOCK_RANKS,
+            BLOCK_K,
+            PROFILE,
+            VIA,
+        )
     if PROFILE:
         trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), sends, waited,
                    USE_CLOCK)  # fmt: skip

@@ -241,15 +241,28 @@ def step_ids(topk_idx_ptr, tokens, tmask, K, NUM_EXPERTS: tl.constexpr, BLOCK_K:
     and where they lie outside ``[-1, NUM_EXPERTS)`` (int32 1s: reduced once, after the
     channel, rather than a block-wide reduction per step)."""
     ks = tl.arange(0, BLOCK_K)
-    ids = tl.load(topk_idx_ptr + tokens.to(tl.int64)[:, None] * K + ks[None, :],
-                  mask=tmask[:, None] & (ks < K)[None, :], other=-1)  # fmt: skip
+    ids = tl.load(
+        topk_idx_ptr + tokens.to(tl.int64)[:, None] * K + ks[None, :],
+        mask=tmask[:, None] & (ks < K)[None, :],
+        other=-1,
+    )
     return ids, ((ids < -1) | (ids >= NUM_EXPERTS)).to(tl.int32)
 
 
 @triton.jit
-def step_destinations(ids, tokens, tmask, t1, in_rank_ptr, rank, E_LOCAL: tl.constexpr,
-                      NUM_RANKS: tl.constexpr, RANKS_FROM_IDS: tl.constexpr,
-                      LOCAL: tl.constexpr, BLOCK_RANKS: tl.constexpr):  # fmt: skip
+def step_destinations(
+    ids,
+    tokens,
+    tmask,
+    t1,
+    in_rank_ptr,
+    rank,
+    E_LOCAL: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    RANKS_FROM_IDS: tl.constexpr,
+    LOCAL: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+):
     """``[BLOCK_TOKENS, BLOCK_RANKS]`` int32, 1 where a token of the step goes to a rank
     through a ring: ``is_token_in_rank``, or (``RANKS_FROM_IDS``, a relay) the ranks of its
     ``ids``, which are then stored as ``is_token_in_rank``; with ``LOCAL`` never this rank
@@ -260,8 +273,9 @@ def step_destinations(ids, tokens, tmask, t1, in_rank_ptr, rank, E_LOCAL: tl.con
     if RANKS_FROM_IDS:
         owner = tl.where(ids >= 0, ids // E_LOCAL, -1)
         hit = tl.max((owner[:, :, None] == ranks[None, None, :]).to(tl.int32), 1)
-        tl.store(in_rank_ptr + at_rank, hit.to(tl.int8),
-                 mask=(tokens < t1)[:, None] & rmask[None, :])  # fmt: skip
+        tl.store(
+            in_rank_ptr + at_rank, hit.to(tl.int8), mask=(tokens < t1)[:, None] & rmask[None, :]
+        )
     else:
         hit = tl.load(in_rank_ptr + at_rank, mask=tmask[:, None] & rmask[None, :], other=0)
     hit = (hit != 0).to(tl.int32)
@@ -271,12 +285,31 @@ def step_destinations(ids, tokens, tmask, t1, in_rank_ptr, rank, E_LOCAL: tl.con
 
 
 @triton.jit
-def store_step(x_ptr, scales_ptr, topk_weights_ptr, src_tag_ptr, tokens, tmask, ids, hit, dst,
-               K, ROW_WORDS: tl.constexpr, SCALE_WORDS: tl.constexpr, E_LOCAL: tl.constexpr,
-               NUM_RANKS: tl.constexpr, RECORD_WORD: tl.constexpr, HAS_SCALES: tl.constexpr,
-               HAS_TOPK: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_TAG: tl.constexpr,
-               BLOCK_SEND_WORDS: tl.constexpr, BLOCK_RANKS: tl.constexpr, BLOCK_K: tl.constexpr,
-               BLOCK_SCALES: tl.constexpr):  # fmt: skip
+def store_step(
+    x_ptr,
+    scales_ptr,
+    topk_weights_ptr,
+    src_tag_ptr,
+    tokens,
+    tmask,
+    ids,
+    hit,
+    dst,
+    K,
+    ROW_WORDS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    RECORD_WORD: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    HAS_TOPK: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    HAS_TAG: tl.constexpr,
+    BLOCK_SEND_WORDS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
+):
     """Store a step's tokens into the slots ``dst`` (``[BLOCK_TOKENS, BLOCK_RANKS]``
     addresses) of every destination ``hit`` names: payload words, scales, then the record
     (source, the destination's local top-k ids, weights zeroed where the expert is
@@ -302,8 +335,10 @@ def store_step(x_ptr, scales_ptr, topk_weights_ptr, src_tag_ptr, tokens, tmask, 
             tl.store(p[:, None] + w[None, :], v, mask=to_d[:, None] & (w < ROW_WORDS)[None, :])
         v = v_next
     if HAS_SCALES:
-        s = tl.load(scales_ptr + tokens64[:, None] * SCALE_WORDS + groups[None, :],
-                    mask=tmask[:, None] & gmask[None, :])  # fmt: skip
+        s = tl.load(
+            scales_ptr + tokens64[:, None] * SCALE_WORDS + groups[None, :],
+            mask=tmask[:, None] & gmask[None, :],
+        )
         for d in tl.static_range(NUM_RANKS):
             to_d = column(hit, ranks, d) > 0
             p = aligned_ptr(column(dst, ranks, d) + ROW_WORDS * 4, tl.int32)
@@ -311,8 +346,11 @@ def store_step(x_ptr, scales_ptr, topk_weights_ptr, src_tag_ptr, tokens, tmask, 
     if HAS_TOPK:
         owner = tl.where(ids >= 0, ids // E_LOCAL, -1)
         if HAS_WEIGHTS:
-            weights = tl.load(topk_weights_ptr + tokens64[:, None] * K + ks[None, :],
-                              mask=tmask[:, None] & kmask[None, :], other=0.0)  # fmt: skip
+            weights = tl.load(
+                topk_weights_ptr + tokens64[:, None] * K + ks[None, :],
+                mask=tmask[:, None] & kmask[None, :],
+                other=0.0,
+            )
     source = tokens
     if HAS_TAG:  # a row's origin further back (the internode forwarders use it)
         source = tl.load(src_tag_ptr + tokens64, mask=tmask, other=0)
@@ -326,8 +364,11 @@ def store_step(x_ptr, scales_ptr, topk_weights_ptr, src_tag_ptr, tokens, tmask, 
             tl.store(record[:, None] + 1 + ks[None, :], local, mask=kto)
             if HAS_WEIGHTS:
                 wrec = record.to(tl.pointer_type(tl.float32))
-                tl.store(wrec[:, None] + 1 + K + ks[None, :], tl.where(owner == d, weights, 0.0),
-                         mask=kto)  # fmt: skip
+                tl.store(
+                    wrec[:, None] + 1 + K + ks[None, :],
+                    tl.where(owner == d, weights, 0.0),
+                    mask=kto,
+                )
 
 
 @triton.jit
@@ -345,18 +386,42 @@ def dispatch_send(
     bounds_ptr,  # [C + 1] int32 first token of each channel (BOUNDS)
     ready_ptr,  # [N] int32 per-token flags awaited before reading a token (AWAIT)
     trace_ptr,  # readings (PROFILE)
-    peer_ptrs, pe_ptr, rank, status_ptr, timeout_ns,  # NormalShared (limit in ns)
-    ROW_WORDS: tl.constexpr, SCALE_WORDS: tl.constexpr, E_LOCAL: tl.constexpr,
-    NUM_RANKS: tl.constexpr, NUM_CHANNELS: tl.constexpr, RING: tl.constexpr,
-    RING_STRIDE: tl.constexpr, SLOT_BYTES: tl.constexpr, RECORD_WORD: tl.constexpr,
-    RING_OFFSET: tl.constexpr, TAIL_OFFSET: tl.constexpr, HEAD_OFFSET: tl.constexpr,
-    STAGE_OFFSET: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr, HAS_TAG: tl.constexpr, BOUNDS: tl.constexpr,
-    AWAIT: tl.constexpr, RANKS_FROM_IDS: tl.constexpr, LOCAL: tl.constexpr,
-    RELEASE_STEPS: tl.constexpr, USE_CLOCK: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-    BLOCK_SEND_WORDS: tl.constexpr, BLOCK_RANKS: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_SCALES: tl.constexpr, PROFILE: tl.constexpr, VIA: tl.constexpr,
-):  # fmt: skip
+    peer_ptrs,
+    pe_ptr,
+    rank,
+    status_ptr,
+    timeout_ns,  # NormalShared (limit in ns)
+    ROW_WORDS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    NUM_CHANNELS: tl.constexpr,
+    RING: tl.constexpr,
+    RING_STRIDE: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    RECORD_WORD: tl.constexpr,
+    RING_OFFSET: tl.constexpr,
+    TAIL_OFFSET: tl.constexpr,
+    HEAD_OFFSET: tl.constexpr,
+    STAGE_OFFSET: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    HAS_TOPK: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    HAS_TAG: tl.constexpr,
+    BOUNDS: tl.constexpr,
+    AWAIT: tl.constexpr,
+    RANKS_FROM_IDS: tl.constexpr,
+    LOCAL: tl.constexpr,
+    RELEASE_STEPS: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+    BLOCK_SEND_WORDS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
+    PROFILE: tl.constexpr,
+    VIA: tl.constexpr,
+):
     """The sender of ``channel`` (constexprs as :func:`normal_dispatch_kernel`'s): walk its
     tokens, feed every destination ring (with ``LOCAL``, every ring but this rank's own).
     Returns the time it waited (with ``PROFILE``; 0 otherwise)."""
@@ -389,9 +454,14 @@ def dispatch_send(
             if PROFILE:
                 t_w = read_clock(trace_ptr, USE_CLOCK)
             # Flags only grow (the reading launch's call + 1), so "at least" is "this call's".
-            _, arrived = wait_all_at_least(ready_ptr + tokens.to(tl.int64),
-                                           (call + 1).to(tl.int32), tmask, budget, USE_CLOCK,
-                                           True)  # fmt: skip
+            _, arrived = wait_all_at_least(
+                ready_ptr + tokens.to(tl.int64),
+                (call + 1).to(tl.int32),
+                tmask,
+                budget,
+                USE_CLOCK,
+                True,
+            )
             if PROFILE:
                 waited += read_clock(trace_ptr, USE_CLOCK) - t_w
             if not arrived:
@@ -401,13 +471,23 @@ def dispatch_send(
             # 3.9's interpreter splats a scalar comparison as int32, which no mask accepts.)
             tmask = tokens < tl.where(arrived, t1, 0)
         if HAS_TOPK or RANKS_FROM_IDS:
-            ids, bad_here = step_ids(topk_idx_ptr, tokens, tmask, K, E_LOCAL * NUM_RANKS,
-                                     BLOCK_K)  # fmt: skip
+            ids, bad_here = step_ids(topk_idx_ptr, tokens, tmask, K, E_LOCAL * NUM_RANKS, BLOCK_K)
             bad = bad | bad_here
         else:
             ids = tl.full((BLOCK_TOKENS, BLOCK_K), -1, tl.int64)
-        hit = step_destinations(ids, tokens, tmask, t1, in_rank_ptr, rank, E_LOCAL, NUM_RANKS,
-                                RANKS_FROM_IDS, LOCAL, BLOCK_RANKS)  # fmt: skip
+        hit = step_destinations(
+            ids,
+            tokens,
+            tmask,
+            t1,
+            in_rank_ptr,
+            rank,
+            E_LOCAL,
+            NUM_RANKS,
+            RANKS_FROM_IDS,
+            LOCAL,
+            BLOCK_RANKS,
+        )
         count = tl.sum(hit, 0)
         position = sent[None, :] + rows_before(hit, BLOCK_TOKENS)
         # The slots must be free: the receiver has moved its head far enough, in this call.
@@ -438,10 +518,31 @@ def dispatch_send(
         # rows; unpublished, those peers time out too and name this rank.
         if ok & (budget > 0):
             dst = ring[None, :] + (position % RING).to(tl.int64) * SLOT_BYTES  # slot addresses
-            store_step(x_ptr, scales_ptr, topk_weights_ptr, src_tag_ptr, tokens, tmask, ids,
-                       hit, dst, K, ROW_WORDS, SCALE_WORDS, E_LOCAL, NUM_RANKS, RECORD_WORD,
-                       HAS_SCALES, HAS_TOPK, HAS_WEIGHTS, HAS_TAG, BLOCK_SEND_WORDS,
-                       BLOCK_RANKS, BLOCK_K, BLOCK_SCALES)  # fmt: skip
+            store_step(
+                x_ptr,
+                scales_ptr,
+                topk_weights_ptr,
+                src_tag_ptr,
+                tokens,
+                tmask,
+                ids,
+                hit,
+                dst,
+                K,
+                ROW_WORDS,
+                SCALE_WORDS,
+                E_LOCAL,
+                NUM_RANKS,
+                RECORD_WORD,
+                HAS_SCALES,
+                HAS_TOPK,
+                HAS_WEIGHTS,
+                HAS_TAG,
+                BLOCK_SEND_WORDS,
+                BLOCK_RANKS,
+                BLOCK_K,
+                BLOCK_SCALES,
+            )
             tl.debug_barrier()
             # One system-scope release per RELEASE_STEPS steps and at the channel's end: each
             # waits for the stores before it to reach the peers.
@@ -455,8 +556,9 @@ def dispatch_send(
         sent += count
     if tl.max(tl.max(bad, 1), 0) > 0:  # the error path: the batch's first bad id, whichever
         # sender met one
-        token, col, bad_id = first_bad_id(topk_idx_ptr, num_tokens, K, E_LOCAL * NUM_RANKS,
-                                          BLOCK_K, BLOCK_TOKENS)  # fmt: skip
+        token, col, bad_id = first_bad_id(
+            topk_idx_ptr, num_tokens, K, E_LOCAL * NUM_RANKS, BLOCK_K, BLOCK_TOKENS
+        )
         record_bad_id(status_ptr, rank, PHASE_DISPATCH_IDS, token, col, bad_id)
     return waited
 
@@ -465,9 +567,21 @@ def dispatch_send(
 
 
 @triton.jit
-def own_lane(own, own_tok, own_end, own_next, in_rank_ptr, x_addr, rank, row, live, src,
-             NUM_RANKS: tl.constexpr, ROW_WORDS: tl.constexpr,
-             BLOCK_ROWS: tl.constexpr):  # fmt: skip
+def own_lane(
+    own,
+    own_tok,
+    own_end,
+    own_next,
+    in_rank_ptr,
+    x_addr,
+    rank,
+    row,
+    live,
+    src,
+    NUM_RANKS: tl.constexpr,
+    ROW_WORDS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+):
     """The own lane of a receiver's step (``LOCAL``): the next ``BLOCK_ROWS`` tokens of the
     channel from ``own_tok`` on, those for this rank live, read from the input at ``x_addr``
     into rows ``own_next + (this rank's tokens before it)``. Returns the step's ``(token,
@@ -475,8 +589,10 @@ def own_lane(own, own_tok, own_end, own_next, in_rank_ptr, x_addr, rank, row, li
     steps = tl.arange(0, BLOCK_ROWS)
     earlier = (steps[None, :] < steps[:, None]).to(tl.int32)  # [row, earlier row]
     mine = own_tok + steps
-    hit = tl.load(in_rank_ptr + mine.to(tl.int64) * NUM_RANKS + rank, mask=mine < own_end,
-                  other=0) != 0  # fmt: skip
+    hit = (
+        tl.load(in_rank_ptr + mine.to(tl.int64) * NUM_RANKS + rank, mask=mine < own_end, other=0)
+        != 0
+    )
     hit32 = hit.to(tl.int32)
     before = tl.sum(earlier * hit32[None, :], 1)
     token = tl.where(own, mine[None, :], 0)
@@ -487,14 +603,38 @@ def own_lane(own, own_tok, own_end, own_next, in_rank_ptr, x_addr, rank, row, li
 
 
 @triton.jit
-def copy_rows(src, row, live, mine, token, out_x_ptr, out_scales_ptr, out_topk_idx_ptr,
-              out_weights_ptr, out_src_ptr, scales_addr, topk_idx_ptr, topk_weights_ptr,
-              src_tag_ptr, row_map_ptr, rank, K, ROW_WORDS: tl.constexpr,
-              SCALE_WORDS: tl.constexpr, E_LOCAL: tl.constexpr, RECORD_WORD: tl.constexpr,
-              HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-              HAS_TAG: tl.constexpr, LOCAL: tl.constexpr, ROW_MAP: tl.constexpr,
-              BLOCK_RECV_WORDS: tl.constexpr, BLOCK_K: tl.constexpr,
-              BLOCK_SCALES: tl.constexpr):  # fmt: skip
+def copy_rows(
+    src,
+    row,
+    live,
+    mine,
+    token,
+    out_x_ptr,
+    out_scales_ptr,
+    out_topk_idx_ptr,
+    out_weights_ptr,
+    out_src_ptr,
+    scales_addr,
+    topk_idx_ptr,
+    topk_weights_ptr,
+    src_tag_ptr,
+    row_map_ptr,
+    rank,
+    K,
+    ROW_WORDS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    RECORD_WORD: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    HAS_TOPK: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    HAS_TAG: tl.constexpr,
+    LOCAL: tl.constexpr,
+    ROW_MAP: tl.constexpr,
+    BLOCK_RECV_WORDS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
+):
     """Copy the ``live`` rows of a step (flat ``[lanes * BLOCK_ROWS]`` tiles: ``src`` the
     slot, or for ``mine`` rows the input row of ``token``, and ``row`` the output row) into
     the outputs: payload and scales (at ``row_map[row]`` with ``ROW_MAP``), then the source,
@@ -510,23 +650,29 @@ def copy_rows(src, row, live, mine, token, out_x_ptr, out_scales_ptr, out_topk_i
         # (the internode mode's (source rank, token) order).
         out = tl.load(row_map_ptr + row, mask=live, other=0).to(tl.int64)
     p = aligned_ptr(src, tl.int32)[:, None]
-    v = tl.load(p + words[None, :], mask=live[:, None] & (words < ROW_WORDS)[None, :],
-                cache_modifier=".cg")  # fmt: skip
+    v = tl.load(
+        p + words[None, :], mask=live[:, None] & (words < ROW_WORDS)[None, :], cache_modifier=".cg"
+    )
     for w0 in range(0, ROW_WORDS, BLOCK_RECV_WORDS):
         w = w0 + words
         wn = w + BLOCK_RECV_WORDS
-        v_next = tl.load(p + wn[None, :], mask=live[:, None] & (wn < ROW_WORDS)[None, :],
-                         cache_modifier=".cg")  # fmt: skip
-        tl.store(out_x_ptr + out[:, None] * ROW_WORDS + w[None, :], v,
-                 mask=live[:, None] & (w < ROW_WORDS)[None, :])  # fmt: skip
+        v_next = tl.load(
+            p + wn[None, :], mask=live[:, None] & (wn < ROW_WORDS)[None, :], cache_modifier=".cg"
+        )
+        tl.store(
+            out_x_ptr + out[:, None] * ROW_WORDS + w[None, :],
+            v,
+            mask=live[:, None] & (w < ROW_WORDS)[None, :],
+        )
         v = v_next
     if HAS_SCALES:
         m2 = live[:, None] & gmask[None, :]
         at = src + ROW_WORDS * 4
         if LOCAL:
             at = tl.where(mine, scales_addr + token * (SCALE_WORDS * 4), at)
-        v = tl.load(aligned_ptr(at, tl.int32)[:, None] + groups[None, :], mask=m2,
-                    cache_modifier=".cg")  # fmt: skip
+        v = tl.load(
+            aligned_ptr(at, tl.int32)[:, None] + groups[None, :], mask=m2, cache_modifier=".cg"
+        )
         tl.store(out_scales_ptr + out[:, None] * SCALE_WORDS + groups[None, :], v, mask=m2)
     from_ring = live & ~mine
     record = aligned_ptr(src + RECORD_WORD * 4, tl.int32)
@@ -541,8 +687,9 @@ def copy_rows(src, row, live, mine, token, out_x_ptr, out_scales_ptr, out_topk_i
     if HAS_TOPK:
         m2 = live[:, None] & kmask[None, :]
         ring_lanes = from_ring[:, None] & kmask[None, :]
-        local = tl.load(record[:, None] + 1 + ks[None, :], mask=ring_lanes,
-                        cache_modifier=".cg").to(tl.int64)  # fmt: skip
+        local = tl.load(
+            record[:, None] + 1 + ks[None, :], mask=ring_lanes, cache_modifier=".cg"
+        ).to(tl.int64)
         if HAS_WEIGHTS:
             at = record.to(tl.pointer_type(tl.float32))[:, None] + 1 + K + ks[None, :]
             wv = tl.load(at, mask=ring_lanes, cache_modifier=".cg")
@@ -561,12 +708,28 @@ def copy_rows(src, row, live, mine, token, out_x_ptr, out_scales_ptr, out_topk_i
 
 
 @triton.jit
-def fill_rows(first, end, max_rows, out_x_ptr, out_scales_ptr, out_topk_idx_ptr,
-              out_weights_ptr, out_src_ptr, row_map_ptr, K, POISON: tl.constexpr,
-              ROW_WORDS: tl.constexpr, SCALE_WORDS: tl.constexpr, HAS_SCALES: tl.constexpr,
-              HAS_TOPK: tl.constexpr, HAS_WEIGHTS: tl.constexpr, ROW_MAP: tl.constexpr,
-              BLOCK_RECV_WORDS: tl.constexpr, BLOCK_K: tl.constexpr,
-              BLOCK_SCALES: tl.constexpr):  # fmt: skip
+def fill_rows(
+    first,
+    end,
+    max_rows,
+    out_x_ptr,
+    out_scales_ptr,
+    out_topk_idx_ptr,
+    out_weights_ptr,
+    out_src_ptr,
+    row_map_ptr,
+    K,
+    POISON: tl.constexpr,
+    ROW_WORDS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    HAS_TOPK: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    ROW_MAP: tl.constexpr,
+    BLOCK_RECV_WORDS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
+):
     """Rows ``[first, end)`` (below ``max_rows``) as padding (source and top-k ids ``-1``,
     weights 0) or, with ``POISON``, as 0xFF bytes throughout (NaN payload, scales and
     weights; source and ids ``-1``)."""
@@ -594,13 +757,17 @@ def fill_rows(first, end, max_rows, out_x_ptr, out_scales_ptr, out_topk_idx_ptr,
                 out = tl.load(row_map_ptr + rows, mask=rm, other=0).to(tl.int64)
             for w0 in range(0, ROW_WORDS, BLOCK_RECV_WORDS):
                 w = w0 + words
-                tl.store(out_x_ptr + out[:, None] * ROW_WORDS + w[None, :],
-                         tl.full((BLOCK_FILL, BLOCK_RECV_WORDS), -1, tl.int32),
-                         mask=rm[:, None] & (w < ROW_WORDS)[None, :])  # fmt: skip
+                tl.store(
+                    out_x_ptr + out[:, None] * ROW_WORDS + w[None, :],
+                    tl.full((BLOCK_FILL, BLOCK_RECV_WORDS), -1, tl.int32),
+                    mask=rm[:, None] & (w < ROW_WORDS)[None, :],
+                )
             if HAS_SCALES:
-                tl.store(out_scales_ptr + out[:, None] * SCALE_WORDS + groups[None, :],
-                         tl.full((BLOCK_FILL, BLOCK_SCALES), -1, tl.int32),
-                         mask=rm[:, None] & (groups < SCALE_WORDS)[None, :])  # fmt: skip
+                tl.store(
+                    out_scales_ptr + out[:, None] * SCALE_WORDS + groups[None, :],
+                    tl.full((BLOCK_FILL, BLOCK_SCALES), -1, tl.int32),
+                    mask=rm[:, None] & (groups < SCALE_WORDS)[None, :],
+                )
 
 
 @triton.jit
@@ -615,22 +782,56 @@ def dispatch_receive(
     src_tag_ptr,  # [N] int32 (LOCAL and HAS_TAG)
     num_tokens,  # N
     K,  # top-k columns
-    recv_count_ptr, recv_start_ptr, host_info_ptr,  # from notify
-    out_x_ptr, out_scales_ptr, out_topk_idx_ptr, out_weights_ptr, out_src_ptr,  # outputs
+    recv_count_ptr,
+    recv_start_ptr,
+    host_info_ptr,  # from notify
+    out_x_ptr,
+    out_scales_ptr,
+    out_topk_idx_ptr,
+    out_weights_ptr,
+    out_src_ptr,  # outputs
     max_rows,  # rows the outputs hold
-    bounds_ptr, ready_ptr, relay_call_ptr, row_map_ptr, trace_ptr,  # as the kernel's
-    peer_ptrs, pe_ptr, rank, status_ptr, timeout_ns,  # NormalShared (limit in ns)
-    ROW_WORDS: tl.constexpr, SCALE_WORDS: tl.constexpr, E_LOCAL: tl.constexpr,
-    NUM_RANKS: tl.constexpr, NUM_CHANNELS: tl.constexpr, MAX_CHANNELS: tl.constexpr,
-    RING: tl.constexpr, RING_STRIDE: tl.constexpr, SLOT_BYTES: tl.constexpr,
-    RECORD_WORD: tl.constexpr, RING_OFFSET: tl.constexpr, TAIL_OFFSET: tl.constexpr,
-    HEAD_OFFSET: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr, HAS_TAG: tl.constexpr, PAD_ROWS: tl.constexpr,
-    BOUNDS: tl.constexpr, PUBLISH: tl.constexpr, LOCAL: tl.constexpr, ROW_MAP: tl.constexpr,
-    USE_CLOCK: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_RECV_WORDS: tl.constexpr,
-    BLOCK_RANKS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_SCALES: tl.constexpr,
-    PROFILE: tl.constexpr, VIA: tl.constexpr,
-):  # fmt: skip
+    bounds_ptr,
+    ready_ptr,
+    relay_call_ptr,
+    row_map_ptr,
+    trace_ptr,  # as the kernel's
+    peer_ptrs,
+    pe_ptr,
+    rank,
+    status_ptr,
+    timeout_ns,  # NormalShared (limit in ns)
+    ROW_WORDS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    NUM_CHANNELS: tl.constexpr,
+    MAX_CHANNELS: tl.constexpr,
+    RING: tl.constexpr,
+    RING_STRIDE: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    RECORD_WORD: tl.constexpr,
+    RING_OFFSET: tl.constexpr,
+    TAIL_OFFSET: tl.constexpr,
+    HEAD_OFFSET: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    HAS_TOPK: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    HAS_TAG: tl.constexpr,
+    PAD_ROWS: tl.constexpr,
+    BOUNDS: tl.constexpr,
+    PUBLISH: tl.constexpr,
+    LOCAL: tl.constexpr,
+    ROW_MAP: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_RECV_WORDS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
+    PROFILE: tl.constexpr,
+    VIA: tl.constexpr,
+):
     """The receiver of ``channel`` (constexprs as :func:`normal_dispatch_kernel`'s): drain
     the rings of every source into the outputs (with ``LOCAL``, this rank's own lane of each
     step reads the channel's tokens straight from the input instead). Returns the time it
@@ -688,21 +889,57 @@ def dispatch_receive(
             token = 0 * lane
             if LOCAL:
                 token, row, live, src, taken = own_lane(
-                    own, own_tok, own_end, own_next, in_rank_ptr, x_addr, rank, row, live, src,
-                    NUM_RANKS, ROW_WORDS, BLOCK_ROWS,
-                )  # fmt: skip
+                    own,
+                    own_tok,
+                    own_end,
+                    own_next,
+                    in_rank_ptr,
+                    x_addr,
+                    rank,
+                    row,
+                    live,
+                    src,
+                    NUM_RANKS,
+                    ROW_WORDS,
+                    BLOCK_ROWS,
+                )
                 own_next += taken
                 own_tok += BLOCK_ROWS
             live = live & (row < max_rows)  # worst-case outputs drop the overflow
             row = tl.reshape(row, (FLAT,))
             live = tl.reshape(live, (FLAT,))
-            copy_rows(tl.reshape(src, (FLAT,)), row, live, tl.reshape(own, (FLAT,)),
-                      tl.reshape(token, (FLAT,)).to(tl.int64), out_x_ptr, out_scales_ptr,
-                      out_topk_idx_ptr, out_weights_ptr, out_src_ptr, scales_addr, topk_idx_ptr,
-                      topk_weights_ptr, src_tag_ptr, row_map_ptr, rank, K, ROW_WORDS,
-                      SCALE_WORDS, E_LOCAL, RECORD_WORD, HAS_SCALES, HAS_TOPK, HAS_WEIGHTS,
-                      HAS_TAG, LOCAL, ROW_MAP, BLOCK_RECV_WORDS, BLOCK_K,
-                      BLOCK_SCALES)  # fmt: skip
+            copy_rows(
+                tl.reshape(src, (FLAT,)),
+                row,
+                live,
+                tl.reshape(own, (FLAT,)),
+                tl.reshape(token, (FLAT,)).to(tl.int64),
+                out_x_ptr,
+                out_scales_ptr,
+                out_topk_idx_ptr,
+                out_weights_ptr,
+                out_src_ptr,
+                scales_addr,
+                topk_idx_ptr,
+                topk_weights_ptr,
+                src_tag_ptr,
+                row_map_ptr,
+                rank,
+                K,
+                ROW_WORDS,
+                SCALE_WORDS,
+                E_LOCAL,
+                RECORD_WORD,
+                HAS_SCALES,
+                HAS_TOPK,
+                HAS_WEIGHTS,
+                HAS_TAG,
+                LOCAL,
+                ROW_MAP,
+                BLOCK_RECV_WORDS,
+                BLOCK_K,
+                BLOCK_SCALES,
+            )
             if PUBLISH:
                 publish_rows(ready_ptr + row, published, live)
             head += take
@@ -729,18 +966,54 @@ def dispatch_receive(
     if PAD_ROWS:  # rows past the received ones, this channel's share of them
         total = tl.load(host_info_ptr)
         for first in range(total + channel * BLOCK_FILL, max_rows, NUM_CHANNELS * BLOCK_FILL):
-            fill_rows(first, first + BLOCK_FILL, max_rows, out_x_ptr, out_scales_ptr,
-                      out_topk_idx_ptr, out_weights_ptr, out_src_ptr, row_map_ptr, K, False,
-                      ROW_WORDS, SCALE_WORDS, HAS_SCALES, HAS_TOPK, HAS_WEIGHTS, ROW_MAP,
-                      BLOCK_RECV_WORDS, BLOCK_K, BLOCK_SCALES)  # fmt: skip
+            fill_rows(
+                first,
+                first + BLOCK_FILL,
+                max_rows,
+                out_x_ptr,
+                out_scales_ptr,
+                out_topk_idx_ptr,
+                out_weights_ptr,
+                out_src_ptr,
+                row_map_ptr,
+                K,
+                False,
+                ROW_WORDS,
+                SCALE_WORDS,
+                HAS_SCALES,
+                HAS_TOPK,
+                HAS_WEIGHTS,
+                ROW_MAP,
+                BLOCK_RECV_WORDS,
+                BLOCK_K,
+                BLOCK_SCALES,
+            )
     if timed_out(status_ptr):  # a failed call: every row of this channel, of every source
         for source in range(NUM_RANKS):
             first = tl.load(recv_start_ptr + source * NUM_CHANNELS + channel)
             end = first + tl.load(recv_count_ptr + source * NUM_CHANNELS + channel)
-            fill_rows(first, end, max_rows, out_x_ptr, out_scales_ptr, out_topk_idx_ptr,
-                      out_weights_ptr, out_src_ptr, row_map_ptr, K, True, ROW_WORDS,
-                      SCALE_WORDS, HAS_SCALES, HAS_TOPK, HAS_WEIGHTS, ROW_MAP, BLOCK_RECV_WORDS,
-                      BLOCK_K, BLOCK_SCALES)  # fmt: skip
+            fill_rows(
+                first,
+                end,
+                max_rows,
+                out_x_ptr,
+                out_scales_ptr,
+                out_topk_idx_ptr,
+                out_weights_ptr,
+                out_src_ptr,
+                row_map_ptr,
+                K,
+                True,
+                ROW_WORDS,
+                SCALE_WORDS,
+                HAS_SCALES,
+                HAS_TOPK,
+                HAS_WEIGHTS,
+                ROW_MAP,
+                BLOCK_RECV_WORDS,
+                BLOCK_K,
+                BLOCK_SCALES,
+            )
     return waited
 
 
@@ -835,26 +1108,117 @@ def normal_dispatch_kernel(
     sends = pid < NUM_CHANNELS
     if sends:
         waited = dispatch_send(
-            pid, call, x_ptr, scales_ptr, topk_idx_ptr, topk_weights_ptr, in_rank_ptr,
-            src_tag_ptr, num_tokens, K, bounds_ptr, ready_ptr, trace_ptr, peer_ptrs, pe_ptr,
-            rank, status_ptr, timeout_ns, ROW_WORDS, SCALE_WORDS, E_LOCAL, NUM_RANKS,
-            NUM_CHANNELS, RING, RING_STRIDE, SLOT_BYTES, RECORD_WORD, RING_OFFSET, TAIL_OFFSET,
-            HEAD_OFFSET, STAGE_OFFSET, HAS_SCALES, HAS_TOPK, HAS_WEIGHTS, HAS_TAG, BOUNDS,
-            AWAIT, RANKS_FROM_IDS, LOCAL, RELEASE_STEPS, USE_CLOCK, BLOCK_TOKENS,
-            BLOCK_SEND_WORDS, BLOCK_RANKS, BLOCK_K, BLOCK_SCALES, PROFILE, VIA,
-        )  # fmt: skip
+            pid,
+            call,
+            x_ptr,
+            scales_ptr,
+            topk_idx_ptr,
+            topk_weights_ptr,
+            in_rank_ptr,
+            src_tag_ptr,
+            num_tokens,
+            K,
+            bounds_ptr,
+            ready_ptr,
+            trace_ptr,
+            peer_ptrs,
+            pe_ptr,
+            rank,
+            status_ptr,
+            timeout_ns,
+            ROW_WORDS,
+            SCALE_WORDS,
+            E_LOCAL,
+            NUM_RANKS,
+            NUM_CHANNELS,
+            RING,
+            RING_STRIDE,
+            SLOT_BYTES,
+            RECORD_WORD,
+            RING_OFFSET,
+            TAIL_OFFSET,
+            HEAD_OFFSET,
+            STAGE_OFFSET,
+            HAS_SCALES,
+            HAS_TOPK,
+            HAS_WEIGHTS,
+            HAS_TAG,
+            BOUNDS,
+            AWAIT,
+            RANKS_FROM_IDS,
+            LOCAL,
+            RELEASE_STEPS,
+            USE_CLOCK,
+            BLOCK_TOKENS,
+            BLOCK_SEND_WORDS,
+            BLOCK_RANKS,
+            BLOCK_K,
+            BLOCK_SCALES,
+            PROFILE,
+            VIA,
+        )
     else:
         waited = dispatch_receive(
-            pid - NUM_CHANNELS, call, x_ptr, scales_ptr, topk_idx_ptr, topk_weights_ptr,
-            in_rank_ptr, src_tag_ptr, num_tokens, K, recv_count_ptr, recv_start_ptr,
-            host_info_ptr, out_x_ptr, out_scales_ptr, out_topk_idx_ptr, out_weights_ptr,
-            out_src_ptr, max_rows, bounds_ptr, ready_ptr, relay_call_ptr, row_map_ptr,
-            trace_ptr, peer_ptrs, pe_ptr, rank, status_ptr, timeout_ns, ROW_WORDS, SCALE_WORDS,
-            E_LOCAL, NUM_RANKS, NUM_CHANNELS, MAX_CHANNELS, RING, RING_STRIDE, SLOT_BYTES,
-            RECORD_WORD, RING_OFFSET, TAIL_OFFSET, HEAD_OFFSET, HAS_SCALES, HAS_TOPK,
-            HAS_WEIGHTS, HAS_TAG, PAD_ROWS, BOUNDS, PUBLISH, LOCAL, ROW_MAP, USE_CLOCK,
-            BLOCK_ROWS, BLOCK_RECV_WORDS, BLOCK_RANKS, BLOCK_K, BLOCK_SCALES, PROFILE, VIA,
-        )  # fmt: skip
+            pid - NUM_CHANNELS,
+            call,
+            x_ptr,
+            scales_ptr,
+            topk_idx_ptr,
+            topk_weights_ptr,
+            in_rank_ptr,
+            src_tag_ptr,
+            num_tokens,
+            K,
+            recv_count_ptr,
+            recv_start_ptr,
+            host_info_ptr,
+            out_x_ptr,
+            out_scales_ptr,
+            out_topk_idx_ptr,
+            out_weights_ptr,
+            out_src_ptr,
+            max_rows,
+            bounds_ptr,
+            ready_ptr,
+            relay_call_ptr,
+            row_map_ptr,
+            trace_ptr,
+            peer_ptrs,
+            pe_ptr,
+            rank,
+            status_ptr,
+            timeout_ns,
+            ROW_WORDS,
+            SCALE_WORDS,
+            E_LOCAL,
+            NUM_RANKS,
+            NUM_CHANNELS,
+            MAX_CHANNELS,
+            RING,
+            RING_STRIDE,
+            SLOT_BYTES,
+            RECORD_WORD,
+            RING_OFFSET,
+            TAIL_OFFSET,
+            HEAD_OFFSET,
+            HAS_SCALES,
+            HAS_TOPK,
+            HAS_WEIGHTS,
+            HAS_TAG,
+            PAD_ROWS,
+            BOUNDS,
+            PUBLISH,
+            LOCAL,
+            ROW_MAP,
+            USE_CLOCK,
+            BLOCK_ROWS,
+            BLOCK_RECV_WORDS,
+            BLOCK_RANKS,
+            BLOCK_K,
+            BLOCK_SCALES,
+            PROFILE,
+            VIA,
+        )
     if PROFILE:
         trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), sends, waited,
                    USE_CLOCK)  # fmt: skip

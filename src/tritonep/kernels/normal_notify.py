@@ -95,9 +95,16 @@ def all_nonzero(a, b, c):
 
 
 @triton.jit
-def channel_counts(counts_ptr, num_tokens, peer, NUM_RANKS: tl.constexpr,
-                   NUM_CHANNELS: tl.constexpr, COUNTS_GIVEN: tl.constexpr,
-                   BLOCK_TOKENS: tl.constexpr, BLOCK_CHANNELS: tl.constexpr):  # fmt: skip
+def channel_counts(
+    counts_ptr,
+    num_tokens,
+    peer,
+    NUM_RANKS: tl.constexpr,
+    NUM_CHANNELS: tl.constexpr,
+    COUNTS_GIVEN: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+    BLOCK_CHANNELS: tl.constexpr,
+):
     """``[BLOCK_CHANNELS]`` tokens of each channel that go to rank ``peer`` (lanes past the
     channels hold junk): counted from ``is_token_in_rank``, or read where they are given."""
     channels = tl.arange(0, BLOCK_CHANNELS)
@@ -110,20 +117,36 @@ def channel_counts(counts_ptr, num_tokens, peer, NUM_RANKS: tl.constexpr,
         counts = tl.zeros((BLOCK_CHANNELS,), tl.int32)
         for first in range(0, num_tokens, BLOCK_TOKENS):
             tokens = first + tl.arange(0, BLOCK_TOKENS)
-            hit = tl.load(in_rank + tokens.to(tl.int64) * NUM_RANKS + peer,
-                          mask=tokens < num_tokens, other=0)  # fmt: skip
+            hit = tl.load(
+                in_rank + tokens.to(tl.int64) * NUM_RANKS + peer, mask=tokens < num_tokens, other=0
+            )
             # The last bin (past every channel) collects the tokens that go elsewhere.
-            counts += tl.histogram(tl.where(hit != 0, tokens // chunk, BLOCK_CHANNELS - 1),
-                                   BLOCK_CHANNELS)  # fmt: skip
+            counts += tl.histogram(
+                tl.where(hit != 0, tokens // chunk, BLOCK_CHANNELS - 1), BLOCK_CHANNELS
+            )
     return counts
 
 
 @triton.jit
-def notify_send(counts, per_expert_ptr, extra_ptr, peer, rank, row_offset, peer_ptrs, pe_ptr,
-                NUM_CHANNELS: tl.constexpr, E_LOCAL: tl.constexpr, ROW_WORDS: tl.constexpr,
-                STAGE_OFFSET: tl.constexpr, EXTRA: tl.constexpr, BLOCK_CHANNELS: tl.constexpr,
-                BLOCK_EXPERTS: tl.constexpr, BLOCK_EXTRA: tl.constexpr,
-                VIA: tl.constexpr):  # fmt: skip
+def notify_send(
+    counts,
+    per_expert_ptr,
+    extra_ptr,
+    peer,
+    rank,
+    row_offset,
+    peer_ptrs,
+    pe_ptr,
+    NUM_CHANNELS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    ROW_WORDS: tl.constexpr,
+    STAGE_OFFSET: tl.constexpr,
+    EXTRA: tl.constexpr,
+    BLOCK_CHANNELS: tl.constexpr,
+    BLOCK_EXPERTS: tl.constexpr,
+    BLOCK_EXTRA: tl.constexpr,
+    VIA: tl.constexpr,
+):
     """Store this rank's row for ``peer`` (channel counts, expert entries, extra words, each
     ``-n - 1``) at ``row_offset`` of ``peer``'s heap, directly or staged and put."""
     channels = tl.arange(0, BLOCK_CHANNELS)
@@ -147,10 +170,22 @@ def notify_send(counts, per_expert_ptr, extra_ptr, peer, rank, row_offset, peer_
 
 
 @triton.jit
-def notify_receive(my_row, peer, timeout_ns, status_ptr, recv_count_ptr, decoded_ptr,
-                   extra_out_ptr, NUM_CHANNELS: tl.constexpr, E_LOCAL: tl.constexpr,
-                   EXTRA: tl.constexpr, USE_CLOCK: tl.constexpr, BLOCK_CHANNELS: tl.constexpr,
-                   BLOCK_EXPERTS: tl.constexpr, BLOCK_EXTRA: tl.constexpr):  # fmt: skip
+def notify_receive(
+    my_row,
+    peer,
+    timeout_ns,
+    status_ptr,
+    recv_count_ptr,
+    decoded_ptr,
+    extra_out_ptr,
+    NUM_CHANNELS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    EXTRA: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    BLOCK_CHANNELS: tl.constexpr,
+    BLOCK_EXPERTS: tl.constexpr,
+    BLOCK_EXTRA: tl.constexpr,
+):
     """Wait (bounded) for the row of source ``peer`` at ``my_row`` (every word non-zero once
     it arrived), decode it into the channel counts and expert entries and zero it. A source
     that never arrived counts as sending nothing; the timeout is recorded."""
@@ -175,10 +210,12 @@ def notify_receive(my_row, peer, timeout_ns, status_ptr, recv_count_ptr, decoded
         arrived = all_nonzero(got_c, got_e, got_x)
     if not arrived:
         record_timeout(status_ptr, peer, PHASE_NOTIFY, timeout_ns)
-    tl.store(recv_count_ptr + peer * NUM_CHANNELS + channels, tl.where(arrived, -got_c - 1, 0),
-             mask=cmask)  # fmt: skip
-    tl.store(decoded_ptr + peer * E_LOCAL + experts, tl.where(arrived, -got_e - 1, 0),
-             mask=emask)  # fmt: skip
+    tl.store(
+        recv_count_ptr + peer * NUM_CHANNELS + channels,
+        tl.where(arrived, -got_c - 1, 0),
+        mask=cmask,
+    )
+    tl.store(decoded_ptr + peer * E_LOCAL + experts, tl.where(arrived, -got_e - 1, 0), mask=emask)
     tl.store(my_row + channels, tl.zeros((BLOCK_CHANNELS,), tl.int32), mask=cmask)
     tl.store(my_row + NUM_CHANNELS + experts, tl.zeros((BLOCK_EXPERTS,), tl.int32), mask=emask)
     if EXTRA > 0:
@@ -187,11 +224,22 @@ def notify_receive(my_row, peer, timeout_ns, status_ptr, recv_count_ptr, decoded
 
 
 @triton.jit
-def lay_out_rows(recv_count_ptr, recv_start_ptr, decoded_ptr, host_info_ptr, alignment,
-                 max_rows, status_ptr, NUM_RANKS: tl.constexpr, NUM_CHANNELS: tl.constexpr,
-                 E_LOCAL: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
-                 BLOCK_CHANNELS: tl.constexpr, BLOCK_EXPERTS: tl.constexpr,
-                 BLOCK_RANKS: tl.constexpr):  # fmt: skip
+def lay_out_rows(
+    recv_count_ptr,
+    recv_start_ptr,
+    decoded_ptr,
+    host_info_ptr,
+    alignment,
+    max_rows,
+    status_ptr,
+    NUM_RANKS: tl.constexpr,
+    NUM_CHANNELS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    CHANNEL_MAJOR: tl.constexpr,
+    BLOCK_CHANNELS: tl.constexpr,
+    BLOCK_EXPERTS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+):
     """The last program: the first output row of every (source, channel) stream, the total
     and the aligned entries per local expert; an overflow of ``max_rows`` is recorded."""
     channels = tl.arange(0, BLOCK_CHANNELS)
@@ -269,24 +317,73 @@ def notify_kernel(
     if PROFILE:
         t_start = read_clock(trace_ptr, USE_CLOCK)
     set_off = (call % 2) * SET_BYTES
-    counts = channel_counts(counts_ptr, num_tokens, peer, NUM_RANKS, NUM_CHANNELS, COUNTS_GIVEN,
-                            BLOCK_TOKENS, BLOCK_CHANNELS)  # fmt: skip
-    notify_send(counts, per_expert_ptr, extra_ptr, peer, rank,
-                NOTIFY_OFFSET + set_off + rank * ROW_WORDS * 4, peer_ptrs, pe_ptr, NUM_CHANNELS,
-                E_LOCAL, ROW_WORDS, STAGE_OFFSET, EXTRA, BLOCK_CHANNELS, BLOCK_EXPERTS, BLOCK_EXTRA,
-                VIA)  # fmt: skip
+    counts = channel_counts(
+        counts_ptr,
+        num_tokens,
+        peer,
+        NUM_RANKS,
+        NUM_CHANNELS,
+        COUNTS_GIVEN,
+        BLOCK_TOKENS,
+        BLOCK_CHANNELS,
+    )
+    notify_send(
+        counts,
+        per_expert_ptr,
+        extra_ptr,
+        peer,
+        rank,
+        NOTIFY_OFFSET + set_off + rank * ROW_WORDS * 4,
+        peer_ptrs,
+        pe_ptr,
+        NUM_CHANNELS,
+        E_LOCAL,
+        ROW_WORDS,
+        STAGE_OFFSET,
+        EXTRA,
+        BLOCK_CHANNELS,
+        BLOCK_EXPERTS,
+        BLOCK_EXTRA,
+        VIA,
+    )
     my_row = tl.load(peer_ptrs + rank) + NOTIFY_OFFSET + set_off + peer * ROW_WORDS * 4
-    notify_receive(my_row.to(tl.pointer_type(tl.int32)), peer, timeout_ns, status_ptr,
-                   recv_count_ptr, decoded_ptr, extra_out_ptr, NUM_CHANNELS, E_LOCAL, EXTRA,
-                   USE_CLOCK, BLOCK_CHANNELS, BLOCK_EXPERTS, BLOCK_EXTRA)  # fmt: skip
+    notify_receive(
+        my_row.to(tl.pointer_type(tl.int32)),
+        peer,
+        timeout_ns,
+        status_ptr,
+        recv_count_ptr,
+        decoded_ptr,
+        extra_out_ptr,
+        NUM_CHANNELS,
+        E_LOCAL,
+        EXTRA,
+        USE_CLOCK,
+        BLOCK_CHANNELS,
+        BLOCK_EXPERTS,
+        BLOCK_EXTRA,
+    )
     if PROFILE:
         trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), True, 0, USE_CLOCK)
     # The last program lays out the received rows.
     tl.debug_barrier()
     done = tl.atomic_add(state_ptr + NOTIFY_ARRIVALS, 1, sem="acq_rel", scope="gpu")
     if done == NUM_RANKS - 1:
-        lay_out_rows(recv_count_ptr, recv_start_ptr, decoded_ptr, host_info_ptr, alignment,
-                     max_rows, status_ptr, NUM_RANKS, NUM_CHANNELS, E_LOCAL, CHANNEL_MAJOR,
-                     BLOCK_CHANNELS, BLOCK_EXPERTS, BLOCK_RANKS)  # fmt: skip
+        lay_out_rows(
+            recv_count_ptr,
+            recv_start_ptr,
+            decoded_ptr,
+            host_info_ptr,
+            alignment,
+            max_rows,
+            status_ptr,
+            NUM_RANKS,
+            NUM_CHANNELS,
+            E_LOCAL,
+            CHANNEL_MAJOR,
+            BLOCK_CHANNELS,
+            BLOCK_EXPERTS,
+            BLOCK_RANKS,
+        )
         tl.store(state_ptr + NOTIFY_ARRIVALS, 0)
         tl.store(state_ptr + NOTIFY_CALLS, call + 1)

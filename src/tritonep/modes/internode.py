@@ -180,8 +180,7 @@ class InternodeMode:
         self.layout, self.default_config = self.rail.layout, self.rail.default_config
         # get_dispatch_layout's kernel: bad ids go to the network leg's status (which names
         # this rank by its number in the group).
-        self._layout = DispatchLayout(self.device, num_experts, R, self.rail.status,
-                                      self.rail.rank)  # fmt: skip
+        self._layout = DispatchLayout(self.device, num_experts, R, self.rail.status, self.rail.rank)
         self._streams = _Streams(self.device)
         self._relay_flags: dict[str, torch.Tensor] = {}
 
@@ -216,8 +215,9 @@ class InternodeMode:
         int32, is_token_in_rank [N, R] bool)``. Ids outside ``[-1, E)`` count as none and are
         recorded: the next dispatch or combine raises them."""
         with _no_torch_function():
-            check_topk_idx("topk_idx", topk_idx, None, self.num_experts, self.device,
-                           self.check_ids)  # fmt: skip
+            check_topk_idx(
+                "topk_idx", topk_idx, None, self.num_experts, self.device, self.check_ids
+            )
             return self._layout(topk_idx)
 
     @property
@@ -273,9 +273,17 @@ class InternodeMode:
         """
         with _no_torch_function():
             recorded = self._recorded()
-            out = self._dispatch(x, topk_idx, topk_weights, num_tokens_per_expert,
-                                 is_token_in_rank, handle, expert_alignment, num_worst_tokens,
-                                 config)  # fmt: skip
+            out = self._dispatch(
+                x,
+                topk_idx,
+                topk_weights,
+                num_tokens_per_expert,
+                is_token_in_rank,
+                handle,
+                expert_alignment,
+                num_worst_tokens,
+                config,
+            )
             synced = handle is None and not num_worst_tokens  # read the host: raise now
             if recorded or (synced and self._recorded()):
                 self._raise_first(NormalMode.raise_recorded)
@@ -307,13 +315,36 @@ class InternodeMode:
             streams.fork()
             with streams.producer():
                 calls = self._calls(self.node, DISPATCH_CALLS)
-                rail = self.rail._dispatch(x, None, None, None, None, handle.rail, 1, 0, None,
-                                           None, Relay(flags, calls), None)  # fmt: skip
+                rail = self.rail._dispatch(
+                    x,
+                    None,
+                    None,
+                    None,
+                    None,
+                    handle.rail,
+                    1,
+                    0,
+                    None,
+                    None,
+                    Relay(flags, calls),
+                    None,
+                )
             # The NVLink leg's receivers write each row at its final position: no gather of
             # every row after both legs.
-            node = self.node._dispatch(rail.recv_x, None, None, None, None, handle.node, 1, 0,
-                                       None, handle.tag, Relay(flags, await_rows=True),
-                                       handle.position)  # fmt: skip
+            node = self.node._dispatch(
+                rail.recv_x,
+                None,
+                None,
+                None,
+                None,
+                handle.node,
+                1,
+                0,
+                None,
+                handle.tag,
+                Relay(flags, await_rows=True),
+                handle.position,
+            )
             streams.join(rail.recv_x, rail.handle.recv_src_idx)
             return NormalDispatchOutput(node.recv_x, None, None, None, handle)
 

@@ -527,8 +527,9 @@ class NormalMode:
         )
         # get_dispatch_layout's kernel: bad ids go to this mode's status (under this rank's
         # number in the group, as the dispatch kernel's; errors name it by rank_names).
-        self._layout = DispatchLayout(self.device, num_experts, self.num_ranks, self.status,
-                                      self.rank)  # fmt: skip
+        self._layout = DispatchLayout(
+            self.device, num_experts, self.num_ranks, self.status, self.rank
+        )
         # Passed for the pointers a variant does not read.
         self._unused = torch.zeros(4, dtype=torch.int64, device=self.device)
         self._plans: dict[tuple, KernelLaunch] = {}
@@ -614,11 +615,17 @@ class NormalMode:
         self._timeout_us = timeout_us(value)
         self._timeout_s = value
         # The kernels' trailing arguments (NormalShared), tensors and addresses.
-        self._shared = Shared.of(NormalShared(
-            peer_ptrs=self.heap.peer_ptrs, pe_ptr=self.transport.pes, rank=self.rank,
-            state_ptr=self.state, status_ptr=self.status.words, timeout_us=self._timeout_us,
-            decoded_ptr=self._decoded,
-        ))  # fmt: skip
+        self._shared = Shared.of(
+            NormalShared(
+                peer_ptrs=self.heap.peer_ptrs,
+                pe_ptr=self.transport.pes,
+                rank=self.rank,
+                state_ptr=self.state,
+                status_ptr=self.status.words,
+                timeout_us=self._timeout_us,
+                decoded_ptr=self._decoded,
+            )
+        )
 
     # ----------------------------------------------------------------------------- errors
     def check(self) -> None:
@@ -657,8 +664,9 @@ class NormalMode:
         does, before launching)."""
         with _no_torch_function():
             if self.check_ids or not self._ids_look_right(topk_idx, None):
-                check_topk_idx("topk_idx", topk_idx, None, self.num_experts, self.device,
-                               self.check_ids)  # fmt: skip
+                check_topk_idx(
+                    "topk_idx", topk_idx, None, self.num_experts, self.device, self.check_ids
+                )
             return self._layout(topk_idx)
 
     def _ids_look_right(self, topk_idx, num_tokens: int | None) -> bool:
@@ -708,18 +716,36 @@ class NormalMode:
             dispatch that follows (which raises it after its launches).
         """
         with _no_torch_function():
-            return self._notify(is_token_in_rank, num_tokens_per_expert, num_tokens,
-                                expert_alignment, num_worst_tokens, self._config(config),
-                                send_counts, bounds, extra, channel_major)  # fmt: skip
+            return self._notify(
+                is_token_in_rank,
+                num_tokens_per_expert,
+                num_tokens,
+                expert_alignment,
+                num_worst_tokens,
+                self._config(config),
+                send_counts,
+                bounds,
+                extra,
+                channel_major,
+            )
 
-    def _notify(self, is_token_in_rank, num_tokens_per_expert, num_tokens, expert_alignment,
-                num_worst_tokens, config, send_counts, bounds, extra,
-                channel_major) -> NormalHandle:  # fmt: skip
+    def _notify(
+        self,
+        is_token_in_rank,
+        num_tokens_per_expert,
+        num_tokens,
+        expert_alignment,
+        num_worst_tokens,
+        config,
+        send_counts,
+        bounds,
+        extra,
+        channel_major,
+    ) -> NormalHandle:
         R, E_local, C = self.num_ranks, self.num_local_experts, config.num_channels
         device = self.device
         if send_counts is not None:
-            check_tensor("send_counts", send_counts, dtype=torch.int32, shape=(R, C),
-                         device=device)  # fmt: skip
+            check_tensor("send_counts", send_counts, dtype=torch.int32, shape=(R, C), device=device)
             in_rank = torch.zeros((num_tokens, R), dtype=torch.bool, device=device)
             counted = send_counts
         else:
@@ -744,12 +770,23 @@ class NormalMode:
         plan = self._plans.get(options)
         if plan is None or self._plans_version != _launch_version:
             plan = self._plan(options, self._notify_plan)
-        self._launch(plan, "notify", NotifyCall(
-            counts_ptr=counted, num_tokens=num_tokens, per_expert_ptr=num_tokens_per_expert,
-            extra_ptr=extra, alignment=expert_alignment, max_rows=num_worst_tokens,
-            recv_count_ptr=recv_count, recv_start_ptr=recv_start, host_info_ptr=host_info,
-            extra_out_ptr=extra_out, trace_ptr=None,
-        ))  # fmt: skip
+        self._launch(
+            plan,
+            "notify",
+            NotifyCall(
+                counts_ptr=counted,
+                num_tokens=num_tokens,
+                per_expert_ptr=num_tokens_per_expert,
+                extra_ptr=extra,
+                alignment=expert_alignment,
+                max_rows=num_worst_tokens,
+                recv_count_ptr=recv_count,
+                recv_start_ptr=recv_start,
+                host_info_ptr=host_info,
+                extra_out_ptr=extra_out,
+                trace_ptr=None,
+            ),
+        )
         if num_worst_tokens:
             num_recv, rows = -1, num_worst_tokens
             per_expert = host_info[1:]
@@ -849,9 +886,20 @@ class NormalMode:
         """
         with _no_torch_function():
             recorded = self.status.recorded()
-            out = self._dispatch(x, topk_idx, topk_weights, num_tokens_per_expert,
-                                 is_token_in_rank, handle, expert_alignment, num_worst_tokens,
-                                 config, src_tag, relay, row_map)  # fmt: skip
+            out = self._dispatch(
+                x,
+                topk_idx,
+                topk_weights,
+                num_tokens_per_expert,
+                is_token_in_rank,
+                handle,
+                expert_alignment,
+                num_worst_tokens,
+                config,
+                src_tag,
+                relay,
+                row_map,
+            )
             # An exact-size first dispatch read the host after its layout and count exchange:
             # what they recorded is raised now, deterministically.
             synced = handle is None and not num_worst_tokens
@@ -891,9 +939,21 @@ class NormalMode:
         self._scale_shapes.add((x[1].shape[1], x[1].dtype))
         return payload, x[1].contiguous()
 
-    def _dispatch(self, x, topk_idx, topk_weights, num_tokens_per_expert, is_token_in_rank,
-                  handle, expert_alignment, num_worst_tokens, config, src_tag, relay,
-                  row_map) -> NormalDispatchOutput:  # fmt: skip
+    def _dispatch(
+        self,
+        x,
+        topk_idx,
+        topk_weights,
+        num_tokens_per_expert,
+        is_token_in_rank,
+        handle,
+        expert_alignment,
+        num_worst_tokens,
+        config,
+        src_tag,
+        relay,
+        row_map,
+    ) -> NormalDispatchOutput:
         payload, scales = self._check_x(x)
         num_tokens, device = payload.shape[0], self.device
         if type(expert_alignment) is not int or expert_alignment < 1:
@@ -916,13 +976,15 @@ class NormalMode:
         if row_map is not None:
             if not cached:
                 raise ValueError("row_map: only in cached mode (the handle of a dispatch)")
-            check_tensor("row_map", row_map, dtype=torch.int32, shape=(handle.num_rows,),
-                         device=device)  # fmt: skip
+            check_tensor(
+                "row_map", row_map, dtype=torch.int32, shape=(handle.num_rows,), device=device
+            )
         has_topk = topk_idx is not None
         if has_topk:
             if self.check_ids or not self._ids_look_right(topk_idx, num_tokens):
-                check_topk_idx("topk_idx", topk_idx, num_tokens, self.num_experts, device,
-                               self.check_ids)  # fmt: skip
+                check_topk_idx(
+                    "topk_idx", topk_idx, num_tokens, self.num_experts, device, self.check_ids
+                )
                 if topk_idx.shape[1] > self.max_topk:
                     raise ValueError(
                         f"topk_idx: top-k {topk_idx.shape[1]} exceeds max_topk={self.max_topk}"
@@ -938,19 +1000,25 @@ class NormalMode:
             handle = self._route(topk_idx, num_tokens_per_expert, is_token_in_rank, num_tokens,
                                  expert_alignment, num_worst_tokens, config)  # fmt: skip
         if src_tag is not None:
-            check_tensor("src_tag", src_tag, dtype=torch.int32, shape=(num_tokens,),
-                         device=device)  # fmt: skip
+            check_tensor("src_tag", src_tag, dtype=torch.int32, shape=(num_tokens,), device=device)
         topk = topk_idx.shape[1] if has_topk else 1
         rows = handle.num_rows
         awaits = relay is not None and relay.await_rows
         publish = relay is not None and relay.publish_to is not None
         options = DispatchOptions(
-            handle.config, scales.shape[1] if scales is not None else 0,
-            2 if topk <= 2 else 1 << (topk - 1).bit_length(), has_topk,
-            topk_weights is not None, src_tag is not None, handle.num_recv_tokens < 0,
-            handle.bounds is not None, awaits, handle.ranks_from_ids and has_topk, publish,
-            row_map is not None,
-        )  # fmt: skip
+            config=handle.config,
+            scale_words=scales.shape[1] if scales is not None else 0,
+            block_k=2 if topk <= 2 else 1 << (topk - 1).bit_length(),
+            has_topk=has_topk,
+            has_weights=topk_weights is not None,
+            has_tag=src_tag is not None,
+            pad_rows=handle.num_recv_tokens < 0,
+            bounds=handle.bounds is not None,
+            awaits=awaits,
+            ranks_from_ids=handle.ranks_from_ids and has_topk,
+            publish=publish,
+            row_map=row_map is not None,
+        )
         plan = self._plans.get(options)
         if plan is None or self._plans_version != _launch_version:
             plan = self._plan(options, self._dispatch_plan)
@@ -965,20 +1033,35 @@ class NormalMode:
             if topk_weights is not None:
                 recv_weights = empty_output(device, (rows, topk), torch.float32)
         # Cached mode writes the handle's sources again (the same values): no new handle.
-        recv_src_idx = handle.recv_src_idx if cached else empty_output(device, (rows,),
-                                                                        torch.int32)  # fmt: skip
-        self._launch(plan, "dispatch", DispatchCall(
-            x_ptr=payload, scales_ptr=scales, topk_idx_ptr=topk_idx,
-            topk_weights_ptr=topk_weights, in_rank_ptr=handle.is_token_in_rank,
-            src_tag_ptr=src_tag, num_tokens=num_tokens, K=topk,
-            recv_count_ptr=handle.recv_count, recv_start_ptr=handle.recv_start,
-            host_info_ptr=handle.host_info, out_x_ptr=recv_x, out_scales_ptr=recv_scales,
-            out_topk_idx_ptr=recv_topk_idx, out_weights_ptr=recv_weights,
-            out_src_ptr=recv_src_idx, max_rows=rows, bounds_ptr=handle.bounds,
-            ready_ptr=relay.flags if relay is not None else None,
-            relay_call_ptr=relay.publish_to if publish else None, row_map_ptr=row_map,
-            trace_ptr=None,
-        ))  # fmt: skip
+        recv_src_idx = handle.recv_src_idx if cached else empty_output(device, (rows,), torch.int32)
+        self._launch(
+            plan,
+            "dispatch",
+            DispatchCall(
+                x_ptr=payload,
+                scales_ptr=scales,
+                topk_idx_ptr=topk_idx,
+                topk_weights_ptr=topk_weights,
+                in_rank_ptr=handle.is_token_in_rank,
+                src_tag_ptr=src_tag,
+                num_tokens=num_tokens,
+                K=topk,
+                recv_count_ptr=handle.recv_count,
+                recv_start_ptr=handle.recv_start,
+                host_info_ptr=handle.host_info,
+                out_x_ptr=recv_x,
+                out_scales_ptr=recv_scales,
+                out_topk_idx_ptr=recv_topk_idx,
+                out_weights_ptr=recv_weights,
+                out_src_ptr=recv_src_idx,
+                max_rows=rows,
+                bounds_ptr=handle.bounds,
+                ready_ptr=relay.flags if relay is not None else None,
+                relay_call_ptr=relay.publish_to if publish else None,
+                row_map_ptr=row_map,
+                trace_ptr=None,
+            ),
+        )
         if scales is not None:
             recv_x = (recv_x, recv_scales)
         if cached:
@@ -992,8 +1075,16 @@ class NormalMode:
         per_expert = handle.num_recv_tokens_per_expert
         return NormalDispatchOutput(recv_x, recv_topk_idx, recv_weights, per_expert, new_handle)
 
-    def _route(self, topk_idx, num_tokens_per_expert, is_token_in_rank, num_tokens,
-               expert_alignment, num_worst_tokens, config) -> NormalHandle:  # fmt: skip
+    def _route(
+        self,
+        topk_idx,
+        num_tokens_per_expert,
+        is_token_in_rank,
+        num_tokens,
+        expert_alignment,
+        num_worst_tokens,
+        config,
+    ) -> NormalHandle:
         """The layout (unless given) and the count exchange of a first dispatch."""
         R, device = self.num_ranks, self.device
         if (num_tokens_per_expert is None) != (is_token_in_rank is None):
@@ -1006,18 +1097,38 @@ class NormalMode:
         else:
             at = self._device_index
             if not _plain(is_token_in_rank, torch.bool, at) or is_token_in_rank.shape != (
-                num_tokens, R,
-            ):  # fmt: skip
-                check_tensor("is_token_in_rank", is_token_in_rank, dtype=torch.bool,
-                             shape=(num_tokens, R), device=device)  # fmt: skip
+                num_tokens,
+                R,
+            ):
+                check_tensor(
+                    "is_token_in_rank",
+                    is_token_in_rank,
+                    dtype=torch.bool,
+                    shape=(num_tokens, R),
+                    device=device,
+                )
             if not _plain(num_tokens_per_expert, torch.int32, at) or (
                 num_tokens_per_expert.shape != (self.num_experts,)
             ):
-                check_tensor("num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32,
-                             shape=(self.num_experts,), device=device)  # fmt: skip
-        return self._notify(is_token_in_rank, num_tokens_per_expert, num_tokens,
-                            expert_alignment, num_worst_tokens, self._config(config), None,
-                            None, None, False)  # fmt: skip
+                check_tensor(
+                    "num_tokens_per_expert",
+                    num_tokens_per_expert,
+                    dtype=torch.int32,
+                    shape=(self.num_experts,),
+                    device=device,
+                )
+        return self._notify(
+            is_token_in_rank,
+            num_tokens_per_expert,
+            num_tokens,
+            expert_alignment,
+            num_worst_tokens,
+            self._config(config),
+            None,
+            None,
+            None,
+            False,
+        )
 
     def _dispatch_plan(self, options: DispatchOptions):
         config, R, layout = options.config, self.num_ranks, self.layout
@@ -1125,8 +1236,13 @@ class NormalMode:
         K = 1
         if topk_weights is not None:
             if not _plain(topk_weights, torch.float32, at) or topk_weights.dim() != 2:
-                check_tensor("topk_weights", topk_weights, dtype=torch.float32,
-                             shape=(M, None), device=device)  # fmt: skip
+                check_tensor(
+                    "topk_weights",
+                    topk_weights,
+                    dtype=torch.float32,
+                    shape=(M, None),
+                    device=device,
+                )
             K = topk_weights.shape[1]
             if topk_weights.shape[0] != M:
                 check_tensor("topk_weights", topk_weights, shape=(M, None))
@@ -1141,8 +1257,13 @@ class NormalMode:
             raise ValueError(f"bias: at most two tensors, got {len(terms)}")
         for i, term in enumerate(terms):
             if not _plain(term, torch.bfloat16, at) or term.shape != (N, H):
-                check_tensor(f"bias[{i}]" if type(bias) is tuple else "bias", term,
-                             dtype=torch.bfloat16, shape=(N, H), device=device)  # fmt: skip
+                check_tensor(
+                    f"bias[{i}]" if type(bias) is tuple else "bias",
+                    term,
+                    dtype=torch.bfloat16,
+                    shape=(N, H),
+                    device=device,
+                )
         config = handle.config
         if device.type != "cuda":
             self._check_fits_interpreter(config, "handle", N, handle.bounds)
@@ -1151,10 +1272,16 @@ class NormalMode:
         if awaits and relay.limit is None:
             raise ValueError("relay: a combine that awaits rows needs the relay's limit")
         options = CombineOptions(
-            config, 2 if K <= 2 else 1 << (K - 1).bit_length(), topk_weights is not None,
-            len(terms), handle.bounds is not None, relay is not None, awaits, publish,
-            row_map is not None,
-        )  # fmt: skip
+            config=config,
+            block_k=2 if K <= 2 else 1 << (K - 1).bit_length(),
+            has_weights=topk_weights is not None,
+            num_bias=len(terms),
+            bounds=handle.bounds is not None,
+            relay=relay is not None,
+            awaits=awaits,
+            publish=publish,
+            row_map=row_map is not None,
+        )
         plan = self._plans.get(options)
         if plan is None or self._plans_version != _launch_version:
             plan = self._plan(options, self._combine_plan)
@@ -1162,16 +1289,29 @@ class NormalMode:
         out_weights = None
         if topk_weights is not None:
             out_weights = empty_output(device, (N, K), torch.float32)
-        self._launch(plan, "combine", CombineCall(
-            x_ptr=x, weights_ptr=topk_weights, in_rank_ptr=handle.is_token_in_rank,
-            num_tokens=N, num_rows=M, K=K, bias0_ptr=terms[0] if terms else None,
-            bias1_ptr=terms[1] if len(terms) > 1 else None, recv_count_ptr=handle.recv_count,
-            recv_start_ptr=handle.recv_start, out_ptr=out, out_weights_ptr=out_weights,
-            bounds_ptr=relay.limit if awaits else handle.bounds,
-            ready_ptr=relay.flags if relay is not None else None,
-            relay_call_ptr=relay.publish_to if publish else None, row_map_ptr=row_map,
-            trace_ptr=None,
-        ))  # fmt: skip
+        self._launch(
+            plan,
+            "combine",
+            CombineCall(
+                x_ptr=x,
+                weights_ptr=topk_weights,
+                in_rank_ptr=handle.is_token_in_rank,
+                num_tokens=N,
+                num_rows=M,
+                K=K,
+                bias0_ptr=terms[0] if terms else None,
+                bias1_ptr=terms[1] if len(terms) > 1 else None,
+                recv_count_ptr=handle.recv_count,
+                recv_start_ptr=handle.recv_start,
+                out_ptr=out,
+                out_weights_ptr=out_weights,
+                bounds_ptr=relay.limit if awaits else handle.bounds,
+                ready_ptr=relay.flags if relay is not None else None,
+                relay_call_ptr=relay.publish_to if publish else None,
+                row_map_ptr=row_map,
+                trace_ptr=None,
+            ),
+        )
         return out, out_weights
 
     def _combine_plan(self, options: CombineOptions):
@@ -1214,9 +1354,16 @@ class NormalMode:
         )
         # Sums round as in the reference (no fused multiply-add).
         grid = 2 * config.num_channels
-        return normal_combine.normal_combine_kernel, grid, variant, CombineCall, {
-            "num_warps": COMBINE_WARPS, "enable_fp_fusion": False,
-        }  # fmt: skip
+        return (
+            normal_combine.normal_combine_kernel,
+            grid,
+            variant,
+            CombineCall,
+            {
+                "num_warps": COMBINE_WARPS,
+                "enable_fp_fusion": False,
+            },
+        )
 
     def destroy(self) -> None:
         """Release the heap (collective: every rank calls it); raises if a wait had timed out
