@@ -315,35 +315,15 @@ class InternodeMode:
             streams.fork()
             with streams.producer():
                 calls = self._calls(self.node, DISPATCH_CALLS)
-                rail = self.rail._dispatch(
-                    x,
-                    None,
-                    None,
-                    None,
-                    None,
-                    handle.rail,
-                    1,
-                    0,
-                    None,
-                    None,
-                    Relay(flags, calls),
-                    None,
-                )
+                rail = self.rail._dispatch(x, handle=handle.rail, relay=Relay(flags, calls))
             # The NVLink leg's receivers write each row at its final position: no gather of
             # every row after both legs.
             node = self.node._dispatch(
                 rail.recv_x,
-                None,
-                None,
-                None,
-                None,
-                handle.node,
-                1,
-                0,
-                None,
-                handle.tag,
-                Relay(flags, await_rows=True),
-                handle.position,
+                handle=handle.node,
+                src_tag=handle.tag,
+                relay=Relay(flags, await_rows=True),
+                row_map=handle.position,
             )
             streams.join(rail.recv_x, rail.handle.recv_src_idx)
             return NormalDispatchOutput(node.recv_x, None, None, None, handle)
@@ -388,9 +368,13 @@ class InternodeMode:
             flags = self._flags("dispatch", rail_plan.num_rows)
             notified = streams.mark()
             rail = self.rail._dispatch(
-                x, topk_idx, topk_weights, None, None, rail_plan, 1, 0, None, tag,
-                Relay(flags, publish_to=self._calls(self.node, DISPATCH_CALLS)), None,
-            )  # fmt: skip
+                x,
+                topk_idx,
+                topk_weights,
+                handle=rail_plan,
+                src_tag=tag,
+                relay=Relay(flags, publish_to=self._calls(self.node, DISPATCH_CALLS)),
+            )
         streams.wait(notified)
         send_counts, bounds = relay_layout(rail_plan, C, G)
         node_plan = self.node.notify(
@@ -398,9 +382,13 @@ class InternodeMode:
             num_worst_tokens, config, send_counts=send_counts, bounds=bounds,
         )  # fmt: skip
         node = self.node._dispatch(
-            rail.recv_x, rail.recv_topk_idx, rail.recv_topk_weights, None, None, node_plan, 1,
-            0, None, rail.handle.recv_src_idx, Relay(flags, await_rows=True), None,
-        )  # fmt: skip
+            rail.recv_x,
+            rail.recv_topk_idx,
+            rail.recv_topk_weights,
+            handle=node_plan,
+            src_tag=rail.handle.recv_src_idx,
+            relay=Relay(flags, await_rows=True),
+        )
         streams.join(rail.recv_x, rail.recv_topk_idx, rail.recv_topk_weights,
                      *_tensors(rail.handle))  # fmt: skip
         # Rows arrive per relay (local index), each relay's in (channel, node, token) order;
@@ -461,10 +449,10 @@ class InternodeMode:
             # The NVLink leg's senders read each row where the caller holds it (its output
             # order): no scatter of every row into the leg's order first.
             per_node, per_node_w = self.node._combine(
-                x, handle.node, topk_weights, None, Relay(flags, calls), handle.position
+                x, handle.node, topk_weights, relay=Relay(flags, calls), row_map=handle.position
             )
         relay = Relay(flags, await_rows=True, limit=handle.node.bounds)
-        out = self.rail._combine(per_node, handle.rail, per_node_w, bias, relay, None)
+        out = self.rail._combine(per_node, handle.rail, per_node_w, bias, relay=relay)
         streams.join(per_node, per_node_w)
         return out
 

@@ -942,17 +942,17 @@ class NormalMode:
     def _dispatch(
         self,
         x,
-        topk_idx,
-        topk_weights,
-        num_tokens_per_expert,
-        is_token_in_rank,
-        handle,
-        expert_alignment,
-        num_worst_tokens,
-        config,
-        src_tag,
-        relay,
-        row_map,
+        topk_idx=None,
+        topk_weights=None,
+        num_tokens_per_expert=None,
+        is_token_in_rank=None,
+        handle=None,
+        expert_alignment=1,
+        num_worst_tokens=0,
+        config=None,
+        src_tag=None,
+        relay=None,
+        row_map=None,
     ) -> NormalDispatchOutput:
         payload, scales = self._check_x(x)
         num_tokens, device = payload.shape[0], self.device
@@ -1226,7 +1226,7 @@ class NormalMode:
                 self.raise_recorded()
             return out
 
-    def _combine(self, x, handle, topk_weights, bias, relay, row_map):
+    def _combine(self, x, handle, topk_weights=None, bias=None, relay=None, row_map=None):
         if type(handle) is not NormalHandle:
             raise TypeError(f"handle: expected a NormalHandle, got {type(handle).__name__}")
         H, N, M = handle.hidden, handle.num_tokens, handle.num_rows
