@@ -397,8 +397,9 @@ for module, name, sig, meta, options in [
      {**NORMAL_COMBINE_META, "RELEASE_STEPS": 2}, COMBINE_OPTIONS),
     # gpt-oss's hidden size, 2880: FP8 rows of 720 words and 23 scale words
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
-     {**NORMAL_DISPATCH_META, "W": 720, "G": 23, "G_P2": 32, "SLOT_BYTES": 5936,
-      "META_OFF": 744, "BW": 512, "RBW": 256}, DISPATCH_OPTIONS),
+     {**NORMAL_DISPATCH_META, "ROW_WORDS": 720, "SCALE_WORDS": 23, "BLOCK_SCALES": 32,
+      "SLOT_BYTES": 5936, "RECORD_WORD": 744, "BLOCK_SEND_WORDS": 512,
+      "BLOCK_RECV_WORDS": 256}, DISPATCH_OPTIONS),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
      {**NORMAL_COMBINE_META, "H": 2880, "SLOT_BYTES": 5792}, COMBINE_OPTIONS),
 ]:  # fmt: skip
@@ -527,7 +528,7 @@ def _id(kernel):
     packed += "-bf16" if meta.get("USE_FP8") is False else ""
     packed += f"-release{meta['RELEASE_STEPS']}" if meta.get("RELEASE_STEPS", 1) > 1 else ""
     packed += f"-h{meta['H']}" if meta.get("H", 7168) != 7168 else ""
-    packed += "-h2880" if meta.get("W") == 720 else ""
+    packed += "-h2880" if meta.get("ROW_WORDS") == 720 else ""
     return kernel[1] + traced + ("-staged" if meta.get("VIA") else "") + shrink + packed + relay
 
 
