@@ -655,7 +655,7 @@ class Buffer:
             ``(combined_x [N, H] BF16, combined_topk_weights [N, K] float32 or None, event)``.
         """
         with torch._C.DisableTorchFunction():
-            if type(handle) is not NormalHandle and type(handle) is not InternodeHandle:
+            if not isinstance(handle, (NormalHandle, InternodeHandle)):
                 raise TypeError(f"handle: expected a dispatch handle, got {type(handle).__name__}")
             recorded = self._layout_recorded()
             mode = self._normal_mode(handle.hidden, handle.num_experts)

@@ -962,7 +962,7 @@ class NormalMode:
             raise ValueError(f"num_worst_tokens: expected an int >= 0, got {num_worst_tokens}")
         cached = False
         if handle is not None:
-            if type(handle) is not NormalHandle:
+            if not isinstance(handle, NormalHandle):  # (or a subclass: deep_ep's LegacyHandle)
                 raise TypeError(f"handle: expected a NormalHandle, got {type(handle).__name__}")
             if handle.num_tokens != num_tokens:
                 raise ValueError(
@@ -1227,7 +1227,7 @@ class NormalMode:
             return out
 
     def _combine(self, x, handle, topk_weights=None, bias=None, relay=None, row_map=None):
-        if type(handle) is not NormalHandle:
+        if not isinstance(handle, NormalHandle):  # (or a subclass: deep_ep's LegacyHandle)
             raise TypeError(f"handle: expected a NormalHandle, got {type(handle).__name__}")
         H, N, M = handle.hidden, handle.num_tokens, handle.num_rows
         device, at = self.device, self._device_index
