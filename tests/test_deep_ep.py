@@ -256,6 +256,13 @@ def _check_handle_items(handle, rank, is_token_in_rank):
         assert col[is_token_in_rank[:, r]].tolist() == list(range(int(sent[r])))
 
 
+def _through_ue8m0(values: torch.Tensor) -> torch.Tensor:
+    """Integers ``values`` (each alone in its group of channels) after e4m3 with a
+    power-of-two scale: e4m3 holds 4 significant bits, so 127 comes back as 128."""
+    scale = torch.exp2(torch.ceil(torch.log2(values.clamp(min=1e-4) / 448.0)))
+    return ((values / scale).to(torch.float8_e4m3fn).float() * scale).round()
+
+
 def _low_latency_body(ctx, tokens, hidden, experts_per_rank, topk, use_fp8, use_ue8m0=False):
     R, rank, dev = ctx.world_size, ctx.rank, ctx.device
     num_experts = experts_per_rank * R
@@ -304,6 +311,8 @@ def _low_latency_body(ctx, tokens, hidden, experts_per_rank, topk, use_fp8, use_
                 assert bool((rank_part == s + 1).all()), (e, s)
             assert sum(count) == n
             token = src_info[e, :n].cpu().float().unsqueeze(1).expand(n, tail)
+            if use_fp8 and use_ue8m0:
+                token = _through_ue8m0(token)
             assert torch.equal(block[:, -tail:].round(), token), e
         y = rows.to(torch.bfloat16)
         combined, _, hook = buffer.low_latency_combine(
