@@ -6,11 +6,11 @@ Run it like any torchrun script (GPUs when every rank has one, else CPU ranks):
     torchrun --nproc_per_node=4 examples/train_moe.py [--compile] [--checkpoint selective]
 
 Each rank holds E/R experts and a copy of the router. Every step routes the rank's tokens,
-dispatches them (tritonep.api.autograd), applies its experts, combines, takes a loss and steps
-an optimizer; gradients of the replicated router are all-reduced as data parallelism would.
-The first step's loss and the gradients of the router, the experts and the input tokens are
-compared with the same layer computed densely on one process, which every rank can do because
-the inputs come from fixed seeds.
+dispatches them (tritonep.integrations.autograd), applies its experts, combines, takes a loss
+and steps an optimizer; gradients of the replicated router are all-reduced as data parallelism
+would. The first step's loss and the gradients of the router, the experts and the input tokens
+are compared with the same layer computed densely on one process, which every rank can do
+because the inputs come from fixed seeds.
 
 ``--compile`` runs the layer through ``torch.compile`` (Inductor on GPUs, ``aot_eager`` on CPU
 ranks): dispatch and combine are registered operators, traced without a graph break.
@@ -32,9 +32,9 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from tritonep.api import Buffer
+from tritonep import Buffer
+from tritonep.integrations.moe import MoELayer, dense_moe, init_params
 from tritonep.launch import init_distributed
-from tritonep.moe import MoELayer, dense_moe, init_params
 
 HIDDEN, EXPERTS_PER_RANK, TOPK, TOKENS = 128, 4, 2, 16
 

@@ -6,12 +6,12 @@ failing rank's traceback and the pool is replaced.
 """
 
 import os
+import sys
 
 import torch
 
-if not torch.cuda.is_available():
-    # Must happen before any Triton kernel is defined in this process or its rank processes.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import tritonep  # noqa: F401  (before any test module defines a kernel: it picks the backend)
+
 # Every rank process inherits it, whichever test module it imports: outputs are filled with a
 # marker before each call, so a row that no kernel wrote cannot pass for a right one.
 os.environ.setdefault("TRITONEP_POISON_OUTPUTS", "1")
@@ -20,6 +20,16 @@ import pytest
 
 from tritonep.heap import shared_gpu
 from tritonep.launch import RankPool, gpus_suffice
+
+#: Set for this suite's processes (``import tritonep`` sets the first on CPU-only machines).
+SUITE_SETTINGS = ("TRITON_INTERPRET", "TRITONEP_POISON_OUTPUTS")
+
+
+def user_env(**extra: str) -> dict[str, str]:
+    """The environment a user's command starts with: this one without :data:`SUITE_SETTINGS`,
+    with the path to this source tree."""
+    env = {k: v for k, v in os.environ.items() if k not in SUITE_SETTINGS}
+    return dict(env, PYTHONPATH=os.pathsep.join(sys.path), **extra)
 
 
 def machine_gpus() -> int:

@@ -1,4 +1,4 @@
-"""The public low-latency APIs (DeepEP-like Buffer, seed layer) against the reference."""
+"""The public low-latency APIs (Buffer, Triton-distributed's layer) against the reference."""
 
 from types import SimpleNamespace
 
@@ -8,8 +8,9 @@ import torch
 from tests.conftest import gpu_ranks
 from tests.test_low_latency import _expert_outputs, _verify_call
 from tests.test_normal import _combine_input, _to, _verify
-from tritonep.api import Buffer, EPLowLatencyAllToAllLayer
+from tritonep import Buffer
 from tritonep.heap import shared_gpu
+from tritonep.integrations import EPLowLatencyAllToAllLayer
 from tritonep.testing import make_case, static_inputs
 
 
@@ -58,9 +59,9 @@ def test_buffer_low_latency(run_ranks, hook):
     assert run_ranks(2, _buffer_body, hook) == [True, True]
 
 
-def _layer_body(ctx, online_quant_fp8):
+def _layer_body(ctx, online_quant_fp8, H=128):
     R, me = ctx.world_size, ctx.rank
-    M, H, E, K = 4, 128, 2 * R, 2
+    M, E, K = 4, 2 * R, 2
     layer = EPLowLatencyAllToAllLayer(M, H, K, online_quant_fp8, me, E, R, R)
     case = make_case(9, [M] * R, H, E, K, "random")
     x, idx = case.x[me].to(ctx.device), case.topk_idx[me].to(ctx.device)
@@ -81,6 +82,11 @@ def _layer_body(ctx, online_quant_fp8):
 @pytest.mark.parametrize("fp8", [True, False])
 def test_seed_low_latency_layer(run_ranks, fp8):
     assert run_ranks(2, _layer_body, fp8) == [True, True]
+
+
+def test_seed_low_latency_layer_at_a_partial_group(run_ranks):
+    # Hidden 200: the last group of 128 channels holds 72 and has a scale of its own.
+    assert run_ranks(2, _layer_body, True, 200) == [True, True]
 
 
 def _layer_arg_errors(ctx):

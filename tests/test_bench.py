@@ -4,7 +4,10 @@ Times measured here mean nothing (the kernels run under the interpreter); the te
 every column is produced and consistent, not how fast anything is.
 """
 
+import argparse
+import json
 import math
+import sys
 
 import pytest
 
@@ -22,6 +25,8 @@ def _run(tmp_path, mode, *extra):
 def test_normal_sweep_with_comparison(tmp_path, capfd):
     rows = _run(tmp_path, "normal", "--tokens", "4,12", "--compare", "tritonep.deep_ep")
     assert [r["tokens"] for r in rows] == [4, 12]
+    on_cpu = rows[0]["device"] == report.INTERPRETER
+    assert {r["device"] for r in rows} == {report.INTERPRETER if on_cpu else "cuda"}
     for row in rows:
         assert row["mode"] == "normal" and row["ranks"] == 2 and row["hidden"] == 256
         for key in ("dispatch_us", "fp8_dispatch_us", "combine_us", "torch_dispatch_us",
@@ -30,7 +35,8 @@ def test_normal_sweep_with_comparison(tmp_path, capfd):
         assert math.isnan(row["graph_dispatch_us"])  # no CUDA graphs on CPU ranks
         # DeepEP's accounting counts the local rank too, so it bounds the remote figure.
         assert row["dispatch_GBps"] >= row["dispatch_remote_GBps"] >= 0
-    assert "torch_combine_us" in capfd.readouterr().out  # the terminal table
+    table = capfd.readouterr().out  # the terminal table, marked when interpreted
+    assert "torch_combine_us" in table and ("Triton interpreter" in table) == on_cpu
 
     md = tmp_path / "BENCH.md"
     md.write_text("# Results\n\nkept\n")
@@ -42,6 +48,7 @@ def test_normal_sweep_with_comparison(tmp_path, capfd):
     assert text.startswith("# Results\n\nkept\n")
     assert text.count("<!-- bench:cpu -->") == 1  # a second report replaces the first
     assert "| 2 | 12 | 256 |" in text
+    assert (report.INTERPRETER_NOTE in text) == on_cpu
 
 
 def test_low_latency_sweep_over_topk_and_an_absent_rival(tmp_path, capfd):
@@ -58,19 +65,25 @@ def test_low_latency_sweep_over_topk_and_an_absent_rival(tmp_path, capfd):
     assert all(r["dispatch_dtype"] == "bf16" and r["combine_dtype"] == "logfmt" for r in rows)
     assert all(r["dispatch_us"] > 0 and r["torch_combine_us"] > 0 for r in rows)
     assert "deep_ep_dispatch_us" not in rows[0]
-    assert "not importable" in capfd.readouterr().out
+    assert "not importable" in capfd.readouterr().err  # a note, not a row of the table
 
     paths = [trace.format(rank=r) for r in range(2)]
     summary = {(r["kernel"], r["slice"]): r for r in traced.summarize(paths)}
+    # Times of GPUs; the interpreter's logical ticks on CPU ranks, and named so.
+    on_gpu = rows[0]["device"] == "cuda"
+    unit = "us" if on_gpu else "ticks"
+    clock = json.loads((tmp_path / "trace-0.json").read_text())["otherData"]["clock"]
+    assert ("microseconds" in clock) == on_gpu and ("logical ticks" in clock) != on_gpu
     # 3 traced dispatch + combine pairs per rank; every phase of both kernels is there.
     # Sub-phases are named with their phase (normal senders and receivers both "wait").
     for key in [("low-latency dispatch", "send: quantize and send"),
                 ("low-latency dispatch", "receive: pack"),
                 ("low-latency combine", "receive: reduce")]:  # fmt: skip
         assert summary[key]["launches"] == 6 and summary[key]["programs"] >= 1, summary[key]
-        assert summary[key]["launch_span_us"] >= summary[key]["max_us"] > 0
+        assert summary[key][f"launch_span_{unit}"] >= summary[key][f"max_{unit}"] > 0
     assert cli.main(["trace-summary", *paths]) == 0
-    assert "quantize and send" in capfd.readouterr().out
+    out = capfd.readouterr().out
+    assert "quantize and send" in out and f"median_{unit}" in out
 
 
 def test_internode_legs(tmp_path):
@@ -100,8 +113,11 @@ def test_plot(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert labels == [
         "tritonep dispatch", "tritonep combine", "torch dispatch", "torch combine",
-        "dispatch (remote)", "dispatch (DeepEP accounting)",
+        "dispatch (remote)", "dispatch (DeepEP accounting)", "NVLink ceiling (remote)",
     ]  # fmt: skip
+    # Rows of CPU ranks: no GPU link to compare interpreted kernels with.
+    cpu_rows = [dict(row, device=report.INTERPRETER) for row in rows]
+    assert "NVLink ceiling (remote)" not in report.plot(cpu_rows, path, ceiling_gbps=370)
     # Graph timings get lines of their own; a column that CPU ranks leave NaN gets none.
     timed = [dict(row, graph_dispatch_us=80.0 * row["tokens"], graph_combine_us=math.nan)
              for row in rows]  # fmt: skip
@@ -129,9 +145,12 @@ def test_console_script_names_its_commands(capfd):
     assert info.value.code == 0 and "--gpus-per-node" in capfd.readouterr().out
 
 
-def test_launch_constants_label_the_rows_and_bad_ones_stop_the_run(tmp_path):
+def test_launch_constants_label_the_rows_and_bad_ones_stop_the_run(tmp_path, monkeypatch):
     from tritonep.modes import normal
 
+    # The rows in the CSV are those rank 0 appended as each point finished: the run's final
+    # rewrite of the file is switched off here.
+    monkeypatch.setattr(report, "write_csv", lambda rows, path: None)
     rows = _run(tmp_path, "normal", "--tokens", "9", "--launch", "COMBINE_SEND_TILE=64",
                 "--launch", "STEP_ROWS=2")  # fmt: skip
     (row,) = rows
@@ -142,3 +161,70 @@ def test_launch_constants_label_the_rows_and_bad_ones_stop_the_run(tmp_path):
                       ("DISPATCH_WARPS=64", "4, 8, 16 or 32")]:  # fmt: skip
         with pytest.raises(SystemExit, match=says):
             cli.main(["normal", "--ranks", "2", "--launch", bad])
+
+
+def test_every_option_says_what_it_does_and_its_default():
+    parser = cli._parser()
+    (modes,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, sub in modes.choices.items():
+        formatter = sub._get_formatter()
+        for action in sub._actions:
+            if "--help" in action.option_strings:
+                continue
+            assert action.help, (name, action.dest)
+            if action.option_strings and action.nargs != 0:  # options that take a value
+                assert "default" in formatter._get_help_string(action), (name, action.dest)
+
+
+def test_the_costmodel_explains_itself(capsys):
+    from tritonep.costmodel import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert info.value.code == 0 and len(text.splitlines()) < 50  # not the module's docstring
+    words = " ".join(text.split())
+    assert "(default: 1,2,4,8,16,32)" in words and "(default: 370.0)" in words
+
+
+def test_token_sweeps_fit_where_the_ranks_run():
+    args = cli._parser().parse_args(["normal", "--tokens", "sweep"])
+    assert cli._options(args, on_gpu=True).tokens[-1] == 16384
+    assert cli._options(args, on_gpu=False).tokens == [4, 8, 16, 32]  # minutes, not hours
+    args = cli._parser().parse_args(["low-latency"])
+    assert cli._options(args, on_gpu=False).tokens == [8]
+
+
+def test_rows_reach_the_csv_and_progress_reaches_stderr_as_points_finish(
+    tmp_path, capfd, monkeypatch
+):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # without tqdm: a line per point
+    path = tmp_path / "rows.csv"
+    progress = cli._Progress(2, True, str(path), {"device": report.INTERPRETER})
+    progress({"mode": "normal", "ranks": 2, "tokens": 4, "dispatch_us": 1.5})
+    assert report.read_csv(path) == [
+        {
+            "mode": "normal",
+            "ranks": 2,
+            "tokens": 4,
+            "dispatch_us": 1.5,
+            "device": report.INTERPRETER,
+        }
+    ]
+    progress({"mode": "normal", "ranks": 2, "tokens": 8, "dispatch_us": 2.5, "late": 1})
+    assert [r["tokens"] for r in report.read_csv(path)] == [4, 8]  # "late" waits for the end
+    out, err = capfd.readouterr()
+    assert out == "" and "point 2/2 done: ranks 2, tokens 8" in err
+
+
+def test_a_missing_plotting_extra_stops_the_run_before_it_starts(monkeypatch, capfd):
+    def missing():
+        raise RuntimeError("needs matplotlib: pip install matplotlib")
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("ranks started")
+
+    monkeypatch.setattr(report, "require_matplotlib", missing)
+    monkeypatch.setattr(cli, "spawn", no_run)
+    assert cli.main(["normal", "--ranks", "2", "--plot", "normal.png"]) == 2
+    assert "--plot needs matplotlib: pip install matplotlib" in capfd.readouterr().err

@@ -113,7 +113,7 @@ def test_calls_read_nothing_on_the_host(run_ranks):
 
 def _sync_debug_body(ctx):
     mode, _, x, idx, w = _warm_mode(ctx)
-    from tritonep.api import Buffer
+    from tritonep import Buffer
 
     buffer = Buffer(None, device=ctx.device)
     stats = torch.zeros(mode.num_local_experts, dtype=torch.int32, device=ctx.device)

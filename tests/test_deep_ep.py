@@ -60,16 +60,21 @@ def _gather(t: torch.Tensor, group_size: int, num_rows: list[int]) -> list[torch
     return [p[:n].cpu() for p, n in zip(parts, num_rows, strict=True)]
 
 
+def _padded_groups(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., H]`` as float32 ``[..., ceil(H / 128), 128]``, zero-padded as DeepEP pads."""
+    return torch.nn.functional.pad(x.float(), (0, -x.shape[-1] % 128)).unflatten(-1, (-1, 128))
+
+
 def per_token_cast_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepEP's test quantizer: e4m3 ``[N, H]`` and float32 scales ``[N, H / 128]``."""
-    groups = x.float().unflatten(1, (-1, 128))
+    """DeepEP's test quantizer: e4m3 ``[N, H]`` and float32 scales ``[N, ceil(H / 128)]``."""
+    groups = _padded_groups(x)
     amax = groups.abs().amax(dim=2).clamp(min=1e-4)
     q = (groups * (448.0 / amax.unsqueeze(2))).to(torch.float8_e4m3fn).flatten(1)
-    return q, amax / 448.0
+    return q[:, : x.shape[1]].contiguous(), amax / 448.0
 
 
 def per_token_cast_back(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return (q.float().unflatten(1, (-1, 128)) * scales.unsqueeze(2)).flatten(1)
+    return (_padded_groups(q) * scales.unsqueeze(2)).flatten(1)[:, : q.shape[1]]
 
 
 def _intranode_body(ctx, tokens, hidden, experts_per_rank, topk, gpus_per_node=None,
@@ -259,10 +264,12 @@ def _low_latency_body(ctx, tokens, hidden, experts_per_rank, topk, use_fp8, use_
     x, topk_idx, topk_weights = _inputs(rank, N, hidden, num_experts, topk, dev, seed=9)
     # As DeepEP's test: every channel but the last group holds the source rank + 1 (never
     # zero, so that a combine that drops rows cannot match), the last group the token index;
-    # constant groups survive FP8 exactly (integers up to 256 survive BF16).
+    # constant groups survive FP8 exactly (integers up to 256 survive BF16). The last group
+    # may be partial (its ``tail`` channels).
     assert N <= 256
+    tail = hidden - (hidden - 1) // 128 * 128
     x = torch.full((N, hidden), float(rank + 1), dtype=torch.bfloat16, device=dev)
-    x[:, -128:] = torch.arange(N, device=dev).to(torch.bfloat16).unsqueeze(1)
+    x[:, -tail:] = torch.arange(N, device=dev).to(torch.bfloat16).unsqueeze(1)
     rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(num_max, hidden, R, num_experts)
     buffer = deep_ep.Buffer(
         dist.group.WORLD, 0, rdma, low_latency_mode=True, num_qps_per_rank=num_experts // R
@@ -293,11 +300,11 @@ def _low_latency_body(ctx, tokens, hidden, experts_per_rank, topk, use_fp8, use_
             begin = (layout_range[e].cpu() >> 32).tolist()
             count = (layout_range[e].cpu() & 0xFFFFFFFF).tolist()
             for s in range(R):
-                rank_part = block[begin[s] : begin[s] + count[s], :-128].round()
+                rank_part = block[begin[s] : begin[s] + count[s], :-tail].round()
                 assert bool((rank_part == s + 1).all()), (e, s)
             assert sum(count) == n
-            token = src_info[e, :n].cpu().float().unsqueeze(1).expand(n, 128)
-            assert torch.equal(block[:, -128:].round(), token), e
+            token = src_info[e, :n].cpu().float().unsqueeze(1).expand(n, tail)
+            assert torch.equal(block[:, -tail:].round(), token), e
         y = rows.to(torch.bfloat16)
         combined, _, hook = buffer.low_latency_combine(
             y, topk_idx, topk_weights, handle, return_recv_hook=True
@@ -395,11 +402,11 @@ def deep_ep_dequant(recv_x):
     """DeepEP's ``per_token_cast_back``: int32 scales are four UE8M0 exponent bytes each."""
     q, scales = recv_x
     scales = scales.contiguous()
+    groups = _padded_groups(q)
     if scales.dtype == torch.int32:
         scales = (scales.view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
-        scales = scales[..., : q.shape[-1] // 128]
-    groups = q.float().unflatten(-1, (q.shape[-1] // 128, 128))
-    return (groups * scales.unsqueeze(-1)).flatten(-2)
+        scales = scales[..., : groups.shape[-2]]
+    return (groups * scales.unsqueeze(-1)).flatten(-2)[..., : q.shape[-1]]
 
 
 @pytest.mark.parametrize("num_ranks", [2, 3])
@@ -415,11 +422,14 @@ def test_internode_like_deep_ep(run_ranks):
 
 
 @pytest.mark.parametrize(
-    "use_fp8, use_ue8m0", [(False, False), (True, False), (True, True)],
-    ids=["bf16", "fp8", "fp8-ue8m0"],
+    "use_fp8, use_ue8m0, hidden",
+    [(False, False, 256), (True, False, 256), (True, True, 512), (True, False, 200),
+     (True, True, 200)],
+    ids=["bf16", "fp8", "fp8-ue8m0", "fp8-h200", "fp8-ue8m0-h200"],
 )  # fmt: skip
-def test_low_latency_like_deep_ep(run_ranks, use_fp8, use_ue8m0):
-    hidden = 512 if use_ue8m0 else 256  # packed UE8M0: DeepEP's multiple of 512
+def test_low_latency_like_deep_ep(run_ranks, use_fp8, use_ue8m0, hidden):
+    # Packed UE8M0: DeepEP's multiple of 512; and hidden sizes DeepEP V1 does not take, as V2
+    # does: 200, whose last group of 128 channels holds 72 (one packed column).
     assert (
         run_ranks(3, _low_latency_body, [6, 0, 5], hidden, 2, 3, use_fp8, use_ue8m0) == [True] * 3
     )
@@ -475,6 +485,21 @@ def test_deep_ep_interface_on_gpus(run_ranks):
     assert run_ranks(R, _intranode_body, [512, 0, 300, 77], 2048, 8, 8) == [True] * R
     assert run_ranks(R, _low_latency_body, [128, 0, 100, 77], 7168, 8, 8, True) == [True] * R
     assert run_ranks(R, _logfmt_body, [128, 0, 100, 77], 7168, 8, 8) == [True] * R
+
+
+@pytest.mark.gpu(n=2)
+def test_deep_ep_at_2880_on_gpus(run_ranks):
+    """gpt-oss's hidden size through DeepEP's interface: FP8 normal dispatch (23 scales a
+    row, the last for 64 channels), low-latency FP8 with float32 and packed UE8M0 scales, and
+    a LogFMT combine."""
+    R = gpu_ranks()
+    tokens = [512, 0, 300, 77]
+    assert run_ranks(R, _intranode_body, tokens, 2880, 8, 4, None, "fp8") == [True] * R
+    assert run_ranks(R, _intranode_body, tokens, 2880, 8, 4, None, "worst") == [True] * R
+    for use_ue8m0 in (False, True):
+        args = ([128, 0, 100, 77], 2880, 8, 4, True, use_ue8m0)
+        assert run_ranks(R, _low_latency_body, *args) == [True] * R
+    assert run_ranks(R, _logfmt_body, [128, 0, 100, 77], 2880, 8, 4) == [True] * R
 
 
 #: DeepEP's ``Buffer`` (V1 API, release 1.2): every public method's arguments in order, with
@@ -584,8 +609,9 @@ def test_kernel_names_as_deep_ep_benchmarks_find_them():
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    # Compiled, not interpreted: without a GPU, importing tritonep would choose the
+    # interpreter, so the choice is made explicit.
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.run(
         [sys.executable, "-c", NAMES], capture_output=True, text=True, env=env, timeout=300
     )

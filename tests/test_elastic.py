@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 import tritonep.deep_ep as deep_ep
 from tests.conftest import gpu_ranks
+from tritonep import quantize_fp8
+from tritonep.reference import pack_ue8m0
 from tritonep.reference.elastic import (
     elastic_combine,
     elastic_combine_unreduced,
@@ -36,7 +38,14 @@ def _inputs(rank, tokens, hidden, num_experts, topk, fp8, seed):
     x = torch.randn(n, hidden, generator=gen).to(torch.bfloat16)
     idx = _choices(gen, n, num_experts, topk, 0.2)
     weights = torch.rand(n, topk, generator=gen)
-    if fp8:  # e4m3 bytes from random bits (any value travels), float32 or UE8M0 packs
+    if fp8 in ("quantized", "quantized-ue8m0"):
+        # What tritonep.quantize_fp8 makes of the rows: ceil(H / 128) float32 scales (a
+        # partial last group has its own), or those as UE8M0 packs, ceil(ceil(H / 128) / 4).
+        ue8m0 = fp8 == "quantized-ue8m0"
+        q, sf = quantize_fp8(x, use_ue8m0=ue8m0)
+        assert sf.shape == (n, -(-hidden // 128))
+        x = (q, pack_ue8m0(sf) if ue8m0 else sf)
+    elif fp8:  # e4m3 bytes from random bits (any value travels), float32 or UE8M0 packs
         q = torch.randint(0, 256, (n, hidden), generator=gen, dtype=torch.uint8)
         q[(q & 0x7F) == 0x7F] = 0  # no NaN encodings: torch.equal must hold
         packs = -(-hidden // 128)
@@ -286,6 +295,15 @@ def test_elastic_dispatch_combine(
     R = len(tokens)
     args = (tokens, hidden, 3, 4, fp8, exact, alignment, num_bias, reduce_per_rank)
     assert run_ranks(R, _elastic_body, *args) == [True] * R
+
+
+@pytest.mark.parametrize("fp8", ["quantized", "quantized-ue8m0"])
+def test_elastic_takes_what_quantize_fp8_makes(run_ranks, fp8):
+    """The scales of :func:`tritonep.quantize_fp8` (as the low-latency mode returns them
+    too) are what the elastic mode takes, at a hidden size with a partial last group (208:
+    two float32 scales, the last for 80 channels, or one UE8M0 pack)."""
+    args = ([6, 0, 4], 208, 2, 3, fp8, True, 2, 1, True)
+    assert run_ranks(3, _elastic_body, *args) == [True] * 3
 
 
 def _dispatch_meta(fp8):

@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from tests import test_low_latency as tll
 from tests import test_normal as tn
+from tritonep import Buffer
 from tritonep import reference as ref
-from tritonep.api import Buffer
-from tritonep.api.buffer import ranks_per_node
+from tritonep.buffer import ranks_per_node
 from tritonep.modes import normal as nm
 from tritonep.modes.internode import InternodeMode
 from tritonep.modes.low_latency import LowLatencyMode

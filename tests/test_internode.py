@@ -210,10 +210,12 @@ def test_low_latency_runs_the_single_node_cases_across_nodes(run_ranks, name):
     assert results == [True] * 4
 
 
-def test_logfmt_combine_across_emulated_nodes(run_ranks):
-    """LogFMT slots staged and put whole to the other node (2 nodes of 2 ranks)."""
+@pytest.mark.parametrize("hidden", [384, 200])
+def test_logfmt_combine_across_emulated_nodes(run_ranks, hidden):
+    """LogFMT slots staged and put whole to the other node (2 nodes of 2 ranks); at hidden
+    200, slots whose last group (72 channels) keeps a whole group's bytes."""
     tokens, _, experts, topk, routing, fp8, ue8m0, hook, dup = tll.CASES["bf16-random"]
-    results = run_ranks(4, tll._ll_body, 2, tokens, 384, experts, topk, routing, fp8, ue8m0,
+    results = run_ranks(4, tll._ll_body, 2, tokens, hidden, experts, topk, routing, fp8, ue8m0,
                         hook, dup, 2, logfmt=True)  # fmt: skip
     assert results == [True] * 4
 
@@ -309,7 +311,7 @@ def test_internode_timeouts_name_ranks_of_the_whole_group_and_the_leg(run_ranks)
 def _buffer_body(ctx):
     """Through the DeepEP-like Buffer: per-node counts, dispatch, combine, cached dispatch,
     then low-latency dispatch and combine across the nodes."""
-    from tritonep.api import Buffer
+    from tritonep import Buffer
 
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
     E, tokens = 2 * R, [6, 0, 5, 4]
@@ -359,7 +361,7 @@ def test_buffer_spans_emulated_nodes(run_ranks):
 def _trace_body(ctx, tmp):
     import json
 
-    from tritonep.api import Buffer
+    from tritonep import Buffer
 
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
     case = make_case(2, [4, 3, 0, 5], 128, 2 * R, 2)

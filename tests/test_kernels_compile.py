@@ -2,12 +2,13 @@
 
 The interpreter accepts code that the compiler rejects, so the CPU suite also runs Triton's
 real compiler (front end, LLVM and ptxas) for an H100/H200 target. It runs in a subprocess
-because this process builds its kernels for the interpreter.
+with ``TRITON_INTERPRET=0`` because this process builds its kernels for the interpreter.
 """
 
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -156,6 +157,9 @@ LL_COMBINE_META = dict(
     LOGFMT=False,
     BLOCK_GROUPS=8,
 )
+# Hidden 2880 (gpt-oss): messages of 16 + 2880 + 23 * 4 bytes (FP8), slots of 23 groups.
+H2880_DISPATCH = dict(H=2880, MSG_BYTES=2992, G_P2=32, BLOCK_MSGS=8)
+H2880_COMBINE = dict(H=2880, SLOT_BYTES=6080, G_P2=32, BLOCK_GROUPS=32, BLOCK_CHANNELS=4096)
 TRACED = dict(PROFILE=True, WAIT_STATS=True)
 LOGFMT = dict(LOGFMT=True, BLOCK_ROWS=2, BLOCK_CHANNELS=4096, BLOCK_GROUPS=64)
 for name, sig, meta in [
@@ -186,6 +190,23 @@ for name, sig, meta in [
     # LogFMT combine (DeepEP's use_logfmt), within a node and across nodes
     ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, **LOGFMT}),
     ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, **LOGFMT, "VIA": 1}),
+    # gpt-oss's hidden size, 2880: 23 groups of 128 channels, the last of 64 (FP8 with float32
+    # or packed scales, BF16, LogFMT); and 200, whose FP8 rows (200 bytes) end off a 16-byte
+    # boundary, so that the scales start at the next one.
+    ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, **H2880_DISPATCH}),
+    (
+        "ll_dispatch",
+        {**LL_DISPATCH, "out_scales_ptr": "*i32"},
+        {**LL_DISPATCH_META, **H2880_DISPATCH, "USE_UE8M0": True, "PACK_UE8M0": True},
+    ),
+    (
+        "ll_dispatch",
+        {**LL_DISPATCH, "out_x_ptr": "*bf16", "out_scales_ptr": "*i32"},
+        {**LL_DISPATCH_META, **H2880_DISPATCH, "USE_FP8": False, "MSG_BYTES": 5776},
+    ),
+    ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "H": 200, "MSG_BYTES": 240, "G_P2": 2}),
+    ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, **H2880_COMBINE}),
+    ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, **LOGFMT, **H2880_COMBINE}),
 ]:
     KERNELS.append(
         (
@@ -325,6 +346,12 @@ for module, name, sig, meta, options in [
      {**NORMAL_DISPATCH_META, "VIA": 1, "RELEASE_STEPS": 4, "LOCAL": False}, DISPATCH_OPTIONS),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
      {**NORMAL_COMBINE_META, "RELEASE_STEPS": 2}, COMBINE_OPTIONS),
+    # gpt-oss's hidden size, 2880: FP8 rows of 720 words and 23 scale words
+    ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
+     {**NORMAL_DISPATCH_META, "W": 720, "G": 23, "G_P2": 32, "SLOT_BYTES": 5936,
+      "META_OFF": 744, "BW": 512, "RBW": 256}, DISPATCH_OPTIONS),
+    ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
+     {**NORMAL_COMBINE_META, "H": 2880, "SLOT_BYTES": 5792}, COMBINE_OPTIONS),
 ]:  # fmt: skip
     KERNELS.append(
         (
@@ -336,44 +363,102 @@ for module, name, sig, meta, options in [
         )
     )
 
+FP8_QUANTIZE = {"x_ptr": "*bf16", "q_ptr": "*u8", "scale_ptr": "*fp32", "x_stride": "i32"}
+FP8_DEQUANTIZE = {
+    "q_ptr": "*u8", "scale_ptr": "*fp32", "out_ptr": "*bf16", "num_tokens": "i32",
+    "q_batch_stride": "i32", "q_stride": "i32", "scale_batch_stride": "i32",
+    "scale_stride": "i32", "scale_group_stride": "i32",
+}  # fmt: skip
+# The public quantize_fp8 and dequantize_fp8 at 7168 and at gpt-oss's 2880 (a partial group).
+for hidden, g_p2 in [(7168, 64), (2880, 32)]:
+    KERNELS += [
+        (
+            "tritonep.kernels.fp8",
+            "quantize_fp8_kernel",
+            {**FP8_QUANTIZE, **dict.fromkeys(("H", "G_P2", "USE_UE8M0", "IS_BF16", "EMULATE"),
+                                             "constexpr")},
+            dict(H=hidden, G_P2=g_p2, USE_UE8M0=False, IS_BF16=True, EMULATE=False),
+            {"num_warps": 8},
+        ),
+        (
+            "tritonep.kernels.fp8",
+            "dequantize_fp8_kernel",
+            {**FP8_DEQUANTIZE, **dict.fromkeys(("H", "G_P2", "TO_BF16", "EMULATE"), "constexpr")},
+            dict(H=hidden, G_P2=g_p2, TO_BF16=True, EMULATE=False),
+            {"num_warps": 8},
+        ),
+    ]  # fmt: skip
+
 COMPILE = """
-import importlib, json, sys
+import importlib, inspect, json, sys, traceback
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-module, name, signature, constexprs, options = json.loads(sys.argv[1])
-kernel = getattr(importlib.import_module(module), name)
-hopper = GPUTarget("cuda", 90, 32)
-# As at launch: pointers (and byte offsets) are specialized as multiples of 16.
-aligned = [i for i, (k, v) in enumerate(signature.items()) if v.startswith("*") or "offset" in k]
-attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
-source = ASTSource(kernel, signature, constexprs, attrs)
-compiled = triton.compile(source, target=hopper, options=options)
-assert compiled.asm["cubin"]
-print(compiled.asm["ptx"])
 from tritonep.kernels.nvshmem import _holds_device_state
-# A kernel loaded from a cache of binaries only: is it still seen to need NVSHMEM's state?
-print("// cubin holds the device state:", _holds_device_state({"cubin": compiled.asm["cubin"]}))
+
+
+def compile_ptx(module, name, signature, constexprs, options):
+    kernel = getattr(importlib.import_module(module), name)
+    # Constexprs left out take their defaults, as a launch fills them in (Triton 3.9 wants
+    # each).
+    for p in kernel.params:
+        if p.name not in signature and p.default is not inspect.Parameter.empty:
+            constexprs[p.name] = getattr(p.default, "value", p.default)
+    signature = {p.name: signature.get(p.name, "constexpr") for p in kernel.params}
+    hopper = GPUTarget("cuda", 90, 32)
+    # As at launch: pointers (and byte offsets) are specialized as multiples of 16.
+    aligned = [i for i, (k, v) in enumerate(signature.items())
+               if v.startswith("*") or "offset" in k]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    source = ASTSource(kernel, signature, constexprs, attrs)
+    compiled = triton.compile(source, target=hopper, options=options)
+    assert compiled.asm["cubin"]
+    # A kernel loaded from a cache of binaries only: is it still seen to need NVSHMEM's state?
+    state = _holds_device_state({"cubin": compiled.asm["cubin"]})
+    return compiled.asm["ptx"] + f"\\n// cubin holds the device state: {state}\\n"
+
+
+results = []
+for job in json.load(sys.stdin):
+    try:
+        results.append({"ptx": compile_ptx(*job)})
+    except Exception:
+        results.append({"error": traceback.format_exc()})
+json.dump(results, sys.stdout)
 """
 
 
-def compile_ptx(module, name, signature, constexprs, options=None):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+def _job(module, name, signature, constexprs, options=None) -> list:
+    return [module, name, signature, constexprs, options or {}]
+
+
+def _compile(jobs: list[list]) -> dict[str, dict]:
+    """Compile ``jobs`` in one process (which pays the imports once): ``{job as JSON: {"ptx":
+    text} or {"error": traceback}}``."""
+    # Compiled, not interpreted, even without a GPU (importing tritonep keeps an explicit 0).
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join(sys.path))
+    command = [sys.executable, "-c", COMPILE]
+    limit = 300 + 60 * len(jobs)
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            COMPILE,
-            json.dumps([module, name, signature, constexprs, options or {}]),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
+        command, input=json.dumps(jobs), capture_output=True, text=True, env=env, timeout=limit
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    return dict(zip(map(json.dumps, jobs), json.loads(proc.stdout), strict=True))
+
+
+@functools.cache
+def _compiled_kernels() -> dict[str, dict]:
+    """Every variant of :data:`KERNELS`, compiled together the first time one is asked for."""
+    return _compile([_job(*kernel) for kernel in KERNELS])
+
+
+def compile_ptx(module, name, signature, constexprs, options=None) -> str:
+    """The PTX of a kernel variant compiled for sm_90 (and whether its cubin holds NVSHMEM's
+    device state, as a last comment line)."""
+    key = json.dumps(_job(module, name, signature, constexprs, options))
+    result = _compiled_kernels().get(key) or _compile([json.loads(key)])[key]
+    assert "ptx" in result, result["error"][-3000:]
+    return result["ptx"]
 
 
 RELAY = ("BOUNDS", "AWAIT", "PUBLISH", "COUNTS_GIVEN", "EXTRA")
@@ -392,6 +477,8 @@ def _id(kernel):
     packed += "-logfmt" if meta.get("LOGFMT") else ""
     packed += "-bf16" if meta.get("USE_FP8") is False else ""
     packed += f"-release{meta['RELEASE_STEPS']}" if meta.get("RELEASE_STEPS", 1) > 1 else ""
+    packed += f"-h{meta['H']}" if meta.get("H", 7168) != 7168 else ""
+    packed += "-h2880" if meta.get("W") == 720 else ""
     return kernel[1] + traced + ("-staged" if meta.get("VIA") else "") + shrink + packed + relay
 
 
@@ -407,6 +494,21 @@ def test_low_latency_payload_moves_in_16_byte_vectors():
     assert "div.rn.f32" in dispatch  # IEEE division for the scales, as the reference
     assert "st.global.v4.b32" in combine and "ld.global.cg.v4.b32" in combine
     assert "fma.rn.f32" not in combine  # no fused multiply-add: bit-exact with the reference
+
+
+def test_a_partial_group_keeps_16_byte_vectors():
+    """At gpt-oss's 2880 channels (FP8 rows of 180 x 16 bytes, BF16 rows of 360) the rows
+    still move in 16-byte vectors: the channel masks of a partial last group hold over every
+    16 channels."""
+    dispatch, combine = (
+        compile_ptx(*next(k for k in KERNELS if k[1] == f"{name}_kernel" and k[3] == meta))
+        for name, meta in (
+            ("ll_dispatch", {**LL_DISPATCH_META, **H2880_DISPATCH}),
+            ("ll_combine", {**LL_COMBINE_META, **H2880_COMBINE}),
+        )
+    )
+    assert "st.global.v4.b32" in dispatch and "cvt.rn.satfinite.e4m3x2.f32" in dispatch
+    assert "st.global.v4.b32" in combine and "ld.global.cg.v4.b32" in combine
 
 
 def test_logfmt_combine_keeps_each_group_within_a_warp():
@@ -436,10 +538,13 @@ def _kernel(name):
 def test_traces_are_compiled_out_when_off():
     plain = [compile_ptx(*KERNELS[i]) for i in (2, 3)]
     traced = [compile_ptx(*KERNELS[i]) for i in (4, 5)]
+    # The per-peer wait statistics: an atomic add whose result is unused (a reduction, "red",
+    # from Triton 3.9 on).
+    statistics = re.compile(r"(atom|red)\.global\.gpu\.relaxed\.add\.u64")
     for off, on in zip(plain, traced, strict=True):
         # Off: the clock is read only for the bounded waits, and no statistics are added.
-        assert "atom.global.gpu.relaxed.add.u64" not in off
-        assert "atom.global.gpu.relaxed.add.u64" in on  # per-peer wait statistics
+        assert not statistics.search(off)
+        assert statistics.search(on)
         assert on.count("%globaltimer") > off.count("%globaltimer")
 
 
@@ -549,8 +654,8 @@ print(json.dumps(flags))
 def _param_flags() -> dict:
     """How Triton's binder treats each parameter of every kernel here (``name.param`` ->
     its specialization flags), read once in a process without the interpreter."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    # Compiled, not interpreted, even without a GPU (importing tritonep keeps an explicit 0).
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join(sys.path))
     kernels = sorted({(k[0], k[1]) for k in KERNELS})
     proc = subprocess.run([sys.executable, "-c", PARAM_FLAGS, json.dumps(kernels)],
                           capture_output=True, text=True, env=env, timeout=120)  # fmt: skip

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.conftest import machine_gpus, user_env
 from tritonep.launch import RankFailure, rank_threads, spawn
 
 SCRIPTS = Path(__file__).parent / "rank_scripts"
@@ -157,3 +158,29 @@ def test_cli_shows_where_a_rank_aborted():
     assert "rank 1 exited with code -6" in proc.stderr
     assert "Fatal Python error: Aborted" in proc.stderr
     assert "expert_table_check" in proc.stderr
+
+
+def test_spawn_from_a_script_that_imports_tritonep_at_the_top(tmp_path):
+    """Spawned ranks import the script again before any code of tritonep's runs in them; with
+    a user's environment (no TRITON_INTERPRET) they still build their kernels for the right
+    backend: the interpreter on CPU ranks, inherited from the script's process."""
+    command = [sys.executable, str(SCRIPTS / "user_script.py"), "spawn"]
+    proc = subprocess.run(
+        command, cwd=tmp_path, capture_output=True, text=True, env=user_env(), timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    backend = "''" if machine_gpus() >= 2 else "'1'"  # TRITON_INTERPRET seen by each rank
+    assert f"spawn: [(True, {backend}), (True, {backend})]" in proc.stdout, proc.stdout
+
+
+@pytest.mark.skipif(0 < torch.cuda.device_count() < 2, reason="2 GPUs, or none (CPU ranks)")
+def test_torchrun_script_with_its_own_process_group(tmp_path):
+    """torchrun starts a script that imports tritonep and makes its own process group (gloo on
+    CPU ranks): the kernels run under the interpreter without being told to."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command = [*torchrun, "--nproc_per_node=2", str(SCRIPTS / "user_script.py")]
+    proc = subprocess.run(
+        command, cwd=tmp_path, capture_output=True, text=True, env=user_env(), timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert sorted(re.findall(r"rank \d/2 ok", proc.stdout)) == ["rank 0/2 ok", "rank 1/2 ok"]

@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import gpu_ranks
-from tritonep.api import Buffer, EPAll2AllLayer, autograd
-from tritonep.api.adapters import PrepareFinalize, TwoPhaseDispatcher
-from tritonep.moe import MoELayer, dense_moe, init_params, local_experts, route
+from tritonep import Buffer
+from tritonep.integrations import EPAll2AllLayer, autograd
+from tritonep.integrations.moe import MoELayer, dense_moe, init_params, local_experts, route
+from tritonep.integrations.serving import PrepareFinalize, TwoPhaseDispatcher
 from tritonep.reference import dequantize_fp8
 from tritonep.testing import make_case, tag_rows
 
@@ -65,7 +66,7 @@ def _ep_layer_body(ctx, tokens, hidden, experts_per_rank, topk, routing, id_dtyp
     for call in range(2):
         case = tag_rows(make_case(50 * call + 3, tokens[:R], hidden, E, topk, routing))
         ids = case.topk_idx[me].clone()
-        # Half of the dropped choices in the seed's convention (id == number of experts).
+        # Half of the dropped choices in Triton-distributed's convention (id == number of experts).
         marker = torch.arange(ids.numel()).view(ids.shape) % 2 == 0
         ids = torch.where((ids == -1) & marker, E, ids)
         out, weights, desc = layer.dispatch(
@@ -263,7 +264,7 @@ def _operators_body(ctx, variant, worst, backend="aot_eager"):
         create_selective_checkpoint_contexts,
     )
 
-    from tritonep.api.autograd import _HANDLES
+    from tritonep.integrations.autograd import _HANDLES
 
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
     E, N, H, K = 4 * R, [13, 6, 9, 0][me], 128, 3
@@ -405,10 +406,10 @@ def test_moe_layer_forward_matches_dense(run_ranks, mode, use_fp8):
 
 
 # ------------------------------------------------------------------------------ adapters
-def _adapter_body(ctx, style, mode, use_fp8):
+def _adapter_body(ctx, style, mode, use_fp8, hidden=128):
     """The MoE layer through a serving adapter, against the dense layer."""
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
-    tokens, hidden, experts_per_rank, topk = [9, 0, 6, 5][:R], 128, 2, 3
+    tokens, experts_per_rank, topk = [9, 0, 6, 5][:R], 2, 3
     E = experts_per_rank * R
     router, experts = init_params(hidden, E, seed=5)
     xs, _ = _inputs(tokens, hidden, seed=6)
@@ -450,3 +451,11 @@ def _adapter_body(ctx, style, mode, use_fp8):
 )
 def test_serving_adapters_match_dense(run_ranks, style, mode, use_fp8):
     assert len(run_ranks(3, _adapter_body, style, mode, use_fp8)) == 3
+
+
+@pytest.mark.parametrize(
+    "style, mode", [("vllm", "normal"), ("sglang", "low_latency")], ids=["vllm-normal", "sglang-ll"]
+)
+def test_serving_adapters_at_a_partial_group(run_ranks, style, mode):
+    # FP8 at hidden 208: rows of 13 x 16 bytes, the last group of 128 channels holds 80.
+    assert len(run_ranks(2, _adapter_body, style, mode, True, 208)) == 2

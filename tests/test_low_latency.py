@@ -44,9 +44,14 @@ def _with_special_groups(outputs):
     zeros, small values, NaN and Inf (sent unchanged), and a value of 1 (too large)."""
     outputs = outputs.clone()
     H = outputs.shape[2]
+    full = H // 128 * 128
     # A zero in every group: codes then span 32 octaves (the coarsest steps, ~1% error), so
     # a combine that skipped LogFMT would miss the reference in most channels.
-    outputs[:, :, ::128] = 0
+    outputs[:, :, :full:128] = 0
+    # A partial last group: a zero in even rows only. Odd rows show whether its smallest
+    # magnitude is taken over its own channels (its missing ones, loaded as zeros, must not
+    # count: they would coarsen every code).
+    outputs[:, ::2, full::128] = 0
     small = torch.linspace(-0.9, 0.9, 128, device=outputs.device).to(torch.bfloat16)
     outputs[:, 0, :128] = 0
     outputs[:, 1, :128] = small
@@ -61,7 +66,7 @@ def _expert_outputs(recv_x, use_fp8, rank):
     """Apply the known experts to received rows (on the rows' device); padding rows -> 0."""
     payload, scales = recv_x if use_fp8 else (recv_x, None)
     if use_fp8 and scales.dtype == torch.int32:  # packed UE8M0 exponent bytes
-        scales = ref.unpack_ue8m0(scales, payload.shape[-1] // 128)
+        scales = ref.unpack_ue8m0(scales, -(-payload.shape[-1] // 128))
     rows = ref.dequantize_fp8(payload, scales) if use_fp8 else payload.float()
     E_local = rows.shape[0]
     global_ids = (torch.arange(E_local, device=rows.device) + rank * E_local).view(E_local, 1, 1)
@@ -73,7 +78,8 @@ def _assert_scale_layout(scales, mode, packed):
     """Scales are column-major within each expert (token index fastest), as DeepEP returns
     them for TMA: ``[E_local, R * M, columns]`` with strides ``(columns * R * M, 1, R * M)``."""
     rows = mode.num_ranks * mode.max_tokens
-    columns = -(-mode.hidden // 512) if packed else mode.hidden // 128
+    groups = -(-mode.hidden // 128)  # a partial last group has a scale of its own
+    columns = -(-groups // 4) if packed else groups
     assert scales.dtype == (torch.int32 if packed else torch.float32)
     assert scales.shape == (mode.num_local_experts, rows, columns)
     assert scales.stride()[:2] == (columns * rows, 1)
@@ -139,6 +145,12 @@ CASES = {
     "bf16-topk1": ([2, 3, 1, 0], 128, 1, 1, "random", False, False, False, False),
     "fp8-topk16": ([3, 2, 3, 1], 128, 8, 16, "random", True, False, False, True),
     "empty": ([0, 0, 0, 0], 128, 2, 2, "random", True, False, False, False),
+    # Hidden sizes that are not multiples of 128 (gpt-oss's 2880, small): a partial last group
+    # with a scale of its own. 200: rows of 400 BF16 bytes, FP8 rows of 200 (scales from the
+    # next 16-byte boundary); 584: 5 groups, packed in 2 int32 columns.
+    "bf16-h200": ([5, 0, 7, 3], 200, 2, 3, "random", False, False, False, False),
+    "fp8-h200-dup": ([6, 4, 0, 2], 200, 2, 2, "random", True, False, False, True),
+    "fp8-ue8m0-packed-h584-hook": ([4, 0, 6, 3], 584, 2, 3, "random", True, "packed", True, False),
 }
 
 
@@ -163,14 +175,31 @@ def test_low_latency_counts_by_histograms(run_ranks, name):
     assert run_ranks(3, _ll_body, *args, count_adds=0) == [True] * 3
 
 
-@pytest.mark.parametrize("name", ["bf16-random", "fp8-ue8m0-hook", "bf16-skewed-dup", "fp8-topk16"])
+@pytest.mark.parametrize(
+    "name", ["bf16-random", "fp8-ue8m0-hook", "bf16-skewed-dup", "fp8-topk16", "bf16-h200"]
+)
 def test_logfmt_combine_matches_reference(run_ranks, name):
     """``use_logfmt``: every channel within LogFMT's error bound of the reference's LogFMT
-    round trip, most of them bit-identical; special groups (zeros, NaN, Inf, 1) included."""
+    round trip, most of them bit-identical; special groups (zeros, NaN, Inf, 1) included, and
+    a partial last group (hidden 200: 72 channels)."""
     tokens, hidden, experts, topk, routing, fp8, ue8m0, hook, dup = CASES[name]
-    hidden = max(hidden, 256)  # two groups: one encoded, one not, in the special rows
+    if hidden % 128 == 0:
+        hidden = max(hidden, 256)  # two groups: one encoded, one not, in the special rows
     args = (2, tokens, hidden, experts, topk, routing, fp8, ue8m0, hook, dup)
     assert run_ranks(3, _ll_body, *args, logfmt=True) == [True] * 3
+
+
+@pytest.mark.gpu(n=2)
+@pytest.mark.parametrize("name", ["bf16", "fp8", "fp8-ue8m0-packed-hook", "logfmt"])
+def test_low_latency_at_2880_on_gpus(run_ranks, name):
+    """gpt-oss's hidden size (23 groups of 128 channels, the last of 64) on 4 GPUs (2 where
+    fewer), strict against the reference: BF16, FP8 with float32 or packed UE8M0 scales,
+    LogFMT; gpt-oss's 128 experts and top-4 on 4 ranks."""
+    use_fp8 = name.startswith("fp8")
+    ue8m0 = "packed" if "ue8m0" in name else False
+    R = gpu_ranks()
+    args = ([128, 0, 77, 128], 2880, 128 // R, 4, "random", use_fp8, ue8m0, "hook" in name, True)
+    run_ranks(R, _ll_body, 3, *args, logfmt=name == "logfmt")
 
 
 @pytest.mark.gpu(n=2)

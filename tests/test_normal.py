@@ -129,6 +129,10 @@ CASES = {
     "bf16-skewed-worst": ([8, 8, 8, 8], 128, 2, 2, "skewed", False, 40),
     "bf16-h2880-topk1": ([6, 3, 5, 2], 2880, 2, 1, "random", False, 0),
     "fp8-topk8-worst": ([10, 4, 7, 9], 128, 4, 8, "random", True, 48),
+    # FP8 with a partial last group of 128 channels: gpt-oss's 2880 (23 scales a row, the
+    # last for 64 channels) and 160 (2, the last for 32).
+    "fp8-h2880": ([6, 3, 5, 2], 2880, 2, 2, "random", True, 0),
+    "fp8-h160-worst": ([7, 11, 3, 0], 160, 2, 4, "dropped", True, 48),
     "empty": ([4, 0, 3, 2], 128, 2, 2, "empty", False, 0),
 }
 
@@ -228,6 +232,14 @@ def test_scales_of_any_layout_and_dtype_cross_emulated_nodes(run_ranks):
     assert run_ranks(4, _scale_words_body, 1024, KINDS, 2) == [True] * 4
 
 
+@pytest.mark.parametrize("num_ranks, gpus_per_node", [(2, None), (4, 2)], ids=["node", "2x2"])
+def test_scales_of_a_partial_group_travel_unchanged(run_ranks, num_ranks, gpus_per_node):
+    # Hidden 208: FP8 rows of 13 x 16 bytes, 2 scales (the last for 80 channels), packed in
+    # one UE8M0 word; within a node, and across emulated nodes (the internode mode).
+    results = run_ranks(num_ranks, _scale_words_body, 208, KINDS, gpus_per_node)
+    assert results == [True] * num_ranks
+
+
 GPU_CASES = {
     # name: (tokens per rank, hidden, experts per rank at 4 ranks, topk, routing, fp8, worst,
     #        (num_sms, ring slots) or None)
@@ -237,6 +249,9 @@ GPU_CASES = {
     "bf16-h2880-top1-worst": ([2000, 513, 0, 77], 2880, 8, 1, "dropped", False, 9000, None),
     "fp8-h2048-small-rings": ([3000, 2500, 10, 0], 2048, 8, 8, "random", True, 0, (4, 8)),
     "bf16-h2048-empty": ([500, 20, 0, 7], 2048, 8, 4, "empty", False, 0, None),
+    # gpt-oss's hidden size with FP8: 23 scales a row, the last for 64 channels.
+    "fp8-h2880-top4": ([4096, 1000, 0, 77], 2880, 32, 4, "random", True, 0, None),
+    "fp8-h2880-worst": ([2000, 513, 0, 77], 2880, 8, 4, "dropped", True, 9000, None),
 }
 
 

@@ -22,7 +22,8 @@ def cases(draw, max_ranks=8, min_hidden_groups=1):
     topk = draw(st.integers(1, min(16, num_experts)))
     num_tokens = draw(st.lists(st.integers(0, 9), min_size=num_ranks, max_size=num_ranks))
     routing = draw(st.sampled_from(["random", "skewed", "dropped", "empty"]))
-    hidden = 128 * draw(st.integers(min_hidden_groups, 2))
+    # Whole groups of 128 channels, or a partial last group of 80 (rows of 16-byte multiples).
+    hidden = 128 * draw(st.integers(min_hidden_groups, 2)) - draw(st.sampled_from([0, 48]))
     seed = draw(st.integers(0, 2**31 - 1))
     return make_case(seed, num_tokens, hidden, num_experts, topk, routing)
 
@@ -248,6 +249,31 @@ def test_fp8_round_trip_and_rules(seed, tokens, ue8m0):
     assert torch.all((dq - x.float()).abs() <= x.float().abs() * 2.0**-4 + step)
 
 
+@given(st.integers(0, 2**31 - 1), st.sampled_from([8, 64, 72, 120]), st.booleans())
+def test_fp8_partial_group_is_a_group_of_its_own_channels(seed, tail, ue8m0):
+    """A hidden size of 2 groups and ``tail`` channels quantizes as if zero-padded to a whole
+    group (DeepEP's ``per_token_cast_to_fp8``): the last scale from the tail's channels alone,
+    ``ceil(H / 128)`` scales, UE8M0 packs of them; the padding changes nothing."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = 256 + tail
+    x = torch.randn(5, hidden, generator=gen) * torch.exp2(torch.randn(5, 1, generator=gen) * 8)
+    x[1, 256:] = 0.0  # an all-zero partial group
+    x[2, 256:] *= 1e4  # a partial group far larger than its neighbour
+    x = x.to(torch.bfloat16)
+    q, scale = ref.quantize_fp8(x, use_ue8m0=ue8m0)
+    padded = torch.nn.functional.pad(x, (0, 128 - tail))
+    want_q, want_scale = ref.quantize_fp8(padded, use_ue8m0=ue8m0)
+    assert q.shape == x.shape and scale.shape == (5, 3)
+    ref.assert_bitwise_equal(q, want_q[:, :hidden], "partial-group payload")
+    ref.assert_bitwise_equal(scale, want_scale, "partial-group scales")
+    amax = x[:, 256:].float().abs().amax(-1).clamp_min(ref.AMAX_FLOOR)
+    if not ue8m0:
+        assert torch.equal(scale[:, 2], amax / 448)
+    want = ref.dequantize_fp8(want_q, want_scale)[:, :hidden]
+    ref.assert_bitwise_equal(ref.dequantize_fp8(q, scale), want, "partial-group dequantized")
+    assert ref.pack_ue8m0(scale).shape == (5, 1)
+
+
 def test_fp8_extremes_stay_finite():
     big = torch.finfo(torch.bfloat16).max
     x = torch.tensor([[big, -big] + [0.0] * 126, [1e-38, -1e-38] + [0.0] * 126]).to(torch.bfloat16)
@@ -312,6 +338,32 @@ def test_logfmt_round_trip_errors_stay_in_half_a_step(seed, span):
         assert values.unique().numel() <= 512  # 511 codes and zero
         row, group = divmod(g, 2)
         assert torch.isclose(values.max(), amax[row, group], rtol=1e-5)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), tail=st.sampled_from([8, 64, 72, 120]))
+def test_logfmt_partial_group_is_a_group_of_its_own_channels(seed, tail):
+    """A partial last group (``tail`` channels) takes LogFMT's parameters from its own
+    channels: the same as a whole group holding them and copies of them (copies change
+    neither its smallest nor its largest magnitude), not zeros (which would)."""
+    gen = torch.Generator().manual_seed(seed)
+    octaves = -0.01 - torch.rand(4, 128 + tail, generator=gen) * 12
+    x = (torch.exp2(octaves) * torch.randn(4, 128 + tail, generator=gen).sign()).to(torch.bfloat16)
+    x[1, 128:] = 2.0  # a partial group sent unchanged
+    encoded, log_amin, step = ref.logfmt_params(x)
+    assert encoded.shape == (4, 2) and encoded[:, 1].tolist() == [True, False, True, True]
+    copies = x[:, 128:].repeat(1, -(-128 // tail))[:, :128]
+    whole = torch.cat([x, copies[:, tail:]], dim=1)
+    w_encoded, w_log_amin, w_step = ref.logfmt_params(whole)
+    assert torch.equal(encoded, w_encoded)
+    assert torch.equal(log_amin, w_log_amin) and torch.equal(step, w_step)
+    y = ref.logfmt_round_trip(x)
+    ref.assert_bitwise_equal(y, ref.logfmt_round_trip(whole)[:, : 128 + tail], "round trip")
+    bound = ref.logfmt_error_bound(x)
+    assert torch.equal(bound, ref.logfmt_error_bound(whole)[:, : 128 + tail])
+    # Zero padding would have clipped the codes 32 octaves below the largest magnitude.
+    zeros = torch.nn.functional.pad(x, (0, 128 - tail))
+    assert not torch.equal(ref.logfmt_params(zeros)[1][:, 1], log_amin[:, 1])
 
 
 def test_logfmt_leaves_groups_it_cannot_encode_unchanged():

@@ -207,11 +207,11 @@ def test_a_skipped_call_raises_then_a_new_buffer_works(run_ranks, mode):
 
 
 def _buffer_with_a_call(ctx, mode_name, seed):
-    """A :class:`tritonep.api.Buffer` and a call of ``mode_name`` (normal: a cached dispatch,
+    """A :class:`tritonep.Buffer` and a call of ``mode_name`` (normal: a cached dispatch,
     which has no host read of its own; ``internode``: the same across 2 emulated nodes;
     low-latency: a BF16 dispatch), made once by every rank under the default limit and
     checked."""
-    from tritonep.api import Buffer
+    from tritonep import Buffer
 
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
     hidden, experts, topk = 128, 2 * R, 2
@@ -373,7 +373,7 @@ def _cycles_body(ctx, cycles, what):
     times; no mapping of a heap may stay behind."""
     import gc
 
-    from tritonep.api import Buffer
+    from tritonep import Buffer
     from tritonep.modes.internode import InternodeMode
 
     def heap_mappings() -> int:

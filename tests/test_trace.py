@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tests.conftest import machine_gpus
-from tritonep.api import Buffer, EPLowLatencyAllToAllLayer
+from tritonep import Buffer
+from tritonep.integrations import EPLowLatencyAllToAllLayer
 from tritonep.modes.trace import PHASES
 from tritonep.testing import make_case
 

@@ -5,9 +5,16 @@ import re
 import pytest
 import torch
 
-from tritonep.validation import check_num_experts, check_tensor, check_topk_idx, check_topk_weights
+from tritonep.validation import (
+    check_dispatch_x,
+    check_num_experts,
+    check_tensor,
+    check_topk_idx,
+    check_topk_weights,
+)
 
 IDX = torch.tensor([[0, 3], [-1, 2]])
+ONE_WORD = torch.ones(2, 1)
 
 TABLE = [
     # (call, exception, message)
@@ -88,6 +95,20 @@ TABLE = [
         ValueError,
         "topk_weights: expected shape [2, 2], got [2, 3]",
     ),
+    (
+        lambda: check_dispatch_x("x", (torch.zeros(2, 200).to(torch.float8_e4m3fn), ONE_WORD)),
+        ValueError,
+        "x[0]: FP8 rows must be a positive multiple of 16 bytes (H a multiple of 16), "
+        "got hidden 200",
+    ),
+    (
+        # hidden 2880: up to ceil(2880 / 32) = 90 words (a float32 per 128 channels is 23)
+        lambda: check_dispatch_x(
+            "x", (torch.zeros(2, 2880).to(torch.float8_e4m3fn), torch.ones(2, 91))
+        ),
+        ValueError,
+        "x[1]: expected 1 to 90 scale words per token (hidden 2880), got 91",
+    ),
 ]
 
 
@@ -100,6 +121,11 @@ def test_bad_input_table(call, exc, message):
 def test_good_input_passes():
     assert check_topk_idx("topk_idx", IDX, 2, 4) is IDX
     assert check_num_experts(8, 4) == 2
+    # FP8 rows of a multiple of 16 bytes with a partial last group of 128 channels: gpt-oss's
+    # 2880 (23 float32 scales, or 6 words of packed UE8M0), and 16 (one scale word at most).
+    for hidden, words in [(2880, 23), (2880, 6), (16, 1), (208, 7)]:
+        q = torch.zeros(2, hidden).to(torch.float8_e4m3fn)
+        assert check_dispatch_x("x", (q, torch.ones(2, words))) is q
 
 
 def _backend_bad_inputs(ctx):
@@ -140,7 +166,7 @@ def test_torch_backend_rejects_bad_input_on_every_rank(run_ranks):
         "ValueError: x[1]: expected 1 to 4 scale words per token (hidden 128), got 5",
         "ValueError: topk_idx: expected shape [4, *], got [3, 2]",
         "ValueError: x: 4 tokens exceed num_max_dispatch_tokens_per_rank=3",
-        "ValueError: x: hidden size must be a positive multiple of 128, got 100",
+        "ValueError: x: hidden size must be a positive multiple of 8, got 100",
         "TypeError: x: expected dtype torch.bfloat16, got torch.float32",
     ]
     for messages in run_ranks(2, _backend_bad_inputs):
@@ -148,7 +174,7 @@ def test_torch_backend_rejects_bad_input_on_every_rank(run_ranks):
 
 
 def _disagree_body(ctx, which):
-    from tritonep.api import Buffer
+    from tritonep import Buffer
     from tritonep.modes.internode import InternodeMode
     from tritonep.modes.low_latency import LowLatencyMode
     from tritonep.modes.normal import NormalMode

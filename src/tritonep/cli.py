@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 COMMANDS = {
@@ -9,6 +10,17 @@ COMMANDS = {
     "soak": "randomized calls checked against the reference (see tritonep soak -h)",
     "demo": "the MoE demo, checked against a dense layer",
 }
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Every command's help: the description as written, and each option's default after its
+    help, except where the help says it (``default`` in the text) or there is none to say."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        nothing = action.default is None or action.default is False or action.default == []
+        if nothing or action.default is argparse.SUPPRESS or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def main(argv: list[str] | None = None) -> int:

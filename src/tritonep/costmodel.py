@@ -66,8 +66,9 @@ def uniform_probabilities(num_experts: int, topk: int, num_nodes: int, gpus_per_
 
 
 def row_bytes(hidden: int, use_fp8: bool) -> int:
-    """Bytes of one token's payload: BF16, or e4m3 plus a float32 scale per 128 channels."""
-    return hidden + hidden // 128 * 4 if use_fp8 else 2 * hidden
+    """Bytes of one token's payload: BF16, or e4m3 plus a float32 scale per (partial) 128
+    channels."""
+    return hidden + -(-hidden // 128) * 4 if use_fp8 else 2 * hidden
 
 
 @dataclass(frozen=True)
@@ -138,19 +139,52 @@ def predict(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tritonep.costmodel", description=__doc__)
-    parser.add_argument("--nodes", default="1,2,4,8,16,32")
-    parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=256)
-    parser.add_argument("--fp8", action="store_true")
-    parser.add_argument("--nvlink-gbps", type=float, default=Links.nvlink_gbps)
-    parser.add_argument("--network-gbps", type=float, default=Links.network_gbps)
-    parser.add_argument("--fixed-us", type=float, default=Links.fixed_us)
-    parser.add_argument("--emulated-leg-gbps", type=float, default=Links.emulated_leg_gbps)
-    parser.add_argument("--emulated", action="store_true", help="legs share NVLink (one host)")
+    from .cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(
+        prog="python -m tritonep.costmodel",
+        description=(
+            "Predicted internode dispatch and combine times per GPU for uniform routing, at\n"
+            "each node count: the slower of the network and NVLink legs plus a fixed cost\n"
+            "(pipelined legs), and the serial bound beside it. The model and its terms: the\n"
+            "docstring of tritonep.costmodel."
+        ),
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("--nodes", default="1,2,4,8,16,32", help="node counts, comma-separated")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (ranks) per node")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per GPU")
+    parser.add_argument("--hidden", type=int, default=7168, help="hidden size (channels)")
+    parser.add_argument("--topk", type=int, default=8, help="experts per token")
+    parser.add_argument("--experts", type=int, default=256, help="experts in all")
+    parser.add_argument("--fp8", action="store_true", help="FP8 dispatch payloads (not BF16)")
+    parser.add_argument(
+        "--nvlink-gbps",
+        type=float,
+        default=Links.nvlink_gbps,
+        help="NVLink bandwidth per GPU, GB/s one way",
+    )
+    parser.add_argument(
+        "--network-gbps",
+        type=float,
+        default=Links.network_gbps,
+        help="network bandwidth per GPU, GB/s one way",
+    )
+    parser.add_argument(
+        "--fixed-us",
+        type=float,
+        default=Links.fixed_us,
+        help="fixed cost of a call (launches, count exchange), us",
+    )
+    parser.add_argument(
+        "--emulated-leg-gbps",
+        type=float,
+        default=Links.emulated_leg_gbps,
+        help="with --emulated: the rate of each leg, GB/s",
+    )
+    parser.add_argument(
+        "--emulated", action="store_true", help="nodes emulated on one host: both legs share NVLink"
+    )
     opts = parser.parse_args(argv)
     links = Links(opts.nvlink_gbps, opts.network_gbps, opts.fixed_us, opts.emulated_leg_gbps)
     cols = ["nodes", "dispatch_us", "dispatch_serial_us", "dispatch_GBps", "combine_us",

@@ -8,7 +8,7 @@ its tokens with a softmax top-k router, sends them to the experts' ranks, applie
 * what each rank received with :mod:`tritonep.reference` (bit for bit), and
 * the layer's output with a dense single-process computation of the same layer.
 
-Both modes go through tritonep's Triton kernels (:class:`tritonep.api.Buffer`: ``dispatch``
+Both modes go through tritonep's Triton kernels (:class:`tritonep.Buffer`: ``dispatch``
 and ``combine`` for the normal mode, ``low_latency_dispatch`` and ``low_latency_combine`` for
 the low-latency mode). It also passes a block around the ring of ranks through the symmetric
 heap with the put/signal Triton kernel. Usage: ``python -m tritonep.demo [--ranks 4]``.
@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from . import reference as ref
 from .heap import shared_gpu
+from .integrations.moe import dense_moe, init_params, local_experts, route
 from .launch import gpus_suffice, spawn
-from .moe import dense_moe, init_params, local_experts, route
 
 HIDDEN, EXPERTS, TOPK = 256, 16, 4
 TOKENS = [64, 40, 0, 23, 51, 9, 33, 17]  # per rank; one rank has none
@@ -44,7 +44,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _rank_main(ctx, num_tokens_per_rank):
-    from .api import Buffer
+    from .buffer import Buffer
     from .heap import allocate
     from .kernels.put_signal import put_signal, wait_signal
 
@@ -116,10 +116,14 @@ def _rank_main(ctx, num_tokens_per_rank):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .cli import HelpFormatter
+
     parser = argparse.ArgumentParser(
-        prog="python -m tritonep.demo", description=__doc__.split("\n")[0]
+        prog="python -m tritonep.demo", description=__doc__, formatter_class=HelpFormatter
     )
-    parser.add_argument("--ranks", type=int, default=4, help="rank processes (1 to 8)")
+    parser.add_argument(
+        "--ranks", type=int, default=4, help=f"rank processes, dividing {EXPERTS}, at most 8"
+    )
     opts = parser.parse_args(argv)
     if not 1 <= opts.ranks <= len(TOKENS) or EXPERTS % opts.ranks:
         parser.error(f"--ranks must divide {EXPERTS} and lie in [1, {len(TOKENS)}]")

@@ -15,7 +15,9 @@ A rank that raises, dies or runs past the time limit makes the call raise :class
 with that rank's traceback; ranks left waiting on it are killed, so nothing hangs.
 
 Without enough GPUs, ranks run on the CPU over gloo and Triton kernels run under the Triton
-interpreter (``TRITON_INTERPRET=1`` is set for the rank processes before any kernel is built).
+interpreter: ``import tritonep`` turns it on where no GPU is usable, and ranks started here on
+the CPU of a machine with too few GPUs get ``TRITON_INTERPRET=1`` in their environment, so it
+is on before any kernel is defined (:mod:`tritonep.interpret`).
 With ``TRITONEP_SHARED_GPU=1`` every rank runs on GPU 0 instead (gloo between the processes,
 buffers mapped through CUDA IPC): compiled kernels on real hardware with any number of ranks,
 for checking correctness on a one-GPU machine; timings taken that way mean nothing, since the
@@ -30,6 +32,7 @@ on the host.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import faulthandler
 import multiprocessing as mp
@@ -47,6 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import interpret
 from .heap import shared_gpu
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -118,7 +122,8 @@ def init_distributed(
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        interpret.use_for_cpu_ranks()
+    interpret.check(device)  # kernels built for this rank's device, or what to do
     if not dist.is_initialized():
         kwargs: dict[str, Any] = {}
         if backend == "nccl":
@@ -228,6 +233,24 @@ def _worker(rank, world_size, port, backend, collective_timeout_s, tasks, result
     dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def _cpu_rank_environment(on_cpu: bool):
+    """While rank processes start: ``TRITON_INTERPRET=1`` for ranks on the CPU, unless set.
+
+    A spawned process imports the parent's ``__main__`` (which may import the kernels) before
+    it runs any code of ours, so only its environment can turn the interpreter on in time; the
+    parent's own setting is restored at once (its kernels, and pools it starts later on GPUs,
+    keep theirs)."""
+    if not on_cpu or os.environ.get(interpret.ENV):
+        yield
+        return
+    os.environ[interpret.ENV] = "1"
+    try:
+        yield
+    finally:
+        del os.environ[interpret.ENV]
+
+
 class RankPool:
     """N rank processes that stay alive between :meth:`run` calls.
 
@@ -248,9 +271,6 @@ class RankPool:
     ):
         if backend is None:
             backend = default_backend(num_ranks)
-        # CPU ranks switch the Triton interpreter on in their own process (init_distributed),
-        # before any kernel is defined; this process's environment stays as it is, so pools
-        # started later (on GPUs) do not inherit the interpreter.
         self.num_ranks, self.backend, self.broken = num_ranks, backend, False
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
@@ -273,8 +293,9 @@ class RankPool:
             )
             for r in range(num_ranks)
         ]
-        for p in self._procs:
-            p.start()
+        with _cpu_rank_environment(backend == "gloo" and not shared_gpu()):
+            for p in self._procs:
+                p.start()
         self._collect(0, startup_timeout_s, "start")
         self._next_task = 1
 
@@ -366,13 +387,16 @@ def spawn(
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .cli import HelpFormatter
+
     parser = argparse.ArgumentParser(
         prog="python -m tritonep.launch",
         description="Run a script (or -m module) on N local ranks, like torchrun --nproc_per_node.",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("-n", "--nproc", type=int, required=True, help="number of ranks")
     parser.add_argument(
-        "--timeout", type=float, default=None, help="kill all ranks after this many seconds"
+        "--timeout", type=float, help="kill all ranks after this many seconds (default: none)"
     )
     parser.add_argument("-m", dest="module", action="store_true", help="run the target as a module")
     parser.add_argument("target", help="script path (or module name with -m)")
@@ -393,8 +417,8 @@ def main(argv: list[str] | None = None) -> int:
         env.setdefault("OMP_NUM_THREADS", str(rank_threads(opts.nproc)))
         if on_cpu:
             # Kernels run under the interpreter, which must be chosen before any is defined
-            # (a script may import tritonep before calling init_distributed).
-            env.setdefault("TRITON_INTERPRET", "1")
+            # (a script may import the kernels before calling init_distributed).
+            env.setdefault(interpret.ENV, "1")
         procs.append(subprocess.Popen(cmd, env=env))
     # One waiter per rank reports its exit the moment it happens, so the first rank to fail is
     # the one named: a peer that dies of the broken connection a few milliseconds later must not

@@ -132,25 +132,38 @@ def _rank_main(ctx, opts):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tritonep.soak", description=__doc__)
-    parser.add_argument("--ranks", type=int, default=4)
+    from .cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(
+        prog="python -m tritonep.soak", description=__doc__, formatter_class=HelpFormatter
+    )
+    parser.add_argument("--ranks", type=int, default=4, help="rank processes")
     parser.add_argument(
-        "--modes", default="normal,low_latency",
-        help="any of normal, low_latency, internode, low_latency_internode",
-    )  # fmt: skip
-    parser.add_argument("--gpus-per-node", type=int, default=2,
-                        help="node size of the *internode modes")  # fmt: skip
+        "--modes",
+        default="normal,low_latency",
+        help="comma-separated: normal, low_latency, internode, low_latency_internode",
+    )
+    parser.add_argument(
+        "--gpus-per-node", type=int, default=2, help="node size of the *internode modes"
+    )
     parser.add_argument("--calls", type=int, default=10000, help="calls per mode")
-    parser.add_argument("--check-every", type=int, default=100)
-    parser.add_argument("--tokens", type=int, default=None, help="most tokens per rank")
-    parser.add_argument("--hidden", type=int, default=None)
-    parser.add_argument("--experts", type=int, default=None)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--check-every", type=int, default=100, help="compare every Nth call with the reference"
+    )
+    parser.add_argument(
+        "--tokens", type=int, help="most tokens per rank (default: 256 on GPUs, 6 on CPU ranks)"
+    )
+    parser.add_argument(
+        "--hidden", type=int, help="hidden size (default: 2048 on GPUs, 128 on CPU ranks)"
+    )
+    parser.add_argument("--experts", type=int, help="experts in all (default: 8 per rank)")
+    parser.add_argument("--topk", type=int, default=8, help="most experts per token")
+    parser.add_argument("--seed", type=int, default=0, help="call c draws from seed + c")
     parser.add_argument("--timeout", type=float, default=60.0, help="kernel wait limit, s")
     parser.add_argument("--progress", type=int, default=1000, help="print every N calls")
-    parser.add_argument("--progress-s", type=float, default=60.0,
-                        help="and at least every this many seconds")  # fmt: skip
+    parser.add_argument(
+        "--progress-s", type=float, default=60.0, help="and at least every this many seconds"
+    )
     opts = parser.parse_args(argv)
     on_gpu = gpus_suffice(opts.ranks)
     opts.modes = opts.modes.split(",")

@@ -223,11 +223,12 @@ class TorchBackend:
             topk_idx: ``[N, K]`` int64 global expert ids, ``-1`` for none.
             num_max_dispatch_tokens_per_rank: slab rows per source rank.
             num_experts: experts in total.
-            use_fp8: quantize to e4m3 with per-128 float32 scales.
+            use_fp8: quantize to e4m3 with per-128 float32 scales (a partial last group of
+                its own).
             use_ue8m0: round the scales up to powers of two.
         Returns:
             ``recv_x`` (``[E_local, R * max, H]``; with FP8 a tuple with the scales
-            ``[E_local, R * max, H/128]``), ``recv_count [E_local]`` int32 and a handle.
+            ``[E_local, R * max, ceil(H / 128)]``), ``recv_count [E_local]`` int32 and a handle.
         """
         experts_per_rank = check_num_experts(num_experts, self.num_ranks)
         check_tensor("x", x, dtype=torch.bfloat16, shape=(None, None))
@@ -237,8 +238,7 @@ class TorchBackend:
                 f"x: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank="
                 f"{num_max_dispatch_tokens_per_rank}"
             )
-        if use_fp8:
-            check_hidden("x", hidden, 128)
+        check_hidden("x", hidden, 8)  # BF16 rows of a multiple of 16 bytes
         check_topk_idx("topk_idx", topk_idx, num_tokens, num_experts, device=x.device)
         device, R, max_tokens = x.device, self.num_ranks, num_max_dispatch_tokens_per_rank
 
@@ -286,9 +286,10 @@ class TorchBackend:
         src_info[slot] = recv_token.to(torch.int32)
         recv_x: XLike = slab.view(experts_per_rank, R * max_tokens, hidden)
         if scales is not None:
-            scale_slab = torch.zeros(rows_total, hidden // 128, dtype=torch.float32, device=device)
+            groups = scales.shape[1]  # ceil(hidden / 128)
+            scale_slab = torch.zeros(rows_total, groups, dtype=torch.float32, device=device)
             scale_slab[slot] = move(scales[token])
-            recv_x = (recv_x, scale_slab.view(experts_per_rank, R * max_tokens, hidden // 128))
+            recv_x = (recv_x, scale_slab.view(experts_per_rank, R * max_tokens, groups))
         recv_count = recv_per_expert.sum(dim=0).to(torch.int32)
         handle = TorchLowLatencyHandle(
             recv_src_info=src_info.view(experts_per_rank, R * max_tokens),

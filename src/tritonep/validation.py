@@ -55,19 +55,23 @@ def check_dispatch_x(name: str, x: object) -> torch.Tensor:
     """Tokens to dispatch: BF16 ``[N, H]``, or a tuple (e4m3 ``[N, H]``, scales ``[N, S]``).
 
     The scales are 4-byte words that travel unchanged, as in DeepEP: float32 (one per 128
-    channels, or per token, ...) or int32 (e.g. UE8M0 exponents packed four to a word), any
-    strides, ``1 <= S <= H / 32``. Returns the payload tensor (the first element of a tuple).
+    channels, ``ceil(H / 128)`` of them, or per token, ...) or int32 (e.g. UE8M0 exponents
+    packed four to a word), any strides, ``1 <= S <= ceil(H / 32)``. FP8 rows must be a
+    positive multiple of 16 bytes (``H`` a multiple of 16; the mode checks BF16 rows against
+    its hidden size). Returns the payload tensor (the first element of a tuple).
     """
     if isinstance(x, tuple):
         if len(x) != 2:
             raise ValueError(f"{name}: expected a tuple (x_e4m3, scales), got {len(x)} elements")
         payload = check_tensor(f"{name}[0]", x[0], dtype=torch.float8_e4m3fn, shape=(None, None))
-        check_hidden(f"{name}[0]", payload.shape[1], 128)
         num_tokens, hidden = payload.shape
+        if hidden == 0 or hidden % 16:
+            raise ValueError(f"{name}[0]: FP8 rows must be a positive multiple of 16 bytes "
+                             f"(H a multiple of 16), got hidden {hidden}")  # fmt: skip
         check_tensor(f"{name}[1]", x[1], dtype=(torch.float32, torch.int32),
                      shape=(num_tokens, None), contiguous=False)  # fmt: skip
-        if not 1 <= x[1].shape[1] <= hidden // 32:
-            raise ValueError(f"{name}[1]: expected 1 to {hidden // 32} scale words per token "
+        if not 1 <= x[1].shape[1] <= -(-hidden // 32):
+            raise ValueError(f"{name}[1]: expected 1 to {-(-hidden // 32)} scale words per token "
                              f"(hidden {hidden}), got {x[1].shape[1]}")  # fmt: skip
         if x[1].device != payload.device:
             raise ValueError(f"{name}[1]: expected a tensor on {payload.device}, got {x[1].device}")

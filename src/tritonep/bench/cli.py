@@ -12,9 +12,14 @@
     tritonep bench trace-summary trace-*.json   # time per kernel and phase, over programs
 
 Every option that takes a value takes a comma-separated list; the sweep is their product (one
-spawn of ranks per rank count). On a machine without enough GPUs the ranks run on the CPU
-(gloo, kernels under the Triton interpreter) at small default shapes: the numbers then say
-nothing about speed, but every code path runs (CI does this).
+spawn of ranks per rank count). Each row goes to the CSV as soon as its point is measured, so
+an interrupted sweep keeps what it measured; progress goes to standard error (a tqdm bar where
+tqdm is installed) and the table to standard output.
+
+On a machine without enough GPUs the ranks run on the CPU (gloo, kernels under the Triton
+interpreter) at small default shapes and sweeps: every code path runs (CI does this), and the
+times, wall-clock microseconds of interpreted kernels, say nothing about GPU speed. Such rows
+say so (``device``), and so do their table, plot and traces.
 """
 
 from __future__ import annotations
@@ -23,15 +28,17 @@ import argparse
 import sys
 import types
 
+from ..cli import HelpFormatter
 from ..heap import shared_gpu
 from ..launch import gpus_suffice, spawn
 from . import report
 
-#: Token sweeps for ``--tokens sweep``.
+#: Token sweeps for ``--tokens sweep``: (on GPUs, on CPU ranks). Under the interpreter a
+#: point takes seconds to minutes, so the CPU sweeps stay small.
 SWEEPS = {
-    "normal": [128, 256, 512, 1024, 2048, 4096, 8192, 16384],
-    "low-latency": [1, 8, 32, 64, 128, 256],
-    "internode": [128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+    "normal": ([128, 256, 512, 1024, 2048, 4096, 8192, 16384], [4, 8, 16, 32]),
+    "low-latency": ([1, 8, 32, 64, 128, 256], [1, 2, 4, 8]),
+    "internode": ([128, 256, 512, 1024, 2048, 4096, 8192, 16384], [4, 8, 16, 32]),
 }
 
 # Defaults: (on GPUs, on CPU ranks).
@@ -42,6 +49,8 @@ DEFAULTS = {
                     "experts": ("256", "16"), "iters": (50, 2)},
 }  # fmt: skip
 DEFAULTS["internode"] = DEFAULTS["normal"]
+#: Normal-mode configuration defaults: (on GPUs, on CPU ranks).
+CONFIG_DEFAULTS = {"sms": ("24", "4"), "ring": ("128", "64")}
 
 #: Measured all-to-all ceiling of 4x H200 (remote GB/s per rank), the plot's reference line.
 NVLINK_CEILING_GBPS = 370.0
@@ -51,11 +60,17 @@ def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 
 
-class _Progress:
-    """Rank 0's progress: a tqdm bar when tqdm is installed, else a line per point."""
+#: Columns that name a point in a progress line.
+POINT_COLUMNS = ("ranks", "tokens", "hidden", "topk", "experts", "sms", "chunk", "ring")
 
-    def __init__(self, total: int, enabled: bool):
-        self.enabled, self.bar = enabled, None
+
+class _Progress:
+    """Rank 0's record of finished points: each row tagged and appended to the CSV, and
+    progress on standard error (a tqdm bar when tqdm is installed, else a line per point)."""
+
+    def __init__(self, total: int, enabled: bool, csv: str | None, tags: dict):
+        self.total, self.done, self.enabled, self.bar = total, 0, enabled, None
+        self.csv, self.tags = csv, tags
         if enabled:
             try:
                 from tqdm import tqdm
@@ -65,11 +80,15 @@ class _Progress:
                 pass
 
     def __call__(self, row: dict) -> None:
+        row.update(self.tags)  # the list the rank returns holds the same dicts
+        if self.csv:
+            report.append_csv(row, self.csv)
+        self.done += 1
         if self.bar is not None:
             self.bar.update(1)
         elif self.enabled:
-            cells = {k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}
-            print(cells, flush=True)
+            point = ", ".join(f"{k} {row[k]}" for k in POINT_COLUMNS if k in row)
+            print(f"point {self.done}/{self.total} done: {point}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -92,74 +111,145 @@ def _rank_main(ctx, mode: str, opts: types.SimpleNamespace) -> list[dict]:
         from ..heap import set_backend
 
         set_backend("NVSHMEM")
-    progress = _Progress(points, enabled=ctx.rank == 0 and not opts.quiet)
+    tags = {"device": report.device_name(ctx.device)}
+    if launch:  # rows say which launch shape they measured (as the kernels read it)
+        tags["launch"] = " ".join(f"{k}={getattr(normal_mode, k)}" for k in launch)
+    me = ctx.rank == 0
+    progress = _Progress(points, me and not opts.quiet, opts.csv if me else None, tags)
     try:
         run = {"normal": normal_rank, "low-latency": low_latency_rank,
                "internode": internode_rank}[mode]  # fmt: skip
         rows = run(ctx, opts, progress)
     finally:
         progress.close()
-    if launch:  # rows say which launch shape they measured (as the kernels read it)
-        tag = " ".join(f"{k}={getattr(normal_mode, k)}" for k in launch)
-        rows = [dict(row, launch=tag) for row in rows]
     if opts.trace and mode != "internode":  # (internode traces: Buffer(profile=True))
         from .traced import trace_calls
 
         written = trace_calls(ctx, mode, opts, opts.trace)
-        if ctx.rank == 0:
-            print(f"kernel traces: {written} (one file per rank)", flush=True)
+        if me:
+            print(f"kernel traces: {written} (one file per rank)", file=sys.stderr, flush=True)
     return rows
+
+
+def _by_device(mode: str, name: str) -> str:
+    """``(default: G on GPUs, C on CPU ranks)`` for an option whose default depends on where
+    the ranks run."""
+    gpu, cpu = DEFAULTS[mode][name] if name in DEFAULTS[mode] else CONFIG_DEFAULTS[name]
+    return f"(default: {gpu} on GPUs, {cpu} on CPU ranks)"
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="tritonep bench", description="tritonep beside the torch backend, same run."
+        prog="tritonep bench", description=__doc__, formatter_class=HelpFormatter
     )
-    sub = parser.add_subparsers(dest="mode", required=True)
+    sub = parser.add_subparsers(dest="mode", required=True, metavar="MODE")
     for mode in ("normal", "low-latency", "internode"):
-        p = sub.add_parser(mode, help=f"time {mode} dispatch and combine")
+        gpu_sweep, cpu_sweep = (",".join(map(str, t)) for t in SWEEPS[mode])
+        p = sub.add_parser(
+            mode,
+            help=f"time {mode} dispatch and combine",
+            description=f"Time {mode} dispatch and combine beside the torch backend.\n"
+            "Options take comma-separated lists; the sweep is their product.",
+            formatter_class=HelpFormatter,
+        )
         p.add_argument("--ranks", default="4", help="rank counts, e.g. 2,4")
-        p.add_argument("--tokens", default=None, help="tokens per rank, or 'sweep'")
-        p.add_argument("--hidden", default=None)
-        p.add_argument("--topk", default=None)
-        p.add_argument("--experts", default=None)
-        p.add_argument("--iters", type=int, default=None, help="timed calls per measurement")
-        p.add_argument("--csv", default=None, help="write every row here")
-        p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
-        p.add_argument("--ceiling", type=float, default=NVLINK_CEILING_GBPS,
-                       help="NVLink ceiling line of the plot, remote GB/s per rank")  # fmt: skip
-        p.add_argument("--compare", default=None, help="also time this DeepEP-like module")
+        p.add_argument(
+            "--tokens",
+            help=f"tokens per rank, or 'sweep' ({gpu_sweep} on GPUs, "
+            f"{cpu_sweep} on CPU ranks) {_by_device(mode, 'tokens')}",
+        )
+        p.add_argument("--hidden", help=f"hidden sizes {_by_device(mode, 'hidden')}")
+        p.add_argument("--topk", help=f"experts per token {_by_device(mode, 'topk')}")
+        p.add_argument("--experts", help=f"experts in all {_by_device(mode, 'experts')}")
+        p.add_argument(
+            "--iters", type=int, help=f"timed calls per measurement {_by_device(mode, 'iters')}"
+        )
+        p.add_argument(
+            "--csv", help="write every row here, each as soon as it is measured (default: none)"
+        )
+        p.add_argument("--plot", help="write a PNG plot here; needs matplotlib (default: none)")
+        p.add_argument(
+            "--ceiling",
+            type=float,
+            default=NVLINK_CEILING_GBPS,
+            help="the plot's NVLink ceiling line, remote GB/s per rank (not drawn for CPU ranks)",
+        )
+        p.add_argument(
+            "--compare",
+            help="also time this module with DeepEP's Buffer "
+            "interface, e.g. deep_ep (skipped, with a note, if it does not import; default: none)",
+        )
         p.add_argument("--quiet", action="store_true", help="no progress output")
-        p.add_argument("--trace", default=None, help="trace a few calls into this file ({rank})")
+        p.add_argument(
+            "--trace",
+            metavar="PATH",
+            help="after the sweep, trace a few calls into PATH per rank (with "
+            "{rank} in it); see trace-summary (default: none)",
+        )
         if mode in ("normal", "internode"):
-            p.add_argument("--launch", action="append", default=[], metavar="NAME=VALUE",
-                           help="set a launch constant of the normal-mode kernels (repeatable; "
-                           "tritonep.modes.normal.LAUNCH_CONSTANTS)")  # fmt: skip
+            p.add_argument(
+                "--launch",
+                action="append",
+                default=[],
+                metavar="NAME=VALUE",
+                help="set a launch constant of the normal-mode kernels (repeatable; "
+                "tritonep.modes.normal.LAUNCH_CONSTANTS; default: the module's values)",
+            )
         if mode == "normal":
-            p.add_argument("--sms", default=None, help="SM budgets (default 24; CPU: 4)")
+            p.add_argument("--sms", help=f"SM budgets {_by_device(mode, 'sms')}")
             p.add_argument("--chunk", default="16", help="tokens per sender step")
-            p.add_argument("--ring", default=None, help="ring slots (default 128; CPU: 64)")
+            p.add_argument("--ring", help=f"ring slots per channel {_by_device(mode, 'ring')}")
         elif mode == "low-latency":
             p.add_argument("--bf16", action="store_true", help="dispatch BF16 instead of FP8")
-            p.add_argument("--logfmt", action="store_true",
-                           help="combine in LogFMT-10 (DeepEP's use_logfmt)")  # fmt: skip
-            p.add_argument("--gpus-per-node", type=int, default=None,
-                           help="ranks per emulated node (default: one node)")  # fmt: skip
+            p.add_argument(
+                "--logfmt", action="store_true", help="combine in LogFMT-10 (DeepEP's use_logfmt)"
+            )
+            p.add_argument(
+                "--gpus-per-node", type=int, help="ranks per emulated node (default: one node)"
+            )
         else:
             p.add_argument("--gpus-per-node", type=int, default=2, help="GPUs per emulated node")
         if mode in ("low-latency", "internode"):
-            p.add_argument("--nvshmem", action="store_true",
-                           help="NVSHMEM heaps: NVSHMEM puts to other nodes (as on a cluster) "
-                           "instead of staged copies")  # fmt: skip
-    r = sub.add_parser("report", help="CSV -> table, markdown section, plot")
-    r.add_argument("csv", nargs="+", help="CSV files (their rows one after another)")
-    r.add_argument("--markdown", default=None, help="update this markdown file")
-    r.add_argument("--section", default="results", help="section marker name in it")
-    r.add_argument("--columns", default=None, help="CSV columns of the markdown table")
-    r.add_argument("--plot", default=None)
-    r.add_argument("--ceiling", type=float, default=NVLINK_CEILING_GBPS)
-    t = sub.add_parser("trace-summary", help="kernel trace files -> time per kernel and phase")
-    t.add_argument("traces", nargs="+", help="Chrome trace JSON files written by --trace")
+            p.add_argument(
+                "--nvshmem",
+                action="store_true",
+                help="NVSHMEM heaps: NVSHMEM puts to other nodes (as on a cluster) "
+                "instead of staged copies",
+            )
+    r = sub.add_parser(
+        "report",
+        help="CSV -> table, markdown section, plot",
+        description="Print a CSV written by --csv as a table; update a markdown section\n"
+        "or write a plot from it.",
+        formatter_class=HelpFormatter,
+    )
+    r.add_argument("csv", nargs="+", help="CSVs written by --csv (their rows one after another)")
+    r.add_argument("--markdown", help="update this markdown file (default: none)")
+    r.add_argument(
+        "--section",
+        default="results",
+        help="the section to replace: between <!-- bench:NAME --> markers",
+    )
+    r.add_argument(
+        "--columns", help="comma-separated CSV columns of the markdown table (default: all)"
+    )
+    r.add_argument("--plot", help="write a PNG plot here; needs matplotlib (default: none)")
+    r.add_argument(
+        "--ceiling",
+        type=float,
+        default=NVLINK_CEILING_GBPS,
+        help="the plot's NVLink ceiling line, remote GB/s per rank",
+    )
+    t = sub.add_parser(
+        "trace-summary",
+        help="kernel trace files -> time per kernel and phase",
+        description="Per kernel and phase of traces written by --trace (or\n"
+        "Buffer.dump_trace): the median and slowest program's time and the launch's span.\n"
+        "GPU traces are in microseconds (columns *_us); CPU ranks' traces in the\n"
+        "interpreter's logical ticks (*_ticks), which order events but are not time.",
+        formatter_class=HelpFormatter,
+    )
+    t.add_argument("traces", nargs="+", help="Chrome trace JSON files")
     return parser
 
 
@@ -186,7 +276,7 @@ def _options(args: argparse.Namespace, on_gpu: bool) -> types.SimpleNamespace:
     defaults = DEFAULTS[args.mode]
     tokens = args.tokens or defaults["tokens"][pick]
     opts = types.SimpleNamespace(
-        tokens=SWEEPS[args.mode] if tokens == "sweep" else _ints(tokens),
+        tokens=SWEEPS[args.mode][pick] if tokens == "sweep" else _ints(tokens),
         hidden=_ints(args.hidden or defaults["hidden"][pick]),
         topk=_ints(args.topk or defaults["topk"][pick]),
         experts=_ints(args.experts or defaults["experts"][pick]),
@@ -194,13 +284,14 @@ def _options(args: argparse.Namespace, on_gpu: bool) -> types.SimpleNamespace:
         compare=args.compare,
         quiet=args.quiet,
         trace=args.trace,
+        csv=args.csv,
     )
     if args.mode in ("normal", "internode"):
         opts.launch = _launch_constants(args.launch)
     if args.mode == "normal":
-        opts.sms = _ints(args.sms or ("24" if on_gpu else "4"))
+        opts.sms = _ints(args.sms or CONFIG_DEFAULTS["sms"][pick])
         opts.chunk = _ints(args.chunk)
-        opts.ring = _ints(args.ring or ("128" if on_gpu else "64"))
+        opts.ring = _ints(args.ring or CONFIG_DEFAULTS["ring"][pick])
     elif args.mode == "low-latency":
         opts.bf16 = args.bf16
         opts.logfmt = args.logfmt
@@ -212,6 +303,12 @@ def _options(args: argparse.Namespace, on_gpu: bool) -> types.SimpleNamespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if getattr(args, "plot", None):  # before a run that may take hours, not after it
+        try:
+            report.require_matplotlib()
+        except RuntimeError as e:
+            print(f"tritonep bench: --plot {e}", file=sys.stderr)
+            return 2
     if args.mode == "report":
         rows = [row for path in args.csv for row in report.read_csv(path)]
         report.print_table(rows)
@@ -231,16 +328,18 @@ def main(argv: list[str] | None = None) -> int:
         print("tritonep bench: ranks that share one GPU (TRITONEP_SHARED_GPU) take turns on it, "
               "so nothing can be timed that way", file=sys.stderr)  # fmt: skip
         return 2
+    if args.csv:
+        open(args.csv, "w").close()  # a path that cannot be written fails now; rows follow
     rows = []
     for ranks in _ints(args.ranks):
         on_gpu = gpus_suffice(ranks)
         opts = _options(args, on_gpu)
-        where = "GPUs" if on_gpu else "CPU ranks (Triton interpreter: correctness, not speed)"
-        print(f"tritonep bench {args.mode}: {ranks} ranks on {where}", file=sys.stderr)
+        where = "GPUs" if on_gpu else report.INTERPRETER_NOTE
+        print(f"tritonep bench {args.mode}, {ranks} ranks: {where}", file=sys.stderr)
         rows += spawn(_rank_main, ranks, args.mode, opts, timeout=3600)[0]
     report.print_table(rows)
     if args.csv:
-        report.write_csv(rows, args.csv)
+        report.write_csv(rows, args.csv)  # the same rows, under every column any of them has
     if args.plot:
         report.plot(rows, args.plot, args.ceiling)
     return 0

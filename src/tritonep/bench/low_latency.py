@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 
 import torch
 
@@ -46,9 +47,9 @@ def _low_latency_point(ctx, mode, baseline, rival, opts, T, topk, max_tokens):
     b_disp, b_comb = time_pair(
         base_dispatch, base_combine, max(opts.iters // 5, min(5, opts.iters)), 3
     )
-    msg = H + H // 128 * 4 if use_fp8 else 2 * H
+    msg = H + -(-H // 128) * 4 if use_fp8 else 2 * H
     # A LogFMT row: 10 bits a channel and 8 bytes a group (every group encoded).
-    combine_msg = H * 10 // 8 + H // 128 * 8 if logfmt else 2 * H
+    combine_msg = H * 10 // 8 + -(-H // 128) * 8 if logfmt else 2 * H
     sent_disp, sent_comb = _remote_bytes(idx.cpu(), mode, msg, combine_msg)
     vals = mean_over_ranks(
         [t_disp, t_comb, g_disp, g_comb, b_disp, b_comb, recv_rows, sent_disp, sent_comb]
@@ -111,7 +112,7 @@ def low_latency_rank(ctx, opts, progress):
     baseline = TorchBackend()
     rival, note = compare.load(opts.compare)
     if note and ctx.rank == 0:
-        print(note, flush=True)
+        print(note, file=sys.stderr, flush=True)
     rows = []
     for hidden, experts, topk in itertools.product(opts.hidden, opts.experts, opts.topk):
         # No host read of the ids per call: that is a GPU sync, which decode loops avoid.

@@ -17,6 +17,7 @@ remote bytes (received from other ranks) over time.
 from __future__ import annotations
 
 import itertools
+import sys
 
 import torch
 
@@ -68,7 +69,7 @@ def _point(ctx, mode, baseline, rival, opts, num_tokens, topk, config):
     vals = [t_full, t_bf16, t_fp8, t_comb, g_bf16, g_fp8, g_comb, t_bdisp, t_bcomb, recv, local]
     vals = mean_over_ranks(vals)
     t_full, t_bf16, t_fp8, t_comb, g_bf16, g_fp8, g_comb, t_bdisp, t_bcomb, recv, local = vals
-    bf16_bytes, fp8_bytes = 2 * H, H + H // 128 * 4
+    bf16_bytes, fp8_bytes = 2 * H, H + -(-H // 128) * 4
     remote = recv - local
 
     def gbps(rows, row_bytes, ms):
@@ -111,7 +112,7 @@ def normal_rank(ctx, opts, progress):
     baseline = TorchBackend()
     rival, note = compare.load(opts.compare)
     if note and ctx.rank == 0:
-        print(note, flush=True)
+        print(note, file=sys.stderr, flush=True)
     rows = []
     for hidden, experts, topk in itertools.product(opts.hidden, opts.experts, opts.topk):
         mode = NormalMode(

@@ -1,7 +1,9 @@
 """Benchmark results out: the terminal table, CSV, a PNG plot and the tables of BENCHMARKS.md.
 
 The CSV is the record; the plot and the markdown tables are generated from it, so a figure in
-BENCHMARKS.md can always be traced to a file and the command that wrote it.
+BENCHMARKS.md can always be traced to a file and the command that wrote it. Rows measured on
+CPU ranks (``device`` column) are interpreter runs: their table, markdown and plot say so, and
+the plot draws no NVLink ceiling beside them.
 """
 
 from __future__ import annotations
@@ -48,6 +50,24 @@ TABLE_COLUMNS = {
 }
 
 
+#: The ``device`` of rows measured on CPU ranks, and what to say beside them.
+INTERPRETER = "cpu-interpreter"
+INTERPRETER_NOTE = (
+    "CPU ranks under the Triton interpreter, whose times (wall-clock us) check that every "
+    "code path runs and say nothing of GPU speed"
+)
+
+
+def device_name(device) -> str:
+    """A row's ``device``: ``cuda`` (kernels on GPUs) or :data:`INTERPRETER` (CPU ranks)."""
+    return "cuda" if device.type == "cuda" else INTERPRETER
+
+
+def interpreted(rows: list[dict]) -> bool:
+    """Whether any row was measured on CPU ranks."""
+    return any(row.get("device") == INTERPRETER for row in rows)
+
+
 def _cell(value) -> str:
     if isinstance(value, float):
         return "-" if math.isnan(value) else f"{value:.1f}"
@@ -62,14 +82,31 @@ def print_table(rows: list[dict]) -> None:
     print("  ".join(f"{c:>{w}}" for c, w in zip(cols, widths, strict=True)))
     for r in cells:
         print("  ".join(f"{v:>{w}}" for v, w in zip(r, widths, strict=True)))
+    if interpreted(rows):
+        print(f"(device {INTERPRETER}: {INTERPRETER_NOTE})")
 
 
 def write_csv(rows: list[dict], path: str | Path) -> None:
+    """``rows`` under every column any of them has."""
     cols = list(dict.fromkeys(c for row in rows for c in row))
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=cols)
         writer.writeheader()
         writer.writerows(rows)
+
+
+def append_csv(row: dict, path: str | Path) -> None:
+    """Add ``row`` to the CSV at ``path``, under the header its first row wrote (an empty file
+    gets the header of ``row``), so that a run stopped midway keeps the points it measured;
+    columns the header lacks wait for :func:`write_csv` at the end of the run."""
+    path = Path(path)
+    text = path.read_text() if path.exists() else ""
+    cols = next(csv.reader([text.partition("\n")[0]])) if text else list(row)
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        if not text:
+            writer.writeheader()
+        writer.writerow(row)
 
 
 def read_csv(path: str | Path) -> list[dict]:
@@ -96,6 +133,8 @@ def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
         "|" + "---|" * len(cols),
     ]
     lines += ["| " + " | ".join(_cell(row.get(c, "")) for c in cols) + " |" for row in rows]
+    if interpreted(rows):
+        lines.append(f"\nDevice {INTERPRETER}: {INTERPRETER_NOTE}.")
     return "\n".join(lines)
 
 
@@ -119,17 +158,30 @@ def update_markdown(path: str | Path, section: str, text: str) -> None:
 CONFIG_COLUMNS = ("mode", "ranks", "gpus_per_node", "hidden", "topk", "experts")
 
 
-def plot(rows: list[dict], path: str | Path, ceiling_gbps: float | None = None) -> list[str]:
-    """Latency and bandwidth against tokens per rank, tritonep beside the baselines, with the
-    NVLink ceiling (remote GB/s per rank) as a line; one line per configuration of a sweep
-    (the parameters that vary name it). Needs matplotlib. Returns the labels drawn."""
+def require_matplotlib():
+    """matplotlib's pyplot (headless), or a RuntimeError that says how to install it."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:  # an optional extra
-        raise RuntimeError("plotting needs matplotlib: pip install 'tritonep[extras]'") from e
+        raise RuntimeError(
+            "needs matplotlib: pip install matplotlib (or tritonep's extras: "
+            "pip install -e '.[extras]' in a clone)"
+        ) from e
+    return plt
+
+
+def plot(rows: list[dict], path: str | Path, ceiling_gbps: float | None = None) -> list[str]:
+    """Latency and bandwidth against tokens per rank, tritonep beside the baselines, with the
+    NVLink ceiling (remote GB/s per rank) as a line; one line per configuration of a sweep
+    (the parameters that vary name it). Rows of CPU ranks get no ceiling and a title that
+    says they are interpreter runs. Needs matplotlib. Returns the labels drawn."""
+    plt = require_matplotlib()
+    on_cpu = interpreted(rows)
+    if on_cpu:
+        ceiling_gbps = None  # a GPU's link beside interpreted kernels compares nothing
     groups: dict[tuple, list[dict]] = {}
     for row in sorted(rows, key=lambda r: r["tokens"]):
         groups.setdefault(tuple(row.get(k) for k in CONFIG_COLUMNS), []).append(row)
@@ -166,10 +218,12 @@ def plot(rows: list[dict], path: str | Path, ceiling_gbps: float | None = None) 
                               marker=marker, label=label)  # fmt: skip
                     labels.append(label)
     lat.set_xscale("log", base=2)
-    lat.set(yscale="log", xlabel="tokens per rank", ylabel="time per call (us)")
+    clock = "wall-clock us, interpreted" if on_cpu else "us"
+    lat.set(yscale="log", xlabel="tokens per rank", ylabel=f"time per call ({clock})")
     lat.legend(fontsize=7)
     if ceiling_gbps:
         bw.axhline(ceiling_gbps, color="k", ls="--", lw=1, label="NVLink ceiling (remote)")
+        labels.append("NVLink ceiling (remote)")
     top = max([ceiling_gbps or 0] + [y for line in bw.get_lines() for y in line.get_ydata()])
     bw.set_ylim(0, 1.4 * top if top > 0 else 1)  # room above the ceiling for the legend
     bw.set_xscale("log", base=2)
@@ -178,7 +232,10 @@ def plot(rows: list[dict], path: str | Path, ceiling_gbps: float | None = None) 
     first = next(iter(groups))
     common = ", ".join(f"{CONFIG_COLUMNS[i]} {first[i]}" for i in range(len(CONFIG_COLUMNS))
                        if i not in varying and first[i] is not None)  # fmt: skip
-    fig.suptitle(f"tritonep: {common}")
+    title = f"tritonep: {common}"
+    if on_cpu:
+        title += f"\n{INTERPRETER_NOTE}"
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..api import Buffer
+from ..buffer import Buffer
+from ..modes.trace import TICKS
 from ..testing import route
 
 
@@ -54,16 +55,22 @@ def summarize(paths: list[str]) -> list[dict]:
     For every launch, a slice's duration is taken over the programs that have it (median and
     largest), and the launch's span from its first program start to its last program end;
     each figure is then the median over the launches (calls and ranks) of that kernel.
-    Durations are microseconds on GPUs, logical ticks on CPU ranks.
+    Durations are microseconds on GPUs (columns ``*_us``), the interpreter's logical ticks on
+    CPU ranks (columns ``*_ticks``, which order events but are not time).
     """
     import json
     import statistics
 
     per_launch: dict[tuple, list[float]] = {}
     spans: dict[tuple, tuple[float, float]] = {}
+    ticks = False
     for path in paths:
         with open(path) as f:
-            events = json.load(f)["traceEvents"]
+            trace = json.load(f)
+        events = trace["traceEvents"]
+        clock = trace.get("otherData", {}).get("clock")
+        # Traces without a clock note: GPU slices name their SM, the interpreter's do not.
+        ticks |= clock == TICKS if clock else not any("sm" in e.get("args", {}) for e in events)
         for e in events:
             if e.get("ph") != "X":
                 continue
@@ -85,11 +92,12 @@ def summarize(paths: list[str]) -> list[dict]:
         row["median"].append(statistics.median(durations))
         row["max"].append(max(durations))
         row["span"].append(end - begin)
+    unit = "ticks" if ticks else "us"
     return [
         {"kernel": r["kernel"], "slice": r["slice"], "launches": r["launches"],
          "programs": int(statistics.median(r["programs"])),
-         "median_us": round(statistics.median(r["median"]), 2),
-         "max_us": round(statistics.median(r["max"]), 2),
-         "launch_span_us": round(statistics.median(r["span"]), 2)}
+         f"median_{unit}": round(statistics.median(r["median"]), 2),
+         f"max_{unit}": round(statistics.median(r["max"]), 2),
+         f"launch_span_{unit}": round(statistics.median(r["span"]), 2)}
         for r in rows.values()
     ]  # fmt: skip

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from ..api.buffer import ranks_per_node
+from ..buffer import ranks_per_node
 from ..modes.elastic import (
     MAX_TOPK,
     CachedLayout,

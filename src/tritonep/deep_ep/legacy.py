@@ -12,8 +12,8 @@ import functools
 import torch
 import torch.distributed as dist
 
-from ..api.buffer import Buffer as _Buffer
-from ..api.buffer import ranks_per_node
+from ..buffer import Buffer as _Buffer
+from ..buffer import ranks_per_node
 from ..modes.normal import Config as _Config
 from ..modes.normal import NormalHandle
 from .utils import EventOverlap
@@ -155,10 +155,10 @@ class Buffer(_Buffer):
         low_latency_mode: accepted; both modes work on any buffer.
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric,
             comm: accepted, no effect.
-        enable_shrink: low-latency shrink mode (see :class:`tritonep.api.Buffer`).
+        enable_shrink: low-latency shrink mode (see :class:`tritonep.Buffer`).
         explicitly_destroy: accepted; :meth:`destroy` releases the memory either way.
 
-    Every method is that of :class:`tritonep.api.Buffer`: ``get_dispatch_layout``,
+    Every method is that of :class:`tritonep.Buffer`: ``get_dispatch_layout``,
     ``dispatch``, ``combine``, ``low_latency_dispatch``, ``low_latency_combine``,
     ``get_next_low_latency_combine_buffer``, ``clean_low_latency_buffer``,
     ``get_low_latency_rdma_size_hint``, ``low_latency_update_mask_buffer``,
@@ -212,7 +212,7 @@ class Buffer(_Buffer):
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
     ):
-        """:meth:`tritonep.api.Buffer.dispatch` with DeepEP's returns: within one node the
+        """:meth:`tritonep.Buffer.dispatch` with DeepEP's returns: within one node the
         handle is a :class:`LegacyHandle` (DeepEP's tuple), and with ``num_worst_tokens > 0``
         the per-expert counts are an empty list, as DeepEP returns them (the counts are in
         the handle's ``host_info[1:]`` on the device)."""

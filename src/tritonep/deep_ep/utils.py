@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..api.buffer import EventOverlap
+from ..buffer import EventOverlap
 
 __all__ = ["EventHandle", "EventOverlap"]
 

@@ -28,6 +28,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from .. import interpret
 from .base import SymmetricHeap
 
 __all__ = ["GUARD_BYTES", "SymmetricHeap", "allocate", "default_device", "set_backend"]
@@ -78,6 +79,7 @@ def allocate(
         raise ValueError(f"nbytes: expected a positive int, got {nbytes!r}")
     group = group or dist.group.WORLD
     device = torch.device(device) if device is not None else default_device(group)
+    interpret.check(device)  # kernels built for this device, before any runs
     sizes = [None] * dist.get_world_size(group)
     dist.all_gather_object(sizes, nbytes, group=group)
     if len(set(sizes)) != 1:

@@ -1,5 +1,8 @@
 """FP8 e4m3 quantization per 128 channels, bit-exact with the reference rule.
 
+Any hidden size: a row is ``ceil(H / 128)`` groups, the last one partial when ``H`` is not a
+multiple of 128 (loaded with its missing channels as zeros, which leave its ``amax`` as it is).
+
 :func:`quantize_groups` quantizes one token inside a kernel (the low-latency dispatch does it on
 the fly); :func:`quantize_fp8` is the same as a launch over a batch of tokens, for the normal
 mode's FP8 input (one read of ``x``, one write of the payload and the scales), and
@@ -47,7 +50,8 @@ def pow2_ceil(scale):
 def quantize_groups(x, USE_UE8M0: tl.constexpr, EMULATE: tl.constexpr = False):
     """``x``: float32 ``[G, 128]`` -> (values to store as e4m3 ``[G, 128]``, scales ``[G]``).
 
-    Padding groups (all zeros) get the floor scale and zero values.
+    Padding groups (all zeros) get the floor scale and zero values; padding channels of a
+    partial group must be zeros (they then change nothing).
 
     The quotients ``x / scale`` round as IEEE division does without a division per value: one
     IEEE reciprocal ``y`` per group, ``q = x * y``, then one correction by the exact residual,
@@ -138,26 +142,25 @@ def quantize_fp8_kernel(x_ptr, q_ptr, scale_ptr, x_stride, H: tl.constexpr, G_P2
                         USE_UE8M0: tl.constexpr, IS_BF16: tl.constexpr,
                         EMULATE: tl.constexpr):  # fmt: skip
     """One token per program: its ``[G, 128]`` groups, loaded once, quantized, stored."""
+    G: tl.constexpr = (H + 127) // 128
     token = tl.program_id(0).to(tl.int64)
     groups = tl.arange(0, G_P2)
-    gmask = groups < H // 128
     offs = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
-    x = tl.load(x_ptr + token * x_stride + offs, mask=gmask[:, None], other=0.0)
+    x = tl.load(x_ptr + token * x_stride + offs, mask=offs < H, other=0.0)
     x = from_bf16(x, EMULATE) if IS_BF16 else x.to(tl.float32)
     q, scale = quantize_groups(x, USE_UE8M0, EMULATE)
-    tl.store(q_ptr + token * H + offs, e4m3_bits(q, EMULATE), mask=gmask[:, None])
-    tl.store(scale_ptr + token * (H // 128) + groups, scale, mask=gmask)
+    tl.store(q_ptr + token * H + offs, e4m3_bits(q, EMULATE), mask=offs < H)
+    tl.store(scale_ptr + token * G + groups, scale, mask=groups < G)
 
 
 def _check_rows(name: str, t: torch.Tensor, dtypes, batched: bool = False) -> torch.Tensor:
     """``t`` as ``[B, N, H]`` (``B`` = 1 for ``[N, H]``; ``[B, N, H]`` itself when ``batched``):
-    a tensor of ``dtypes`` whose ``H`` is a positive multiple of 128 and whose rows have unit
-    stride; raises TypeError/ValueError naming ``name``."""
+    a tensor of ``dtypes`` with ``H >= 1`` and rows of unit stride; raises TypeError/ValueError
+    naming ``name``."""
     check_tensor(name, t, dtype=dtypes, contiguous=False)
     shapes = "[N, H] or [B, N, H]" if batched else "[N, H]"
-    if t.dim() not in ((2, 3) if batched else (2,)) or t.shape[-1] % 128 != 0 or t.shape[-1] == 0:
-        raise ValueError(f"{name}: expected shape {shapes} with H a positive multiple of 128, "
-                         f"got {list(t.shape)}")  # fmt: skip
+    if t.dim() not in ((2, 3) if batched else (2,)) or t.shape[-1] == 0:
+        raise ValueError(f"{name}: expected shape {shapes} with H >= 1, got {list(t.shape)}")
     if t.shape[-2] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name}: expected rows of unit stride (call .contiguous() first)")
     return t if t.dim() == 3 else t.unsqueeze(0)
@@ -171,7 +174,7 @@ def _launch_per_token(kernel, device: torch.device, grid: tuple, hidden: int, ar
     on_gpu = device.type == "cuda"
     if not on_gpu and isinstance(kernel, triton.runtime.JITFunction):
         return False
-    groups = hidden // 128
+    groups = -(-hidden // 128)
     meta.update(H=hidden, G_P2=triton.next_power_of_2(groups), EMULATE=not on_gpu,
                 num_warps=4 if groups <= 16 else 8)  # fmt: skip
     with torch.cuda.device(device) if on_gpu else contextlib.nullcontext():
@@ -186,18 +189,22 @@ def quantize_fp8(x: torch.Tensor, use_ue8m0: bool = False):
     scales and values; an infinite value makes its group's scale infinite).
 
     Args:
-        x: ``[N, H]`` BF16, FP16 or float32, ``H`` a multiple of 128, rows of unit stride.
+        x: ``[N, H]`` BF16, FP16 or float32, any ``H >= 1`` (a partial last group of 128
+            channels gets a scale of its own, e.g. 64 channels of gpt-oss's 2880), rows of
+            unit stride.
         use_ue8m0: round each scale up to a power of two (DeepEP's UE8M0 scales).
 
     Returns:
-        ``(q, scales)``: ``q`` float8_e4m3fn ``[N, H]``, ``scales`` float32 ``[N, H / 128]``
-        (contiguous), the input that :meth:`tritonep.api.Buffer.dispatch` takes in FP8.
+        ``(q, scales)``: ``q`` float8_e4m3fn ``[N, H]``, ``scales`` float32
+        ``[N, ceil(H / 128)]`` (contiguous), the input that
+        :meth:`tritonep.Buffer.dispatch` takes in FP8 (whose rows must be a multiple of 16
+        bytes: ``H`` a multiple of 16).
     """
     _, num_tokens, hidden = _check_rows(
         "x", x, (torch.bfloat16, torch.float16, torch.float32)
     ).shape
     q = torch.empty(num_tokens, hidden, dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty(num_tokens, hidden // 128, dtype=torch.float32, device=x.device)
+    scales = torch.empty(num_tokens, -(-hidden // 128), dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return q, scales
     args = (x, q.view(torch.uint8), scales, x.stride(0))
@@ -239,29 +246,30 @@ def dequantize_fp8_kernel(q_ptr, scale_ptr, out_ptr, num_tokens, q_batch_stride,
     token = tl.program_id(0).to(tl.int64)
     batch = tl.program_id(1).to(tl.int64)
     groups = tl.arange(0, G_P2)
-    gmask = groups < H // 128
     offs = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
-    code = tl.load(q_ptr + batch * q_batch_stride + token * q_stride + offs, mask=gmask[:, None],
+    code = tl.load(q_ptr + batch * q_batch_stride + token * q_stride + offs, mask=offs < H,
                    other=0)  # fmt: skip
     scale_row = scale_ptr + batch * scale_batch_stride + token * scale_stride
-    scale = tl.load(scale_row + groups * scale_group_stride, mask=gmask, other=0.0)
+    scale = tl.load(scale_row + groups * scale_group_stride, mask=groups < (H + 127) // 128,
+                    other=0.0)  # fmt: skip
     y = e4m3_value(code, EMULATE) * scale[:, None]
     if TO_BF16:
         y = to_bf16(y, EMULATE)
-    tl.store(out_ptr + (batch * num_tokens + token) * H + offs, y, mask=gmask[:, None])
+    tl.store(out_ptr + (batch * num_tokens + token) * H + offs, y, mask=offs < H)
 
 
 def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16):
-    """FP8 rows back to ``dtype``: ``q * scale`` per 128 channels in float32, rounded once.
+    """FP8 rows back to ``dtype``: ``q * scale`` per 128 channels in float32, rounded once
+    (the last group may be partial: any ``H``).
 
     Bit-exact with ``tritonep.reference.dequantize_fp8(q, scales).to(dtype)``; one read of the
     payload and one write, where the torch operations make several passes in float32.
 
     Args:
         q: float8_e4m3fn ``[N, H]`` (the normal mode's received rows) or ``[B, N, H]`` (the
-            low-latency dispatch's ``[E_local, R * max_tokens, H]``), ``H`` a multiple of 128,
-            rows of unit stride.
-        scales: float32 ``q.shape[:-1] + [H / 128]``, any strides (the normal mode's received
+            low-latency dispatch's ``[E_local, R * max_tokens, H]``), any ``H >= 1``, rows of
+            unit stride.
+        scales: float32 ``q.shape[:-1] + [ceil(H / 128)]``, any strides (the normal mode's received
             scales, :func:`quantize_fp8`'s, or the low-latency dispatch's column-major ones).
         dtype: torch.bfloat16 (default) or torch.float32.
 
@@ -271,7 +279,7 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = t
     """
     batched = _check_rows("q", q, torch.float8_e4m3fn, batched=True)
     batch, num_tokens, hidden = batched.shape
-    check_tensor("scales", scales, dtype=torch.float32, shape=(*q.shape[:-1], hidden // 128),
+    check_tensor("scales", scales, dtype=torch.float32, shape=(*q.shape[:-1], -(-hidden // 128)),
                  device=q.device, contiguous=False)  # fmt: skip
     if dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"dtype: expected torch.bfloat16 or torch.float32, got {dtype}")

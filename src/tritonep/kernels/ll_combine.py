@@ -25,8 +25,9 @@ Why it is fast: the receive buffer is indexed by (token, top-k column), which is
 top-8), every row crosses NVLink once, and the reduction reads local memory only.
 
 With ``LOGFMT`` (DeepEP's ``use_logfmt``) the sender encodes each row as LogFMT-10 into its
-slot and the receiver decodes while it reduces (:mod:`.logfmt`); each slot holds ``H``
-BF16 values and then the groups' LogFMT parameters either way.
+slot and the receiver decodes while it reduces (:mod:`.logfmt`); each slot holds 256 bytes
+per group of 128 channels (``H`` BF16 values, and room for a partial last group's codes) and
+then the groups' LogFMT parameters either way.
 
 Traced launches (``PROFILE``) record, per program, the time spent sending, signalling, waiting
 and reducing; ``WAIT_STATS`` adds the time waited per source rank. Both compile out when off.
@@ -135,7 +136,7 @@ def ll_combine_kernel(
     NUM_RANKS: tl.constexpr,
     M: tl.constexpr,  # max tokens per rank
     RECV_SET_BYTES: tl.constexpr,  # a buffer set of the receive slots
-    SLOT_BYTES: tl.constexpr,  # a row's slot: H BF16 values, then [H / 128] (log_amin, step)
+    SLOT_BYTES: tl.constexpr,  # a row's slot: 256 bytes per group, then [G] (log_amin, step)
     RECV_OFFSET: tl.constexpr,  # heap byte offset of buffer set 0 of the [M][K_MAX] slots
     DONE_OFFSET: tl.constexpr,  # heap byte offset of the [R] int64 done counters
     STAGE_OFFSET: tl.constexpr,  # heap byte offset of the staging slots [E_local * R * M] (VIA)
@@ -143,7 +144,7 @@ def ll_combine_kernel(
     DO_SEND: tl.constexpr,
     DO_RECV: tl.constexpr,
     USE_CLOCK: tl.constexpr,  # on a GPU (else the interpreter)
-    G_P2: tl.constexpr,  # power of two >= H / 128
+    G_P2: tl.constexpr,  # power of two >= ceil(H / 128)
     R_P2: tl.constexpr,  # power of two >= max(NUM_RANKS, 2)
     BLOCK_ROWS: tl.constexpr,  # rows a sending program moves at a time
     BLOCK_CHANNELS: tl.constexpr,  # channels of a token reduced at a time (power of two)
@@ -235,7 +236,7 @@ def _send_rows(
     ``BLOCK_ROWS`` rows at a time so that their loads and remote stores are in flight
     together. Returns the trace's send total."""
     E_LOCAL: tl.constexpr = NUM_EXPERTS // NUM_RANKS
-    G: tl.constexpr = H // 128
+    G: tl.constexpr = (H + 127) // 128  # the last group may be partial
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     set_off = (c_send % 2) * RECV_SET_BYTES
@@ -380,7 +381,7 @@ def _reduce_tokens(
     rows, in top-k order as the reference sums, in float32 to BF16; NaN where ``failed`` (a
     wait gave up: not every row came)."""
     E_LOCAL: tl.constexpr = NUM_EXPERTS // NUM_RANKS
-    G: tl.constexpr = H // 128
+    G: tl.constexpr = (H + 127) // 128  # the last group may be partial
     set_off = (c_recv % 2) * RECV_SET_BYTES
     my_base = tl.load(peer_ptrs + rank)
     bad_seen = tl.zeros((), tl.int1)
@@ -418,10 +419,14 @@ def _reduce_tokens(
                     column = tl.where(first, j, column)
                 weight = tl.load(topk_weights_ptr + token64 * K + k)
                 row = rows + column * SLOT_BYTES
+                # An invalid expert reads nothing: its bound is 0 (a tile compare, not
+                # `mask & valid`: Triton 3.9's interpreter splats a scalar comparison as int32,
+                # which no mask accepts).
                 if LOGFMT:
-                    value = _load_logfmt(row, groups, (groups < G) & valid, H, USE_CLOCK)
+                    value = _load_logfmt(row, groups, groups < tl.where(valid, G, 0), H, USE_CLOCK)
                 else:
-                    y = tl.load(aligned_ptr(row, tl.bfloat16) + cols, mask=cmask & valid,
+                    y = tl.load(aligned_ptr(row, tl.bfloat16) + cols,
+                                mask=cols < tl.where(valid, H, 0),
                                 other=0.0, cache_modifier=".cg")  # fmt: skip
                     value = from_bf16(y, not USE_CLOCK)
                 # Rows not read are 0: a weight of 0 adds nothing, without a select per
@@ -434,43 +439,46 @@ def _reduce_tokens(
 
 
 @triton.jit
-def _send_logfmt(src, dst, rmask, H, G: tl.constexpr, GROUPS: tl.constexpr,
+def _send_logfmt(src, dst, rmask, H: tl.constexpr, G: tl.constexpr, GROUPS: tl.constexpr,
                  ROWS: tl.constexpr, USE_CLOCK: tl.constexpr):  # fmt: skip
     """Store the BF16 rows at ``src [ROWS]`` to the slots at ``dst [ROWS]`` as LogFMT, GROUPS
-    groups at a time: each group encoded or unchanged, and its parameters (:mod:`.logfmt`)."""
+    groups at a time: each group encoded or unchanged, and its parameters (:mod:`.logfmt`).
+    A partial last group (``H`` not a multiple of 128) is a group of its channels alone; its
+    slot keeps a whole group's 256 bytes, which its codes may fill."""
     lane = tl.arange(0, 128)[None, None, :]
     quad = tl.arange(0, 32)[None, None, :]
     slot = aligned_ptr(dst, tl.uint8)[:, None, None]
     raw = aligned_ptr(dst, tl.bfloat16)[:, None, None]
-    params = aligned_ptr(dst + H * 2, tl.float32)[:, None]
+    params = aligned_ptr(dst + G * 256, tl.float32)[:, None]
     rows = src[:, None, None]
     EMULATE: tl.constexpr = not USE_CLOCK
     for g0 in range(0, G, GROUPS):
         gi = g0 + tl.arange(0, GROUPS)
         live = rmask[:, None] & (gi < G)[None, :]
         at = (gi * 128)[None, :, None] + lane
-        y = tl.load(rows + at, mask=live[:, :, None], other=0.0)
-        encoded, low, high, log_amin, step = encode_groups(from_bf16(y, EMULATE), EMULATE)
+        y = tl.load(rows + at, mask=live[:, :, None] & (at < H), other=0.0)
+        encoded, low, high, log_amin, step = encode_groups(from_bf16(y, EMULATE), at < H,
+                                                           H % 128 != 0, EMULATE)  # fmt: skip
         # Channel c of group g: code byte at 256 g + c, BF16 at byte 2 (128 g + c); its high
         # bits in byte 256 g + 128 + c // 4.
         as_code = (live & encoded)[:, :, None]
         tl.store(slot + (gi * 256)[None, :, None] + lane, low, mask=as_code)
         tl.store(slot + (gi * 256 + 128)[None, :, None] + quad, high, mask=as_code)
-        tl.store(raw + at, y, mask=(live & ~encoded)[:, :, None])
+        tl.store(raw + at, y, mask=(live & ~encoded)[:, :, None] & (at < H))
         tl.store(params + gi[None, :] * 2, log_amin, mask=live)
         tl.store(params + gi[None, :] * 2 + 1, step, mask=live)
 
 
 @triton.jit
-def _load_logfmt(row, groups, gmask, H, USE_CLOCK: tl.constexpr):
+def _load_logfmt(row, groups, gmask, H: tl.constexpr, USE_CLOCK: tl.constexpr):
     """Float32 ``[GR, 128]`` values of groups ``groups [GR]`` of the LogFMT slot at ``row``
     (groups off in ``gmask [GR]``: 0). Every load is issued at once, whether the group was
     encoded or not: one round trip. The high bits are loaded as the bytes they travel in and
     spread over their four channels in registers (a per-channel gather would need a layout
     change through shared memory)."""
     lane = tl.arange(0, 128)[None, :]
-    mask = gmask[:, None] & (lane < 128)
-    params = aligned_ptr(row + H * 2, tl.float32) + groups * 2
+    mask = gmask[:, None] & ((groups * 128)[:, None] + lane < H)
+    params = aligned_ptr(row + (H + 127) // 128 * 256, tl.float32) + groups * 2
     log_amin = tl.load(params, mask=gmask, other=0.0, cache_modifier=".cg")[:, None]
     step = tl.load(params + 1, mask=gmask, other=0.0, cache_modifier=".cg")[:, None]
     slot = aligned_ptr(row, tl.uint8) + (groups * 256)[:, None]

@@ -7,7 +7,9 @@ expert's block without asking any other program: slots follow token order (a tok
 expert twice is sent there once). Then, per token, it loads the row once, quantizes it once (FP8
 e4m3 per 128 channels, or keeps BF16) and stores one message per distinct expert into the owner's
 receive slab ``[local_expert][source_rank][slot]`` with plain NVLink stores: a 16-byte header
-(token index, top-k column, payload reference), the payload and the scales. The payload crosses to
+(token index, top-k column, payload reference), the payload and the scales (from the next
+16-byte boundary; a hidden size that is not a multiple of 128 has a partial last group, loaded
+with its missing channels as zeros, with a scale of its own). The payload crosses to
 an owner once, however many of its experts the token chose: the token's first message to that owner
 carries it, its other messages there are headers whose reference names that message (its index in
 the owner's buffer set; a carrier names itself).
@@ -288,7 +290,7 @@ def ll_dispatch_kernel(
     FLAG_OFFSET: tl.constexpr,  # heap byte offset of buffer set 0 of the count flags
     STAGE_OFFSET: tl.constexpr,  # heap byte offset of the staging slabs [E][M] (VIA)
     GPUS_PER_NODE: tl.constexpr,  # ranks r, r' share a node when r // it == r' // it
-    USE_FP8: tl.constexpr,  # quantize to e4m3 with a float32 scale per 128 channels
+    USE_FP8: tl.constexpr,  # quantize to e4m3 with a float32 scale per (partial) 128 channels
     USE_UE8M0: tl.constexpr,  # scales rounded up to powers of two
     PACK_UE8M0: tl.constexpr,  # scales as exponent bytes, four to an int32 (implies USE_UE8M0)
     DO_SEND: tl.constexpr,
@@ -296,7 +298,7 @@ def ll_dispatch_kernel(
     USE_CLOCK: tl.constexpr,  # on a GPU (else the interpreter)
     BLOCK_N: tl.constexpr,  # tokens whose ids are counted at a time
     K_P2: tl.constexpr,  # power of two >= max(K, 2)
-    G_P2: tl.constexpr,  # power of two >= H / 128
+    G_P2: tl.constexpr,  # power of two >= ceil(H / 128)
     R_P2: tl.constexpr,  # power of two >= max(NUM_RANKS, 2)
     BINS: tl.constexpr,  # power of two >= max(NUM_EXPERTS, 2): one bin per expert
     BLOCK_MSGS: tl.constexpr,  # messages a receiving program copies at a time
@@ -396,11 +398,13 @@ def _send(
     senders = tl.maximum(tl.cdiv(num_tokens, tl.maximum(per_program, 1)), 1)
     next_slot = scratch_ptr + pid * (3 * BINS + TOKEN_WORDS)
     # The first token's row is loaded now, so that its memory latency passes while the ids are
-    # counted; each token's send then loads the next one's.
+    # counted; each token's send then loads the next one's. (A tile compare, not `mask &
+    # scalar`: Triton 3.9's interpreter splats a scalar comparison as int32, which no mask
+    # accepts.)
     groups = tl.arange(0, G_P2)
     row_offs = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
     x_next = tl.load(x_ptr + tl.cast(first_token, tl.int64) * H + row_offs,
-                     mask=(groups < H // 128)[:, None] & (first_token < last_token),
+                     mask=row_offs < tl.where(first_token < last_token, H, 0),
                      other=0.0)  # fmt: skip
     if count_by_adds:
         total, before, bad = _count_by_adds(
@@ -531,9 +535,12 @@ def _send_tokens(
     E_LOCAL: tl.constexpr = NUM_EXPERTS // NUM_RANKS
     ks = tl.arange(0, K_P2)
     groups = tl.arange(0, G_P2)
-    gmask = groups < H // 128
+    gmask = groups < (H + 127) // 128  # the last group may be partial
+    # A message's scales start at the first 16-byte boundary after its e4m3 payload (aligned
+    # stores whatever H is; modes.low_latency.message_bytes).
+    SCALES_AT: tl.constexpr = HEADER_BYTES + (H + 15) // 16 * 16
     row_offs = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
-    row_mask = gmask[:, None]
+    row_mask = row_offs < H  # (a partial group's missing channels load as zeros)
     my_base = tl.load(peer_ptrs + rank)
     dests = (next_slot + 3 * BINS).to(tl.pointer_type(tl.int64))
     keys = next_slot + 3 * BINS + 32
@@ -553,8 +560,11 @@ def _send_tokens(
         tl.store(next_slot + ids, slots + 1, mask=valid)
         # Quantize the token once, then store it to each of its experts.
         x = x_next
+        # (A tile compare, not `row_mask & scalar`: Triton 3.9's interpreter splats a scalar
+        # comparison as int32, which no mask accepts.)
         x_next = tl.load(x_ptr + tl.cast(token + 1, tl.int64) * H + row_offs,
-                         mask=row_mask & (token + 1 < last_token), other=0.0)  # fmt: skip
+                         mask=row_offs < tl.where(token + 1 < last_token, H, 0),
+                         other=0.0)  # fmt: skip
         if USE_FP8:
             q, scale = quantize_groups(from_bf16(x, not USE_CLOCK), USE_UE8M0, not USE_CLOCK)
             q = e4m3_bits(q, not USE_CLOCK)
@@ -601,7 +611,7 @@ def _send_tokens(
                 if USE_FP8:
                     q_ptr = aligned_ptr(msg + HEADER_BYTES, tl.uint8)
                     tl.store(q_ptr + row_offs, q, mask=row_mask)
-                    scale_ptr = aligned_ptr(msg + HEADER_BYTES + H, tl.float32)
+                    scale_ptr = aligned_ptr(msg + SCALES_AT, tl.float32)
                     tl.store(scale_ptr + groups, scale, mask=gmask)
                 else:
                     x_dst = aligned_ptr(msg + HEADER_BYTES, tl.bfloat16)
@@ -841,7 +851,8 @@ def _pack_group(
     """Copy a group's messages, ``BLOCK_MSGS`` at a time, into the packed outputs: item ``j``'s
     ``count[j]`` messages to rows ``begin[j]...`` of its expert's block. The group's messages
     form one list: item j's come after those of items < j."""
-    G: tl.constexpr = H // 128
+    G: tl.constexpr = (H + 127) // 128
+    SCALES_AT: tl.constexpr = HEADER_BYTES + (H + 15) // 16 * 16
     msgs = tl.arange(0, BLOCK_MSGS)
     scale_lanes = tl.arange(0, G_P2 * BLOCK_MSGS)
     flat = tl.arange(0, G_P2 * 128)
@@ -885,7 +896,7 @@ def _pack_group(
                                               item_lanes, NUM_RANKS, M)  # fmt: skip
             s_header = aligned_ptr(set_base + s_index.to(tl.int64) * MSG_BYTES, tl.int32)
             s_ref = tl.load(s_header + 2, mask=s_mask, other=0, cache_modifier=".cg")
-            s_src = set_base + s_ref.to(tl.int64) * MSG_BYTES + HEADER_BYTES + H
+            s_src = set_base + s_ref.to(tl.int64) * MSG_BYTES + SCALES_AT
             scale = tl.load(aligned_ptr(s_src, tl.float32) + s_group, mask=s_mask,
                             cache_modifier=".cg")  # fmt: skip
             row = s_row.to(tl.int64)
@@ -913,7 +924,7 @@ def _poison_rows(
 ):  # fmt: skip
     """Fill the row at ``begin`` of each ``poisoned`` item's block with 0xFF bytes: its payload
     and scales read as NaN, its source token and column as -1. Runs only after a timeout."""
-    G: tl.constexpr = H // 128
+    G: tl.constexpr = (H + 127) // 128
     ROWS: tl.constexpr = NUM_RANKS * M
     flat = tl.arange(0, G_P2 * 128)
     groups = tl.arange(0, G_P2)

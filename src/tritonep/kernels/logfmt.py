@@ -41,11 +41,16 @@ def fast_log2(x, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def encode_groups(y, EMULATE: tl.constexpr):
+def encode_groups(y, valid, PARTIAL: tl.constexpr, EMULATE: tl.constexpr):
     """Groups of 128 channels, float32 ``y [R, G, 128]`` -> ``(encoded [R, G] bool, low code
     bytes [R, G, 128] uint8, high [R, G, 32] uint8 (code bit 8 | sign << 1 of channels
     4 q + j at bits 2 j), log_amin [R, G], step [R, G])`` (``step`` 0 and codes 0 where a
     group goes unchanged).
+
+    With ``PARTIAL`` (a hidden size that is not a multiple of 128) the channels off in
+    ``valid`` (broadcast to ``y``'s shape) are missing ones, loaded as zeros: a group's
+    smallest magnitude is taken over its real channels alone (zeros leave the largest and
+    the sum as they are).
 
     Channels stay contiguous so that the loads are 16-byte vectors and every group
     reduction stays within a warp (registers and shuffles, no shared memory or barrier);
@@ -55,7 +60,10 @@ def encode_groups(y, EMULATE: tl.constexpr):
     # NaN in a group makes its sum NaN; Inf makes its amax >= 1: both groups go unchanged.
     total = tl.sum(a, axis=2)
     amax = tl.max(a, axis=2)
-    amin = tl.min(a, axis=2)
+    if PARTIAL:
+        amin = tl.min(tl.where(valid, a, float("inf")), axis=2)
+    else:
+        amin = tl.min(a, axis=2)
     # Logarithms of zero (all-zero or clipped groups) are only taken where the result is
     # used; the where()s keep the interpreter's numpy quiet.
     log_amax = fast_log2(tl.where(amax > 0, amax, 1.0), EMULATE)

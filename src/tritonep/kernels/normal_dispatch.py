@@ -220,7 +220,9 @@ def dispatch_send(
             if not arrived:
                 record_timeout(status_ptr, -1, PHASE_DISPATCH_RELAY, timeout_ns, channel)
                 budget = tl.zeros((), tl.int64)
-            tmask = tmask & arrived
+            # Rows not arrived are not read. (A tile compare, not `tmask & arrived`: Triton
+            # 3.9's interpreter splats a scalar comparison as int32, which no mask accepts.)
+            tmask = tokens < tl.where(arrived, t1, 0)
         at_rank = tokens64[:, None] * NUM_RANKS + ranks[None, :]
         if RANKS_FROM_IDS:  # a relay learns the destinations from the rows themselves
             ids = tl.load(

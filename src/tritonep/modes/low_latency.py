@@ -5,7 +5,7 @@ one symmetric heap. The heap of every rank holds, for each of two buffer sets (c
 between them):
 
 * dispatch receive slabs ``[E_local][R][max_tokens]`` of fixed-size messages
-  (16-byte header, payload, scales), sized for BF16 messages so either format fits; a
+  (16-byte header, payload, scales), sized for the larger format (BF16's, but at hidden 8); a
   token's payload is stored once per rank, its other messages there being headers that
   refer to it;
 * dispatch count flags ``[E_local][R]`` int64 (``call << 32 | count``);
@@ -111,24 +111,33 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _groups(hidden: int) -> int:
+    """Groups of 128 channels of a row, the last one partial where ``hidden`` is not a
+    multiple of 128 (FP8 scales and LogFMT parameters are per group)."""
+    return -(-hidden // 128)
+
+
 def _rows_in_flight(hidden: int, itemsize: int, budget: int = 32768) -> int:
     """Rows a program moves per iteration: about ``budget`` bytes of (padded) payload in
     flight."""
-    row_bytes = _next_pow2(hidden // 128) * 128 * itemsize
+    row_bytes = _next_pow2(_groups(hidden)) * 128 * itemsize
     return max(1, min(8, budget // row_bytes))
 
 
 def message_bytes(hidden: int, use_fp8: bool) -> int:
-    """One dispatch message: 16-byte header, payload, then float32 scales with FP8."""
-    payload = hidden if use_fp8 else 2 * hidden
-    scales = hidden // 128 * 4 if use_fp8 else 0
+    """One dispatch message: 16-byte header, payload, then float32 scales with FP8, from the
+    next multiple of 16 bytes (:data:`~tritonep.kernels.ll_dispatch.HEADER_BYTES` +
+    ``align(H, 16)``)."""
+    payload = _align(hidden, 16) if use_fp8 else 2 * hidden
+    scales = _groups(hidden) * 4 if use_fp8 else 0
     return _align(ll_dispatch.HEADER_BYTES.value + payload + scales, 16)
 
 
 def combine_slot_bytes(hidden: int) -> int:
-    """One row of the combine receive buffer: ``hidden`` BF16 values, then a float32
-    ``(log_amin, step)`` pair per 128 channels for LogFMT combines."""
-    return 2 * hidden + _align(hidden // 128 * 8, 16)
+    """One row of the combine receive buffer: 256 bytes per group of 128 channels (``hidden``
+    BF16 values, and room for a partial last group's LogFMT codes, which fill 160 of a group's
+    bytes), then a float32 ``(log_amin, step)`` pair per group for LogFMT combines."""
+    return 256 * _groups(hidden) + _align(_groups(hidden) * 8, 16)
 
 
 class LowLatencyLayout(NamedTuple):
@@ -154,7 +163,9 @@ class LowLatencyLayout(NamedTuple):
         num_nodes: int = 1,
     ):
         e_local = num_experts // num_ranks
-        recv_set = _align(e_local * num_ranks * max_tokens * message_bytes(hidden, False))
+        # Either format fits (BF16 messages are the larger but at hidden 8: 32 bytes, FP8's 48).
+        message = max(message_bytes(hidden, False), message_bytes(hidden, True))
+        recv_set = _align(e_local * num_ranks * max_tokens * message)
         flags_set = _align(e_local * num_ranks * 8)
         slot = combine_slot_bytes(hidden)
         combine_set = _align(max_tokens * max_topk * slot)
@@ -306,7 +317,8 @@ class LowLatencyMode:
     Args:
         group: the process group (default: the world); every rank constructs it together.
         num_max_dispatch_tokens_per_rank: most tokens one rank dispatches in a call.
-        hidden: hidden size, a multiple of 128.
+        hidden: hidden size, a multiple of 8 (BF16 rows of a multiple of 16 bytes; e.g.
+            gpt-oss's 2880, whose last group of 128 channels, and scale, covers 64).
         num_experts: experts in total, a multiple of the number of ranks.
         max_topk: largest top-k a call may use (1 to 16).
         device: a CUDA device, or ``"cpu"`` for CPU ranks (kernels under the interpreter).
@@ -355,7 +367,7 @@ class LowLatencyMode:
         self.rank = dist.get_rank(self.group)
         self.num_ranks = dist.get_world_size(self.group)
         self.num_local_experts = check_num_experts(num_experts, self.num_ranks)
-        check_hidden("hidden", hidden, 128)
+        check_hidden("hidden", hidden, 8)
         if not 1 <= max_topk <= MAX_TOPK:
             raise ValueError(f"max_topk: expected 1 to {MAX_TOPK}, got {max_topk}")
         if num_max_dispatch_tokens_per_rank < 1:
@@ -624,10 +636,11 @@ class LowLatencyMode:
         Returns:
             ``(recv_x, recv_count, handle, hook)``: ``recv_x`` is ``[E_local, R * max, H]``
             BF16, or float8_e4m3fn with ``use_fp8`` (then a tuple with the scales: float32
-            ``[E_local, R * max, H / 128]``, or with ``pack_ue8m0`` int32
+            ``[E_local, R * max, ceil(H / 128)]``, or with ``pack_ue8m0`` int32
             ``[E_local, R * max, ceil(H / 512)]`` whose byte ``g % 4`` of column ``g // 4`` is
-            the biased exponent of group ``g``; rows past ``recv_count[e]`` are undefined, and
-            so are the bytes of groups past ``H / 128``),
+            the biased exponent of group ``g``; a partial last group of 128 channels has a
+            scale of its own; rows past ``recv_count[e]`` are undefined, and so are the bytes
+            of groups past ``ceil(H / 128)``),
             ``recv_count`` ``[E_local]`` int32, a :class:`LowLatencyHandle`, and the hook
             (None unless ``return_recv_hook``). The scales are column-major within each
             expert (strides ``(columns * R * max, 1, R * max)``), the layout in which
@@ -769,7 +782,7 @@ class LowLatencyMode:
             USE_CLOCK=use_clock(self.device),
             BLOCK_N=min(128, _next_pow2(max(M, 16))),
             K_P2=_next_pow2(max(topk, 2)),
-            G_P2=_next_pow2(H // 128),
+            G_P2=_next_pow2(_groups(H)),
             R_P2=_next_pow2(max(R, 2)),
             BINS=self._bins,
             # Messages copied together on receive: 64 KB of payload in flight, on 16 warps
@@ -789,7 +802,7 @@ class LowLatencyMode:
         outputs = (empty_x, None, None, None)
         if use_fp8:
             rows = R * M
-            columns = -(-H // 512) if pack_ue8m0 else H // 128
+            columns = -(-_groups(H) // 4) if pack_ue8m0 else _groups(H)
             empty_scales = torch.empty(0, dtype=torch.int32 if pack_ue8m0 else torch.float32,
                                        device=self.device)  # fmt: skip
             strides = (columns * rows, 1, rows if columns > 1 else 1)
@@ -942,7 +955,7 @@ class LowLatencyMode:
             DO_SEND=True,
             DO_RECV=True,
             USE_CLOCK=use_clock(self.device),
-            G_P2=_next_pow2(H // 128),
+            G_P2=_next_pow2(_groups(H)),
             R_P2=_next_pow2(max(R, 2)),
             # 16 warps: a BF16 sender keeps 64 KB in flight, the reduce takes whole rows
             # (BENCHMARKS.md, "Low-latency combine on 16 warps"). LogFMT encodes BLOCK_ROWS
@@ -950,14 +963,17 @@ class LowLatencyMode:
             # sender is bound by instructions; few, large steps hide the load latency).
             BLOCK_ROWS=_rows_in_flight(H, 2, 32768 if logfmt else 65536),
             # A token's top-k rows reduced together: K x BLOCK_CHANNELS BF16 values are at most
-            # 64 registers a thread (LogFMT: 4096 channels, the fastest measured).
-            BLOCK_CHANNELS=min(_next_pow2(H), 65536 // _next_pow2(topk), 4096 if logfmt else 8192),
+            # 64 registers a thread (LogFMT: 4096 channels, the fastest measured; whole groups
+            # of 128 channels, even where H is smaller).
+            BLOCK_CHANNELS=min(
+                _next_pow2(max(H, 128)), 65536 // _next_pow2(topk), 4096 if logfmt else 8192
+            ),
             PROFILE=self.trace is not None,
             WAIT_STATS=wait_stats,
             SHRINK=self.enable_shrink,
             VIA=self.transport.via,
             LOGFMT=logfmt,
-            BLOCK_GROUPS=min(_next_pow2(H // 128), 64),
+            BLOCK_GROUPS=min(_next_pow2(_groups(H)), 64),
         )
         # No fused multiply-add: products round as in the reference, so the sum is bit-exact.
         options = {"num_warps": 16, "enable_fp_fusion": False}

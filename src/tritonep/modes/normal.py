@@ -231,7 +231,7 @@ class NormalLayout:
     @staticmethod
     def of(hidden, num_ranks, num_local_experts, max_topk, max_channels, ring_tokens, staged=False,
            notify_extra=0):  # fmt: skip
-        groups = hidden // 128 if hidden % 128 == 0 else 0
+        groups = -(-hidden // 128)  # a float32 scale per 128 channels, the last group partial
         record = _align(1 + 2 * max_topk, 4)
         dispatch_slot = 4 * (_align(hidden // 2 + groups, 4) + record)
         combine_slot = _align(2 * hidden + 4 * max_topk, 16)
@@ -354,7 +354,8 @@ class NormalMode:
 
     Args:
         group: the process group (default: the world); every rank constructs it together.
-        hidden: hidden size; a multiple of 8 (BF16), and of 128 for FP8 inputs.
+        hidden: hidden size; a multiple of 8 (BF16 rows of a multiple of 16 bytes), and of 16
+            for FP8 inputs (e.g. 2880, whose last group of 128 channels holds 64).
         num_experts: experts in total, a multiple of the number of ranks.
         max_topk: largest top-k a call may use.
         device: a CUDA device, or ``"cpu"`` for CPU ranks (kernels under the interpreter).
@@ -655,7 +656,7 @@ class NormalMode:
         Args:
             x: ``[N, H]`` BF16, or ``(e4m3 [N, H], scales [N, S])``: the scales are 4-byte
                 words copied unchanged (float32, e.g. one per 128 channels, or int32, e.g.
-                packed UE8M0), any strides, ``1 <= S <= H / 32``.
+                packed UE8M0), any strides, ``1 <= S <= ceil(H / 32)``.
             topk_idx: ``[N, K]`` int64 global expert ids, ``-1`` for none (not needed with
                 ``handle``).
             topk_weights: ``[N, K]`` float32, or None.

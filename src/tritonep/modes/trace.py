@@ -24,6 +24,9 @@ import torch
 
 from ..kernels import trace as kt
 
+#: The clock of CPU ranks' traces (the trace's ``otherData.clock`` and process names).
+TICKS = "CPU rank, Triton interpreter: logical ticks, which order events but are not time"
+
 SLOTS, START, SEND_END, END, FIRST_PHASE, SM = (
     int(v.value) for v in (kt.SLOTS, kt.START, kt.SEND_END, kt.END, kt.FIRST_PHASE, kt.SM)
 )
@@ -107,8 +110,9 @@ class TraceRecorder:
         origin = self.origin(kernels) if origin is None else origin
         if origin is None:
             return []
+        name = f"rank {self.rank}" + ("" if self.device.type == "cuda" else f" ({TICKS})")
         events = [{"ph": "M", "name": "process_name", "pid": self.rank,
-                   "args": {"name": f"rank {self.rank}"}}]  # fmt: skip
+                   "args": {"name": name}}]  # fmt: skip
         for launch, table in zip(launches, tables, strict=True):
             (send_name, send_subs), (recv_name, recv_subs) = phases(launch.kernel)
             for program, row in enumerate(table.tolist()):
@@ -165,6 +169,8 @@ def write_chrome_trace(
     origins = [o for r in recorders if (o := r.origin(kernels)) is not None]
     origin = min(origins) if origins else 0
     events = [e for r in recorders for e in r.events(kernels, origin)]
+    on_gpu = all(r.device.type == "cuda" for r in recorders)
+    clock = "microseconds of the GPU's global timer" if on_gpu else TICKS
     path = Path(path)
-    path.write_text(json.dumps({"traceEvents": events}))
+    path.write_text(json.dumps({"traceEvents": events, "otherData": {"clock": clock}}))
     return path

@@ -10,6 +10,9 @@ most ``(2 ** step - 1) / (2 ** step + 1)`` (2.2% when a group spans 32 octaves, 
 it spans 1.5).
 Groups holding NaN or Inf travel unchanged. 10 bits instead of 16 cut a combine's payload
 to 160 of 256 bytes per group (plus 8 bytes of group metadata).
+
+Where ``H`` is not a multiple of 128 the last group holds the channels left over (64 of
+gpt-oss's 2880) and its parameters come from them alone.
 """
 
 from __future__ import annotations
@@ -21,17 +24,26 @@ CODE_MAX = 511
 MIN_CLIP = 32.0  # octaves below the group's largest magnitude that codes still reach
 
 
+def _groups(x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+    """``x [..., H]`` as float32 ``[..., ceil(H / 128), 128]``, a partial last group padded
+    with ``fill``."""
+    pad = -x.shape[-1] % GROUP
+    return torch.nn.functional.pad(x.float(), (0, pad), value=fill).unflatten(-1, (-1, GROUP))
+
+
 def logfmt_params(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per 128-channel group of ``x [..., H]``: ``(encoded, log_amin, step)``.
+    """Per 128-channel group of ``x [..., H]`` (the last one partial where ``H`` is not a
+    multiple of 128): ``(encoded, log_amin, step)``.
 
     ``encoded`` (bool) says whether the group travels as LogFMT; ``log_amin`` and ``step``
     (float32) are its code parameters (``step`` is 0 for groups sent unchanged).
     """
-    groups = x.float().unflatten(-1, (-1, GROUP)).abs()
+    groups = _groups(x).abs()  # zeros pad: they change neither the largest nor finiteness
     special = ~torch.isfinite(groups).all(-1)
     amax = groups.amax(-1)
     log_amax = torch.log2(amax)
-    log_amin = torch.maximum(torch.log2(groups.amin(-1)), log_amax - MIN_CLIP)
+    amin = _groups(x, float("inf")).abs().amin(-1)  # the smallest of the real channels
+    log_amin = torch.maximum(torch.log2(amin), log_amax - MIN_CLIP)
     encoded = (log_amax < 0) & (log_amin < log_amax) & ~special
     step = torch.where(encoded, (log_amax - log_amin) / (CODE_MAX - 1), 0.0)
     return encoded, torch.where(encoded, log_amin, 0.0), step
@@ -40,7 +52,7 @@ def logfmt_params(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 def logfmt_round_trip(x: torch.Tensor) -> torch.Tensor:
     """What the receiver of ``x [..., H]`` (BF16) reads after LogFMT: float32 ``[..., H]``."""
     encoded, log_amin, step = logfmt_params(x)
-    groups = x.float().unflatten(-1, (-1, GROUP))
+    groups = _groups(x)
     safe = torch.where(encoded, step, 1.0).unsqueeze(-1)
     low = log_amin.unsqueeze(-1)
     # Round to the nearer code in linear terms: code c + 1 from the midpoint of the values
@@ -50,7 +62,7 @@ def logfmt_round_trip(x: torch.Tensor) -> torch.Tensor:
     code = torch.clamp(code, max=CODE_MAX)
     magnitude = torch.where(code > 0, torch.exp2((code - 1) * safe + low), 0.0)
     decoded = torch.where(groups < 0, -magnitude, magnitude)
-    return torch.where(encoded.unsqueeze(-1), decoded, groups).flatten(-2)
+    return torch.where(encoded.unsqueeze(-1), decoded, groups).flatten(-2)[..., : x.shape[-1]]
 
 
 def logfmt_error_bound(x: torch.Tensor) -> torch.Tensor:
@@ -59,7 +71,7 @@ def logfmt_error_bound(x: torch.Tensor) -> torch.Tensor:
     boundary, as approximate ``log2`` on GPUs may give, still passes), plus the smallest
     code's magnitude (what values clipped below it may lose)."""
     encoded, log_amin, step = logfmt_params(x)
-    groups = x.float().unflatten(-1, (-1, GROUP)).abs()
+    groups = _groups(x).abs()
     floor = torch.where(encoded, torch.exp2(log_amin), 0.0)
     bound = groups * (torch.exp2(step) - 1).unsqueeze(-1) + floor.unsqueeze(-1)
-    return bound.flatten(-2)
+    return bound.flatten(-2)[..., : x.shape[-1]]

@@ -4,7 +4,8 @@ Dispatch, seen from the rank that owns local expert ``e``:
 
 * every source rank sends each of its tokens to each **distinct** expert among the token's
   top-k ids (a token that names one expert twice is sent there once; ``-1`` sends nothing);
-* optionally quantized on the way (FP8 e4m3 per 128 channels, see :mod:`.fp8`);
+* optionally quantized on the way (FP8 e4m3 per 128 channels, the last group partial where
+  ``H`` is not a multiple of 128, see :mod:`.fp8`);
 * expert ``e`` gets a slab ``[R * max_tokens_per_rank, H]``: the rows from one source rank form
   one contiguous block in the sender's token order; ``recv_src_info`` holds each row's token
   index on its source rank, ``recv_count[e]`` the number of valid rows, and
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fp8 import quantize_fp8, unpack_ue8m0
+from .fp8 import num_groups, quantize_fp8, unpack_ue8m0
 from .logfmt import logfmt_round_trip
 
 
@@ -36,7 +37,8 @@ class LowLatencyDispatchResult:
 
     Attributes:
         recv_x: ``[E_local, R * max_tokens, H]`` e4m3 (FP8 mode) or the input dtype.
-        recv_x_scales: ``[E_local, R * max_tokens, H / 128]`` float32, or None without FP8.
+        recv_x_scales: ``[E_local, R * max_tokens, ceil(H / 128)]`` float32, or None without
+            FP8.
         recv_src_info: ``[E_local, R * max_tokens]`` int32 source token index of each row.
         recv_count: ``[E_local]`` int32 valid rows per local expert.
         recv_layout_range: ``[E_local, R]`` int64, ``begin << 32 | count`` per source rank.
@@ -58,7 +60,7 @@ class LowLatencyDispatchResult:
         """
         payload, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
         if scales is not None and scales.dtype == torch.int32:
-            scales = unpack_ue8m0(scales.cpu(), payload.shape[-1] // 128)
+            scales = unpack_ue8m0(scales.cpu(), num_groups(payload.shape[-1]))
         return cls(
             payload.cpu(),
             None if scales is None else scales.cpu(),
@@ -116,7 +118,7 @@ def low_latency_dispatch(
         recv_scales = None
         if use_fp8:
             recv_scales = torch.zeros(
-                experts_per_rank, max_rows, hidden // 128, dtype=torch.float32, device=device
+                experts_per_rank, max_rows, num_groups(hidden), dtype=torch.float32, device=device
             )
         src_info = torch.full((experts_per_rank, max_rows), -1, dtype=torch.int32, device=device)
         count = torch.zeros(experts_per_rank, dtype=torch.int32, device=device)

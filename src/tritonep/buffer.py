@@ -26,13 +26,13 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ..heap import default_device
-from ..kernels.layout import dispatch_layout
-from ..kernels.sync import timeout_us
-from ..modes.internode import InternodeHandle, InternodeMode, token_in_node
-from ..modes.low_latency import LowLatencyHandle, LowLatencyMode
-from ..modes.normal import Config, NormalHandle, NormalMode
-from ..validation import (
+from .heap import default_device
+from .kernels.layout import dispatch_layout
+from .kernels.sync import timeout_us
+from .modes.internode import InternodeHandle, InternodeMode, token_in_node
+from .modes.low_latency import LowLatencyHandle, LowLatencyMode
+from .modes.normal import Config, NormalHandle, NormalMode
+from .validation import (
     check_dispatch_x,
     check_num_experts,
     check_ranks_agree,
@@ -246,7 +246,7 @@ class Buffer:
         self.num_nodes = self.group_size // self.gpus_per_node
         self._layout_arrivals: torch.Tensor | None = None
         self._comm_stream: torch.cuda.Stream | None = None
-        #: A number naming this buffer in operators (:mod:`tritonep.api.autograd`).
+        #: A number naming this buffer in operators (:mod:`tritonep.integrations.autograd`).
         self.key = next(_KEYS)
         _BUFFERS[self.key] = self
 
@@ -418,8 +418,9 @@ class Buffer:
         Args:
             x: ``[N, H]`` BF16, or ``(e4m3 [N, H], scales [N, S])``: 4-byte scale words
                 copied unchanged, as in DeepEP (float32, e.g. per 128 channels; int32, e.g.
-                packed UE8M0; any strides; ``1 <= S <= H / 32``). FP8 needs ``H`` a multiple
-                of 128; BF16 any multiple of 8 (e.g. 2880).
+                packed UE8M0; any strides; ``1 <= S <= ceil(H / 32)``). Rows of a multiple of
+                16 bytes: FP8 needs ``H`` a multiple of 16, BF16 of 8 (e.g. 2880, whose last
+                group of 128 channels holds 64).
             handle: a handle of an earlier dispatch: cached mode (same routing, only ``x``
                 moves; no layout arguments needed, no host synchronization; ``topk_idx`` and
                 ``topk_weights`` must be None).
@@ -682,10 +683,11 @@ class Buffer:
         Returns:
             ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` is
             ``[E_local, R * num_max, H]`` BF16, or float8_e4m3fn with ``use_fp8`` (then a
-            tuple with the scales, column-major
-            within each expert as DeepEP returns them: ``[E_local, R * num_max, H / 128]``
-            float32, or with ``use_ue8m0`` ``[E_local, R * num_max, ceil(H / 512)]`` int32
-            whose byte ``g % 4`` of column ``g // 4`` is group ``g``'s exponent),
+            tuple with the scales, column-major within each expert as DeepEP returns them:
+            ``[E_local, R * num_max, ceil(H / 128)]`` float32 (a partial last group of 128
+            channels has a scale of its own), or with ``use_ue8m0``
+            ``[E_local, R * num_max, ceil(H / 512)]`` int32 whose byte ``g % 4`` of column
+            ``g // 4`` is group ``g``'s exponent),
             ``recv_count`` ``[E_local]`` int32, the handle
             ``(src_info [E_local, R * num_max] int32, layout_range [E_local, R] int64,
             num_max, hidden, num_experts, topk_slot [E_local, R * num_max] int32)``, an

@@ -9,8 +9,8 @@ expert-parallel all-to-all. Each rank holds ``E / R`` experts; a forward pass
    outputs on one rank are summed before they cross NVLink),
 4. combines the rows back into the tokens.
 
-Normal mode (:func:`tritonep.api.autograd.dispatch` / ``combine``) is differentiable: gradients
-reach the input, the router and the experts. Low-latency mode (decode) is forward-only.
+Normal mode (:func:`.autograd.dispatch` / ``combine``) is differentiable: gradients reach the
+input, the router and the experts. Low-latency mode (decode) is forward-only.
 :func:`dense_moe` is the reference every test compares against.
 """
 
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from .api import autograd
-from .api.buffer import Buffer
-from .kernels.fp8 import dequantize_fp8
+from ..buffer import Buffer
+from ..kernels.fp8 import dequantize_fp8
+from . import autograd
 
 
 def init_params(hidden: int, num_experts: int, seed: int = 0):
@@ -81,7 +81,7 @@ class MoELayer(torch.nn.Module):
     """The MoE layer of one rank.
 
     Args:
-        buffer: the group's :class:`~tritonep.api.Buffer`.
+        buffer: the group's :class:`~tritonep.Buffer`.
         router: ``[H, E]`` float32, the same on every rank (a replicated parameter: its
             gradient on a rank covers that rank's tokens).
         experts: ``[E, H, H]``, all experts; the rank keeps its ``E / R`` as a parameter.
@@ -90,7 +90,7 @@ class MoELayer(torch.nn.Module):
         use_fp8: send FP8 (the experts still see BF16 rows).
         max_tokens: most tokens per rank (low-latency mode).
         num_worst_tokens: normal mode: if > 0, fixed-size dispatch outputs and no host
-            synchronization (see :func:`tritonep.api.autograd.dispatch`).
+            synchronization (see :func:`tritonep.integrations.autograd.dispatch`).
     """
 
     def __init__(

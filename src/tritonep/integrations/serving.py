@@ -6,7 +6,7 @@
   ``combine_a`` start the transfer and return at once, ``dispatch_b`` / ``combine_b`` finish
   it, so another micro-batch can compute in between.
 
-Both sit on one :class:`~tritonep.api.Buffer` and take ``mode="low_latency"`` (decode:
+Both sit on one :class:`~tritonep.Buffer` and take ``mode="low_latency"`` (decode:
 per-expert slabs ``[E_local, R * max_tokens, H]``, FP8 optional, no host synchronization) or
 ``mode="normal"`` (prefill: one row per (token, rank), exact sizes). The experts' input is
 the dispatch output itself (no copy), low-latency ``finalize`` reduces straight into the
@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
+from ..buffer import Buffer
 from ..kernels.fp8 import quantize_fp8
-from .buffer import Buffer
 
 MODES = ("low_latency", "normal")
 
@@ -51,7 +51,8 @@ class Prepared:
     Attributes:
         tokens: low-latency: ``[E_local, R * max_tokens, H]`` e4m3 or BF16 slabs; normal:
             ``[M, H]`` BF16 (or e4m3) rows, one per (token, this rank).
-        scales: float32 scales per 128 channels matching ``tokens``, or None for BF16.
+        scales: float32 scales per 128 channels matching ``tokens`` (``ceil(H / 128)`` of
+            them per row), or None for BF16.
         expert_num_tokens: low-latency: ``[E_local]`` int32 valid rows per slab; normal: the
             per-local-expert row counts (a list of int).
         topk_ids: normal mode: ``[M, K]`` int64 local expert ids of each row (``-1``
@@ -146,7 +147,7 @@ class PrepareFinalize(_Adapter):
     """vLLM-style prepare (quantize + dispatch) and finalize (combine + weighted reduce).
 
     Args:
-        buffer: the group's :class:`~tritonep.api.Buffer`.
+        buffer: the group's :class:`~tritonep.Buffer`.
         num_experts: experts in total.
         mode: ``"low_latency"`` (batched per-expert slabs) or ``"normal"`` (one row per
             (token, rank)).

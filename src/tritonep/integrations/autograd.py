@@ -62,10 +62,10 @@ from typing import NamedTuple
 
 import torch
 
+from ..buffer import Buffer, buffer_by_key
 from ..kernels.fp8 import dequantize_fp8, quantize_fp8
 from ..modes.internode import InternodeHandle
 from ..modes.normal import NormalHandle
-from .buffer import Buffer, buffer_by_key
 
 
 class DispatchHandle(NamedTuple):
@@ -112,8 +112,10 @@ def _register(handle: NormalHandle | InternodeHandle) -> torch.Tensor:
 def _lookup(handle_id: torch.Tensor) -> NormalHandle | InternodeHandle:
     handle = _HANDLES.get(int(handle_id[0]))
     if handle is None:
-        raise ValueError(f"handle: no dispatch handle {int(handle_id[0])} (released, or not "
-                         f"made by tritonep.api.autograd.dispatch in this process)")  # fmt: skip
+        raise ValueError(
+            f"handle: no dispatch handle {int(handle_id[0])} (released, or not made by "
+            "tritonep.integrations.autograd.dispatch in this process)"
+        )
     return handle
 
 
@@ -287,8 +289,10 @@ _combine.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 def _check_handle(buffer: Buffer, handle) -> None:
     if not isinstance(handle, DispatchHandle):
-        raise TypeError(f"handle: expected a DispatchHandle from tritonep.api.autograd."
-                        f"dispatch, got {type(handle).__name__}")  # fmt: skip
+        raise TypeError(
+            "handle: expected a DispatchHandle from tritonep.integrations.autograd.dispatch, "
+            f"got {type(handle).__name__}"
+        )
     if handle.buffer_key != buffer.key:
         raise ValueError(f"handle: made by the buffer with key {handle.buffer_key}, not this "
                          f"one (key {buffer.key})")  # fmt: skip
@@ -308,7 +312,7 @@ def dispatch(
     ``dispatch_cached`` with a handle).
 
     Args:
-        buffer: the group's :class:`~tritonep.api.Buffer`.
+        buffer: the group's :class:`~tritonep.Buffer`.
         x: ``[N, H]`` BF16 tokens (gradients flow to it).
         topk_idx: ``[N, K]`` int64 global expert ids, ``-1`` for none (no gradient).
         topk_weights: ``[N, K]`` float32 routing weights (gradients flow to them), or None.
@@ -324,7 +328,7 @@ def dispatch(
         ``(recv_x [M, H] BF16, recv_topk_idx [M, K] int64 local ids or -1,
         recv_topk_weights [M, K] float32 or None, num_recv_tokens_per_expert [E_local] int32,
         handle)``: rows ordered by source rank then source token, as
-        :meth:`~tritonep.api.Buffer.dispatch` returns them; the per-expert counts are a host
+        :meth:`~tritonep.Buffer.dispatch` returns them; the per-expert counts are a host
         tensor with exact sizes and a device tensor in worst-case mode.
     """
     if handle is not None:

@@ -1,4 +1,4 @@
-"""Layer interfaces of the seed documents, on top of the modes.
+"""Triton-distributed's expert-parallel layer interfaces, on the modes.
 
 * :class:`EPAll2AllLayer` -- training and prefill (normal mode): rows grouped by local expert,
   ready for a grouped GEMM, and a combine that reduces a token's copies on their rank first;
@@ -50,12 +50,13 @@ class EPLayoutDesc:
 
 
 class EPAll2AllLayer:
-    """Normal-mode all-to-all for training and prefill, with the seed layer's interface.
+    """Normal-mode all-to-all for training and prefill, with the interface of
+    Triton-distributed's ``EPAll2AllLayer``.
 
     A token crosses NVLink once per destination rank; there it is copied once per local
-    expert it chose (the seed's "skipped token" scheme), and the copies are grouped by local
-    expert. Combine reduces a token's copies on their rank in float32 -- each copy its own
-    expert output -- and only that sum crosses NVLink back.
+    expert it chose (Triton-distributed's "skipped token" scheme), and the copies are grouped
+    by local expert. Combine reduces a token's copies on their rank in float32 -- each copy
+    its own expert output -- and only that sum crosses NVLink back.
 
     Args:
         ep_group: the expert-parallel process group; every rank constructs the layer together.
@@ -69,9 +70,9 @@ class EPAll2AllLayer:
         weight_dtype: dtype of the returned routing weights (``float32`` or ``bfloat16``);
             weights travel as float32.
         num_sm: SM budget of each call on GPUs (an even number).
-        enable_local_combine: accepted for the seed's signature. Copies are always reduced on
-            their rank, in float32, before anything crosses NVLink: that is both the fastest
-            and the most accurate choice, so there is no other path.
+        enable_local_combine: accepted for Triton-distributed's signature. Copies are always
+            reduced on their rank, in float32, before anything crosses NVLink: that is both the
+            fastest and the most accurate choice, so there is no other path.
     """
 
     def __init__(
@@ -124,7 +125,7 @@ class EPAll2AllLayer:
         Args:
             tokens: ``[N, hidden]`` BF16, ``N <= max_tokens``.
             expert_ids: ``[N, topk]`` int64 or int32 global expert ids; a dropped choice is
-                ``-1`` or ``num_tot_experts`` (the seed's convention).
+                ``-1`` or ``num_tot_experts`` (Triton-distributed's convention).
             routing_weights: ``[N, topk]`` float32 or BF16.
         Returns:
             ``(output [M_copies, hidden] BF16, weights [M_copies] weight_dtype, layout_desc)``:
@@ -145,7 +146,7 @@ class EPAll2AllLayer:
         check_tensor("routing_weights", routing_weights, dtype=(torch.float32, torch.bfloat16),
                      shape=(num_tokens, self.topk), device=mode.device)  # fmt: skip
         ids = expert_ids.long()
-        # The seed marks a dropped choice with id == num_experts; the modes use -1.
+        # Triton-distributed marks a dropped choice with id == num_experts; the modes use -1.
         check_topk_idx("expert_ids", ids, num_tokens, self.num_experts + 1, mode.device,
                        mode.check_ids)  # fmt: skip
         ids = torch.where(ids == self.num_experts, -1, ids)
@@ -200,11 +201,13 @@ class EPAll2AllLayer:
 
 
 class EPLowLatencyAllToAllLayer:
-    """Low-latency all-to-all for decoding, with the seed layer's interface.
+    """Low-latency all-to-all for decoding, with the interface of
+    Triton-distributed's ``EPLowLatencyAllToAllLayer``.
 
     Args:
         max_m: most tokens a rank dispatches per call.
-        hidden: hidden size (a multiple of 128).
+        hidden: hidden size, a multiple of 8 (e.g. 2880: FP8 scales per 128 channels, the
+            last of them for a partial group of 64).
         topk: experts per token (1 to 16).
         online_quant_fp8: quantize to FP8 inside dispatch; False sends BF16.
         rank, num_experts, local_world_size, world_size: the group's shape; ``rank`` and
@@ -269,7 +272,7 @@ class EPLowLatencyAllToAllLayer:
         Returns:
             ``(recv_token, recv_scale, expert_recv_count, dispatch_meta)``: ``recv_token``
             ``[E_local, world_size * max_m, hidden]`` (e4m3 or BF16), ``recv_scale``
-            ``[E_local, world_size * max_m, hidden / 128]`` float32, column-major within each
+            ``[E_local, world_size * max_m, ceil(hidden / 128)]`` float32, column-major within each
             expert as TMA-based grouped GEMMs read it (None for BF16), ``expert_recv_count``
             ``[E_local]`` int32; ``dispatch_meta`` goes to :meth:`combine`.
         """
