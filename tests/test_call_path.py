@@ -202,12 +202,14 @@ def test_a_new_batch_size_compiles_nothing(run_ranks):
 def _zeroed_outputs(mode):
     """Outputs filled with zeros rather than the suite's 0xFF marker: poison must come from
     the kernels."""
+    assert ll.POISON_OUTPUTS  # (the suite's setting) fresh outputs go through mode._poison
 
-    def empty(shape, dtype, strides=None):
-        strides = strides or torch.empty(shape, device="meta").stride()
-        return torch.empty_strided(shape, strides, dtype=dtype, device=mode.device).zero_()
+    def zeroed(*outputs):
+        for t in outputs:
+            if t is not None:
+                t.zero_()
 
-    mode._empty = empty
+    mode._poison = zeroed
 
 
 def _timed_out_body(ctx, phase):
@@ -300,3 +302,116 @@ def _defaults_body(ctx):
 
 def test_a_process_wide_default_device_and_dtype_change_nothing(run_ranks):
     assert run_ranks(2, _defaults_body) == [True, True]
+
+
+def _addresses_body(ctx):
+    """Every launch's address values (what the compiled kernel gets on a GPU) against the
+    tensor bundle Triton's path gets, field by field; the launches then run from the bundle."""
+    mode, case, x, idx, w = _warm_mode(ctx)
+    stats = torch.zeros(mode.num_local_experts, dtype=torch.int32, device=ctx.device)
+    wait = torch.zeros(mode.num_ranks, dtype=torch.int64, device=ctx.device)
+    offered, bundles = [], []
+    launch_values, call = launcher.KernelLaunch.launch_values, launcher.KernelLaunch.__call__
+
+    def refused(self, values, shared, aligned=None):
+        offered.append(tuple(values))
+        return False
+
+    def bundled(self, bundle, shared):
+        bundles.append(tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in bundle))
+        return call(self, bundle, shared)
+
+    launcher.KernelLaunch.launch_values, launcher.KernelLaunch.__call__ = refused, bundled
+    try:
+        for use_fp8, hook, wait_stats, recv_stats in [(True, False, None, stats),
+                                                      (False, True, wait, None)]:  # fmt: skip
+            recv_x, recv_count, handle, recv_hook = mode.dispatch(
+                x, idx, use_fp8, False, hook, wait_stats, False, recv_stats
+            )
+            if hook:
+                recv_hook()
+            outputs = _expert_outputs(recv_x, use_fp8, ctx.rank)
+            combined, comb_hook = mode.combine(outputs, idx, w, handle, False, hook, None,
+                                               wait_stats)  # fmt: skip
+            if hook:
+                comb_hook()
+            mode.check()
+            _verify_call(ctx, case, 8, use_fp8, False, recv_x, recv_count, handle, outputs,
+                         combined)  # fmt: skip
+    finally:
+        launcher.KernelLaunch.launch_values, launcher.KernelLaunch.__call__ = launch_values, call
+    mode.destroy()
+    return offered, bundles
+
+
+def test_launch_addresses_are_those_of_the_bundles(run_ranks):
+    """The fast path (addresses and ints, :meth:`KernelLaunch.launch_values`) and Triton's
+    path (the tensor bundle) get the same arguments: the handle's offsets, the defaults of
+    optional pointers, the ints. Every offer is refused here (as for a first call), so each
+    call's send is offered, then its send and receive are launched from one bundle."""
+    for offered, bundles in run_ranks(2, _addresses_body):
+        # FP8 dispatch with statistics, its combine, BF16 dispatch with a hook and wait
+        # statistics, its combine: one offer, then a send and a receive bundle each.
+        assert (len(offered), len(bundles)) == (4, 8)
+        assert offered == bundles[0::2] == bundles[1::2]
+
+
+def _same_shape_body(ctx):
+    """Calls of one shape with new data each time, one after a change of batch size, and bad
+    input after those: each checked against the reference, outputs poisoned by the suite."""
+    R, me = ctx.world_size, ctx.rank
+    M, H, E, K = 8, 256, 4 * R, 3
+    mode = ll.LowLatencyMode(None, M, H, E, max_topk=K, device=ctx.device, timeout_s=60)
+    stats = torch.zeros(mode.num_local_experts, dtype=torch.int32, device=ctx.device)
+    counted = torch.zeros_like(stats)
+    kept = None
+    for seed, tokens in [(11, 5), (12, 5), (13, 5), (14, 2)]:
+        case = make_case(seed, [tokens] * R, H, E, K, "random")
+        dev = case.to(ctx.device)
+        x, idx, w = dev.x[me], dev.topk_idx[me], dev.topk_weights[me]
+        recv_x, recv_count, handle, _ = mode.dispatch(x, idx, True, False, False, None, False,
+                                                      stats)  # fmt: skip
+        outputs = _expert_outputs(recv_x, True, me)
+        combined, _ = mode.combine(outputs, idx, w, handle)
+        mode.check()
+        _verify_call(ctx, case, M, True, False, recv_x, recv_count, handle, outputs, combined)
+        counted += recv_count
+        if kept is None:  # the first call's outputs, to be compared after the later calls
+            kept = [(t, t.clone()) for t in (recv_x[0], recv_x[1], recv_count, handle.block,
+                                             combined)]  # fmt: skip
+    unchanged = all(
+        torch.equal(t.contiguous().view(torch.uint8), c.contiguous().view(torch.uint8))
+        for t, c in kept
+    )
+    errors = []
+    for bad in [
+        lambda: mode.dispatch(x[:, : H // 2], idx),  # another hidden size
+        lambda: mode.dispatch(x.float(), idx),
+        lambda: mode.dispatch(x, idx.int()),
+        lambda: mode.dispatch(x, idx[:1]),  # ids of another batch size
+        lambda: mode.dispatch(x, idx, recv_stats=stats[:1]),
+        lambda: mode.combine(outputs, idx[:1], w[:1], handle),  # not the handle's shape
+        lambda: mode.combine(outputs[:, :4], idx, w, handle),
+        lambda: mode.combine(outputs, idx, w.double(), handle),
+        lambda: mode.combine(outputs, idx, w, tuple(handle)),  # not a handle
+    ]:
+        try:
+            bad()
+            errors.append(None)
+        except (TypeError, ValueError) as e:
+            errors.append(type(e).__name__)
+    # The bad calls launched nothing: a good one still matches the reference.
+    recv_x, recv_count, handle, _ = mode.dispatch(x, idx, True)
+    outputs = _expert_outputs(recv_x, True, me)
+    combined, _ = mode.combine(outputs, idx, w, handle)
+    mode.check()
+    _verify_call(ctx, case, M, True, False, recv_x, recv_count, handle, outputs, combined)
+    mode.destroy()
+    return unchanged, errors, torch.equal(stats, counted) and bool(counted.sum() > 0)
+
+
+def test_new_data_of_one_shape_and_bad_input_after_it(run_ranks):
+    for unchanged, errors, stats_match in run_ranks(2, _same_shape_body):
+        assert unchanged  # a later call's outputs are its own
+        assert None not in errors, errors
+        assert stats_match  # cumulative_local_expert_recv_stats: the sum of the counts

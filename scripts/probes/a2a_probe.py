@@ -1,6 +1,7 @@
 """What a given number of programs can push to every peer at once: the normal mode's ceiling.
 
-    PYTHONPATH=src python scripts/probes/a2a_probe.py [--ranks 4] [--rows 3674] [--programs 8,12,16,24]
+    PYTHONPATH=src python scripts/probes/a2a_probe.py [--ranks 4] [--rows 3674]
+        [--programs 8,12,16,24]
 
 Every rank runs one kernel of P programs at the same time as the others. The rows of a rank
 (7168 BF16 = 3584 words each) are split into P contiguous ranges; a program loads a tile of its

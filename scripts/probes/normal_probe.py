@@ -1,7 +1,7 @@
 """Which side of a normal-mode channel sets the pace: senders or receivers.
 
-    PYTHONPATH=src python scripts/probes/normal_probe.py [--ranks 1] [--tokens 4096] [--rings 128,512]
-        [--chunks 16] [--launch NAME=VALUE ...]
+    PYTHONPATH=src python scripts/probes/normal_probe.py [--ranks 1] [--tokens 4096]
+        [--rings 128,512] [--chunks 16] [--launch NAME=VALUE ...]
 
 For each ring size and send chunk, times cached BF16 dispatch, FP8 dispatch and combine
 (CUDA events: the median of eager calls, and per call of CUDA-graph replays, the device time)
