@@ -1,5 +1,5 @@
-"""The low-latency call path: named arguments, no host synchronization, no compile per batch
-size, errors raised by the next call, timed-out outputs that cannot pass for data, and the
+"""The low-latency call path: named arguments, no host synchronization, one compile per batch
+class, errors raised by the next call, timed-out outputs that cannot pass for data, and the
 same results under a process-wide default device and dtype.
 """
 
@@ -150,17 +150,26 @@ def test_calls_do_not_synchronize_on_gpus(run_ranks):
     assert run_ranks(2, _sync_debug_body) == [True, True]
 
 
+#: A dispatch variant's batch class: (ONE_TOKEN, COUNT_BY_ADDS, BLOCK_ITEMS).
+CLASS_FIELDS = ("ONE_TOKEN", "COUNT_BY_ADDS", "BLOCK_ITEMS")
+
+
 def _variants_body(ctx):
-    """The kernel variants (constexprs and Triton's specialization of every argument) a loop
-    over batch sizes asks for, after its first step and at its end."""
+    """Dispatch and combine over batch sizes, each checked against the reference: per step,
+    the batch classes its dispatch launches were compiled for and the kernel variants
+    (constexprs and Triton's specialization of every argument) asked for so far. Then every
+    batch size from 0 to the maximum with the launches left out: the dispatch variants their
+    plans hold."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
     R, me = ctx.world_size, ctx.rank
-    M, H, E, K = 40, 128, 2 * R, 2
+    M, H, E, K = 40, 128, 4 * R, 2
     mode = ll.LowLatencyMode(None, M, H, E, max_topk=K, device=ctx.device, timeout_s=60)
+    # 8 experts over 4 programs: receivers take 2 items together where ids are few.
     mode.count_adds = 64  # the larger batches count by histograms
     keys = set()
+    classes = set()
     triton_path = launcher.KernelLaunch._triton_path
 
     def recording(self, call, shared):
@@ -170,14 +179,17 @@ def _variants_body(ctx):
         spec = tuple(native_specialize_impl(BaseBackend, a, False, n not in free, True)
                      for n, a in zip(names, args, strict=True))  # fmt: skip
         keys.add((self.fn.__name__, tuple(sorted(self.meta.items())), spec))
+        if "ONE_TOKEN" in self.meta:
+            classes.add(tuple(self.meta[name] for name in CLASS_FIELDS))
         return triton_path(self, call, shared)
 
     launcher.KernelLaunch._triton_path = recording
-    seen = []
+    steps = []
     try:
-        for step, tokens in enumerate([M, 1, 2, 17, 16, 32, 3, 0, 33]):
+        for step, tokens in enumerate([M, 1, 2, 17, 3, 0, 33, 1, 9, 10]):
             case = make_case(100 + step, [tokens] * R, H, E, K, "random")
             dev = case.to(ctx.device)
+            classes.clear()
             recv_x, recv_count, handle, _ = mode.dispatch(dev.x[me], dev.topk_idx[me],
                                                           use_fp8=True)  # fmt: skip
             outputs = _expert_outputs(recv_x, True, me)
@@ -185,18 +197,45 @@ def _variants_body(ctx):
             mode.check()
             _verify_call(ctx, case, M, True, False, recv_x, recv_count, handle, outputs,
                          combined)  # fmt: skip
-            seen.append(len(keys))
+            steps.append((tokens, sorted(classes), len(keys)))
     finally:
         launcher.KernelLaunch._triton_path = triton_path
+    # Every batch size, launches left out (ids of the right shape are all the host looks at).
+    launch = launcher.KernelLaunch.__call__
+    try:
+        launcher.KernelLaunch.__call__ = lambda self, call, shared: None
+        x = torch.zeros(M, H, dtype=torch.bfloat16, device=ctx.device)
+        idx = torch.zeros(M, K, dtype=torch.int64, device=ctx.device)
+        for tokens in range(M + 1):
+            mode.dispatch(x[:tokens], idx[:tokens], use_fp8=True)
+    finally:
+        launcher.KernelLaunch.__call__ = launch
+    planned = sorted(
+        tuple(plan[2].meta[name] for name in CLASS_FIELDS)
+        for plan in mode._plans.values()
+        if "ONE_TOKEN" in plan[2].meta
+    )
+    mode.check()
     mode.destroy()
-    return seen
+    return steps, planned
 
 
-def test_a_new_batch_size_compiles_nothing(run_ranks):
-    """Batches of 1 to 40 tokens, counted by adds and by histograms: the variants of the
-    first step (a send and a receive launch of each kernel on CPU ranks) serve them all."""
-    for seen in run_ranks(2, _variants_body):
-        assert seen == [4] * len(seen), seen
+def test_batch_sizes_compile_one_variant_per_class(run_ranks):
+    """Batches of 0 to 40 tokens: one token, few ids (atomic adds, receivers taking 2 items
+    together) and many (histograms, one item at a time) are the three dispatch variants
+    (a send and a receive launch each on CPU ranks, with the combine's two); each compiles
+    once, on the first batch of its class, and later batches of a class, of any size, reuse
+    it."""
+    one, few, many = (True, True, 2), (False, True, 2), (False, False, 1)
+    expected = {40: many, 1: one, 2: few, 17: many, 3: few, 0: few, 33: many, 9: few, 10: many}
+    for steps, planned in run_ranks(2, _variants_body):
+        launched = set()
+        for tokens, classes, variants in steps:
+            assert classes == [expected[tokens]], (tokens, classes)
+            launched.add(expected[tokens])
+            assert variants == 2 + 2 * len(launched), (tokens, steps)
+        assert launched == {one, few, many}
+        assert planned == sorted([one, few, many]), planned
 
 
 def _zeroed_outputs(mode):

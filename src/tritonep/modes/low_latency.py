@@ -45,9 +45,10 @@ call: its kernels' variants (``DispatchVariant``, ``CombineVariant``), whose com
 later calls launch with addresses (:class:`~tritonep.kernels.launcher.KernelLaunch`). A call
 then checks its tensors, allocates its outputs and launches, all under
 ``torch._C.DisableTorchFunction`` (a ``torch`` function mode, such as
-``torch.set_default_device``'s, would otherwise intercept every tensor access). A new batch size
-compiles nothing: token counts are run-time values, and the choices made from them (one token,
-counting by adds or histograms, items per group) are made inside one compiled variant.
+``torch.set_default_device``'s, would otherwise intercept every tensor access). A dispatch
+variant serves a class of batch sizes (one token; ids counted by adds, up to
+:attr:`LowLatencyMode.count_adds`; beyond), compiled on the first call of its class: token counts
+within a class are run-time values, so a new batch size of a class already used compiles nothing.
 """
 
 from __future__ import annotations
@@ -437,7 +438,7 @@ class LowLatencyMode:
                                      device=self.device)  # fmt: skip
         # The lanes of a receiving program's group of dispatch items: its (expert, source)
         # items together where the batch is small and all counts come at once; for larger
-        # batches, whose counts come spread out, one at a time (items_per_group), so that it
+        # batches, whose counts come spread out, one at a time (BLOCK_ITEMS 1), so that it
         # packs one while the next one's counts are still on the way (4x H100: 2 together
         # 14.6-14.7 against 15.1-15.5 us at 32 tokens, 26.0-26.9 against 24.6-24.7 at 128;
         # BENCHMARKS.md).
@@ -471,10 +472,11 @@ class LowLatencyMode:
     @property
     def timeout_s(self) -> float:
         """Limit of every wait inside the kernels, in seconds, at most ``MAX_TIMEOUT_S``. It
-        may change between calls and a change compiles nothing (nor does a new batch size).
-        With ``enable_shrink``, a limit shorter than a peer's first call of a kernel variant
-        (which compiles it: seconds) masks a live peer, so warm up every variant (dtype, hook,
-        top-k) under a long limit, then shorten it."""
+        may change between calls and a change compiles nothing (nor does a new batch size of
+        a class already used). With ``enable_shrink``, a limit shorter than a peer's first call
+        of a kernel variant (which compiles it: seconds) masks a live peer, so warm up every
+        variant (dtype, hook, top-k, batch class: one token, up to ``count_adds`` ids, beyond)
+        under a long limit, then shorten it."""
         return self._timeout_s
 
     @timeout_s.setter
@@ -684,13 +686,19 @@ class LowLatencyMode:
         ):
             check_tensor("cumulative_local_expert_recv_stats", recv_stats, dtype=torch.int32,
                          shape=(E_local,), device=device)  # fmt: skip
-        key = (use_fp8, use_ue8m0, pack_ue8m0, topk, hook, wait_stats is None, recv_stats is None)
+        # The batch class: how the senders count the ids, by atomic adds or histograms
+        # (ll_dispatch.COUNT_ADDS), and one token or more; from the shapes alone, so a captured
+        # graph keeps its choice.
+        per_program = -(-num_tokens // self.num_programs)
+        senders = -(-num_tokens // per_program) if num_tokens else 1
+        by_adds = senders * num_tokens * topk <= self.count_adds
+        stats = (wait_stats is not None, recv_stats is not None)
+        key = (use_fp8, use_ue8m0, pack_ue8m0, topk, hook, *stats, by_adds, num_tokens == 1)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._dispatch_plan(
-                use_fp8, use_ue8m0, pack_ue8m0, topk, wait_stats is not None,
-                recv_stats is not None,
-            )  # fmt: skip
+                use_fp8, use_ue8m0, pack_ue8m0, topk, *stats, by_adds, num_tokens == 1
+            )
 
         # Fresh outputs (users keep them), one allocation each; the handle's three tensors
         # share one (LowLatencyHandle).
@@ -704,11 +712,6 @@ class LowLatencyMode:
         if POISON_OUTPUTS:
             self._poison(recv_x, recv_scales, recv_count, block)
         handle = LowLatencyHandle(block, self._handle_layout, num_tokens, topk)
-        # How the senders count the ids: by atomic adds or histograms (ll_dispatch.COUNT_ADDS);
-        # from the shapes alone, so a captured graph keeps its choice.
-        per_program = -(-num_tokens // self.num_programs)
-        senders = -(-num_tokens // per_program) if num_tokens else 1
-        by_adds = senders * num_tokens * topk <= self.count_adds
         count = recv_count.data_ptr()
         src = block.data_ptr()
         # DispatchCall's fields in order, tensors as addresses: those of _dispatch_bundle's
@@ -717,8 +720,6 @@ class LowLatencyMode:
             x.data_ptr(),
             topk_idx.data_ptr(),
             num_tokens,
-            int(by_adds),  # count_by_adds
-            self._items if by_adds else 1,  # items_per_group
             recv_x.data_ptr(),
             count if recv_scales is None else recv_scales.data_ptr(),
             src,  # out_src_ptr: recv_src_info, then recv_topk_slot
@@ -759,7 +760,9 @@ class LowLatencyMode:
             trace_ptr=self._untraced,
         )
 
-    def _dispatch_plan(self, use_fp8, use_ue8m0, pack_ue8m0, topk, wait_stats, recv_stats):
+    def _dispatch_plan(
+        self, use_fp8, use_ue8m0, pack_ue8m0, topk, wait_stats, recv_stats, by_adds, one_token
+    ):
         H, R, M = self.hidden, self.num_ranks, self.max_tokens
         variant = DispatchVariant(
             H=H,
@@ -781,6 +784,8 @@ class LowLatencyMode:
             DO_RECV=True,
             USE_CLOCK=use_clock(self.device),
             BLOCK_N=min(128, _next_pow2(max(M, 16))),
+            COUNT_BY_ADDS=by_adds,
+            ONE_TOKEN=one_token,
             K_P2=_next_pow2(max(topk, 2)),
             G_P2=_next_pow2(_groups(H)),
             R_P2=_next_pow2(max(R, 2)),
@@ -788,7 +793,7 @@ class LowLatencyMode:
             # Messages copied together on receive: 64 KB of payload in flight, on 16 warps
             # (the pack's loads wait on the headers that locate the payloads).
             BLOCK_MSGS=_rows_in_flight(H, 1 if use_fp8 else 2, 65536),
-            BLOCK_ITEMS=self._items,
+            BLOCK_ITEMS=self._items if by_adds else 1,
             PROFILE=self.trace is not None,
             WAIT_STATS=wait_stats,
             RECV_STATS=recv_stats,
