@@ -418,7 +418,9 @@ def deep_ep_dequant(recv_x):
     return (groups * scales.unsqueeze(-1)).flatten(-2)[..., : q.shape[-1]]
 
 
-@pytest.mark.parametrize("num_ranks", [2, 3])
+# Three ranks cover what two did (rank 1 has no tokens, ranks 0 and 2 some); DeepEP's tests run
+# at any group size, and 2 ranks of each mode are tested in the modes' own files.
+@pytest.mark.parametrize("num_ranks", [3])
 @pytest.mark.parametrize("variant", ["bf16", "fp8", "worst"])
 def test_intranode_like_deep_ep(run_ranks, num_ranks, variant):
     results = run_ranks(num_ranks, _intranode_body, [13, 0, 9], 256, 2, 3, None, variant)

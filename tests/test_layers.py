@@ -97,7 +97,9 @@ def _ep_layer_body(ctx, tokens, hidden, experts_per_rank, topk, routing, id_dtyp
     return True
 
 
-@pytest.mark.parametrize("num_ranks", [2, 3])
+# Three ranks: a rank of no tokens beside ranks of some, and a group that is no power of two;
+# the kernels below the layer are tested at 2 ranks in their own files.
+@pytest.mark.parametrize("num_ranks", [3])
 @pytest.mark.parametrize(
     "tokens, hidden, experts, topk, routing, id_dtype",
     [
@@ -224,7 +226,8 @@ def _moe_body(ctx, tokens, hidden, experts_per_rank, topk, use_fp8, variant):
     return errors
 
 
-@pytest.mark.parametrize("num_ranks", [2, 3])
+# Three ranks cover what two did: rank 1 has no tokens, ranks 0 and 2 some.
+@pytest.mark.parametrize("num_ranks", [3])
 @pytest.mark.parametrize(
     "use_fp8, variant",
     [(False, "plain"), (True, "plain"), (False, "checkpoint"), (False, "cached"),
