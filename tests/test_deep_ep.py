@@ -394,7 +394,9 @@ def _shrink_body(ctx, use_fp8):
     return masks, errors
 
 
-@pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
+# FP8, DeepEP's default and the one whose rows need dequantizing here; BF16 rows of masked
+# peers are checked in test_shrink, under the same mode this interface passes them to.
+@pytest.mark.parametrize("use_fp8", [True], ids=["fp8"])
 def test_shrink_like_deep_ep(run_ranks, use_fp8):
     for rank, (masks, errors) in enumerate(run_ranks(3, _shrink_body, use_fp8)):
         assert masks[0] == ([1, 1, 0] if rank == 2 else [0, 0, 1])
