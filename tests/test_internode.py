@@ -114,7 +114,9 @@ def test_internode_matches_the_single_node_reference(
     assert results == [True] * num_ranks
 
 
-@pytest.mark.parametrize("num_ranks, gpus_per_node", [(4, 2), (3, 1)], ids=["2x2", "3x1"])
+# 3 nodes of one rank; worst-case sizing as 2 nodes of 2 runs in three of the intranode cases
+# below (bf16-skewed-worst, fp8-topk8-worst, fp8-h160-worst).
+@pytest.mark.parametrize("num_ranks, gpus_per_node", [(3, 1)], ids=["3x1"])
 def test_internode_worst_case_sizes(run_ranks, num_ranks, gpus_per_node):
     results = run_ranks(num_ranks, _body, gpus_per_node, [7, 4, 5, 0], 128, 2, 3, "dropped",
                         False, True, timeout=600)  # fmt: skip
