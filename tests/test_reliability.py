@@ -421,13 +421,13 @@ def test_soak_across_emulated_nodes(capfd):
 
     skip_unless_ranks_fit(4)
 
-    # Seeds 0-4 draw every kind of call (see test_soak_seeds_draw_every_kind_of_call).
-    args = ["--ranks", "4", "--modes", "internode,low_latency_internode", "--calls", "5",
-            "--check-every", "1", "--seed", "0"]  # fmt: skip
+    # Seeds 1-4 draw every kind of call (see test_soak_seeds_draw_every_kind_of_call).
+    args = ["--ranks", "4", "--modes", "internode,low_latency_internode", "--calls", "4",
+            "--check-every", "1", "--seed", "1"]  # fmt: skip
     assert main(args) == 0
     out = capfd.readouterr().out
-    assert "'internode': {'calls': 5, 'checked': 5" in out
-    assert "'low_latency_internode': {'calls': 5, 'checked': 5" in out
+    assert "'internode': {'calls': 4, 'checked': 4" in out
+    assert "'low_latency_internode': {'calls': 4, 'checked': 4" in out
 
 
 def test_soak_checks_every_call_on_cpu_ranks(capfd):
@@ -435,20 +435,20 @@ def test_soak_checks_every_call_on_cpu_ranks(capfd):
 
     skip_unless_ranks_fit(3)
 
-    # Seeds 2-7 draw every kind of call (see test_soak_seeds_draw_every_kind_of_call).
-    args = ["--ranks", "3", "--calls", "6", "--check-every", "1", "--seed", "2",
-            "--progress", "3", "--progress-s", "1e9"]  # fmt: skip
+    # Seeds 2-5 draw every kind of call (see test_soak_seeds_draw_every_kind_of_call).
+    args = ["--ranks", "3", "--calls", "4", "--check-every", "1", "--seed", "2",
+            "--progress", "2", "--progress-s", "1e9"]  # fmt: skip
     assert main(args) == 0
     out = capfd.readouterr().out
-    assert "'normal': {'calls': 6, 'checked': 6" in out
-    assert "'low_latency': {'calls': 6, 'checked': 6" in out
+    assert "'normal': {'calls': 4, 'checked': 4" in out
+    assert "'low_latency': {'calls': 4, 'checked': 4" in out
     # Progress says where a stopped run continues: seeds done, checks, the next seed.
-    assert "normal: 3/6 calls (seeds 2-4, 3 checked, all matched)" in out
-    assert "low_latency: 6/6 calls (seeds 2-7, 6 checked, all matched)" in out
-    assert "continue with --seed 5" in out
+    assert "normal: 2/4 calls (seeds 2-3, 2 checked, all matched)" in out
+    assert "low_latency: 4/4 calls (seeds 2-5, 4 checked, all matched)" in out
+    assert "continue with --seed 4" in out
 
 
-@pytest.mark.parametrize("num_ranks, seeds", [(3, range(2, 8)), (4, range(0, 5))])
+@pytest.mark.parametrize("num_ranks, seeds", [(3, range(2, 6)), (4, range(1, 5))])
 def test_soak_seeds_draw_every_kind_of_call(num_ranks, seeds):
     """The short soaks above check each call, so a few calls prove what many would, as long
     as their seeds draw every kind of call: each routing, BF16 and FP8, top-1 and wider, a
