@@ -1,5 +1,6 @@
-"""The call paths of both modes: named arguments, no host synchronization, no compile per batch
-size, errors raised by the next call, timed-out outputs that cannot pass for data, and the
+"""The call paths of both modes: named arguments, no host synchronization, no compile per
+batch size (one per low-latency batch class), errors raised by the next call, timed-out
+outputs that cannot pass for data, and the
 same results under a process-wide default device and dtype.
 """
 
@@ -195,17 +196,26 @@ def test_calls_do_not_synchronize_on_gpus(run_ranks):
     assert run_ranks(2, _sync_debug_body) == [True, True]
 
 
+#: A dispatch variant's batch class: (ONE_TOKEN, COUNT_BY_ADDS, BLOCK_ITEMS).
+CLASS_FIELDS = ("ONE_TOKEN", "COUNT_BY_ADDS", "BLOCK_ITEMS")
+
+
 def _variants_body(ctx):
-    """The kernel variants (constexprs and Triton's specialization of every argument) a loop
-    over batch sizes asks for, after its first step and at its end."""
+    """Dispatch and combine over batch sizes, each checked against the reference: per step,
+    the batch classes its dispatch launches were compiled for and the kernel variants
+    (constexprs and Triton's specialization of every argument) asked for so far. Then every
+    batch size from 0 to the maximum with the launches left out: the dispatch variants their
+    plans hold."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
     R, me = ctx.world_size, ctx.rank
-    M, H, E, K = 40, 128, 2 * R, 2
+    M, H, E, K = 40, 128, 4 * R, 2
     mode = ll.LowLatencyMode(None, M, H, E, max_topk=K, device=ctx.device, timeout_s=60)
+    # 8 experts over 4 programs: receivers take 2 items together where ids are few.
     mode.count_adds = 64  # the larger batches count by histograms
     keys = set()
+    classes = set()
     triton_path = launcher.KernelLaunch._triton_path
 
     def recording(self, call, shared, grid=None):
@@ -215,14 +225,17 @@ def _variants_body(ctx):
         spec = tuple(native_specialize_impl(BaseBackend, a, False, n not in free, True)
                      for n, a in zip(names, args, strict=True))  # fmt: skip
         keys.add((self.fn.__name__, tuple(sorted(self.meta.items())), spec))
+        if "ONE_TOKEN" in self.meta:
+            classes.add(tuple(self.meta[name] for name in CLASS_FIELDS))
         return triton_path(self, call, shared, grid)
 
     launcher.KernelLaunch._triton_path = recording
-    seen = []
+    steps = []
     try:
-        for step, tokens in enumerate([M, 1, 2, 17, 16, 32, 3, 0, 33]):
+        for step, tokens in enumerate([M, 1, 2, 17, 3, 0, 33, 1, 9, 10]):
             case = make_case(100 + step, [tokens] * R, H, E, K, "random")
             dev = case.to(ctx.device)
+            classes.clear()
             recv_x, recv_count, handle, _ = mode.dispatch(dev.x[me], dev.topk_idx[me],
                                                           use_fp8=True)  # fmt: skip
             outputs = _expert_outputs(recv_x, True, me)
@@ -230,29 +243,58 @@ def _variants_body(ctx):
             mode.check()
             _verify_call(ctx, case, M, True, False, recv_x, recv_count, handle, outputs,
                          combined)  # fmt: skip
-            seen.append(len(keys))
+            steps.append((tokens, sorted(classes), len(keys)))
     finally:
         launcher.KernelLaunch._triton_path = triton_path
+    # Every batch size, launches left out (ids of the right shape are all the host looks at).
+    launch = launcher.KernelLaunch.__call__
+    try:
+        launcher.KernelLaunch.__call__ = lambda self, *args: None
+        x = torch.zeros(M, H, dtype=torch.bfloat16, device=ctx.device)
+        idx = torch.zeros(M, K, dtype=torch.int64, device=ctx.device)
+        for tokens in range(M + 1):
+            mode.dispatch(x[:tokens], idx[:tokens], use_fp8=True)
+    finally:
+        launcher.KernelLaunch.__call__ = launch
+    planned = sorted(
+        tuple(plan[2].meta[name] for name in CLASS_FIELDS)
+        for plan in mode._plans.values()
+        if "ONE_TOKEN" in plan[2].meta
+    )
+    mode.check()
     mode.destroy()
-    return seen
+    return steps, planned
 
 
-def test_a_new_batch_size_compiles_nothing(run_ranks):
-    """Batches of 1 to 40 tokens, counted by adds and by histograms: the variants of the
-    first step (a send and a receive launch of each kernel on CPU ranks) serve them all."""
-    for seen in run_ranks(2, _variants_body):
-        assert seen == [4] * len(seen), seen
+def test_batch_sizes_compile_one_variant_per_class(run_ranks):
+    """Batches of 0 to 40 tokens: one token, few ids (atomic adds, receivers taking 2 items
+    together) and many (histograms, one item at a time) are the three dispatch variants
+    (a send and a receive launch each on CPU ranks, with the combine's two); each compiles
+    once, on the first batch of its class, and later batches of a class, of any size, reuse
+    it."""
+    one, few, many = (True, True, 2), (False, True, 2), (False, False, 1)
+    expected = {40: many, 1: one, 2: few, 17: many, 3: few, 0: few, 33: many, 9: few, 10: many}
+    for steps, planned in run_ranks(2, _variants_body):
+        launched = set()
+        for tokens, classes, variants in steps:
+            assert classes == [expected[tokens]], (tokens, classes)
+            launched.add(expected[tokens])
+            assert variants == 2 + 2 * len(launched), (tokens, steps)
+        assert launched == {one, few, many}
+        assert planned == sorted([one, few, many]), planned
 
 
 def _zeroed_outputs(mode):
     """Outputs filled with zeros rather than the suite's 0xFF marker: poison must come from
     the kernels."""
+    assert ll.POISON_OUTPUTS  # (the suite's setting) fresh outputs go through mode._poison
 
-    def empty(shape, dtype, strides=None):
-        strides = strides or torch.empty(shape, device="meta").stride()
-        return torch.empty_strided(shape, strides, dtype=dtype, device=mode.device).zero_()
+    def zeroed(*outputs):
+        for t in outputs:
+            if t is not None:
+                t.zero_()
 
-    mode._empty = empty
+    mode._poison = zeroed
 
 
 def _timed_out_body(ctx, phase):
@@ -693,3 +735,116 @@ def _normal_defaults_body(ctx):
 
 def test_normal_calls_are_the_same_under_a_process_wide_default_device_and_dtype(run_ranks):
     assert run_ranks(2, _normal_defaults_body) == [True, True]
+
+
+def _addresses_body(ctx):
+    """Every launch's address values (what the compiled kernel gets on a GPU) against the
+    tensor bundle Triton's path gets, field by field; the launches then run from the bundle."""
+    mode, case, x, idx, w = _warm_mode(ctx)
+    stats = torch.zeros(mode.num_local_experts, dtype=torch.int32, device=ctx.device)
+    wait = torch.zeros(mode.num_ranks, dtype=torch.int64, device=ctx.device)
+    offered, bundles = [], []
+    launch_values, call = launcher.KernelLaunch.launch_values, launcher.KernelLaunch.__call__
+
+    def refused(self, values, shared, *args):
+        offered.append(tuple(values))
+        return False
+
+    def bundled(self, bundle, shared):
+        bundles.append(tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in bundle))
+        return call(self, bundle, shared)
+
+    launcher.KernelLaunch.launch_values, launcher.KernelLaunch.__call__ = refused, bundled
+    try:
+        for use_fp8, hook, wait_stats, recv_stats in [(True, False, None, stats),
+                                                      (False, True, wait, None)]:  # fmt: skip
+            recv_x, recv_count, handle, recv_hook = mode.dispatch(
+                x, idx, use_fp8, False, hook, wait_stats, False, recv_stats
+            )
+            if hook:
+                recv_hook()
+            outputs = _expert_outputs(recv_x, use_fp8, ctx.rank)
+            combined, comb_hook = mode.combine(outputs, idx, w, handle, False, hook, None,
+                                               wait_stats)  # fmt: skip
+            if hook:
+                comb_hook()
+            mode.check()
+            _verify_call(ctx, case, 8, use_fp8, False, recv_x, recv_count, handle, outputs,
+                         combined)  # fmt: skip
+    finally:
+        launcher.KernelLaunch.launch_values, launcher.KernelLaunch.__call__ = launch_values, call
+    mode.destroy()
+    return offered, bundles
+
+
+def test_launch_addresses_are_those_of_the_bundles(run_ranks):
+    """The fast path (addresses and ints, :meth:`KernelLaunch.launch_values`) and Triton's
+    path (the tensor bundle) get the same arguments: the handle's offsets, the defaults of
+    optional pointers, the ints. Every offer is refused here (as for a first call), so each
+    call's send is offered, then its send and receive are launched from one bundle."""
+    for offered, bundles in run_ranks(2, _addresses_body):
+        # FP8 dispatch with statistics, its combine, BF16 dispatch with a hook and wait
+        # statistics, its combine: one offer, then a send and a receive bundle each.
+        assert (len(offered), len(bundles)) == (4, 8)
+        assert offered == bundles[0::2] == bundles[1::2]
+
+
+def _same_shape_body(ctx):
+    """Calls of one shape with new data each time, one after a change of batch size, and bad
+    input after those: each checked against the reference, outputs poisoned by the suite."""
+    R, me = ctx.world_size, ctx.rank
+    M, H, E, K = 8, 256, 4 * R, 3
+    mode = ll.LowLatencyMode(None, M, H, E, max_topk=K, device=ctx.device, timeout_s=60)
+    stats = torch.zeros(mode.num_local_experts, dtype=torch.int32, device=ctx.device)
+    counted = torch.zeros_like(stats)
+    kept = None
+    for seed, tokens in [(11, 5), (12, 5), (13, 5), (14, 2)]:
+        case = make_case(seed, [tokens] * R, H, E, K, "random")
+        dev = case.to(ctx.device)
+        x, idx, w = dev.x[me], dev.topk_idx[me], dev.topk_weights[me]
+        recv_x, recv_count, handle, _ = mode.dispatch(x, idx, True, False, False, None, False,
+                                                      stats)  # fmt: skip
+        outputs = _expert_outputs(recv_x, True, me)
+        combined, _ = mode.combine(outputs, idx, w, handle)
+        mode.check()
+        _verify_call(ctx, case, M, True, False, recv_x, recv_count, handle, outputs, combined)
+        counted += recv_count
+        if kept is None:  # the first call's outputs, to be compared after the later calls
+            kept = [(t, t.clone()) for t in (recv_x[0], recv_x[1], recv_count, handle.block,
+                                             combined)]  # fmt: skip
+    unchanged = all(
+        torch.equal(t.contiguous().view(torch.uint8), c.contiguous().view(torch.uint8))
+        for t, c in kept
+    )
+    errors = []
+    for bad in [
+        lambda: mode.dispatch(x[:, : H // 2], idx),  # another hidden size
+        lambda: mode.dispatch(x.float(), idx),
+        lambda: mode.dispatch(x, idx.int()),
+        lambda: mode.dispatch(x, idx[:1]),  # ids of another batch size
+        lambda: mode.dispatch(x, idx, recv_stats=stats[:1]),
+        lambda: mode.combine(outputs, idx[:1], w[:1], handle),  # not the handle's shape
+        lambda: mode.combine(outputs[:, :4], idx, w, handle),
+        lambda: mode.combine(outputs, idx, w.double(), handle),
+        lambda: mode.combine(outputs, idx, w, tuple(handle)),  # not a handle
+    ]:
+        try:
+            bad()
+            errors.append(None)
+        except (TypeError, ValueError) as e:
+            errors.append(type(e).__name__)
+    # The bad calls launched nothing: a good one still matches the reference.
+    recv_x, recv_count, handle, _ = mode.dispatch(x, idx, True)
+    outputs = _expert_outputs(recv_x, True, me)
+    combined, _ = mode.combine(outputs, idx, w, handle)
+    mode.check()
+    _verify_call(ctx, case, M, True, False, recv_x, recv_count, handle, outputs, combined)
+    mode.destroy()
+    return unchanged, errors, torch.equal(stats, counted) and bool(counted.sum() > 0)
+
+
+def test_new_data_of_one_shape_and_bad_input_after_it(run_ranks):
+    for unchanged, errors, stats_match in run_ranks(2, _same_shape_body):
+        assert unchanged  # a later call's outputs are its own
+        assert None not in errors, errors
+        assert stats_match  # cumulative_local_expert_recv_stats: the sum of the counts

@@ -777,27 +777,31 @@ class Buffer:
             num_max, hidden, num_experts, topk_slot [E_local, R * num_max] int32)``, an
             :class:`EventOverlap` and the hook (None unless ``return_recv_hook``).
         """
-        with torch._C.DisableTorchFunction():  # a function mode would see every tensor access
-            mode = self._ll
-            if (
-                mode is None
-                or mode.max_tokens != num_max_dispatch_tokens_per_rank
-                or mode.num_experts != num_experts
-            ):
+        mode = self._ll
+        if (
+            mode is None
+            or mode.max_tokens != num_max_dispatch_tokens_per_rank
+            or mode.num_experts != num_experts
+        ):
+            with torch._C.DisableTorchFunction():  # a function mode would see every tensor access
                 check_tensor("x", x, dtype=torch.bfloat16, shape=(None, None))
                 mode = self._low_latency(num_max_dispatch_tokens_per_rank, x.shape[1], num_experts)
-            recv_x, recv_count, handle, hook = mode.dispatch(
-                x,
-                topk_idx,
-                use_fp8=use_fp8,
-                use_ue8m0=round_scale or use_ue8m0,
-                return_recv_hook=return_recv_hook,
-                wait_stats=dispatch_wait_recv_cost_stats,
-                pack_ue8m0=use_ue8m0,
-                recv_stats=cumulative_local_expert_recv_stats,
-            )
-            event = _event_after(mode.device, async_finish, (x, topk_idx))
-            return recv_x, recv_count, handle, event, hook
+        # Positional (keywords cost eager calls time); the mode checks the tensors.
+        recv_x, recv_count, handle, hook = mode.dispatch(
+            x,
+            topk_idx,
+            use_fp8,
+            round_scale or use_ue8m0,  # use_ue8m0
+            return_recv_hook,
+            dispatch_wait_recv_cost_stats,  # wait_stats
+            use_ue8m0,  # pack_ue8m0
+            cumulative_local_expert_recv_stats,  # recv_stats
+        )
+        event = _NO_EVENT
+        if async_finish:
+            with torch._C.DisableTorchFunction():
+                event = _event_after(mode.device, True, (x, topk_idx))
+        return recv_x, recv_count, handle, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """``[E_local, R * num_max, H]`` BF16 to write expert outputs into for ``zero_copy``
@@ -843,23 +847,25 @@ class Buffer:
             ``(combined_x [N, H] BF16, event, hook)``; the hook is None unless
             ``return_recv_hook``.
         """
-        with torch._C.DisableTorchFunction():
-            mode = self._require_ll()
-            if use_logfmt:
-                _warn_logfmt_once()
-            out, hook = mode.combine(
-                x,
-                topk_idx,
-                topk_weights,
-                handle,
-                zero_copy=zero_copy,
-                return_recv_hook=return_recv_hook,
-                out=out,
-                wait_stats=combine_wait_recv_cost_stats,
-                use_logfmt=use_logfmt,
-            )
-            event = _event_after(mode.device, async_finish, (x, topk_idx, topk_weights))
-            return out, event, hook
+        mode = self._require_ll()
+        if use_logfmt:
+            _warn_logfmt_once()
+        out, hook = mode.combine(
+            x,
+            topk_idx,
+            topk_weights,
+            handle,
+            zero_copy,
+            return_recv_hook,
+            out,
+            combine_wait_recv_cost_stats,  # wait_stats
+            use_logfmt,
+        )
+        event = _NO_EVENT
+        if async_finish:
+            with torch._C.DisableTorchFunction():
+                event = _event_after(mode.device, True, (x, topk_idx, topk_weights))
+        return out, event, hook
 
     def clean_low_latency_buffer(
         self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int

@@ -262,6 +262,10 @@ class KernelLaunch:
 
     Triton's path is taken whenever this one does not apply: under the interpreter, while a
     launch hook is set (profilers), on another current device, for a new key.
+
+    A caller that has the addresses already (outputs it allocated, offsets into one
+    allocation) hands them to :meth:`launch_values`, and builds the tensor bundle only when
+    that returns False.
     """
 
     def __init__(
@@ -301,46 +305,64 @@ class KernelLaunch:
         """Launch with ``call`` and ``shared`` (on ``grid``, one dimension, where given: the
         grid is not part of a variant)."""
         if self.direct and self.compiled:
-            rt = knobs.runtime
-            if not (_hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook)):
-                values = list(call)
-                aligned = 0
-                null = self._null
-                for i in self.pointers:
-                    v = values[i]
-                    a = values[i] = null if v is None else v.data_ptr()
-                    aligned |= a
-                if aligned & 15 == 0:
-                    aligned = True
-                else:
-                    aligned = tuple(values[i] & 15 == 0 for i in self.pointers)
-                entry = self.compiled.get(
-                    (aligned, rt.debug, knobs.compilation.instrumentation_mode)
-                )
-                if entry is not None and torch._C._cuda_getDevice() == self.device:
-                    run, function, packed, cooperative, pdl, constexprs = entry
-                    stream = torch._C._cuda_getCurrentRawStream(self.device)
-                    g0, g1, g2 = self.grid if grid is None else (grid[0], 1, 1)
-                    run(
-                        g0,
-                        g1,
-                        g2,
-                        stream,
-                        function,
-                        cooperative,
-                        pdl,
-                        None,
-                        None,
-                        packed,
-                        None,
-                        None,
-                        None,
-                        *values,
-                        *shared.values,
-                        *constexprs,
-                    )
-                    return
+            values = list(call)
+            aligned = 0
+            null = self._null
+            for i in self.pointers:
+                v = values[i]
+                a = values[i] = null if v is None else v.data_ptr()
+                aligned |= a
+            if self.launch_values(values, shared, aligned, grid):
+                return
         self._triton_path(call, shared, grid)
+
+    def launch_values(
+        self, values, shared: Shared, aligned: int | None = None, grid: tuple[int] | None = None
+    ) -> bool:
+        """Launch with ``values``, the call's fields with each tensor given as its address,
+        if a compiled kernel for their alignment is kept and nothing asks for Triton's path
+        (see the class docs); returns whether it launched. A caller that gets False
+        launches through :meth:`__call__` with the tensors. ``aligned``: the bitwise or of
+        the pointer fields, if the caller has it (else it is computed here); ``grid``: one
+        dimension, where the launch's differs from the variant's."""
+        if not (self.direct and self.compiled):
+            return False
+        rt = knobs.runtime
+        if _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook):
+            return False
+        if aligned is None:
+            aligned = 0
+            for i in self.pointers:
+                aligned |= values[i]
+        if aligned & 15 == 0:
+            aligned = True
+        else:
+            aligned = tuple(values[i] & 15 == 0 for i in self.pointers)
+        entry = self.compiled.get((aligned, rt.debug, knobs.compilation.instrumentation_mode))
+        if entry is None or torch._C._cuda_getDevice() != self.device:
+            return False
+        run, function, packed, cooperative, pdl, constexprs = entry
+        g0, g1, g2 = self.grid if grid is None else (grid[0], 1, 1)
+        stream = torch._C._cuda_getCurrentRawStream(self.device)
+        run(
+            g0,
+            g1,
+            g2,
+            stream,
+            function,
+            cooperative,
+            pdl,
+            None,
+            None,
+            packed,
+            None,
+            None,
+            None,
+            *values,
+            *shared.values,
+            *constexprs,
+        )
+        return True
 
     def _triton_path(self, call: tuple, shared: Shared, grid: tuple[int] | None = None) -> None:
         global triton_path_launches

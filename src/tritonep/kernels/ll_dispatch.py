@@ -60,12 +60,12 @@ scales, source token and column all 0xFF bytes (NaN, NaN, -1, -1) at the place t
 start, counted in ``recv_count`` but not in ``layout_range`` (whose count for that source is
 0, so combine sends it nowhere). The output thus cannot pass for a complete one.
 
-One compiled variant serves every batch size: the send phase of one token (whose loops and
-masks fold away: 0.6 us faster on one H100, BENCHMARKS.md) and of many are both compiled into
-it and picked by a uniform branch on ``num_tokens``; counting by adds or by histograms is a
-runtime argument the host picks from the shapes (``count_by_adds``); so is the number of
-items a receiving program takes at a time (``items_per_group``: 1, or the ``BLOCK_ITEMS`` lanes of
-the tile).
+A compiled variant serves a class of batch sizes, which the host picks from the shapes: one
+token (``ONE_TOKEN``: the send's loops and masks fold away, 0.6 us faster on one H100,
+BENCHMARKS.md), few ids (``COUNT_BY_ADDS``, receivers taking ``BLOCK_ITEMS`` items together)
+and many (histograms, one item at a time). Each holds only its own send, counting and receive
+tiles: both sends, both countings and the wider tiles in one variant cost 0.5-6 us per
+dispatch on 2x H200 (most at 128-256 tokens). The token count within a class is a runtime value.
 
 Traced launches (``PROFILE``) record, per program, the time spent quantizing and sending,
 sending counts, waiting and packing; ``WAIT_STATS`` adds the time waited per source rank
@@ -103,7 +103,7 @@ DISPATCH_ARRIVALS = tl.constexpr(4)  # (column 0)
 STATE_ROWS = 8
 
 #: Count by atomic adds while all programs' adds together stay within this many (see the send
-#: phase), by histograms beyond (``count_by_adds``, chosen by the host from the shapes).
+#: phase), by histograms beyond (``COUNT_BY_ADDS``, chosen by the host from the shapes).
 COUNT_ADDS = 32768
 
 HEADER_BYTES = tl.constexpr(16)
@@ -137,8 +137,6 @@ class DispatchCall(NamedTuple):
     x_ptr: object
     topk_idx_ptr: object
     num_tokens: int
-    count_by_adds: int
-    items_per_group: int
     out_x_ptr: object
     out_scales_ptr: object
     out_src_ptr: object
@@ -171,6 +169,8 @@ class DispatchVariant(NamedTuple):
     DO_RECV: bool
     USE_CLOCK: bool
     BLOCK_N: int
+    COUNT_BY_ADDS: bool
+    ONE_TOKEN: bool
     K_P2: int
     G_P2: int
     R_P2: int
@@ -250,14 +250,12 @@ def _listed(m, starts, ends, begin, local, src, item_lanes, NUM_RANKS: tl.conste
     return (m_local * NUM_RANKS + m_src) * M + slot, row, m_local
 
 
-@triton.jit(do_not_specialize=["num_tokens", "count_by_adds", "items_per_group", "timeout_us"])
+@triton.jit(do_not_specialize=["num_tokens", "timeout_us"])
 def ll_dispatch_kernel(
     # What changes from call to call (DispatchCall).
     x_ptr,  # [N, H] bf16 tokens
     topk_idx_ptr,  # [N, K] int64 global expert ids, -1 for none
     num_tokens,  # N
-    count_by_adds,  # 1: senders count the ids by atomic adds, 0: by histograms
-    items_per_group,  # (expert, source) items a receiving program moves together: 1 or BLOCK_ITEMS
     out_x_ptr,  # [E_local, R * M, H] bf16, or e4m3 (USE_FP8)
     out_scales_ptr,  # [E_local, G, R * M] float32, or [E_local, G / 4, R * M] int32 (PACK_UE8M0)
     out_src_ptr,  # [2, E_local, R * M] int32: each row's source token, then its top-k column
@@ -297,12 +295,14 @@ def ll_dispatch_kernel(
     DO_RECV: tl.constexpr,
     USE_CLOCK: tl.constexpr,  # on a GPU (else the interpreter)
     BLOCK_N: tl.constexpr,  # tokens whose ids are counted at a time
+    COUNT_BY_ADDS: tl.constexpr,  # senders count the ids by atomic adds, else by histograms
+    ONE_TOKEN: tl.constexpr,  # num_tokens == 1, known when compiling
     K_P2: tl.constexpr,  # power of two >= max(K, 2)
     G_P2: tl.constexpr,  # power of two >= ceil(H / 128)
     R_P2: tl.constexpr,  # power of two >= max(NUM_RANKS, 2)
     BINS: tl.constexpr,  # power of two >= max(NUM_EXPERTS, 2): one bin per expert
     BLOCK_MSGS: tl.constexpr,  # messages a receiving program copies at a time
-    BLOCK_ITEMS: tl.constexpr,  # lanes of a receiving program's group of items (power of two)
+    BLOCK_ITEMS: tl.constexpr,  # (expert, source) items a receiving program moves together
     PROFILE: tl.constexpr,  # record traces
     WAIT_STATS: tl.constexpr,  # add the time waited per source rank to wait_stats_ptr
     RECV_STATS: tl.constexpr,  # add the rows per expert to recv_stats_ptr
@@ -322,27 +322,26 @@ def ll_dispatch_kernel(
     t_pack = tl.zeros((), tl.int64)
     if DO_SEND:
         # One token: a send whose loops and masks fold away with the count known when
-        # compiling is 0.6 us faster (8.1 against 8.8 us on one H100, BENCHMARKS.md); both
-        # sends are in this variant, so no batch size compiles one of its own.
-        if num_tokens == 1:
+        # compiling is 0.6 us faster (8.1 against 8.8 us on one H100, BENCHMARKS.md).
+        if ONE_TOKEN:
             t_quantize_send, t_count_send, t_send_end = _send(
-                x_ptr, topk_idx_ptr, 1, count_by_adds, trace_ptr, peer_ptrs, pe_ptr, rank,
+                x_ptr, topk_idx_ptr, 1, trace_ptr, peer_ptrs, pe_ptr, rank,
                 c_send, scratch_ptr, expert_done_ptr, status_ptr, mask_ptr, H, K,
                 NUM_EXPERTS, NUM_RANKS, M, MSG_BYTES, RECV_SET_BYTES, FLAG_SET_BYTES,
                 RECV_OFFSET, FLAG_OFFSET, STAGE_OFFSET, GPUS_PER_NODE, USE_FP8, USE_UE8M0,
-                USE_CLOCK, BLOCK_N, K_P2, G_P2, BINS, PROFILE, SHRINK, VIA,
+                USE_CLOCK, BLOCK_N, K_P2, G_P2, BINS, PROFILE, SHRINK, VIA, COUNT_BY_ADDS,
             )  # fmt: skip
         else:
             t_quantize_send, t_count_send, t_send_end = _send(
-                x_ptr, topk_idx_ptr, num_tokens, count_by_adds, trace_ptr, peer_ptrs, pe_ptr,
+                x_ptr, topk_idx_ptr, num_tokens, trace_ptr, peer_ptrs, pe_ptr,
                 rank, c_send, scratch_ptr, expert_done_ptr, status_ptr, mask_ptr, H, K,
                 NUM_EXPERTS, NUM_RANKS, M, MSG_BYTES, RECV_SET_BYTES, FLAG_SET_BYTES,
                 RECV_OFFSET, FLAG_OFFSET, STAGE_OFFSET, GPUS_PER_NODE, USE_FP8, USE_UE8M0,
-                USE_CLOCK, BLOCK_N, K_P2, G_P2, BINS, PROFILE, SHRINK, VIA,
+                USE_CLOCK, BLOCK_N, K_P2, G_P2, BINS, PROFILE, SHRINK, VIA, COUNT_BY_ADDS,
             )  # fmt: skip
     if DO_RECV:
         t_wait, t_pack = _receive(
-            c_recv, items_per_group, out_x_ptr, out_scales_ptr, out_src_ptr, out_count_ptr,
+            c_recv, out_x_ptr, out_scales_ptr, out_src_ptr, out_count_ptr,
             out_range_ptr, recv_stats_ptr, wait_stats_ptr, trace_ptr, peer_ptrs, rank,
             status_ptr, timeout_us, mask_ptr, verdict_ptr, H, NUM_EXPERTS, NUM_RANKS, M,
             MSG_BYTES, RECV_SET_BYTES, FLAG_SET_BYTES, RECV_OFFSET, FLAG_OFFSET, PACK_UE8M0,
@@ -373,7 +372,7 @@ def ll_dispatch_kernel(
 
 @triton.jit
 def _send(
-    x_ptr, topk_idx_ptr, num_tokens, count_by_adds, trace_ptr, peer_ptrs, pe_ptr, rank, c_send,
+    x_ptr, topk_idx_ptr, num_tokens, trace_ptr, peer_ptrs, pe_ptr, rank, c_send,
     scratch_ptr, expert_done_ptr, status_ptr, mask_ptr, H: tl.constexpr, K: tl.constexpr,
     NUM_EXPERTS: tl.constexpr, NUM_RANKS: tl.constexpr, M: tl.constexpr,
     MSG_BYTES: tl.constexpr, RECV_SET_BYTES: tl.constexpr, FLAG_SET_BYTES: tl.constexpr,
@@ -381,6 +380,7 @@ def _send(
     GPUS_PER_NODE: tl.constexpr, USE_FP8: tl.constexpr, USE_UE8M0: tl.constexpr,
     USE_CLOCK: tl.constexpr, BLOCK_N: tl.constexpr, K_P2: tl.constexpr, G_P2: tl.constexpr,
     BINS: tl.constexpr, PROFILE: tl.constexpr, SHRINK: tl.constexpr, VIA: tl.constexpr,
+    COUNT_BY_ADDS: tl.constexpr,
 ):  # fmt: skip
     """The send phase of this program: count the batch's ids, store its tokens' messages,
     publish the counts it completes. Returns the trace's (quantize and send, count send)
@@ -406,7 +406,7 @@ def _send(
     x_next = tl.load(x_ptr + tl.cast(first_token, tl.int64) * H + row_offs,
                      mask=row_offs < tl.where(first_token < last_token, H, 0),
                      other=0.0)  # fmt: skip
-    if count_by_adds:
+    if COUNT_BY_ADDS:
         total, before, bad = _count_by_adds(
             topk_idx_ptr, tl.where(pid < senders, num_tokens, 0), first_token, next_slot,
             mask_ptr, K, NUM_EXPERTS, NUM_RANKS, BLOCK_N, K_P2, BINS, SHRINK,
@@ -687,8 +687,8 @@ def _publish_counts(
 
 @triton.jit
 def _receive(
-    c_recv, items_per_group, out_x_ptr, out_scales_ptr, out_src_ptr, out_count_ptr,
-    out_range_ptr, recv_stats_ptr, wait_stats_ptr, trace_ptr, peer_ptrs, rank, status_ptr,
+    c_recv, out_x_ptr, out_scales_ptr, out_src_ptr, out_count_ptr, out_range_ptr,
+    recv_stats_ptr, wait_stats_ptr, trace_ptr, peer_ptrs, rank, status_ptr,
     timeout_us, mask_ptr, verdict_ptr, H: tl.constexpr, NUM_EXPERTS: tl.constexpr,
     NUM_RANKS: tl.constexpr, M: tl.constexpr, MSG_BYTES: tl.constexpr,
     RECV_SET_BYTES: tl.constexpr, FLAG_SET_BYTES: tl.constexpr, RECV_OFFSET: tl.constexpr,
@@ -700,7 +700,7 @@ def _receive(
     """The receive phase of this program. Work items are (local expert, source rank) pairs; a
     block starts after the blocks of the earlier sources, whose counts it reads from their
     flags (in source-rank order, so the output is deterministic and matches the reference).
-    A program takes its items ``items_per_group`` at a time and moves them as one: one wait for
+    A program takes its items ``BLOCK_ITEMS`` at a time and moves them as one: one wait for
     all their counts, then their messages together, so the dependent reads (counts, headers,
     payloads) are paid once per group rather than once per item. Returns the trace's (wait,
     pack) totals."""
@@ -717,9 +717,9 @@ def _receive(
     budget = timeout_us.to(tl.int64) * 1000
     t_wait = tl.zeros((), tl.int64)
     t_pack = tl.zeros((), tl.int64)
-    for group in range(0, tl.cdiv(E_LOCAL * NUM_RANKS, num_programs), items_per_group):
+    for group in range(0, tl.cdiv(E_LOCAL * NUM_RANKS, num_programs), BLOCK_ITEMS):
         items = pid + (group + item_lanes) * num_programs
-        live = (items < E_LOCAL * NUM_RANKS) & (item_lanes < items_per_group)
+        live = items < E_LOCAL * NUM_RANKS
         local = tl.where(live, items // NUM_RANKS, 0)
         me_src = tl.where(live, items % NUM_RANKS, 0)
         t0 = t_wait
