@@ -151,16 +151,17 @@ def _overflow_body(ctx, rows):
     want = ref.normal_dispatch(list(case.x), case.topk_idx, case.topk_weights, E)[me]
     x, idx = case.x[me].to(dev), case.topk_idx[me].to(dev)
     out = mode.dispatch(x, idx, num_worst_tokens=rows)
-    combined, _ = mode.combine(torch.nan_to_num(out.recv_x), out.handle)  # must not wait
-    assert not bool(combined.isnan().any())
-    try:
+    try:  # (else the next call would raise it, after its launches)
         mode.check()
         outcome = "fits"
     except ValueError as e:  # a WaitTimeoutError (a hang, bounded) fails the test
         assert "num_worst_tokens" in str(e), e
         outcome = "overflow"
     assert outcome == "overflow" or want.num_recv_tokens <= rows
-    # Raised once for both legs; the ranks stay in step, so an exact-size call is whole.
+    # Raised once for both legs: the combine raises nothing, and must not wait.
+    combined, _ = mode.combine(torch.nan_to_num(out.recv_x), out.handle)
+    assert not bool(combined.isnan().any())
+    # The ranks stay in step, so an exact-size call is whole.
     mode.check()
     again = mode.dispatch(x, idx)
     ref.assert_rows_equal(again.recv_x, want.recv_x, want.num_recv_tokens, f"rank {me} after")

@@ -118,7 +118,17 @@ class _Variants:
 REPORT_RESOURCES = os.environ.get("TRITONEP_KERNEL_RESOURCES", "0") not in ("", "0")
 
 #: The constexprs a resource report names a variant by (those that size its tiles).
-_SHAPE_NAMES = ("NUM_RANKS", "TOK", "ROWS", "BW", "RBW", "num_warps", "AWAIT", "PUBLISH")
+_SHAPE_NAMES = (
+    "NUM_RANKS",
+    "BLOCK_TOKENS",
+    "BLOCK_ROWS",
+    "BLOCK_WORDS",
+    "BLOCK_SEND_WORDS",
+    "BLOCK_RECV_WORDS",
+    "num_warps",
+    "AWAIT",
+    "PUBLISH",
+)
 
 
 def report_resources(fn, meta: dict, compiled) -> None:
@@ -236,7 +246,9 @@ class KernelLaunch:
     ``KernelLaunch(fn, grid, meta, call_fields, pointers)`` then ``launch(call, shared)``: the
     kernel's runtime parameters are the fields of ``call`` (a NamedTuple of the values that
     change from call to call) followed by ``shared.args``; ``meta`` holds its constexprs and
-    launch options. ``pointers`` are the indices of ``call``'s tensor fields.
+    launch options. ``pointers`` are the indices of ``call``'s tensor fields; a pointer the
+    variant does not use may be None, and ``placeholder`` (a small tensor on the kernel's
+    device) is passed in its place.
 
     A launch first takes Triton's path (``fn[grid](...)``), which compiles the variant if
     needed; the compiled kernel is then kept under the alignment of the call's pointers (the
@@ -263,10 +275,13 @@ class KernelLaunch:
         meta: dict[str, Any],
         call_fields: tuple,
         pointers: tuple[int, ...],
+        placeholder: torch.Tensor | None = None,
     ):
         self.fn, self.meta = fn, meta
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.pointers = pointers
+        self.placeholder = placeholder
+        self._null = placeholder.data_ptr() if placeholder is not None else None
         self.direct = isinstance(fn, JITFunction)
         if self.direct:
             free = not_specialized(fn)
@@ -286,23 +301,30 @@ class KernelLaunch:
             return True
         return tuple(a & 15 == 0 for a in addresses)
 
-    def __call__(self, call: tuple, shared: Shared) -> None:
+    def __call__(self, call: tuple, shared: Shared, grid: tuple[int] | None = None) -> None:
+        """Launch with ``call`` and ``shared`` (on ``grid``, one dimension, where given: the
+        grid is not part of a variant)."""
         if self.direct and self.compiled:
             values = list(call)
             aligned = 0
+            null = self._null
             for i in self.pointers:
-                a = values[i] = values[i].data_ptr()
+                v = values[i]
+                a = values[i] = null if v is None else v.data_ptr()
                 aligned |= a
-            if self.launch_values(values, shared, aligned):
+            if self.launch_values(values, shared, aligned, grid):
                 return
-        self._triton_path(call, shared)
+        self._triton_path(call, shared, grid)
 
-    def launch_values(self, values, shared: Shared, aligned: int | None = None) -> bool:
+    def launch_values(
+        self, values, shared: Shared, aligned: int | None = None, grid: tuple[int] | None = None
+    ) -> bool:
         """Launch with ``values``, the call's fields with each tensor given as its address,
         if a compiled kernel for their alignment is kept and nothing asks for Triton's path
         (see the class docs); returns whether it launched. A caller that gets False
         launches through :meth:`__call__` with the tensors. ``aligned``: the bitwise or of
-        the pointer fields, if the caller has it (else it is computed here)."""
+        the pointer fields, if the caller has it (else it is computed here); ``grid``: one
+        dimension, where the launch's differs from the variant's."""
         if not (self.direct and self.compiled):
             return False
         rt = knobs.runtime
@@ -320,7 +342,7 @@ class KernelLaunch:
         if entry is None or torch._C._cuda_getDevice() != self.device:
             return False
         run, function, packed, cooperative, pdl, constexprs = entry
-        g0, g1, g2 = self.grid
+        g0, g1, g2 = self.grid if grid is None else (grid[0], 1, 1)
         stream = torch._C._cuda_getCurrentRawStream(self.device)
         run(
             g0,
@@ -342,10 +364,12 @@ class KernelLaunch:
         )
         return True
 
-    def _triton_path(self, call: tuple, shared: Shared) -> None:
+    def _triton_path(self, call: tuple, shared: Shared, grid: tuple[int] | None = None) -> None:
         global triton_path_launches
         triton_path_launches += 1
-        compiled = self.fn[self.grid](*call, *shared.args, **self.meta)
+        if any(v is None for v in call):
+            call = tuple(self.placeholder if v is None else v for v in call)
+        compiled = self.fn[grid or self.grid](*call, *shared.args, **self.meta)
         if self.direct and compiled is not None:
             self._record(call, shared, compiled)
 
