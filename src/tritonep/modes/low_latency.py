@@ -74,6 +74,9 @@ from ..validation import (
     check_tensor,
     check_topk_idx,
 )
+from ..validation import (
+    plain_tensor as _plain,
+)
 from .outputs import POISON_OUTPUTS
 from .trace import SLOTS, TraceRecorder
 
@@ -90,18 +93,6 @@ PHASES = {
 }
 
 _no_torch_function = torch._C.DisableTorchFunction
-
-
-def _plain(t: object, dtype: torch.dtype, device_index: int) -> bool:
-    """Whether ``t`` is a contiguous tensor of ``dtype`` on the device of index
-    ``device_index`` (-1: the CPU): a call's checks as plain comparisons, before
-    :func:`~tritonep.validation.check_tensor` names whatever is wrong."""
-    return (
-        type(t) is torch.Tensor
-        and t.dtype is dtype
-        and t.get_device() == device_index
-        and t.is_contiguous()
-    )
 
 
 def _align(n: int, a: int = 128) -> int:

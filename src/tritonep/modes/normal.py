@@ -77,6 +77,9 @@ from ..validation import (
     check_topk_idx,
     check_topk_weights,
 )
+from ..validation import (
+    plain_tensor as _plain,
+)
 from .outputs import empty_output
 from .trace import TraceRecorder
 
@@ -93,18 +96,6 @@ PHASES = {
 }
 
 _no_torch_function = torch._C.DisableTorchFunction
-
-
-def _plain(t: object, dtype: torch.dtype, device_index: int) -> bool:
-    """Whether ``t`` is a contiguous tensor of ``dtype`` on the device of index
-    ``device_index`` (-1: the CPU): a call's checks as plain comparisons, before
-    :func:`~tritonep.validation.check_tensor` names whatever is wrong."""
-    return (
-        type(t) is torch.Tensor
-        and t.dtype is dtype
-        and t.get_device() == device_index
-        and t.is_contiguous()
-    )
 
 
 #: SM budget of a call by default on GPUs (DeepEP's default is 20-24).
