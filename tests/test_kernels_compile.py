@@ -16,9 +16,10 @@ import pytest
 import triton
 import triton.language as tl
 
+from tritonep.kernels import layout, normal_combine, normal_dispatch, normal_notify
 from tritonep.kernels.nvshmem import _DEVICE_STATE
 from tritonep.kernels.transport import copy_bytes
-from tritonep.modes.normal import COMBINE_WARPS, DISPATCH_WARPS
+from tritonep.modes.normal import COMBINE_WARPS, DISPATCH_WARPS, NormalLayout
 
 pytest.importorskip("triton.backends.nvidia")
 
@@ -73,8 +74,6 @@ LL_DISPATCH = {
     "x_ptr": "*bf16",
     "topk_idx_ptr": "*i64",
     "num_tokens": "i32",
-    "count_by_adds": "i32",
-    "items_per_group": "i32",
     "out_x_ptr": "*fp8e4nv",
     "out_scales_ptr": "*fp32",
     "out_src_ptr": "*i32",
@@ -118,6 +117,8 @@ LL_DISPATCH_META = dict(
     DO_RECV=True,
     USE_CLOCK=True,
     BLOCK_N=128,
+    COUNT_BY_ADDS=True,
+    ONE_TOKEN=False,
     K_P2=8,
     G_P2=64,
     R_P2=4,
@@ -207,6 +208,9 @@ for name, sig, meta in [
     ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "H": 200, "MSG_BYTES": 240, "G_P2": 2}),
     ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, **H2880_COMBINE}),
     ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, **LOGFMT, **H2880_COMBINE}),
+    # The other batch classes: one token, and ids counted by histograms (one item at a time)
+    ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "ONE_TOKEN": True}),
+    ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "COUNT_BY_ADDS": False, "BLOCK_ITEMS": 1}),
 ]:
     KERNELS.append(
         (
@@ -221,81 +225,124 @@ for name, sig, meta in [
         )
     )
 
+# The normal-mode kernels, their signatures from their argument bundles (as launched).
+TYPES = {
+    # shared (NormalShared, LayoutShared)
+    "peer_ptrs": "*i64",
+    "pe_ptr": "*i32",
+    "rank": "i32",
+    "state_ptr": "*i64",
+    "status_ptr": "*i32",
+    "timeout_us": "i32",
+    "decoded_ptr": "*i32",
+    "partial_ptr": "*i32",
+    "arrivals_ptr": "*i32",
+    # per call
+    "counts_ptr": "*i1",
+    "num_tokens": "i32",
+    "num_rows": "i32",
+    "max_rows": "i32",
+    "K": "i32",
+    "alignment": "i32",
+    "per_expert_ptr": "*i32",
+    "per_rank_ptr": "*i32",
+    "extra_ptr": "*i32",
+    "extra_out_ptr": "*i32",
+    "recv_count_ptr": "*i32",
+    "recv_start_ptr": "*i32",
+    "host_info_ptr": "*i32",
+    "trace_ptr": "*i64",
+    "x_ptr": "*fp8e4nv",
+    "scales_ptr": "*fp32",
+    "topk_idx_ptr": "*i64",
+    "topk_weights_ptr": "*fp32",
+    "in_rank_ptr": "*i1",
+    "src_tag_ptr": "*i32",
+    "out_x_ptr": "*fp8e4nv",
+    "out_scales_ptr": "*fp32",
+    "out_topk_idx_ptr": "*i64",
+    "out_weights_ptr": "*fp32",
+    "out_src_ptr": "*i32",
+    "bounds_ptr": "*i32",
+    "ready_ptr": "*i32",
+    "relay_call_ptr": "*i64",
+    "row_map_ptr": "*i32",
+    "weights_ptr": "*fp32",
+    "bias0_ptr": "*bf16",
+    "bias1_ptr": "*bf16",
+    "out_ptr": "*bf16",
+}
+
+
+def _signature(call, shared, **types):
+    return {name: types.get(name, TYPES[name]) for name in call._fields + shared._fields}
+
+
+LAYOUT = _signature(layout.LayoutCall, layout.LayoutShared)
 KERNELS.append(
     (
         "tritonep.kernels.layout",
         "dispatch_layout_kernel",
-        {
-            "topk_idx_ptr": "*i64",
-            "num_tokens": "i32",
-            "per_rank_ptr": "*i32",
-            "per_expert_ptr": "*i32",
-            "in_rank_ptr": "*i8",
-            "partial_ptr": "*i32",
-            "arrivals_ptr": "*i32",
-            "K": "i32",
-            "NUM_EXPERTS": "constexpr",
-            "NUM_RANKS": "constexpr",
-            "BLOCK_N": "constexpr",
-            "K_P2": "constexpr",
-            "R_P2": "constexpr",
-            "BINS": "constexpr",
-            "P_P2": "constexpr",
-        },
-        dict(NUM_EXPERTS=256, NUM_RANKS=4, BLOCK_N=64, K_P2=8, R_P2=4, BINS=256, P_P2=128),
+        {**LAYOUT, **{k: "constexpr" for k in layout.LayoutVariant._fields}},
+        dict(
+            NUM_EXPERTS=256,
+            NUM_RANKS=4,
+            BLOCK_TOKENS=64,
+            BLOCK_K=8,
+            BLOCK_RANKS=4,
+            BLOCK_EXPERTS=256,
+            BLOCK_PROGRAMS=16,
+        ),
     )
 )
 
-FLAGS = {"peer_ptrs": "*i64", "rank": "i32", "ring_offset": "i64", "tail_offset": "i64",
-         "head_offset": "i64", "stage_offset": "i64", "pe_ptr": "*i32",
-         "state_ptr": "*i64"}  # fmt: skip
-NORMAL_DISPATCH = {
-    "x_ptr": "*i32", "scales_ptr": "*i32", "topk_idx_ptr": "*i64", "topk_weights_ptr": "*fp32",
-    "in_rank_ptr": "*i8", "src_tag_ptr": "*i32", "num_tokens": "i32", **FLAGS,
-    "recv_count_ptr": "*i32",
-    "recv_start_ptr": "*i32", "host_info_ptr": "*i32", "out_x_ptr": "*i32",
-    "out_scales_ptr": "*i32", "out_topk_idx_ptr": "*i64", "out_weights_ptr": "*fp32",
-    "out_src_ptr": "*i32", "max_rows": "i32", "status_ptr": "*i32", "timeout_us": "i32",
-    "bounds_ptr": "*i32", "ready_ptr": "*i32", "relay_call_ptr": "*i64", "row_map_ptr": "*i32",
-    "K": "i32", "trace_ptr": "*i64",
-}  # fmt: skip
+# 4 ranks, hidden 7168, 256 experts, top-8, 12 channels of rings for 16, 128 slots a ring.
+_LAYOUT = NormalLayout.of(7168, 4, 64, 8, 16, 128, staged=True, notify_extra=96)
+NOTIFY = _signature(normal_notify.NotifyCall, normal_dispatch.NormalShared)
+NOTIFY_META = dict(
+    NUM_RANKS=4,
+    NUM_CHANNELS=12,
+    E_LOCAL=64,
+    ROW_WORDS=_LAYOUT.notify_row,
+    SET_BYTES=_LAYOUT.notify_set,
+    NOTIFY_OFFSET=_LAYOUT.notify,
+    STAGE_OFFSET=_LAYOUT.stage_notify,
+    EXTRA=0,
+    COUNTS_GIVEN=False,
+    CHANNEL_MAJOR=False,
+    USE_CLOCK=True,
+    BLOCK_TOKENS=256,
+    BLOCK_CHANNELS=16,
+    BLOCK_EXPERTS=64,
+    BLOCK_RANKS=4,
+    BLOCK_EXTRA=2,
+    PROFILE=False,
+    VIA=0,
+)
+NORMAL_DISPATCH = _signature(normal_dispatch.DispatchCall, normal_dispatch.NormalShared)
 NORMAL_DISPATCH_META = dict(
-    W=1792, G=56, E_LOCAL=64, NUM_RANKS=4, NUM_CHANNELS=12, MAX_CHANNELS=16, RING=128,
-    RING_STRIDE=128, SLOT_BYTES=14480, META_OFF=1848, HAS_SCALES=True, HAS_TOPK=True,
-    HAS_WEIGHTS=True, HAS_TAG=False, PAD_ROWS=True, USE_CLOCK=True, TOK=8, ROWS=8, BW=512,
-    RBW=256, R_P2=4, K_P2=8, G_P2=64, PROFILE=False, VIA=0, BOUNDS=False, AWAIT=False,
-    RANKS_FROM_IDS=False, PUBLISH=False, LOCAL=True, RELEASE_STEPS=1,
+    ROW_WORDS=1792, SCALE_WORDS=56, E_LOCAL=64, NUM_RANKS=4, NUM_CHANNELS=12, MAX_CHANNELS=16,
+    RING=128, RING_STRIDE=128, SLOT_BYTES=_LAYOUT.dispatch_slot, RECORD_WORD=1848,
+    RING_OFFSET=_LAYOUT.dispatch_ring, TAIL_OFFSET=_LAYOUT.dispatch_tail,
+    HEAD_OFFSET=_LAYOUT.dispatch_head, STAGE_OFFSET=_LAYOUT.stage_rings, HAS_SCALES=True,
+    HAS_TOPK=True, HAS_WEIGHTS=True, HAS_TAG=False, PAD_ROWS=True, BOUNDS=False, AWAIT=False,
+    RANKS_FROM_IDS=False, PUBLISH=False, LOCAL=True, ROW_MAP=False, RELEASE_STEPS=1,
+    USE_CLOCK=True, BLOCK_TOKENS=8, BLOCK_ROWS=8, BLOCK_SEND_WORDS=512, BLOCK_RECV_WORDS=256,
+    BLOCK_RANKS=4, BLOCK_K=8, BLOCK_SCALES=64, PROFILE=False, VIA=0,
 )  # fmt: skip
-NORMAL_COMBINE = {
-    "x_ptr": "*bf16", "weights_ptr": "*fp32", "in_rank_ptr": "*i8", "num_tokens": "i32",
-    "num_rows": "i32",
-    "bias0_ptr": "*bf16", "bias1_ptr": "*bf16", "recv_count_ptr": "*i32",
-    "recv_start_ptr": "*i32", **FLAGS, "out_ptr": "*bf16", "out_weights_ptr": "*fp32",
-    "status_ptr": "*i32", "timeout_us": "i32", "bounds_ptr": "*i32", "ready_ptr": "*i32",
-    "relay_call_ptr": "*i64", "row_map_ptr": "*i32", "K": "i32", "trace_ptr": "*i64",
-}  # fmt: skip
+NORMAL_COMBINE = _signature(normal_combine.CombineCall, normal_dispatch.NormalShared, x_ptr="*bf16")
 NORMAL_COMBINE_META = dict(
     H=7168, NUM_RANKS=4, NUM_CHANNELS=12, MAX_CHANNELS=16, RING=128, RING_STRIDE=128,
-    SLOT_BYTES=14368, HAS_WEIGHTS=True, NUM_BIAS=2, USE_CLOCK=True, TOK=8, ROWS=8, BW=512,
-    R_P2=4, K_P2=8, PROFILE=False, VIA=0, BOUNDS=False, AWAIT=False, PUBLISH=False, LOCAL=True,
-    RELEASE_STEPS=1,
+    SLOT_BYTES=_LAYOUT.combine_slot, RING_OFFSET=_LAYOUT.combine_ring,
+    TAIL_OFFSET=_LAYOUT.combine_tail, HEAD_OFFSET=_LAYOUT.combine_head,
+    STAGE_OFFSET=_LAYOUT.stage_rings, HAS_WEIGHTS=True, NUM_BIAS=2, BOUNDS=False, AWAIT=False,
+    PUBLISH=False, LOCAL=True, ROW_MAP=False, RELEASE_STEPS=1, USE_CLOCK=True, BLOCK_TOKENS=8,
+    BLOCK_ROWS=8, BLOCK_WORDS=512, BLOCK_RANKS=4, BLOCK_K=8, PROFILE=False, VIA=0,
 )  # fmt: skip
 # As the normal mode launches them (4 ranks).
 DISPATCH_OPTIONS = {"num_warps": DISPATCH_WARPS}
 COMBINE_OPTIONS = {"num_warps": COMBINE_WARPS, "enable_fp_fusion": False}
-NOTIFY = {
-    "in_rank_ptr": "*i8", "num_tokens": "i32", "per_expert_ptr": "*i32", "peer_ptrs": "*i64",
-    "rank": "i32", "notify_offset": "i64", "stage_offset": "i64", "pe_ptr": "*i32",
-    "state_ptr": "*i64", "decoded_ptr": "*i32",
-    "recv_count_ptr": "*i32", "recv_start_ptr": "*i32", "host_info_ptr": "*i32",
-    "max_rows": "i32", "extra_ptr": "*i32", "extra_out_ptr": "*i32", "status_ptr": "*i32",
-    "timeout_us": "i32", "trace_ptr": "*i64",
-}  # fmt: skip
-NOTIFY_META = dict(
-    NUM_RANKS=4, NUM_CHANNELS=12, E_LOCAL=64, ALIGN=128, ROW=76, SET_BYTES=1280,
-    USE_CLOCK=True, BLOCK_N=256, C_P2=16, E_P2=64, R_P2=4, PROFILE=False, VIA=0,
-    COUNTS_GIVEN=False, EXTRA=0, X_P2=2, CHANNEL_MAJOR=False,
-)  # fmt: skip
+NORMAL_BF16 = {"x_ptr": "*bf16", "out_x_ptr": "*bf16"}
 for module, name, sig, meta, options in [
     ("normal_notify", "notify_kernel", NOTIFY, NOTIFY_META, {}),
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH, NORMAL_DISPATCH_META,
@@ -307,6 +354,11 @@ for module, name, sig, meta, options in [
      {**NORMAL_DISPATCH_META, "PROFILE": True}, DISPATCH_OPTIONS),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
      {**NORMAL_COMBINE_META, "PROFILE": True}, COMBINE_OPTIONS),
+    # BF16 payloads, cached (no ids), exact size
+    ("normal_dispatch", "normal_dispatch_kernel", {**NORMAL_DISPATCH, **NORMAL_BF16},
+     {**NORMAL_DISPATCH_META, "ROW_WORDS": 3584, "SCALE_WORDS": 0, "HAS_SCALES": False,
+      "HAS_TOPK": False, "HAS_WEIGHTS": False, "PAD_ROWS": False, "RECORD_WORD": 3584,
+      "BLOCK_SCALES": 2}, DISPATCH_OPTIONS),
     # The staged transport of the internode rail leg (copies from the mirror rings)
     ("normal_notify", "notify_kernel", NOTIFY, {**NOTIFY_META, "VIA": 1}, {}),
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
@@ -316,9 +368,9 @@ for module, name, sig, meta, options in [
     # The relay between the internode legs: the network leg flags the rows it writes (and
     # its notify carries the forwarding counts); the NVLink leg waits for them.
     ("normal_notify", "notify_kernel", NOTIFY,
-     {**NOTIFY_META, "VIA": 1, "EXTRA": 96, "X_P2": 128, "CHANNEL_MAJOR": True, "ROW": 172,
-      "SET_BYTES": 2816}, {}),
-    ("normal_notify", "notify_kernel", NOTIFY, {**NOTIFY_META, "COUNTS_GIVEN": True}, {}),
+     {**NOTIFY_META, "VIA": 1, "EXTRA": 96, "BLOCK_EXTRA": 128, "CHANNEL_MAJOR": True}, {}),
+    ("normal_notify", "notify_kernel", {**NOTIFY, "counts_ptr": "*i32"},
+     {**NOTIFY_META, "COUNTS_GIVEN": True}, {}),
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
      {**NORMAL_DISPATCH_META, "VIA": 1, "HAS_TAG": True, "PUBLISH": True},
      DISPATCH_OPTIONS),
@@ -337,7 +389,7 @@ for module, name, sig, meta, options in [
      {**NORMAL_COMBINE_META, "BOUNDS": True, "PUBLISH": True, "LOCAL": False, "ROW_MAP": True},
      COMBINE_OPTIONS),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
-     {**NORMAL_COMBINE_META, "VIA": 1, "AWAIT": True, "ROWS": 4, "LOCAL": False},
+     {**NORMAL_COMBINE_META, "VIA": 1, "AWAIT": True, "BLOCK_ROWS": 4, "LOCAL": False},
      COMBINE_OPTIONS),
     # Senders that release their tails every few steps (SEND_RELEASE_STEPS)
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
@@ -348,8 +400,9 @@ for module, name, sig, meta, options in [
      {**NORMAL_COMBINE_META, "RELEASE_STEPS": 2}, COMBINE_OPTIONS),
     # gpt-oss's hidden size, 2880: FP8 rows of 720 words and 23 scale words
     ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
-     {**NORMAL_DISPATCH_META, "W": 720, "G": 23, "G_P2": 32, "SLOT_BYTES": 5936,
-      "META_OFF": 744, "BW": 512, "RBW": 256}, DISPATCH_OPTIONS),
+     {**NORMAL_DISPATCH_META, "ROW_WORDS": 720, "SCALE_WORDS": 23, "BLOCK_SCALES": 32,
+      "SLOT_BYTES": 5936, "RECORD_WORD": 744, "BLOCK_SEND_WORDS": 512,
+      "BLOCK_RECV_WORDS": 256}, DISPATCH_OPTIONS),
     ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
      {**NORMAL_COMBINE_META, "H": 2880, "SLOT_BYTES": 5792}, COMBINE_OPTIONS),
 ]:  # fmt: skip
@@ -375,16 +428,16 @@ for hidden, g_p2 in [(7168, 64), (2880, 32)]:
         (
             "tritonep.kernels.fp8",
             "quantize_fp8_kernel",
-            {**FP8_QUANTIZE, **dict.fromkeys(("H", "G_P2", "USE_UE8M0", "IS_BF16", "EMULATE"),
+            {**FP8_QUANTIZE, **dict.fromkeys(("H", "BLOCK_GROUPS", "USE_UE8M0", "IS_BF16", "EMULATE"),
                                              "constexpr")},
-            dict(H=hidden, G_P2=g_p2, USE_UE8M0=False, IS_BF16=True, EMULATE=False),
+            dict(H=hidden, BLOCK_GROUPS=g_p2, USE_UE8M0=False, IS_BF16=True, EMULATE=False),
             {"num_warps": 8},
         ),
         (
             "tritonep.kernels.fp8",
             "dequantize_fp8_kernel",
-            {**FP8_DEQUANTIZE, **dict.fromkeys(("H", "G_P2", "TO_BF16", "EMULATE"), "constexpr")},
-            dict(H=hidden, G_P2=g_p2, TO_BF16=True, EMULATE=False),
+            {**FP8_DEQUANTIZE, **dict.fromkeys(("H", "BLOCK_GROUPS", "TO_BF16", "EMULATE"), "constexpr")},
+            dict(H=hidden, BLOCK_GROUPS=g_p2, TO_BF16=True, EMULATE=False),
             {"num_warps": 8},
         ),
     ]  # fmt: skip
@@ -478,7 +531,9 @@ def _id(kernel):
     packed += "-bf16" if meta.get("USE_FP8") is False else ""
     packed += f"-release{meta['RELEASE_STEPS']}" if meta.get("RELEASE_STEPS", 1) > 1 else ""
     packed += f"-h{meta['H']}" if meta.get("H", 7168) != 7168 else ""
-    packed += "-h2880" if meta.get("W") == 720 else ""
+    packed += "-h2880" if meta.get("ROW_WORDS") == 720 else ""
+    packed += "-one-token" if meta.get("ONE_TOKEN") else ""
+    packed += "-histograms" if meta.get("COUNT_BY_ADDS") is False else ""
     return kernel[1] + traced + ("-staged" if meta.get("VIA") else "") + shrink + packed + relay
 
 
@@ -688,16 +743,33 @@ def test_a_new_limit_compiles_nothing(name):
     assert triton_specializations(name, "timeout_us", limits) == [["i32", None]] * 7
 
 
+@pytest.mark.parametrize("name", ["ll_dispatch", "ll_combine"])
+def test_a_new_batch_size_compiles_nothing_in_low_latency_mode(name):
+    """Decode batches change size from step to step: no batch size (one token, a multiple of
+    16) may compile a variant of its own while the peers wait, beyond the batch classes the
+    host picks as constexprs (test_call_path)."""
+    got = triton_specializations(f"{name}_kernel", "num_tokens", [0, 1, 2, 4, 16, 17, 128, 256])
+    assert got == [["i32", None]] * 8
+
+
 @pytest.mark.parametrize(
     "name, param",
-    [("ll_dispatch", "num_tokens"), ("ll_dispatch", "count_by_adds"),
-     ("ll_dispatch", "items_per_group"), ("ll_combine", "num_tokens")],
-)  # fmt: skip
-def test_a_new_batch_size_compiles_nothing_in_low_latency_mode(name, param):
-    """Decode batches change size from step to step: no batch size (one token, a multiple of
-    16) may compile a variant of its own while the peers wait, nor may the choices the host
-    makes from it (how senders count, how many items a receiver takes at a time)."""
-    got = triton_specializations(f"{name}_kernel", param, [0, 1, 2, 4, 16, 17, 128, 256])
+    [
+        ("notify_kernel", "num_tokens"),
+        ("notify_kernel", "max_rows"),
+        ("notify_kernel", "alignment"),
+        ("normal_dispatch_kernel", "num_tokens"),
+        ("normal_dispatch_kernel", "max_rows"),
+        ("normal_combine_kernel", "num_tokens"),
+        ("normal_combine_kernel", "num_rows"),
+        ("dispatch_layout_kernel", "num_tokens"),
+    ],
+)
+def test_a_new_token_count_compiles_nothing_in_normal_mode(name, param):
+    """Token and row counts (one token, a multiple of 16, any other) and the alignment reach
+    the normal-mode kernels unspecialized: after 4096 tokens, 128 and 1000 tokens once
+    compiled variants of their own (4.1 and 3.7 s) while the peers waited."""
+    got = triton_specializations(name, param, [0, 1, 2, 16, 17, 128, 1000, 4096])
     assert got == [["i32", None]] * 8
 
 
@@ -705,9 +777,10 @@ def test_a_new_batch_size_compiles_nothing_in_low_latency_mode(name, param):
     "name", ["normal_dispatch_kernel", "normal_combine_kernel", "dispatch_layout_kernel"]
 )
 def test_top_k_compiles_one_variant_per_power_of_two(name):
-    """The normal mode takes top-k as a runtime value (its tiles are ``K_P2`` wide): top-k 5
-    to 8 share a variant, and top-k 1 is not a variant of its own. A soak or a test suite that
-    draws top-k at random then compiles three variants of each kernel instead of eight."""
+    """The normal mode takes top-k as a runtime value (its tiles are ``BLOCK_K`` wide): top-k
+    5 to 8 share a variant, and top-k 1 is not a variant of its own. A soak or a test suite
+    that draws top-k at random then compiles three variants of each kernel instead of
+    eight."""
     got = triton_specializations(name, "K", [1, 2, 3, 5, 8, 16])
     assert got == [["i32", None]] * 6
     from tritonep.modes.normal import _next_pow2

@@ -35,13 +35,12 @@ def _sleep(ctx, seconds):
     return ctx.rank
 
 
-def test_spawn_returns_results_by_rank():
-    results = spawn(_sum_ranks, 3, 10)
-    assert [r[:3] for r in results] == [(0, 3, 33.0), (1, 3, 33.0), (2, 3, 33.0)]
-
-
 def _threads(ctx):
     return torch.get_num_threads()
+
+
+def _sum_ranks_and_threads(ctx, offset):
+    return (*_sum_ranks(ctx, offset)[:3], _threads(ctx))
 
 
 def test_ranks_take_the_host_threads_they_are_given(monkeypatch):
@@ -50,13 +49,15 @@ def test_ranks_take_the_host_threads_they_are_given(monkeypatch):
     assert spawn(_threads, 2) == [3, 3]
 
 
-def test_ranks_share_the_cores_by_default(monkeypatch):
-    """Without a setting, each rank takes an equal share of the cores (at least one): ranks
-    that each take them all spin against each other in their host work."""
+def test_spawn_returns_results_by_rank_and_ranks_share_the_cores(monkeypatch):
+    """Results come back in rank order. Without a setting, each rank takes an equal share of
+    the cores (at least one): ranks that each take them all spin against each other in their
+    host work."""
     monkeypatch.delenv("TRITONEP_RANK_THREADS", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     share = max(1, len(os.sched_getaffinity(0)) // 3)
-    assert spawn(_threads, 3) == [share] * 3
+    results = spawn(_sum_ranks_and_threads, 3, 10)
+    assert results == [(0, 3, 33.0, share), (1, 3, 33.0, share), (2, 3, 33.0, share)]
     assert rank_threads(3) == share and rank_threads(10**6) == 1
 
 

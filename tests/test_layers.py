@@ -97,7 +97,9 @@ def _ep_layer_body(ctx, tokens, hidden, experts_per_rank, topk, routing, id_dtyp
     return True
 
 
-@pytest.mark.parametrize("num_ranks", [2, 3])
+# Three ranks: a rank of no tokens beside ranks of some, and a group that is no power of two;
+# the kernels below the layer are tested at 2 ranks in their own files.
+@pytest.mark.parametrize("num_ranks", [3])
 @pytest.mark.parametrize(
     "tokens, hidden, experts, topk, routing, id_dtype",
     [
@@ -138,7 +140,10 @@ def _ep_layer_errors_body(ctx):
     w = torch.ones(8, 2, device=dev)
     with pytest.raises(ValueError, match="max_tokens"):
         layer.dispatch(torch.zeros(9, 128, dtype=torch.bfloat16, device=dev), ids, w)
-    with pytest.raises(ValueError, match=r"expert_ids: expert ids must lie in \[-1, 5\)"):
+    # Dropped by the kernels and raised by the call itself, after its launches (an exact-size
+    # dispatch reads the host anyway): every rank stays in step.
+    bad = r"topk_idx: token 0, column 0 of rank \d's get_dispatch_layout names expert 5, "
+    with pytest.raises(ValueError, match=bad + r"outside \[-1, 4\)"):
         layer.dispatch(x, torch.full((8, 2), 5, device=dev), w)
     with pytest.raises(TypeError, match="routing_weights"):
         layer.dispatch(x, ids, w.double())
@@ -224,13 +229,14 @@ def _moe_body(ctx, tokens, hidden, experts_per_rank, topk, use_fp8, variant):
     return errors
 
 
-@pytest.mark.parametrize("num_ranks", [2, 3])
+# Three ranks cover what two did: rank 1 has no tokens, ranks 0 and 2 some. The plain BF16
+# step is the first half of "cached" (the same step and checks, then a cached dispatch).
+@pytest.mark.parametrize("num_ranks", [3])
 @pytest.mark.parametrize(
     "use_fp8, variant",
-    [(False, "plain"), (True, "plain"), (False, "checkpoint"), (False, "cached"),
-     (True, "worst")],
-    ids=["bf16", "fp8", "checkpoint", "cached", "fp8-worst"],
-)  # fmt: skip
+    [(True, "plain"), (False, "checkpoint"), (False, "cached"), (True, "worst")],
+    ids=["fp8", "checkpoint", "cached", "fp8-worst"],
+)
 def test_moe_training_step_matches_dense(run_ranks, num_ranks, use_fp8, variant):
     results = run_ranks(num_ranks, _moe_body, [12, 0, 9], 128, 2, 3, use_fp8, variant)
     assert len(results) == num_ranks

@@ -28,15 +28,22 @@ import torch
 
 @contextlib.contextmanager
 def _launcher_replaced(stand_in):
-    """The modes' launches go to ``stand_in(fn, grid, args, meta)`` inside."""
+    """The modes' launches go to ``stand_in(fn, grid, args, meta)`` inside (those made from
+    argument bundles too, with the bundles' values in order)."""
     from tritonep.kernels import launcher
 
-    original_launch = launcher.launch
-    launcher.launch = stand_in
+    original_launch, bundled = launcher.launch, launcher.KernelLaunch.__call__
+
+    def call(self, values, shared, grid=None):
+        if any(v is None for v in values):
+            values = tuple(self.placeholder if v is None else v for v in values)
+        stand_in(self.fn, grid or self.grid, (*values, *shared.args), self.meta)
+
+    launcher.launch, launcher.KernelLaunch.__call__ = stand_in, call
     try:
         yield
     finally:
-        launcher.launch = original_launch
+        launcher.launch, launcher.KernelLaunch.__call__ = original_launch, bundled
 
 
 def _profile(name, fn, calls, top):

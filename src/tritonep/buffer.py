@@ -9,10 +9,12 @@ buffer takes ``timeout_s``, ``check_ids``, ``device``, ``profile`` and ``gpus_pe
 
 What keeps it fast: each mode's memory is allocated once and reused by every call (flags are
 tagged with the call number, so nothing is reset between calls), normal-mode kernels run on a
-side stream that events join to the caller's, and cached and low-latency calls never
-synchronize with the host (unless ``check_ids=True``); low-latency calls run their
-Python under ``torch._C.DisableTorchFunction``, so a process-wide
-``torch.set_default_device`` costs them nothing.
+side stream that events join to the caller's, and no call synchronizes with the host but an
+exact-size normal dispatch without a handle, which waits for the received count (as DeepEP's),
+unless ``check_ids=True``. Ids out of range are dropped by the kernels and raised by the next
+call (:mod:`tritonep.kernels.status`). Every call runs its Python under
+``torch._C.DisableTorchFunction``, so a process-wide ``torch.set_default_device`` costs it
+nothing.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from .heap import default_device
-from .kernels.layout import dispatch_layout
+from .kernels.layout import DispatchLayout
+from .kernels.status import Status, bad_id_error
 from .kernels.sync import timeout_us
 from .modes.internode import InternodeHandle, InternodeMode, token_in_node
 from .modes.low_latency import LowLatencyHandle, LowLatencyMode
@@ -180,10 +183,10 @@ class Buffer:
             ``buffer.timeout_s`` later changes it for the following calls of both modes
             (without compiling anything).
         check_ids: read top-k ids on the host to reject out-of-range ids before launching (a
-            GPU synchronization per call); False: never. None (the default): not in
-            low-latency calls, whose kernels drop such ids and make the next call raise; in
-            normal-mode calls (``get_dispatch_layout``, ``dispatch`` with ids), whose kernels
-            drop them without saying so, still on the host.
+            GPU synchronization per call with ids). False or None (the default): never; the
+            kernels drop such ids, record the first (rank, token, column, id), and the next
+            call of the mode (dispatch or combine, normal or low-latency) raises
+            ``ValueError`` after its launches.
         device: where the modes' memory and outputs live: a CUDA device, or ``"cpu"`` for CPU
             ranks; None: :func:`tritonep.heap.default_device` of the group.
         profile: record kernel traces of every call (:meth:`dump_trace`).
@@ -224,7 +227,6 @@ class Buffer:
         self._ll: LowLatencyMode | None = None
         self._normal: NormalMode | None = None
         self.timeout_s, self.check_ids, self.device = timeout_s, check_ids, device
-        self._normal_ids = check_ids is not False  # normal-mode kernels record no bad ids yet
         self.profile = profile
         self.enable_shrink = bool(enable_shrink)
         # Masked ranks set before the low-latency mode exists (it is built on the first call).
@@ -244,7 +246,10 @@ class Buffer:
                              f"got {gpus_per_node}")  # fmt: skip
         self.gpus_per_node = gpus_per_node or self.group_size
         self.num_nodes = self.group_size // self.gpus_per_node
-        self._layout_arrivals: torch.Tensor | None = None
+        # get_dispatch_layout's kernels (per number of experts) and where they record bad ids,
+        # which this buffer's next normal-mode dispatch or combine raises.
+        self._layouts: dict[int, DispatchLayout] = {}
+        self._layout_status: Status | None = None
         self._comm_stream: torch.cuda.Stream | None = None
         #: A number naming this buffer in operators (:mod:`tritonep.integrations.autograd`).
         self.key = next(_KEYS)
@@ -307,20 +312,51 @@ class Buffer:
             num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool, event)``; the
             second item counts tokens per node, None within one node.
         """
-        check_num_experts(num_experts, self.group_size)
-        check_topk_idx("topk_idx", topk_idx, None, num_experts, check_range=self._normal_ids)
-        if previous_event is not None:
-            previous_event.current_stream_wait()
-        if self._layout_arrivals is None or self._layout_arrivals.device != topk_idx.device:
-            self._layout_arrivals = torch.zeros(1, dtype=torch.int32, device=topk_idx.device)
-        per_rank, per_expert, in_rank = dispatch_layout(
-            topk_idx, num_experts, self.group_size, self._layout_arrivals
+        with torch._C.DisableTorchFunction():
+            check_num_experts(num_experts, self.group_size)
+            check_topk_idx(
+                "topk_idx", topk_idx, None, num_experts, check_range=bool(self.check_ids)
+            )
+            if previous_event is not None:
+                previous_event.current_stream_wait()
+            # Once the normal mode exists, its kernel and status: bad ids are then recorded
+            # once, whether the layout kernel or the dispatch kernel meets them first.
+            mode = self._normal
+            if mode is not None and mode.num_experts == num_experts:
+                layout = mode._layout
+            else:
+                layout = self._layouts.get(num_experts)
+            if layout is None or layout.device != topk_idx.device:
+                layout = self._layout(topk_idx.device, num_experts)
+            per_rank, per_expert, in_rank = layout(topk_idx)
+            per_node = None
+            if self.num_nodes > 1:
+                per_node = token_in_node(in_rank, self.gpus_per_node).sum(0, dtype=torch.int32)
+            event = _event_after(topk_idx.device, async_finish, (topk_idx,))
+            return per_rank, per_node, per_expert, in_rank, event
+
+    def _layout(self, device: torch.device, num_experts: int) -> DispatchLayout:
+        if self._layout_status is None or self._layout_status.words.device != device:
+            self._layout_status = Status(device)
+            self._layouts.clear()
+        layout = DispatchLayout(
+            device, num_experts, self.group_size, self._layout_status, self.rank
         )
-        per_node = None
-        if self.num_nodes > 1:
-            per_node = token_in_node(in_rank, self.gpus_per_node).sum(0, dtype=torch.int32)
-        event = _event_after(topk_idx.device, async_finish, (topk_idx,))
-        return per_rank, per_node, per_expert, in_rank, event
+        self._layouts[num_experts] = layout
+        return layout
+
+    def _layout_recorded(self) -> bool:
+        """Whether a layout kernel recorded bad ids (the host copy: no synchronization)."""
+        return self._layout_status is not None and bool(self._layout_status.recorded())
+
+    def _raise_layout_record(self) -> None:
+        """Raise the bad ids a layout kernel recorded (once)."""
+        status = self._layout_status
+
+        def raise_error(words):
+            raise bad_id_error(words, "get_dispatch_layout")
+
+        status.raise_recorded(status.record(), raise_error)
 
     @property
     def timeout_s(self) -> float:
@@ -346,7 +382,7 @@ class Buffer:
             common = dict(
                 device=self.device,
                 timeout_s=self.timeout_s,
-                check_ids=self._normal_ids,
+                check_ids=bool(self.check_ids),
                 max_sms=max(32, type(self).num_sms) if torch.cuda.is_available() else None,
             )
             common["profile"] = self._profile()
@@ -370,16 +406,21 @@ class Buffer:
         compute = torch.cuda.current_stream(device)
         if self._comm_stream is None:
             self._comm_stream = torch.cuda.Stream(device)
+            # Reused for every fork and join: a wait takes the event's last record at the
+            # time of the wait, so recording it again later changes no earlier wait.
+            self._fork_event, self._join_event = torch.cuda.Event(), torch.cuda.Event()
         comm = self._comm_stream
         event = previous_event.cuda_event() if previous_event is not None else None
-        if event is not None:
-            comm.wait_event(event)
-        else:
-            comm.wait_stream(compute)
-        with torch.cuda.stream(comm):
-            result = fn()
+        if event is None:
+            event = self._fork_event
+            event.record(compute)
+        comm.wait_event(event)
+        # The inputs are in use on the communication stream from now on, also when ``fn``
+        # raises after its launches (an error an earlier call recorded).
         for t in _tensors(*inputs):
             t.record_stream(comm)
+        with torch.cuda.stream(comm):
+            result = fn()
         return result, compute
 
     def _finish(self, compute, async_finish, outputs) -> EventOverlap:
@@ -393,7 +434,8 @@ class Buffer:
             event = torch.cuda.Event()
             event.record(comm)
             return EventOverlap(event, tuple(_tensors(*outputs)))
-        compute.wait_stream(comm)
+        self._join_event.record(comm)
+        compute.wait_event(self._join_event)
         return EventOverlap(None)
 
     def dispatch(
@@ -457,7 +499,45 @@ class Buffer:
             :class:`~tritonep.modes.internode.InternodeHandle` across nodes) and an
             :class:`EventOverlap`. In cached mode the three middle outputs are None and the
             handle is returned again (DeepEP returns None there).
+        Raises:
+            ``ValueError``/``TypeError`` naming the argument, before anything is launched;
+            after its launches, what an earlier call recorded (bad ids, a timeout).
         """
+        with torch._C.DisableTorchFunction():  # a function mode would see every tensor access
+            recorded = self._layout_recorded()
+            out = self._dispatch(
+                x,
+                handle,
+                num_tokens_per_rdma_rank,
+                is_token_in_rank,
+                num_tokens_per_expert,
+                topk_idx,
+                topk_weights,
+                expert_alignment,
+                num_worst_tokens,
+                config,
+                previous_event,
+                async_finish,
+            )
+            if recorded:
+                self._raise_layout_record()
+            return out
+
+    def _dispatch(
+        self,
+        x,
+        handle,
+        num_tokens_per_rdma_rank,
+        is_token_in_rank,
+        num_tokens_per_expert,
+        topk_idx,
+        topk_weights,
+        expert_alignment,
+        num_worst_tokens,
+        config,
+        previous_event,
+        async_finish,
+    ):
         if num_tokens_per_rdma_rank is not None and self.num_nodes == 1:
             raise ValueError("num_tokens_per_rdma_rank: must be None within one node")
         if handle is not None:
@@ -574,18 +654,22 @@ class Buffer:
         Returns:
             ``(combined_x [N, H] BF16, combined_topk_weights [N, K] float32 or None, event)``.
         """
-        if not isinstance(handle, NormalHandle | InternodeHandle):
-            raise TypeError(f"handle: expected a dispatch handle, got {type(handle).__name__}")
-        mode = self._normal_mode(handle.hidden, handle.num_experts)
-        device = x.device if isinstance(x, torch.Tensor) else mode.device
-        (out, out_weights), compute = self._on_comm_stream(
-            device,
-            previous_event,
-            (x, topk_weights, bias),
-            lambda: mode.combine(x, handle, topk_weights, bias),
-        )
-        event = self._finish(compute, async_finish, (out, out_weights))
-        return out, out_weights, event
+        with torch._C.DisableTorchFunction():
+            if not isinstance(handle, (NormalHandle, InternodeHandle)):
+                raise TypeError(f"handle: expected a dispatch handle, got {type(handle).__name__}")
+            recorded = self._layout_recorded()
+            mode = self._normal_mode(handle.hidden, handle.num_experts)
+            device = x.device if isinstance(x, torch.Tensor) else mode.device
+            (out, out_weights), compute = self._on_comm_stream(
+                device,
+                previous_event,
+                (x, topk_weights, bias),
+                lambda: mode.combine(x, handle, topk_weights, bias),
+            )
+            event = self._finish(compute, async_finish, (out, out_weights))
+            if recorded:
+                self._raise_layout_record()
+            return out, out_weights, event
 
     @staticmethod
     def get_low_latency_rdma_size_hint(
@@ -693,27 +777,31 @@ class Buffer:
             num_max, hidden, num_experts, topk_slot [E_local, R * num_max] int32)``, an
             :class:`EventOverlap` and the hook (None unless ``return_recv_hook``).
         """
-        with torch._C.DisableTorchFunction():  # a function mode would see every tensor access
-            mode = self._ll
-            if (
-                mode is None
-                or mode.max_tokens != num_max_dispatch_tokens_per_rank
-                or mode.num_experts != num_experts
-            ):
+        mode = self._ll
+        if (
+            mode is None
+            or mode.max_tokens != num_max_dispatch_tokens_per_rank
+            or mode.num_experts != num_experts
+        ):
+            with torch._C.DisableTorchFunction():  # a function mode would see every tensor access
                 check_tensor("x", x, dtype=torch.bfloat16, shape=(None, None))
                 mode = self._low_latency(num_max_dispatch_tokens_per_rank, x.shape[1], num_experts)
-            recv_x, recv_count, handle, hook = mode.dispatch(
-                x,
-                topk_idx,
-                use_fp8=use_fp8,
-                use_ue8m0=round_scale or use_ue8m0,
-                return_recv_hook=return_recv_hook,
-                wait_stats=dispatch_wait_recv_cost_stats,
-                pack_ue8m0=use_ue8m0,
-                recv_stats=cumulative_local_expert_recv_stats,
-            )
-            event = _event_after(mode.device, async_finish, (x, topk_idx))
-            return recv_x, recv_count, handle, event, hook
+        # Positional (keywords cost eager calls time); the mode checks the tensors.
+        recv_x, recv_count, handle, hook = mode.dispatch(
+            x,
+            topk_idx,
+            use_fp8,
+            round_scale or use_ue8m0,  # use_ue8m0
+            return_recv_hook,
+            dispatch_wait_recv_cost_stats,  # wait_stats
+            use_ue8m0,  # pack_ue8m0
+            cumulative_local_expert_recv_stats,  # recv_stats
+        )
+        event = _NO_EVENT
+        if async_finish:
+            with torch._C.DisableTorchFunction():
+                event = _event_after(mode.device, True, (x, topk_idx))
+        return recv_x, recv_count, handle, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """``[E_local, R * num_max, H]`` BF16 to write expert outputs into for ``zero_copy``
@@ -759,23 +847,25 @@ class Buffer:
             ``(combined_x [N, H] BF16, event, hook)``; the hook is None unless
             ``return_recv_hook``.
         """
-        with torch._C.DisableTorchFunction():
-            mode = self._require_ll()
-            if use_logfmt:
-                _warn_logfmt_once()
-            out, hook = mode.combine(
-                x,
-                topk_idx,
-                topk_weights,
-                handle,
-                zero_copy=zero_copy,
-                return_recv_hook=return_recv_hook,
-                out=out,
-                wait_stats=combine_wait_recv_cost_stats,
-                use_logfmt=use_logfmt,
-            )
-            event = _event_after(mode.device, async_finish, (x, topk_idx, topk_weights))
-            return out, event, hook
+        mode = self._require_ll()
+        if use_logfmt:
+            _warn_logfmt_once()
+        out, hook = mode.combine(
+            x,
+            topk_idx,
+            topk_weights,
+            handle,
+            zero_copy,
+            return_recv_hook,
+            out,
+            combine_wait_recv_cost_stats,  # wait_stats
+            use_logfmt,
+        )
+        event = _NO_EVENT
+        if async_finish:
+            with torch._C.DisableTorchFunction():
+                event = _event_after(mode.device, True, (x, topk_idx, topk_weights))
+        return out, event, hook
 
     def clean_low_latency_buffer(
         self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int
@@ -878,6 +968,10 @@ class Buffer:
         for mode in (self._normal, self._ll):
             if mode is not None:
                 mode.check()
+        if self._layout_status is not None:
+            status = self._layout_status
+            if status.synced_record()[0]:
+                self._raise_layout_record()
 
     def _join_comm_stream(self) -> None:
         """Order the current stream after the communication stream, so that reading the modes'

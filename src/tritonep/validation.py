@@ -186,3 +186,15 @@ def check_ranks_agree(group: dist.ProcessGroup, what: str, **config: object) -> 
         raise ValueError(
             f"{values['object'][0]}: the ranks disagree on the configuration: {detail}"
         )
+
+
+def plain_tensor(t: object, dtype: torch.dtype, device_index: int) -> bool:
+    """Whether ``t`` is a contiguous tensor of ``dtype`` on the device of index
+    ``device_index`` (-1: the CPU): a call's checks as plain comparisons, before
+    :func:`check_tensor` names whatever is wrong."""
+    return (
+        type(t) is torch.Tensor
+        and t.dtype is dtype
+        and t.get_device() == device_index
+        and t.is_contiguous()
+    )

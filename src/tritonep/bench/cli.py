@@ -9,6 +9,7 @@
     tritonep bench normal --ranks 4 --launch COMBINE_SEND_TILE=16384 --launch COMBINE_WARPS=8
     tritonep bench report normal.csv --markdown BENCHMARKS.md --section normal-4xh200
     tritonep bench low-latency --ranks 4 --trace trace-{rank}.json
+    tritonep bench low-latency --ranks 4 --eager  # + eager loop, with/without torch defaults
     tritonep bench trace-summary trace-*.json   # time per kernel and phase, over programs
 
 Every option that takes a value takes a comma-separated list; the sweep is their product (one
@@ -194,6 +195,14 @@ def _parser() -> argparse.ArgumentParser:
             "interface, e.g. deep_ep (skipped, with a note, if it does not import; default: none)",
         )
         p.add_argument("--quiet", action="store_true", help="no progress output")
+        if mode in ("normal", "low-latency"):
+            p.add_argument(
+                "--eager",
+                action="store_true",
+                help="also time an eager loop (L2 flushed, dispatch + combine) and the host "
+                "time per call, with and without torch.set_default_device/dtype, and the "
+                "kernels' own time (GPUs only)",
+            )
         p.add_argument(
             "--trace",
             metavar="PATH",
@@ -301,6 +310,7 @@ def _options(args: argparse.Namespace, on_gpu: bool) -> types.SimpleNamespace:
         quiet=args.quiet,
         trace=args.trace,
         csv=args.csv,
+        eager=getattr(args, "eager", False),
     )
     if args.mode in ("normal", "internode"):
         opts.launch = _launch_constants(args.launch)

@@ -8,6 +8,7 @@ import torch
 
 from ..testing import route
 from . import compare
+from .eager import eager_columns
 from .timing import mean_over_ranks, time_graph, time_pair
 
 
@@ -78,6 +79,14 @@ def _low_latency_point(ctx, mode, baseline, rival, opts, T, topk, max_tokens):
         "dispatch_remote_GBps": sent_disp / (t_disp * 1e-3) / 1e9,
         "combine_remote_GBps": sent_comb / (t_comb * 1e-3) / 1e9,
     }
+    if getattr(opts, "eager", False):
+        columns = eager_columns(
+            lambda: mode.dispatch(x, idx, use_fp8=use_fp8),
+            lambda d: mode.combine(y, idx, w, d[2], use_logfmt=logfmt),
+            ctx.device,
+        )
+        row.update(zip(columns, mean_over_ranks(list(columns.values())), strict=True))
+        mode.check()
     if rival is not None:
         row.update(
             compare.low_latency_point(rival, x, idx, w, E, max_tokens, use_fp8, opts.iters, logfmt)

@@ -8,7 +8,9 @@ ranks), after warm-up:
 * combine of the BF16 rows;
 * cached dispatch and combine replayed from a CUDA graph (device time, no launch overhead);
 * the ``torch`` backend (NCCL ``all_to_all_single`` with its permutes and host sync), same
-  inputs, same run.
+  inputs, same run;
+* with ``--eager``, cached dispatch and combine as an eager loop, with and without the
+  process-wide torch defaults (:func:`~tritonep.bench.eager.eager_columns`).
 
 Bandwidth two ways: DeepEP's accounting (received bytes, local rank included, over time) and
 remote bytes (received from other ranks) over time.
@@ -23,6 +25,7 @@ import torch
 from ..reference.fp8 import quantize_fp8
 from ..testing import route
 from . import compare
+from .eager import eager_columns
 from .timing import mean_over_ranks, median_ms, time_graph
 
 
@@ -98,6 +101,12 @@ def _point(ctx, mode, baseline, rival, opts, num_tokens, topk, config):
         "torch_dispatch_us": t_bdisp * 1e3,
         "torch_combine_us": t_bcomb * 1e3,
     }
+    if getattr(opts, "eager", False):
+        columns = eager_columns(
+            lambda: mode.dispatch(x, handle=handle), lambda _: mode.combine(y, handle), ctx.device
+        )
+        row.update(zip(columns, mean_over_ranks(list(columns.values())), strict=True))
+        mode.check()
     if rival is not None:
         row.update(compare.normal_point(rival, x, idx, w, E, opts.iters))
     return row

@@ -118,7 +118,17 @@ class _Variants:
 REPORT_RESOURCES = os.environ.get("TRITONEP_KERNEL_RESOURCES", "0") not in ("", "0")
 
 #: The constexprs a resource report names a variant by (those that size its tiles).
-_SHAPE_NAMES = ("NUM_RANKS", "TOK", "ROWS", "BW", "RBW", "num_warps", "AWAIT", "PUBLISH")
+_SHAPE_NAMES = (
+    "NUM_RANKS",
+    "BLOCK_TOKENS",
+    "BLOCK_ROWS",
+    "BLOCK_WORDS",
+    "BLOCK_SEND_WORDS",
+    "BLOCK_RECV_WORDS",
+    "num_warps",
+    "AWAIT",
+    "PUBLISH",
+)
 
 
 def report_resources(fn, meta: dict, compiled) -> None:
@@ -236,7 +246,9 @@ class KernelLaunch:
     ``KernelLaunch(fn, grid, meta, call_fields, pointers)`` then ``launch(call, shared)``: the
     kernel's runtime parameters are the fields of ``call`` (a NamedTuple of the values that
     change from call to call) followed by ``shared.args``; ``meta`` holds its constexprs and
-    launch options. ``pointers`` are the indices of ``call``'s tensor fields.
+    launch options. ``pointers`` are the indices of ``call``'s tensor fields; a pointer the
+    variant does not use may be None, and ``placeholder`` (a small tensor on the kernel's
+    device) is passed in its place.
 
     A launch first takes Triton's path (``fn[grid](...)``), which compiles the variant if
     needed; the compiled kernel is then kept under the alignment of the call's pointers (the
@@ -250,6 +262,10 @@ class KernelLaunch:
 
     Triton's path is taken whenever this one does not apply: under the interpreter, while a
     launch hook is set (profilers), on another current device, for a new key.
+
+    A caller that has the addresses already (outputs it allocated, offsets into one
+    allocation) hands them to :meth:`launch_values`, and builds the tensor bundle only when
+    that returns False.
     """
 
     def __init__(
@@ -259,10 +275,13 @@ class KernelLaunch:
         meta: dict[str, Any],
         call_fields: tuple,
         pointers: tuple[int, ...],
+        placeholder: torch.Tensor | None = None,
     ):
         self.fn, self.meta = fn, meta
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.pointers = pointers
+        self.placeholder = placeholder
+        self._null = placeholder.data_ptr() if placeholder is not None else None
         self.direct = isinstance(fn, JITFunction)
         if self.direct:
             free = not_specialized(fn)
@@ -282,51 +301,75 @@ class KernelLaunch:
             return True
         return tuple(a & 15 == 0 for a in addresses)
 
-    def __call__(self, call: tuple, shared: Shared) -> None:
+    def __call__(self, call: tuple, shared: Shared, grid: tuple[int] | None = None) -> None:
+        """Launch with ``call`` and ``shared`` (on ``grid``, one dimension, where given: the
+        grid is not part of a variant)."""
         if self.direct and self.compiled:
-            rt = knobs.runtime
-            if not (_hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook)):
-                values = list(call)
-                aligned = 0
-                for i in self.pointers:
-                    a = values[i] = values[i].data_ptr()
-                    aligned |= a
-                if aligned & 15 == 0:
-                    aligned = True
-                else:
-                    aligned = tuple(values[i] & 15 == 0 for i in self.pointers)
-                entry = self.compiled.get(
-                    (aligned, rt.debug, knobs.compilation.instrumentation_mode)
-                )
-                if entry is not None and torch._C._cuda_getDevice() == self.device:
-                    run, function, packed, cooperative, pdl, constexprs = entry
-                    stream = torch._C._cuda_getCurrentRawStream(self.device)
-                    g0, g1, g2 = self.grid
-                    run(
-                        g0,
-                        g1,
-                        g2,
-                        stream,
-                        function,
-                        cooperative,
-                        pdl,
-                        None,
-                        None,
-                        packed,
-                        None,
-                        None,
-                        None,
-                        *values,
-                        *shared.values,
-                        *constexprs,
-                    )
-                    return
-        self._triton_path(call, shared)
+            values = list(call)
+            aligned = 0
+            null = self._null
+            for i in self.pointers:
+                v = values[i]
+                a = values[i] = null if v is None else v.data_ptr()
+                aligned |= a
+            if self.launch_values(values, shared, aligned, grid):
+                return
+        self._triton_path(call, shared, grid)
 
-    def _triton_path(self, call: tuple, shared: Shared) -> None:
+    def launch_values(
+        self, values, shared: Shared, aligned: int | None = None, grid: tuple[int] | None = None
+    ) -> bool:
+        """Launch with ``values``, the call's fields with each tensor given as its address,
+        if a compiled kernel for their alignment is kept and nothing asks for Triton's path
+        (see the class docs); returns whether it launched. A caller that gets False
+        launches through :meth:`__call__` with the tensors. ``aligned``: the bitwise or of
+        the pointer fields, if the caller has it (else it is computed here); ``grid``: one
+        dimension, where the launch's differs from the variant's."""
+        if not (self.direct and self.compiled):
+            return False
+        rt = knobs.runtime
+        if _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook):
+            return False
+        if aligned is None:
+            aligned = 0
+            for i in self.pointers:
+                aligned |= values[i]
+        if aligned & 15 == 0:
+            aligned = True
+        else:
+            aligned = tuple(values[i] & 15 == 0 for i in self.pointers)
+        entry = self.compiled.get((aligned, rt.debug, knobs.compilation.instrumentation_mode))
+        if entry is None or torch._C._cuda_getDevice() != self.device:
+            return False
+        run, function, packed, cooperative, pdl, constexprs = entry
+        g0, g1, g2 = self.grid if grid is None else (grid[0], 1, 1)
+        stream = torch._C._cuda_getCurrentRawStream(self.device)
+        run(
+            g0,
+            g1,
+            g2,
+            stream,
+            function,
+            cooperative,
+            pdl,
+            None,
+            None,
+            packed,
+            None,
+            None,
+            None,
+            *values,
+            *shared.values,
+            *constexprs,
+        )
+        return True
+
+    def _triton_path(self, call: tuple, shared: Shared, grid: tuple[int] | None = None) -> None:
         global triton_path_launches
         triton_path_launches += 1
-        compiled = self.fn[self.grid](*call, *shared.args, **self.meta)
+        if any(v is None for v in call):
+            call = tuple(self.placeholder if v is None else v for v in call)
+        compiled = self.fn[grid or self.grid](*call, *shared.args, **self.meta)
         if self.direct and compiled is not None:
             self._record(call, shared, compiled)
 

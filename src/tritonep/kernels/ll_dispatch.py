@@ -8,7 +8,9 @@ that completes an expert's count publishes it, tagged with the call number, afte
 Receive phase: each (local expert, source rank) item waits (bounded) for the counts of its
 source and the earlier ones, then packs its messages into ``recv_x`` in source-rank order, so
 outputs are deterministic. A failed wait leaves a poison row; bad ids are recorded in the
-status. docs/design/low_latency.md gives the whole design and why it is fast.
+status. A compiled variant serves a class of batch sizes (one token, few ids counted by
+atomic adds, many ids counted by histograms); the token count within a class is a runtime
+value. docs/design/low_latency.md gives the whole design and why it is fast.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ DISPATCH_ARRIVALS = tl.constexpr(4)  # (column 0)
 STATE_ROWS = 8
 
 #: Count by atomic adds while all programs' adds together stay within this many (see the send
-#: phase), by histograms beyond (``count_by_adds``, chosen by the host from the shapes).
+#: phase), by histograms beyond (``COUNT_BY_ADDS``, chosen by the host from the shapes).
 COUNT_ADDS = 32768
 
 HEADER_BYTES = tl.constexpr(16)
@@ -86,8 +88,6 @@ class DispatchCall(NamedTuple):
     x_ptr: object
     topk_idx_ptr: object
     num_tokens: int
-    count_by_adds: int
-    items_per_group: int
     out_x_ptr: object
     out_scales_ptr: object
     out_src_ptr: object
@@ -120,6 +120,8 @@ class DispatchVariant(NamedTuple):
     DO_RECV: bool
     USE_CLOCK: bool
     BLOCK_N: int
+    COUNT_BY_ADDS: bool
+    ONE_TOKEN: bool
     K_P2: int
     G_P2: int
     R_P2: int
@@ -161,14 +163,12 @@ def _listed(
     return (m_local * NUM_RANKS + m_src) * M + slot, row, m_local
 
 
-@triton.jit(do_not_specialize=["num_tokens", "count_by_adds", "items_per_group", "timeout_us"])
+@triton.jit(do_not_specialize=["num_tokens", "timeout_us"])
 def ll_dispatch_kernel(
     # What changes from call to call (DispatchCall).
     x_ptr,  # [N, H] bf16 tokens
     topk_idx_ptr,  # [N, K] int64 global expert ids, -1 for none
     num_tokens,  # N
-    count_by_adds,  # 1: senders count the ids by atomic adds, 0: by histograms
-    items_per_group,  # (expert, source) items a receiving program moves together: 1 or BLOCK_ITEMS
     out_x_ptr,  # [E_local, R * M, H] bf16, or e4m3 (USE_FP8)
     out_scales_ptr,  # [E_local, G, R * M] float32, or [E_local, G / 4, R * M] int32 (PACK_UE8M0)
     out_src_ptr,  # [2, E_local, R * M] int32: each row's source token, then its top-k column
@@ -208,12 +208,14 @@ def ll_dispatch_kernel(
     DO_RECV: tl.constexpr,  # run the receive phase
     USE_CLOCK: tl.constexpr,  # on a GPU (else the interpreter)
     BLOCK_N: tl.constexpr,  # tokens whose ids are counted at a time
+    COUNT_BY_ADDS: tl.constexpr,  # senders count the ids by atomic adds, else by histograms
+    ONE_TOKEN: tl.constexpr,  # num_tokens == 1, known when compiling
     K_P2: tl.constexpr,  # power of two >= max(K, 2)
     G_P2: tl.constexpr,  # power of two >= ceil(H / 128)
     R_P2: tl.constexpr,  # power of two >= max(NUM_RANKS, 2)
     BINS: tl.constexpr,  # power of two >= max(NUM_EXPERTS, 2): one bin per expert
     BLOCK_MSGS: tl.constexpr,  # messages a receiving program copies at a time
-    BLOCK_ITEMS: tl.constexpr,  # lanes of a receiving program's group of items (power of two)
+    BLOCK_ITEMS: tl.constexpr,  # (expert, source) items a receiving program moves together
     PROFILE: tl.constexpr,  # record traces
     WAIT_STATS: tl.constexpr,  # add the time waited per source rank to wait_stats_ptr
     RECV_STATS: tl.constexpr,  # add the rows per expert to recv_stats_ptr
@@ -233,14 +235,12 @@ def ll_dispatch_kernel(
     t_pack = tl.zeros((), tl.int64)
     if DO_SEND:
         # One token: a send whose loops and masks fold away with the count known when
-        # compiling saves a visible share of a decode step; both sends are in this variant,
-        # so no batch size compiles one of its own.
-        if num_tokens == 1:
+        # compiling is 0.6 us faster (8.1 against 8.8 us on one H100, BENCHMARKS.md).
+        if ONE_TOKEN:
             t_quantize_send, t_count_send, t_send_end = _send(
                 x_ptr,
                 topk_idx_ptr,
                 1,
-                count_by_adds,
                 trace_ptr,
                 peer_ptrs,
                 pe_ptr,
@@ -272,13 +272,13 @@ def ll_dispatch_kernel(
                 PROFILE,
                 SHRINK,
                 VIA,
+                COUNT_BY_ADDS,
             )
         else:
             t_quantize_send, t_count_send, t_send_end = _send(
                 x_ptr,
                 topk_idx_ptr,
                 num_tokens,
-                count_by_adds,
                 trace_ptr,
                 peer_ptrs,
                 pe_ptr,
@@ -310,11 +310,11 @@ def ll_dispatch_kernel(
                 PROFILE,
                 SHRINK,
                 VIA,
+                COUNT_BY_ADDS,
             )
     if DO_RECV:
         t_wait, t_pack = _receive(
             c_recv,
-            items_per_group,
             out_x_ptr,
             out_scales_ptr,
             out_src_ptr,
@@ -385,7 +385,6 @@ def _send(
     x_ptr,
     topk_idx_ptr,
     num_tokens,
-    count_by_adds,
     trace_ptr,
     peer_ptrs,
     pe_ptr,
@@ -417,6 +416,7 @@ def _send(
     PROFILE: tl.constexpr,
     SHRINK: tl.constexpr,
     VIA: tl.constexpr,
+    COUNT_BY_ADDS: tl.constexpr,
 ):
     """The send phase of this program: count the batch's ids, store its tokens' messages,
     publish the counts it completes. Returns the trace's (quantize and send, count send)
@@ -444,7 +444,7 @@ def _send(
         mask=row_offs < tl.where(first_token < last_token, H, 0),
         other=0.0,
     )
-    if count_by_adds:
+    if COUNT_BY_ADDS:
         total, before, bad = _count_by_adds(
             topk_idx_ptr,
             tl.where(pid < senders, num_tokens, 0),
@@ -887,7 +887,6 @@ def _publish_counts(
 @triton.jit
 def _receive(
     c_recv,
-    items_per_group,
     out_x_ptr,
     out_scales_ptr,
     out_src_ptr,
@@ -926,7 +925,7 @@ def _receive(
     """The receive phase of this program. Work items are (local expert, source rank) pairs; a
     block starts after the blocks of the earlier sources, whose counts it reads from their
     flags (in source-rank order, so the output is deterministic and matches the reference).
-    A program takes its items ``items_per_group`` at a time and moves them as one: one wait for
+    A program takes its items ``BLOCK_ITEMS`` at a time and moves them as one: one wait for
     all their counts, then their messages together, so the dependent reads (counts, headers,
     payloads) are paid once per group rather than once per item. Returns the trace's (wait,
     pack) totals."""
@@ -943,9 +942,9 @@ def _receive(
     budget = timeout_us.to(tl.int64) * 1000
     t_wait = tl.zeros((), tl.int64)
     t_pack = tl.zeros((), tl.int64)
-    for group in range(0, tl.cdiv(E_LOCAL * NUM_RANKS, num_programs), items_per_group):
+    for group in range(0, tl.cdiv(E_LOCAL * NUM_RANKS, num_programs), BLOCK_ITEMS):
         items = pid + (group + item_lanes) * num_programs
-        live = (items < E_LOCAL * NUM_RANKS) & (item_lanes < items_per_group)
+        live = items < E_LOCAL * NUM_RANKS
         local = tl.where(live, items // NUM_RANKS, 0)
         me_src = tl.where(live, items % NUM_RANKS, 0)
         t0 = t_wait

@@ -5,22 +5,22 @@ is the *sender* of channel ``c``; program ``C + c`` is its *receiver*. Every ran
 channel and source rank, a ring of ``RING`` slots; a slot holds one token: the payload words,
 the FP8 scales, then a small record (source token index, local top-k ids, weights).
 
-Sender. It walks its channel ``TOK`` tokens at a time. A token goes to every rank that holds
-one of its experts (``is_token_in_rank``), once. The block's payload is loaded once and stored
-into the slots of all its destination rings (plain NVLink stores, 16-byte vectors), with the
-top-k ids already turned into the destination's local ids (``-1`` elsewhere) and the weights
-zeroed where the expert is elsewhere. Then one system-scope release per destination publishes
-the new *tail*. Before reusing a slot it waits (bounded) for the receiver's *head*.
+Sender. It walks its channel ``BLOCK_TOKENS`` tokens at a time. A token goes to every rank that
+holds one of its experts (``is_token_in_rank``), once. The block's payload is loaded once and
+stored into the slots of all its destination rings (plain NVLink stores, 16-byte vectors), with
+the top-k ids already turned into the destination's local ids (``-1`` elsewhere) and the
+weights zeroed where the expert is elsewhere. Then one system-scope release per destination
+publishes the new *tail*. Before reusing a slot it waits (bounded) for the receiver's *head*.
 
 Receiver. It polls the tails of all its source rings at once and copies whatever has arrived,
-``ROWS`` slots per source per step, into the exact output rows
+``BLOCK_ROWS`` slots per source per step, into the exact output rows
 ``recv_start[source, channel] + i`` that the notify step computed: rows come ordered by
 source rank, then by source token. After each step it returns the new heads to the senders.
 
 With ``LOCAL`` (every launch whose input is complete before it starts: all but a relay's
 second leg) a token's row for this rank itself never enters a ring: the receiver's own lane
-reads the channel's tokens straight from the input, ``ROWS`` per step beside the rows that
-arrived from peers, and stores them (payload, scales and record) into their output rows
+reads the channel's tokens straight from the input, ``BLOCK_ROWS`` per step beside the rows
+that arrived from peers, and stores them (payload, scales and record) into their output rows
 ``recv_start[rank, channel] + i``. The senders then store only into peers: under the
 all-to-all load of every rank at once, 12 programs push about 290 GB/s into the peers, close
 to all NVLink then carries (BENCHMARKS.md), so a sender that also wrote the local copies spent
@@ -32,16 +32,27 @@ call every receiver stores ``(call + 1) << 32`` into the heads of its sources: t
 free for the next call, which senders check before their first store. It does the same for
 the channels the call leaves unused, so the next call may use a larger SM budget.
 
+Failures. An id outside ``[-1, NUM_EXPERTS)`` goes nowhere; the sender that meets one records
+the first such id of the batch (token order) in the status (:mod:`tritonep.kernels.status`),
+which the host raises on the next call. A receiver that finds a timeout recorded when it ends
+(its own wait, or any earlier one) fills every output row of its channel with 0xFF bytes:
+NaN payload, scales and weights, source ``-1`` and top-k ids ``-1``, so a failed call never
+returns rows that pass for data.
+
 Why it is fast: senders and receivers run at once (one cooperative launch), a token's payload
 is read from memory once whatever its number of destinations, all destinations are fed in
-the same step (every NVLink peer busy), and the only host work is the launch.
+the same step (every NVLink peer busy), and the only host work is the launch. Token counts,
+top-k and the output size are run-time values: a new batch compiles nothing.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 
+from .status import STATUS_TIMEOUT, first_bad_id, record_bad_id
 from .sync import (
     aligned_ptr,
     elapsed_ns,
@@ -59,9 +70,99 @@ from .transport import VIA_STORE, put_rings, set_peer_flags
 PHASE_DISPATCH_SEND = tl.constexpr(11)
 PHASE_DISPATCH_RECV = tl.constexpr(12)
 PHASE_DISPATCH_RELAY = tl.constexpr(15)
+#: The phase named in a bad-id record of a dispatch.
+PHASE_DISPATCH_IDS = tl.constexpr(18)
 
 DISPATCH_CALLS = tl.constexpr(2)
 DISPATCH_ARRIVALS = tl.constexpr(3)
+
+#: Rows a receiver pads or poisons at a time.
+BLOCK_FILL = tl.constexpr(128)
+
+
+class NormalShared(NamedTuple):
+    """The trailing runtime arguments of the three normal-mode kernels (notify, dispatch,
+    combine), in their order: what stays the same from call to call of one mode."""
+
+    peer_ptrs: object
+    pe_ptr: object
+    rank: int
+    state_ptr: object
+    status_ptr: object
+    timeout_us: int
+    decoded_ptr: object
+
+
+class DispatchCall(NamedTuple):
+    """The leading runtime arguments of :func:`normal_dispatch_kernel`: what changes per call
+    (None: a pointer the variant does not read)."""
+
+    x_ptr: object
+    scales_ptr: object
+    topk_idx_ptr: object
+    topk_weights_ptr: object
+    in_rank_ptr: object
+    src_tag_ptr: object
+    num_tokens: int
+    K: int
+    recv_count_ptr: object
+    recv_start_ptr: object
+    host_info_ptr: object
+    out_x_ptr: object
+    out_scales_ptr: object
+    out_topk_idx_ptr: object
+    out_weights_ptr: object
+    out_src_ptr: object
+    max_rows: int
+    bounds_ptr: object
+    ready_ptr: object
+    relay_call_ptr: object
+    row_map_ptr: object
+    trace_ptr: object
+
+
+class DispatchVariant(NamedTuple):
+    """One compiled variant of :func:`normal_dispatch_kernel`: its constexprs, in order."""
+
+    ROW_WORDS: int
+    SCALE_WORDS: int
+    E_LOCAL: int
+    NUM_RANKS: int
+    NUM_CHANNELS: int
+    MAX_CHANNELS: int
+    RING: int
+    RING_STRIDE: int
+    SLOT_BYTES: int
+    RECORD_WORD: int
+    RING_OFFSET: int
+    TAIL_OFFSET: int
+    HEAD_OFFSET: int
+    STAGE_OFFSET: int
+    HAS_SCALES: bool
+    HAS_TOPK: bool
+    HAS_WEIGHTS: bool
+    HAS_TAG: bool
+    PAD_ROWS: bool
+    BOUNDS: bool
+    AWAIT: bool
+    RANKS_FROM_IDS: bool
+    PUBLISH: bool
+    LOCAL: bool
+    ROW_MAP: bool
+    RELEASE_STEPS: int
+    USE_CLOCK: bool
+    BLOCK_TOKENS: int
+    BLOCK_ROWS: int
+    BLOCK_SEND_WORDS: int
+    BLOCK_RECV_WORDS: int
+    BLOCK_RANKS: int
+    BLOCK_K: int
+    BLOCK_SCALES: int
+    PROFILE: bool
+    VIA: int
+
+
+# ------------------------------------------------------------------------------ shared helpers
 
 
 @triton.jit
@@ -126,95 +227,241 @@ def free_rings(call, channel, head_offset, rank, my_base, peer_base, ranks, rmas
 
 
 @triton.jit
-def dispatch_send(
-    channel,
-    call,
+def timed_out(status_ptr):
+    """Whether a timeout is recorded (by this launch or an earlier one): outputs are poison."""
+    return tl.load(status_ptr, volatile=True) == STATUS_TIMEOUT
+
+
+# ------------------------------------------------------------------------------------ sender
+
+
+@triton.jit
+def step_ids(topk_idx_ptr, tokens, tmask, K, NUM_EXPERTS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``[BLOCK_TOKENS, BLOCK_K]`` int64 top-k ids of a step's tokens (``-1`` in masked lanes),
+    and where they lie outside ``[-1, NUM_EXPERTS)`` (int32 1s: reduced once, after the
+    channel, rather than a block-wide reduction per step)."""
+    ks = tl.arange(0, BLOCK_K)
+    ids = tl.load(
+        topk_idx_ptr + tokens.to(tl.int64)[:, None] * K + ks[None, :],
+        mask=tmask[:, None] & (ks < K)[None, :],
+        other=-1,
+    )
+    return ids, ((ids < -1) | (ids >= NUM_EXPERTS)).to(tl.int32)
+
+
+@triton.jit
+def step_destinations(
+    ids,
+    tokens,
+    tmask,
+    t1,
+    in_rank_ptr,
+    rank,
+    E_LOCAL: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    RANKS_FROM_IDS: tl.constexpr,
+    LOCAL: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+):
+    """``[BLOCK_TOKENS, BLOCK_RANKS]`` int32, 1 where a token of the step goes to a rank
+    through a ring: ``is_token_in_rank``, or (``RANKS_FROM_IDS``, a relay) the ranks of its
+    ``ids``, which are then stored as ``is_token_in_rank``; with ``LOCAL`` never this rank
+    (its receiver copies its own rows from the input)."""
+    ranks = tl.arange(0, BLOCK_RANKS)
+    rmask = ranks < NUM_RANKS
+    at_rank = tokens.to(tl.int64)[:, None] * NUM_RANKS + ranks[None, :]
+    if RANKS_FROM_IDS:
+        owner = tl.where(ids >= 0, ids // E_LOCAL, -1)
+        hit = tl.max((owner[:, :, None] == ranks[None, None, :]).to(tl.int32), 1)
+        tl.store(
+            in_rank_ptr + at_rank, hit.to(tl.int8), mask=(tokens < t1)[:, None] & rmask[None, :]
+        )
+    else:
+        hit = tl.load(in_rank_ptr + at_rank, mask=tmask[:, None] & rmask[None, :], other=0)
+    hit = (hit != 0).to(tl.int32)
+    if LOCAL:
+        hit = tl.where(ranks[None, :] == rank, 0, hit)
+    return hit
+
+
+@triton.jit
+def store_step(
     x_ptr,
     scales_ptr,
-    topk_idx_ptr,
     topk_weights_ptr,
-    in_rank_ptr,
     src_tag_ptr,
-    num_tokens,
+    tokens,
+    tmask,
+    ids,
+    hit,
+    dst,
+    K,
+    ROW_WORDS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    RECORD_WORD: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    HAS_TOPK: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    HAS_TAG: tl.constexpr,
+    BLOCK_SEND_WORDS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
+):
+    """Store a step's tokens into the slots ``dst`` (``[BLOCK_TOKENS, BLOCK_RANKS]``
+    addresses) of every destination ``hit`` names: payload words, scales, then the record
+    (source, the destination's local top-k ids, weights zeroed where the expert is
+    elsewhere)."""
+    ranks = tl.arange(0, BLOCK_RANKS)
+    words = tl.arange(0, BLOCK_SEND_WORDS)
+    ks = tl.arange(0, BLOCK_K)
+    kmask = ks < K
+    groups = tl.arange(0, BLOCK_SCALES)
+    gmask = groups < SCALE_WORDS
+    tokens64 = tokens.to(tl.int64)
+    # The loads of the next chunk are issued before the stores of this one, so a chunk costs
+    # about one memory latency however many destinations it has.
+    rows = x_ptr + tokens64[:, None] * ROW_WORDS
+    v = tl.load(rows + words[None, :], mask=tmask[:, None] & (words < ROW_WORDS)[None, :])
+    for w0 in range(0, ROW_WORDS, BLOCK_SEND_WORDS):
+        w = w0 + words
+        wn = w + BLOCK_SEND_WORDS
+        v_next = tl.load(rows + wn[None, :], mask=tmask[:, None] & (wn < ROW_WORDS)[None, :])
+        for d in tl.static_range(NUM_RANKS):
+            to_d = column(hit, ranks, d) > 0
+            p = aligned_ptr(column(dst, ranks, d), tl.int32)
+            tl.store(p[:, None] + w[None, :], v, mask=to_d[:, None] & (w < ROW_WORDS)[None, :])
+        v = v_next
+    if HAS_SCALES:
+        s = tl.load(
+            scales_ptr + tokens64[:, None] * SCALE_WORDS + groups[None, :],
+            mask=tmask[:, None] & gmask[None, :],
+        )
+        for d in tl.static_range(NUM_RANKS):
+            to_d = column(hit, ranks, d) > 0
+            p = aligned_ptr(column(dst, ranks, d) + ROW_WORDS * 4, tl.int32)
+            tl.store(p[:, None] + groups[None, :], s, mask=to_d[:, None] & gmask[None, :])
+    if HAS_TOPK:
+        owner = tl.where(ids >= 0, ids // E_LOCAL, -1)
+        if HAS_WEIGHTS:
+            weights = tl.load(
+                topk_weights_ptr + tokens64[:, None] * K + ks[None, :],
+                mask=tmask[:, None] & kmask[None, :],
+                other=0.0,
+            )
+    source = tokens
+    if HAS_TAG:  # a row's origin further back (the internode forwarders use it)
+        source = tl.load(src_tag_ptr + tokens64, mask=tmask, other=0)
+    for d in tl.static_range(NUM_RANKS):
+        to_d = column(hit, ranks, d) > 0
+        record = aligned_ptr(column(dst, ranks, d) + RECORD_WORD * 4, tl.int32)
+        tl.store(record, source, mask=to_d)
+        if HAS_TOPK:
+            local = tl.where(owner == d, ids - d * E_LOCAL, -1).to(tl.int32)
+            kto = to_d[:, None] & kmask[None, :]
+            tl.store(record[:, None] + 1 + ks[None, :], local, mask=kto)
+            if HAS_WEIGHTS:
+                wrec = record.to(tl.pointer_type(tl.float32))
+                tl.store(
+                    wrec[:, None] + 1 + K + ks[None, :],
+                    tl.where(owner == d, weights, 0.0),
+                    mask=kto,
+                )
+
+
+@triton.jit
+def dispatch_send(
+    channel,  # the channel this program sends
+    call,  # this launch's call number
+    x_ptr,  # [N, ROW_WORDS] int32 payload words
+    scales_ptr,  # [N, SCALE_WORDS] int32 scale words (HAS_SCALES)
+    topk_idx_ptr,  # [N, K] int64 global expert ids (HAS_TOPK)
+    topk_weights_ptr,  # [N, K] float32 (HAS_WEIGHTS)
+    in_rank_ptr,  # [N, R] int8 destinations of each token (stored with RANKS_FROM_IDS)
+    src_tag_ptr,  # [N] int32 each row's recorded source (HAS_TAG)
+    num_tokens,  # N
+    K,  # top-k columns
+    bounds_ptr,  # [C + 1] int32 first token of each channel (BOUNDS)
+    ready_ptr,  # [N] int32 per-token flags awaited before reading a token (AWAIT)
+    trace_ptr,  # readings (PROFILE)
     peer_ptrs,
-    rank,
-    ring_offset,
-    tail_offset,
-    head_offset,
-    stage_offset,
     pe_ptr,
+    rank,
     status_ptr,
-    timeout_ns,
-    bounds_ptr,
-    ready_ptr,
-    W: tl.constexpr,
-    G: tl.constexpr,
-    K,  # top-k columns of the id and weight rows (a runtime value: one variant per K_P2)
+    timeout_ns,  # NormalShared (limit in ns)
+    ROW_WORDS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
     E_LOCAL: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
     RING: tl.constexpr,
     RING_STRIDE: tl.constexpr,
     SLOT_BYTES: tl.constexpr,
-    META_OFF: tl.constexpr,
+    RECORD_WORD: tl.constexpr,
+    RING_OFFSET: tl.constexpr,
+    TAIL_OFFSET: tl.constexpr,
+    HEAD_OFFSET: tl.constexpr,
+    STAGE_OFFSET: tl.constexpr,
     HAS_SCALES: tl.constexpr,
     HAS_TOPK: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     HAS_TAG: tl.constexpr,
-    USE_CLOCK: tl.constexpr,
-    TOK: tl.constexpr,
-    BW: tl.constexpr,
-    R_P2: tl.constexpr,
-    K_P2: tl.constexpr,
-    G_P2: tl.constexpr,
-    VIA: tl.constexpr,
     BOUNDS: tl.constexpr,
     AWAIT: tl.constexpr,
     RANKS_FROM_IDS: tl.constexpr,
     LOCAL: tl.constexpr,
     RELEASE_STEPS: tl.constexpr,
-    trace_ptr,
+    USE_CLOCK: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+    BLOCK_SEND_WORDS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
     PROFILE: tl.constexpr,
+    VIA: tl.constexpr,
 ):
-    """The sender of channel ``channel``: walk its tokens, feed every destination ring (with
-    ``LOCAL``, every ring but this rank's own). Returns the time it waited (with ``PROFILE``;
-    0 otherwise)."""
-    ranks = tl.arange(0, R_P2)
+    """The sender of ``channel`` (constexprs as :func:`normal_dispatch_kernel`'s): walk its
+    tokens, feed every destination ring (with ``LOCAL``, every ring but this rank's own).
+    Returns the time it waited (with ``PROFILE``; 0 otherwise)."""
+    ranks = tl.arange(0, BLOCK_RANKS)
     rmask = ranks < NUM_RANKS
     peer_base = tl.load(peer_ptrs + ranks, mask=rmask, other=0)
     my_base = tl.load(peer_ptrs + rank)
-    words = tl.arange(0, BW)
-    ks = tl.arange(0, K_P2)
-    kmask = ks < K
-    groups = tl.arange(0, G_P2)
-    gmask = groups < G
     tag = call << 32
     t0, t1 = channel_tokens(channel, num_tokens, bounds_ptr, NUM_CHANNELS, BOUNDS)
     pair = channel * NUM_RANKS + rank
-    ring_at = ring_offset + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)  # in each peer
+    ring_at = RING_OFFSET + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)  # in each peer
     ring = peer_base + ring_at
     if VIA != VIA_STORE:
         # Rows are built in this rank's mirror of each destination's ring, then put there.
         mirror_pairs = (channel * NUM_RANKS + ranks).to(tl.int64)
-        ring = my_base + stage_offset + mirror_pairs * (RING_STRIDE * SLOT_BYTES)
-    head_flag = my_base + head_offset + (channel * NUM_RANKS + ranks) * 8
+        ring = my_base + STAGE_OFFSET + mirror_pairs * (RING_STRIDE * SLOT_BYTES)
+    head_flag = my_base + HEAD_OFFSET + (channel * NUM_RANKS + ranks) * 8
     head_flag = head_flag.to(tl.pointer_type(tl.int64))
-    sent = tl.zeros((R_P2,), tl.int32)
-    released = tl.zeros((R_P2,), tl.int64)  # last head value read, per destination
+    sent = tl.zeros((BLOCK_RANKS,), tl.int32)
+    released = tl.zeros((BLOCK_RANKS,), tl.int64)  # last head value read, per destination
     budget = timeout_ns + tl.zeros((), tl.int64)
     waited = tl.zeros((), tl.int64)
+    bad = tl.zeros((BLOCK_TOKENS, BLOCK_K), tl.int32)  # ids outside [-1, E) met, per lane
     announced = sent  # rows up to here are announced by the tails
     unannounced = tl.zeros((), tl.int32)  # steps copied but not yet announced
-    for first in range(t0, t1, TOK):
-        tokens = first + tl.arange(0, TOK)
+    for first in range(t0, t1, BLOCK_TOKENS):
+        tokens = first + tl.arange(0, BLOCK_TOKENS)
         tmask = tokens < t1
-        tokens64 = tokens.to(tl.int64)
         if AWAIT:  # relayed rows: wait until the network leg has written them here
             if PROFILE:
                 t_w = read_clock(trace_ptr, USE_CLOCK)
             # Flags only grow (the reading launch's call + 1), so "at least" is "this call's".
-            _, arrived = wait_all_at_least(ready_ptr + tokens64, (call + 1).to(tl.int32), tmask,
-                                           budget, USE_CLOCK, True)  # fmt: skip
+            _, arrived = wait_all_at_least(
+                ready_ptr + tokens.to(tl.int64),
+                (call + 1).to(tl.int32),
+                tmask,
+                budget,
+                USE_CLOCK,
+                True,
+            )
             if PROFILE:
                 waited += read_clock(trace_ptr, USE_CLOCK) - t_w
             if not arrived:
@@ -223,25 +470,26 @@ def dispatch_send(
             # Rows not arrived are not read. (A tile compare, not `tmask & arrived`: Triton
             # 3.9's interpreter splats a scalar comparison as int32, which no mask accepts.)
             tmask = tokens < tl.where(arrived, t1, 0)
-        at_rank = tokens64[:, None] * NUM_RANKS + ranks[None, :]
-        if RANKS_FROM_IDS:  # a relay learns the destinations from the rows themselves
-            ids = tl.load(
-                topk_idx_ptr + tokens64[:, None] * K + ks[None, :],
-                mask=tmask[:, None] & kmask[None, :],
-                other=-1,
-            )
-            owner = tl.where(ids >= 0, ids // E_LOCAL, -1)
-            hit = tl.max((owner[:, :, None] == ranks[None, None, :]).to(tl.int32), 1)
-            tl.store(in_rank_ptr + at_rank, hit.to(tl.int8),
-                     mask=(tokens < t1)[:, None] & rmask[None, :])  # fmt: skip
+        if HAS_TOPK or RANKS_FROM_IDS:
+            ids, bad_here = step_ids(topk_idx_ptr, tokens, tmask, K, E_LOCAL * NUM_RANKS, BLOCK_K)
+            bad = bad | bad_here
         else:
-            hit = tl.load(in_rank_ptr + at_rank, mask=tmask[:, None] & rmask[None, :], other=0)
-        hit = (hit != 0).to(tl.int32)
-        if LOCAL:  # this rank's receiver copies its own rows from the input
-            hit = tl.where(ranks[None, :] == rank, 0, hit)
-        before = rows_before(hit, TOK)
+            ids = tl.full((BLOCK_TOKENS, BLOCK_K), -1, tl.int64)
+        hit = step_destinations(
+            ids,
+            tokens,
+            tmask,
+            t1,
+            in_rank_ptr,
+            rank,
+            E_LOCAL,
+            NUM_RANKS,
+            RANKS_FROM_IDS,
+            LOCAL,
+            BLOCK_RANKS,
+        )
         count = tl.sum(hit, 0)
-        position = sent[None, :] + before
+        position = sent[None, :] + rows_before(hit, BLOCK_TOKENS)
         # The slots must be free: the receiver has moved its head far enough, in this call.
         target = tag | tl.maximum(sent + count - RING, 0).to(tl.int64)
         blocked = (count > 0) & (released < target)
@@ -251,7 +499,7 @@ def dispatch_send(
                 # The slots waited for are freed only once the receivers have the rows held
                 # back: announce them first.
                 put_rings(my_base, peer_base, ranks, ring_at, ring, announced, sent,
-                          tail_offset + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
+                          TAIL_OFFSET + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
                           VIA)  # fmt: skip
                 announced = sent
                 unannounced = unannounced * 0
@@ -269,179 +517,359 @@ def dispatch_send(
         # past a skipped step would hand its slots, stale, to healthy peers as this call's
         # rows; unpublished, those peers time out too and name this rank.
         if ok & (budget > 0):
-            slot = (position % RING).to(tl.int64)
-            dst = ring[None, :] + slot * SLOT_BYTES  # [TOK, R_P2] slot addresses
-            # The loads of the next chunk are issued before the stores of this one, so a chunk
-            # costs about one memory latency however many destinations it has.
-            rows = x_ptr + tokens64[:, None] * W
-            v = tl.load(rows + words[None, :], mask=tmask[:, None] & (words < W)[None, :])
-            for w0 in range(0, W, BW):
-                w = w0 + words
-                wn = w + BW
-                v_next = tl.load(rows + wn[None, :], mask=tmask[:, None] & (wn < W)[None, :])
-                for d in tl.static_range(NUM_RANKS):
-                    to_d = column(hit, ranks, d) > 0
-                    p = aligned_ptr(column(dst, ranks, d), tl.int32)
-                    tl.store(p[:, None] + w[None, :], v, mask=to_d[:, None] & (w < W)[None, :])
-                v = v_next
-            if HAS_SCALES:
-                s = tl.load(
-                    scales_ptr + tokens64[:, None] * G + groups[None, :],
-                    mask=tmask[:, None] & gmask[None, :],
-                )
-                for d in tl.static_range(NUM_RANKS):
-                    to_d = column(hit, ranks, d) > 0
-                    p = aligned_ptr(column(dst, ranks, d) + W * 4, tl.int32)
-                    gto = to_d[:, None] & gmask[None, :]
-                    tl.store(p[:, None] + groups[None, :], s, mask=gto)
-            if HAS_TOPK:
-                ids = tl.load(
-                    topk_idx_ptr + tokens64[:, None] * K + ks[None, :],
-                    mask=tmask[:, None] & kmask[None, :],
-                    other=-1,
-                )
-                owner = tl.where(ids >= 0, ids // E_LOCAL, -1)
-                if HAS_WEIGHTS:
-                    weights = tl.load(
-                        topk_weights_ptr + tokens64[:, None] * K + ks[None, :],
-                        mask=tmask[:, None] & kmask[None, :],
-                        other=0.0,
-                    )
-            source = tokens
-            if HAS_TAG:  # a row's origin further back (the internode forwarders use it)
-                source = tl.load(src_tag_ptr + tokens64, mask=tmask, other=0)
-            for d in tl.static_range(NUM_RANKS):
-                to_d = column(hit, ranks, d) > 0
-                record = aligned_ptr(column(dst, ranks, d) + META_OFF * 4, tl.int32)
-                tl.store(record, source, mask=to_d)
-                if HAS_TOPK:
-                    local = tl.where(owner == d, ids - d * E_LOCAL, -1).to(tl.int32)
-                    kto = to_d[:, None] & kmask[None, :]
-                    tl.store(record[:, None] + 1 + ks[None, :], local, mask=kto)
-                    if HAS_WEIGHTS:
-                        wrec = record.to(tl.pointer_type(tl.float32))
-                        mine = tl.where(owner == d, weights, 0.0)
-                        tl.store(wrec[:, None] + 1 + K + ks[None, :], mine, mask=kto)
+            dst = ring[None, :] + (position % RING).to(tl.int64) * SLOT_BYTES  # slot addresses
+            store_step(
+                x_ptr,
+                scales_ptr,
+                topk_weights_ptr,
+                src_tag_ptr,
+                tokens,
+                tmask,
+                ids,
+                hit,
+                dst,
+                K,
+                ROW_WORDS,
+                SCALE_WORDS,
+                E_LOCAL,
+                NUM_RANKS,
+                RECORD_WORD,
+                HAS_SCALES,
+                HAS_TOPK,
+                HAS_WEIGHTS,
+                HAS_TAG,
+                BLOCK_SEND_WORDS,
+                BLOCK_RANKS,
+                BLOCK_K,
+                BLOCK_SCALES,
+            )
             tl.debug_barrier()
             # One system-scope release per RELEASE_STEPS steps and at the channel's end: each
             # waits for the stores before it to reach the peers.
             unannounced += 1
-            if (unannounced >= RELEASE_STEPS) | (first + TOK >= t1):
+            if (unannounced >= RELEASE_STEPS) | (first + BLOCK_TOKENS >= t1):
                 put_rings(my_base, peer_base, ranks, ring_at, ring, announced, sent + count,
-                          tail_offset + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
+                          TAIL_OFFSET + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
                           VIA)  # fmt: skip
                 announced = sent + count
                 unannounced = unannounced * 0
         sent += count
+    if tl.max(tl.max(bad, 1), 0) > 0:  # the error path: the batch's first bad id, whichever
+        # sender met one
+        token, col, bad_id = first_bad_id(
+            topk_idx_ptr, num_tokens, K, E_LOCAL * NUM_RANKS, BLOCK_K, BLOCK_TOKENS
+        )
+        record_bad_id(status_ptr, rank, PHASE_DISPATCH_IDS, token, col, bad_id)
     return waited
 
 
+# ---------------------------------------------------------------------------------- receiver
+
+
 @triton.jit
-def dispatch_receive(
-    channel,
-    call,
-    peer_ptrs,
+def own_lane(
+    own,
+    own_tok,
+    own_end,
+    own_next,
+    in_rank_ptr,
+    x_addr,
     rank,
-    ring_offset,
-    tail_offset,
-    head_offset,
-    pe_ptr,
-    recv_count_ptr,
-    recv_start_ptr,
-    host_info_ptr,
+    row,
+    live,
+    src,
+    NUM_RANKS: tl.constexpr,
+    ROW_WORDS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+):
+    """The own lane of a receiver's step (``LOCAL``): the next ``BLOCK_ROWS`` tokens of the
+    channel from ``own_tok`` on, those for this rank live, read from the input at ``x_addr``
+    into rows ``own_next + (this rank's tokens before it)``. Returns the step's ``(token,
+    row, live, src)`` tiles with the own lane filled in, and the number of own rows."""
+    steps = tl.arange(0, BLOCK_ROWS)
+    earlier = (steps[None, :] < steps[:, None]).to(tl.int32)  # [row, earlier row]
+    mine = own_tok + steps
+    hit = (
+        tl.load(in_rank_ptr + mine.to(tl.int64) * NUM_RANKS + rank, mask=mine < own_end, other=0)
+        != 0
+    )
+    hit32 = hit.to(tl.int32)
+    before = tl.sum(earlier * hit32[None, :], 1)
+    token = tl.where(own, mine[None, :], 0)
+    row = tl.where(own, (own_next + before)[None, :].to(tl.int64), row)
+    live = tl.where(own, hit[None, :], live)
+    src = tl.where(own, x_addr + token.to(tl.int64) * (ROW_WORDS * 4), src)
+    return token, row, live, src, tl.sum(hit32, 0)
+
+
+@triton.jit
+def copy_rows(
+    src,
+    row,
+    live,
+    mine,
+    token,
     out_x_ptr,
     out_scales_ptr,
     out_topk_idx_ptr,
     out_weights_ptr,
     out_src_ptr,
-    max_rows,
-    status_ptr,
-    timeout_ns,
-    ready_ptr,
-    relay_call_ptr,
-    x_ptr,
-    scales_ptr,
+    scales_addr,
     topk_idx_ptr,
     topk_weights_ptr,
-    in_rank_ptr,
     src_tag_ptr,
-    num_tokens,
+    row_map_ptr,
+    rank,
+    K,
+    ROW_WORDS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    RECORD_WORD: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    HAS_TOPK: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    HAS_TAG: tl.constexpr,
+    LOCAL: tl.constexpr,
+    ROW_MAP: tl.constexpr,
+    BLOCK_RECV_WORDS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
+):
+    """Copy the ``live`` rows of a step (flat ``[lanes * BLOCK_ROWS]`` tiles: ``src`` the
+    slot, or for ``mine`` rows the input row of ``token``, and ``row`` the output row) into
+    the outputs: payload and scales (at ``row_map[row]`` with ``ROW_MAP``), then the source,
+    local top-k ids and weights (at ``row``)."""
+    words = tl.arange(0, BLOCK_RECV_WORDS)
+    ks = tl.arange(0, BLOCK_K)
+    kmask = ks < K
+    groups = tl.arange(0, BLOCK_SCALES)
+    gmask = groups < SCALE_WORDS
+    out = row  # where the row's payload goes; its record and flag stay at ``row``
+    if ROW_MAP:
+        # The caller's final order, written here instead of a gather of every row afterwards
+        # (the internode mode's (source rank, token) order).
+        out = tl.load(row_map_ptr + row, mask=live, other=0).to(tl.int64)
+    p = aligned_ptr(src, tl.int32)[:, None]
+    v = tl.load(
+        p + words[None, :], mask=live[:, None] & (words < ROW_WORDS)[None, :], cache_modifier=".cg"
+    )
+    for w0 in range(0, ROW_WORDS, BLOCK_RECV_WORDS):
+        w = w0 + words
+        wn = w + BLOCK_RECV_WORDS
+        v_next = tl.load(
+            p + wn[None, :], mask=live[:, None] & (wn < ROW_WORDS)[None, :], cache_modifier=".cg"
+        )
+        tl.store(
+            out_x_ptr + out[:, None] * ROW_WORDS + w[None, :],
+            v,
+            mask=live[:, None] & (w < ROW_WORDS)[None, :],
+        )
+        v = v_next
+    if HAS_SCALES:
+        m2 = live[:, None] & gmask[None, :]
+        at = src + ROW_WORDS * 4
+        if LOCAL:
+            at = tl.where(mine, scales_addr + token * (SCALE_WORDS * 4), at)
+        v = tl.load(
+            aligned_ptr(at, tl.int32)[:, None] + groups[None, :], mask=m2, cache_modifier=".cg"
+        )
+        tl.store(out_scales_ptr + out[:, None] * SCALE_WORDS + groups[None, :], v, mask=m2)
+    from_ring = live & ~mine
+    record = aligned_ptr(src + RECORD_WORD * 4, tl.int32)
+    source = tl.load(record, mask=from_ring, cache_modifier=".cg")
+    if LOCAL:
+        if HAS_TAG:  # a row's origin further back
+            tagged = tl.load(src_tag_ptr + token, mask=live & mine, other=0)
+            source = tl.where(mine, tagged, source)
+        else:
+            source = tl.where(mine, token.to(tl.int32), source)
+    tl.store(out_src_ptr + row, source, mask=live)
+    if HAS_TOPK:
+        m2 = live[:, None] & kmask[None, :]
+        ring_lanes = from_ring[:, None] & kmask[None, :]
+        local = tl.load(
+            record[:, None] + 1 + ks[None, :], mask=ring_lanes, cache_modifier=".cg"
+        ).to(tl.int64)
+        if HAS_WEIGHTS:
+            at = record.to(tl.pointer_type(tl.float32))[:, None] + 1 + K + ks[None, :]
+            wv = tl.load(at, mask=ring_lanes, cache_modifier=".cg")
+        if LOCAL:
+            m_own = (live & mine)[:, None] & kmask[None, :]
+            at = token[:, None] * K + ks[None, :]
+            ids = tl.load(topk_idx_ptr + at, mask=m_own, other=-1)
+            here = (ids >= 0) & (ids // E_LOCAL == rank)
+            local = tl.where(mine[:, None], tl.where(here, ids - rank * E_LOCAL, -1), local)
+            if HAS_WEIGHTS:
+                wo = tl.load(topk_weights_ptr + at, mask=m_own, other=0.0)
+                wv = tl.where(mine[:, None], tl.where(here, wo, 0.0), wv)
+        tl.store(out_topk_idx_ptr + row[:, None] * K + ks[None, :], local, mask=m2)
+        if HAS_WEIGHTS:
+            tl.store(out_weights_ptr + row[:, None] * K + ks[None, :], wv, mask=m2)
+
+
+@triton.jit
+def fill_rows(
+    first,
+    end,
+    max_rows,
+    out_x_ptr,
+    out_scales_ptr,
+    out_topk_idx_ptr,
+    out_weights_ptr,
+    out_src_ptr,
+    row_map_ptr,
+    K,
+    POISON: tl.constexpr,
+    ROW_WORDS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    HAS_TOPK: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    ROW_MAP: tl.constexpr,
+    BLOCK_RECV_WORDS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
+):
+    """Rows ``[first, end)`` (below ``max_rows``) as padding (source and top-k ids ``-1``,
+    weights 0) or, with ``POISON``, as 0xFF bytes throughout (NaN payload, scales and
+    weights; source and ids ``-1``)."""
+    ks = tl.arange(0, BLOCK_K)
+    fill = tl.arange(0, BLOCK_FILL)
+    words = tl.arange(0, BLOCK_RECV_WORDS)
+    groups = tl.arange(0, BLOCK_SCALES)
+    for at in range(first, end, BLOCK_FILL):
+        rows = (at + fill).to(tl.int64)
+        rm = (rows < end) & (rows < max_rows)
+        tl.store(out_src_ptr + rows, tl.full((BLOCK_FILL,), -1, tl.int32), mask=rm)
+        if HAS_TOPK:
+            m2 = rm[:, None] & (ks < K)[None, :]
+            at_k = rows[:, None] * K + ks[None, :]
+            tl.store(out_topk_idx_ptr + at_k, tl.full((BLOCK_FILL, BLOCK_K), -1, tl.int64), mask=m2)
+            if HAS_WEIGHTS:
+                if POISON:
+                    weights = tl.full((BLOCK_FILL, BLOCK_K), float("nan"), tl.float32)
+                else:
+                    weights = tl.zeros((BLOCK_FILL, BLOCK_K), tl.float32)
+                tl.store(out_weights_ptr + at_k, weights, mask=m2)
+        if POISON:
+            out = rows
+            if ROW_MAP:
+                out = tl.load(row_map_ptr + rows, mask=rm, other=0).to(tl.int64)
+            for w0 in range(0, ROW_WORDS, BLOCK_RECV_WORDS):
+                w = w0 + words
+                tl.store(
+                    out_x_ptr + out[:, None] * ROW_WORDS + w[None, :],
+                    tl.full((BLOCK_FILL, BLOCK_RECV_WORDS), -1, tl.int32),
+                    mask=rm[:, None] & (w < ROW_WORDS)[None, :],
+                )
+            if HAS_SCALES:
+                tl.store(
+                    out_scales_ptr + out[:, None] * SCALE_WORDS + groups[None, :],
+                    tl.full((BLOCK_FILL, BLOCK_SCALES), -1, tl.int32),
+                    mask=rm[:, None] & (groups < SCALE_WORDS)[None, :],
+                )
+
+
+@triton.jit
+def dispatch_receive(
+    channel,  # the channel this program receives
+    call,  # this launch's call number
+    x_ptr,  # [N, ROW_WORDS] int32 payload words (the own lane's input, LOCAL)
+    scales_ptr,  # [N, SCALE_WORDS] int32 (LOCAL and HAS_SCALES)
+    topk_idx_ptr,  # [N, K] int64 (LOCAL and HAS_TOPK)
+    topk_weights_ptr,  # [N, K] float32 (LOCAL and HAS_WEIGHTS)
+    in_rank_ptr,  # [N, R] int8 (LOCAL)
+    src_tag_ptr,  # [N] int32 (LOCAL and HAS_TAG)
+    num_tokens,  # N
+    K,  # top-k columns
+    recv_count_ptr,
+    recv_start_ptr,
+    host_info_ptr,  # from notify
+    out_x_ptr,
+    out_scales_ptr,
+    out_topk_idx_ptr,
+    out_weights_ptr,
+    out_src_ptr,  # outputs
+    max_rows,  # rows the outputs hold
     bounds_ptr,
-    W: tl.constexpr,
-    G: tl.constexpr,
-    K,  # top-k columns of the id and weight rows (a runtime value: one variant per K_P2)
+    ready_ptr,
+    relay_call_ptr,
+    row_map_ptr,
+    trace_ptr,  # as the kernel's
+    peer_ptrs,
+    pe_ptr,
+    rank,
+    status_ptr,
+    timeout_ns,  # NormalShared (limit in ns)
+    ROW_WORDS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
     E_LOCAL: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
-    MAX_CHANNELS: tl.constexpr,  # channels the rings are allocated for
+    MAX_CHANNELS: tl.constexpr,
     RING: tl.constexpr,
     RING_STRIDE: tl.constexpr,
     SLOT_BYTES: tl.constexpr,
-    META_OFF: tl.constexpr,
+    RECORD_WORD: tl.constexpr,
+    RING_OFFSET: tl.constexpr,
+    TAIL_OFFSET: tl.constexpr,
+    HEAD_OFFSET: tl.constexpr,
     HAS_SCALES: tl.constexpr,
     HAS_TOPK: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     HAS_TAG: tl.constexpr,
     PAD_ROWS: tl.constexpr,
-    USE_CLOCK: tl.constexpr,
-    ROWS: tl.constexpr,
-    BW: tl.constexpr,
-    R_P2: tl.constexpr,
-    K_P2: tl.constexpr,
-    G_P2: tl.constexpr,
-    VIA: tl.constexpr,
     BOUNDS: tl.constexpr,
     PUBLISH: tl.constexpr,
     LOCAL: tl.constexpr,
-    row_map_ptr,
     ROW_MAP: tl.constexpr,
-    trace_ptr,
+    USE_CLOCK: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_RECV_WORDS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
     PROFILE: tl.constexpr,
+    VIA: tl.constexpr,
 ):
-    """The receiver of channel ``channel``: drain the rings of every source into the outputs
-    (with ``LOCAL``, this rank's own lane of each step reads the channel's tokens straight from
-    the input instead). Returns the time it polled without progress (with ``PROFILE``; 0
-    otherwise)."""
-    ranks = tl.arange(0, R_P2)
+    """The receiver of ``channel`` (constexprs as :func:`normal_dispatch_kernel`'s): drain
+    the rings of every source into the outputs (with ``LOCAL``, this rank's own lane of each
+    step reads the channel's tokens straight from the input instead). Returns the time it
+    polled without progress (with ``PROFILE``; 0 otherwise)."""
+    ranks = tl.arange(0, BLOCK_RANKS)
     rmask = ranks < NUM_RANKS
     peer_base = tl.load(peer_ptrs + ranks, mask=rmask, other=0)
     my_base = tl.load(peer_ptrs + rank)
-    words = tl.arange(0, BW)
-    ks = tl.arange(0, K_P2)
-    kmask = ks < K
-    groups = tl.arange(0, G_P2)
-    gmask = groups < G
     tag = call << 32
     count = tl.load(recv_count_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
     start = tl.load(recv_start_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
-    steps = tl.arange(0, ROWS)
-    lane = ranks[:, None] + 0 * steps[None, :]  # [R_P2, ROWS] source rank of each tile row
-    # The own lane walks the channel's tokens ROWS at a time, from own_tok to own_end; a
+    steps = tl.arange(0, BLOCK_ROWS)
+    lane = ranks[:, None] + 0 * steps[None, :]  # [BLOCK_RANKS, BLOCK_ROWS] source of each row
+    # The own lane walks the channel's tokens BLOCK_ROWS at a time, from own_tok to own_end; a
     # token for this rank lands at recv_start[rank, channel] + (this rank's tokens before it).
     own_tok = tl.zeros((), tl.int32)
     own_end = own_tok
     own_next = own_tok
+    own = lane < 0
     if LOCAL:
         own = lane == rank
         count = tl.where(ranks == rank, 0, count)
         own_tok, own_end = channel_tokens(channel, num_tokens, bounds_ptr, NUM_CHANNELS, BOUNDS)
         own_next = tl.load(recv_start_ptr + rank * NUM_CHANNELS + channel)
-        earlier = (steps[None, :] < steps[:, None]).to(tl.int32)  # [row, earlier row]
-        x_addr = x_ptr.to(tl.int64, bitcast=True)
-        scales_addr = scales_ptr.to(tl.int64, bitcast=True)
-    else:
-        own = lane < 0
+    x_addr = x_ptr.to(tl.int64, bitcast=True)
+    scales_addr = scales_ptr.to(tl.int64, bitcast=True)
     pair = channel * NUM_RANKS + ranks
-    ring = my_base + ring_offset + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)
-    tail_flag = (my_base + tail_offset + pair * 8).to(tl.pointer_type(tl.int64))
-    head_at = head_offset + (channel * NUM_RANKS + rank) * 8  # in each source's heap
-    head = tl.zeros((R_P2,), tl.int32)
+    ring = my_base + RING_OFFSET + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)
+    tail_flag = (my_base + TAIL_OFFSET + pair * 8).to(tl.pointer_type(tl.int64))
+    head_at = HEAD_OFFSET + (channel * NUM_RANKS + rank) * 8  # in each source's heap
+    head = tl.zeros((BLOCK_RANKS,), tl.int32)
     clock = start_clock(USE_CLOCK)
     spins = tl.zeros((), tl.int64)
     pending = tl.sum(count, 0)
     if PUBLISH:
         published = relay_flag(relay_call_ptr)
     waited = tl.zeros((), tl.int64)
+    FLAT: tl.constexpr = BLOCK_RANKS * BLOCK_ROWS  # rows of a step, flattened
     while ((pending > 0) | (own_tok < own_end)) & (
         elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns
     ):
@@ -450,7 +878,7 @@ def dispatch_receive(
         waiting = head < count
         tails = tl.atomic_add(tail_flag, 0, mask=waiting, sem="acquire", scope="sys")
         arrived = tl.where(waiting & (tails >= tag), (tails & 0xFFFFFFFF).to(tl.int32), head)
-        take = tl.minimum(arrived - head, ROWS)
+        take = tl.minimum(arrived - head, BLOCK_ROWS)
         if (tl.max(take, 0) > 0) | (own_tok < own_end):
             tl.debug_barrier()
             i = steps[None, :]
@@ -460,80 +888,58 @@ def dispatch_receive(
             src = ring[:, None] + slot * SLOT_BYTES
             token = 0 * lane
             if LOCAL:
-                # The own lane: the next ROWS tokens of the channel, those for this rank live.
-                mine = own_tok + steps
-                hit = tl.load(in_rank_ptr + mine.to(tl.int64) * NUM_RANKS + rank,
-                              mask=mine < own_end, other=0) != 0  # fmt: skip
-                hit32 = hit.to(tl.int32)
-                before = tl.sum(earlier * hit32[None, :], 1)
-                token = tl.where(own, mine[None, :], token)
-                row = tl.where(own, (own_next + before)[None, :].to(tl.int64), row)
-                live = tl.where(own, hit[None, :], live)
-                src = tl.where(own, x_addr + token.to(tl.int64) * (W * 4), src)
-                own_next += tl.sum(hit32, 0)
-                own_tok += ROWS
+                token, row, live, src, taken = own_lane(
+                    own,
+                    own_tok,
+                    own_end,
+                    own_next,
+                    in_rank_ptr,
+                    x_addr,
+                    rank,
+                    row,
+                    live,
+                    src,
+                    NUM_RANKS,
+                    ROW_WORDS,
+                    BLOCK_ROWS,
+                )
+                own_next += taken
+                own_tok += BLOCK_ROWS
             live = live & (row < max_rows)  # worst-case outputs drop the overflow
-            src = tl.reshape(src, (R_P2 * ROWS,))
-            row = tl.reshape(row, (R_P2 * ROWS,))
-            live = tl.reshape(live, (R_P2 * ROWS,))
-            mine = tl.reshape(own, (R_P2 * ROWS,))
-            token = tl.reshape(token, (R_P2 * ROWS,)).to(tl.int64)
-            out = row  # where the row's payload goes; its record and flag stay at ``row``
-            if ROW_MAP:
-                # The caller's final order, written here instead of a gather of every row
-                # afterwards (the internode mode's (source rank, token) order).
-                out = tl.load(row_map_ptr + row, mask=live, other=0).to(tl.int64)
-            p = aligned_ptr(src, tl.int32)[:, None]
-            v = tl.load(p + words[None, :], mask=live[:, None] & (words < W)[None, :],
-                        cache_modifier=".cg")  # fmt: skip
-            for w0 in range(0, W, BW):
-                w = w0 + words
-                wn = w + BW
-                mn = live[:, None] & (wn < W)[None, :]
-                v_next = tl.load(p + wn[None, :], mask=mn, cache_modifier=".cg")
-                m2 = live[:, None] & (w < W)[None, :]
-                tl.store(out_x_ptr + out[:, None] * W + w[None, :], v, mask=m2)
-                v = v_next
-            if HAS_SCALES:
-                m2 = live[:, None] & gmask[None, :]
-                at = src + W * 4
-                if LOCAL:
-                    at = tl.where(mine, scales_addr + token * (G * 4), at)
-                p = aligned_ptr(at, tl.int32)
-                v = tl.load(p[:, None] + groups[None, :], mask=m2, cache_modifier=".cg")
-                tl.store(out_scales_ptr + out[:, None] * G + groups[None, :], v, mask=m2)
-            from_ring = live & ~mine
-            record = aligned_ptr(src + META_OFF * 4, tl.int32)
-            source = tl.load(record, mask=from_ring, cache_modifier=".cg")
-            if LOCAL:
-                if HAS_TAG:  # a row's origin further back
-                    tagged = tl.load(src_tag_ptr + token, mask=live & mine, other=0)
-                    source = tl.where(mine, tagged, source)
-                else:
-                    source = tl.where(mine, token.to(tl.int32), source)
-            tl.store(out_src_ptr + row, source, mask=live)
-            if HAS_TOPK:
-                m2 = live[:, None] & kmask[None, :]
-                at = record[:, None] + 1 + ks[None, :]
-                local = tl.load(at, mask=from_ring[:, None] & kmask[None, :],
-                                cache_modifier=".cg").to(tl.int64)  # fmt: skip
-                if HAS_WEIGHTS:
-                    at = record.to(tl.pointer_type(tl.float32))[:, None] + 1 + K + ks[None, :]
-                    wv = tl.load(at, mask=from_ring[:, None] & kmask[None, :],
-                                 cache_modifier=".cg")  # fmt: skip
-                if LOCAL:
-                    m_own = (live & mine)[:, None] & kmask[None, :]
-                    at = token[:, None] * K + ks[None, :]
-                    ids = tl.load(topk_idx_ptr + at, mask=m_own, other=-1)
-                    here = (ids >= 0) & (ids // E_LOCAL == rank)
-                    local = tl.where(mine[:, None], tl.where(here, ids - rank * E_LOCAL, -1),
-                                     local)  # fmt: skip
-                    if HAS_WEIGHTS:
-                        wo = tl.load(topk_weights_ptr + at, mask=m_own, other=0.0)
-                        wv = tl.where(mine[:, None], tl.where(here, wo, 0.0), wv)
-                tl.store(out_topk_idx_ptr + row[:, None] * K + ks[None, :], local, mask=m2)
-                if HAS_WEIGHTS:
-                    tl.store(out_weights_ptr + row[:, None] * K + ks[None, :], wv, mask=m2)
+            row = tl.reshape(row, (FLAT,))
+            live = tl.reshape(live, (FLAT,))
+            copy_rows(
+                tl.reshape(src, (FLAT,)),
+                row,
+                live,
+                tl.reshape(own, (FLAT,)),
+                tl.reshape(token, (FLAT,)).to(tl.int64),
+                out_x_ptr,
+                out_scales_ptr,
+                out_topk_idx_ptr,
+                out_weights_ptr,
+                out_src_ptr,
+                scales_addr,
+                topk_idx_ptr,
+                topk_weights_ptr,
+                src_tag_ptr,
+                row_map_ptr,
+                rank,
+                K,
+                ROW_WORDS,
+                SCALE_WORDS,
+                E_LOCAL,
+                RECORD_WORD,
+                HAS_SCALES,
+                HAS_TOPK,
+                HAS_WEIGHTS,
+                HAS_TAG,
+                LOCAL,
+                ROW_MAP,
+                BLOCK_RECV_WORDS,
+                BLOCK_K,
+                BLOCK_SCALES,
+            )
             if PUBLISH:
                 publish_rows(ready_ptr + row, published, live)
             head += take
@@ -555,91 +961,135 @@ def dispatch_receive(
         record_timeout(status_ptr, peer, PHASE_DISPATCH_RECV, timeout_ns, channel)
     # Every ring of this channel is free for the next call, whatever it carried.
     tl.debug_barrier()
-    free_rings(call, channel, head_offset, rank, my_base, peer_base, ranks, rmask, pe_ptr,
+    free_rings(call, channel, HEAD_OFFSET, rank, my_base, peer_base, ranks, rmask, pe_ptr,
                NUM_RANKS, NUM_CHANNELS, MAX_CHANNELS, VIA)  # fmt: skip
-    if PAD_ROWS:
+    if PAD_ROWS:  # rows past the received ones, this channel's share of them
         total = tl.load(host_info_ptr)
-        pad = tl.arange(0, 128)
-        for first in range(total + channel * 128, max_rows, NUM_CHANNELS * 128):
-            rows = (first + pad).to(tl.int64)
-            rm = rows < max_rows
-            tl.store(out_src_ptr + rows, tl.full((128,), -1, tl.int32), mask=rm)
-            if HAS_TOPK:
-                m2 = rm[:, None] & kmask[None, :]
-                at = rows[:, None] * K + ks[None, :]
-                tl.store(out_topk_idx_ptr + at, tl.full((128, K_P2), -1, tl.int64), mask=m2)
-                if HAS_WEIGHTS:
-                    tl.store(out_weights_ptr + at, tl.zeros((128, K_P2), tl.float32), mask=m2)
+        for first in range(total + channel * BLOCK_FILL, max_rows, NUM_CHANNELS * BLOCK_FILL):
+            fill_rows(
+                first,
+                first + BLOCK_FILL,
+                max_rows,
+                out_x_ptr,
+                out_scales_ptr,
+                out_topk_idx_ptr,
+                out_weights_ptr,
+                out_src_ptr,
+                row_map_ptr,
+                K,
+                False,
+                ROW_WORDS,
+                SCALE_WORDS,
+                HAS_SCALES,
+                HAS_TOPK,
+                HAS_WEIGHTS,
+                ROW_MAP,
+                BLOCK_RECV_WORDS,
+                BLOCK_K,
+                BLOCK_SCALES,
+            )
+    if timed_out(status_ptr):  # a failed call: every row of this channel, of every source
+        for source in range(NUM_RANKS):
+            first = tl.load(recv_start_ptr + source * NUM_CHANNELS + channel)
+            end = first + tl.load(recv_count_ptr + source * NUM_CHANNELS + channel)
+            fill_rows(
+                first,
+                end,
+                max_rows,
+                out_x_ptr,
+                out_scales_ptr,
+                out_topk_idx_ptr,
+                out_weights_ptr,
+                out_src_ptr,
+                row_map_ptr,
+                K,
+                True,
+                ROW_WORDS,
+                SCALE_WORDS,
+                HAS_SCALES,
+                HAS_TOPK,
+                HAS_WEIGHTS,
+                ROW_MAP,
+                BLOCK_RECV_WORDS,
+                BLOCK_K,
+                BLOCK_SCALES,
+            )
     return waited
 
 
-@triton.jit(do_not_specialize=["timeout_us", "K"])
+# ------------------------------------------------------------------------------------- entry
+
+
+@triton.jit(do_not_specialize=["num_tokens", "K", "max_rows", "timeout_us"])
 def normal_dispatch_kernel(
-    x_ptr,  # [N, W] int32: the payload rows as words (BF16 or e4m3)
-    scales_ptr,  # [N, G] float32 as int32 (FP8 input only)
-    topk_idx_ptr,  # [N, K] int64 global expert ids (not in cached mode)
-    topk_weights_ptr,  # [N, K] float32 (optional)
-    in_rank_ptr,  # [N, R] int8
+    # What changes from call to call (DispatchCall).
+    x_ptr,  # [N, H] bf16 or e4m3 tokens, read as [N, ROW_WORDS] int32 words
+    scales_ptr,  # [N, SCALE_WORDS] 4-byte scale words (HAS_SCALES)
+    topk_idx_ptr,  # [N, K] int64 global expert ids (HAS_TOPK)
+    topk_weights_ptr,  # [N, K] float32 (HAS_WEIGHTS)
+    in_rank_ptr,  # [N, R] bool is_token_in_rank (computed and stored with RANKS_FROM_IDS)
     src_tag_ptr,  # [N] int32 recorded as each row's source index instead of its token (HAS_TAG)
-    num_tokens,
-    peer_ptrs,  # [R] int64 heap base addresses
-    rank,
-    ring_offset,  # byte offset of the rings [C][R source][RING][SLOT_BYTES]
-    tail_offset,  # byte offset of the tails [C][R source] int64 (written by senders)
-    head_offset,  # byte offset of the heads [C][R destination] int64 (written by receivers)
-    stage_offset,  # byte offset of the mirror rings [C][R destination] (VIA != VIA_STORE)
-    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
-    state_ptr,  # [8] int64 device call counters
+    num_tokens,  # N
+    K,  # top-k columns of the id and weight rows (tiles are BLOCK_K wide)
     recv_count_ptr,  # [R, C] int32 tokens each (source, channel) sends here
     recv_start_ptr,  # [R, C] int32 first output row of each (source, channel)
-    host_info_ptr,  # [1 + E_local] int32, [0] = rows received
-    out_x_ptr,  # [max_rows, W] int32
-    out_scales_ptr,  # [max_rows, G] int32
-    out_topk_idx_ptr,  # [max_rows, K] int64
-    out_weights_ptr,  # [max_rows, K] float32
-    out_src_ptr,  # [max_rows] int32 source token index
-    max_rows,
-    status_ptr,  # [STATUS_WORDS] int32
-    timeout_us,  # limit of every wait, in microseconds (sync.timeout_us)
+    host_info_ptr,  # [1 + E_LOCAL] int32, [0] = rows received
+    out_x_ptr,  # [max_rows, H] out, like x
+    out_scales_ptr,  # [max_rows, SCALE_WORDS] out (HAS_SCALES)
+    out_topk_idx_ptr,  # [max_rows, K] int64 out: local expert ids (HAS_TOPK)
+    out_weights_ptr,  # [max_rows, K] float32 out (HAS_WEIGHTS)
+    out_src_ptr,  # [max_rows] int32 out: source token index (or tag) of each row
+    max_rows,  # rows the outputs hold
     bounds_ptr,  # [C + 1] int32 first token of each channel (BOUNDS)
     ready_ptr,  # [rows] int32 per-row flags: awaited on the input (AWAIT), set on the output
     relay_call_ptr,  # int64 call counter of the launch that awaits the flags set here (PUBLISH)
-    row_map_ptr,  # [max_rows] int32 output position of each row (ROW_MAP)
-    K,  # top-k columns of the id and weight rows (not specialized: one variant per K_P2)
+    row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
     trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE)
-    W: tl.constexpr,  # payload words per token
-    G: tl.constexpr,  # scale words per token (FP8)
-    E_LOCAL: tl.constexpr,
-    NUM_RANKS: tl.constexpr,
-    NUM_CHANNELS: tl.constexpr,
-    MAX_CHANNELS: tl.constexpr,
+    # What stays from call to call (NormalShared).
+    peer_ptrs,  # [R] int64 heap base addresses
+    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
+    rank,  # this rank
+    state_ptr,  # [8] int64 device call counters
+    status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
+    timeout_us,  # limit of every wait, in microseconds (sync.timeout_us)
+    decoded_ptr,  # (notify's workspace; unused here)
+    ROW_WORDS: tl.constexpr,  # int32 words of a token's payload
+    SCALE_WORDS: tl.constexpr,  # scale words per token (HAS_SCALES)
+    E_LOCAL: tl.constexpr,  # experts per rank
+    NUM_RANKS: tl.constexpr,  # ranks of the group
+    NUM_CHANNELS: tl.constexpr,  # channels of the call (C)
+    MAX_CHANNELS: tl.constexpr,  # channels the rings are allocated for
     RING: tl.constexpr,  # slots used per ring in this call
     RING_STRIDE: tl.constexpr,  # slots allocated per ring
-    SLOT_BYTES: tl.constexpr,
-    META_OFF: tl.constexpr,  # word offset of the record in a slot, a multiple of 4
-    HAS_SCALES: tl.constexpr,
-    HAS_TOPK: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
-    HAS_TAG: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,  # bytes of a slot
+    RECORD_WORD: tl.constexpr,  # word offset of the record in a slot, a multiple of 4
+    RING_OFFSET: tl.constexpr,  # heap byte offset of the rings [C][R source][RING_STRIDE]
+    TAIL_OFFSET: tl.constexpr,  # heap byte offset of the tails [C][R source] int64 (senders')
+    HEAD_OFFSET: tl.constexpr,  # heap byte offset of the heads [C][R dest] int64 (receivers')
+    STAGE_OFFSET: tl.constexpr,  # heap byte offset of the mirror rings [C][R dest] (VIA)
+    HAS_SCALES: tl.constexpr,  # FP8 input: scale words travel with the payload
+    HAS_TOPK: tl.constexpr,  # top-k ids travel (not in cached mode)
+    HAS_WEIGHTS: tl.constexpr,  # top-k weights travel
+    HAS_TAG: tl.constexpr,  # sources recorded from src_tag_ptr
     PAD_ROWS: tl.constexpr,  # worst-case outputs: mark rows past the received ones
-    USE_CLOCK: tl.constexpr,
-    TOK: tl.constexpr,
-    ROWS: tl.constexpr,
-    BW: tl.constexpr,  # words per row a sender moves per step
-    RBW: tl.constexpr,  # words per row a receiver moves per step
-    R_P2: tl.constexpr,
-    K_P2: tl.constexpr,
-    G_P2: tl.constexpr,
-    PROFILE: tl.constexpr,
-    VIA: tl.constexpr = VIA_STORE,
-    BOUNDS: tl.constexpr = False,  # channels are the ranges in bounds_ptr, not equal splits
-    AWAIT: tl.constexpr = False,  # wait for each input row's flag (call + 1) before reading it
-    RANKS_FROM_IDS: tl.constexpr = False,  # compute is_token_in_rank from the ids, and store it
-    PUBLISH: tl.constexpr = False,  # flag each output row once written
-    LOCAL: tl.constexpr = True,  # receivers copy this rank's own rows from the input
-    RELEASE_STEPS: tl.constexpr = 1,  # sender steps per tail release
-    ROW_MAP: tl.constexpr = False,  # row i's payload (and scales) go to row_map[i]: a
-    # permutation that keeps the rows past the received ones (worst-case padding) together
+    BOUNDS: tl.constexpr,  # channels are the ranges in bounds_ptr, not equal splits
+    AWAIT: tl.constexpr,  # wait for each input row's flag (call + 1) before reading it
+    RANKS_FROM_IDS: tl.constexpr,  # compute is_token_in_rank from the ids, and store it
+    PUBLISH: tl.constexpr,  # flag each output row once written
+    LOCAL: tl.constexpr,  # receivers copy this rank's own rows from the input
+    ROW_MAP: tl.constexpr,  # row i's payload (and scales) go to row_map[i]: a permutation
+    # that keeps the rows past the received ones (worst-case padding) together
+    RELEASE_STEPS: tl.constexpr,  # sender steps per tail release
+    USE_CLOCK: tl.constexpr,  # on a GPU (else the interpreter)
+    BLOCK_TOKENS: tl.constexpr,  # tokens a sender moves per step
+    BLOCK_ROWS: tl.constexpr,  # rows a receiver moves per source and step
+    BLOCK_SEND_WORDS: tl.constexpr,  # words per row a sender moves at a time
+    BLOCK_RECV_WORDS: tl.constexpr,  # words per row a receiver moves at a time
+    BLOCK_RANKS: tl.constexpr,  # power of two >= max(NUM_RANKS, 2)
+    BLOCK_K: tl.constexpr,  # power of two >= max(K, 2)
+    BLOCK_SCALES: tl.constexpr,  # power of two >= max(SCALE_WORDS, 2)
+    PROFILE: tl.constexpr,  # record traces
+    VIA: tl.constexpr,  # how rows reach peers (transport)
 ):
     # Own rows are read by the receivers while the senders run: the input rows and their
     # destinations must be there before the launch, not written by it.
@@ -649,6 +1099,12 @@ def normal_dispatch_kernel(
     call = tl.load(state_ptr + DISPATCH_CALLS, volatile=True)
     if PROFILE:
         t_start = read_clock(trace_ptr, USE_CLOCK)
+    # Payload and scales move as 4-byte words whatever their dtype.
+    x_ptr = x_ptr.to(tl.pointer_type(tl.int32))
+    scales_ptr = scales_ptr.to(tl.pointer_type(tl.int32))
+    out_x_ptr = out_x_ptr.to(tl.pointer_type(tl.int32))
+    out_scales_ptr = out_scales_ptr.to(tl.pointer_type(tl.int32))
+    in_rank_ptr = in_rank_ptr.to(tl.pointer_type(tl.int8))
     sends = pid < NUM_CHANNELS
     if sends:
         waited = dispatch_send(
@@ -661,56 +1117,58 @@ def normal_dispatch_kernel(
             in_rank_ptr,
             src_tag_ptr,
             num_tokens,
-            peer_ptrs,
-            rank,
-            ring_offset,
-            tail_offset,
-            head_offset,
-            stage_offset,
-            pe_ptr,
-            status_ptr,
-            timeout_ns,
+            K,
             bounds_ptr,
             ready_ptr,
-            W,
-            G,
-            K,
+            trace_ptr,
+            peer_ptrs,
+            pe_ptr,
+            rank,
+            status_ptr,
+            timeout_ns,
+            ROW_WORDS,
+            SCALE_WORDS,
             E_LOCAL,
             NUM_RANKS,
             NUM_CHANNELS,
             RING,
             RING_STRIDE,
             SLOT_BYTES,
-            META_OFF,
+            RECORD_WORD,
+            RING_OFFSET,
+            TAIL_OFFSET,
+            HEAD_OFFSET,
+            STAGE_OFFSET,
             HAS_SCALES,
             HAS_TOPK,
             HAS_WEIGHTS,
             HAS_TAG,
-            USE_CLOCK,
-            TOK,
-            BW,
-            R_P2,
-            K_P2,
-            G_P2,
-            VIA,
             BOUNDS,
             AWAIT,
             RANKS_FROM_IDS,
             LOCAL,
             RELEASE_STEPS,
-            trace_ptr,
+            USE_CLOCK,
+            BLOCK_TOKENS,
+            BLOCK_SEND_WORDS,
+            BLOCK_RANKS,
+            BLOCK_K,
+            BLOCK_SCALES,
             PROFILE,
+            VIA,
         )
     else:
         waited = dispatch_receive(
             pid - NUM_CHANNELS,
             call,
-            peer_ptrs,
-            rank,
-            ring_offset,
-            tail_offset,
-            head_offset,
-            pe_ptr,
+            x_ptr,
+            scales_ptr,
+            topk_idx_ptr,
+            topk_weights_ptr,
+            in_rank_ptr,
+            src_tag_ptr,
+            num_tokens,
+            K,
             recv_count_ptr,
             recv_start_ptr,
             host_info_ptr,
@@ -720,21 +1178,18 @@ def normal_dispatch_kernel(
             out_weights_ptr,
             out_src_ptr,
             max_rows,
-            status_ptr,
-            timeout_ns,
+            bounds_ptr,
             ready_ptr,
             relay_call_ptr,
-            x_ptr,
-            scales_ptr,
-            topk_idx_ptr,
-            topk_weights_ptr,
-            in_rank_ptr,
-            src_tag_ptr,
-            num_tokens,
-            bounds_ptr,
-            W,
-            G,
-            K,
+            row_map_ptr,
+            trace_ptr,
+            peer_ptrs,
+            pe_ptr,
+            rank,
+            status_ptr,
+            timeout_ns,
+            ROW_WORDS,
+            SCALE_WORDS,
             E_LOCAL,
             NUM_RANKS,
             NUM_CHANNELS,
@@ -742,26 +1197,27 @@ def normal_dispatch_kernel(
             RING,
             RING_STRIDE,
             SLOT_BYTES,
-            META_OFF,
+            RECORD_WORD,
+            RING_OFFSET,
+            TAIL_OFFSET,
+            HEAD_OFFSET,
             HAS_SCALES,
             HAS_TOPK,
             HAS_WEIGHTS,
             HAS_TAG,
             PAD_ROWS,
-            USE_CLOCK,
-            ROWS,
-            RBW,
-            R_P2,
-            K_P2,
-            G_P2,
-            VIA,
             BOUNDS,
             PUBLISH,
             LOCAL,
-            row_map_ptr,
             ROW_MAP,
-            trace_ptr,
+            USE_CLOCK,
+            BLOCK_ROWS,
+            BLOCK_RECV_WORDS,
+            BLOCK_RANKS,
+            BLOCK_K,
+            BLOCK_SCALES,
             PROFILE,
+            VIA,
         )
     if PROFILE:
         trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), sends, waited,

@@ -23,9 +23,13 @@ channel's rows are one contiguous range.
 Why it is cheap: one small launch of ``R`` programs, a few hundred bytes per peer, no atomics
 on data. Rows alternate between two sets by call parity; a rank can only store into a set
 again after every peer has finished the call that last read it, so the zeroing never races.
+Token counts, the alignment and the output size are run-time values: a new batch compiles
+nothing.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
@@ -41,6 +45,45 @@ NOTIFY_CALLS = tl.constexpr(0)
 NOTIFY_ARRIVALS = tl.constexpr(1)
 
 
+class NotifyCall(NamedTuple):
+    """The leading runtime arguments of :func:`notify_kernel`: what changes per call."""
+
+    counts_ptr: object
+    num_tokens: int
+    per_expert_ptr: object
+    extra_ptr: object
+    alignment: int
+    max_rows: int
+    recv_count_ptr: object
+    recv_start_ptr: object
+    host_info_ptr: object
+    extra_out_ptr: object
+    trace_ptr: object
+
+
+class NotifyVariant(NamedTuple):
+    """One compiled variant of :func:`notify_kernel`: its constexprs, in order."""
+
+    NUM_RANKS: int
+    NUM_CHANNELS: int
+    E_LOCAL: int
+    ROW_WORDS: int
+    SET_BYTES: int
+    NOTIFY_OFFSET: int
+    STAGE_OFFSET: int
+    EXTRA: int
+    COUNTS_GIVEN: bool
+    CHANNEL_MAJOR: bool
+    USE_CLOCK: bool
+    BLOCK_TOKENS: int
+    BLOCK_CHANNELS: int
+    BLOCK_EXPERTS: int
+    BLOCK_RANKS: int
+    BLOCK_EXTRA: int
+    PROFILE: bool
+    VIA: int
+
+
 @triton.jit
 def all_nonzero(a, b, c):
     """Whether no word of three masked vectors (masked lanes read ``-1``) is zero."""
@@ -51,94 +94,110 @@ def all_nonzero(a, b, c):
     ) > 0
 
 
-@triton.jit(do_not_specialize=["timeout_us"])
-def notify_kernel(
-    in_rank_ptr,  # [N, R] int8 (is_token_in_rank), or [R, C] int32 counts (COUNTS_GIVEN)
+@triton.jit
+def channel_counts(
+    counts_ptr,
     num_tokens,
-    per_expert_ptr,  # [E] int32 top-k entries per global expert on this rank
-    peer_ptrs,  # [R] int64 heap base addresses
-    rank,
-    notify_offset,  # byte offset of set 0 of the notify rows [R][ROW] int32
-    stage_offset,  # byte offset of the staged rows [R destination][ROW] (VIA != VIA_STORE)
-    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
-    state_ptr,  # [8] int64 device call counters
-    decoded_ptr,  # [R, E_LOCAL] int32 workspace: expert counts from each source
-    recv_count_ptr,  # [R, C] int32 out
-    recv_start_ptr,  # [R, C] int32 out
-    host_info_ptr,  # [1 + E_LOCAL] int32 out: total rows, aligned tokens per local expert
-    max_rows,  # rows the outputs hold (worst-case mode), 0 = unlimited
-    extra_ptr,  # [R, EXTRA] int32 sent to each peer (EXTRA > 0)
-    extra_out_ptr,  # [R, EXTRA] int32 received from each source (EXTRA > 0)
-    status_ptr,  # [STATUS_WORDS] int32
-    timeout_us,  # limit of every wait, in microseconds (sync.timeout_us)
-    trace_ptr,  # [R * SLOTS + 1] int64 readings (PROFILE)
+    peer,
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
-    E_LOCAL: tl.constexpr,
-    ALIGN: tl.constexpr,
-    ROW: tl.constexpr,  # int32 words per notify row (>= NUM_CHANNELS + E_LOCAL)
-    SET_BYTES: tl.constexpr,
-    USE_CLOCK: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    C_P2: tl.constexpr,  # power of two > NUM_CHANNELS (the last bin collects other ranks)
-    E_P2: tl.constexpr,
-    R_P2: tl.constexpr,
-    PROFILE: tl.constexpr,
-    VIA: tl.constexpr = VIA_STORE,
-    COUNTS_GIVEN: tl.constexpr = False,
-    EXTRA: tl.constexpr = 0,  # extra words per row (at NUM_CHANNELS + E_LOCAL)
-    X_P2: tl.constexpr = 2,
-    CHANNEL_MAJOR: tl.constexpr = False,
+    COUNTS_GIVEN: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+    BLOCK_CHANNELS: tl.constexpr,
 ):
-    timeout_ns = limit_ns(timeout_us, status_ptr)
-    peer = tl.program_id(0)
-    call = tl.load(state_ptr + NOTIFY_CALLS, volatile=True)
-    if PROFILE:
-        t_start = read_clock(trace_ptr, USE_CLOCK)
-    set_off = (call % 2) * SET_BYTES
-    channels = tl.arange(0, C_P2)
-    experts = tl.arange(0, E_P2)
-
-    # Send: per-channel token counts and per-expert entry counts for rank `peer`.
+    """``[BLOCK_CHANNELS]`` tokens of each channel that go to rank ``peer`` (lanes past the
+    channels hold junk): counted from ``is_token_in_rank``, or read where they are given."""
+    channels = tl.arange(0, BLOCK_CHANNELS)
     if COUNTS_GIVEN:
-        given = in_rank_ptr.to(tl.pointer_type(tl.int32)) + peer * NUM_CHANNELS
+        given = counts_ptr.to(tl.pointer_type(tl.int32)) + peer * NUM_CHANNELS
         counts = tl.load(given + channels, mask=channels < NUM_CHANNELS, other=0)
     else:
-        chunk = tl.cdiv(num_tokens, NUM_CHANNELS)
-        counts = tl.zeros((C_P2,), tl.int32)
-        for first in range(0, num_tokens, BLOCK_N):
-            tokens = first + tl.arange(0, BLOCK_N)
-            column = in_rank_ptr + tokens.to(tl.int64) * NUM_RANKS + peer
-            hit = tl.load(column, mask=tokens < num_tokens, other=0)
-            channel = tl.where(hit != 0, tokens // tl.maximum(chunk, 1), C_P2 - 1)
-            counts += tl.histogram(channel, C_P2)
+        in_rank = counts_ptr.to(tl.pointer_type(tl.int8))
+        chunk = tl.maximum(tl.cdiv(num_tokens, NUM_CHANNELS), 1)
+        counts = tl.zeros((BLOCK_CHANNELS,), tl.int32)
+        for first in range(0, num_tokens, BLOCK_TOKENS):
+            tokens = first + tl.arange(0, BLOCK_TOKENS)
+            hit = tl.load(
+                in_rank + tokens.to(tl.int64) * NUM_RANKS + peer, mask=tokens < num_tokens, other=0
+            )
+            # The last bin (past every channel) collects the tokens that go elsewhere.
+            counts += tl.histogram(
+                tl.where(hit != 0, tokens // chunk, BLOCK_CHANNELS - 1), BLOCK_CHANNELS
+            )
+    return counts
+
+
+@triton.jit
+def notify_send(
+    counts,
+    per_expert_ptr,
+    extra_ptr,
+    peer,
+    rank,
+    row_offset,
+    peer_ptrs,
+    pe_ptr,
+    NUM_CHANNELS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    ROW_WORDS: tl.constexpr,
+    STAGE_OFFSET: tl.constexpr,
+    EXTRA: tl.constexpr,
+    BLOCK_CHANNELS: tl.constexpr,
+    BLOCK_EXPERTS: tl.constexpr,
+    BLOCK_EXTRA: tl.constexpr,
+    VIA: tl.constexpr,
+):
+    """Store this rank's row for ``peer`` (channel counts, expert entries, extra words, each
+    ``-n - 1``) at ``row_offset`` of ``peer``'s heap, directly or staged and put."""
+    channels = tl.arange(0, BLOCK_CHANNELS)
+    experts = tl.arange(0, BLOCK_EXPERTS)
+    xs = tl.arange(0, BLOCK_EXTRA)
     peer_base = tl.load(peer_ptrs + peer)
-    row_offset = notify_offset + set_off + rank * ROW * 4
     row = peer_base + row_offset
     if VIA != VIA_STORE:  # staged in this rank's heap, then put into the peer's row
-        row = tl.load(peer_ptrs + rank) + stage_offset + peer * ROW * 4
-    peer_row = row.to(tl.pointer_type(tl.int32))
-    tl.store(peer_row + channels, -counts - 1, mask=channels < NUM_CHANNELS)
+        row = tl.load(peer_ptrs + rank) + STAGE_OFFSET + peer * ROW_WORDS * 4
+    words = row.to(tl.pointer_type(tl.int32))
+    tl.store(words + channels, -counts - 1, mask=channels < NUM_CHANNELS)
     entries = tl.load(per_expert_ptr + peer * E_LOCAL + experts, mask=experts < E_LOCAL)
-    tl.store(peer_row + NUM_CHANNELS + experts, -entries - 1, mask=experts < E_LOCAL)
-    xs = tl.arange(0, X_P2)
-    xmask = xs < EXTRA
+    tl.store(words + NUM_CHANNELS + experts, -entries - 1, mask=experts < E_LOCAL)
     if EXTRA > 0:
-        more = tl.load(extra_ptr + peer * EXTRA + xs, mask=xmask)
-        tl.store(peer_row + NUM_CHANNELS + E_LOCAL + xs, -more - 1, mask=xmask)
+        more = tl.load(extra_ptr + peer * EXTRA + xs, mask=xs < EXTRA)
+        tl.store(words + NUM_CHANNELS + E_LOCAL + xs, -more - 1, mask=xs < EXTRA)
     if VIA != VIA_STORE:
         # No signal: the receiver waits for every word to be non-zero.
-        put_block(tl.load(peer_ptrs + rank), peer_base, row_offset, row, ROW * 4,
+        put_block(tl.load(peer_ptrs + rank), peer_base, row_offset, row, ROW_WORDS * 4,
                   tl.load(pe_ptr + peer), VIA)  # fmt: skip
 
-    # Receive the row of source `peer`: every value is non-zero once it has arrived.
-    my_row = tl.load(peer_ptrs + rank) + notify_offset + set_off + peer * ROW * 4
-    my_row = my_row.to(tl.pointer_type(tl.int32))
+
+@triton.jit
+def notify_receive(
+    my_row,
+    peer,
+    timeout_ns,
+    status_ptr,
+    recv_count_ptr,
+    decoded_ptr,
+    extra_out_ptr,
+    NUM_CHANNELS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    EXTRA: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    BLOCK_CHANNELS: tl.constexpr,
+    BLOCK_EXPERTS: tl.constexpr,
+    BLOCK_EXTRA: tl.constexpr,
+):
+    """Wait (bounded) for the row of source ``peer`` at ``my_row`` (every word non-zero once
+    it arrived), decode it into the channel counts and expert entries and zero it. A source
+    that never arrived counts as sending nothing; the timeout is recorded."""
+    channels = tl.arange(0, BLOCK_CHANNELS)
+    experts = tl.arange(0, BLOCK_EXPERTS)
+    xs = tl.arange(0, BLOCK_EXTRA)
     cmask = channels < NUM_CHANNELS
     emask = experts < E_LOCAL
+    xmask = xs < EXTRA
+    my_extra = my_row + NUM_CHANNELS + E_LOCAL
     clock = start_clock(USE_CLOCK)
     spins = tl.zeros((), tl.int64)
-    my_extra = my_row + NUM_CHANNELS + E_LOCAL
     got_c = tl.load(my_row + channels, mask=cmask, other=-1, volatile=True)
     got_e = tl.load(my_row + NUM_CHANNELS + experts, mask=emask, other=-1, volatile=True)
     got_x = tl.load(my_extra + xs, mask=xmask, other=-1, volatile=True)
@@ -151,46 +210,180 @@ def notify_kernel(
         arrived = all_nonzero(got_c, got_e, got_x)
     if not arrived:
         record_timeout(status_ptr, peer, PHASE_NOTIFY, timeout_ns)
-    # A source that never arrived counts as sending nothing; the host raises from the status.
-    got_c = tl.where(arrived, -got_c - 1, 0)
-    got_e = tl.where(arrived, -got_e - 1, 0)
-    tl.store(recv_count_ptr + peer * NUM_CHANNELS + channels, got_c, mask=cmask)
-    tl.store(decoded_ptr + peer * E_LOCAL + experts, got_e, mask=emask)
-    tl.store(my_row + channels, tl.zeros((C_P2,), tl.int32), mask=cmask)
-    tl.store(my_row + NUM_CHANNELS + experts, tl.zeros((E_P2,), tl.int32), mask=emask)
+    tl.store(
+        recv_count_ptr + peer * NUM_CHANNELS + channels,
+        tl.where(arrived, -got_c - 1, 0),
+        mask=cmask,
+    )
+    tl.store(decoded_ptr + peer * E_LOCAL + experts, tl.where(arrived, -got_e - 1, 0), mask=emask)
+    tl.store(my_row + channels, tl.zeros((BLOCK_CHANNELS,), tl.int32), mask=cmask)
+    tl.store(my_row + NUM_CHANNELS + experts, tl.zeros((BLOCK_EXPERTS,), tl.int32), mask=emask)
     if EXTRA > 0:
         tl.store(extra_out_ptr + peer * EXTRA + xs, tl.where(arrived, -got_x - 1, 0), mask=xmask)
-        tl.store(my_extra + xs, tl.zeros((X_P2,), tl.int32), mask=xmask)
+        tl.store(my_extra + xs, tl.zeros((BLOCK_EXTRA,), tl.int32), mask=xmask)
 
-    # The last program lays out the received rows: source rank major, then channel.
+
+@triton.jit
+def lay_out_rows(
+    recv_count_ptr,
+    recv_start_ptr,
+    decoded_ptr,
+    host_info_ptr,
+    alignment,
+    max_rows,
+    status_ptr,
+    NUM_RANKS: tl.constexpr,
+    NUM_CHANNELS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    CHANNEL_MAJOR: tl.constexpr,
+    BLOCK_CHANNELS: tl.constexpr,
+    BLOCK_EXPERTS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+):
+    """The last program: the first output row of every (source, channel) stream, the total
+    and the aligned entries per local expert; an overflow of ``max_rows`` is recorded."""
+    channels = tl.arange(0, BLOCK_CHANNELS)
+    experts = tl.arange(0, BLOCK_EXPERTS)
+    ranks = tl.arange(0, BLOCK_RANKS)
+    grid = ranks[:, None] * NUM_CHANNELS + channels[None, :]
+    gmask = (ranks[:, None] < NUM_RANKS) & (channels[None, :] < NUM_CHANNELS)
+    n = tl.load(recv_count_ptr + grid, mask=gmask, other=0, volatile=True)
+    if CHANNEL_MAJOR:
+        flat = tl.reshape(tl.trans(n), (BLOCK_CHANNELS * BLOCK_RANKS,))
+        start = tl.trans(tl.reshape(tl.cumsum(flat, 0) - flat, (BLOCK_CHANNELS, BLOCK_RANKS)))
+    else:
+        flat = tl.reshape(n, (BLOCK_RANKS * BLOCK_CHANNELS,))
+        start = tl.reshape(tl.cumsum(flat, 0) - flat, (BLOCK_RANKS, BLOCK_CHANNELS))
+    tl.store(recv_start_ptr + grid, start, mask=gmask)
+    total = tl.sum(flat, 0)
+    per_source = tl.load(
+        decoded_ptr + ranks[:, None] * E_LOCAL + experts[None, :],
+        mask=(ranks[:, None] < NUM_RANKS) & (experts[None, :] < E_LOCAL),
+        other=0,
+        volatile=True,
+    )
+    per_expert = tl.sum(per_source, 0)
+    per_expert = (per_expert + alignment - 1) // alignment * alignment
+    tl.store(host_info_ptr, total)
+    tl.store(host_info_ptr + 1 + experts, per_expert, mask=experts < E_LOCAL)
+    if (max_rows > 0) & (total > max_rows):
+        record_timeout(status_ptr, -1, PHASE_NOTIFY, 0, total, STATUS_OVERFLOW)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "alignment", "max_rows", "timeout_us"])
+def notify_kernel(
+    # What changes from call to call (NotifyCall).
+    counts_ptr,  # [N, R] bool is_token_in_rank, or [R, C] int32 counts (COUNTS_GIVEN)
+    num_tokens,  # N
+    per_expert_ptr,  # [E] int32 top-k entries per global expert on this rank
+    extra_ptr,  # [R, EXTRA] int32 sent to each peer (EXTRA > 0)
+    alignment,  # round the entries per local expert up to a multiple of this
+    max_rows,  # rows the outputs hold (worst-case mode), 0 = unlimited
+    recv_count_ptr,  # [R, C] int32 out: tokens each (source, channel) sends here
+    recv_start_ptr,  # [R, C] int32 out: first output row of each (source, channel)
+    host_info_ptr,  # [1 + E_LOCAL] int32 out: total rows, aligned tokens per local expert
+    extra_out_ptr,  # [R, EXTRA] int32 out: the extra words of each source (EXTRA > 0)
+    trace_ptr,  # [R * SLOTS + 1] int64 readings (PROFILE)
+    # What stays from call to call (normal_dispatch.NormalShared).
+    peer_ptrs,  # [R] int64 heap base addresses
+    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
+    rank,  # this rank
+    state_ptr,  # [8] int64 device call counters
+    status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
+    timeout_us,  # limit of every wait, in microseconds (sync.timeout_us)
+    decoded_ptr,  # [R, E_LOCAL] int32 workspace: expert entries from each source
+    NUM_RANKS: tl.constexpr,  # ranks of the group
+    NUM_CHANNELS: tl.constexpr,  # channels of the call
+    E_LOCAL: tl.constexpr,  # experts per rank
+    ROW_WORDS: tl.constexpr,  # int32 words per notify row (>= NUM_CHANNELS + E_LOCAL + EXTRA)
+    SET_BYTES: tl.constexpr,  # bytes of one set of rows ([R][ROW_WORDS])
+    NOTIFY_OFFSET: tl.constexpr,  # heap byte offset of set 0 of the notify rows
+    STAGE_OFFSET: tl.constexpr,  # heap byte offset of the staged rows [R dest][ROW_WORDS] (VIA)
+    EXTRA: tl.constexpr,  # extra words per row (at NUM_CHANNELS + E_LOCAL)
+    COUNTS_GIVEN: tl.constexpr,  # channel counts given (counts_ptr), not counted
+    CHANNEL_MAJOR: tl.constexpr,  # received rows ordered by channel, then source
+    USE_CLOCK: tl.constexpr,  # on a GPU (else the interpreter)
+    BLOCK_TOKENS: tl.constexpr,  # tokens counted at a time
+    BLOCK_CHANNELS: tl.constexpr,  # power of two > NUM_CHANNELS (a bin for other ranks)
+    BLOCK_EXPERTS: tl.constexpr,  # power of two >= max(E_LOCAL, 2)
+    BLOCK_RANKS: tl.constexpr,  # power of two >= max(NUM_RANKS, 2)
+    BLOCK_EXTRA: tl.constexpr,  # power of two >= max(EXTRA, 2)
+    PROFILE: tl.constexpr,  # record traces
+    VIA: tl.constexpr,  # how rows reach peers (transport)
+):
+    timeout_ns = limit_ns(timeout_us, status_ptr)
+    peer = tl.program_id(0)
+    call = tl.load(state_ptr + NOTIFY_CALLS, volatile=True)
+    if PROFILE:
+        t_start = read_clock(trace_ptr, USE_CLOCK)
+    set_off = (call % 2) * SET_BYTES
+    counts = channel_counts(
+        counts_ptr,
+        num_tokens,
+        peer,
+        NUM_RANKS,
+        NUM_CHANNELS,
+        COUNTS_GIVEN,
+        BLOCK_TOKENS,
+        BLOCK_CHANNELS,
+    )
+    notify_send(
+        counts,
+        per_expert_ptr,
+        extra_ptr,
+        peer,
+        rank,
+        NOTIFY_OFFSET + set_off + rank * ROW_WORDS * 4,
+        peer_ptrs,
+        pe_ptr,
+        NUM_CHANNELS,
+        E_LOCAL,
+        ROW_WORDS,
+        STAGE_OFFSET,
+        EXTRA,
+        BLOCK_CHANNELS,
+        BLOCK_EXPERTS,
+        BLOCK_EXTRA,
+        VIA,
+    )
+    my_row = tl.load(peer_ptrs + rank) + NOTIFY_OFFSET + set_off + peer * ROW_WORDS * 4
+    notify_receive(
+        my_row.to(tl.pointer_type(tl.int32)),
+        peer,
+        timeout_ns,
+        status_ptr,
+        recv_count_ptr,
+        decoded_ptr,
+        extra_out_ptr,
+        NUM_CHANNELS,
+        E_LOCAL,
+        EXTRA,
+        USE_CLOCK,
+        BLOCK_CHANNELS,
+        BLOCK_EXPERTS,
+        BLOCK_EXTRA,
+    )
     if PROFILE:
         trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), True, 0, USE_CLOCK)
+    # The last program lays out the received rows.
     tl.debug_barrier()
     done = tl.atomic_add(state_ptr + NOTIFY_ARRIVALS, 1, sem="acq_rel", scope="gpu")
     if done == NUM_RANKS - 1:
-        ranks = tl.arange(0, R_P2)
-        grid = ranks[:, None] * NUM_CHANNELS + channels[None, :]
-        gmask = (ranks[:, None] < NUM_RANKS) & cmask[None, :]
-        n = tl.load(recv_count_ptr + grid, mask=gmask, other=0, volatile=True)
-        if CHANNEL_MAJOR:
-            flat = tl.reshape(tl.trans(n), (C_P2 * R_P2,))
-            start = tl.trans(tl.reshape(tl.cumsum(flat, 0) - flat, (C_P2, R_P2)))
-        else:
-            flat = tl.reshape(n, (R_P2 * C_P2,))
-            start = tl.reshape(tl.cumsum(flat, 0) - flat, (R_P2, C_P2))
-        tl.store(recv_start_ptr + grid, start, mask=gmask)
-        total = tl.sum(flat, 0)
-        per_source = tl.load(
-            decoded_ptr + ranks[:, None] * E_LOCAL + experts[None, :],
-            mask=(ranks[:, None] < NUM_RANKS) & emask[None, :],
-            other=0,
-            volatile=True,
+        lay_out_rows(
+            recv_count_ptr,
+            recv_start_ptr,
+            decoded_ptr,
+            host_info_ptr,
+            alignment,
+            max_rows,
+            status_ptr,
+            NUM_RANKS,
+            NUM_CHANNELS,
+            E_LOCAL,
+            CHANNEL_MAJOR,
+            BLOCK_CHANNELS,
+            BLOCK_EXPERTS,
+            BLOCK_RANKS,
         )
-        per_expert = tl.sum(per_source, 0)
-        per_expert = (per_expert + ALIGN - 1) // ALIGN * ALIGN
-        tl.store(host_info_ptr, total)
-        tl.store(host_info_ptr + 1 + experts, per_expert, mask=emask)
-        if (max_rows > 0) & (total > max_rows):
-            record_timeout(status_ptr, -1, PHASE_NOTIFY, 0, total, STATUS_OVERFLOW)
         tl.store(state_ptr + NOTIFY_ARRIVALS, 0)
         tl.store(state_ptr + NOTIFY_CALLS, call + 1)

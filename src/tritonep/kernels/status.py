@@ -124,20 +124,21 @@ def record_bad_id(status_ptr, rank, phase, token, column, bad_id):
 
 @triton.jit
 def first_bad_id(
-    topk_idx_ptr,
-    num_tokens,
-    K: tl.constexpr,
-    NUM_EXPERTS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    topk_idx_ptr,  # [num_tokens, K] int64 top-k ids
+    num_tokens,  # rows of topk_idx_ptr
+    K,  # ids per token (a constexpr or a run-time value)
+    NUM_EXPERTS: tl.constexpr,  # valid ids are -1 (none) and 0 to NUM_EXPERTS - 1
+    BLOCK_K: tl.constexpr,  # power of two >= K
+    BLOCK_TOKENS: tl.constexpr,  # tokens scanned per step
 ):
     """The first (token, column, id) of ``[num_tokens, K]`` int64 ids whose id lies outside
-    ``[-1, NUM_EXPERTS)``, in token order; ``(-1, -1, 0)`` if none. A slow scan: it runs
-    only once a kernel has seen such an id."""
+    ``[-1, NUM_EXPERTS)``, in token order; ``(-1, -1, 0)`` if none (``K``, at most ``BLOCK_K``,
+    a constexpr or a run-time value). A slow scan: it runs only once a kernel has seen such
+    an id."""
     ks = tl.arange(0, BLOCK_K)
     found = tl.full((), 2**31 - 1, tl.int32)
-    for start in range(0, num_tokens, BLOCK_N):
-        tokens = start + tl.arange(0, BLOCK_N)
+    for start in range(0, num_tokens, BLOCK_TOKENS):
+        tokens = start + tl.arange(0, BLOCK_TOKENS)
         valid = (tokens[:, None] < num_tokens) & (ks[None, :] < K)
         ids = tl.load(
             topk_idx_ptr + tokens[:, None].to(tl.int64) * K + ks[None, :], mask=valid, other=-1

@@ -60,13 +60,15 @@ import torch
 import torch.distributed as dist
 
 from ..errors import WaitTimeoutError
-from ..kernels.layout import dispatch_layout
+from ..kernels.layout import DispatchLayout
 from ..kernels.normal_combine import COMBINE_CALLS
 from ..kernels.normal_dispatch import DISPATCH_CALLS
 from ..kernels.sync import DEFAULT_TIMEOUT_S
 from ..validation import check_dispatch_x, check_ranks_agree, check_tensor, check_topk_idx
 from .normal import Config, NormalDispatchOutput, NormalHandle, NormalMode, Relay
 from .trace import TraceRecorder
+
+_no_torch_function = torch._C.DisableTorchFunction
 
 #: Bits of a source tag that hold the token index (the rest hold the source node).
 TOKEN_BITS = 20
@@ -137,7 +139,7 @@ class InternodeMode:
         max_sms: int | None = None,
         ring_tokens: int | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
-        check_ids: bool = True,
+        check_ids: bool = False,
         profile: bool | TraceRecorder = False,
     ):
         group = group or dist.group.WORLD
@@ -176,7 +178,9 @@ class InternodeMode:
         self.num_local_experts = num_experts // R
         # What callers of a normal mode read: ring sizes and defaults (the legs share them).
         self.layout, self.default_config = self.rail.layout, self.rail.default_config
-        self._arrivals = torch.zeros(1, dtype=torch.int32, device=self.device)
+        # get_dispatch_layout's kernel: bad ids go to the network leg's status (which names
+        # this rank by its number in the group).
+        self._layout = DispatchLayout(self.device, num_experts, R, self.rail.status, self.rail.rank)
         self._streams = _Streams(self.device)
         self._relay_flags: dict[str, torch.Tensor] = {}
 
@@ -208,9 +212,13 @@ class InternodeMode:
     def get_dispatch_layout(self, topk_idx: torch.Tensor):
         """Routing statistics of ``topk_idx`` (``[N, K]`` int64 global expert ids, ``-1`` for
         none), from one kernel: ``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E]
-        int32, is_token_in_rank [N, R] bool)``."""
-        check_topk_idx("topk_idx", topk_idx, None, self.num_experts, self.device, self.check_ids)
-        return dispatch_layout(topk_idx, self.num_experts, self.num_ranks, self._arrivals)
+        int32, is_token_in_rank [N, R] bool)``. Ids outside ``[-1, E)`` count as none and are
+        recorded: the next dispatch or combine raises them."""
+        with _no_torch_function():
+            check_topk_idx(
+                "topk_idx", topk_idx, None, self.num_experts, self.device, self.check_ids
+            )
+            return self._layout(topk_idx)
 
     @property
     def timeout_s(self) -> float:
@@ -223,17 +231,25 @@ class InternodeMode:
         self.rail.timeout_s = self.node.timeout_s = value
 
     def check(self) -> None:
-        """Raise if a wait of either leg timed out (that first) or worst-case outputs of either
-        leg overflowed. Both legs are read, so an overflow of both is raised once, not once
-        now and again at the next check."""
+        """Raise if a wait of either leg timed out (that first), worst-case outputs of either
+        leg overflowed or ids were out of range. Both legs are read, so an overflow of both
+        is raised once, not once now and again at the next check."""
+        self._raise_first(lambda leg: leg.check())
+
+    def _raise_first(self, read) -> None:
+        """``read(leg)`` for both legs; raise the first timeout, else the first error."""
         errors = []
         for leg in (self.rail, self.node):
             try:
-                leg.check()
+                read(leg)
             except (WaitTimeoutError, ValueError) as error:
                 errors.append(error)
         if errors:
             raise next((e for e in errors if isinstance(e, WaitTimeoutError)), errors[0])
+
+    def _recorded(self) -> bool:
+        """Whether either leg's kernels recorded something (host copies: no synchronization)."""
+        return bool(self.rail.status.recorded() or self.node.status.recorded())
 
     def dispatch(
         self,
@@ -252,8 +268,39 @@ class InternodeMode:
         Args and returns as :meth:`tritonep.modes.normal.NormalMode.dispatch` (exact output
         sizes: two host reads of received counts, one per leg; worst-case sizes: none), but
         without ``src_tag`` and ``relay``, and the output's handle is an
-        :class:`InternodeHandle`. In cached mode (``handle``) only ``x`` moves.
+        :class:`InternodeHandle`. In cached mode (``handle``) only ``x`` moves. What either
+        leg recorded earlier is raised after the launches (as by ``NormalMode``).
         """
+        with _no_torch_function():
+            recorded = self._recorded()
+            out = self._dispatch(
+                x,
+                topk_idx,
+                topk_weights,
+                num_tokens_per_expert,
+                is_token_in_rank,
+                handle,
+                expert_alignment,
+                num_worst_tokens,
+                config,
+            )
+            synced = handle is None and not num_worst_tokens  # read the host: raise now
+            if recorded or (synced and self._recorded()):
+                self._raise_first(NormalMode.raise_recorded)
+            return out
+
+    def _dispatch(
+        self,
+        x,
+        topk_idx,
+        topk_weights,
+        num_tokens_per_expert,
+        is_token_in_rank,
+        handle,
+        expert_alignment,
+        num_worst_tokens,
+        config,
+    ) -> NormalDispatchOutput:
         payload = check_dispatch_x("x", x)
         num_tokens = payload.shape[0]
         if num_tokens >= 1 << TOKEN_BITS:
@@ -268,12 +315,16 @@ class InternodeMode:
             streams.fork()
             with streams.producer():
                 calls = self._calls(self.node, DISPATCH_CALLS)
-                rail = self.rail.dispatch(x, handle=handle.rail, relay=Relay(flags, calls))
+                rail = self.rail._dispatch(x, handle=handle.rail, relay=Relay(flags, calls))
             # The NVLink leg's receivers write each row at its final position: no gather of
             # every row after both legs.
-            node = self.node.dispatch(rail.recv_x, handle=handle.node, src_tag=handle.tag,
-                                      relay=Relay(flags, await_rows=True),
-                                      row_map=handle.position)  # fmt: skip
+            node = self.node._dispatch(
+                rail.recv_x,
+                handle=handle.node,
+                src_tag=handle.tag,
+                relay=Relay(flags, await_rows=True),
+                row_map=handle.position,
+            )
             streams.join(rail.recv_x, rail.handle.recv_src_idx)
             return NormalDispatchOutput(node.recv_x, None, None, None, handle)
 
@@ -287,9 +338,7 @@ class InternodeMode:
                              "get_dispatch_layout) or neither")  # fmt: skip
         if is_token_in_rank is None:
             # The ids were checked above: the layout kernel alone, no second host read.
-            _, per_expert, in_rank = dispatch_layout(
-                topk_idx, self.num_experts, self.num_ranks, self._arrivals
-            )
+            _, per_expert, in_rank = self._layout(topk_idx)
         else:
             per_expert, in_rank = num_tokens_per_expert, is_token_in_rank
             check_tensor("is_token_in_rank", in_rank, dtype=torch.bool,
@@ -318,20 +367,28 @@ class InternodeMode:
             # for that fill with the counts.
             flags = self._flags("dispatch", rail_plan.num_rows)
             notified = streams.mark()
-            rail = self.rail.dispatch(
-                x, topk_idx, topk_weights, handle=rail_plan, src_tag=tag,
+            rail = self.rail._dispatch(
+                x,
+                topk_idx,
+                topk_weights,
+                handle=rail_plan,
+                src_tag=tag,
                 relay=Relay(flags, publish_to=self._calls(self.node, DISPATCH_CALLS)),
-            )  # fmt: skip
+            )
         streams.wait(notified)
         send_counts, bounds = relay_layout(rail_plan, C, G)
         node_plan = self.node.notify(
             None, rail_plan.host_info[1:], rail_plan.num_rows, expert_alignment,
             num_worst_tokens, config, send_counts=send_counts, bounds=bounds,
         )  # fmt: skip
-        node = self.node.dispatch(
-            rail.recv_x, rail.recv_topk_idx, rail.recv_topk_weights, handle=node_plan,
-            src_tag=rail.handle.recv_src_idx, relay=Relay(flags, await_rows=True),
-        )  # fmt: skip
+        node = self.node._dispatch(
+            rail.recv_x,
+            rail.recv_topk_idx,
+            rail.recv_topk_weights,
+            handle=node_plan,
+            src_tag=rail.handle.recv_src_idx,
+            relay=Relay(flags, await_rows=True),
+        )
         streams.join(rail.recv_x, rail.recv_topk_idx, rail.recv_topk_weights,
                      *_tensors(rail.handle))  # fmt: skip
         # Rows arrive per relay (local index), each relay's in (channel, node, token) order;
@@ -369,6 +426,14 @@ class InternodeMode:
         """Sum each token's rows within every node (float32, one BF16 row per node), then the
         nodes' sums across the network. Args and returns as
         :meth:`tritonep.modes.normal.NormalMode.combine`, without ``relay``."""
+        with _no_torch_function():
+            recorded = self._recorded()
+            out = self._combine(x, handle, topk_weights, bias)
+            if recorded:
+                self._raise_first(NormalMode.raise_recorded)
+            return out
+
+    def _combine(self, x, handle, topk_weights, bias):
         if not isinstance(handle, InternodeHandle):
             raise TypeError(f"handle: expected an InternodeHandle, got {type(handle).__name__}")
         check_tensor("x", x, dtype=torch.bfloat16, shape=(handle.num_rows, handle.hidden),
@@ -383,11 +448,11 @@ class InternodeMode:
             calls = self._calls(self.rail, COMBINE_CALLS)
             # The NVLink leg's senders read each row where the caller holds it (its output
             # order): no scatter of every row into the leg's order first.
-            per_node, per_node_w = self.node.combine(
+            per_node, per_node_w = self.node._combine(
                 x, handle.node, topk_weights, relay=Relay(flags, calls), row_map=handle.position
-            )  # fmt: skip
+            )
         relay = Relay(flags, await_rows=True, limit=handle.node.bounds)
-        out = self.rail.combine(per_node, handle.rail, per_node_w, bias, relay=relay)
+        out = self.rail._combine(per_node, handle.rail, per_node_w, bias, relay=relay)
         streams.join(per_node, per_node_w)
         return out
 

@@ -45,13 +45,15 @@ call: its kernels' variants (``DispatchVariant``, ``CombineVariant``), whose com
 later calls launch with addresses (:class:`~tritonep.kernels.launcher.KernelLaunch`). A call
 then checks its tensors, allocates its outputs and launches, all under
 ``torch._C.DisableTorchFunction`` (a ``torch`` function mode, such as
-``torch.set_default_device``'s, would otherwise intercept every tensor access). A new batch size
-compiles nothing: token counts are run-time values, and the choices made from them (one token,
-counting by adds or histograms, items per group) are made inside one compiled variant.
+``torch.set_default_device``'s, would otherwise intercept every tensor access). A dispatch
+variant serves a class of batch sizes (one token; ids counted by adds, up to
+:attr:`LowLatencyMode.count_adds`; beyond), compiled on the first call of its class: token counts
+within a class are run-time values, so a new batch size of a class already used compiles nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -72,6 +74,9 @@ from ..validation import (
     check_tensor,
     check_topk_idx,
 )
+from ..validation import (
+    plain_tensor as _plain,
+)
 from .outputs import POISON_OUTPUTS
 from .trace import SLOTS, TraceRecorder
 
@@ -88,18 +93,6 @@ PHASES = {
 }
 
 _no_torch_function = torch._C.DisableTorchFunction
-
-
-def _plain(t: object, dtype: torch.dtype, device_index: int) -> bool:
-    """Whether ``t`` is a contiguous tensor of ``dtype`` on the device of index
-    ``device_index`` (-1: the CPU): a call's checks as plain comparisons, before
-    :func:`~tritonep.validation.check_tensor` names whatever is wrong."""
-    return (
-        type(t) is torch.Tensor
-        and t.dtype is dtype
-        and t.get_device() == device_index
-        and t.is_contiguous()
-    )
 
 
 def _align(n: int, a: int = 128) -> int:
@@ -182,10 +175,43 @@ class LowLatencyLayout(NamedTuple):
         )
 
 
-class LowLatencyHandle(NamedTuple):
-    """What combine needs from dispatch (the first five fields are DeepEP's handle).
+class HandleLayout(NamedTuple):
+    """Where a dispatch's handle keeps its tensors, and the sizes a combine checks it against.
 
-    Attributes:
+    One int32 allocation per dispatch (``words`` long) holds ``recv_src_info`` and then
+    ``recv_topk_slot`` (``[E_local, R * max_tokens]`` each; together the dispatch kernel's
+    ``[2, E_local, R * max_tokens]``) from word 0, and ``recv_layout_range`` (``[E_local, R]``
+    int64) from word ``range_word``, on a 16-byte boundary.
+    """
+
+    num_local_experts: int
+    num_ranks: int
+    max_tokens: int
+    hidden: int
+    num_experts: int
+    range_word: int
+    words: int
+
+    @staticmethod
+    def of(num_ranks: int, max_tokens: int, hidden: int, num_experts: int) -> HandleLayout:
+        e_local = num_experts // num_ranks
+        range_word = _align(2 * e_local * num_ranks * max_tokens, 4)
+        words = range_word + 2 * e_local * num_ranks
+        return HandleLayout(e_local, num_ranks, max_tokens, hidden, num_experts, range_word, words)
+
+    def views(self, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(recv_src_info, recv_topk_slot, recv_layout_range)``, views of ``block``."""
+        E, rows = self.num_local_experts, self.num_ranks * self.max_tokens
+        src_info, topk_slot = block[: 2 * E * rows].view(2, E, rows).unbind(0)
+        layout_range = block[self.range_word :].view(torch.int64).view(E, self.num_ranks)
+        return src_info, topk_slot, layout_range
+
+
+class LowLatencyHandle(Sequence):
+    """What combine needs from dispatch: a sequence of eight items, the first five DeepEP's
+    handle (indexing, ``len`` and unpacking work as on DeepEP's tuple), each also an attribute.
+
+    Items:
         recv_src_info: ``[E_local, R * max_tokens]`` int32 token index on the source rank.
         recv_layout_range: ``[E_local, R]`` int64 ``begin << 32 | count`` per source rank.
         num_max_dispatch_tokens_per_rank: as given to dispatch.
@@ -194,16 +220,87 @@ class LowLatencyHandle(NamedTuple):
         recv_topk_slot: ``[E_local, R * max_tokens]`` int32 top-k column of each row.
         num_tokens, topk: the shape of the dispatch's ``topk_idx``; combine takes ids of
             that shape, whose rows it reads back from the slots of those tokens.
+
+    The three tensors live in one int32 allocation of the dispatch, ``block``, laid out as
+    ``layout`` (:class:`HandleLayout`) says; each view is made when first read (a combine
+    takes the addresses from ``block`` and makes none).
     """
 
-    recv_src_info: torch.Tensor
-    recv_layout_range: torch.Tensor
-    num_max_dispatch_tokens_per_rank: int
-    hidden: int
-    num_experts: int
-    recv_topk_slot: torch.Tensor
-    num_tokens: int
-    topk: int
+    __slots__ = ("_views", "block", "layout", "num_tokens", "topk")
+
+    ITEMS = (
+        "recv_src_info",
+        "recv_layout_range",
+        "num_max_dispatch_tokens_per_rank",
+        "hidden",
+        "num_experts",
+        "recv_topk_slot",
+        "num_tokens",
+        "topk",
+    )
+
+    def __init__(self, block: torch.Tensor, layout: HandleLayout, num_tokens: int, topk: int):
+        self.block, self.layout, self.num_tokens, self.topk = block, layout, num_tokens, topk
+        self._views = None
+
+    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._views is None:
+            self._views = self.layout.views(self.block)
+        return self._views
+
+    @property
+    def recv_src_info(self) -> torch.Tensor:
+        return self._tensors()[0]
+
+    @property
+    def recv_topk_slot(self) -> torch.Tensor:
+        return self._tensors()[1]
+
+    @property
+    def recv_layout_range(self) -> torch.Tensor:
+        return self._tensors()[2]
+
+    @property
+    def num_max_dispatch_tokens_per_rank(self) -> int:
+        return self.layout.max_tokens
+
+    @property
+    def hidden(self) -> int:
+        return self.layout.hidden
+
+    @property
+    def num_experts(self) -> int:
+        return self.layout.num_experts
+
+    def __len__(self) -> int:
+        return len(self.ITEMS)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return tuple(getattr(self, name) for name in self.ITEMS[index])
+        return getattr(self, self.ITEMS[index])
+
+    def __iter__(self):
+        return (getattr(self, name) for name in self.ITEMS)
+
+    def __repr__(self) -> str:
+        layout = self.layout
+        return (
+            f"LowLatencyHandle(num_max_dispatch_tokens_per_rank={layout.max_tokens}, "
+            f"hidden={layout.hidden}, num_experts={layout.num_experts}, "
+            f"num_tokens={self.num_tokens}, topk={self.topk})"
+        )
+
+
+class _Plan(NamedTuple):
+    """The launches of one configuration (see :meth:`LowLatencyMode._plan`) and, for a
+    dispatch, how its outputs are allocated: ``(recv_x dtype, scales)``, ``scales`` being
+    ``(shape, strides, dtype)`` or None."""
+
+    both: KernelLaunch | None
+    send: KernelLaunch
+    receive: KernelLaunch
+    outputs: tuple | None
 
 
 class LowLatencyMode:
@@ -332,14 +429,27 @@ class LowLatencyMode:
                                      device=self.device)  # fmt: skip
         # The lanes of a receiving program's group of dispatch items: its (expert, source)
         # items together where the batch is small and all counts come at once; for larger
-        # batches, whose counts come spread out, one at a time (items_per_group), so that it
+        # batches, whose counts come spread out, one at a time (BLOCK_ITEMS 1), so that it
         # packs one while the next one's counts are still on the way (4x H100: 2 together
         # 14.6-14.7 against 15.1-15.5 us at 32 tokens, 26.0-26.9 against 24.6-24.7 at 128;
         # BENCHMARKS.md).
         self._items = min(4, _next_pow2(-(-num_experts // num_programs)))
-        self._plans: dict[tuple, tuple] = {}
+        self._plans: dict[tuple, _Plan] = {}
         self._device_index = self.device.index if self.device.type == "cuda" else -1
         self._shared_args()
+        # What a call needs besides its tensors: the handle's layout, the addresses of the
+        # defaults of optional pointer arguments, the combine's expected input shape.
+        self._handle_layout = HandleLayout.of(self.num_ranks, self.max_tokens, hidden, num_experts)
+        self._slot_offset = 4 * self.num_local_experts * self.num_ranks * self.max_tokens
+        self._range_offset = 4 * self._handle_layout.range_word
+        self._state_address = self.state.data_ptr()
+        self._untraced_address = self._untraced.data_ptr()
+        self._combine_shape = (self.num_local_experts, self.num_ranks * self.max_tokens, hidden)
+        self._recorded = self.status.recorded
+        # Outputs are allocated with new_empty on empty tensors of their dtype (their sizes
+        # as separate ints): faster than torch.empty, whose keywords cost more to parse.
+        self._empty_int32 = torch.empty(0, dtype=torch.int32, device=self.device)
+        self._empty_bf16 = torch.empty(0, dtype=torch.bfloat16, device=self.device)
 
     def _shared_args(self) -> None:
         """The kernels' trailing arguments (:class:`LowLatencyShared`), tensors and addresses."""
@@ -353,10 +463,11 @@ class LowLatencyMode:
     @property
     def timeout_s(self) -> float:
         """Limit of every wait inside the kernels, in seconds, at most ``MAX_TIMEOUT_S``. It
-        may change between calls and a change compiles nothing (nor does a new batch size).
-        With ``enable_shrink``, a limit shorter than a peer's first call of a kernel variant
-        (which compiles it: seconds) masks a live peer, so warm up every variant (dtype, hook,
-        top-k) under a long limit, then shorten it."""
+        may change between calls and a change compiles nothing (nor does a new batch size of
+        a class already used). With ``enable_shrink``, a limit shorter than a peer's first call
+        of a kernel variant (which compiles it: seconds) masks a live peer, so warm up every
+        variant (dtype, hook, top-k, batch class: one token, up to ``count_adds`` ids, beyond)
+        under a long limit, then shorten it."""
         return self._timeout_s
 
     @timeout_s.setter
@@ -384,8 +495,8 @@ class LowLatencyMode:
         ).total
 
     # ------------------------------------------------------------------------------ plans
-    def _plan(self, kernel, call_type, variant, options: dict) -> tuple:
-        """The launches of one configuration: ``(both phases, send, receive)``. On GPUs
+    def _plan(self, kernel, call_type, variant, options: dict, outputs=None) -> _Plan:
+        """The launches of one configuration: both phases, send, receive. On GPUs
         without a hook both phases run in one cooperative launch (receivers spin on senders
         of the same launch, so all programs must be resident); with a hook, or under the
         interpreter (which runs programs one after another), they are two launches. A launch
@@ -402,12 +513,34 @@ class LowLatencyMode:
             return KernelLaunch(kernel, grid, meta, call_type._fields, pointers)
 
         both = launch(True, True, True) if self.device.type == "cuda" else None
-        return both, launch(True, False), launch(False, True)
+        return _Plan(both, launch(True, False), launch(False, True), outputs)
 
-    def _launch(self, plan: tuple, name: str, call, return_recv_hook: bool):
-        """Launch a call's phases; returns the hook that receives (``return_recv_hook``),
-        else None."""
-        both, send, receive = plan
+    def _launch_split(self, plan: _Plan, values: tuple, hook: bool, bundle, tensors: tuple):
+        """Launch a call's phases as two launches (a hook, the interpreter) or traced, with
+        ``values``: its bundle's fields, each tensor given as its address
+        (:meth:`KernelLaunch.launch_values`). Returns the hook that receives (``hook``) or
+        None; or False where the send needs the tensors (a first call, the interpreter,
+        traces, a launch hook): nothing was launched then, and the caller launches its bundle
+        through :meth:`_launch`. A receive that needs them makes it: ``bundle(values,
+        *tensors)``."""
+        if self.trace is not None or not plan.send.launch_values(values, self._shared):
+            return False
+        receive = plan.receive
+
+        def received():
+            if not receive.launch_values(values, self._shared):
+                with _no_torch_function():
+                    receive(bundle(values, *tensors), self._shared)
+
+        if hook:
+            return received
+        received()
+        return None
+
+    def _launch(self, plan: _Plan, name: str, call, return_recv_hook: bool):
+        """Launch a call's phases from its bundle (tensors); returns the hook that receives
+        (``return_recv_hook``), else None."""
+        both, send, receive = plan.both, plan.send, plan.receive
         if self.trace is None:
             if both is not None and not return_recv_hook:
                 both(call, self._shared)
@@ -459,15 +592,13 @@ class LowLatencyMode:
             hook()
         self.status.raise_recorded(self.status.record(), self._raise)
 
-    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype, strides=None) -> torch.Tensor:
-        """An output: one allocation (of ``strides``, if given)."""
-        if strides is None:
-            t = torch.empty(shape, dtype=dtype, device=self.device)
-        else:
-            t = torch.empty_strided(shape, strides, dtype=dtype, device=self.device)
-        if POISON_OUTPUTS:  # (tests) unwritten rows show: 0xFF bytes, NaN or -1
-            t.untyped_storage().fill_(0xFF)
-        return t
+    @staticmethod
+    def _poison(*outputs: torch.Tensor | None) -> None:
+        """(Tests, ``POISON_OUTPUTS``) fill fresh outputs with 0xFF bytes, so that unwritten
+        rows show: NaN or -1."""
+        for t in outputs:
+            if t is not None:
+                t.untyped_storage().fill_(0xFF)
 
     # --------------------------------------------------------------------------- dispatch
     def dispatch(
@@ -512,7 +643,7 @@ class LowLatencyMode:
             after its launches, what an earlier call recorded (module docs).
         """
         with _no_torch_function():
-            recorded = self.status.recorded()
+            recorded = self._recorded()
             out = self._dispatch(x, topk_idx, use_fp8, use_ue8m0 or pack_ue8m0,
                                  return_recv_hook, wait_stats, pack_ue8m0, recv_stats)  # fmt: skip
             if recorded:
@@ -533,65 +664,96 @@ class LowLatencyMode:
         if self.check_ids or len(shape) != 2 or shape[0] != num_tokens or shape[1] < 1:
             check_topk_idx("topk_idx", topk_idx, num_tokens, self.num_experts, device,
                            self.check_ids)  # fmt: skip
-        topk = topk_idx.shape[1]
+            shape = topk_idx.shape
+        topk = shape[1]
         if topk > self.max_topk:
             raise ValueError(f"topk_idx: top-k {topk} exceeds max_topk={self.max_topk}")
-        if wait_stats is not None:
+        if wait_stats is not None and (
+            not _plain(wait_stats, torch.int64, at) or wait_stats.shape != (R,)
+        ):
             check_tensor("wait_stats", wait_stats, dtype=torch.int64, shape=(R,), device=device)
         if recv_stats is not None and (
             not _plain(recv_stats, torch.int32, at) or recv_stats.shape != (E_local,)
         ):
             check_tensor("cumulative_local_expert_recv_stats", recv_stats, dtype=torch.int32,
                          shape=(E_local,), device=device)  # fmt: skip
-        key = (use_fp8, use_ue8m0, pack_ue8m0, topk, hook, wait_stats is None, recv_stats is None)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = self._dispatch_plan(
-                use_fp8, use_ue8m0, pack_ue8m0, topk, wait_stats is not None,
-                recv_stats is not None,
-            )  # fmt: skip
-
-        rows = R * M
-        recv_x = self._empty((E_local, rows, H), torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
-        recv_scales = None
-        if use_fp8:  # column-major per expert (one column: a unit last stride, viewable)
-            columns = -(-_groups(H) // 4) if pack_ue8m0 else _groups(H)
-            recv_scales = self._empty(
-                (E_local, rows, columns),
-                torch.int32 if pack_ue8m0 else torch.float32,
-                (columns * rows, 1, rows if columns > 1 else 1),
-            )
-        src_and_slot = self._empty((2, E_local, rows), torch.int32)
-        recv_count = self._empty((E_local,), torch.int32)
-        layout_range = self._empty((E_local, R), torch.int64)
-        # How the senders count the ids: by atomic adds or histograms (ll_dispatch.COUNT_ADDS);
-        # from the shapes alone, so a captured graph keeps its choice.
+        # The batch class: how the senders count the ids, by atomic adds or histograms
+        # (ll_dispatch.COUNT_ADDS), and one token or more; from the shapes alone, so a captured
+        # graph keeps its choice.
         per_program = -(-num_tokens // self.num_programs)
         senders = -(-num_tokens // per_program) if num_tokens else 1
         by_adds = senders * num_tokens * topk <= self.count_adds
-        call = DispatchCall(
-            x_ptr=x,
-            topk_idx_ptr=topk_idx,
-            num_tokens=num_tokens,
-            count_by_adds=int(by_adds),
-            items_per_group=self._items if by_adds else 1,
-            out_x_ptr=recv_x,
-            out_scales_ptr=recv_scales if use_fp8 else recv_count,  # unused without FP8
-            out_src_ptr=src_and_slot,
-            out_count_ptr=recv_count,
-            out_range_ptr=layout_range,
-            recv_stats_ptr=recv_stats if recv_stats is not None else recv_count,
-            wait_stats_ptr=wait_stats if wait_stats is not None else self.state,
-            trace_ptr=self._untraced,
+        stats = (wait_stats is not None, recv_stats is not None)
+        key = (use_fp8, use_ue8m0, pack_ue8m0, topk, hook, *stats, by_adds, num_tokens == 1)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._dispatch_plan(
+                use_fp8, use_ue8m0, pack_ue8m0, topk, *stats, by_adds, num_tokens == 1
+            )
+
+        # Fresh outputs (users keep them), one allocation each; the handle's three tensors
+        # share one (LowLatencyHandle).
+        empty_x, empty_scales, scale_shape, scale_strides = plan.outputs
+        recv_x = empty_x.new_empty(E_local, R * M, H)
+        recv_scales = None
+        if empty_scales is not None:
+            recv_scales = empty_scales.new_empty_strided(scale_shape, scale_strides)
+        recv_count = self._empty_int32.new_empty(E_local)
+        block = self._empty_int32.new_empty(self._handle_layout.words)
+        if POISON_OUTPUTS:
+            self._poison(recv_x, recv_scales, recv_count, block)
+        handle = LowLatencyHandle(block, self._handle_layout, num_tokens, topk)
+        count = recv_count.data_ptr()
+        src = block.data_ptr()
+        # DispatchCall's fields in order, tensors as addresses: those of _dispatch_bundle's
+        # (tests/test_call_path.py compares them).
+        values = (
+            x.data_ptr(),
+            topk_idx.data_ptr(),
+            num_tokens,
+            recv_x.data_ptr(),
+            count if recv_scales is None else recv_scales.data_ptr(),
+            src,  # out_src_ptr: recv_src_info, then recv_topk_slot
+            count,
+            src + self._range_offset,  # out_range_ptr: recv_layout_range
+            count if recv_stats is None else recv_stats.data_ptr(),
+            self._state_address if wait_stats is None else wait_stats.data_ptr(),
+            self._untraced_address,  # trace_ptr
         )
-        src_info, topk_slot = src_and_slot.unbind(0)
-        handle = LowLatencyHandle(
-            src_info, layout_range, M, H, self.num_experts, topk_slot, num_tokens, topk
-        )
-        receive = self._launch(plan, "low-latency dispatch", call, hook)
+        both = plan.both
+        if both is None or hook or self.trace is not None:
+            tensors = (x, topk_idx, recv_x, recv_scales, recv_count, handle, recv_stats, wait_stats)
+            receive = self._launch_split(plan, values, hook, self._dispatch_bundle, tensors)
+        else:
+            receive = None if both.launch_values(values, self._shared) else False
+        if receive is False:
+            call = self._dispatch_bundle(values, x, topk_idx, recv_x, recv_scales, recv_count,
+                                         handle, recv_stats, wait_stats)  # fmt: skip
+            receive = self._launch(plan, "low-latency dispatch", call, hook)
         return (recv_x, recv_scales) if use_fp8 else recv_x, recv_count, handle, receive
 
-    def _dispatch_plan(self, use_fp8, use_ue8m0, pack_ue8m0, topk, wait_stats, recv_stats):
+    def _dispatch_bundle(
+        self, values, x, topk_idx, recv_x, recv_scales, recv_count, handle, recv_stats, wait_stats
+    ) -> DispatchCall:
+        """A dispatch's arguments with their tensors, for a launch that needs them (see
+        :meth:`_launch_split`): ``values`` (:class:`DispatchCall`'s fields, tensors as
+        addresses) with each address replaced by its tensor."""
+        return DispatchCall._make(values)._replace(
+            x_ptr=x,
+            topk_idx_ptr=topk_idx,
+            out_x_ptr=recv_x,
+            out_scales_ptr=recv_count if recv_scales is None else recv_scales,  # unused without FP8
+            out_src_ptr=handle.block,  # [2, E_local, R * M]: recv_src_info, recv_topk_slot
+            out_count_ptr=recv_count,
+            out_range_ptr=handle.recv_layout_range,
+            recv_stats_ptr=recv_count if recv_stats is None else recv_stats,
+            wait_stats_ptr=self.state if wait_stats is None else wait_stats,
+            trace_ptr=self._untraced,
+        )
+
+    def _dispatch_plan(
+        self, use_fp8, use_ue8m0, pack_ue8m0, topk, wait_stats, recv_stats, by_adds, one_token
+    ):
         H, R, M = self.hidden, self.num_ranks, self.max_tokens
         variant = DispatchVariant(
             H=H,
@@ -613,6 +775,8 @@ class LowLatencyMode:
             DO_RECV=True,
             USE_CLOCK=use_clock(self.device),
             BLOCK_N=min(128, _next_pow2(max(M, 16))),
+            COUNT_BY_ADDS=by_adds,
+            ONE_TOKEN=one_token,
             K_P2=_next_pow2(max(topk, 2)),
             G_P2=_next_pow2(_groups(H)),
             R_P2=_next_pow2(max(R, 2)),
@@ -620,15 +784,26 @@ class LowLatencyMode:
             # Messages copied together on receive: 64 KB of payload in flight, on 16 warps
             # (the pack's loads wait on the headers that locate the payloads).
             BLOCK_MSGS=_rows_in_flight(H, 1 if use_fp8 else 2, 65536),
-            BLOCK_ITEMS=self._items,
+            BLOCK_ITEMS=self._items if by_adds else 1,
             PROFILE=self.trace is not None,
             WAIT_STATS=wait_stats,
             RECV_STATS=recv_stats,
             SHRINK=self.enable_shrink,
             VIA=self.transport.via,
         )
-        return self._plan(DISPATCH_KERNEL, DispatchCall, variant,
-                          {"num_warps": 16})  # fmt: skip
+        # How the outputs are allocated (new_empty on an empty tensor of their dtype): recv_x,
+        # then the scales, column-major per expert (one column: a unit last stride, viewable).
+        empty_x = torch.empty(0, dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
+                              device=self.device)  # fmt: skip
+        outputs = (empty_x, None, None, None)
+        if use_fp8:
+            rows = R * M
+            columns = -(-_groups(H) // 4) if pack_ue8m0 else _groups(H)
+            empty_scales = torch.empty(0, dtype=torch.int32 if pack_ue8m0 else torch.float32,
+                                       device=self.device)  # fmt: skip
+            strides = (columns * rows, 1, rows if columns > 1 else 1)
+            outputs = (empty_x, empty_scales, (self.num_local_experts, rows, columns), strides)
+        return self._plan(DISPATCH_KERNEL, DispatchCall, variant, {"num_warps": 16}, outputs)
 
     # ---------------------------------------------------------------------------- combine
     def get_next_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
@@ -674,7 +849,7 @@ class LowLatencyMode:
             as :meth:`dispatch`.
         """
         with _no_torch_function():
-            recorded = self.status.recorded()
+            recorded = self._recorded()
             result = self._combine(x, topk_idx, topk_weights, handle, return_recv_hook, out,
                                    wait_stats, bool(use_logfmt))  # fmt: skip
             if recorded:
@@ -682,13 +857,15 @@ class LowLatencyMode:
             return result
 
     def _combine(self, x, topk_idx, topk_weights, handle, hook, out, wait_stats, logfmt):
-        E_local, R, M, H = self.num_local_experts, self.num_ranks, self.max_tokens, self.hidden
-        device = self.device
-        if handle.num_max_dispatch_tokens_per_rank != M or handle.hidden != H:
+        R, H = self.num_ranks, self.hidden
+        device, at = self.device, self._device_index
+        if not isinstance(handle, LowLatencyHandle):
+            kind = type(handle).__name__
+            raise TypeError(f"handle: expected the handle of a low-latency dispatch, got {kind}")
+        if handle.layout is not self._handle_layout and handle.layout != self._handle_layout:
             raise ValueError("handle: it comes from a dispatch with other sizes")
-        at = self._device_index
-        if not _plain(x, torch.bfloat16, at) or x.shape != (E_local, R * M, H):
-            check_tensor("x", x, dtype=torch.bfloat16, shape=(E_local, R * M, H), device=device)
+        if not _plain(x, torch.bfloat16, at) or x.shape != self._combine_shape:
+            check_tensor("x", x, dtype=torch.bfloat16, shape=self._combine_shape, device=device)
         # Token t's rows come back to slots [t][k] of this rank's receive set: ids of another
         # shape would read slots this call never filled, or past the set.
         num_tokens, topk = handle.num_tokens, handle.topk
@@ -703,28 +880,58 @@ class LowLatencyMode:
             check_tensor("topk_weights", topk_weights, dtype=torch.float32,
                          shape=(num_tokens, topk), device=device)  # fmt: skip
         if out is None:
-            out = self._empty((num_tokens, H), torch.bfloat16)
-        else:
+            out = self._empty_bf16.new_empty(num_tokens, H)
+            if POISON_OUTPUTS:
+                self._poison(out)
+        elif not _plain(out, torch.bfloat16, at) or out.shape != (num_tokens, H):
             check_tensor("out", out, dtype=torch.bfloat16, shape=(num_tokens, H), device=device)
-        if wait_stats is not None:
+        if wait_stats is not None and (
+            not _plain(wait_stats, torch.int64, at) or wait_stats.shape != (R,)
+        ):
             check_tensor("wait_stats", wait_stats, dtype=torch.int64, shape=(R,), device=device)
         key = ("combine", topk, logfmt, hook, wait_stats is None)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._combine_plan(topk, logfmt, wait_stats is not None)
-        call = CombineCall(
+        src = handle.block.data_ptr()
+        # CombineCall's fields in order, tensors as addresses: those of _combine_bundle's
+        # (tests/test_call_path.py compares them).
+        values = (
+            x.data_ptr(),
+            src,
+            src + self._slot_offset,
+            src + self._range_offset,
+            topk_idx.data_ptr(),
+            topk_weights.data_ptr(),
+            num_tokens,
+            out.data_ptr(),
+            self._state_address if wait_stats is None else wait_stats.data_ptr(),
+            self._untraced_address,
+        )
+        tensors = (x, handle, topk_idx, topk_weights, out, wait_stats)
+        both = plan.both
+        if both is None or hook or self.trace is not None:
+            receive = self._launch_split(plan, values, hook, self._combine_bundle, tensors)
+        else:
+            receive = None if both.launch_values(values, self._shared) else False
+        if receive is False:
+            call = self._combine_bundle(values, *tensors)
+            receive = self._launch(plan, "low-latency combine", call, hook)
+        return out, receive
+
+    def _combine_bundle(self, values, x, handle, topk_idx, topk_weights, out, wait_stats):
+        """A combine's arguments with their tensors, as :meth:`_dispatch_bundle`."""
+        return CombineCall._make(values)._replace(
             x_ptr=x,
             src_ptr=handle.recv_src_info,
             slot_ptr=handle.recv_topk_slot,
             range_ptr=handle.recv_layout_range,
             topk_idx_ptr=topk_idx,
             topk_weights_ptr=topk_weights,
-            num_tokens=num_tokens,
             out_ptr=out,
-            wait_stats_ptr=wait_stats if wait_stats is not None else self.state,
+            wait_stats_ptr=self.state if wait_stats is None else wait_stats,
             trace_ptr=self._untraced,
         )
-        return out, self._launch(plan, "low-latency combine", call, hook)
 
     def _combine_plan(self, topk, logfmt, wait_stats):
         H, R = self.hidden, self.num_ranks

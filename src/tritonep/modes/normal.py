@@ -16,12 +16,34 @@ sizes come two ways:
   device-to-host copy and wait, the only host synchronization of the mode);
 * worst case (``num_worst_tokens > 0``): outputs have that many rows, the rows past the
   received ones carry top-k ids ``-1``; no wait for the count, so a CUDA graph can capture
-  dispatch and combine and replay them with new inputs of the same shapes (eager calls with
-  ``check_ids`` still read the ids' range on the host; capture skips that read).
+  dispatch and combine and replay them with new inputs of the same shapes.
 
 Call counters live on the device (graph-safe). Every rank must make the same sequence of
 calls. Under the Triton interpreter (CPU ranks) programs of a launch run one after another, so
 there a channel's tokens must fit one ring (checked before launch).
+
+Errors without a host synchronization. Ids outside ``[-1, num_experts)`` are dropped by the
+layout and dispatch kernels, which record the first one (rank, token, column, id), as a wait
+that gave up or worst-case outputs that overflowed are recorded, in the mode's status
+(:mod:`tritonep.kernels.status`), whose host copy each dispatch and combine reads before it
+launches: the call then launches as usual (its peers get what they wait for) and raises the
+recorded error, a ``ValueError`` or a :class:`~tritonep.errors.WaitTimeoutError` naming the
+rank, the peer and the phase (an exact-size dispatch, which reads the host anyway, raises
+what its own layout and count exchange recorded). :meth:`NormalMode.check` waits for the device
+and raises the same. A timed-out call leaves outputs that say so: a dispatch receiver that
+finds a timeout recorded fills its channel's rows with 0xFF bytes (NaN payload, scales and
+weights, sources and ids ``-1``), and a combined token one of whose rows never came is NaN. A
+timeout stays (later calls raise it and give up their waits at once); the others are raised
+once. ``check_ids=True`` also checks the ids on the host before launching (a synchronization).
+
+The call path. Each configuration (config, dtypes, top-k rounded up to a power of two,
+relay options) gets a plan on its first call: its kernel's variant (``NotifyVariant``,
+``DispatchVariant``, ``CombineVariant``), whose compiled kernel later calls launch with
+addresses (:class:`~tritonep.kernels.launcher.KernelLaunch`). A call then checks its tensors
+(plain comparisons), allocates its outputs, builds its argument bundle by name and launches,
+all under ``torch._C.DisableTorchFunction`` (a ``torch`` function mode, such as
+``torch.set_default_device``'s, would otherwise intercept every tensor access). Token and
+row counts, top-k and the alignment are run-time values: a new batch compiles nothing.
 
 With ``staged=True`` (the network leg of :class:`~tritonep.modes.internode.InternodeMode`)
 nothing is stored into a peer directly: counts and rows are built in this rank's heap (a notify
@@ -32,23 +54,21 @@ row and a mirror ring per destination) and moved with the tails and heads by
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import triton
 
 from ..heap import allocate, default_device
-from ..kernels import launcher, normal_combine, normal_dispatch, normal_notify, transport
-from ..kernels.layout import dispatch_layout
-from ..kernels.sync import (
-    DEFAULT_TIMEOUT_S,
-    STATUS_OVERFLOW,
-    STATUS_WORDS,
-    check_status,
-    new_status,
-    timeout_us,
-    use_clock,
-)
+from ..kernels import normal_combine, normal_dispatch, normal_notify, transport
+from ..kernels.launcher import KernelLaunch, Shared
+from ..kernels.layout import PHASE_LAYOUT_IDS, DispatchLayout
+from ..kernels.normal_combine import CombineCall, CombineVariant
+from ..kernels.normal_dispatch import DispatchCall, DispatchVariant, NormalShared
+from ..kernels.normal_notify import NotifyCall, NotifyVariant
+from ..kernels.status import STATUS_BAD_ID, STATUS_TIMEOUT, Status, bad_id_error, check_status
+from ..kernels.sync import DEFAULT_TIMEOUT_S, timeout_us, use_clock
 from ..validation import (
     check_dispatch_x,
     check_num_experts,
@@ -56,6 +76,9 @@ from ..validation import (
     check_tensor,
     check_topk_idx,
     check_topk_weights,
+)
+from ..validation import (
+    plain_tensor as _plain,
 )
 from .outputs import empty_output
 from .trace import TraceRecorder
@@ -68,7 +91,12 @@ PHASES = {
     normal_combine.PHASE_COMBINE_RECV.value: "combine receive",
     normal_dispatch.PHASE_DISPATCH_RELAY.value: "dispatch relay (rows from the network leg)",
     normal_combine.PHASE_COMBINE_RELAY.value: "combine relay (sums from the NVLink leg)",
+    PHASE_LAYOUT_IDS.value: "get_dispatch_layout",
+    normal_dispatch.PHASE_DISPATCH_IDS.value: "dispatch",
 }
+
+_no_torch_function = torch._C.DisableTorchFunction
+
 
 #: SM budget of a call by default on GPUs (DeepEP's default is 20-24).
 DEFAULT_NUM_SMS = 24
@@ -349,6 +377,47 @@ class NormalDispatchOutput:
     handle: NormalHandle
 
 
+class DispatchOptions(NamedTuple):
+    """What a dispatch's kernel variant depends on besides the mode: its plan's key (the
+    variant is built from these alone, :meth:`NormalMode._dispatch_plan`)."""
+
+    config: Config
+    scale_words: int  # 0: a BF16 payload
+    block_k: int
+    has_topk: bool
+    has_weights: bool
+    has_tag: bool
+    pad_rows: bool
+    bounds: bool
+    awaits: bool
+    ranks_from_ids: bool
+    publish: bool
+    row_map: bool
+
+
+class CombineOptions(NamedTuple):
+    """What a combine's kernel variant depends on besides the mode (its plan's key)."""
+
+    config: Config
+    block_k: int
+    has_weights: bool
+    num_bias: int
+    bounds: bool
+    relay: bool
+    awaits: bool
+    publish: bool
+    row_map: bool
+
+
+class NotifyOptions(NamedTuple):
+    """What a notify's kernel variant depends on besides the mode (its plan's key)."""
+
+    config: Config
+    counts_given: bool
+    extra: int
+    channel_major: bool
+
+
 class NormalMode:
     """Normal-mode dispatch and combine for one expert-parallel group within a node.
 
@@ -362,7 +431,10 @@ class NormalMode:
         max_sms: the largest SM budget a call may use (sizes the rings).
         ring_tokens: slots per ring (the largest ``Config.nvl_recv_buffer_tokens``).
         timeout_s: limit of every wait inside the kernels (idle time, for the rings).
-        check_ids: read the top-k ids on the host and reject ids outside ``[-1, E)``.
+        check_ids: also read the top-k ids on the host and raise ``ValueError`` there for ids
+            outside ``[-1, E)``, before anything is launched (a host synchronization per call
+            with ids). Without it the kernels drop such ids and the next dispatch or combine
+            raises (module docs).
         profile: record kernel traces of every launch (``self.trace``); a
             :class:`~tritonep.modes.trace.TraceRecorder` to share one with another mode.
         label: what traces call this mode's kernels (``"{label} dispatch"``, ...); errors of a
@@ -388,7 +460,7 @@ class NormalMode:
         max_sms: int | None = None,
         ring_tokens: int | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
-        check_ids: bool = True,
+        check_ids: bool = False,
         profile: bool | TraceRecorder = False,
         label: str = "normal",
         staged: bool = False,
@@ -415,7 +487,7 @@ class NormalMode:
         if not 1 <= max_topk <= 64:
             raise ValueError(f"max_topk: expected 1 to 64, got {max_topk}")
         self.hidden, self.num_experts, self.max_topk = hidden, num_experts, max_topk
-        self.timeout_s, self.check_ids = timeout_s, check_ids  # timeout_s: also the kernels'
+        self.check_ids = check_ids
         device = torch.device(device) if device is not None else default_device(self.group)
         on_gpu = device.type == "cuda"
         if max_sms is None:
@@ -439,18 +511,32 @@ class NormalMode:
         #: How peers are reached (:mod:`tritonep.kernels.transport`).
         self.transport = transport.PeerTransport(self.heap, staged, "staged")
         self.state = torch.zeros(8, dtype=torch.int64, device=self.device)
-        self.status = new_status(self.device)
+        #: What went wrong, on the device and in host memory (:mod:`tritonep.kernels.status`).
+        self.status = Status(self.device)
         self._decoded = torch.empty(
             self.num_ranks, self.num_local_experts, dtype=torch.int32, device=self.device
         )
-        self._layout_arrivals = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._metas: dict[tuple, dict] = {}  # launch options per configuration (_launch)
+        # get_dispatch_layout's kernel: bad ids go to this mode's status (under this rank's
+        # number in the group, as the dispatch kernel's; errors name it by rank_names).
+        self._layout = DispatchLayout(
+            self.device, num_experts, self.num_ranks, self.status, self.rank
+        )
+        # Passed for the pointers a variant does not read.
+        self._unused = torch.zeros(4, dtype=torch.int64, device=self.device)
+        self._plans: dict[tuple, KernelLaunch] = {}
+        self._plans_version = _launch_version
+        self._configs: set[Config] = set()  # configs found valid (_config)
+        self._scale_shapes: set[tuple] = set()  # (words, dtype) of scales found valid
+        self._device_index = self.device.index if on_gpu else -1
+        self.timeout_s = timeout_s  # also sets the kernels' limit (property below)
         #: Kernel traces (``profile=True``): :meth:`TraceRecorder.dump` writes them.
         self.trace = TraceRecorder.of(profile, self.rank, self.device, on_gpu)
 
     # ---------------------------------------------------------------------------- helpers
     def _config(self, config: Config | None) -> Config:
         config = config or self.default_config
+        if config in self._configs:
+            return config
         channels = config.num_channels
         if not 1 <= channels <= self.layout.max_channels:
             raise ValueError(
@@ -466,6 +552,7 @@ class NormalMode:
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             if 2 * channels > sms:
                 raise ValueError(f"config: num_sms={config.num_sms} exceeds the {sms} SMs")
+        self._configs.add(config)
         return config
 
     def _check_fits_interpreter(self, config: Config, what: str, num_tokens: int,
@@ -485,22 +572,28 @@ class NormalMode:
                 "ring (the interpreter runs programs one by one)"
             )
 
-    def _launch(self, kernel, name, num_programs, args, key, build_meta):
-        """Launch ``kernel`` with ``args`` and the constexprs and options ``build_meta()``
-        returns, built once per ``key`` (everything they depend on besides the mode): one
-        dict per configuration, which also lets the launcher skip re-reading it."""
-        traced = self.trace is not None
-        meta = self._metas.get((name, key, traced, _launch_version))
-        if meta is None:
-            meta = build_meta()
+    def _plan(self, key: tuple, build) -> KernelLaunch:
+        """The launch of one configuration (``key``: its options), built by ``build(key)`` on
+        first use; plans built before a change of the launch constants are dropped."""
+        if self._plans_version != _launch_version:
+            self._plans.clear()
+            self._plans_version = _launch_version
+        plan = self._plans.get(key)
+        if plan is None:
+            kernel, grid, variant, call_type, options = build(key)
+            meta = {**variant._asdict(), **options, **self.transport.options}
             if self.device.type == "cuda":
                 meta["launch_cooperative_grid"] = True
-            meta.update(PROFILE=traced, VIA=self.transport.via, **self.transport.options)
-            self._metas[(name, key, traced, _launch_version)] = meta
-        readings = self.state  # placeholder pointer when nothing is recorded
-        if traced:
-            readings = self.trace.buffer(name, num_programs, True, True)
-        launcher.launch(kernel, (num_programs,), (*args, readings), meta)
+            pointers = tuple(i for i, f in enumerate(call_type._fields) if f.endswith("_ptr"))
+            plan = KernelLaunch(kernel, (grid,), meta, call_type._fields, pointers, self._unused)
+            self._plans[key] = plan
+        return plan
+
+    def _launch(self, plan: KernelLaunch, name: str, call) -> None:
+        if self.trace is not None:
+            readings = self.trace.buffer(f"{self.label} {name}", plan.grid[0], True, True)
+            call = call._replace(trace_ptr=readings)
+        plan(call, self._shared)
 
     @property
     def timeout_s(self) -> float:
@@ -512,34 +605,70 @@ class NormalMode:
     def timeout_s(self, value: float) -> None:
         self._timeout_us = timeout_us(value)
         self._timeout_s = value
+        # The kernels' trailing arguments (NormalShared), tensors and addresses.
+        self._shared = Shared.of(
+            NormalShared(
+                peer_ptrs=self.heap.peer_ptrs,
+                pe_ptr=self.transport.pes,
+                rank=self.rank,
+                state_ptr=self.state,
+                status_ptr=self.status.words,
+                timeout_us=self._timeout_us,
+                decoded_ptr=self._decoded,
+            )
+        )
 
+    # ----------------------------------------------------------------------------- errors
     def check(self) -> None:
-        """Wait for the device; raise if a kernel wait timed out or worst-case rows overflowed
-        (:class:`~tritonep.kernels.sync.WaitTimeoutError`, ``ValueError``), or a kernel wrote
-        past the heap's regions (:class:`~tritonep.errors.HeapGuardError`)."""
-        self._check_status(self.status.tolist())
+        """Wait for the device; raise what a kernel recorded: a wait that timed out
+        (:class:`~tritonep.errors.WaitTimeoutError`), worst-case rows that overflowed or ids
+        outside ``[-1, num_experts)`` (``ValueError``); or
+        :class:`~tritonep.errors.HeapGuardError` if a kernel wrote past the heap's regions."""
+        self.status.raise_recorded(self.status.synced_record(), self._raise)
         self.heap.check_guard()
 
-    def _check_status(self, words: list[int]) -> None:
-        """:func:`check_status` of this mode's status words, its ranks named as the caller
-        knows them. An overflow is raised once and then cleared: the receivers drained their
-        rings, so the mode and its peers still agree and the next call may size its outputs
-        better. A timeout stays (:mod:`tritonep.kernels.sync`)."""
-        code, peer, *rest = words
+    def _raise(self, words: list[int]) -> None:
+        """Raise a record (:mod:`tritonep.kernels.status`), its ranks named as the caller knows
+        them. Bad ids and an overflow were cleared first: the ranks stayed in step (the
+        receivers drained their rings), so the next call may size its outputs better. A
+        timeout stays."""
+        code, peer, phase = words[:3]
+        name = self._phases.get(phase, f"phase {phase}")
         if peer >= 0:
             peer = self._rank_names[peer]
-        if code == STATUS_OVERFLOW.value:
-            self.status.zero_()  # in stream order: after the launches whose status was read
-        check_status([code, peer, *rest], self._rank_names[self.rank], self._phases,
+        if code == STATUS_BAD_ID.value:
+            raise bad_id_error([code, peer, *words[2:]], name, self.num_experts)
+        check_status([code, peer, *words[2:]], self._rank_names[self.rank], self._phases,
                      "channel {}")  # fmt: skip
 
+    def raise_recorded(self) -> None:
+        """Raise what this mode's kernels recorded so far (the host copy: no synchronization);
+        nothing if nothing was recorded."""
+        self.status.raise_recorded(self.status.record(), self._raise)
+
+    # ----------------------------------------------------------------------------- layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor):
         """Routing statistics of ``topk_idx`` (``[N, K]`` int64 global expert ids, ``-1`` for
         none), from one kernel: ``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E]
-        int32, is_token_in_rank [N, R] bool)``."""
-        check_topk_idx("topk_idx", topk_idx, None, self.num_experts, self.device, self.check_ids)
-        return dispatch_layout(topk_idx, self.num_experts, self.num_ranks, self._layout_arrivals)
+        int32, is_token_in_rank [N, R] bool)``. Ids outside ``[-1, E)`` count as none and are
+        recorded: the next dispatch or combine raises them (with ``check_ids``, this call
+        does, before launching)."""
+        with _no_torch_function():
+            if self.check_ids or not self._ids_look_right(topk_idx, None):
+                check_topk_idx(
+                    "topk_idx", topk_idx, None, self.num_experts, self.device, self.check_ids
+                )
+            return self._layout(topk_idx)
 
+    def _ids_look_right(self, topk_idx, num_tokens: int | None) -> bool:
+        """Plain comparisons: ``topk_idx`` is a contiguous ``[num_tokens, K]`` int64 tensor on
+        this mode's device with ``1 <= K <= max_topk`` (``num_tokens`` None: any)."""
+        if not _plain(topk_idx, torch.int64, self._device_index) or topk_idx.dim() != 2:
+            return False
+        n, k = topk_idx.shape
+        return (num_tokens is None or n == num_tokens) and 1 <= k <= self.max_topk
+
+    # ----------------------------------------------------------------------------- notify
     def notify(
         self,
         is_token_in_rank: torch.Tensor | None,
@@ -572,20 +701,50 @@ class NormalMode:
                 one range), instead of by source, then channel.
         Returns:
             a :class:`NormalHandle` (exact mode: after one host read of the received count).
+        Raises:
+            :class:`~tritonep.errors.WaitTimeoutError` in exact mode, when the count exchange
+            gave up (the count is unknown); what earlier calls recorded is left to the
+            dispatch that follows (which raises it after its launches).
         """
-        config = self._config(config)
+        with _no_torch_function():
+            return self._notify(
+                is_token_in_rank,
+                num_tokens_per_expert,
+                num_tokens,
+                expert_alignment,
+                num_worst_tokens,
+                self._config(config),
+                send_counts,
+                bounds,
+                extra,
+                channel_major,
+            )
+
+    def _notify(
+        self,
+        is_token_in_rank,
+        num_tokens_per_expert,
+        num_tokens,
+        expert_alignment,
+        num_worst_tokens,
+        config,
+        send_counts,
+        bounds,
+        extra,
+        channel_major,
+    ) -> NormalHandle:
         R, E_local, C = self.num_ranks, self.num_local_experts, config.num_channels
+        device = self.device
         if send_counts is not None:
-            check_tensor("send_counts", send_counts, dtype=torch.int32, shape=(R, C),
-                         device=self.device)  # fmt: skip
-            in_rank = torch.zeros(num_tokens, R, dtype=torch.bool, device=self.device)
+            check_tensor("send_counts", send_counts, dtype=torch.int32, shape=(R, C), device=device)
+            in_rank = torch.zeros((num_tokens, R), dtype=torch.bool, device=device)
             counted = send_counts
         else:
-            in_rank = is_token_in_rank
-            counted = in_rank.view(torch.int8)
+            in_rank = counted = is_token_in_rank
         if bounds is not None:
-            check_tensor("bounds", bounds, dtype=torch.int32, shape=(C + 1,), device=self.device)
-        self._check_fits_interpreter(config, "x", num_tokens, bounds)
+            check_tensor("bounds", bounds, dtype=torch.int32, shape=(C + 1,), device=device)
+        if device.type != "cuda":
+            self._check_fits_interpreter(config, "x", num_tokens, bounds)
         X = 0
         if extra is not None:
             X = extra.shape[1]
@@ -593,47 +752,72 @@ class NormalMode:
                 raise ValueError(
                     f"extra: expected 1 to {self.notify_extra} words per rank, got {X}"
                 )
-            check_tensor("extra", extra, dtype=torch.int32, shape=(R, X), device=self.device)
-        recv_count = torch.empty(R, C, dtype=torch.int32, device=self.device)
-        recv_start = torch.empty(R, C, dtype=torch.int32, device=self.device)
-        host_info = torch.empty(1 + E_local, dtype=torch.int32, device=self.device)
-        extra_out = torch.empty(R, X, dtype=torch.int32, device=self.device) if X else None
+            check_tensor("extra", extra, dtype=torch.int32, shape=(R, X), device=device)
+        counts = torch.empty((2, R, C), dtype=torch.int32, device=device)
+        recv_count, recv_start = counts.unbind(0)
+        host_info = torch.empty(1 + E_local, dtype=torch.int32, device=device)
+        extra_out = torch.empty((R, X), dtype=torch.int32, device=device) if X else None
+        options = NotifyOptions(config, send_counts is not None, X, channel_major)
+        plan = self._plans.get(options)
+        if plan is None or self._plans_version != _launch_version:
+            plan = self._plan(options, self._notify_plan)
         self._launch(
-            normal_notify.notify_kernel,
-            f"{self.label} notify",
-            R,
-            (
-                counted, num_tokens, num_tokens_per_expert,
-                self.heap.peer_ptrs, self.rank, self.layout.notify,
-                self.layout.stage_notify, self.transport.pes, self.state,
-                self._decoded, recv_count, recv_start, host_info, num_worst_tokens,
-                extra if X else recv_count, extra_out if X else recv_count,
-                self.status, self._timeout_us,
+            plan,
+            "notify",
+            NotifyCall(
+                counts_ptr=counted,
+                num_tokens=num_tokens,
+                per_expert_ptr=num_tokens_per_expert,
+                extra_ptr=extra,
+                alignment=expert_alignment,
+                max_rows=num_worst_tokens,
+                recv_count_ptr=recv_count,
+                recv_start_ptr=recv_start,
+                host_info_ptr=host_info,
+                extra_out_ptr=extra_out,
+                trace_ptr=None,
             ),
-            (C, expert_alignment, send_counts is not None, X, channel_major),
-            lambda: dict(
-                NUM_RANKS=R, NUM_CHANNELS=C, E_LOCAL=E_local, ALIGN=expert_alignment,
-                ROW=self.layout.notify_row, SET_BYTES=self.layout.notify_set,
-                USE_CLOCK=use_clock(self.device), BLOCK_N=256,
-                C_P2=_next_pow2(C + 1), E_P2=_next_pow2(max(E_local, 2)),
-                R_P2=_next_pow2(max(R, 2)), COUNTS_GIVEN=send_counts is not None, EXTRA=X,
-                X_P2=_next_pow2(max(X, 2)), CHANNEL_MAJOR=channel_major,
-            ),
-        )  # fmt: skip
+        )
         if num_worst_tokens:
             num_recv, rows = -1, num_worst_tokens
             per_expert = host_info[1:]
         else:
             # The one host synchronization of exact mode: the received count.
-            info = torch.cat([host_info, self.status]).tolist()
-            self._check_status(info[-STATUS_WORDS:])
+            info = host_info.tolist()
+            if self.status.recorded() == STATUS_TIMEOUT.value:
+                self.raise_recorded()  # the count is unknown: nothing can follow
             num_recv = rows = info[0]
-            per_expert = info[1 : 1 + E_local]
+            per_expert = info[1:]
         return NormalHandle(
             in_rank, recv_count, recv_start, host_info, None, num_recv, rows, num_tokens,
             self.hidden, self.num_experts, config, per_expert,
             extra_out, bounds, send_counts is not None,
         )  # fmt: skip
+
+    def _notify_plan(self, options: NotifyOptions):
+        config, R, E_local = options.config, self.num_ranks, self.num_local_experts
+        C = config.num_channels
+        variant = NotifyVariant(
+            NUM_RANKS=R,
+            NUM_CHANNELS=C,
+            E_LOCAL=E_local,
+            ROW_WORDS=self.layout.notify_row,
+            SET_BYTES=self.layout.notify_set,
+            NOTIFY_OFFSET=self.layout.notify,
+            STAGE_OFFSET=self.layout.stage_notify,
+            EXTRA=options.extra,
+            COUNTS_GIVEN=options.counts_given,
+            CHANNEL_MAJOR=options.channel_major,
+            USE_CLOCK=use_clock(self.device),
+            BLOCK_TOKENS=256,
+            BLOCK_CHANNELS=_next_pow2(C + 1),
+            BLOCK_EXPERTS=_next_pow2(max(E_local, 2)),
+            BLOCK_RANKS=_next_pow2(max(R, 2)),
+            BLOCK_EXTRA=_next_pow2(max(options.extra, 2)),
+            PROFILE=self.trace is not None,
+            VIA=self.transport.via,
+        )
+        return normal_notify.notify_kernel, R, variant, NotifyCall, {}
 
     # --------------------------------------------------------------------------- dispatch
     def dispatch(
@@ -685,24 +869,91 @@ class NormalMode:
                 order, written in place instead of gathered afterwards). The returned
                 handle's ``recv_src_idx`` keeps the unmapped order.
         Returns:
-            a :class:`NormalDispatchOutput`.
+            a :class:`NormalDispatchOutput`; in cached mode its handle is ``handle`` itself
+            (its ``recv_src_idx`` rewritten with the same values).
+        Raises:
+            ``ValueError``/``TypeError`` naming the argument, before anything is launched;
+            after its launches, what an earlier call recorded (module docs).
         """
+        with _no_torch_function():
+            recorded = self.status.recorded()
+            out = self._dispatch(
+                x,
+                topk_idx,
+                topk_weights,
+                num_tokens_per_expert,
+                is_token_in_rank,
+                handle,
+                expert_alignment,
+                num_worst_tokens,
+                config,
+                src_tag,
+                relay,
+                row_map,
+            )
+            # An exact-size first dispatch read the host after its layout and count exchange:
+            # what they recorded is raised now, deterministically.
+            synced = handle is None and not num_worst_tokens
+            if recorded or (synced and self.status.recorded()):
+                self.raise_recorded()
+            return out
+
+    def _check_x(self, x) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(payload [N, H], scales [N, S] token-major or None)``, checked: plain comparisons
+        for the shapes :func:`check_dispatch_x` accepted before (scale words and dtype), else
+        that check, which names what is wrong."""
+        at, H = self._device_index, self.hidden
+        if type(x) is tuple and len(x) == 2:
+            payload, scales = x
+            if (
+                _plain(payload, torch.float8_e4m3fn, at)
+                and type(scales) is torch.Tensor
+                and scales.get_device() == at
+                and payload.dim() == 2
+                and payload.shape[1] == H
+                and scales.dim() == 2
+                and scales.shape[0] == payload.shape[0]
+                and (scales.shape[1], scales.dtype) in self._scale_shapes
+            ):
+                if not scales.is_contiguous():  # the kernels read scales token-major
+                    scales = scales.contiguous()
+                return payload, scales
+        elif _plain(x, torch.bfloat16, at) and x.dim() == 2 and x.shape[1] == H:
+            return x, None
         payload = check_dispatch_x("x", x)
-        num_tokens, hidden = payload.shape
-        if hidden != self.hidden:
-            raise ValueError(f"x: expected hidden size {self.hidden}, got {hidden}")
+        if payload.shape[1] != H:
+            raise ValueError(f"x: expected hidden size {H}, got {payload.shape[1]}")
         if payload.device != self.device:
             raise ValueError(f"x: expected a tensor on {self.device}, got {payload.device}")
-        use_fp8 = isinstance(x, tuple)
-        if use_fp8:  # the kernels read scales token-major (column-major ones are copied)
-            x = (x[0], x[1].contiguous())
-        if not isinstance(expert_alignment, int) or expert_alignment < 1:
+        if type(x) is not tuple:
+            return payload, None
+        self._scale_shapes.add((x[1].shape[1], x[1].dtype))
+        return payload, x[1].contiguous()
+
+    def _dispatch(
+        self,
+        x,
+        topk_idx=None,
+        topk_weights=None,
+        num_tokens_per_expert=None,
+        is_token_in_rank=None,
+        handle=None,
+        expert_alignment=1,
+        num_worst_tokens=0,
+        config=None,
+        src_tag=None,
+        relay=None,
+        row_map=None,
+    ) -> NormalDispatchOutput:
+        payload, scales = self._check_x(x)
+        num_tokens, device = payload.shape[0], self.device
+        if type(expert_alignment) is not int or expert_alignment < 1:
             raise ValueError(f"expert_alignment: expected a positive int, got {expert_alignment}")
-        if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
+        if type(num_worst_tokens) is not int or num_worst_tokens < 0:
             raise ValueError(f"num_worst_tokens: expected an int >= 0, got {num_worst_tokens}")
-        R, E_local = self.num_ranks, self.num_local_experts
+        cached = False
         if handle is not None:
-            if not isinstance(handle, NormalHandle):
+            if not isinstance(handle, NormalHandle):  # (or a subclass: deep_ep's LegacyHandle)
                 raise TypeError(f"handle: expected a NormalHandle, got {type(handle).__name__}")
             if handle.num_tokens != num_tokens:
                 raise ValueError(
@@ -710,135 +961,223 @@ class NormalMode:
                 )
             if handle.ranks_from_ids and topk_idx is None:
                 raise ValueError("topk_idx: required with a handle from notify(send_counts=...)")
-            if handle.recv_src_idx is not None:  # cached mode: the ids stay (as DeepEP's)
+            cached = handle.recv_src_idx is not None
+            if cached:  # the ids stay (as DeepEP's)
                 topk_idx = topk_weights = None
         if row_map is not None:
-            if handle is None or handle.recv_src_idx is None:
+            if not cached:
                 raise ValueError("row_map: only in cached mode (the handle of a dispatch)")
-            check_tensor("row_map", row_map, dtype=torch.int32, shape=(handle.num_rows,),
-                         device=self.device)  # fmt: skip
+            check_tensor(
+                "row_map", row_map, dtype=torch.int32, shape=(handle.num_rows,), device=device
+            )
         has_topk = topk_idx is not None
         if has_topk:
-            topk_idx = check_topk_idx(
-                "topk_idx", topk_idx, num_tokens, self.num_experts, self.device, self.check_ids
-            )
-            if topk_idx.shape[1] > self.max_topk:
-                raise ValueError(
-                    f"topk_idx: top-k {topk_idx.shape[1]} exceeds max_topk={self.max_topk}"
+            if self.check_ids or not self._ids_look_right(topk_idx, num_tokens):
+                check_topk_idx(
+                    "topk_idx", topk_idx, num_tokens, self.num_experts, device, self.check_ids
                 )
-            if topk_weights is not None:
+                if topk_idx.shape[1] > self.max_topk:
+                    raise ValueError(
+                        f"topk_idx: top-k {topk_idx.shape[1]} exceeds max_topk={self.max_topk}"
+                    )
+            if topk_weights is not None and (
+                not _plain(topk_weights, torch.float32, self._device_index)
+                or topk_weights.shape != topk_idx.shape
+            ):
                 check_topk_weights("topk_weights", topk_weights, topk_idx)
         if handle is None:
             if not has_topk:
                 raise ValueError("topk_idx: required without a handle")
-            if (num_tokens_per_expert is None) != (is_token_in_rank is None):
-                raise ValueError(
-                    "num_tokens_per_expert, is_token_in_rank: give both (from "
-                    "get_dispatch_layout) or neither"
-                )
-            if is_token_in_rank is None:
-                _, num_tokens_per_expert, is_token_in_rank = dispatch_layout(
-                    topk_idx, self.num_experts, R, self._layout_arrivals
-                )
-            check_tensor(
-                "is_token_in_rank", is_token_in_rank, dtype=torch.bool,
-                shape=(num_tokens, R), device=self.device,
-            )  # fmt: skip
-            check_tensor(
-                "num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32,
-                shape=(self.num_experts,), device=self.device,
-            )  # fmt: skip
-            handle = self.notify(is_token_in_rank, num_tokens_per_expert, num_tokens,
+            handle = self._route(topk_idx, num_tokens_per_expert, is_token_in_rank, num_tokens,
                                  expert_alignment, num_worst_tokens, config)  # fmt: skip
         if src_tag is not None:
-            check_tensor("src_tag", src_tag, dtype=torch.int32, shape=(num_tokens,),
-                         device=self.device)  # fmt: skip
-        config, in_rank = handle.config, handle.is_token_in_rank
-        C = config.num_channels
+            check_tensor("src_tag", src_tag, dtype=torch.int32, shape=(num_tokens,), device=device)
         topk = topk_idx.shape[1] if has_topk else 1
-        num_recv, rows = handle.num_recv_tokens, handle.num_rows
-
-        # Outputs.
-        W = hidden // 4 if use_fp8 else hidden // 2
-        G = x[1].shape[1] if use_fp8 else 0  # scale words per token
-        if use_fp8:
-            recv_x = (
-                empty_output(self.device, (rows, hidden), torch.float8_e4m3fn),
-                empty_output(self.device, (rows, G), x[1].dtype),
-            )
-            x_words, scale_words = x[0].view(torch.int32), x[1].view(torch.int32)
-            out_words, out_scales = recv_x[0].view(torch.int32), recv_x[1].view(torch.int32)
-        else:
-            recv_x = empty_output(self.device, (rows, hidden), torch.bfloat16)
-            x_words, out_words = x.view(torch.int32), recv_x.view(torch.int32)
-            scale_words = out_scales = out_words
-        has_weights = has_topk and topk_weights is not None
-        recv_topk_idx = empty_output(self.device, (rows, topk), torch.int64) if has_topk else None
-        recv_weights = (
-            empty_output(self.device, (rows, topk), torch.float32) if has_weights else None
-        )
-        recv_src_idx = empty_output(self.device, (rows,), torch.int32)
-        dummy = out_words
-        ranks_from_ids = handle.ranks_from_ids and has_topk
-        bounds = handle.bounds
+        rows = handle.num_rows
         awaits = relay is not None and relay.await_rows
         publish = relay is not None and relay.publish_to is not None
-
-        def build_meta():  # once per configuration: _launch
-            r_p2 = _next_pow2(max(R, 2))
-            warps = DISPATCH_WARPS if r_p2 <= 4 else max(4, DISPATCH_WARPS // 2)
-            bw = min(SEND_BW, _next_pow2(W))
-            rows_per_source = max(1, STEP_ROWS // r_p2)
-            return dict(
-                W=W, G=G, E_LOCAL=E_local, NUM_RANKS=R, NUM_CHANNELS=C,
-                MAX_CHANNELS=self.layout.max_channels, RING=config.nvl_recv_buffer_tokens,
-                RING_STRIDE=self.layout.ring_tokens, SLOT_BYTES=self.layout.dispatch_slot,
-                META_OFF=_align(W + G, 4), HAS_SCALES=use_fp8, HAS_TOPK=has_topk,
-                HAS_WEIGHTS=has_weights, HAS_TAG=src_tag is not None, PAD_ROWS=num_recv < 0,
-                USE_CLOCK=use_clock(self.device),
-                TOK=_step_tokens(config, SEND_TILE * warps // 16 // bw), ROWS=rows_per_source,
-                BW=bw, RBW=min(RECV_TILE // (r_p2 * rows_per_source), _next_pow2(W)),
-                R_P2=r_p2, K_P2=_next_pow2(max(topk, 2)), G_P2=_next_pow2(max(G, 2)),
-                BOUNDS=bounds is not None, AWAIT=awaits, RANKS_FROM_IDS=ranks_from_ids,
-                PUBLISH=publish, RELEASE_STEPS=SEND_RELEASE_STEPS, num_warps=warps,
-                # Own rows straight from the input, where it is complete before the launch
-                # (not in a relay leg that awaits its rows or learns their destinations).
-                LOCAL=not (awaits or ranks_from_ids), ROW_MAP=row_map is not None,
-            )  # fmt: skip
-
+        options = DispatchOptions(
+            config=handle.config,
+            scale_words=scales.shape[1] if scales is not None else 0,
+            block_k=2 if topk <= 2 else 1 << (topk - 1).bit_length(),
+            has_topk=has_topk,
+            has_weights=topk_weights is not None,
+            has_tag=src_tag is not None,
+            pad_rows=handle.num_recv_tokens < 0,
+            bounds=handle.bounds is not None,
+            awaits=awaits,
+            ranks_from_ids=handle.ranks_from_ids and has_topk,
+            publish=publish,
+            row_map=row_map is not None,
+        )
+        plan = self._plans.get(options)
+        if plan is None or self._plans_version != _launch_version:
+            plan = self._plan(options, self._dispatch_plan)
+        # Outputs.
+        recv_x = empty_output(device, (rows, self.hidden), payload.dtype)
+        recv_scales = None
+        if scales is not None:
+            recv_scales = empty_output(device, (rows, scales.shape[1]), scales.dtype)
+        recv_topk_idx = recv_weights = None
+        if has_topk:
+            recv_topk_idx = empty_output(device, (rows, topk), torch.int64)
+            if topk_weights is not None:
+                recv_weights = empty_output(device, (rows, topk), torch.float32)
+        # Cached mode writes the handle's sources again (the same values): no new handle.
+        recv_src_idx = handle.recv_src_idx if cached else empty_output(device, (rows,), torch.int32)
         self._launch(
-            normal_dispatch.normal_dispatch_kernel,
-            f"{self.label} dispatch",
-            2 * C,
-            (
-                x_words, scale_words, topk_idx if has_topk else dummy,
-                topk_weights if has_weights else dummy, in_rank.view(torch.int8),
-                src_tag if src_tag is not None else dummy, num_tokens,
-                self.heap.peer_ptrs, self.rank, self.layout.dispatch_ring,
-                self.layout.dispatch_tail, self.layout.dispatch_head, self.layout.stage_rings,
-                self.transport.pes, self.state, handle.recv_count,
-                handle.recv_start, handle.host_info, out_words, out_scales,
-                recv_topk_idx if has_topk else dummy, recv_weights if has_weights else dummy,
-                recv_src_idx, rows, self.status, self._timeout_us,
-                bounds if bounds is not None else handle.recv_count,
-                relay.flags if relay is not None else handle.recv_count,
-                relay.publish_to if publish else self.state,
-                row_map if row_map is not None else handle.recv_count, topk,
+            plan,
+            "dispatch",
+            DispatchCall(
+                x_ptr=payload,
+                scales_ptr=scales,
+                topk_idx_ptr=topk_idx,
+                topk_weights_ptr=topk_weights,
+                in_rank_ptr=handle.is_token_in_rank,
+                src_tag_ptr=src_tag,
+                num_tokens=num_tokens,
+                K=topk,
+                recv_count_ptr=handle.recv_count,
+                recv_start_ptr=handle.recv_start,
+                host_info_ptr=handle.host_info,
+                out_x_ptr=recv_x,
+                out_scales_ptr=recv_scales,
+                out_topk_idx_ptr=recv_topk_idx,
+                out_weights_ptr=recv_weights,
+                out_src_ptr=recv_src_idx,
+                max_rows=rows,
+                bounds_ptr=handle.bounds,
+                ready_ptr=relay.flags if relay is not None else None,
+                relay_call_ptr=relay.publish_to if publish else None,
+                row_map_ptr=row_map,
+                trace_ptr=None,
             ),
-            (config, G, _next_pow2(max(topk, 2)), has_topk, has_weights, src_tag is not None,
-             num_recv < 0, bounds is not None, awaits, ranks_from_ids, publish,
-             row_map is not None),
-            build_meta,
-        )  # fmt: skip
+        )
+        if scales is not None:
+            recv_x = (recv_x, recv_scales)
+        if cached:
+            return NormalDispatchOutput(recv_x, None, None, None, handle)
         new_handle = NormalHandle(
-            in_rank, handle.recv_count, handle.recv_start, handle.host_info, recv_src_idx,
-            num_recv, rows, num_tokens, hidden, self.num_experts, config,
-            bounds=bounds, extra=handle.extra,
+            handle.is_token_in_rank, handle.recv_count, handle.recv_start, handle.host_info,
+            recv_src_idx, handle.num_recv_tokens, rows, num_tokens, self.hidden,
+            self.num_experts, handle.config, bounds=handle.bounds, extra=handle.extra,
         )  # fmt: skip
-        # Set on a handle from notify (a first dispatch, with or without top-k); None on a
-        # dispatch's handle (cached mode).
+        # Set on a handle from notify (a first dispatch, with or without top-k).
         per_expert = handle.num_recv_tokens_per_expert
         return NormalDispatchOutput(recv_x, recv_topk_idx, recv_weights, per_expert, new_handle)
+
+    def _route(
+        self,
+        topk_idx,
+        num_tokens_per_expert,
+        is_token_in_rank,
+        num_tokens,
+        expert_alignment,
+        num_worst_tokens,
+        config,
+    ) -> NormalHandle:
+        """The layout (unless given) and the count exchange of a first dispatch."""
+        R, device = self.num_ranks, self.device
+        if (num_tokens_per_expert is None) != (is_token_in_rank is None):
+            raise ValueError(
+                "num_tokens_per_expert, is_token_in_rank: give both (from "
+                "get_dispatch_layout) or neither"
+            )
+        if is_token_in_rank is None:
+            _, num_tokens_per_expert, is_token_in_rank = self._layout(topk_idx)
+        else:
+            at = self._device_index
+            if not _plain(is_token_in_rank, torch.bool, at) or is_token_in_rank.shape != (
+                num_tokens,
+                R,
+            ):
+                check_tensor(
+                    "is_token_in_rank",
+                    is_token_in_rank,
+                    dtype=torch.bool,
+                    shape=(num_tokens, R),
+                    device=device,
+                )
+            if not _plain(num_tokens_per_expert, torch.int32, at) or (
+                num_tokens_per_expert.shape != (self.num_experts,)
+            ):
+                check_tensor(
+                    "num_tokens_per_expert",
+                    num_tokens_per_expert,
+                    dtype=torch.int32,
+                    shape=(self.num_experts,),
+                    device=device,
+                )
+        return self._notify(
+            is_token_in_rank,
+            num_tokens_per_expert,
+            num_tokens,
+            expert_alignment,
+            num_worst_tokens,
+            self._config(config),
+            None,
+            None,
+            None,
+            False,
+        )
+
+    def _dispatch_plan(self, options: DispatchOptions):
+        config, R, layout = options.config, self.num_ranks, self.layout
+        G = options.scale_words
+        W = self.hidden // 4 if G else self.hidden // 2  # words of an e4m3 or BF16 row
+        r_p2 = _next_pow2(max(R, 2))
+        warps = DISPATCH_WARPS if r_p2 <= 4 else max(4, DISPATCH_WARPS // 2)
+        send_words = min(SEND_BW, _next_pow2(W))
+        rows_per_source = max(1, STEP_ROWS // r_p2)
+        local = not (options.awaits or options.ranks_from_ids)
+        variant = DispatchVariant(
+            ROW_WORDS=W,
+            SCALE_WORDS=G,
+            E_LOCAL=self.num_local_experts,
+            NUM_RANKS=R,
+            NUM_CHANNELS=config.num_channels,
+            MAX_CHANNELS=layout.max_channels,
+            RING=config.nvl_recv_buffer_tokens,
+            RING_STRIDE=layout.ring_tokens,
+            SLOT_BYTES=layout.dispatch_slot,
+            RECORD_WORD=_align(W + G, 4),
+            RING_OFFSET=layout.dispatch_ring,
+            TAIL_OFFSET=layout.dispatch_tail,
+            HEAD_OFFSET=layout.dispatch_head,
+            STAGE_OFFSET=layout.stage_rings,
+            HAS_SCALES=G > 0,
+            HAS_TOPK=options.has_topk,
+            HAS_WEIGHTS=options.has_weights,
+            HAS_TAG=options.has_tag,
+            PAD_ROWS=options.pad_rows,
+            BOUNDS=options.bounds,
+            AWAIT=options.awaits,
+            RANKS_FROM_IDS=options.ranks_from_ids,
+            PUBLISH=options.publish,
+            # Own rows straight from the input, where it is complete before the launch (not
+            # in a relay leg that awaits its rows or learns their destinations).
+            LOCAL=local,
+            ROW_MAP=options.row_map,
+            RELEASE_STEPS=SEND_RELEASE_STEPS,
+            USE_CLOCK=use_clock(self.device),
+            BLOCK_TOKENS=_step_tokens(config, SEND_TILE * warps // 16 // send_words),
+            BLOCK_ROWS=rows_per_source,
+            BLOCK_SEND_WORDS=send_words,
+            BLOCK_RECV_WORDS=min(RECV_TILE // (r_p2 * rows_per_source), _next_pow2(W)),
+            BLOCK_RANKS=r_p2,
+            BLOCK_K=options.block_k,
+            BLOCK_SCALES=_next_pow2(max(G, 2)),
+            PROFILE=self.trace is not None,
+            VIA=self.transport.via,
+        )
+        grid = 2 * config.num_channels
+        return (
+            normal_dispatch.normal_dispatch_kernel,
+            grid,
+            variant,
+            DispatchCall,
+            {"num_warps": warps},
+        )
 
     # ---------------------------------------------------------------------------- combine
     def combine(
@@ -865,93 +1204,157 @@ class NormalMode:
                 ``topk_weights``) that holds each received row, ``x`` being in the caller's
                 order (the internode mode's; read in place instead of scattered first).
         Returns:
-            ``(combined_x [N, H] BF16, combined_topk_weights [N, K] float32 or None)``.
+            ``(combined_x [N, H] BF16, combined_topk_weights [N, K] float32 or None)``; a
+            token one of whose rows never came (a wait that gave up) sums to NaN.
+        Raises:
+            ``ValueError``/``TypeError`` naming the argument, before anything is launched;
+            after its launches, what an earlier call recorded (module docs).
         """
-        if not isinstance(handle, NormalHandle):
+        with _no_torch_function():
+            recorded = self.status.recorded()
+            out = self._combine(x, handle, topk_weights, bias, relay, row_map)
+            if recorded:
+                self.raise_recorded()
+            return out
+
+    def _combine(self, x, handle, topk_weights=None, bias=None, relay=None, row_map=None):
+        if not isinstance(handle, NormalHandle):  # (or a subclass: deep_ep's LegacyHandle)
             raise TypeError(f"handle: expected a NormalHandle, got {type(handle).__name__}")
         H, N, M = handle.hidden, handle.num_tokens, handle.num_rows
-        check_tensor("x", x, dtype=torch.bfloat16, shape=(M, H), device=self.device)
+        device, at = self.device, self._device_index
+        if not _plain(x, torch.bfloat16, at) or x.shape != (M, H):
+            check_tensor("x", x, dtype=torch.bfloat16, shape=(M, H), device=device)
         K = 1
         if topk_weights is not None:
-            check_tensor(
-                "topk_weights", topk_weights, dtype=torch.float32, shape=(M, None),
-                device=self.device,
-            )  # fmt: skip
+            if not _plain(topk_weights, torch.float32, at) or topk_weights.dim() != 2:
+                check_tensor(
+                    "topk_weights",
+                    topk_weights,
+                    dtype=torch.float32,
+                    shape=(M, None),
+                    device=device,
+                )
             K = topk_weights.shape[1]
+            if topk_weights.shape[0] != M:
+                check_tensor("topk_weights", topk_weights, shape=(M, None))
             if not 1 <= K <= self.max_topk:
                 raise ValueError(f"topk_weights: top-k {K} outside [1, {self.max_topk}]")
         if row_map is not None:
             if relay is None:  # own rows are read by the receivers, in the received order
                 raise ValueError("row_map: only with a relay (the legs of the internode mode)")
-            check_tensor("row_map", row_map, dtype=torch.int32, shape=(M,), device=self.device)
-        terms = () if bias is None else bias if isinstance(bias, tuple) else (bias,)
+            check_tensor("row_map", row_map, dtype=torch.int32, shape=(M,), device=device)
+        terms = () if bias is None else bias if type(bias) is tuple else (bias,)
         if len(terms) > 2:
             raise ValueError(f"bias: at most two tensors, got {len(terms)}")
         for i, term in enumerate(terms):
-            check_tensor(
-                f"bias[{i}]" if isinstance(bias, tuple) else "bias", term, dtype=torch.bfloat16,
-                shape=(N, H), device=self.device,
-            )  # fmt: skip
+            if not _plain(term, torch.bfloat16, at) or term.shape != (N, H):
+                check_tensor(
+                    f"bias[{i}]" if type(bias) is tuple else "bias",
+                    term,
+                    dtype=torch.bfloat16,
+                    shape=(N, H),
+                    device=device,
+                )
         config = handle.config
-        self._check_fits_interpreter(config, "handle", N, handle.bounds)
-        C, R = config.num_channels, self.num_ranks
+        if device.type != "cuda":
+            self._check_fits_interpreter(config, "handle", N, handle.bounds)
         awaits = relay is not None and relay.await_rows
         publish = relay is not None and relay.publish_to is not None
         if awaits and relay.limit is None:
             raise ValueError("relay: a combine that awaits rows needs the relay's limit")
-        out = empty_output(self.device, (N, H), torch.bfloat16)
-        out_weights = (
-            empty_output(self.device, (N, K), torch.float32) if topk_weights is not None else None
+        options = CombineOptions(
+            config=config,
+            block_k=2 if K <= 2 else 1 << (K - 1).bit_length(),
+            has_weights=topk_weights is not None,
+            num_bias=len(terms),
+            bounds=handle.bounds is not None,
+            relay=relay is not None,
+            awaits=awaits,
+            publish=publish,
+            row_map=row_map is not None,
         )
-        dummy = out
-
-        def build_meta():  # once per configuration: _launch
-            # A sender step holds [ranks x ROWS, BW] words: bounded, fewer rows rather than
-            # narrower ones (a step's rows are contiguous).
-            r_p2, bw = _next_pow2(max(R, 2)), min(COMBINE_BW, _next_pow2(H // 2))
-            rows = max(1, min(STEP_ROWS // r_p2, COMBINE_SEND_TILE // (r_p2 * bw)))
-            if awaits:  # reading a relay's rows (no tile in flight): half the rows, no spill
-                rows = max(1, rows // 2)
-            return dict(
-                H=H, NUM_RANKS=R, NUM_CHANNELS=C, MAX_CHANNELS=self.layout.max_channels,
-                RING=config.nvl_recv_buffer_tokens,
-                RING_STRIDE=self.layout.ring_tokens, SLOT_BYTES=self.layout.combine_slot,
-                HAS_WEIGHTS=topk_weights is not None, NUM_BIAS=len(terms),
-                USE_CLOCK=use_clock(self.device),
-                TOK=_step_tokens(config, COMBINE_RECV_TILE // (r_p2 * 2 * bw)),
-                ROWS=rows, BW=bw, R_P2=r_p2, K_P2=_next_pow2(max(K, 2)), num_warps=COMBINE_WARPS,
-                BOUNDS=handle.bounds is not None, AWAIT=awaits, PUBLISH=publish,
-                # A relay's own rows go through the ring (not timed on GPUs without it).
-                LOCAL=relay is None, RELEASE_STEPS=SEND_RELEASE_STEPS,
-                ROW_MAP=row_map is not None,
-                # Sums round as in the reference (no fused multiply-add).
-                enable_fp_fusion=False,
-            )  # fmt: skip
-
+        plan = self._plans.get(options)
+        if plan is None or self._plans_version != _launch_version:
+            plan = self._plan(options, self._combine_plan)
+        out = empty_output(device, (N, H), torch.bfloat16)
+        out_weights = None
+        if topk_weights is not None:
+            out_weights = empty_output(device, (N, K), torch.float32)
         self._launch(
-            normal_combine.normal_combine_kernel,
-            f"{self.label} combine",
-            2 * C,
-            (
-                x, topk_weights if topk_weights is not None else dummy,
-                handle.is_token_in_rank.view(torch.int8), N, M,
-                terms[0] if len(terms) > 0 else dummy, terms[1] if len(terms) > 1 else dummy,
-                handle.recv_count, handle.recv_start, self.heap.peer_ptrs, self.rank,
-                self.layout.combine_ring, self.layout.combine_tail, self.layout.combine_head,
-                self.layout.stage_rings, self.transport.pes,
-                self.state, out, out_weights if out_weights is not None else dummy,
-                self.status, self._timeout_us,
-                relay.limit if awaits else handle.bounds if handle.bounds is not None
-                else handle.recv_count,
-                relay.flags if relay is not None else handle.recv_count,
-                relay.publish_to if publish else self.state,
-                row_map if row_map is not None else handle.recv_count, K,
+            plan,
+            "combine",
+            CombineCall(
+                x_ptr=x,
+                weights_ptr=topk_weights,
+                in_rank_ptr=handle.is_token_in_rank,
+                num_tokens=N,
+                num_rows=M,
+                K=K,
+                bias0_ptr=terms[0] if terms else None,
+                bias1_ptr=terms[1] if len(terms) > 1 else None,
+                recv_count_ptr=handle.recv_count,
+                recv_start_ptr=handle.recv_start,
+                out_ptr=out,
+                out_weights_ptr=out_weights,
+                bounds_ptr=relay.limit if awaits else handle.bounds,
+                ready_ptr=relay.flags if relay is not None else None,
+                relay_call_ptr=relay.publish_to if publish else None,
+                row_map_ptr=row_map,
+                trace_ptr=None,
             ),
-            (config, H, _next_pow2(max(K, 2)), topk_weights is not None, len(terms),
-             handle.bounds is not None, awaits, publish, row_map is not None),
-            build_meta,
-        )  # fmt: skip
+        )
         return out, out_weights
+
+    def _combine_plan(self, options: CombineOptions):
+        config, R, H, layout = options.config, self.num_ranks, self.hidden, self.layout
+        # A sender step holds [ranks x BLOCK_ROWS, BLOCK_WORDS] words: bounded, fewer rows
+        # rather than narrower ones (a step's rows are contiguous).
+        r_p2, words = _next_pow2(max(R, 2)), min(COMBINE_BW, _next_pow2(H // 2))
+        rows = max(1, min(STEP_ROWS // r_p2, COMBINE_SEND_TILE // (r_p2 * words)))
+        if options.awaits:  # reading a relay's rows (no tile in flight): half the rows, no spill
+            rows = max(1, rows // 2)
+        variant = CombineVariant(
+            H=H,
+            NUM_RANKS=R,
+            NUM_CHANNELS=config.num_channels,
+            MAX_CHANNELS=layout.max_channels,
+            RING=config.nvl_recv_buffer_tokens,
+            RING_STRIDE=layout.ring_tokens,
+            SLOT_BYTES=layout.combine_slot,
+            RING_OFFSET=layout.combine_ring,
+            TAIL_OFFSET=layout.combine_tail,
+            HEAD_OFFSET=layout.combine_head,
+            STAGE_OFFSET=layout.stage_rings,
+            HAS_WEIGHTS=options.has_weights,
+            NUM_BIAS=options.num_bias,
+            BOUNDS=options.bounds,
+            AWAIT=options.awaits,
+            PUBLISH=options.publish,
+            # A relay's own rows go through the ring (not timed on GPUs without it).
+            LOCAL=not options.relay,
+            ROW_MAP=options.row_map,
+            RELEASE_STEPS=SEND_RELEASE_STEPS,
+            USE_CLOCK=use_clock(self.device),
+            BLOCK_TOKENS=_step_tokens(config, COMBINE_RECV_TILE // (r_p2 * 2 * words)),
+            BLOCK_ROWS=rows,
+            BLOCK_WORDS=words,
+            BLOCK_RANKS=r_p2,
+            BLOCK_K=options.block_k,
+            PROFILE=self.trace is not None,
+            VIA=self.transport.via,
+        )
+        # Sums round as in the reference (no fused multiply-add).
+        grid = 2 * config.num_channels
+        return (
+            normal_combine.normal_combine_kernel,
+            grid,
+            variant,
+            CombineCall,
+            {
+                "num_warps": COMBINE_WARPS,
+                "enable_fp_fusion": False,
+            },
+        )
 
     def destroy(self) -> None:
         """Release the heap (collective: every rank calls it); raises if a wait had timed out
