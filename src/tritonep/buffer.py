@@ -24,6 +24,8 @@ import itertools
 import os
 import warnings
 import weakref
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,12 +37,14 @@ from .kernels.sync import timeout_us
 from .modes.internode import InternodeHandle, InternodeMode, token_in_node
 from .modes.low_latency import LowLatencyHandle, LowLatencyMode
 from .modes.normal import Config, NormalHandle, NormalMode
+from .modes.trace import TraceRecorder
 from .validation import (
     check_dispatch_x,
     check_num_experts,
     check_ranks_agree,
     check_tensor,
     check_topk_idx,
+    default_group,
 )
 
 
@@ -83,6 +87,13 @@ def buffer_by_key(key: int) -> Buffer:
     return buffer
 
 
+class HoldsEvent(Protocol):
+    """An object holding a CUDA event as ``.event`` (the DeepEP interface's ``EventHandle``)."""
+
+    @property
+    def event(self) -> torch.cuda.Event | None: ...
+
+
 class EventOverlap:
     """A CUDA event to wait on (or None when there is nothing to wait for), as in DeepEP.
 
@@ -92,7 +103,9 @@ class EventOverlap:
         extra_tensors: tensors kept alive until the event is waited on.
     """
 
-    def __init__(self, event: torch.cuda.Event | None = None, extra_tensors: tuple = ()):
+    def __init__(
+        self, event: torch.cuda.Event | HoldsEvent | None = None, extra_tensors: tuple = ()
+    ):
         self.event = event
         self.extra_tensors = extra_tensors
         #: Called once after the next :meth:`current_stream_wait` (DeepEP V2's hook).
@@ -101,7 +114,10 @@ class EventOverlap:
 
     def cuda_event(self) -> torch.cuda.Event | None:
         """The underlying CUDA event (the event itself, or the one an event handle holds)."""
-        return getattr(self.event, "event", self.event)
+        event = self.event
+        if event is not None and hasattr(event, "event"):
+            return event.event
+        return event
 
     def current_stream_wait(self, release_handle: bool = False) -> None:
         """Make the current stream wait for the event, then run the hook registered with
@@ -167,6 +183,27 @@ def _tensors(*items) -> list[torch.Tensor]:
     return out
 
 
+def _bind_combine(
+    mode: NormalMode | InternodeMode,
+    handle: NormalHandle | InternodeHandle,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    bias: torch.Tensor | tuple[torch.Tensor, ...] | None,
+) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None]]:
+    """``mode.combine`` bound to its arguments; ``TypeError`` (as the mode raises it) unless
+    ``handle`` is of the mode's kind: across nodes an ``InternodeHandle``, else a
+    ``NormalHandle``."""
+    if isinstance(mode, InternodeMode):
+        if isinstance(handle, InternodeHandle):
+            return functools.partial(mode.combine, x, handle, topk_weights, bias)
+        expected = "an InternodeHandle"
+    else:
+        if isinstance(handle, NormalHandle):
+            return functools.partial(mode.combine, x, handle, topk_weights, bias)
+        expected = "a NormalHandle"
+    raise TypeError(f"handle: expected {expected}, got {type(handle).__name__}")
+
+
 class Buffer:
     """The communication buffer of one expert-parallel group.
 
@@ -219,13 +256,13 @@ class Buffer:
         gpus_per_node: int | None = None,
         enable_shrink: bool = False,
     ):
-        self.group = group or dist.group.WORLD
+        self.group = default_group(group)
         self.rank = dist.get_rank(self.group)
         self.group_size = dist.get_world_size(self.group)
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self._ll: LowLatencyMode | None = None
-        self._normal: NormalMode | None = None
+        self._normal: NormalMode | InternodeMode | None = None
         self.timeout_s, self.check_ids, self.device = timeout_s, check_ids, device
         self.profile = profile
         self.enable_shrink = bool(enable_shrink)
@@ -322,6 +359,7 @@ class Buffer:
             # Once the normal mode exists, its kernel and status: bad ids are then recorded
             # once, whether the layout kernel or the dispatch kernel meets them first.
             mode = self._normal
+            layout: DispatchLayout | None
             if mode is not None and mode.num_experts == num_experts:
                 layout = mode._layout
             else:
@@ -352,6 +390,7 @@ class Buffer:
     def _raise_layout_record(self) -> None:
         """Raise the bad ids a layout kernel recorded (once)."""
         status = self._layout_status
+        assert status is not None  # called once a layout kernel recorded, so it has a status
 
         def raise_error(words):
             raise bad_id_error(words, "get_dispatch_layout")
@@ -379,17 +418,31 @@ class Buffer:
         if mode is None:
             if num_experts is None:
                 raise ValueError("handle: no dispatch has run on this buffer yet")
-            common = dict(
-                device=self.device,
-                timeout_s=self.timeout_s,
-                check_ids=bool(self.check_ids),
-                max_sms=max(32, type(self).num_sms) if torch.cuda.is_available() else None,
-            )
-            common["profile"] = self._profile()
+            max_sms = max(32, type(self).num_sms) if torch.cuda.is_available() else None
+            check_ids, profile = bool(self.check_ids), self._profile()
             if self.num_nodes > 1:
-                mode = InternodeMode(self.group, hidden, num_experts, self.gpus_per_node, **common)
+                mode = InternodeMode(
+                    self.group,
+                    hidden,
+                    num_experts,
+                    self.gpus_per_node,
+                    device=self.device,
+                    timeout_s=self.timeout_s,
+                    check_ids=check_ids,
+                    max_sms=max_sms,
+                    profile=profile,
+                )
             else:
-                mode = NormalMode(self.group, hidden, num_experts, **common)
+                mode = NormalMode(
+                    self.group,
+                    hidden,
+                    num_experts,
+                    device=self.device,
+                    timeout_s=self.timeout_s,
+                    check_ids=check_ids,
+                    max_sms=max_sms,
+                    profile=profile,
+                )
             self._normal = mode
         elif mode.hidden != hidden or (num_experts is not None and mode.num_experts != num_experts):
             raise ValueError(
@@ -441,7 +494,7 @@ class Buffer:
     def dispatch(
         self,
         x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-        handle: NormalHandle | None = None,
+        handle: NormalHandle | InternodeHandle | None = None,
         num_tokens_per_rank: torch.Tensor | None = None,
         num_tokens_per_rdma_rank: torch.Tensor | None = None,
         is_token_in_rank: torch.Tensor | None = None,
@@ -551,6 +604,7 @@ class Buffer:
         # Without top-k (as DeepEP allows) the layout arguments alone route the rows: the
         # count exchange runs first and the rows follow its handle.
         notify_first = handle is None and topk_idx is None
+        notifier: NormalMode | None = None  # the mode that runs the count exchange first
         if handle is not None:
             mode = self._normal_mode(payload.shape[1], None)
         else:
@@ -560,11 +614,12 @@ class Buffer:
         if notify_first:
             if topk_weights is not None:
                 raise ValueError("topk_weights: needs topk_idx")
-            if self.num_nodes > 1:
+            if not isinstance(mode, NormalMode):
                 raise ValueError(
                     "topk_idx: required for a group that spans nodes (a dispatch "
                     "without top-k runs within one node)"
                 )
+            notifier = mode
             if is_token_in_rank is None:
                 raise ValueError("is_token_in_rank: required without topk_idx and handle")
             check_tensor(
@@ -596,8 +651,8 @@ class Buffer:
 
         def run():
             routed = handle
-            if notify_first:
-                routed = mode.notify(
+            if notifier is not None:
+                routed = notifier.notify(
                     is_token_in_rank,
                     num_tokens_per_expert,
                     payload.shape[0],
@@ -632,7 +687,7 @@ class Buffer:
     def combine(
         self,
         x: torch.Tensor,
-        handle: NormalHandle,
+        handle: NormalHandle | InternodeHandle,
         topk_weights: torch.Tensor | None = None,
         bias: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
         config: Config | None = None,
@@ -664,7 +719,7 @@ class Buffer:
                 device,
                 previous_event,
                 (x, topk_weights, bias),
-                lambda: mode.combine(x, handle, topk_weights, bias),
+                _bind_combine(mode, handle, x, topk_weights, bias),
             )
             event = self._finish(compute, async_finish, (out, out_weights))
             if recorded:
@@ -946,12 +1001,12 @@ class Buffer:
         if recorder is not None:
             recorder.clear()
 
-    def _trace_recorder(self):
+    def _trace_recorder(self) -> TraceRecorder | None:
         """The recorder both modes share (one time axis), once a mode exists."""
         modes = [m for m in (self._normal, self._ll) if m is not None]
         return modes[0].trace if modes else None
 
-    def _profile(self):
+    def _profile(self) -> bool | TraceRecorder:
         """What a new mode gets as ``profile``: the shared recorder, else the flag."""
         return self._trace_recorder() or self.profile
 

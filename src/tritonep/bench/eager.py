@@ -111,7 +111,7 @@ def kernel_us(fn, device: torch.device, group=None, calls: int = 20) -> float | 
 
 def eager_columns(
     dispatch, combine, device: torch.device, group=None, iters: int = 50
-) -> dict[str, float]:
+) -> dict[str, float | None]:
     """Columns of a benchmark row (microseconds, this rank's; the caller averages over ranks):
     ``eager_pair_us`` (:func:`eager_pair_us`), ``host_dispatch_us`` and ``host_combine_us``
     (:func:`host_us`; combine of the last dispatch's output), each again with the process-wide
@@ -120,7 +120,7 @@ def eager_columns(
     an explicit device and dtype). Empty on CPU ranks."""
     if device.type != "cuda":
         return {}
-    columns = {}
+    columns: dict[str, float | None] = {}
     for suffix, on in (("", False), ("_defaults", True)):
         with process_defaults(device, on):
             columns[f"eager_pair{suffix}_us"] = eager_pair_us(

@@ -206,7 +206,8 @@ def launch(fn, grid: tuple[int, ...], args: tuple, meta: dict[str, Any]) -> None
 def kernel_params(fn) -> tuple[list[str], list[str]]:
     """The names of a kernel's runtime parameters and of its constexprs, in order (a JIT
     kernel or one the interpreter runs)."""
-    runtime, constexprs = [], []
+    runtime: list[str] = []
+    constexprs: list[str] = []
     for p in inspect.signature(getattr(fn, "fn", fn)).parameters.values():
         (constexprs if "constexpr" in str(p.annotation) else runtime).append(p.name)
     return runtime, constexprs
@@ -310,7 +311,13 @@ class KernelLaunch:
             null = self._null
             for i in self.pointers:
                 v = values[i]
-                a = values[i] = null if v is None else v.data_ptr()
+                if v is not None:
+                    a = v.data_ptr()
+                elif null is not None:
+                    a = null
+                else:
+                    raise TypeError(f"call: field {i} is None and the launch has no placeholder")
+                values[i] = a
                 aligned |= a
             if self.launch_values(values, shared, aligned, grid):
                 return
@@ -334,11 +341,13 @@ class KernelLaunch:
             aligned = 0
             for i in self.pointers:
                 aligned |= values[i]
+        # The key's alignment part, as :meth:`key` computes it from the addresses.
+        alignment: bool | tuple[bool, ...]
         if aligned & 15 == 0:
-            aligned = True
+            alignment = True
         else:
-            aligned = tuple(values[i] & 15 == 0 for i in self.pointers)
-        entry = self.compiled.get((aligned, rt.debug, knobs.compilation.instrumentation_mode))
+            alignment = tuple(values[i] & 15 == 0 for i in self.pointers)
+        entry = self.compiled.get((alignment, rt.debug, knobs.compilation.instrumentation_mode))
         if entry is None or torch._C._cuda_getDevice() != self.device:
             return False
         run, function, packed, cooperative, pdl, constexprs = entry

@@ -53,6 +53,7 @@ leg already moves rows.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from dataclasses import dataclass
 
@@ -64,7 +65,13 @@ from ..kernels.layout import DispatchLayout
 from ..kernels.normal_combine import COMBINE_CALLS
 from ..kernels.normal_dispatch import DISPATCH_CALLS
 from ..kernels.sync import DEFAULT_TIMEOUT_S
-from ..validation import check_dispatch_x, check_ranks_agree, check_tensor, check_topk_idx
+from ..validation import (
+    check_dispatch_x,
+    check_ranks_agree,
+    check_tensor,
+    check_topk_idx,
+    default_group,
+)
 from .normal import Config, NormalDispatchOutput, NormalHandle, NormalMode, Relay
 from .trace import TraceRecorder
 
@@ -142,7 +149,7 @@ class InternodeMode:
         check_ids: bool = False,
         profile: bool | TraceRecorder = False,
     ):
-        group = group or dist.group.WORLD
+        group = default_group(group)
         R = dist.get_world_size(group)
         check_ranks_agree(group, "InternodeMode", gpus_per_node=gpus_per_node, hidden=hidden,
                           num_experts=num_experts)  # fmt: skip
@@ -159,17 +166,18 @@ class InternodeMode:
         rails = [[n * G + g for n in range(M)] for g in range(G)]  # the ranks of one local index
         nodes = [[n * G + g for g in range(G)] for n in range(M)]  # the ranks of one node
         rail, node = _leg_groups(group, [rails, nodes])
-        legs = dict(max_topk=max_topk, device=device, max_sms=max_sms, ring_tokens=ring_tokens,
-                    timeout_s=timeout_s, check_ids=False)  # fmt: skip
+        leg = functools.partial(NormalMode, max_topk=max_topk, device=device, max_sms=max_sms,
+                                ring_tokens=ring_tokens, timeout_s=timeout_s,
+                                check_ids=False)  # fmt: skip
         # Errors of either leg name ranks by their number in ``group``, and the leg.
-        self.node = NormalMode(node, hidden, num_experts // M, **legs,
-                               label="node", rank_names=nodes[self.node_index])  # fmt: skip
+        self.node = leg(node, hidden, num_experts // M,
+                        label="node", rank_names=nodes[self.node_index])  # fmt: skip
         # The rail leg crosses the network: staged in this rank's heap, then put (NVSHMEM
         # heaps) or copied (emulated nodes), so the same protocol runs either way. Its notify
         # rows also carry, per channel, the rows the relay forwards to each GPU of its node.
-        self.rail = NormalMode(rail, hidden, num_experts, **legs,
-                               label="rail", staged=True, rank_names=rails[self.local_index],
-                               notify_extra=self.node.layout.max_channels * G)  # fmt: skip
+        self.rail = leg(rail, hidden, num_experts,
+                        label="rail", staged=True, rank_names=rails[self.local_index],
+                        notify_extra=self.node.layout.max_channels * G)  # fmt: skip
         self.device = self.rail.device
         #: Kernel traces of both legs on one time axis ("rail ..." and "node ..." kernels),
         #: under this rank's number in the whole group.
@@ -262,7 +270,7 @@ class InternodeMode:
         expert_alignment: int = 1,
         num_worst_tokens: int = 0,
         config: Config | None = None,
-    ) -> NormalDispatchOutput:
+    ) -> NormalDispatchOutput[InternodeHandle]:
         """Send each token once per destination node, then once per destination GPU there.
 
         Args and returns as :meth:`tritonep.modes.normal.NormalMode.dispatch` (exact output
@@ -300,7 +308,7 @@ class InternodeMode:
         expert_alignment,
         num_worst_tokens,
         config,
-    ) -> NormalDispatchOutput:
+    ) -> NormalDispatchOutput[InternodeHandle]:
         payload = check_dispatch_x("x", x)
         num_tokens = payload.shape[0]
         if num_tokens >= 1 << TOKEN_BITS:
@@ -394,7 +402,9 @@ class InternodeMode:
         # Rows arrive per relay (local index), each relay's in (channel, node, token) order;
         # outputs go in (source rank, token) order, padding rows (tag -1) last.
         forwarder = _owners(node.handle.recv_count, node.handle.num_rows)
-        tags = node.handle.recv_src_idx.long()
+        rail_src, node_src = rail.handle.recv_src_idx, node.handle.recv_src_idx
+        assert rail_src is not None and node_src is not None  # every dispatch's handle has them
+        tags = node_src.long()
         padding = tags < 0
         src_rank = torch.where(padding, -1, (tags >> TOKEN_BITS) * G + forwarder)
         token = torch.where(padding, -1, tags & ((1 << TOKEN_BITS) - 1))
@@ -403,14 +413,14 @@ class InternodeMode:
         position = torch.empty(order.shape, dtype=torch.int32, device=self.device)
         position[order] = torch.arange(order.shape[0], dtype=torch.int32, device=self.device)
         new_handle = InternodeHandle(
-            rail.handle, node.handle, rail.handle.recv_src_idx, order, position,
+            rail.handle, node.handle, rail_src, order, position,
             token[order].to(torch.int32), src_rank[order].to(torch.int32), num_tokens,
             self.hidden, self.num_experts,
         )  # fmt: skip
-        weights = node.recv_topk_weights
+        ids, weights = node.recv_topk_idx, node.recv_topk_weights
         return NormalDispatchOutput(
             _rows(node.recv_x, order),
-            node.recv_topk_idx[order],
+            ids[order] if ids is not None else None,
             weights[order] if weights is not None else None,
             node.num_recv_tokens_per_expert,
             new_handle,
@@ -495,7 +505,7 @@ def _leg_groups(group: dist.ProcessGroup, splits: list[list[list[int]]]) -> list
             for split in splits]  # fmt: skip
     kept = [_subgroups.get(ranks) for ranks in mine]
     known = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", ())
-    views = [None] * size
+    views: list[tuple[int, bool]] = [(0, False)] * size  # (groups known, all kept) per rank
     dist.all_gather_object(views, (len(known), all(g is not None for g in kept)), group=group)
     if all(have for _, have in views):
         return kept
@@ -527,12 +537,18 @@ class _Streams:
     def __init__(self, device: torch.device):
         self.device = device
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.main = None
+        #: The caller's stream, as :meth:`fork` found it.
+        self.main: torch.cuda.Stream | None = None
 
     def fork(self) -> None:
         if self.side is not None:
             self.main = torch.cuda.current_stream(self.device)
             self.side.wait_stream(self.main)
+
+    def _caller(self) -> torch.cuda.Stream:
+        if self.main is None:
+            raise RuntimeError("_Streams: fork() must come before wait() and join()")
+        return self.main
 
     def producer(self):
         return torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext()
@@ -547,18 +563,19 @@ class _Streams:
 
     def wait(self, event) -> None:
         if event is not None:
-            self.main.wait_event(event)
+            self._caller().wait_event(event)
 
     def join(self, *tensors) -> None:
         """The caller's stream waits for the side stream; tensors made on the side stream are
         then in use on the caller's (so their memory is not reused too early)."""
         if self.side is None:
             return
-        self.main.wait_stream(self.side)
+        main = self._caller()
+        main.wait_stream(self.side)
         for t in tensors:
             for u in t if isinstance(t, tuple) else (t,):
                 if u is not None:
-                    u.record_stream(self.main)
+                    u.record_stream(main)
 
 
 def forward_counts(is_token_in_rank: torch.Tensor, channels: int, gpus_per_node: int):
@@ -580,8 +597,11 @@ def relay_layout(rail_plan: NormalHandle, channels: int, gpus_per_node: int):
     bounds over the relayed rows (channel-major: channel ``c`` relays the rows that channel
     ``c`` of every source node delivered). Rows past the network leg's outputs (worst-case
     sizing too small) are not relayed: the network leg reports the overflow."""
-    sources = rail_plan.extra.shape[0]
-    counts = rail_plan.extra.view(sources, channels, gpus_per_node).sum(0, dtype=torch.int32)
+    extra = rail_plan.extra
+    if extra is None:
+        raise ValueError("rail_plan: expected a handle from notify(extra=forward_counts(...))")
+    sources = extra.shape[0]
+    counts = extra.view(sources, channels, gpus_per_node).sum(0, dtype=torch.int32)
     total = rail_plan.host_info[:1]
     fits = (total <= rail_plan.num_rows).to(torch.int32)
     bounds = torch.cat([rail_plan.recv_start[0], total]) * fits

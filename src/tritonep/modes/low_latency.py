@@ -73,6 +73,7 @@ from ..validation import (
     check_ranks_agree,
     check_tensor,
     check_topk_idx,
+    default_group,
 )
 from ..validation import (
     plain_tensor as _plain,
@@ -241,7 +242,7 @@ class LowLatencyHandle(Sequence):
 
     def __init__(self, block: torch.Tensor, layout: HandleLayout, num_tokens: int, topk: int):
         self.block, self.layout, self.num_tokens, self.topk = block, layout, num_tokens, topk
-        self._views = None
+        self._views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def _tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self._views is None:
@@ -294,13 +295,13 @@ class LowLatencyHandle(Sequence):
 
 class _Plan(NamedTuple):
     """The launches of one configuration (see :meth:`LowLatencyMode._plan`) and, for a
-    dispatch, how its outputs are allocated: ``(recv_x dtype, scales)``, ``scales`` being
-    ``(shape, strides, dtype)`` or None."""
+    dispatch, how its outputs are allocated: empty tensors of their dtypes, with the shapes
+    and strides to allocate (:meth:`LowLatencyMode._dispatch_plan`); ``()`` for a combine."""
 
     both: KernelLaunch | None
     send: KernelLaunch
     receive: KernelLaunch
-    outputs: tuple | None
+    outputs: tuple
 
 
 class LowLatencyMode:
@@ -346,7 +347,7 @@ class LowLatencyMode:
         gpus_per_node: int | None = None,
         enable_shrink: bool = False,
     ):
-        self.group = group or dist.group.WORLD
+        self.group = default_group(group)
         check_ranks_agree(
             self.group, "LowLatencyMode",
             num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank, hidden=hidden,
@@ -495,7 +496,7 @@ class LowLatencyMode:
         ).total
 
     # ------------------------------------------------------------------------------ plans
-    def _plan(self, kernel, call_type, variant, options: dict, outputs=None) -> _Plan:
+    def _plan(self, kernel, call_type, variant, options: dict, outputs: tuple = ()) -> _Plan:
         """The launches of one configuration: both phases, send, receive. On GPUs
         without a hook both phases run in one cooperative launch (receivers spin on senders
         of the same launch, so all programs must be resident); with a hook, or under the
@@ -567,6 +568,7 @@ class LowLatencyMode:
 
     def _traced(self, call, name: str, send: bool, receive: bool):
         """``call`` with a readings buffer of its own (``profile``)."""
+        assert self.trace is not None  # callers trace only with profile on
         readings = self.trace.buffer(name, self.num_programs, send, receive)
         return call._replace(trace_ptr=readings)
 
@@ -598,7 +600,8 @@ class LowLatencyMode:
         rows show: NaN or -1."""
         for t in outputs:
             if t is not None:
-                t.untyped_storage().fill_(0xFF)
+                # torch's stubs lack UntypedStorage.fill_, which exists at run time.
+                t.untyped_storage().fill_(0xFF)  # type: ignore[attr-defined]
 
     # --------------------------------------------------------------------------- dispatch
     def dispatch(
@@ -650,8 +653,8 @@ class LowLatencyMode:
                 self._raise_recorded(out[3])
             return out
 
-    def _dispatch(self, x, topk_idx, use_fp8, use_ue8m0, hook, wait_stats, pack_ue8m0,
-                  recv_stats):  # fmt: skip
+    def _dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, use_fp8, use_ue8m0, hook,
+                  wait_stats, pack_ue8m0, recv_stats):  # fmt: skip
         E_local, R, M, H = self.num_local_experts, self.num_ranks, self.max_tokens, self.hidden
         device, at = self.device, self._device_index
         shape = x.shape if _plain(x, torch.bfloat16, at) else ()
@@ -795,7 +798,7 @@ class LowLatencyMode:
         # then the scales, column-major per expert (one column: a unit last stride, viewable).
         empty_x = torch.empty(0, dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
                               device=self.device)  # fmt: skip
-        outputs = (empty_x, None, None, None)
+        outputs: tuple = (empty_x, None, None, None)
         if use_fp8:
             rows = R * M
             columns = -(-_groups(H) // 4) if pack_ue8m0 else _groups(H)

@@ -54,7 +54,7 @@ row and a mirror ring per destination) and moved with the tails and heads by
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -76,6 +76,7 @@ from ..validation import (
     check_tensor,
     check_topk_idx,
     check_topk_weights,
+    default_group,
 )
 from ..validation import (
     plain_tensor as _plain,
@@ -299,7 +300,8 @@ class NormalHandle:
         host_info: ``[1 + E_local]`` int32 on the device: rows received, then tokens per local
             expert (aligned).
         recv_src_idx: ``[M]`` int32, each received row's token index on its source rank
-            (``-1`` in padding rows).
+            (``-1`` in padding rows); None on a handle from :meth:`NormalMode.notify`, whose
+            rows no dispatch has moved yet.
         num_recv_tokens: rows received (exact mode), or ``-1`` (worst-case mode: read
             ``host_info[0]`` on the device).
         num_rows: rows of the outputs (``M``).
@@ -322,7 +324,7 @@ class NormalHandle:
     recv_count: torch.Tensor
     recv_start: torch.Tensor
     host_info: torch.Tensor
-    recv_src_idx: torch.Tensor
+    recv_src_idx: torch.Tensor | None
     num_recv_tokens: int
     num_rows: int
     num_tokens: int
@@ -355,8 +357,12 @@ class Relay:
     limit: torch.Tensor | None = None
 
 
+#: The handle type of a dispatch output: a :class:`NormalHandle`, or the internode mode's.
+HandleT = TypeVar("HandleT")
+
+
 @dataclass
-class NormalDispatchOutput:
+class NormalDispatchOutput(Generic[HandleT]):
     """What :meth:`NormalMode.dispatch` returns (DeepEP's tuple, less the event).
 
     Attributes:
@@ -367,14 +373,15 @@ class NormalDispatchOutput:
         num_recv_tokens_per_expert: tokens per local expert rounded up to the alignment: a
             list of int in exact mode, an ``[E_local]`` int32 device tensor in worst-case
             mode (no host read), None in cached mode.
-        handle: for :meth:`NormalMode.combine` and cached dispatches.
+        handle: for :meth:`NormalMode.combine` and cached dispatches (a
+            :class:`~tritonep.modes.internode.InternodeHandle` from the internode mode).
     """
 
     recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
     recv_topk_idx: torch.Tensor | None
     recv_topk_weights: torch.Tensor | None
     num_recv_tokens_per_expert: list[int] | torch.Tensor | None
-    handle: NormalHandle
+    handle: HandleT
 
 
 class DispatchOptions(NamedTuple):
@@ -467,7 +474,7 @@ class NormalMode:
         notify_extra: int = 0,
         rank_names: list[int] | None = None,
     ):
-        self.group = group or dist.group.WORLD
+        self.group = default_group(group)
         self.label = label
         check_ranks_agree(
             self.group, "NormalMode", hidden=hidden, num_experts=num_experts, max_topk=max_topk,
@@ -778,6 +785,7 @@ class NormalMode:
                 trace_ptr=None,
             ),
         )
+        per_expert: list[int] | torch.Tensor
         if num_worst_tokens:
             num_recv, rows = -1, num_worst_tokens
             per_expert = host_info[1:]
@@ -834,7 +842,7 @@ class NormalMode:
         src_tag: torch.Tensor | None = None,
         relay: Relay | None = None,
         row_map: torch.Tensor | None = None,
-    ) -> NormalDispatchOutput:
+    ) -> NormalDispatchOutput[NormalHandle]:
         """Send each token once to every rank that holds one of its experts.
 
         Args:
@@ -944,7 +952,7 @@ class NormalMode:
         src_tag=None,
         relay=None,
         row_map=None,
-    ) -> NormalDispatchOutput:
+    ) -> NormalDispatchOutput[NormalHandle]:
         payload, scales = self._check_x(x)
         num_tokens, device = payload.shape[0], self.device
         if type(expert_alignment) is not int or expert_alignment < 1:
@@ -1014,6 +1022,7 @@ class NormalMode:
         if plan is None or self._plans_version != _launch_version:
             plan = self._plan(options, self._dispatch_plan)
         # Outputs.
+        recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
         recv_x = empty_output(device, (rows, self.hidden), payload.dtype)
         recv_scales = None
         if scales is not None:
@@ -1053,7 +1062,7 @@ class NormalMode:
                 trace_ptr=None,
             ),
         )
-        if scales is not None:
+        if recv_scales is not None:
             recv_x = (recv_x, recv_scales)
         if cached:
             return NormalDispatchOutput(recv_x, None, None, None, handle)
