@@ -273,14 +273,21 @@ class Buffer:
         # One collective here, so that ranks built differently fail together now instead of
         # some raising on a first call while their peers wait in it for them.
         check_ranks_agree(
-            self.group, "Buffer", num_rdma_bytes=num_rdma_bytes, gpus_per_node=gpus_per_node,
-            enable_shrink=self.enable_shrink, profile=bool(profile),
-            device_type=torch.device(device).type if device is not None
+            self.group,
+            "Buffer",
+            num_rdma_bytes=num_rdma_bytes,
+            gpus_per_node=gpus_per_node,
+            enable_shrink=self.enable_shrink,
+            profile=bool(profile),
+            device_type=torch.device(device).type
+            if device is not None
             else default_device(self.group).type,
-        )  # fmt: skip
+        )
         if gpus_per_node is not None and (gpus_per_node < 1 or self.group_size % gpus_per_node):
-            raise ValueError(f"gpus_per_node: expected a divisor of the {self.group_size} ranks, "
-                             f"got {gpus_per_node}")  # fmt: skip
+            raise ValueError(
+                f"gpus_per_node: expected a divisor of the {self.group_size} ranks, "
+                f"got {gpus_per_node}"
+            )
         self.gpus_per_node = gpus_per_node or self.group_size
         self.num_nodes = self.group_size // self.gpus_per_node
         # get_dispatch_layout's kernels (per number of experts) and where they record bad ids,
@@ -598,8 +605,10 @@ class Buffer:
             # be ignored, and ignoring them silently hides a caller's mistake.
             for name, value in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
                 if value is not None:
-                    raise ValueError(f"{name}: must be None with a handle (cached mode moves "
-                                     "rows along the handle's routing)")  # fmt: skip
+                    raise ValueError(
+                        f"{name}: must be None with a handle (cached mode moves "
+                        "rows along the handle's routing)"
+                    )
         payload = check_dispatch_x("x", x)
         # Without top-k (as DeepEP allows) the layout arguments alone route the rows: the
         # count exchange runs first and the rows follow its handle.
@@ -608,8 +617,9 @@ class Buffer:
         if handle is not None:
             mode = self._normal_mode(payload.shape[1], None)
         else:
-            check_tensor("num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32,
-                         shape=(None,))  # fmt: skip
+            check_tensor(
+                "num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32, shape=(None,)
+            )
             mode = self._normal_mode(payload.shape[1], num_tokens_per_expert.shape[0])
         if notify_first:
             if topk_weights is not None:
@@ -645,8 +655,13 @@ class Buffer:
                 sms = min(sms, mode.default_config.num_sms)
             # Built anew rather than replaced: configs may be subclasses with other arguments
             # (tritonep.deep_ep.Config takes DeepEP's names).
-            config = Config(sms, config.nvl_send_chunk, slots, config.rdma_send_chunk,
-                            config.rdma_recv_buffer_tokens)  # fmt: skip
+            config = Config(
+                sms,
+                config.nvl_send_chunk,
+                slots,
+                config.rdma_send_chunk,
+                config.rdma_recv_buffer_tokens,
+            )
         inputs = (x, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert)
 
         def run():
@@ -755,9 +770,12 @@ class Buffer:
             # The sizes decide whether num_rdma_bytes suffices: ranks must agree on them
             # before any rank can raise over it alone.
             check_ranks_agree(
-                self.group, "Buffer's low-latency mode",
-                num_max_dispatch_tokens_per_rank=num_max, hidden=hidden, num_experts=num_experts,
-            )  # fmt: skip
+                self.group,
+                "Buffer's low-latency mode",
+                num_max_dispatch_tokens_per_rank=num_max,
+                hidden=hidden,
+                num_experts=num_experts,
+            )
             need = self.get_low_latency_rdma_size_hint(
                 num_max, hidden, self.group_size, num_experts, self.num_nodes
             )
@@ -952,8 +970,9 @@ class Buffer:
         """
         self._require_shrink("low_latency_update_mask_buffer")
         if not isinstance(rank_to_mask, int) or not 0 <= rank_to_mask < self.group_size:
-            raise ValueError(f"rank_to_mask: expected a rank in [0, {self.group_size}), "
-                             f"got {rank_to_mask!r}")  # fmt: skip
+            raise ValueError(
+                f"rank_to_mask: expected a rank in [0, {self.group_size}), got {rank_to_mask!r}"
+            )
         if self._ll is None:
             self._pending_mask[rank_to_mask] = int(bool(mask))
         else:

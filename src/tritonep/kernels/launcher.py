@@ -60,8 +60,10 @@ class _Variants:
             and all(not p.is_constexpr and not p.annotation_type for p in params[:num_args])
             and all(p.is_constexpr for p in params[num_args:])
         )
-        self.flags = [(p.is_const, not p.do_not_specialize, not p.do_not_specialize_on_alignment)
-                      for p in params[:num_args]]  # fmt: skip
+        self.flags = [
+            (p.is_const, not p.do_not_specialize, not p.do_not_specialize_on_alignment)
+            for p in params[:num_args]
+        ]
         #: (meta, options, specialization) -> (compiled kernel, constexpr values in order)
         self.compiled: dict[tuple, tuple[Any, tuple]] = {}
         self.held: list[Any] = [None] * num_args  # weakref.ref or _Const per position
@@ -72,8 +74,10 @@ class _Variants:
 
     def key(self, args: tuple, meta: dict, knobs) -> tuple:
         specialize = self._specialize
-        specialization = tuple(specialize(i, a, flags) for i, (a, flags) in enumerate(
-            zip(args, self.flags, strict=True)))  # fmt: skip
+        specialization = tuple(
+            specialize(i, a, flags)
+            for i, (a, flags) in enumerate(zip(args, self.flags, strict=True))
+        )
         if meta is not self.last_meta:  # modes keep one meta dict per configuration
             self.last_meta, self.last_meta_key = meta, tuple(meta.items())
         # Triton's key also holds the debug and instrumentation settings of the moment.
@@ -135,8 +139,12 @@ def report_resources(fn, meta: dict, compiled) -> None:
     """Print a compiled variant's registers per thread and spilled bytes."""
     compiled._init_handles()
     shape = " ".join(f"{k}={meta[k]}" for k in _SHAPE_NAMES if k in meta)
-    print(f"[tritonep] {fn.__name__} {shape}: {compiled.n_regs} registers, "
-          f"{compiled.n_spills} bytes spilled", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"[tritonep] {fn.__name__} {shape}: {compiled.n_regs} registers, "
+        f"{compiled.n_spills} bytes spilled",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 class _Const:
@@ -195,8 +203,19 @@ def launch(fn, grid: tuple[int, ...], args: tuple, meta: dict[str, Any]) -> None
     compiled, constexprs = entry
     grid = tuple(grid) + (1,) * (3 - len(grid))
     stream = driver.active.get_current_stream(device)
-    compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
-                 None, None, None, *args, *constexprs)  # fmt: skip
+    compiled.run(
+        grid[0],
+        grid[1],
+        grid[2],
+        stream,
+        compiled.function,
+        compiled.packed_metadata,
+        None,
+        None,
+        None,
+        *args,
+        *constexprs,
+    )
 
 
 # --------------------------------------------------------------------------------------------

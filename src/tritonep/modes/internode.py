@@ -151,11 +151,17 @@ class InternodeMode:
     ):
         group = default_group(group)
         R = dist.get_world_size(group)
-        check_ranks_agree(group, "InternodeMode", gpus_per_node=gpus_per_node, hidden=hidden,
-                          num_experts=num_experts)  # fmt: skip
+        check_ranks_agree(
+            group,
+            "InternodeMode",
+            gpus_per_node=gpus_per_node,
+            hidden=hidden,
+            num_experts=num_experts,
+        )
         if not isinstance(gpus_per_node, int) or gpus_per_node < 1 or R % gpus_per_node:
-            raise ValueError(f"gpus_per_node: expected a divisor of the {R} ranks, "
-                             f"got {gpus_per_node}")  # fmt: skip
+            raise ValueError(
+                f"gpus_per_node: expected a divisor of the {R} ranks, got {gpus_per_node}"
+            )
         G, M = gpus_per_node, R // gpus_per_node
         if num_experts % R:
             raise ValueError(f"num_experts: expected a multiple of {R} ranks, got {num_experts}")
@@ -166,18 +172,31 @@ class InternodeMode:
         rails = [[n * G + g for n in range(M)] for g in range(G)]  # the ranks of one local index
         nodes = [[n * G + g for g in range(G)] for n in range(M)]  # the ranks of one node
         rail, node = _leg_groups(group, [rails, nodes])
-        leg = functools.partial(NormalMode, max_topk=max_topk, device=device, max_sms=max_sms,
-                                ring_tokens=ring_tokens, timeout_s=timeout_s,
-                                check_ids=False)  # fmt: skip
+        leg = functools.partial(
+            NormalMode,
+            max_topk=max_topk,
+            device=device,
+            max_sms=max_sms,
+            ring_tokens=ring_tokens,
+            timeout_s=timeout_s,
+            check_ids=False,
+        )
         # Errors of either leg name ranks by their number in ``group``, and the leg.
-        self.node = leg(node, hidden, num_experts // M,
-                        label="node", rank_names=nodes[self.node_index])  # fmt: skip
+        self.node = leg(
+            node, hidden, num_experts // M, label="node", rank_names=nodes[self.node_index]
+        )
         # The rail leg crosses the network: staged in this rank's heap, then put (NVSHMEM
         # heaps) or copied (emulated nodes), so the same protocol runs either way. Its notify
         # rows also carry, per channel, the rows the relay forwards to each GPU of its node.
-        self.rail = leg(rail, hidden, num_experts,
-                        label="rail", staged=True, rank_names=rails[self.local_index],
-                        notify_extra=self.node.layout.max_channels * G)  # fmt: skip
+        self.rail = leg(
+            rail,
+            hidden,
+            num_experts,
+            label="rail",
+            staged=True,
+            rank_names=rails[self.local_index],
+            notify_extra=self.node.layout.max_channels * G,
+        )
         self.device = self.rail.device
         #: Kernel traces of both legs on one time axis ("rail ..." and "node ..." kernels),
         #: under this rank's number in the whole group.
@@ -214,8 +233,10 @@ class InternodeMode:
         if self.device.type == "cuda":
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             if 2 * config.num_sms > sms:
-                raise ValueError(f"config: num_sms={config.num_sms} per leg, twice that "
-                                 f"exceeds the {sms} SMs (both legs run at once)")  # fmt: skip
+                raise ValueError(
+                    f"config: num_sms={config.num_sms} per leg, twice that "
+                    f"exceeds the {sms} SMs (both legs run at once)"
+                )
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor):
         """Routing statistics of ``topk_idx`` (``[N, K]`` int64 global expert ids, ``-1`` for
@@ -312,8 +333,9 @@ class InternodeMode:
         payload = check_dispatch_x("x", x)
         num_tokens = payload.shape[0]
         if num_tokens >= 1 << TOKEN_BITS:
-            raise ValueError(f"x: at most {(1 << TOKEN_BITS) - 1} tokens per rank, "
-                             f"got {num_tokens}")  # fmt: skip
+            raise ValueError(
+                f"x: at most {(1 << TOKEN_BITS) - 1} tokens per rank, got {num_tokens}"
+            )
         G = self.gpus_per_node
         if handle is not None:
             if not isinstance(handle, InternodeHandle):
@@ -336,23 +358,41 @@ class InternodeMode:
             streams.join(rail.recv_x, rail.handle.recv_src_idx)
             return NormalDispatchOutput(node.recv_x, None, None, None, handle)
 
-        topk_idx = check_topk_idx("topk_idx", topk_idx, num_tokens, self.num_experts,
-                                  self.device, self.check_ids)  # fmt: skip
+        topk_idx = check_topk_idx(
+            "topk_idx", topk_idx, num_tokens, self.num_experts, self.device, self.check_ids
+        )
         if topk_weights is not None:
-            check_tensor("topk_weights", topk_weights, dtype=torch.float32,
-                         shape=tuple(topk_idx.shape), device=self.device)  # fmt: skip
+            check_tensor(
+                "topk_weights",
+                topk_weights,
+                dtype=torch.float32,
+                shape=tuple(topk_idx.shape),
+                device=self.device,
+            )
         if (num_tokens_per_expert is None) != (is_token_in_rank is None):
-            raise ValueError("num_tokens_per_expert, is_token_in_rank: give both (from "
-                             "get_dispatch_layout) or neither")  # fmt: skip
+            raise ValueError(
+                "num_tokens_per_expert, is_token_in_rank: give both (from "
+                "get_dispatch_layout) or neither"
+            )
         if is_token_in_rank is None:
             # The ids were checked above: the layout kernel alone, no second host read.
             _, per_expert, in_rank = self._layout(topk_idx)
         else:
             per_expert, in_rank = num_tokens_per_expert, is_token_in_rank
-            check_tensor("is_token_in_rank", in_rank, dtype=torch.bool,
-                         shape=(num_tokens, self.num_ranks), device=self.device)  # fmt: skip
-            check_tensor("num_tokens_per_expert", per_expert, dtype=torch.int32,
-                         shape=(self.num_experts,), device=self.device)  # fmt: skip
+            check_tensor(
+                "is_token_in_rank",
+                in_rank,
+                dtype=torch.bool,
+                shape=(num_tokens, self.num_ranks),
+                device=self.device,
+            )
+            check_tensor(
+                "num_tokens_per_expert",
+                per_expert,
+                dtype=torch.int32,
+                shape=(self.num_experts,),
+                device=self.device,
+            )
         config = self.rail._config(config)
         self._check_budget(config)
         C = config.num_channels
@@ -368,9 +408,15 @@ class InternodeMode:
             # of every channel it will forward to each GPU there: the NVLink leg's counts are
             # known before any row arrives.
             rail_plan = self.rail.notify(
-                in_node, per_expert, num_tokens, 1, num_worst_tokens, config,
-                extra=forward_counts(in_rank, C, G), channel_major=True,
-            )  # fmt: skip
+                in_node,
+                per_expert,
+                num_tokens,
+                1,
+                num_worst_tokens,
+                config,
+                extra=forward_counts(in_rank, C, G),
+                channel_major=True,
+            )
             # Fresh flags are zeroed on this stream: the NVLink leg, which reads them, waits
             # for that fill with the counts.
             flags = self._flags("dispatch", rail_plan.num_rows)
@@ -386,9 +432,15 @@ class InternodeMode:
         streams.wait(notified)
         send_counts, bounds = relay_layout(rail_plan, C, G)
         node_plan = self.node.notify(
-            None, rail_plan.host_info[1:], rail_plan.num_rows, expert_alignment,
-            num_worst_tokens, config, send_counts=send_counts, bounds=bounds,
-        )  # fmt: skip
+            None,
+            rail_plan.host_info[1:],
+            rail_plan.num_rows,
+            expert_alignment,
+            num_worst_tokens,
+            config,
+            send_counts=send_counts,
+            bounds=bounds,
+        )
         node = self.node._dispatch(
             rail.recv_x,
             rail.recv_topk_idx,
@@ -397,8 +449,9 @@ class InternodeMode:
             src_tag=rail.handle.recv_src_idx,
             relay=Relay(flags, await_rows=True),
         )
-        streams.join(rail.recv_x, rail.recv_topk_idx, rail.recv_topk_weights,
-                     *_tensors(rail.handle))  # fmt: skip
+        streams.join(
+            rail.recv_x, rail.recv_topk_idx, rail.recv_topk_weights, *_tensors(rail.handle)
+        )
         # Rows arrive per relay (local index), each relay's in (channel, node, token) order;
         # outputs go in (source rank, token) order, padding rows (tag -1) last.
         forwarder = _owners(node.handle.recv_count, node.handle.num_rows)
@@ -413,10 +466,17 @@ class InternodeMode:
         position = torch.empty(order.shape, dtype=torch.int32, device=self.device)
         position[order] = torch.arange(order.shape[0], dtype=torch.int32, device=self.device)
         new_handle = InternodeHandle(
-            rail.handle, node.handle, rail_src, order, position,
-            token[order].to(torch.int32), src_rank[order].to(torch.int32), num_tokens,
-            self.hidden, self.num_experts,
-        )  # fmt: skip
+            rail.handle,
+            node.handle,
+            rail_src,
+            order,
+            position,
+            token[order].to(torch.int32),
+            src_rank[order].to(torch.int32),
+            num_tokens,
+            self.hidden,
+            self.num_experts,
+        )
         ids, weights = node.recv_topk_idx, node.recv_topk_weights
         return NormalDispatchOutput(
             _rows(node.recv_x, order),
@@ -446,11 +506,17 @@ class InternodeMode:
     def _combine(self, x, handle, topk_weights, bias):
         if not isinstance(handle, InternodeHandle):
             raise TypeError(f"handle: expected an InternodeHandle, got {type(handle).__name__}")
-        check_tensor("x", x, dtype=torch.bfloat16, shape=(handle.num_rows, handle.hidden),
-                     device=self.device)  # fmt: skip
+        check_tensor(
+            "x", x, dtype=torch.bfloat16, shape=(handle.num_rows, handle.hidden), device=self.device
+        )
         if topk_weights is not None:
-            check_tensor("topk_weights", topk_weights, dtype=torch.float32,
-                         shape=(handle.num_rows, None), device=self.device)  # fmt: skip
+            check_tensor(
+                "topk_weights",
+                topk_weights,
+                dtype=torch.float32,
+                shape=(handle.num_rows, None),
+                device=self.device,
+            )
         streams = self._streams
         flags = self._flags("combine", handle.rail.num_rows)  # before the side waits
         streams.fork()
@@ -501,8 +567,9 @@ def _leg_groups(group: dist.ProcessGroup, splits: list[list[list[int]]]) -> list
     """
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     world = [dist.get_global_rank(group, r) for r in range(size)]
-    mine = [tuple(world[r] for r in next(ranks for ranks in split if rank in ranks))
-            for split in splits]  # fmt: skip
+    mine = [
+        tuple(world[r] for r in next(ranks for ranks in split if rank in ranks)) for split in splits
+    ]
     kept = [_subgroups.get(ranks) for ranks in mine]
     known = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", ())
     views: list[tuple[int, bool]] = [(0, False)] * size  # (groups known, all kept) per rank
@@ -518,8 +585,10 @@ def _leg_groups(group: dist.ProcessGroup, splits: list[list[list[int]]]) -> list
         return [_subgroups[ranks] for ranks in mine]
     for _ in range(max(count for count, _ in views) - len(known)):
         dist.new_group([dist.get_rank()], use_local_synchronization=True)
-    by_split = (dist.get_backend(group) == "nccl"
-                and getattr(dist.group.WORLD, "bound_device_id", None) is not None)  # fmt: skip
+    by_split = (
+        dist.get_backend(group) == "nccl"
+        and getattr(dist.group.WORLD, "bound_device_id", None) is not None
+    )
     out = []
     for split, ranks in zip(splits, mine, strict=True):
         if by_split:
@@ -609,8 +678,13 @@ def relay_layout(rail_plan: NormalHandle, channels: int, gpus_per_node: int):
 
 
 def _tensors(handle: NormalHandle):
-    return (handle.recv_count, handle.recv_start, handle.host_info, handle.recv_src_idx,
-            handle.extra)  # fmt: skip
+    return (
+        handle.recv_count,
+        handle.recv_start,
+        handle.host_info,
+        handle.recv_src_idx,
+        handle.extra,
+    )
 
 
 def token_in_node(is_token_in_rank: torch.Tensor, gpus_per_node: int) -> torch.Tensor:

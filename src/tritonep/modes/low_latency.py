@@ -349,12 +349,17 @@ class LowLatencyMode:
     ):
         self.group = default_group(group)
         check_ranks_agree(
-            self.group, "LowLatencyMode",
-            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank, hidden=hidden,
-            num_experts=num_experts, max_topk=max_topk, num_programs=num_programs,
+            self.group,
+            "LowLatencyMode",
+            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+            hidden=hidden,
+            num_experts=num_experts,
+            max_topk=max_topk,
+            num_programs=num_programs,
             device_type=torch.device(device).type if device is not None else None,
-            gpus_per_node=gpus_per_node, enable_shrink=enable_shrink,
-        )  # fmt: skip
+            gpus_per_node=gpus_per_node,
+            enable_shrink=enable_shrink,
+        )
         self.check_ids = check_ids
         self.enable_shrink = bool(enable_shrink)
         self.rank = dist.get_rank(self.group)
@@ -398,8 +403,9 @@ class LowLatencyMode:
                 num_programs = 4
         self.num_programs = num_programs
         # Call counters, one per program (every launch has this grid; ll_dispatch.STATE_ROWS).
-        self.state = torch.zeros(ll_dispatch.STATE_ROWS * num_programs, dtype=torch.int64,
-                                 device=self.device)  # fmt: skip
+        self.state = torch.zeros(
+            ll_dispatch.STATE_ROWS * num_programs, dtype=torch.int64, device=self.device
+        )
         #: What went wrong, on the device and in host memory (:mod:`tritonep.kernels.status`).
         self.status = Status(self.device)
         # Dispatch senders: per-program slot counters and lists, and per-expert counts of
@@ -408,8 +414,12 @@ class LowLatencyMode:
         # int64 words (the counting tally, the destination list) are 8-byte aligned in every
         # program's row.
         self._bins = _next_pow2(max(num_experts, 2))
-        self.scratch = torch.empty(num_programs, 3 * self._bins + ll_dispatch.TOKEN_WORDS.value,
-                                   dtype=torch.int32, device=self.device)  # fmt: skip
+        self.scratch = torch.empty(
+            num_programs,
+            3 * self._bins + ll_dispatch.TOKEN_WORDS.value,
+            dtype=torch.int32,
+            device=self.device,
+        )
         self.expert_done = torch.zeros(self._bins, dtype=torch.int32, device=self.device)
         #: Dispatch senders count the batch's ids by atomic adds while (programs with tokens)
         #: x tokens x top-k stays within this, by histograms beyond; 0: always histograms.
@@ -426,8 +436,9 @@ class LowLatencyMode:
         self.trace = TraceRecorder.of(profile, self.rank, self.device, on_gpu)
         # Readings of untraced launches: only the interpreter's logical clock (the last word)
         # is ever used, by wait statistics.
-        self._untraced = torch.zeros(num_programs * SLOTS + 1, dtype=torch.int64,
-                                     device=self.device)  # fmt: skip
+        self._untraced = torch.zeros(
+            num_programs * SLOTS + 1, dtype=torch.int64, device=self.device
+        )
         # The lanes of a receiving program's group of dispatch items: its (expert, source)
         # items together where the batch is small and all counts come at once; for larger
         # batches, whose counts come spread out, one at a time (BLOCK_ITEMS 1), so that it
@@ -454,12 +465,21 @@ class LowLatencyMode:
 
     def _shared_args(self) -> None:
         """The kernels' trailing arguments (:class:`LowLatencyShared`), tensors and addresses."""
-        self._shared = Shared.of(LowLatencyShared(
-            peer_ptrs=self.heap.peer_ptrs, pe_ptr=self.transport.pes, rank=self.rank,
-            state_ptr=self.state, scratch_ptr=self.scratch, expert_done_ptr=self.expert_done,
-            status_ptr=self.status.words, timeout_us=self._timeout_us, mask_ptr=self.peer_mask,
-            verdict_ptr=self._verdicts, skipped_ptr=self._skipped,
-        ))  # fmt: skip
+        self._shared = Shared.of(
+            LowLatencyShared(
+                peer_ptrs=self.heap.peer_ptrs,
+                pe_ptr=self.transport.pes,
+                rank=self.rank,
+                state_ptr=self.state,
+                scratch_ptr=self.scratch,
+                expert_done_ptr=self.expert_done,
+                status_ptr=self.status.words,
+                timeout_us=self._timeout_us,
+                mask_ptr=self.peer_mask,
+                verdict_ptr=self._verdicts,
+                skipped_ptr=self._skipped,
+            )
+        )
 
     @property
     def timeout_s(self) -> float:
@@ -647,14 +667,31 @@ class LowLatencyMode:
         """
         with _no_torch_function():
             recorded = self._recorded()
-            out = self._dispatch(x, topk_idx, use_fp8, use_ue8m0 or pack_ue8m0,
-                                 return_recv_hook, wait_stats, pack_ue8m0, recv_stats)  # fmt: skip
+            out = self._dispatch(
+                x,
+                topk_idx,
+                use_fp8,
+                use_ue8m0 or pack_ue8m0,
+                return_recv_hook,
+                wait_stats,
+                pack_ue8m0,
+                recv_stats,
+            )
             if recorded:
                 self._raise_recorded(out[3])
             return out
 
-    def _dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, use_fp8, use_ue8m0, hook,
-                  wait_stats, pack_ue8m0, recv_stats):  # fmt: skip
+    def _dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        use_fp8,
+        use_ue8m0,
+        hook,
+        wait_stats,
+        pack_ue8m0,
+        recv_stats,
+    ):
         E_local, R, M, H = self.num_local_experts, self.num_ranks, self.max_tokens, self.hidden
         device, at = self.device, self._device_index
         shape = x.shape if _plain(x, torch.bfloat16, at) else ()
@@ -665,8 +702,9 @@ class LowLatencyMode:
             raise ValueError(f"x: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank={M}")
         shape = topk_idx.shape if _plain(topk_idx, torch.int64, at) else ()
         if self.check_ids or len(shape) != 2 or shape[0] != num_tokens or shape[1] < 1:
-            check_topk_idx("topk_idx", topk_idx, num_tokens, self.num_experts, device,
-                           self.check_ids)  # fmt: skip
+            check_topk_idx(
+                "topk_idx", topk_idx, num_tokens, self.num_experts, device, self.check_ids
+            )
             shape = topk_idx.shape
         topk = shape[1]
         if topk > self.max_topk:
@@ -678,8 +716,13 @@ class LowLatencyMode:
         if recv_stats is not None and (
             not _plain(recv_stats, torch.int32, at) or recv_stats.shape != (E_local,)
         ):
-            check_tensor("cumulative_local_expert_recv_stats", recv_stats, dtype=torch.int32,
-                         shape=(E_local,), device=device)  # fmt: skip
+            check_tensor(
+                "cumulative_local_expert_recv_stats",
+                recv_stats,
+                dtype=torch.int32,
+                shape=(E_local,),
+                device=device,
+            )
         # The batch class: how the senders count the ids, by atomic adds or histograms
         # (ll_dispatch.COUNT_ADDS), and one token or more; from the shapes alone, so a captured
         # graph keeps its choice.
@@ -730,8 +773,9 @@ class LowLatencyMode:
         else:
             receive = None if both.launch_values(values, self._shared) else False
         if receive is False:
-            call = self._dispatch_bundle(values, x, topk_idx, recv_x, recv_scales, recv_count,
-                                         handle, recv_stats, wait_stats)  # fmt: skip
+            call = self._dispatch_bundle(
+                values, x, topk_idx, recv_x, recv_scales, recv_count, handle, recv_stats, wait_stats
+            )
             receive = self._launch(plan, "low-latency dispatch", call, hook)
         return (recv_x, recv_scales) if use_fp8 else recv_x, recv_count, handle, receive
 
@@ -796,14 +840,16 @@ class LowLatencyMode:
         )
         # How the outputs are allocated (new_empty on an empty tensor of their dtype): recv_x,
         # then the scales, column-major per expert (one column: a unit last stride, viewable).
-        empty_x = torch.empty(0, dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
-                              device=self.device)  # fmt: skip
+        empty_x = torch.empty(
+            0, dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16, device=self.device
+        )
         outputs: tuple = (empty_x, None, None, None)
         if use_fp8:
             rows = R * M
             columns = -(-_groups(H) // 4) if pack_ue8m0 else _groups(H)
-            empty_scales = torch.empty(0, dtype=torch.int32 if pack_ue8m0 else torch.float32,
-                                       device=self.device)  # fmt: skip
+            empty_scales = torch.empty(
+                0, dtype=torch.int32 if pack_ue8m0 else torch.float32, device=self.device
+            )
             strides = (columns * rows, 1, rows if columns > 1 else 1)
             outputs = (empty_x, empty_scales, (self.num_local_experts, rows, columns), strides)
         return self._plan(DISPATCH_KERNEL, DispatchCall, variant, {"num_warps": 16}, outputs)
@@ -853,8 +899,16 @@ class LowLatencyMode:
         """
         with _no_torch_function():
             recorded = self._recorded()
-            result = self._combine(x, topk_idx, topk_weights, handle, return_recv_hook, out,
-                                   wait_stats, bool(use_logfmt))  # fmt: skip
+            result = self._combine(
+                x,
+                topk_idx,
+                topk_weights,
+                handle,
+                return_recv_hook,
+                out,
+                wait_stats,
+                bool(use_logfmt),
+            )
             if recorded:
                 self._raise_recorded(result[1])
             return result
@@ -880,8 +934,13 @@ class LowLatencyMode:
                 f"whose handle this is, [{num_tokens}, {topk}]"
             )
         if not _plain(topk_weights, torch.float32, at) or topk_weights.shape != (num_tokens, topk):
-            check_tensor("topk_weights", topk_weights, dtype=torch.float32,
-                         shape=(num_tokens, topk), device=device)  # fmt: skip
+            check_tensor(
+                "topk_weights",
+                topk_weights,
+                dtype=torch.float32,
+                shape=(num_tokens, topk),
+                device=device,
+            )
         if out is None:
             out = self._empty_bf16.new_empty(num_tokens, H)
             if POISON_OUTPUTS:

@@ -149,9 +149,17 @@ SEND_RELEASE_STEPS = 1
 #: The launch constants above: what :func:`set_launch_constants` (and ``tritonep bench
 #: --launch``) may change, to compare launch shapes on a GPU without editing the code.
 LAUNCH_CONSTANTS = (
-    "STEP_ROWS", "SEND_TILE", "SEND_BW", "RECV_TILE", "COMBINE_BW", "COMBINE_WARPS",
-    "COMBINE_SEND_TILE", "COMBINE_RECV_TILE", "SEND_RELEASE_STEPS", "DISPATCH_WARPS",
-)  # fmt: skip
+    "STEP_ROWS",
+    "SEND_TILE",
+    "SEND_BW",
+    "RECV_TILE",
+    "COMBINE_BW",
+    "COMBINE_WARPS",
+    "COMBINE_SEND_TILE",
+    "COMBINE_RECV_TILE",
+    "SEND_RELEASE_STEPS",
+    "DISPATCH_WARPS",
+)
 
 
 _launch_version = 0
@@ -258,8 +266,16 @@ class NormalLayout:
     total: int
 
     @staticmethod
-    def of(hidden, num_ranks, num_local_experts, max_topk, max_channels, ring_tokens, staged=False,
-           notify_extra=0):  # fmt: skip
+    def of(
+        hidden,
+        num_ranks,
+        num_local_experts,
+        max_topk,
+        max_channels,
+        ring_tokens,
+        staged=False,
+        notify_extra=0,
+    ):
         groups = -(-hidden // 128)  # a float32 scale per 128 channels, the last group partial
         record = _align(1 + 2 * max_topk, 4)
         dispatch_slot = 4 * (_align(hidden // 2 + groups, 4) + record)
@@ -283,10 +299,23 @@ class NormalLayout:
         stage_notify = take(num_ranks * notify_row * 4 if staged else 0)
         stage_rings = take(rings * max(dispatch_slot, combine_slot) if staged else 0)
         return NormalLayout(
-            notify, notify_set, notify_row, d_ring, d_tail, d_head, dispatch_slot,
-            c_ring, c_tail, c_head, combine_slot, ring_tokens, max_channels, stage_notify,
-            stage_rings, offset,
-        )  # fmt: skip
+            notify,
+            notify_set,
+            notify_row,
+            d_ring,
+            d_tail,
+            d_head,
+            dispatch_slot,
+            c_ring,
+            c_tail,
+            c_head,
+            combine_slot,
+            ring_tokens,
+            max_channels,
+            stage_notify,
+            stage_rings,
+            offset,
+        )
 
 
 @dataclass
@@ -477,10 +506,17 @@ class NormalMode:
         self.group = default_group(group)
         self.label = label
         check_ranks_agree(
-            self.group, "NormalMode", hidden=hidden, num_experts=num_experts, max_topk=max_topk,
-            max_sms=max_sms, ring_tokens=ring_tokens, staged=staged, notify_extra=notify_extra,
+            self.group,
+            "NormalMode",
+            hidden=hidden,
+            num_experts=num_experts,
+            max_topk=max_topk,
+            max_sms=max_sms,
+            ring_tokens=ring_tokens,
+            staged=staged,
+            notify_extra=notify_extra,
             device_type=torch.device(device).type if device is not None else None,
-        )  # fmt: skip
+        )
         self.rank = dist.get_rank(self.group)
         self.num_ranks = dist.get_world_size(self.group)
         self._rank_names = list(rank_names or range(self.num_ranks))
@@ -502,16 +538,23 @@ class NormalMode:
         if ring_tokens is None:
             ring_tokens = 128 if on_gpu else 64
         if max_sms < 2 or ring_tokens < 1:
-            raise ValueError(f"max_sms, ring_tokens: expected >= 2 and >= 1, got {max_sms}, "
-                             f"{ring_tokens}")  # fmt: skip
+            raise ValueError(
+                f"max_sms, ring_tokens: expected >= 2 and >= 1, got {max_sms}, {ring_tokens}"
+            )
         self.default_config = Config(
             num_sms=min(DEFAULT_NUM_SMS, max_sms) if on_gpu else max_sms,
             nvl_recv_buffer_tokens=ring_tokens,
         )
         self.layout = NormalLayout.of(
-            hidden, self.num_ranks, self.num_local_experts, max_topk, max_sms // 2, ring_tokens,
-            staged, notify_extra,
-        )  # fmt: skip
+            hidden,
+            self.num_ranks,
+            self.num_local_experts,
+            max_topk,
+            max_sms // 2,
+            ring_tokens,
+            staged,
+            notify_extra,
+        )
         self.notify_extra = notify_extra
         self.heap = allocate(self.layout.total, self.group, device)
         self.device = self.heap.device
@@ -562,8 +605,9 @@ class NormalMode:
         self._configs.add(config)
         return config
 
-    def _check_fits_interpreter(self, config: Config, what: str, num_tokens: int,
-                                bounds: torch.Tensor | None = None) -> None:  # fmt: skip
+    def _check_fits_interpreter(
+        self, config: Config, what: str, num_tokens: int, bounds: torch.Tensor | None = None
+    ) -> None:
         """On CPU ranks every channel's tokens must fit its ring: the interpreter runs programs
         one by one. Channels are equal splits of ``num_tokens``, or the ranges ``bounds``."""
         if self.device.type == "cuda":
@@ -645,8 +689,9 @@ class NormalMode:
             peer = self._rank_names[peer]
         if code == STATUS_BAD_ID.value:
             raise bad_id_error([code, peer, *words[2:]], name, self.num_experts)
-        check_status([code, peer, *words[2:]], self._rank_names[self.rank], self._phases,
-                     "channel {}")  # fmt: skip
+        check_status(
+            [code, peer, *words[2:]], self._rank_names[self.rank], self._phases, "channel {}"
+        )
 
     def raise_recorded(self) -> None:
         """Raise what this mode's kernels recorded so far (the host copy: no synchronization);
@@ -797,10 +842,22 @@ class NormalMode:
             num_recv = rows = info[0]
             per_expert = info[1:]
         return NormalHandle(
-            in_rank, recv_count, recv_start, host_info, None, num_recv, rows, num_tokens,
-            self.hidden, self.num_experts, config, per_expert,
-            extra_out, bounds, send_counts is not None,
-        )  # fmt: skip
+            in_rank,
+            recv_count,
+            recv_start,
+            host_info,
+            None,
+            num_recv,
+            rows,
+            num_tokens,
+            self.hidden,
+            self.num_experts,
+            config,
+            per_expert,
+            extra_out,
+            bounds,
+            send_counts is not None,
+        )
 
     def _notify_plan(self, options: NotifyOptions):
         config, R, E_local = options.config, self.num_ranks, self.num_local_experts
@@ -996,8 +1053,15 @@ class NormalMode:
         if handle is None:
             if not has_topk:
                 raise ValueError("topk_idx: required without a handle")
-            handle = self._route(topk_idx, num_tokens_per_expert, is_token_in_rank, num_tokens,
-                                 expert_alignment, num_worst_tokens, config)  # fmt: skip
+            handle = self._route(
+                topk_idx,
+                num_tokens_per_expert,
+                is_token_in_rank,
+                num_tokens,
+                expert_alignment,
+                num_worst_tokens,
+                config,
+            )
         if src_tag is not None:
             check_tensor("src_tag", src_tag, dtype=torch.int32, shape=(num_tokens,), device=device)
         topk = topk_idx.shape[1] if has_topk else 1
@@ -1067,10 +1131,20 @@ class NormalMode:
         if cached:
             return NormalDispatchOutput(recv_x, None, None, None, handle)
         new_handle = NormalHandle(
-            handle.is_token_in_rank, handle.recv_count, handle.recv_start, handle.host_info,
-            recv_src_idx, handle.num_recv_tokens, rows, num_tokens, self.hidden,
-            self.num_experts, handle.config, bounds=handle.bounds, extra=handle.extra,
-        )  # fmt: skip
+            handle.is_token_in_rank,
+            handle.recv_count,
+            handle.recv_start,
+            handle.host_info,
+            recv_src_idx,
+            handle.num_recv_tokens,
+            rows,
+            num_tokens,
+            self.hidden,
+            self.num_experts,
+            handle.config,
+            bounds=handle.bounds,
+            extra=handle.extra,
+        )
         # Set on a handle from notify (a first dispatch, with or without top-k).
         per_expert = handle.num_recv_tokens_per_expert
         return NormalDispatchOutput(recv_x, recv_topk_idx, recv_weights, per_expert, new_handle)
