@@ -33,7 +33,16 @@ import triton
 import triton.language as tl
 
 from .fp8 import from_bf16, to_bf16
-from .normal_dispatch import channel_tokens, column, finish_call, free_rings, rows_before
+from .normal_dispatch import (
+    channel_tokens,
+    column,
+    finish_call,
+    free_rings,
+    peer_heaps,
+    receive_rings,
+    rows_before,
+    send_rings,
+)
 from .sync import (
     aligned_ptr,
     elapsed_ns,
@@ -46,7 +55,7 @@ from .sync import (
     wait_all_at_least,
 )
 from .trace import read_clock, trace_role
-from .transport import VIA_STORE, put_rings, set_peer_flags
+from .transport import put_rings, set_peer_flags
 
 PHASE_COMBINE_SEND = tl.constexpr(13)
 PHASE_COMBINE_RECV = tl.constexpr(14)
@@ -115,25 +124,38 @@ class CombineVariant(NamedTuple):
 
 
 @triton.jit
-def first_tile(x_words, start, sent, count, limit, steps, words, W: tl.constexpr,
-               R_LANES: tl.constexpr, ROWS: tl.constexpr, ZEROS: tl.constexpr, row_map_ptr,
-               ROW_MAP: tl.constexpr):  # fmt: skip
-    """The first payload tile ``[R_LANES * ROWS, BLOCK_WORDS]`` of a sender step: for every
-    source rank, the next rows it still wants (``start + sent`` on, at most ``ROWS``, fewer
-    than ``count - sent`` read as nothing). Rows from ``limit`` on read as zeros (``ZEROS``) or
-    as row ``limit - 1`` (fewer registers). With ``ROW_MAP``, row ``r`` is read from input row
-    ``row_map[r]``."""
-    i = steps[None, :]
-    row = tl.reshape((start[:, None] + sent[:, None] + i).to(tl.int64), (R_LANES * ROWS,))
-    want = tl.reshape(i < (count - sent)[:, None], (R_LANES * ROWS,))
+def first_tile(
+    x_words,  # [M, ROW_WORDS] int32 the rows to hand back, as words
+    start,  # [BLOCK_RANKS] int32 first input row of each source rank's stream
+    sent,  # [BLOCK_RANKS] int32 rows of each stream sent so far
+    count,  # [BLOCK_RANKS] int32 rows of each stream to read (fewer than BLOCK_ROWS: masked)
+    limit,  # int32 rows of the input that may be read
+    row_map_ptr,  # [M] int32 input row of each received row (ROW_MAP)
+    ROW_WORDS: tl.constexpr,  # int32 words of a row
+    ZEROS: tl.constexpr,  # rows from limit on read as zeros, not as row limit - 1
+    ROW_MAP: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+):
+    """The first payload tile ``[BLOCK_RANKS * BLOCK_ROWS, BLOCK_WORDS]`` of a sender step: for
+    every source rank, the next rows it still wants (``start + sent`` on, at most
+    ``BLOCK_ROWS``, fewer than ``count - sent`` read as nothing). Rows from ``limit`` on read as
+    zeros (``ZEROS``) or as row ``limit - 1`` (fewer registers). With ``ROW_MAP``, row ``r`` is
+    read from input row ``row_map[r]``."""
+    FLAT: tl.constexpr = BLOCK_RANKS * BLOCK_ROWS
+    i = tl.arange(0, BLOCK_ROWS)[None, :]
+    words = tl.arange(0, BLOCK_WORDS)
+    row = tl.reshape((start[:, None] + sent[:, None] + i).to(tl.int64), (FLAT,))
+    want = tl.reshape(i < (count - sent)[:, None], (FLAT,))
     if ZEROS:
         want = want & (row < limit)
     else:
         row = tl.minimum(row, tl.maximum(limit - 1, 0))
     if ROW_MAP:
         row = tl.load(row_map_ptr + row, mask=want, other=0).to(tl.int64)
-    at = x_words + row[:, None] * W + words[None, :]
-    return tl.load(at, mask=want[:, None] & (words < W)[None, :], other=0)
+    at = x_words + row[:, None] * ROW_WORDS + words[None, :]
+    return tl.load(at, mask=want[:, None] & (words < ROW_WORDS)[None, :], other=0)
 
 
 @triton.jit
@@ -206,14 +228,13 @@ def send_step(
             sent + take,
             count,
             limit,
-            steps,
-            words,
+            row_map_ptr,
             W,
+            AWAIT,
+            ROW_MAP,
             BLOCK_RANKS,
             BLOCK_ROWS,
-            AWAIT,
-            row_map_ptr,
-            ROW_MAP,
+            BLOCK_WORDS,
         )
         tl.store(p[:, None] + w[None, :], v, mask=live[:, None] & (w < W)[None, :])
         v = v_next
@@ -270,24 +291,26 @@ def combine_send(
     ``PROFILE``; 0 otherwise)."""
     W: tl.constexpr = H // 2
     tag = call << 32
-    ranks = tl.arange(0, BLOCK_RANKS)
-    rmask = ranks < NUM_RANKS
-    peer_base = tl.load(peer_ptrs + ranks, mask=rmask, other=0)
-    my_base = tl.load(peer_ptrs + rank)
-    words = tl.arange(0, BLOCK_WORDS)
+    ranks, rmask, peer_base, my_base = peer_heaps(peer_ptrs, rank, NUM_RANKS, BLOCK_RANKS)
     count = tl.load(recv_count_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
     if LOCAL:  # this rank's own rows are read from the input by its receiver
         count = tl.where(ranks == rank, 0, count)
     start = tl.load(recv_start_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
-    pair = channel * NUM_RANKS + rank
-    ring_at = RING_OFFSET + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)  # in each peer
-    ring = peer_base + ring_at
-    if VIA != VIA_STORE:
-        # Rows are built in this rank's mirror of each source rank's ring, then put there.
-        mirror_pairs = (channel * NUM_RANKS + ranks).to(tl.int64)
-        ring = my_base + STAGE_OFFSET + mirror_pairs * (RING_STRIDE * SLOT_BYTES)
-    head_flag = my_base + HEAD_OFFSET + (channel * NUM_RANKS + ranks) * 8
-    head_flag = head_flag.to(tl.pointer_type(tl.int64))
+    ring_at, ring, tail_at, head_flag = send_rings(
+        channel,
+        rank,
+        ranks,
+        peer_base,
+        my_base,
+        NUM_RANKS,
+        RING_STRIDE,
+        SLOT_BYTES,
+        RING_OFFSET,
+        TAIL_OFFSET,
+        HEAD_OFFSET,
+        STAGE_OFFSET,
+        VIA,
+    )
     sent = tl.zeros((BLOCK_RANKS,), tl.int32)
     steps = tl.arange(0, BLOCK_ROWS)
     x_words = x_ptr.to(tl.pointer_type(tl.int32))
@@ -312,14 +335,13 @@ def combine_send(
             sent,
             count,
             limit,
-            steps,
-            words,
+            row_map_ptr,
             W,
+            AWAIT,
+            ROW_MAP,
             BLOCK_RANKS,
             BLOCK_ROWS,
-            AWAIT,
-            row_map_ptr,
-            ROW_MAP,
+            BLOCK_WORDS,
         )
     starved = pending < 0  # waiting on the other leg's rows rather than on a peer
     waited = tl.zeros((), tl.int64)
@@ -351,14 +373,13 @@ def combine_send(
                 sent,
                 sent + take,
                 limit,
-                steps,
-                words,
+                row_map_ptr,
                 W,
+                AWAIT,
+                ROW_MAP,
                 BLOCK_RANKS,
                 BLOCK_ROWS,
-                AWAIT,
-                row_map_ptr,
-                ROW_MAP,
+                BLOCK_WORDS,
             )
         if tl.max(take, 0) > 0:
             v = send_step(
@@ -393,7 +414,7 @@ def combine_send(
             unannounced += 1
             if (unannounced >= RELEASE_STEPS) | (pending == 0):
                 put_rings(my_base, peer_base, ranks, ring_at, ring, announced, sent,
-                          TAIL_OFFSET + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
+                          tail_at, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
                           VIA)  # fmt: skip
                 announced = sent
                 unannounced = unannounced * 0
@@ -405,7 +426,7 @@ def combine_send(
                 # held back, so announce them before polling.
                 tl.debug_barrier()
                 put_rings(my_base, peer_base, ranks, ring_at, ring, announced, sent,
-                          TAIL_OFFSET + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
+                          tail_at, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
                           VIA)  # fmt: skip
                 announced = sent
                 unannounced = unannounced * 0
@@ -591,17 +612,22 @@ def combine_receive(
     token's rows from all ranks (with ``LOCAL``, this rank's own rows straight from the input
     ``x_ptr``). Returns the time it waited for rows (with ``PROFILE``; 0 otherwise)."""
     tag = call << 32
-    ranks = tl.arange(0, BLOCK_RANKS)
-    rmask = ranks < NUM_RANKS
-    peer_base = tl.load(peer_ptrs + ranks, mask=rmask, other=0)
-    my_base = tl.load(peer_ptrs + rank)
+    ranks, rmask, peer_base, my_base = peer_heaps(peer_ptrs, rank, NUM_RANKS, BLOCK_RANKS)
     t0, t1 = channel_tokens(channel, num_tokens, bounds_ptr, NUM_CHANNELS, BOUNDS)
     if PUBLISH:
         published = relay_flag(relay_call_ptr)
-    pair = channel * NUM_RANKS + ranks
-    ring = my_base + RING_OFFSET + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)
-    tail_flag = (my_base + TAIL_OFFSET + pair * 8).to(tl.pointer_type(tl.int64))
-    head_at = HEAD_OFFSET + (channel * NUM_RANKS + rank) * 8  # in each expert rank's heap
+    ring, tail_flag, head_at = receive_rings(
+        channel,
+        rank,
+        ranks,
+        my_base,
+        NUM_RANKS,
+        RING_STRIDE,
+        SLOT_BYTES,
+        RING_OFFSET,
+        TAIL_OFFSET,
+        HEAD_OFFSET,
+    )
     taken = tl.zeros((BLOCK_RANKS,), tl.int32)
     arrived = tl.zeros((BLOCK_RANKS,), tl.int64)  # last tail value read, per expert rank
     budget = timeout_ns + tl.zeros((), tl.int64)

@@ -232,6 +232,72 @@ def timed_out(status_ptr):
     return tl.load(status_ptr, volatile=True) == STATUS_TIMEOUT
 
 
+@triton.jit
+def peer_heaps(peer_ptrs, rank, NUM_RANKS: tl.constexpr, BLOCK_RANKS: tl.constexpr):
+    """``(ranks, rmask, peer_base, my_base)``: the ``[BLOCK_RANKS]`` rank lanes and which of
+    them are ranks of the group, every rank's int64 heap base, and this rank's."""
+    ranks = tl.arange(0, BLOCK_RANKS)
+    rmask = ranks < NUM_RANKS
+    peer_base = tl.load(peer_ptrs + ranks, mask=rmask, other=0)
+    my_base = tl.load(peer_ptrs + rank)
+    return ranks, rmask, peer_base, my_base
+
+
+@triton.jit
+def send_rings(
+    channel,  # the channel this program sends
+    rank,  # this rank
+    ranks,  # [BLOCK_RANKS] int32 rank lanes
+    peer_base,  # [BLOCK_RANKS] int64 heap base of each rank
+    my_base,  # int64 heap base of this rank
+    NUM_RANKS: tl.constexpr,
+    RING_STRIDE: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    RING_OFFSET: tl.constexpr,
+    TAIL_OFFSET: tl.constexpr,
+    HEAD_OFFSET: tl.constexpr,
+    STAGE_OFFSET: tl.constexpr,
+    VIA: tl.constexpr,
+):
+    """A sender's rings, one per destination rank (constexprs as the kernels'): ``(ring_at,
+    ring, tail_at, head_flag)``, the heap offset of this rank's ring in every destination, the
+    ``[BLOCK_RANKS]`` addresses its rows are built at (the destination's ring, or with ``VIA``
+    this rank's mirror of it), the heap offset of its tail there, and the pointers to the
+    heads the destinations return here."""
+    pair = channel * NUM_RANKS + rank
+    ring_at = RING_OFFSET + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)  # in each peer
+    ring = peer_base + ring_at
+    if VIA != VIA_STORE:
+        # Rows are built in this rank's mirror of each destination's ring, then put there.
+        mirror_pairs = (channel * NUM_RANKS + ranks).to(tl.int64)
+        ring = my_base + STAGE_OFFSET + mirror_pairs * (RING_STRIDE * SLOT_BYTES)
+    head_flag = my_base + HEAD_OFFSET + (channel * NUM_RANKS + ranks) * 8
+    return ring_at, ring, TAIL_OFFSET + pair * 8, head_flag.to(tl.pointer_type(tl.int64))
+
+
+@triton.jit
+def receive_rings(
+    channel,  # the channel this program receives
+    rank,  # this rank
+    ranks,  # [BLOCK_RANKS] int32 rank lanes
+    my_base,  # int64 heap base of this rank
+    NUM_RANKS: tl.constexpr,
+    RING_STRIDE: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    RING_OFFSET: tl.constexpr,
+    TAIL_OFFSET: tl.constexpr,
+    HEAD_OFFSET: tl.constexpr,
+):
+    """A receiver's rings, one per source rank, in this rank's heap (constexprs as the
+    kernels'): ``(ring, tail_flag, head_at)``, the ``[BLOCK_RANKS]`` ring addresses, the
+    pointers to their tails, and the heap offset of the head this rank returns to every
+    source."""
+    pair = channel * NUM_RANKS + ranks
+    ring = my_base + RING_OFFSET + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)
+    tail_flag = (my_base + TAIL_OFFSET + pair * 8).to(tl.pointer_type(tl.int64))
+    return ring, tail_flag, HEAD_OFFSET + (channel * NUM_RANKS + rank) * 8
+
+
 # ------------------------------------------------------------------------------------ sender
 
 
@@ -425,21 +491,24 @@ def dispatch_send(
     """The sender of ``channel`` (constexprs as :func:`normal_dispatch_kernel`'s): walk its
     tokens, feed every destination ring (with ``LOCAL``, every ring but this rank's own).
     Returns the time it waited (with ``PROFILE``; 0 otherwise)."""
-    ranks = tl.arange(0, BLOCK_RANKS)
-    rmask = ranks < NUM_RANKS
-    peer_base = tl.load(peer_ptrs + ranks, mask=rmask, other=0)
-    my_base = tl.load(peer_ptrs + rank)
+    ranks, _unused, peer_base, my_base = peer_heaps(peer_ptrs, rank, NUM_RANKS, BLOCK_RANKS)
     tag = call << 32
     t0, t1 = channel_tokens(channel, num_tokens, bounds_ptr, NUM_CHANNELS, BOUNDS)
-    pair = channel * NUM_RANKS + rank
-    ring_at = RING_OFFSET + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)  # in each peer
-    ring = peer_base + ring_at
-    if VIA != VIA_STORE:
-        # Rows are built in this rank's mirror of each destination's ring, then put there.
-        mirror_pairs = (channel * NUM_RANKS + ranks).to(tl.int64)
-        ring = my_base + STAGE_OFFSET + mirror_pairs * (RING_STRIDE * SLOT_BYTES)
-    head_flag = my_base + HEAD_OFFSET + (channel * NUM_RANKS + ranks) * 8
-    head_flag = head_flag.to(tl.pointer_type(tl.int64))
+    ring_at, ring, tail_at, head_flag = send_rings(
+        channel,
+        rank,
+        ranks,
+        peer_base,
+        my_base,
+        NUM_RANKS,
+        RING_STRIDE,
+        SLOT_BYTES,
+        RING_OFFSET,
+        TAIL_OFFSET,
+        HEAD_OFFSET,
+        STAGE_OFFSET,
+        VIA,
+    )
     sent = tl.zeros((BLOCK_RANKS,), tl.int32)
     released = tl.zeros((BLOCK_RANKS,), tl.int64)  # last head value read, per destination
     budget = timeout_ns + tl.zeros((), tl.int64)
@@ -499,7 +568,7 @@ def dispatch_send(
                 # The slots waited for are freed only once the receivers have the rows held
                 # back: announce them first.
                 put_rings(my_base, peer_base, ranks, ring_at, ring, announced, sent,
-                          TAIL_OFFSET + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
+                          tail_at, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
                           VIA)  # fmt: skip
                 announced = sent
                 unannounced = unannounced * 0
@@ -549,7 +618,7 @@ def dispatch_send(
             unannounced += 1
             if (unannounced >= RELEASE_STEPS) | (first + BLOCK_TOKENS >= t1):
                 put_rings(my_base, peer_base, ranks, ring_at, ring, announced, sent + count,
-                          TAIL_OFFSET + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
+                          tail_at, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
                           VIA)  # fmt: skip
                 announced = sent + count
                 unannounced = unannounced * 0
@@ -836,10 +905,7 @@ def dispatch_receive(
     the rings of every source into the outputs (with ``LOCAL``, this rank's own lane of each
     step reads the channel's tokens straight from the input instead). Returns the time it
     polled without progress (with ``PROFILE``; 0 otherwise)."""
-    ranks = tl.arange(0, BLOCK_RANKS)
-    rmask = ranks < NUM_RANKS
-    peer_base = tl.load(peer_ptrs + ranks, mask=rmask, other=0)
-    my_base = tl.load(peer_ptrs + rank)
+    ranks, rmask, peer_base, my_base = peer_heaps(peer_ptrs, rank, NUM_RANKS, BLOCK_RANKS)
     tag = call << 32
     count = tl.load(recv_count_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
     start = tl.load(recv_start_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
@@ -858,10 +924,18 @@ def dispatch_receive(
         own_next = tl.load(recv_start_ptr + rank * NUM_CHANNELS + channel)
     x_addr = x_ptr.to(tl.int64, bitcast=True)
     scales_addr = scales_ptr.to(tl.int64, bitcast=True)
-    pair = channel * NUM_RANKS + ranks
-    ring = my_base + RING_OFFSET + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)
-    tail_flag = (my_base + TAIL_OFFSET + pair * 8).to(tl.pointer_type(tl.int64))
-    head_at = HEAD_OFFSET + (channel * NUM_RANKS + rank) * 8  # in each source's heap
+    ring, tail_flag, head_at = receive_rings(
+        channel,
+        rank,
+        ranks,
+        my_base,
+        NUM_RANKS,
+        RING_STRIDE,
+        SLOT_BYTES,
+        RING_OFFSET,
+        TAIL_OFFSET,
+        HEAD_OFFSET,
+    )
     head = tl.zeros((BLOCK_RANKS,), tl.int32)
     clock = start_clock(USE_CLOCK)
     spins = tl.zeros((), tl.int64)
