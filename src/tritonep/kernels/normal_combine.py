@@ -35,31 +35,28 @@ import triton.language as tl
 from .fp8 import from_bf16, to_bf16
 from .normal_dispatch import (
     channel_tokens,
-    column,
     finish_call,
     free_rings,
     peer_heaps,
     receive_rings,
-    rows_before,
     send_rings,
 )
+from .phases import COMBINE_RECV, COMBINE_RELAY, COMBINE_SEND
 from .sync import (
     aligned_ptr,
     elapsed_ns,
     first_lane,
+    lane,
     limit_ns,
     publish_rows,
     record_timeout,
     relay_flag,
+    rows_before,
     start_clock,
     wait_all_at_least,
 )
 from .trace import read_clock, trace_role
 from .transport import put_rings, set_peer_flags
-
-PHASE_COMBINE_SEND = tl.constexpr(13)
-PHASE_COMBINE_RECV = tl.constexpr(14)
-PHASE_COMBINE_RELAY = tl.constexpr(16)
 
 COMBINE_CALLS = tl.constexpr(4)
 COMBINE_ARRIVALS = tl.constexpr(5)
@@ -436,10 +433,10 @@ def combine_send(
                 waited += read_clock(trace_ptr, USE_CLOCK) - t_w
     if pending > 0:
         if starved:
-            record_timeout(status_ptr, -1, PHASE_COMBINE_RELAY, timeout_ns, channel)
+            record_timeout(status_ptr, -1, COMBINE_RELAY, timeout_ns, channel)
         else:
             peer = first_lane(sent < count, ranks)
-            record_timeout(status_ptr, peer, PHASE_COMBINE_SEND, timeout_ns, channel)
+            record_timeout(status_ptr, peer, COMBINE_SEND, timeout_ns, channel)
     return waited
 
 
@@ -487,8 +484,8 @@ def sum_step(
         em = e < H
         acc = tl.zeros((BLOCK_TOKENS, 2 * BLOCK_WORDS), tl.float32)
         for d in tl.static_range(NUM_RANKS):
-            from_d = column(ready, ranks, d) > 0
-            p = aligned_ptr(column(src, ranks, d), tl.bfloat16)
+            from_d = lane(ready, ranks, d) > 0
+            p = aligned_ptr(lane(src, ranks, d), tl.bfloat16)
             if LOCAL:
                 p = tl.where(rank == d, x_ptr + own_row * H, p)
             y = tl.load(
@@ -508,8 +505,8 @@ def sum_step(
     if HAS_WEIGHTS:
         wacc = tl.zeros((BLOCK_TOKENS, BLOCK_K), tl.float32)
         for d in tl.static_range(NUM_RANKS):
-            from_d = column(ready, ranks, d) > 0
-            wp = column(src, ranks, d).to(tl.pointer_type(tl.float32)) + W
+            from_d = lane(ready, ranks, d) > 0
+            wp = lane(src, ranks, d).to(tl.pointer_type(tl.float32)) + W
             if LOCAL:
                 wp = tl.where(rank == d, weights_ptr + own_row * K, wp)
             wacc += tl.load(
@@ -663,7 +660,7 @@ def combine_receive(
             arrived = tl.where(blocked, values, arrived)
             if not ok:
                 peer = first_lane(blocked & (arrived < target), ranks)
-                record_timeout(status_ptr, peer, PHASE_COMBINE_RECV, timeout_ns, channel)
+                record_timeout(status_ptr, peer, COMBINE_RECV, timeout_ns, channel)
                 budget = tl.zeros((), tl.int64)
         # A row that never arrived is not read: its token's sum is NaN.
         ready = hit * ((arrived >= target) | own).to(tl.int32)[None, :]
@@ -673,7 +670,7 @@ def combine_receive(
         if LOCAL:
             # Rows past the input (worst-case outputs that overflowed) read as the last row,
             # as the sender would have sent them.
-            own_row = tl.minimum(own_first + column(nth, ranks, rank), last_row).to(tl.int64)
+            own_row = tl.minimum(own_first + lane(nth, ranks, rank), last_row).to(tl.int64)
         sum_step(
             src,
             ready,

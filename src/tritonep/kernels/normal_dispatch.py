@@ -52,26 +52,24 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
+from .phases import DISPATCH_IDS, DISPATCH_RECV, DISPATCH_RELAY, DISPATCH_SEND
 from .status import STATUS_TIMEOUT, first_bad_id, record_bad_id
 from .sync import (
     aligned_ptr,
     elapsed_ns,
+    finish_launch,
     first_lane,
+    lane,
     limit_ns,
     publish_rows,
     record_timeout,
     relay_flag,
+    rows_before,
     start_clock,
     wait_all_at_least,
 )
 from .trace import read_clock, trace_role
 from .transport import VIA_STORE, put_rings, set_peer_flags
-
-PHASE_DISPATCH_SEND = tl.constexpr(11)
-PHASE_DISPATCH_RECV = tl.constexpr(12)
-PHASE_DISPATCH_RELAY = tl.constexpr(15)
-#: The phase named in a bad-id record of a dispatch.
-PHASE_DISPATCH_IDS = tl.constexpr(18)
 
 DISPATCH_CALLS = tl.constexpr(2)
 DISPATCH_ARRIVALS = tl.constexpr(3)
@@ -166,24 +164,6 @@ class DispatchVariant(NamedTuple):
 
 
 @triton.jit
-def column(matrix, lanes, index):
-    """Column ``index`` of a ``[rows, lanes]`` tensor (Triton has no dynamic indexing)."""
-    return tl.sum(tl.where(lanes[None, :] == index, matrix, 0), 1)
-
-
-@triton.jit
-def rows_before(hit, ROWS: tl.constexpr):
-    """Exclusive prefix sum down the rows of a small ``[ROWS, lanes]`` int32 tensor.
-
-    A masked sum over a ``[ROWS, ROWS, lanes]`` broadcast: Triton 3.6's scan lowering fails
-    for some layouts of small 2-D tensors, and ``ROWS`` is at most a few dozen here.
-    """
-    rows = tl.arange(0, ROWS)
-    earlier = (rows[None, :] < rows[:, None]).to(tl.int32)  # [row, earlier row]
-    return tl.sum(earlier[:, :, None] * hit[None, :, :], 1)
-
-
-@triton.jit
 def channel_tokens(channel, num_tokens, bounds_ptr, NUM_CHANNELS: tl.constexpr,
                    BOUNDS: tl.constexpr):  # fmt: skip
     """``(first, end)`` tokens of a channel: an equal split of the tokens, or with ``BOUNDS``
@@ -201,11 +181,11 @@ def channel_tokens(channel, num_tokens, bounds_ptr, NUM_CHANNELS: tl.constexpr,
 
 @triton.jit
 def finish_call(state_ptr, call, ARRIVALS: tl.constexpr, CALLS: tl.constexpr):
-    """The last program of a launch advances the call counter."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(state_ptr + ARRIVALS, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:
-        tl.store(state_ptr + ARRIVALS, 0)
+    """The last program of a launch advances the launch's call counter ``state[CALLS]``.
+
+    One counter for the whole launch, not one per program (:func:`.sync.call_number`): the
+    number of programs follows the SM budget, which may change from call to call."""
+    if finish_launch(state_ptr + ARRIVALS, 0, 0, 0, call, call, False, False, True):
         tl.store(state_ptr + CALLS, call + 1)
 
 
@@ -396,8 +376,8 @@ def store_step(
         wn = w + BLOCK_SEND_WORDS
         v_next = tl.load(rows + wn[None, :], mask=tmask[:, None] & (wn < ROW_WORDS)[None, :])
         for d in tl.static_range(NUM_RANKS):
-            to_d = column(hit, ranks, d) > 0
-            p = aligned_ptr(column(dst, ranks, d), tl.int32)
+            to_d = lane(hit, ranks, d) > 0
+            p = aligned_ptr(lane(dst, ranks, d), tl.int32)
             tl.store(p[:, None] + w[None, :], v, mask=to_d[:, None] & (w < ROW_WORDS)[None, :])
         v = v_next
     if HAS_SCALES:
@@ -406,8 +386,8 @@ def store_step(
             mask=tmask[:, None] & gmask[None, :],
         )
         for d in tl.static_range(NUM_RANKS):
-            to_d = column(hit, ranks, d) > 0
-            p = aligned_ptr(column(dst, ranks, d) + ROW_WORDS * 4, tl.int32)
+            to_d = lane(hit, ranks, d) > 0
+            p = aligned_ptr(lane(dst, ranks, d) + ROW_WORDS * 4, tl.int32)
             tl.store(p[:, None] + groups[None, :], s, mask=to_d[:, None] & gmask[None, :])
     if HAS_TOPK:
         owner = tl.where(ids >= 0, ids // E_LOCAL, -1)
@@ -421,8 +401,8 @@ def store_step(
     if HAS_TAG:  # a row's origin further back (the internode forwarders use it)
         source = tl.load(src_tag_ptr + tokens64, mask=tmask, other=0)
     for d in tl.static_range(NUM_RANKS):
-        to_d = column(hit, ranks, d) > 0
-        record = aligned_ptr(column(dst, ranks, d) + RECORD_WORD * 4, tl.int32)
+        to_d = lane(hit, ranks, d) > 0
+        record = aligned_ptr(lane(dst, ranks, d) + RECORD_WORD * 4, tl.int32)
         tl.store(record, source, mask=to_d)
         if HAS_TOPK:
             local = tl.where(owner == d, ids - d * E_LOCAL, -1).to(tl.int32)
@@ -534,7 +514,7 @@ def dispatch_send(
             if PROFILE:
                 waited += read_clock(trace_ptr, USE_CLOCK) - t_w
             if not arrived:
-                record_timeout(status_ptr, -1, PHASE_DISPATCH_RELAY, timeout_ns, channel)
+                record_timeout(status_ptr, -1, DISPATCH_RELAY, timeout_ns, channel)
                 budget = tl.zeros((), tl.int64)
             # Rows not arrived are not read. (A tile compare, not `tmask & arrived`: Triton
             # 3.9's interpreter splats a scalar comparison as int32, which no mask accepts.)
@@ -580,7 +560,7 @@ def dispatch_send(
             released = tl.where(blocked, values, released)
             if not ok:
                 peer = first_lane(blocked & (released < target), ranks)
-                record_timeout(status_ptr, peer, PHASE_DISPATCH_SEND, timeout_ns, channel)
+                record_timeout(status_ptr, peer, DISPATCH_SEND, timeout_ns, channel)
                 budget = tl.zeros((), tl.int64)
         # After a timeout (budget spent) the program stores and publishes nothing more: tails
         # past a skipped step would hand its slots, stale, to healthy peers as this call's
@@ -628,7 +608,7 @@ def dispatch_send(
         token, col, bad_id = first_bad_id(
             topk_idx_ptr, num_tokens, K, E_LOCAL * NUM_RANKS, BLOCK_K, BLOCK_TOKENS
         )
-        record_bad_id(status_ptr, rank, PHASE_DISPATCH_IDS, token, col, bad_id)
+        record_bad_id(status_ptr, rank, DISPATCH_IDS, token, col, bad_id)
     return waited
 
 
@@ -1032,7 +1012,7 @@ def dispatch_receive(
         pending = tl.sum(count - head, 0)
     if pending > 0:
         peer = first_lane(head < count, ranks)
-        record_timeout(status_ptr, peer, PHASE_DISPATCH_RECV, timeout_ns, channel)
+        record_timeout(status_ptr, peer, DISPATCH_RECV, timeout_ns, channel)
     # Every ring of this channel is free for the next call, whatever it carried.
     tl.debug_barrier()
     free_rings(call, channel, HEAD_OFFSET, rank, my_base, peer_base, ranks, rmask, pe_ptr,

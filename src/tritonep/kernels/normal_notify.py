@@ -34,11 +34,10 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
+from .phases import NOTIFY
 from .sync import STATUS_OVERFLOW, elapsed_ns, limit_ns, record_timeout, start_clock
 from .trace import read_clock, trace_role
 from .transport import VIA_STORE, put_block
-
-PHASE_NOTIFY = tl.constexpr(10)
 
 # Device state counters (int64) of the normal mode.
 NOTIFY_CALLS = tl.constexpr(0)
@@ -209,7 +208,7 @@ def notify_receive(
         got_x = tl.load(my_extra + xs, mask=xmask, other=-1, volatile=True)
         arrived = all_nonzero(got_c, got_e, got_x)
     if not arrived:
-        record_timeout(status_ptr, peer, PHASE_NOTIFY, timeout_ns)
+        record_timeout(status_ptr, peer, NOTIFY, timeout_ns)
     tl.store(
         recv_count_ptr + peer * NUM_CHANNELS + channels,
         tl.where(arrived, -got_c - 1, 0),
@@ -267,7 +266,7 @@ def lay_out_rows(
     tl.store(host_info_ptr, total)
     tl.store(host_info_ptr + 1 + experts, per_expert, mask=experts < E_LOCAL)
     if (max_rows > 0) & (total > max_rows):
-        record_timeout(status_ptr, -1, PHASE_NOTIFY, 0, total, STATUS_OVERFLOW)
+        record_timeout(status_ptr, -1, NOTIFY, 0, total, STATUS_OVERFLOW)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "alignment", "max_rows", "timeout_us"])
