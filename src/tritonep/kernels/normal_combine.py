@@ -242,6 +242,195 @@ def send_step(
 
 
 @triton.jit
+def flagged_rows(
+    ready_ptr,  # [M] int32 per-row flags the other leg sets to call + 1 once a row is written
+    call,  # this launch's call number
+    start,  # [BLOCK_RANKS] int32 first input row of each source rank's stream
+    sent,  # [BLOCK_RANKS] int32 rows of each stream sent so far
+    take,  # [BLOCK_RANKS] int32 rows of each stream the rings have room for
+    limit,  # int32 rows the relay flags (the others are never waited for)
+    BLOCK_ROWS: tl.constexpr,
+):
+    """Of a relay's next ``take`` rows per stream, the prefix the other leg has flagged
+    (AWAIT): ``(take, starved)``, the rows that may be sent and whether any stream waits on
+    the other leg rather than on ring space. The rows are read after this, never before."""
+    nth = tl.arange(0, BLOCK_ROWS)[None, :]
+    at = (start[:, None] + sent[:, None] + nth).to(tl.int64)
+    want = nth < take[:, None]
+    flag = tl.atomic_add(ready_ptr + at, 0, mask=want, sem="acquire", scope="gpu")
+    late = want & (at < limit) & (flag != (call + 1).to(tl.int32))
+    ready = tl.min(tl.where(late, nth, BLOCK_ROWS), 1)
+    starved = tl.max(take - ready, 0) > 0
+    tl.debug_barrier()
+    return tl.minimum(take, ready), starved
+
+
+@triton.jit
+def stream_rows(
+    count,  # [BLOCK_RANKS] int32 rows to send to each source rank (own rank: 0 with LOCAL)
+    start,  # [BLOCK_RANKS] int32 first input row of each source rank's stream
+    ring_at,  # heap byte offset of this rank's ring in every source rank's heap
+    ring,  # [BLOCK_RANKS] int64 addresses the rows are built at (rings or mirrors)
+    tail_at,  # heap byte offset of this rank's tail in every source rank's heap
+    head_flag,  # [BLOCK_RANKS] pointers to the int64 heads the source ranks return here
+    limit,  # int32 input rows that may be read
+    x_words,  # [M, H // 2] int32 the rows to hand back, as words
+    weights_ptr,  # [M, K] float32 (HAS_WEIGHTS)
+    ready_ptr,  # [M] int32 per-row flags set by the other leg (AWAIT)
+    row_map_ptr,  # [M] int32 input row of each received row (ROW_MAP)
+    trace_ptr,  # int64 readings (PROFILE)
+    ranks,  # [BLOCK_RANKS] int32 rank lanes
+    peer_base,  # [BLOCK_RANKS] int64 heap base of each rank
+    my_base,  # int64 heap base of this rank
+    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
+    call,  # this launch's call number
+    timeout_ns,  # int64 limit of the wait without progress
+    K,  # top-k columns
+    H: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    RING: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    AWAIT: tl.constexpr,
+    ROW_MAP: tl.constexpr,
+    RELEASE_STEPS: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PROFILE: tl.constexpr,
+    VIA: tl.constexpr,
+):
+    """The sending loop (constexprs as :func:`normal_combine_kernel`'s): stream each source
+    rank's rows into its ring as space and (``AWAIT``) the other leg's flags allow, never
+    blocking on one source, and publish the tails; stop once every row is sent or
+    ``timeout_ns`` passed without progress. Returns ``(sent, starved, waited)``: the rows sent
+    per source rank, whether the last wait was on the other leg's rows, and the time it polled
+    without progress (with ``PROFILE``; 0 otherwise)."""
+    W: tl.constexpr = H // 2
+    tag = call << 32
+    sent = tl.zeros((BLOCK_RANKS,), tl.int32)
+    clock = start_clock(USE_CLOCK)
+    spins = tl.zeros((), tl.int64)
+    pending = tl.sum(count, 0)
+    # A step's heads and first tile are read before the previous step's release (a tile holds
+    # every row a source still wants, up to BLOCK_ROWS; a full ring only masks its stores), so
+    # a step costs about one memory latency.
+    heads = tl.atomic_add(head_flag, 0, mask=sent < count, sem="acquire", scope="sys")
+    if not AWAIT:
+        v = first_tile(
+            x_words,
+            start,
+            sent,
+            count,
+            limit,
+            row_map_ptr,
+            W,
+            AWAIT,
+            ROW_MAP,
+            BLOCK_RANKS,
+            BLOCK_ROWS,
+            BLOCK_WORDS,
+        )
+    starved = pending < 0  # waiting on the other leg's rows rather than on a peer
+    waited = tl.zeros((), tl.int64)
+    announced = sent  # rows up to here are announced by the tails
+    unannounced = tl.zeros((), tl.int32)  # steps copied but not yet announced
+    while (pending > 0) & (elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns):
+        if PROFILE:
+            t_w = read_clock(trace_ptr, USE_CLOCK)
+        waiting = sent < count
+        # Free slots in this call; a head still tagged with an earlier call frees none.
+        consumed = (heads & 0xFFFFFFFF).to(tl.int32)
+        space = tl.where(waiting & ((heads >> 32) == call), RING - (sent - consumed), 0)
+        take = tl.minimum(tl.minimum(space, count - sent), BLOCK_ROWS)
+        if AWAIT:
+            take, starved = flagged_rows(ready_ptr, call, start, sent, take, limit, BLOCK_ROWS)
+            v = first_tile(
+                x_words,
+                start,
+                sent,
+                sent + take,
+                limit,
+                row_map_ptr,
+                W,
+                AWAIT,
+                ROW_MAP,
+                BLOCK_RANKS,
+                BLOCK_ROWS,
+                BLOCK_WORDS,
+            )
+        moved = tl.max(take, 0) > 0
+        if moved:
+            v = send_step(
+                v,
+                x_words,
+                weights_ptr,
+                ring,
+                start,
+                sent,
+                take,
+                count,
+                limit,
+                row_map_ptr,
+                K,
+                H,
+                RING,
+                SLOT_BYTES,
+                HAS_WEIGHTS,
+                AWAIT,
+                ROW_MAP,
+                BLOCK_ROWS,
+                BLOCK_WORDS,
+                BLOCK_RANKS,
+                BLOCK_K,
+            )
+            sent += take
+            pending = tl.sum(count - sent, 0)
+            heads = tl.atomic_add(head_flag, 0, mask=sent < count, sem="acquire", scope="sys")
+            tl.debug_barrier()
+            unannounced += 1
+            # One system-scope release per RELEASE_STEPS steps and after the last rows: each
+            # waits for the stores before it to reach the peers.
+            due = (unannounced >= RELEASE_STEPS) | (pending == 0)
+        else:
+            # Nothing fits: the slots come back only once the receivers have the rows held
+            # back, so announce them before polling.
+            due = unannounced > 0
+        if due:
+            if not moved:
+                tl.debug_barrier()
+            put_rings(
+                my_base,
+                peer_base,
+                ranks,
+                ring_at,
+                ring,
+                announced,
+                sent,
+                tail_at,
+                tag,
+                pe_ptr,
+                NUM_RANKS,
+                RING,
+                SLOT_BYTES,
+                VIA,
+            )
+            announced = sent
+            unannounced = unannounced * 0
+        if moved:
+            clock = start_clock(USE_CLOCK)
+            spins = tl.zeros((), tl.int64)
+        else:
+            heads = tl.atomic_add(head_flag, 0, mask=waiting, sem="acquire", scope="sys")
+            spins += 1
+            if PROFILE:
+                waited += read_clock(trace_ptr, USE_CLOCK) - t_w
+    return sent, starved, waited
+
+
+@triton.jit
 def combine_send(
     channel,  # the channel this program sends
     call,  # this launch's call number
@@ -286,8 +475,6 @@ def combine_send(
     """The sender of ``channel`` (constexprs as :func:`normal_combine_kernel`'s): stream rows
     back to every source rank. Returns the time it polled without progress (with
     ``PROFILE``; 0 otherwise)."""
-    W: tl.constexpr = H // 2
-    tag = call << 32
     ranks, rmask, peer_base, my_base = peer_heaps(peer_ptrs, rank, NUM_RANKS, BLOCK_RANKS)
     count = tl.load(recv_count_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
     if LOCAL:  # this rank's own rows are read from the input by its receiver
@@ -308,12 +495,7 @@ def combine_send(
         STAGE_OFFSET,
         VIA,
     )
-    sent = tl.zeros((BLOCK_RANKS,), tl.int32)
-    steps = tl.arange(0, BLOCK_ROWS)
     x_words = x_ptr.to(tl.pointer_type(tl.int32))
-    clock = start_clock(USE_CLOCK)
-    spins = tl.zeros((), tl.int64)
-    pending = tl.sum(count, 0)
     # Rows past the input (worst-case outputs that overflowed) or past what the relay will
     # flag (a relay that dropped its rows) are not read: the last row goes back in their
     # place, or zeros from a relay (whose rows past the limit were never written); the
@@ -321,116 +503,43 @@ def combine_send(
     limit = num_rows
     if AWAIT:
         limit = tl.minimum(limit, tl.load(bounds_ptr + NUM_CHANNELS))
-    # A step's heads and first tile are read before the previous step's release (a tile holds
-    # every row a source still wants, up to BLOCK_ROWS; a full ring only masks its stores), so
-    # a step costs about one memory latency.
-    heads = tl.atomic_add(head_flag, 0, mask=sent < count, sem="acquire", scope="sys")
-    if not AWAIT:
-        v = first_tile(
-            x_words,
-            start,
-            sent,
-            count,
-            limit,
-            row_map_ptr,
-            W,
-            AWAIT,
-            ROW_MAP,
-            BLOCK_RANKS,
-            BLOCK_ROWS,
-            BLOCK_WORDS,
-        )
-    starved = pending < 0  # waiting on the other leg's rows rather than on a peer
-    waited = tl.zeros((), tl.int64)
-    announced = sent  # rows up to here are announced by the tails
-    unannounced = tl.zeros((), tl.int32)  # steps copied but not yet announced
-    while (pending > 0) & (elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns):
-        if PROFILE:
-            t_w = read_clock(trace_ptr, USE_CLOCK)
-        waiting = sent < count
-        # Free slots in this call; a head still tagged with an earlier call frees none.
-        consumed = (heads & 0xFFFFFFFF).to(tl.int32)
-        space = tl.where(waiting & ((heads >> 32) == call), RING - (sent - consumed), 0)
-        take = tl.minimum(tl.minimum(space, count - sent), BLOCK_ROWS)
-        if AWAIT:
-            # Relayed rows: only those the other leg has flagged (a prefix per source; the
-            # tile is read again after the flags, never before).
-            nth = steps[None, :]
-            at = (start[:, None] + sent[:, None] + nth).to(tl.int64)
-            want = nth < take[:, None]
-            flag = tl.atomic_add(ready_ptr + at, 0, mask=want, sem="acquire", scope="gpu")
-            late = want & (at < limit) & (flag != (call + 1).to(tl.int32))
-            ready = tl.min(tl.where(late, nth, BLOCK_ROWS), 1)
-            starved = tl.max(take - ready, 0) > 0
-            take = tl.minimum(take, ready)
-            tl.debug_barrier()
-            v = first_tile(
-                x_words,
-                start,
-                sent,
-                sent + take,
-                limit,
-                row_map_ptr,
-                W,
-                AWAIT,
-                ROW_MAP,
-                BLOCK_RANKS,
-                BLOCK_ROWS,
-                BLOCK_WORDS,
-            )
-        if tl.max(take, 0) > 0:
-            v = send_step(
-                v,
-                x_words,
-                weights_ptr,
-                ring,
-                start,
-                sent,
-                take,
-                count,
-                limit,
-                row_map_ptr,
-                K,
-                H,
-                RING,
-                SLOT_BYTES,
-                HAS_WEIGHTS,
-                AWAIT,
-                ROW_MAP,
-                BLOCK_ROWS,
-                BLOCK_WORDS,
-                BLOCK_RANKS,
-                BLOCK_K,
-            )
-            sent += take
-            pending = tl.sum(count - sent, 0)
-            heads = tl.atomic_add(head_flag, 0, mask=sent < count, sem="acquire", scope="sys")
-            tl.debug_barrier()
-            # One system-scope release per RELEASE_STEPS steps and after the last rows: each
-            # waits for the stores before it to reach the peers.
-            unannounced += 1
-            if (unannounced >= RELEASE_STEPS) | (pending == 0):
-                put_rings(my_base, peer_base, ranks, ring_at, ring, announced, sent,
-                          tail_at, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
-                          VIA)  # fmt: skip
-                announced = sent
-                unannounced = unannounced * 0
-            clock = start_clock(USE_CLOCK)
-            spins = tl.zeros((), tl.int64)
-        else:
-            if unannounced > 0:
-                # Nothing fits: the slots come back only once the receivers have the rows
-                # held back, so announce them before polling.
-                tl.debug_barrier()
-                put_rings(my_base, peer_base, ranks, ring_at, ring, announced, sent,
-                          tail_at, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
-                          VIA)  # fmt: skip
-                announced = sent
-                unannounced = unannounced * 0
-            heads = tl.atomic_add(head_flag, 0, mask=waiting, sem="acquire", scope="sys")
-            spins += 1
-            if PROFILE:
-                waited += read_clock(trace_ptr, USE_CLOCK) - t_w
+    sent, starved, waited = stream_rows(
+        count,
+        start,
+        ring_at,
+        ring,
+        tail_at,
+        head_flag,
+        limit,
+        x_words,
+        weights_ptr,
+        ready_ptr,
+        row_map_ptr,
+        trace_ptr,
+        ranks,
+        peer_base,
+        my_base,
+        pe_ptr,
+        call,
+        timeout_ns,
+        K,
+        H,
+        NUM_RANKS,
+        RING,
+        SLOT_BYTES,
+        HAS_WEIGHTS,
+        AWAIT,
+        ROW_MAP,
+        RELEASE_STEPS,
+        USE_CLOCK,
+        BLOCK_ROWS,
+        BLOCK_WORDS,
+        BLOCK_RANKS,
+        BLOCK_K,
+        PROFILE,
+        VIA,
+    )
+    pending = tl.sum(count - sent, 0)
     if pending > 0:
         if starved:
             record_timeout(status_ptr, -1, COMBINE_RELAY, timeout_ns, channel)

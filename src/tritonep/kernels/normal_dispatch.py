@@ -820,6 +820,352 @@ def fill_rows(
 
 
 @triton.jit
+def fill_channel_rows(
+    channel,  # the channel this program receives
+    recv_count_ptr,  # [R, C] int32 rows each (source, channel) sends here
+    recv_start_ptr,  # [R, C] int32 first output row of each (source, channel)
+    host_info_ptr,  # [1 + E_LOCAL] int32, [0] = rows received
+    out_x_ptr,  # [max_rows, ROW_WORDS] int32 out: payload words
+    out_scales_ptr,  # [max_rows, SCALE_WORDS] int32 out (HAS_SCALES)
+    out_topk_idx_ptr,  # [max_rows, K] int64 out (HAS_TOPK)
+    out_weights_ptr,  # [max_rows, K] float32 out (HAS_WEIGHTS)
+    out_src_ptr,  # [max_rows] int32 out
+    max_rows,  # rows the outputs hold
+    row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
+    status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
+    K,  # top-k columns
+    ROW_WORDS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    NUM_CHANNELS: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    HAS_TOPK: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    PAD_ROWS: tl.constexpr,
+    ROW_MAP: tl.constexpr,
+    BLOCK_RECV_WORDS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
+):
+    """A receiver's last writes (constexprs as :func:`normal_dispatch_kernel`'s): with
+    ``PAD_ROWS`` its share of the rows past the received ones as padding, and after a
+    timeout (recorded by this launch or an earlier one) every row of its channel, from every
+    source, as poison."""
+    if PAD_ROWS:  # rows past the received ones, this channel's share of them
+        total = tl.load(host_info_ptr)
+        for first in range(total + channel * BLOCK_FILL, max_rows, NUM_CHANNELS * BLOCK_FILL):
+            fill_rows(
+                first,
+                first + BLOCK_FILL,
+                max_rows,
+                out_x_ptr,
+                out_scales_ptr,
+                out_topk_idx_ptr,
+                out_weights_ptr,
+                out_src_ptr,
+                row_map_ptr,
+                K,
+                False,
+                ROW_WORDS,
+                SCALE_WORDS,
+                HAS_SCALES,
+                HAS_TOPK,
+                HAS_WEIGHTS,
+                ROW_MAP,
+                BLOCK_RECV_WORDS,
+                BLOCK_K,
+                BLOCK_SCALES,
+            )
+    if timed_out(status_ptr):  # a failed call: every row of this channel, of every source
+        for source in range(NUM_RANKS):
+            first = tl.load(recv_start_ptr + source * NUM_CHANNELS + channel)
+            end = first + tl.load(recv_count_ptr + source * NUM_CHANNELS + channel)
+            fill_rows(
+                first,
+                end,
+                max_rows,
+                out_x_ptr,
+                out_scales_ptr,
+                out_topk_idx_ptr,
+                out_weights_ptr,
+                out_src_ptr,
+                row_map_ptr,
+                K,
+                True,
+                ROW_WORDS,
+                SCALE_WORDS,
+                HAS_SCALES,
+                HAS_TOPK,
+                HAS_WEIGHTS,
+                ROW_MAP,
+                BLOCK_RECV_WORDS,
+                BLOCK_K,
+                BLOCK_SCALES,
+            )
+
+
+@triton.jit
+def copy_step(
+    head,  # [BLOCK_RANKS] int32 slots of each source's ring already copied
+    take,  # [BLOCK_RANKS] int32 slots of each ring to copy in this step
+    start,  # [BLOCK_RANKS] int32 first output row of each source's rows of the channel
+    ring,  # [BLOCK_RANKS] int64 address of each source's ring
+    own_tok,  # int32 the own lane's next token of the channel (LOCAL)
+    own_end,  # int32 the channel's end token (LOCAL)
+    own_next,  # int32 the own lane's next output row (LOCAL)
+    x_addr,  # int64 address of the [N, ROW_WORDS] int32 input payload (LOCAL)
+    scales_addr,  # int64 address of the [N, SCALE_WORDS] int32 input scales (LOCAL)
+    topk_idx_ptr,  # [N, K] int64 global expert ids (LOCAL and HAS_TOPK)
+    topk_weights_ptr,  # [N, K] float32 (LOCAL and HAS_WEIGHTS)
+    in_rank_ptr,  # [N, R] int8 destinations of each token (LOCAL)
+    src_tag_ptr,  # [N] int32 recorded sources (LOCAL and HAS_TAG)
+    out_x_ptr,  # [max_rows, ROW_WORDS] int32 out: payload words
+    out_scales_ptr,  # [max_rows, SCALE_WORDS] int32 out (HAS_SCALES)
+    out_topk_idx_ptr,  # [max_rows, K] int64 out: local expert ids (HAS_TOPK)
+    out_weights_ptr,  # [max_rows, K] float32 out (HAS_WEIGHTS)
+    out_src_ptr,  # [max_rows] int32 out: source token index (or tag) of each row
+    max_rows,  # rows the outputs hold
+    ready_ptr,  # [max_rows] int32 per-row flags set once a row is written (PUBLISH)
+    row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
+    published,  # int32 the flag value of this call's rows (PUBLISH)
+    rank,  # this rank
+    K,  # top-k columns
+    ROW_WORDS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    RING: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    RECORD_WORD: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    HAS_TOPK: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    HAS_TAG: tl.constexpr,
+    PUBLISH: tl.constexpr,
+    LOCAL: tl.constexpr,
+    ROW_MAP: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_RECV_WORDS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
+):
+    """Copy one receiver step into the outputs (constexprs as :func:`normal_dispatch_kernel`'s):
+    ``take`` slots of each source's ring from ``head`` on into rows ``start + head`` on, and
+    with ``LOCAL`` the own lane's next ``BLOCK_ROWS`` tokens from the input; rows at or past
+    ``max_rows`` are dropped. Returns the own rows copied (0 without ``LOCAL``)."""
+    FLAT: tl.constexpr = BLOCK_RANKS * BLOCK_ROWS  # rows of a step, flattened
+    i = tl.arange(0, BLOCK_ROWS)[None, :]
+    slot = ((head[:, None] + i) % RING).to(tl.int64)
+    row = (start[:, None] + head[:, None] + i).to(tl.int64)
+    live = i < take[:, None]
+    src = ring[:, None] + slot * SLOT_BYTES
+    sources = tl.arange(0, BLOCK_RANKS)[:, None] + 0 * i  # source rank of each row
+    own = sources < 0
+    if LOCAL:
+        own = sources == rank  # the own lane: rows read from the input
+    token = tl.zeros((BLOCK_RANKS, BLOCK_ROWS), tl.int32)
+    taken = tl.zeros((), tl.int32)
+    if LOCAL:
+        token, row, live, src, taken = own_lane(
+            own,
+            own_tok,
+            own_end,
+            own_next,
+            in_rank_ptr,
+            x_addr,
+            rank,
+            row,
+            live,
+            src,
+            NUM_RANKS,
+            ROW_WORDS,
+            BLOCK_ROWS,
+        )
+    live = live & (row < max_rows)  # worst-case outputs drop the overflow
+    row = tl.reshape(row, (FLAT,))
+    live = tl.reshape(live, (FLAT,))
+    copy_rows(
+        tl.reshape(src, (FLAT,)),
+        row,
+        live,
+        tl.reshape(own, (FLAT,)),
+        tl.reshape(token, (FLAT,)).to(tl.int64),
+        out_x_ptr,
+        out_scales_ptr,
+        out_topk_idx_ptr,
+        out_weights_ptr,
+        out_src_ptr,
+        scales_addr,
+        topk_idx_ptr,
+        topk_weights_ptr,
+        src_tag_ptr,
+        row_map_ptr,
+        rank,
+        K,
+        ROW_WORDS,
+        SCALE_WORDS,
+        E_LOCAL,
+        RECORD_WORD,
+        HAS_SCALES,
+        HAS_TOPK,
+        HAS_WEIGHTS,
+        HAS_TAG,
+        LOCAL,
+        ROW_MAP,
+        BLOCK_RECV_WORDS,
+        BLOCK_K,
+        BLOCK_SCALES,
+    )
+    if PUBLISH:
+        publish_rows(ready_ptr + row, published, live)
+    return taken
+
+
+@triton.jit
+def drain_rings(
+    count,  # [BLOCK_RANKS] int32 rows each source sends over this channel (own rank: 0 with LOCAL)
+    start,  # [BLOCK_RANKS] int32 first output row of each source's rows
+    ring,  # [BLOCK_RANKS] int64 address of each source's ring here
+    tail_flag,  # [BLOCK_RANKS] pointers to each ring's tail (int64, tagged)
+    head_at,  # heap byte offset of this rank's head in each source's heap
+    tag,  # int64 this call's tag (call << 32)
+    own_tok,  # int32 the own lane's first token (LOCAL)
+    own_end,  # int32 the channel's end token (LOCAL)
+    own_next,  # int32 the own lane's first output row (LOCAL)
+    x_addr,  # int64 address of the [N, ROW_WORDS] int32 input payload (LOCAL)
+    scales_addr,  # int64 address of the [N, SCALE_WORDS] int32 input scales (LOCAL)
+    topk_idx_ptr,  # [N, K] int64 global expert ids (LOCAL and HAS_TOPK)
+    topk_weights_ptr,  # [N, K] float32 (LOCAL and HAS_WEIGHTS)
+    in_rank_ptr,  # [N, R] int8 destinations of each token (LOCAL)
+    src_tag_ptr,  # [N] int32 recorded sources (LOCAL and HAS_TAG)
+    out_x_ptr,  # [max_rows, ROW_WORDS] int32 out: payload words
+    out_scales_ptr,  # [max_rows, SCALE_WORDS] int32 out (HAS_SCALES)
+    out_topk_idx_ptr,  # [max_rows, K] int64 out: local expert ids (HAS_TOPK)
+    out_weights_ptr,  # [max_rows, K] float32 out (HAS_WEIGHTS)
+    out_src_ptr,  # [max_rows] int32 out: source token index (or tag) of each row
+    max_rows,  # rows the outputs hold
+    ready_ptr,  # [max_rows] int32 per-row flags set once a row is written (PUBLISH)
+    row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
+    published,  # int32 the flag value of this call's rows (PUBLISH)
+    trace_ptr,  # int64 readings (PROFILE)
+    ranks,  # [BLOCK_RANKS] int32 rank lanes
+    peer_base,  # [BLOCK_RANKS] int64 heap base of each rank
+    my_base,  # int64 heap base of this rank
+    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
+    rank,  # this rank
+    timeout_ns,  # int64 limit of the wait without progress
+    K,  # top-k columns
+    ROW_WORDS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    RING: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    RECORD_WORD: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    HAS_TOPK: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    HAS_TAG: tl.constexpr,
+    PUBLISH: tl.constexpr,
+    LOCAL: tl.constexpr,
+    ROW_MAP: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_RECV_WORDS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
+    PROFILE: tl.constexpr,
+    VIA: tl.constexpr,
+):
+    """The receiving loop (constexprs as :func:`normal_dispatch_kernel`'s): poll the tails of
+    every source ring, copy what has arrived (and with ``LOCAL`` the own lane's next tokens)
+    a step at a time, and return the heads to the sources; stop once every row is copied or
+    ``timeout_ns`` passed without progress. Returns ``(head, waited)``: the slots copied from
+    each source and the time it polled without progress (with ``PROFILE``; 0 otherwise)."""
+    head = tl.zeros((BLOCK_RANKS,), tl.int32)
+    clock = start_clock(USE_CLOCK)
+    spins = tl.zeros((), tl.int64)
+    pending = tl.sum(count, 0)
+    waited = tl.zeros((), tl.int64)
+    while ((pending > 0) | (own_tok < own_end)) & (
+        elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns
+    ):
+        if PROFILE:
+            t_w = read_clock(trace_ptr, USE_CLOCK)
+        waiting = head < count
+        tails = tl.atomic_add(tail_flag, 0, mask=waiting, sem="acquire", scope="sys")
+        arrived = tl.where(waiting & (tails >= tag), (tails & 0xFFFFFFFF).to(tl.int32), head)
+        take = tl.minimum(arrived - head, BLOCK_ROWS)
+        if (tl.max(take, 0) > 0) | (own_tok < own_end):
+            tl.debug_barrier()
+            taken = copy_step(
+                head,
+                take,
+                start,
+                ring,
+                own_tok,
+                own_end,
+                own_next,
+                x_addr,
+                scales_addr,
+                topk_idx_ptr,
+                topk_weights_ptr,
+                in_rank_ptr,
+                src_tag_ptr,
+                out_x_ptr,
+                out_scales_ptr,
+                out_topk_idx_ptr,
+                out_weights_ptr,
+                out_src_ptr,
+                max_rows,
+                ready_ptr,
+                row_map_ptr,
+                published,
+                rank,
+                K,
+                ROW_WORDS,
+                SCALE_WORDS,
+                E_LOCAL,
+                NUM_RANKS,
+                RING,
+                SLOT_BYTES,
+                RECORD_WORD,
+                HAS_SCALES,
+                HAS_TOPK,
+                HAS_WEIGHTS,
+                HAS_TAG,
+                PUBLISH,
+                LOCAL,
+                ROW_MAP,
+                BLOCK_ROWS,
+                BLOCK_RECV_WORDS,
+                BLOCK_RANKS,
+                BLOCK_K,
+                BLOCK_SCALES,
+            )
+            if LOCAL:
+                own_next += taken
+                own_tok += BLOCK_ROWS
+            head += take
+            tl.debug_barrier()
+            # Relaxed: the slots' loads have returned (their values are stored), so nothing
+            # can move past this store that a sender's overwrite could affect; a release
+            # would add a system-wide fence to every step.
+            set_peer_flags(my_base, peer_base, ranks, head_at, tag | head.to(tl.int64),
+                           take > 0, pe_ptr, NUM_RANKS, VIA, SEM="relaxed")  # fmt: skip
+            clock = start_clock(USE_CLOCK)  # progress: the limit counts idle time only
+            spins = tl.zeros((), tl.int64)
+        else:
+            spins += 1
+            if PROFILE:
+                waited += read_clock(trace_ptr, USE_CLOCK) - t_w
+        pending = tl.sum(count - head, 0)
+    return head, waited
+
+
+@triton.jit
 def dispatch_receive(
     channel,  # the channel this program receives
     call,  # this launch's call number
@@ -889,16 +1235,12 @@ def dispatch_receive(
     tag = call << 32
     count = tl.load(recv_count_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
     start = tl.load(recv_start_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
-    steps = tl.arange(0, BLOCK_ROWS)
-    lane = ranks[:, None] + 0 * steps[None, :]  # [BLOCK_RANKS, BLOCK_ROWS] source of each row
     # The own lane walks the channel's tokens BLOCK_ROWS at a time, from own_tok to own_end; a
     # token for this rank lands at recv_start[rank, channel] + (this rank's tokens before it).
     own_tok = tl.zeros((), tl.int32)
     own_end = own_tok
     own_next = own_tok
-    own = lane < 0
     if LOCAL:
-        own = lane == rank
         count = tl.where(ranks == rank, 0, count)
         own_tok, own_end = channel_tokens(channel, num_tokens, bounds_ptr, NUM_CHANNELS, BOUNDS)
         own_next = tl.load(recv_start_ptr + rank * NUM_CHANNELS + channel)
@@ -916,100 +1258,66 @@ def dispatch_receive(
         TAIL_OFFSET,
         HEAD_OFFSET,
     )
-    head = tl.zeros((BLOCK_RANKS,), tl.int32)
-    clock = start_clock(USE_CLOCK)
-    spins = tl.zeros((), tl.int64)
-    pending = tl.sum(count, 0)
+    published = tl.zeros((), tl.int32)
     if PUBLISH:
         published = relay_flag(relay_call_ptr)
-    waited = tl.zeros((), tl.int64)
-    FLAT: tl.constexpr = BLOCK_RANKS * BLOCK_ROWS  # rows of a step, flattened
-    while ((pending > 0) | (own_tok < own_end)) & (
-        elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns
-    ):
-        if PROFILE:
-            t_w = read_clock(trace_ptr, USE_CLOCK)
-        waiting = head < count
-        tails = tl.atomic_add(tail_flag, 0, mask=waiting, sem="acquire", scope="sys")
-        arrived = tl.where(waiting & (tails >= tag), (tails & 0xFFFFFFFF).to(tl.int32), head)
-        take = tl.minimum(arrived - head, BLOCK_ROWS)
-        if (tl.max(take, 0) > 0) | (own_tok < own_end):
-            tl.debug_barrier()
-            i = steps[None, :]
-            slot = ((head[:, None] + i) % RING).to(tl.int64)
-            row = (start[:, None] + head[:, None] + i).to(tl.int64)
-            live = i < take[:, None]
-            src = ring[:, None] + slot * SLOT_BYTES
-            token = 0 * lane
-            if LOCAL:
-                token, row, live, src, taken = own_lane(
-                    own,
-                    own_tok,
-                    own_end,
-                    own_next,
-                    in_rank_ptr,
-                    x_addr,
-                    rank,
-                    row,
-                    live,
-                    src,
-                    NUM_RANKS,
-                    ROW_WORDS,
-                    BLOCK_ROWS,
-                )
-                own_next += taken
-                own_tok += BLOCK_ROWS
-            live = live & (row < max_rows)  # worst-case outputs drop the overflow
-            row = tl.reshape(row, (FLAT,))
-            live = tl.reshape(live, (FLAT,))
-            copy_rows(
-                tl.reshape(src, (FLAT,)),
-                row,
-                live,
-                tl.reshape(own, (FLAT,)),
-                tl.reshape(token, (FLAT,)).to(tl.int64),
-                out_x_ptr,
-                out_scales_ptr,
-                out_topk_idx_ptr,
-                out_weights_ptr,
-                out_src_ptr,
-                scales_addr,
-                topk_idx_ptr,
-                topk_weights_ptr,
-                src_tag_ptr,
-                row_map_ptr,
-                rank,
-                K,
-                ROW_WORDS,
-                SCALE_WORDS,
-                E_LOCAL,
-                RECORD_WORD,
-                HAS_SCALES,
-                HAS_TOPK,
-                HAS_WEIGHTS,
-                HAS_TAG,
-                LOCAL,
-                ROW_MAP,
-                BLOCK_RECV_WORDS,
-                BLOCK_K,
-                BLOCK_SCALES,
-            )
-            if PUBLISH:
-                publish_rows(ready_ptr + row, published, live)
-            head += take
-            tl.debug_barrier()
-            # Relaxed: the slots' loads have returned (their values are stored), so nothing
-            # can move past this store that a sender's overwrite could affect; a release
-            # would add a system-wide fence to every step.
-            set_peer_flags(my_base, peer_base, ranks, head_at, tag | head.to(tl.int64),
-                           take > 0, pe_ptr, NUM_RANKS, VIA, SEM="relaxed")  # fmt: skip
-            clock = start_clock(USE_CLOCK)  # progress: the limit counts idle time only
-            spins = tl.zeros((), tl.int64)
-        else:
-            spins += 1
-            if PROFILE:
-                waited += read_clock(trace_ptr, USE_CLOCK) - t_w
-        pending = tl.sum(count - head, 0)
+    head, waited = drain_rings(
+        count,
+        start,
+        ring,
+        tail_flag,
+        head_at,
+        tag,
+        own_tok,
+        own_end,
+        own_next,
+        x_addr,
+        scales_addr,
+        topk_idx_ptr,
+        topk_weights_ptr,
+        in_rank_ptr,
+        src_tag_ptr,
+        out_x_ptr,
+        out_scales_ptr,
+        out_topk_idx_ptr,
+        out_weights_ptr,
+        out_src_ptr,
+        max_rows,
+        ready_ptr,
+        row_map_ptr,
+        published,
+        trace_ptr,
+        ranks,
+        peer_base,
+        my_base,
+        pe_ptr,
+        rank,
+        timeout_ns,
+        K,
+        ROW_WORDS,
+        SCALE_WORDS,
+        E_LOCAL,
+        NUM_RANKS,
+        RING,
+        SLOT_BYTES,
+        RECORD_WORD,
+        HAS_SCALES,
+        HAS_TOPK,
+        HAS_WEIGHTS,
+        HAS_TAG,
+        PUBLISH,
+        LOCAL,
+        ROW_MAP,
+        USE_CLOCK,
+        BLOCK_ROWS,
+        BLOCK_RECV_WORDS,
+        BLOCK_RANKS,
+        BLOCK_K,
+        BLOCK_SCALES,
+        PROFILE,
+        VIA,
+    )
+    pending = tl.sum(count - head, 0)
     if pending > 0:
         peer = first_lane(head < count, ranks)
         record_timeout(status_ptr, peer, DISPATCH_RECV, timeout_ns, channel)
@@ -1017,57 +1325,33 @@ def dispatch_receive(
     tl.debug_barrier()
     free_rings(call, channel, HEAD_OFFSET, rank, my_base, peer_base, ranks, rmask, pe_ptr,
                NUM_RANKS, NUM_CHANNELS, MAX_CHANNELS, VIA)  # fmt: skip
-    if PAD_ROWS:  # rows past the received ones, this channel's share of them
-        total = tl.load(host_info_ptr)
-        for first in range(total + channel * BLOCK_FILL, max_rows, NUM_CHANNELS * BLOCK_FILL):
-            fill_rows(
-                first,
-                first + BLOCK_FILL,
-                max_rows,
-                out_x_ptr,
-                out_scales_ptr,
-                out_topk_idx_ptr,
-                out_weights_ptr,
-                out_src_ptr,
-                row_map_ptr,
-                K,
-                False,
-                ROW_WORDS,
-                SCALE_WORDS,
-                HAS_SCALES,
-                HAS_TOPK,
-                HAS_WEIGHTS,
-                ROW_MAP,
-                BLOCK_RECV_WORDS,
-                BLOCK_K,
-                BLOCK_SCALES,
-            )
-    if timed_out(status_ptr):  # a failed call: every row of this channel, of every source
-        for source in range(NUM_RANKS):
-            first = tl.load(recv_start_ptr + source * NUM_CHANNELS + channel)
-            end = first + tl.load(recv_count_ptr + source * NUM_CHANNELS + channel)
-            fill_rows(
-                first,
-                end,
-                max_rows,
-                out_x_ptr,
-                out_scales_ptr,
-                out_topk_idx_ptr,
-                out_weights_ptr,
-                out_src_ptr,
-                row_map_ptr,
-                K,
-                True,
-                ROW_WORDS,
-                SCALE_WORDS,
-                HAS_SCALES,
-                HAS_TOPK,
-                HAS_WEIGHTS,
-                ROW_MAP,
-                BLOCK_RECV_WORDS,
-                BLOCK_K,
-                BLOCK_SCALES,
-            )
+    fill_channel_rows(
+        channel,
+        recv_count_ptr,
+        recv_start_ptr,
+        host_info_ptr,
+        out_x_ptr,
+        out_scales_ptr,
+        out_topk_idx_ptr,
+        out_weights_ptr,
+        out_src_ptr,
+        max_rows,
+        row_map_ptr,
+        status_ptr,
+        K,
+        ROW_WORDS,
+        SCALE_WORDS,
+        NUM_RANKS,
+        NUM_CHANNELS,
+        HAS_SCALES,
+        HAS_TOPK,
+        HAS_WEIGHTS,
+        PAD_ROWS,
+        ROW_MAP,
+        BLOCK_RECV_WORDS,
+        BLOCK_K,
+        BLOCK_SCALES,
+    )
     return waited
 
 
