@@ -65,11 +65,11 @@ class LayoutVariant(NamedTuple):
 
 @triton.jit
 def count_block(
-    topk_idx_ptr,
-    tokens,
-    num_tokens,
-    K,
-    in_rank_ptr,
+    topk_idx_ptr,  # [N, K] int64 global expert ids
+    tokens,  # [BLOCK_TOKENS] int32 the block's tokens
+    num_tokens,  # N, tokens of this rank
+    K,  # top-k columns
+    in_rank_ptr,  # [N, R] bool out: is_token_in_rank
     NUM_EXPERTS: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     BLOCK_K: tl.constexpr,

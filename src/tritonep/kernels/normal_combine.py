@@ -34,6 +34,7 @@ import triton.language as tl
 
 from .fp8 import from_bf16, to_bf16
 from .normal_dispatch import (
+    announce,
     channel_tokens,
     finish_call,
     free_rings,
@@ -56,7 +57,7 @@ from .sync import (
     wait_all_at_least,
 )
 from .trace import read_clock, trace_role
-from .transport import put_rings, set_peer_flags
+from .transport import set_peer_flags
 
 COMBINE_CALLS = tl.constexpr(4)
 COMBINE_ARRIVALS = tl.constexpr(5)
@@ -157,17 +158,17 @@ def first_tile(
 
 @triton.jit
 def send_step(
-    v,
-    x_words,
-    weights_ptr,
-    ring,
-    start,
-    sent,
-    take,
-    count,
-    limit,
-    row_map_ptr,
-    K,
+    v,  # [BLOCK_RANKS * BLOCK_ROWS, BLOCK_WORDS] int32 the step's first payload tile
+    x_words,  # [M, H // 2] int32 the rows to hand back, as words
+    weights_ptr,  # [M, K] float32 (HAS_WEIGHTS)
+    ring,  # [BLOCK_RANKS] int64 addresses the rows are built at (rings or mirrors)
+    start,  # [BLOCK_RANKS] int32 first input row of each source rank's stream
+    sent,  # [BLOCK_RANKS] int32 rows of each stream sent so far
+    take,  # [BLOCK_RANKS] int32 rows of each stream to send in this step
+    count,  # [BLOCK_RANKS] int32 rows of each stream
+    limit,  # int32 input rows that may be read
+    row_map_ptr,  # [M] int32 input row of each received row (ROW_MAP)
+    K,  # top-k columns
     H: tl.constexpr,
     RING: tl.constexpr,
     SLOT_BYTES: tl.constexpr,
@@ -182,8 +183,10 @@ def send_step(
     """Store ``take`` rows per source (its tile ``v`` already loaded) into the source's ring
     slots ``sent`` on, with their weights; returns the next step's first tile (read before
     this step's last stores, except from a relay, whose rows are read after their flags)."""
-    W: tl.constexpr = H // 2
-    LAST: tl.constexpr = (W - 1) // BLOCK_WORDS * BLOCK_WORDS  # first word of a row's last tile
+    ROW_WORDS: tl.constexpr = H // 2
+    LAST: tl.constexpr = (
+        (ROW_WORDS - 1) // BLOCK_WORDS * BLOCK_WORDS
+    )  # first word of a row's last tile
     FLAT: tl.constexpr = BLOCK_RANKS * BLOCK_ROWS
     steps = tl.arange(0, BLOCK_ROWS)
     words = tl.arange(0, BLOCK_WORDS)
@@ -202,7 +205,7 @@ def send_step(
     if ROW_MAP:  # the input in the caller's order (no scatter of every row before)
         row = tl.load(row_map_ptr + row, mask=held, other=0).to(tl.int64)
     p = aligned_ptr(dst, tl.int32)
-    rows = x_words + row[:, None] * W
+    rows = x_words + row[:, None] * ROW_WORDS
     if HAS_WEIGHTS:
         wv = tl.load(
             weights_ptr + row[:, None] * K + ks[None, :],
@@ -212,12 +215,14 @@ def send_step(
     for w0 in range(0, LAST, BLOCK_WORDS):
         w = w0 + words
         wn = w + BLOCK_WORDS
-        v_next = tl.load(rows + wn[None, :], mask=held[:, None] & (wn < W)[None, :], other=0)
-        tl.store(p[:, None] + w[None, :], v, mask=live[:, None] & (w < W)[None, :])
+        v_next = tl.load(
+            rows + wn[None, :], mask=held[:, None] & (wn < ROW_WORDS)[None, :], other=0
+        )
+        tl.store(p[:, None] + w[None, :], v, mask=live[:, None] & (w < ROW_WORDS)[None, :])
         v = v_next
     w = LAST + words
     if AWAIT:  # the next tile is read after its flags, at the top of the next step
-        tl.store(p[:, None] + w[None, :], v, mask=live[:, None] & (w < W)[None, :])
+        tl.store(p[:, None] + w[None, :], v, mask=live[:, None] & (w < ROW_WORDS)[None, :])
     else:
         v_next = first_tile(
             x_words,
@@ -226,18 +231,18 @@ def send_step(
             count,
             limit,
             row_map_ptr,
-            W,
+            ROW_WORDS,
             AWAIT,
             ROW_MAP,
             BLOCK_RANKS,
             BLOCK_ROWS,
             BLOCK_WORDS,
         )
-        tl.store(p[:, None] + w[None, :], v, mask=live[:, None] & (w < W)[None, :])
+        tl.store(p[:, None] + w[None, :], v, mask=live[:, None] & (w < ROW_WORDS)[None, :])
         v = v_next
     if HAS_WEIGHTS:
         wp = p.to(tl.pointer_type(tl.float32))
-        tl.store(wp[:, None] + W + ks[None, :], wv, mask=live[:, None] & kmask[None, :])
+        tl.store(wp[:, None] + ROW_WORDS + ks[None, :], wv, mask=live[:, None] & kmask[None, :])
     return v
 
 
@@ -269,20 +274,13 @@ def flagged_rows(
 def stream_rows(
     count,  # [BLOCK_RANKS] int32 rows to send to each source rank (own rank: 0 with LOCAL)
     start,  # [BLOCK_RANKS] int32 first input row of each source rank's stream
-    ring_at,  # heap byte offset of this rank's ring in every source rank's heap
-    ring,  # [BLOCK_RANKS] int64 addresses the rows are built at (rings or mirrors)
-    tail_at,  # heap byte offset of this rank's tail in every source rank's heap
-    head_flag,  # [BLOCK_RANKS] pointers to the int64 heads the source ranks return here
+    rings,  # the sender's rings (normal_dispatch.send_rings)
     limit,  # int32 input rows that may be read
     x_words,  # [M, H // 2] int32 the rows to hand back, as words
     weights_ptr,  # [M, K] float32 (HAS_WEIGHTS)
     ready_ptr,  # [M] int32 per-row flags set by the other leg (AWAIT)
     row_map_ptr,  # [M] int32 input row of each received row (ROW_MAP)
     trace_ptr,  # int64 readings (PROFILE)
-    ranks,  # [BLOCK_RANKS] int32 rank lanes
-    peer_base,  # [BLOCK_RANKS] int64 heap base of each rank
-    my_base,  # int64 heap base of this rank
-    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
     call,  # this launch's call number
     timeout_ns,  # int64 limit of the wait without progress
     K,  # top-k columns
@@ -308,7 +306,8 @@ def stream_rows(
     ``timeout_ns`` passed without progress. Returns ``(sent, starved, waited)``: the rows sent
     per source rank, whether the last wait was on the other leg's rows, and the time it polled
     without progress (with ``PROFILE``; 0 otherwise)."""
-    W: tl.constexpr = H // 2
+    ROW_WORDS: tl.constexpr = H // 2
+    _ranks, _peer_base, _my_base, _pe_ptr, _ring_at, ring, _tail_at, head_flag = rings
     tag = call << 32
     sent = tl.zeros((BLOCK_RANKS,), tl.int32)
     clock = start_clock(USE_CLOCK)
@@ -326,7 +325,7 @@ def stream_rows(
             count,
             limit,
             row_map_ptr,
-            W,
+            ROW_WORDS,
             AWAIT,
             ROW_MAP,
             BLOCK_RANKS,
@@ -354,7 +353,7 @@ def stream_rows(
                 sent + take,
                 limit,
                 row_map_ptr,
-                W,
+                ROW_WORDS,
                 AWAIT,
                 ROW_MAP,
                 BLOCK_RANKS,
@@ -401,22 +400,7 @@ def stream_rows(
         if due:
             if not moved:
                 tl.debug_barrier()
-            put_rings(
-                my_base,
-                peer_base,
-                ranks,
-                ring_at,
-                ring,
-                announced,
-                sent,
-                tail_at,
-                tag,
-                pe_ptr,
-                NUM_RANKS,
-                RING,
-                SLOT_BYTES,
-                VIA,
-            )
+            announce(rings, announced, sent, tag, NUM_RANKS, RING, SLOT_BYTES, VIA)
             announced = sent
             unannounced = unannounced * 0
         if moved:
@@ -438,16 +422,16 @@ def combine_send(
     weights_ptr,  # [M, K] float32 (HAS_WEIGHTS)
     num_rows,  # M
     K,  # top-k columns
-    recv_count_ptr,
+    recv_count_ptr,  # [R, C] int32 rows each (source, channel) delivered here
     recv_start_ptr,  # [R, C] int32 the dispatch's streams
-    bounds_ptr,
-    ready_ptr,
-    row_map_ptr,
+    bounds_ptr,  # [C + 1] int32; [C] = input rows the relay flags (AWAIT)
+    ready_ptr,  # [M] int32 per-row flags set by the other leg (AWAIT)
+    row_map_ptr,  # [M] int32 input row of each received row (ROW_MAP)
     trace_ptr,  # as the kernel's
-    peer_ptrs,
-    pe_ptr,
-    rank,
-    status_ptr,
+    peer_ptrs,  # [R] int64 heap base addresses
+    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
+    rank,  # this rank
+    status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
     timeout_ns,  # NormalShared (limit in ns)
     H: tl.constexpr,
     NUM_RANKS: tl.constexpr,
@@ -475,17 +459,11 @@ def combine_send(
     """The sender of ``channel`` (constexprs as :func:`normal_combine_kernel`'s): stream rows
     back to every source rank. Returns the time it polled without progress (with
     ``PROFILE``; 0 otherwise)."""
-    ranks, rmask, peer_base, my_base = peer_heaps(peer_ptrs, rank, NUM_RANKS, BLOCK_RANKS)
-    count = tl.load(recv_count_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
-    if LOCAL:  # this rank's own rows are read from the input by its receiver
-        count = tl.where(ranks == rank, 0, count)
-    start = tl.load(recv_start_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
-    ring_at, ring, tail_at, head_flag = send_rings(
+    rings = send_rings(
         channel,
         rank,
-        ranks,
-        peer_base,
-        my_base,
+        peer_ptrs,
+        pe_ptr,
         NUM_RANKS,
         RING_STRIDE,
         SLOT_BYTES,
@@ -493,8 +471,15 @@ def combine_send(
         TAIL_OFFSET,
         HEAD_OFFSET,
         STAGE_OFFSET,
+        BLOCK_RANKS,
         VIA,
     )
+    ranks = rings[0]
+    rmask = ranks < NUM_RANKS
+    count = tl.load(recv_count_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
+    if LOCAL:  # this rank's own rows are read from the input by its receiver
+        count = tl.where(ranks == rank, 0, count)
+    start = tl.load(recv_start_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
     x_words = x_ptr.to(tl.pointer_type(tl.int32))
     # Rows past the input (worst-case outputs that overflowed) or past what the relay will
     # flag (a relay that dropped its rows) are not read: the last row goes back in their
@@ -506,20 +491,13 @@ def combine_send(
     sent, starved, waited = stream_rows(
         count,
         start,
-        ring_at,
-        ring,
-        tail_at,
-        head_flag,
+        rings,
         limit,
         x_words,
         weights_ptr,
         ready_ptr,
         row_map_ptr,
         trace_ptr,
-        ranks,
-        peer_base,
-        my_base,
-        pe_ptr,
         call,
         timeout_ns,
         K,
@@ -554,19 +532,19 @@ def combine_send(
 
 @triton.jit
 def sum_step(
-    src,
-    ready,
-    tokens,
-    tmask,
-    own_row,
-    x_ptr,
-    weights_ptr,
-    bias0_ptr,
-    bias1_ptr,
-    out_ptr,
-    out_weights_ptr,
-    rank,
-    K,
+    src,  # [BLOCK_TOKENS, BLOCK_RANKS] int64 ring slot of each token's row from each rank
+    ready,  # [BLOCK_TOKENS, BLOCK_RANKS] int32 1 where that row is to be summed
+    tokens,  # [BLOCK_TOKENS] int32 the step's tokens
+    tmask,  # [BLOCK_TOKENS] bool the step's tokens that exist (and have arrived)
+    own_row,  # [BLOCK_TOKENS] int64 row of x holding each token's own row (LOCAL)
+    x_ptr,  # [M, H] bf16 this rank's own rows (LOCAL)
+    weights_ptr,  # [M, K] float32 their weights (LOCAL and HAS_WEIGHTS)
+    bias0_ptr,  # [N, H] bf16 (NUM_BIAS >= 1)
+    bias1_ptr,  # [N, H] bf16 (NUM_BIAS >= 2)
+    out_ptr,  # [N, H] bf16 out: the sums
+    out_weights_ptr,  # [N, K] float32 out: the summed weights (HAS_WEIGHTS)
+    rank,  # this rank
+    K,  # top-k columns
     H: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
@@ -582,7 +560,7 @@ def sum_step(
     slot addresses ``[BLOCK_TOKENS, BLOCK_RANKS]``; this rank's row from ``x_ptr`` at
     ``own_row`` with ``LOCAL``) in float32, in rank order, plus the bias; stores BF16 sums and
     the summed weights."""
-    W: tl.constexpr = H // 2
+    ROW_WORDS: tl.constexpr = H // 2
     ranks = tl.arange(0, BLOCK_RANKS)
     ks = tl.arange(0, BLOCK_K)
     kmask = ks < K
@@ -615,7 +593,7 @@ def sum_step(
         wacc = tl.zeros((BLOCK_TOKENS, BLOCK_K), tl.float32)
         for d in tl.static_range(NUM_RANKS):
             from_d = lane(ready, ranks, d) > 0
-            wp = lane(src, ranks, d).to(tl.pointer_type(tl.float32)) + W
+            wp = lane(src, ranks, d).to(tl.pointer_type(tl.float32)) + ROW_WORDS
             if LOCAL:
                 wp = tl.where(rank == d, weights_ptr + own_row * K, wp)
             wacc += tl.load(
@@ -630,13 +608,13 @@ def sum_step(
 
 @triton.jit
 def poison_lost(
-    hit,
-    ready,
-    tokens,
-    tmask,
-    out_ptr,
-    out_weights_ptr,
-    K,
+    hit,  # [BLOCK_TOKENS, BLOCK_RANKS] int32 1 where a token has a row from a rank
+    ready,  # [BLOCK_TOKENS, BLOCK_RANKS] int32 1 where that row came
+    tokens,  # [BLOCK_TOKENS] int32 the step's tokens
+    tmask,  # [BLOCK_TOKENS] bool the step's tokens that exist (and have arrived)
+    out_ptr,  # [N, H] bf16 out: the sums
+    out_weights_ptr,  # [N, K] float32 out: the summed weights (HAS_WEIGHTS)
+    K,  # top-k columns
     H: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
@@ -677,19 +655,19 @@ def combine_receive(
     num_tokens,  # N
     num_rows,  # M
     K,  # top-k columns
-    bias0_ptr,
-    bias1_ptr,
-    recv_start_ptr,
-    out_ptr,
+    bias0_ptr,  # [N, H] bf16 (NUM_BIAS >= 1)
+    bias1_ptr,  # [N, H] bf16 (NUM_BIAS >= 2)
+    recv_start_ptr,  # [R, C] int32 first row of each (source, channel) in x
+    out_ptr,  # [N, H] bf16 out: the sums
     out_weights_ptr,  # as the kernel's
-    bounds_ptr,
-    ready_ptr,
-    relay_call_ptr,
+    bounds_ptr,  # [C + 1] int32 first token of each channel (BOUNDS)
+    ready_ptr,  # [N] int32 per-token flags set once summed (PUBLISH)
+    relay_call_ptr,  # int64 call counter of the launch that awaits the flags set here (PUBLISH)
     trace_ptr,  # as the kernel's
-    peer_ptrs,
-    pe_ptr,
-    rank,
-    status_ptr,
+    peer_ptrs,  # [R] int64 heap base addresses
+    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
+    rank,  # this rank
+    status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
     timeout_ns,  # NormalShared (limit in ns)
     H: tl.constexpr,
     NUM_RANKS: tl.constexpr,
@@ -826,11 +804,34 @@ def combine_receive(
         tl.debug_barrier()
         # Relaxed: the rows' loads have returned (their sums are stored), so a sender's
         # overwrite cannot reach them; a release would add a system-wide fence per block.
-        set_peer_flags(my_base, peer_base, ranks, head_at, tag | taken.to(tl.int64),
-                       (count > 0) & ~own, pe_ptr, NUM_RANKS, VIA, SEM="relaxed")  # fmt: skip
+        set_peer_flags(
+            my_base,
+            peer_base,
+            ranks,
+            head_at,
+            tag | taken.to(tl.int64),
+            (count > 0) & ~own,
+            pe_ptr,
+            NUM_RANKS,
+            VIA,
+            SEM="relaxed",
+        )
     tl.debug_barrier()
-    free_rings(call, channel, HEAD_OFFSET, rank, my_base, peer_base, ranks, rmask, pe_ptr,
-               NUM_RANKS, NUM_CHANNELS, MAX_CHANNELS, VIA)  # fmt: skip
+    free_rings(
+        call,
+        channel,
+        HEAD_OFFSET,
+        rank,
+        my_base,
+        peer_base,
+        ranks,
+        rmask,
+        pe_ptr,
+        NUM_RANKS,
+        NUM_CHANNELS,
+        MAX_CHANNELS,
+        VIA,
+    )
     return waited
 
 
@@ -994,6 +995,5 @@ def normal_combine_kernel(
             VIA,
         )
     if PROFILE:
-        trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), sends, waited,
-                   USE_CLOCK)  # fmt: skip
+        trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), sends, waited, USE_CLOCK)
     finish_call(state_ptr, call, COMBINE_ARRIVALS, COMBINE_CALLS)

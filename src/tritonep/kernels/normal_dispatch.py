@@ -164,8 +164,13 @@ class DispatchVariant(NamedTuple):
 
 
 @triton.jit
-def channel_tokens(channel, num_tokens, bounds_ptr, NUM_CHANNELS: tl.constexpr,
-                   BOUNDS: tl.constexpr):  # fmt: skip
+def channel_tokens(
+    channel,  # the channel of this program
+    num_tokens,  # N, tokens of this rank
+    bounds_ptr,  # [C + 1] int32 first token of each channel (BOUNDS)
+    NUM_CHANNELS: tl.constexpr,
+    BOUNDS: tl.constexpr,
+):
     """``(first, end)`` tokens of a channel: an equal split of the tokens, or with ``BOUNDS``
     the range ``bounds_ptr`` gives (a relay's channel: the rows that one channel of the network
     leg delivered)."""
@@ -180,7 +185,12 @@ def channel_tokens(channel, num_tokens, bounds_ptr, NUM_CHANNELS: tl.constexpr,
 
 
 @triton.jit
-def finish_call(state_ptr, call, ARRIVALS: tl.constexpr, CALLS: tl.constexpr):
+def finish_call(
+    state_ptr,  # [8] int64 device call counters
+    call,  # this launch's call number
+    ARRIVALS: tl.constexpr,
+    CALLS: tl.constexpr,
+):
     """The last program of a launch advances the launch's call counter ``state[CALLS]``.
 
     One counter for the whole launch, not one per program (:func:`.sync.call_number`): the
@@ -190,9 +200,21 @@ def finish_call(state_ptr, call, ARRIVALS: tl.constexpr, CALLS: tl.constexpr):
 
 
 @triton.jit
-def free_rings(call, channel, head_offset, rank, my_base, peer_base, ranks, rmask, pe_ptr,
-               NUM_RANKS: tl.constexpr, NUM_CHANNELS: tl.constexpr, MAX_CHANNELS: tl.constexpr,
-               VIA: tl.constexpr):  # fmt: skip
+def free_rings(
+    call,  # this launch's call number
+    channel,  # the channel of this program
+    head_offset,  # heap byte offset of the heads [C][R dest] int64
+    rank,  # this rank
+    my_base,  # int64 heap base of this rank
+    peer_base,  # [BLOCK_RANKS] int64 heap base of each rank
+    ranks,  # [BLOCK_RANKS] int32 rank lanes
+    rmask,  # [BLOCK_RANKS] bool lanes that are ranks of the group
+    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
+    NUM_RANKS: tl.constexpr,
+    NUM_CHANNELS: tl.constexpr,
+    MAX_CHANNELS: tl.constexpr,
+    VIA: tl.constexpr,
+):
     """Mark the rings this receiver drains free for the next call, in every source's heads.
 
     The receiver of channel ``c`` also frees channels ``c + C, c + 2 C, ...`` that this call
@@ -202,18 +224,26 @@ def free_rings(call, channel, head_offset, rank, my_base, peer_base, ranks, rmas
     freed = tl.zeros((ranks.shape[0],), tl.int64) + ((call + 1) << 32)
     for c in range(channel, MAX_CHANNELS, NUM_CHANNELS):
         head_at = head_offset + (c * NUM_RANKS + rank) * 8  # in each source's heap
-        set_peer_flags(my_base, peer_base, ranks, head_at, freed, rmask, pe_ptr, NUM_RANKS, VIA,
-                       SEM="release")  # fmt: skip
+        set_peer_flags(
+            my_base, peer_base, ranks, head_at, freed, rmask, pe_ptr, NUM_RANKS, VIA, SEM="release"
+        )
 
 
 @triton.jit
-def timed_out(status_ptr):
+def timed_out(
+    status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
+):
     """Whether a timeout is recorded (by this launch or an earlier one): outputs are poison."""
     return tl.load(status_ptr, volatile=True) == STATUS_TIMEOUT
 
 
 @triton.jit
-def peer_heaps(peer_ptrs, rank, NUM_RANKS: tl.constexpr, BLOCK_RANKS: tl.constexpr):
+def peer_heaps(
+    peer_ptrs,  # [R] int64 heap base addresses
+    rank,  # this rank
+    NUM_RANKS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+):
     """``(ranks, rmask, peer_base, my_base)``: the ``[BLOCK_RANKS]`` rank lanes and which of
     them are ranks of the group, every rank's int64 heap base, and this rank's."""
     ranks = tl.arange(0, BLOCK_RANKS)
@@ -227,9 +257,8 @@ def peer_heaps(peer_ptrs, rank, NUM_RANKS: tl.constexpr, BLOCK_RANKS: tl.constex
 def send_rings(
     channel,  # the channel this program sends
     rank,  # this rank
-    ranks,  # [BLOCK_RANKS] int32 rank lanes
-    peer_base,  # [BLOCK_RANKS] int64 heap base of each rank
-    my_base,  # int64 heap base of this rank
+    peer_ptrs,  # [R] int64 heap base addresses
+    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
     NUM_RANKS: tl.constexpr,
     RING_STRIDE: tl.constexpr,
     SLOT_BYTES: tl.constexpr,
@@ -237,13 +266,16 @@ def send_rings(
     TAIL_OFFSET: tl.constexpr,
     HEAD_OFFSET: tl.constexpr,
     STAGE_OFFSET: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
     VIA: tl.constexpr,
 ):
-    """A sender's rings, one per destination rank (constexprs as the kernels'): ``(ring_at,
-    ring, tail_at, head_flag)``, the heap offset of this rank's ring in every destination, the
-    ``[BLOCK_RANKS]`` addresses its rows are built at (the destination's ring, or with ``VIA``
-    this rank's mirror of it), the heap offset of its tail there, and the pointers to the
-    heads the destinations return here."""
+    """A sender's rings, one per destination rank (constexprs as the kernels'), as one tuple
+    ``(ranks, peer_base, my_base, pe_ptr, ring_at, ring, tail_at, head_flag)``: the rank
+    lanes, every rank's heap base and this rank's, the PEs, the heap offset of this rank's
+    ring in every destination, the ``[BLOCK_RANKS]`` addresses its rows are built at (the
+    destination's ring, or with ``VIA`` this rank's mirror of it), the heap offset of its tail
+    there, and the pointers to the int64 heads the destinations return here."""
+    ranks, _rmask, peer_base, my_base = peer_heaps(peer_ptrs, rank, NUM_RANKS, BLOCK_RANKS)
     pair = channel * NUM_RANKS + rank
     ring_at = RING_OFFSET + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)  # in each peer
     ring = peer_base + ring_at
@@ -251,8 +283,43 @@ def send_rings(
         # Rows are built in this rank's mirror of each destination's ring, then put there.
         mirror_pairs = (channel * NUM_RANKS + ranks).to(tl.int64)
         ring = my_base + STAGE_OFFSET + mirror_pairs * (RING_STRIDE * SLOT_BYTES)
-    head_flag = my_base + HEAD_OFFSET + (channel * NUM_RANKS + ranks) * 8
-    return ring_at, ring, TAIL_OFFSET + pair * 8, head_flag.to(tl.pointer_type(tl.int64))
+    head_flag = (my_base + HEAD_OFFSET + (channel * NUM_RANKS + ranks) * 8).to(
+        tl.pointer_type(tl.int64)
+    )
+    tail_at = TAIL_OFFSET + pair * 8
+    return ranks, peer_base, my_base, pe_ptr, ring_at, ring, tail_at, head_flag
+
+
+@triton.jit
+def announce(
+    rings,  # the sender's rings (send_rings)
+    announced,  # [BLOCK_RANKS] int32 rows of each ring its tail already announces
+    upto,  # [BLOCK_RANKS] int32 rows of each ring written so far
+    tag,  # int64 this call's tag (call << 32)
+    NUM_RANKS: tl.constexpr,
+    RING: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    VIA: tl.constexpr,
+):
+    """Publish a sender's rows ``[announced, upto)`` of every ring: one system-scope release
+    of each tail (with ``VIA``, after putting the rows from this rank's mirrors)."""
+    ranks, peer_base, my_base, pe_ptr, ring_at, ring, tail_at, _head_flag = rings
+    put_rings(
+        my_base,
+        peer_base,
+        ranks,
+        ring_at,
+        ring,
+        announced,
+        upto,
+        tail_at,
+        tag,
+        pe_ptr,
+        NUM_RANKS,
+        RING,
+        SLOT_BYTES,
+        VIA,
+    )
 
 
 @triton.jit
@@ -278,11 +345,15 @@ def receive_rings(
     return ring, tail_flag, HEAD_OFFSET + (channel * NUM_RANKS + rank) * 8
 
 
-# ------------------------------------------------------------------------------------ sender
-
-
 @triton.jit
-def step_ids(topk_idx_ptr, tokens, tmask, K, NUM_EXPERTS: tl.constexpr, BLOCK_K: tl.constexpr):
+def step_ids(
+    topk_idx_ptr,  # [N, K] int64 global expert ids
+    tokens,  # [BLOCK_TOKENS] int32 the step's tokens
+    tmask,  # [BLOCK_TOKENS] bool the step's tokens that exist (and have arrived)
+    K,  # top-k columns
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """``[BLOCK_TOKENS, BLOCK_K]`` int64 top-k ids of a step's tokens (``-1`` in masked lanes),
     and where they lie outside ``[-1, NUM_EXPERTS)`` (int32 1s: reduced once, after the
     channel, rather than a block-wide reduction per step)."""
@@ -297,12 +368,12 @@ def step_ids(topk_idx_ptr, tokens, tmask, K, NUM_EXPERTS: tl.constexpr, BLOCK_K:
 
 @triton.jit
 def step_destinations(
-    ids,
-    tokens,
-    tmask,
-    t1,
-    in_rank_ptr,
-    rank,
+    ids,  # [BLOCK_TOKENS, BLOCK_K] int64 the step's top-k ids
+    tokens,  # [BLOCK_TOKENS] int32 the step's tokens
+    tmask,  # [BLOCK_TOKENS] bool the step's tokens that exist (and have arrived)
+    t1,  # int32 the channel's end token
+    in_rank_ptr,  # [N, R] int8 is_token_in_rank (stored with RANKS_FROM_IDS)
+    rank,  # this rank
     E_LOCAL: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     RANKS_FROM_IDS: tl.constexpr,
@@ -332,16 +403,16 @@ def step_destinations(
 
 @triton.jit
 def store_step(
-    x_ptr,
-    scales_ptr,
-    topk_weights_ptr,
-    src_tag_ptr,
-    tokens,
-    tmask,
-    ids,
-    hit,
-    dst,
-    K,
+    x_ptr,  # [N, ROW_WORDS] int32 payload words
+    scales_ptr,  # [N, SCALE_WORDS] int32 scale words (HAS_SCALES)
+    topk_weights_ptr,  # [N, K] float32 (HAS_WEIGHTS)
+    src_tag_ptr,  # [N] int32 each row's recorded source (HAS_TAG)
+    tokens,  # [BLOCK_TOKENS] int32 the step's tokens
+    tmask,  # [BLOCK_TOKENS] bool the step's tokens that exist (and have arrived)
+    ids,  # [BLOCK_TOKENS, BLOCK_K] int64 the step's global top-k ids
+    hit,  # [BLOCK_TOKENS, BLOCK_RANKS] int32 1 where a token goes to a rank's ring
+    dst,  # [BLOCK_TOKENS, BLOCK_RANKS] int64 slot address of each token in each ring
+    K,  # top-k columns
     ROW_WORDS: tl.constexpr,
     SCALE_WORDS: tl.constexpr,
     E_LOCAL: tl.constexpr,
@@ -432,10 +503,10 @@ def dispatch_send(
     bounds_ptr,  # [C + 1] int32 first token of each channel (BOUNDS)
     ready_ptr,  # [N] int32 per-token flags awaited before reading a token (AWAIT)
     trace_ptr,  # readings (PROFILE)
-    peer_ptrs,
-    pe_ptr,
-    rank,
-    status_ptr,
+    peer_ptrs,  # [R] int64 heap base addresses
+    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
+    rank,  # this rank
+    status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
     timeout_ns,  # NormalShared (limit in ns)
     ROW_WORDS: tl.constexpr,
     SCALE_WORDS: tl.constexpr,
@@ -471,15 +542,13 @@ def dispatch_send(
     """The sender of ``channel`` (constexprs as :func:`normal_dispatch_kernel`'s): walk its
     tokens, feed every destination ring (with ``LOCAL``, every ring but this rank's own).
     Returns the time it waited (with ``PROFILE``; 0 otherwise)."""
-    ranks, _unused, peer_base, my_base = peer_heaps(peer_ptrs, rank, NUM_RANKS, BLOCK_RANKS)
     tag = call << 32
     t0, t1 = channel_tokens(channel, num_tokens, bounds_ptr, NUM_CHANNELS, BOUNDS)
-    ring_at, ring, tail_at, head_flag = send_rings(
+    rings = send_rings(
         channel,
         rank,
-        ranks,
-        peer_base,
-        my_base,
+        peer_ptrs,
+        pe_ptr,
         NUM_RANKS,
         RING_STRIDE,
         SLOT_BYTES,
@@ -487,8 +556,10 @@ def dispatch_send(
         TAIL_OFFSET,
         HEAD_OFFSET,
         STAGE_OFFSET,
+        BLOCK_RANKS,
         VIA,
     )
+    ranks, _peer_base, _my_base, _pe_ptr, _ring_at, ring, _tail_at, head_flag = rings
     sent = tl.zeros((BLOCK_RANKS,), tl.int32)
     released = tl.zeros((BLOCK_RANKS,), tl.int64)  # last head value read, per destination
     budget = timeout_ns + tl.zeros((), tl.int64)
@@ -547,9 +618,7 @@ def dispatch_send(
             if unannounced > 0:
                 # The slots waited for are freed only once the receivers have the rows held
                 # back: announce them first.
-                put_rings(my_base, peer_base, ranks, ring_at, ring, announced, sent,
-                          tail_at, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
-                          VIA)  # fmt: skip
+                announce(rings, announced, sent, tag, NUM_RANKS, RING, SLOT_BYTES, VIA)
                 announced = sent
                 unannounced = unannounced * 0
             if PROFILE:
@@ -597,9 +666,7 @@ def dispatch_send(
             # waits for the stores before it to reach the peers.
             unannounced += 1
             if (unannounced >= RELEASE_STEPS) | (first + BLOCK_TOKENS >= t1):
-                put_rings(my_base, peer_base, ranks, ring_at, ring, announced, sent + count,
-                          tail_at, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
-                          VIA)  # fmt: skip
+                announce(rings, announced, sent + count, tag, NUM_RANKS, RING, SLOT_BYTES, VIA)
                 announced = sent + count
                 unannounced = unannounced * 0
         sent += count
@@ -617,16 +684,16 @@ def dispatch_send(
 
 @triton.jit
 def own_lane(
-    own,
-    own_tok,
-    own_end,
-    own_next,
-    in_rank_ptr,
-    x_addr,
-    rank,
-    row,
-    live,
-    src,
+    own,  # [BLOCK_RANKS, BLOCK_ROWS] bool lanes of this rank's own rows
+    own_tok,  # int32 the own lane's next token of the channel
+    own_end,  # int32 the channel's end token
+    own_next,  # int32 the own lane's next output row
+    in_rank_ptr,  # [N, R] int8 is_token_in_rank
+    x_addr,  # int64 address of the [N, ROW_WORDS] int32 input payload
+    rank,  # this rank
+    row,  # [BLOCK_RANKS, BLOCK_ROWS] int64 output row of each ring row
+    live,  # [BLOCK_RANKS, BLOCK_ROWS] bool ring rows to copy
+    src,  # [BLOCK_RANKS, BLOCK_ROWS] int64 slot address of each ring row
     NUM_RANKS: tl.constexpr,
     ROW_WORDS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
@@ -653,23 +720,23 @@ def own_lane(
 
 @triton.jit
 def copy_rows(
-    src,
-    row,
-    live,
-    mine,
-    token,
-    out_x_ptr,
-    out_scales_ptr,
-    out_topk_idx_ptr,
-    out_weights_ptr,
-    out_src_ptr,
-    scales_addr,
-    topk_idx_ptr,
-    topk_weights_ptr,
-    src_tag_ptr,
-    row_map_ptr,
-    rank,
-    K,
+    src,  # [F] int64 slot address of each row (input row address for own rows)
+    row,  # [F] int64 output row of each row
+    live,  # [F] bool rows to copy
+    mine,  # [F] bool this rank's own rows, read from the input (LOCAL)
+    token,  # [F] int64 input token of each own row (LOCAL)
+    out_x_ptr,  # [max_rows, ROW_WORDS] int32 out: payload words
+    out_scales_ptr,  # [max_rows, SCALE_WORDS] int32 out (HAS_SCALES)
+    out_topk_idx_ptr,  # [max_rows, K] int64 out: local expert ids (HAS_TOPK)
+    out_weights_ptr,  # [max_rows, K] float32 out (HAS_WEIGHTS)
+    out_src_ptr,  # [max_rows] int32 out: source token index (or tag) of each row
+    scales_addr,  # int64 address of the [N, SCALE_WORDS] int32 input scales (LOCAL)
+    topk_idx_ptr,  # [N, K] int64 global expert ids (LOCAL and HAS_TOPK)
+    topk_weights_ptr,  # [N, K] float32 (LOCAL and HAS_WEIGHTS)
+    src_tag_ptr,  # [N] int32 recorded sources (LOCAL and HAS_TAG)
+    row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
+    rank,  # this rank
+    K,  # top-k columns
     ROW_WORDS: tl.constexpr,
     SCALE_WORDS: tl.constexpr,
     E_LOCAL: tl.constexpr,
@@ -758,16 +825,16 @@ def copy_rows(
 
 @triton.jit
 def fill_rows(
-    first,
-    end,
-    max_rows,
-    out_x_ptr,
-    out_scales_ptr,
-    out_topk_idx_ptr,
-    out_weights_ptr,
-    out_src_ptr,
-    row_map_ptr,
-    K,
+    first,  # first row to fill
+    end,  # end of the rows to fill (exclusive)
+    max_rows,  # rows the outputs hold
+    out_x_ptr,  # [max_rows, ROW_WORDS] int32 out: payload words
+    out_scales_ptr,  # [max_rows, SCALE_WORDS] int32 out (HAS_SCALES)
+    out_topk_idx_ptr,  # [max_rows, K] int64 out: local expert ids (HAS_TOPK)
+    out_weights_ptr,  # [max_rows, K] float32 out (HAS_WEIGHTS)
+    out_src_ptr,  # [max_rows] int32 out: source token index (or tag) of each row
+    row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
+    K,  # top-k columns
     POISON: tl.constexpr,
     ROW_WORDS: tl.constexpr,
     SCALE_WORDS: tl.constexpr,
@@ -1153,8 +1220,18 @@ def drain_rings(
             # Relaxed: the slots' loads have returned (their values are stored), so nothing
             # can move past this store that a sender's overwrite could affect; a release
             # would add a system-wide fence to every step.
-            set_peer_flags(my_base, peer_base, ranks, head_at, tag | head.to(tl.int64),
-                           take > 0, pe_ptr, NUM_RANKS, VIA, SEM="relaxed")  # fmt: skip
+            set_peer_flags(
+                my_base,
+                peer_base,
+                ranks,
+                head_at,
+                tag | head.to(tl.int64),
+                take > 0,
+                pe_ptr,
+                NUM_RANKS,
+                VIA,
+                SEM="relaxed",
+            )
             clock = start_clock(USE_CLOCK)  # progress: the limit counts idle time only
             spins = tl.zeros((), tl.int64)
         else:
@@ -1177,24 +1254,24 @@ def dispatch_receive(
     src_tag_ptr,  # [N] int32 (LOCAL and HAS_TAG)
     num_tokens,  # N
     K,  # top-k columns
-    recv_count_ptr,
-    recv_start_ptr,
+    recv_count_ptr,  # [R, C] int32 tokens each (source, channel) sends here
+    recv_start_ptr,  # [R, C] int32 first output row of each (source, channel)
     host_info_ptr,  # from notify
-    out_x_ptr,
-    out_scales_ptr,
-    out_topk_idx_ptr,
-    out_weights_ptr,
+    out_x_ptr,  # [max_rows, ROW_WORDS] int32 out: payload words
+    out_scales_ptr,  # [max_rows, SCALE_WORDS] int32 out (HAS_SCALES)
+    out_topk_idx_ptr,  # [max_rows, K] int64 out: local expert ids (HAS_TOPK)
+    out_weights_ptr,  # [max_rows, K] float32 out (HAS_WEIGHTS)
     out_src_ptr,  # outputs
     max_rows,  # rows the outputs hold
-    bounds_ptr,
-    ready_ptr,
-    relay_call_ptr,
-    row_map_ptr,
+    bounds_ptr,  # [C + 1] int32 first token of each channel (BOUNDS)
+    ready_ptr,  # [max_rows] int32 per-row flags set once a row is written (PUBLISH)
+    relay_call_ptr,  # int64 call counter of the launch that awaits the flags set here (PUBLISH)
+    row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
     trace_ptr,  # as the kernel's
-    peer_ptrs,
-    pe_ptr,
-    rank,
-    status_ptr,
+    peer_ptrs,  # [R] int64 heap base addresses
+    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
+    rank,  # this rank
+    status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
     timeout_ns,  # NormalShared (limit in ns)
     ROW_WORDS: tl.constexpr,
     SCALE_WORDS: tl.constexpr,
@@ -1323,8 +1400,21 @@ def dispatch_receive(
         record_timeout(status_ptr, peer, DISPATCH_RECV, timeout_ns, channel)
     # Every ring of this channel is free for the next call, whatever it carried.
     tl.debug_barrier()
-    free_rings(call, channel, HEAD_OFFSET, rank, my_base, peer_base, ranks, rmask, pe_ptr,
-               NUM_RANKS, NUM_CHANNELS, MAX_CHANNELS, VIA)  # fmt: skip
+    free_rings(
+        call,
+        channel,
+        HEAD_OFFSET,
+        rank,
+        my_base,
+        peer_base,
+        ranks,
+        rmask,
+        pe_ptr,
+        NUM_RANKS,
+        NUM_CHANNELS,
+        MAX_CHANNELS,
+        VIA,
+    )
     fill_channel_rows(
         channel,
         recv_count_ptr,
@@ -1558,6 +1648,5 @@ def normal_dispatch_kernel(
             VIA,
         )
     if PROFILE:
-        trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), sends, waited,
-                   USE_CLOCK)  # fmt: skip
+        trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), sends, waited, USE_CLOCK)
     finish_call(state_ptr, call, DISPATCH_ARRIVALS, DISPATCH_CALLS)
