@@ -22,10 +22,8 @@ import triton
 import triton.language as tl
 
 from .launcher import KernelLaunch, Shared
+from .phases import LAYOUT_IDS
 from .status import Status, first_bad_id, record_bad_id
-
-#: The phase named in a bad-id record of ``get_dispatch_layout``.
-PHASE_LAYOUT_IDS = tl.constexpr(17)
 
 #: Tokens a program counts at a time.
 BLOCK_TOKENS = 64
@@ -67,11 +65,11 @@ class LayoutVariant(NamedTuple):
 
 @triton.jit
 def count_block(
-    topk_idx_ptr,
-    tokens,
-    num_tokens,
-    K,
-    in_rank_ptr,
+    topk_idx_ptr,  # [N, K] int64 global expert ids
+    tokens,  # [BLOCK_TOKENS] int32 the block's tokens
+    num_tokens,  # N, tokens of this rank
+    K,  # top-k columns
+    in_rank_ptr,  # [N, R] bool out: is_token_in_rank
     NUM_EXPERTS: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -153,7 +151,7 @@ def dispatch_layout_kernel(
         token, column, bad_id = first_bad_id(
             topk_idx_ptr, num_tokens, K, NUM_EXPERTS, BLOCK_K, BLOCK_TOKENS
         )
-        record_bad_id(status_ptr, rank, PHASE_LAYOUT_IDS, token, column, bad_id)
+        record_bad_id(status_ptr, rank, LAYOUT_IDS, token, column, bad_id)
     row = partial_ptr + pid * (BLOCK_EXPERTS + BLOCK_RANKS)
     tl.store(row + bins, expert_counts)
     tl.store(row + BLOCK_EXPERTS + ranks, rank_counts)
@@ -176,10 +174,6 @@ def dispatch_layout_kernel(
         tl.store(per_expert_ptr + bins, experts, mask=bins < NUM_EXPERTS)
         tl.store(per_rank_ptr + ranks, per_rank, mask=ranks < NUM_RANKS)
         tl.store(arrivals_ptr, 0)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def default_programs(device: torch.device) -> int:
@@ -215,7 +209,8 @@ class DispatchLayout:
         self.device, self.num_experts, self.num_ranks = device, num_experts, num_ranks
         self.status = status if status is not None else Status(device)
         self.max_programs = num_programs or default_programs(device)
-        self._bins, self._lanes = _next_pow2(num_experts), _next_pow2(max(num_ranks, 2))
+        self._bins = triton.next_power_of_2(num_experts)
+        self._lanes = triton.next_power_of_2(max(num_ranks, 2))
         partial = torch.empty(
             self.max_programs, self._bins + self._lanes, dtype=torch.int32, device=device
         )

@@ -33,10 +33,6 @@ from .sync import (
 from .trace import read_clock, write_trace
 from .transport import SIGNAL_ADD, VIA_STORE, put_block, signal
 
-# The names modes/low_latency.py reads until it takes them from .phases.
-PHASE_COMBINE_RECV = LL_COMBINE_RECV
-PHASE_COMBINE_IDS = LL_COMBINE_IDS
-
 COMBINE_SEND_CALLS = tl.constexpr(2)
 COMBINE_RECV_CALLS = tl.constexpr(3)
 COMBINE_ARRIVALS = tl.constexpr(5)  # (column 0)

@@ -37,10 +37,6 @@ from .sync import (
 from .trace import read_clock, write_trace
 from .transport import SIGNAL_SET, VIA_STORE, put_block_signal
 
-# The names modes/low_latency.py reads until it takes them from .phases.
-PHASE_DISPATCH_RECV = LL_DISPATCH_RECV
-PHASE_DISPATCH_IDS = LL_DISPATCH_IDS
-
 # Device state (int64), shared with the combine kernel module: row ``r`` of ``[8, P]``. The
 # call counters are per program (program ``p`` keeps its own in column ``p``): a program reads
 # its counter at its start and writes the next value at its end, and only the same program of

@@ -33,24 +33,31 @@ import triton
 import triton.language as tl
 
 from .fp8 import from_bf16, to_bf16
-from .normal_dispatch import channel_tokens, column, finish_call, free_rings, rows_before
+from .normal_dispatch import (
+    announce,
+    channel_tokens,
+    finish_call,
+    free_rings,
+    peer_heaps,
+    receive_rings,
+    send_rings,
+)
+from .phases import COMBINE_RECV, COMBINE_RELAY, COMBINE_SEND
 from .sync import (
     aligned_ptr,
     elapsed_ns,
     first_lane,
+    lane,
     limit_ns,
     publish_rows,
     record_timeout,
     relay_flag,
+    rows_before,
     start_clock,
     wait_all_at_least,
 )
 from .trace import read_clock, trace_role
-from .transport import VIA_STORE, put_rings, set_peer_flags
-
-PHASE_COMBINE_SEND = tl.constexpr(13)
-PHASE_COMBINE_RECV = tl.constexpr(14)
-PHASE_COMBINE_RELAY = tl.constexpr(16)
+from .transport import set_peer_flags
 
 COMBINE_CALLS = tl.constexpr(4)
 COMBINE_ARRIVALS = tl.constexpr(5)
@@ -115,40 +122,53 @@ class CombineVariant(NamedTuple):
 
 
 @triton.jit
-def first_tile(x_words, start, sent, count, limit, steps, words, W: tl.constexpr,
-               R_LANES: tl.constexpr, ROWS: tl.constexpr, ZEROS: tl.constexpr, row_map_ptr,
-               ROW_MAP: tl.constexpr):  # fmt: skip
-    """The first payload tile ``[R_LANES * ROWS, BLOCK_WORDS]`` of a sender step: for every
-    source rank, the next rows it still wants (``start + sent`` on, at most ``ROWS``, fewer
-    than ``count - sent`` read as nothing). Rows from ``limit`` on read as zeros (``ZEROS``) or
-    as row ``limit - 1`` (fewer registers). With ``ROW_MAP``, row ``r`` is read from input row
-    ``row_map[r]``."""
-    i = steps[None, :]
-    row = tl.reshape((start[:, None] + sent[:, None] + i).to(tl.int64), (R_LANES * ROWS,))
-    want = tl.reshape(i < (count - sent)[:, None], (R_LANES * ROWS,))
+def first_tile(
+    x_words,  # [M, ROW_WORDS] int32 the rows to hand back, as words
+    start,  # [BLOCK_RANKS] int32 first input row of each source rank's stream
+    sent,  # [BLOCK_RANKS] int32 rows of each stream sent so far
+    count,  # [BLOCK_RANKS] int32 rows of each stream to read (fewer than BLOCK_ROWS: masked)
+    limit,  # int32 rows of the input that may be read
+    row_map_ptr,  # [M] int32 input row of each received row (ROW_MAP)
+    ROW_WORDS: tl.constexpr,  # int32 words of a row
+    ZEROS: tl.constexpr,  # rows from limit on read as zeros, not as row limit - 1
+    ROW_MAP: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+):
+    """The first payload tile ``[BLOCK_RANKS * BLOCK_ROWS, BLOCK_WORDS]`` of a sender step: for
+    every source rank, the next rows it still wants (``start + sent`` on, at most
+    ``BLOCK_ROWS``, fewer than ``count - sent`` read as nothing). Rows from ``limit`` on read as
+    zeros (``ZEROS``) or as row ``limit - 1`` (fewer registers). With ``ROW_MAP``, row ``r`` is
+    read from input row ``row_map[r]``."""
+    FLAT: tl.constexpr = BLOCK_RANKS * BLOCK_ROWS
+    i = tl.arange(0, BLOCK_ROWS)[None, :]
+    words = tl.arange(0, BLOCK_WORDS)
+    row = tl.reshape((start[:, None] + sent[:, None] + i).to(tl.int64), (FLAT,))
+    want = tl.reshape(i < (count - sent)[:, None], (FLAT,))
     if ZEROS:
         want = want & (row < limit)
     else:
         row = tl.minimum(row, tl.maximum(limit - 1, 0))
     if ROW_MAP:
         row = tl.load(row_map_ptr + row, mask=want, other=0).to(tl.int64)
-    at = x_words + row[:, None] * W + words[None, :]
-    return tl.load(at, mask=want[:, None] & (words < W)[None, :], other=0)
+    at = x_words + row[:, None] * ROW_WORDS + words[None, :]
+    return tl.load(at, mask=want[:, None] & (words < ROW_WORDS)[None, :], other=0)
 
 
 @triton.jit
 def send_step(
-    v,
-    x_words,
-    weights_ptr,
-    ring,
-    start,
-    sent,
-    take,
-    count,
-    limit,
-    row_map_ptr,
-    K,
+    v,  # [BLOCK_RANKS * BLOCK_ROWS, BLOCK_WORDS] int32 the step's first payload tile
+    x_words,  # [M, H // 2] int32 the rows to hand back, as words
+    weights_ptr,  # [M, K] float32 (HAS_WEIGHTS)
+    ring,  # [BLOCK_RANKS] int64 addresses the rows are built at (rings or mirrors)
+    start,  # [BLOCK_RANKS] int32 first input row of each source rank's stream
+    sent,  # [BLOCK_RANKS] int32 rows of each stream sent so far
+    take,  # [BLOCK_RANKS] int32 rows of each stream to send in this step
+    count,  # [BLOCK_RANKS] int32 rows of each stream
+    limit,  # int32 input rows that may be read
+    row_map_ptr,  # [M] int32 input row of each received row (ROW_MAP)
+    K,  # top-k columns
     H: tl.constexpr,
     RING: tl.constexpr,
     SLOT_BYTES: tl.constexpr,
@@ -163,8 +183,10 @@ def send_step(
     """Store ``take`` rows per source (its tile ``v`` already loaded) into the source's ring
     slots ``sent`` on, with their weights; returns the next step's first tile (read before
     this step's last stores, except from a relay, whose rows are read after their flags)."""
-    W: tl.constexpr = H // 2
-    LAST: tl.constexpr = (W - 1) // BLOCK_WORDS * BLOCK_WORDS  # first word of a row's last tile
+    ROW_WORDS: tl.constexpr = H // 2
+    LAST: tl.constexpr = (
+        (ROW_WORDS - 1) // BLOCK_WORDS * BLOCK_WORDS
+    )  # first word of a row's last tile
     FLAT: tl.constexpr = BLOCK_RANKS * BLOCK_ROWS
     steps = tl.arange(0, BLOCK_ROWS)
     words = tl.arange(0, BLOCK_WORDS)
@@ -183,7 +205,7 @@ def send_step(
     if ROW_MAP:  # the input in the caller's order (no scatter of every row before)
         row = tl.load(row_map_ptr + row, mask=held, other=0).to(tl.int64)
     p = aligned_ptr(dst, tl.int32)
-    rows = x_words + row[:, None] * W
+    rows = x_words + row[:, None] * ROW_WORDS
     if HAS_WEIGHTS:
         wv = tl.load(
             weights_ptr + row[:, None] * K + ks[None, :],
@@ -193,12 +215,14 @@ def send_step(
     for w0 in range(0, LAST, BLOCK_WORDS):
         w = w0 + words
         wn = w + BLOCK_WORDS
-        v_next = tl.load(rows + wn[None, :], mask=held[:, None] & (wn < W)[None, :], other=0)
-        tl.store(p[:, None] + w[None, :], v, mask=live[:, None] & (w < W)[None, :])
+        v_next = tl.load(
+            rows + wn[None, :], mask=held[:, None] & (wn < ROW_WORDS)[None, :], other=0
+        )
+        tl.store(p[:, None] + w[None, :], v, mask=live[:, None] & (w < ROW_WORDS)[None, :])
         v = v_next
     w = LAST + words
     if AWAIT:  # the next tile is read after its flags, at the top of the next step
-        tl.store(p[:, None] + w[None, :], v, mask=live[:, None] & (w < W)[None, :])
+        tl.store(p[:, None] + w[None, :], v, mask=live[:, None] & (w < ROW_WORDS)[None, :])
     else:
         v_next = first_tile(
             x_words,
@@ -206,55 +230,66 @@ def send_step(
             sent + take,
             count,
             limit,
-            steps,
-            words,
-            W,
+            row_map_ptr,
+            ROW_WORDS,
+            AWAIT,
+            ROW_MAP,
             BLOCK_RANKS,
             BLOCK_ROWS,
-            AWAIT,
-            row_map_ptr,
-            ROW_MAP,
+            BLOCK_WORDS,
         )
-        tl.store(p[:, None] + w[None, :], v, mask=live[:, None] & (w < W)[None, :])
+        tl.store(p[:, None] + w[None, :], v, mask=live[:, None] & (w < ROW_WORDS)[None, :])
         v = v_next
     if HAS_WEIGHTS:
         wp = p.to(tl.pointer_type(tl.float32))
-        tl.store(wp[:, None] + W + ks[None, :], wv, mask=live[:, None] & kmask[None, :])
+        tl.store(wp[:, None] + ROW_WORDS + ks[None, :], wv, mask=live[:, None] & kmask[None, :])
     return v
 
 
 @triton.jit
-def combine_send(
-    channel,  # the channel this program sends
+def flagged_rows(
+    ready_ptr,  # [M] int32 per-row flags the other leg sets to call + 1 once a row is written
     call,  # this launch's call number
-    x_ptr,  # [M, H] bf16 rows to hand back
+    start,  # [BLOCK_RANKS] int32 first input row of each source rank's stream
+    sent,  # [BLOCK_RANKS] int32 rows of each stream sent so far
+    take,  # [BLOCK_RANKS] int32 rows of each stream the rings have room for
+    limit,  # int32 rows the relay flags (the others are never waited for)
+    BLOCK_ROWS: tl.constexpr,
+):
+    """Of a relay's next ``take`` rows per stream, the prefix the other leg has flagged
+    (AWAIT): ``(take, starved)``, the rows that may be sent and whether any stream waits on
+    the other leg rather than on ring space. The rows are read after this, never before."""
+    nth = tl.arange(0, BLOCK_ROWS)[None, :]
+    at = (start[:, None] + sent[:, None] + nth).to(tl.int64)
+    want = nth < take[:, None]
+    flag = tl.atomic_add(ready_ptr + at, 0, mask=want, sem="acquire", scope="gpu")
+    late = want & (at < limit) & (flag != (call + 1).to(tl.int32))
+    ready = tl.min(tl.where(late, nth, BLOCK_ROWS), 1)
+    starved = tl.max(take - ready, 0) > 0
+    tl.debug_barrier()
+    return tl.minimum(take, ready), starved
+
+
+@triton.jit
+def stream_rows(
+    count,  # [BLOCK_RANKS] int32 rows to send to each source rank (own rank: 0 with LOCAL)
+    start,  # [BLOCK_RANKS] int32 first input row of each source rank's stream
+    rings,  # the sender's rings (normal_dispatch.send_rings)
+    limit,  # int32 input rows that may be read
+    x_words,  # [M, H // 2] int32 the rows to hand back, as words
     weights_ptr,  # [M, K] float32 (HAS_WEIGHTS)
-    num_rows,  # M
+    ready_ptr,  # [M] int32 per-row flags set by the other leg (AWAIT)
+    row_map_ptr,  # [M] int32 input row of each received row (ROW_MAP)
+    trace_ptr,  # int64 readings (PROFILE)
+    call,  # this launch's call number
+    timeout_ns,  # int64 limit of the wait without progress
     K,  # top-k columns
-    recv_count_ptr,
-    recv_start_ptr,  # [R, C] int32 the dispatch's streams
-    bounds_ptr,
-    ready_ptr,
-    row_map_ptr,
-    trace_ptr,  # as the kernel's
-    peer_ptrs,
-    pe_ptr,
-    rank,
-    status_ptr,
-    timeout_ns,  # NormalShared (limit in ns)
     H: tl.constexpr,
     NUM_RANKS: tl.constexpr,
-    NUM_CHANNELS: tl.constexpr,
     RING: tl.constexpr,
-    RING_STRIDE: tl.constexpr,
     SLOT_BYTES: tl.constexpr,
-    RING_OFFSET: tl.constexpr,
-    TAIL_OFFSET: tl.constexpr,
-    HEAD_OFFSET: tl.constexpr,
-    STAGE_OFFSET: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     AWAIT: tl.constexpr,
-    LOCAL: tl.constexpr,
     ROW_MAP: tl.constexpr,
     RELEASE_STEPS: tl.constexpr,
     USE_CLOCK: tl.constexpr,
@@ -265,42 +300,19 @@ def combine_send(
     PROFILE: tl.constexpr,
     VIA: tl.constexpr,
 ):
-    """The sender of ``channel`` (constexprs as :func:`normal_combine_kernel`'s): stream rows
-    back to every source rank. Returns the time it polled without progress (with
-    ``PROFILE``; 0 otherwise)."""
-    W: tl.constexpr = H // 2
+    """The sending loop (constexprs as :func:`normal_combine_kernel`'s): stream each source
+    rank's rows into its ring as space and (``AWAIT``) the other leg's flags allow, never
+    blocking on one source, and publish the tails; stop once every row is sent or
+    ``timeout_ns`` passed without progress. Returns ``(sent, starved, waited)``: the rows sent
+    per source rank, whether the last wait was on the other leg's rows, and the time it polled
+    without progress (with ``PROFILE``; 0 otherwise)."""
+    ROW_WORDS: tl.constexpr = H // 2
+    _ranks, _peer_base, _my_base, _pe_ptr, _ring_at, ring, _tail_at, head_flag = rings
     tag = call << 32
-    ranks = tl.arange(0, BLOCK_RANKS)
-    rmask = ranks < NUM_RANKS
-    peer_base = tl.load(peer_ptrs + ranks, mask=rmask, other=0)
-    my_base = tl.load(peer_ptrs + rank)
-    words = tl.arange(0, BLOCK_WORDS)
-    count = tl.load(recv_count_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
-    if LOCAL:  # this rank's own rows are read from the input by its receiver
-        count = tl.where(ranks == rank, 0, count)
-    start = tl.load(recv_start_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
-    pair = channel * NUM_RANKS + rank
-    ring_at = RING_OFFSET + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)  # in each peer
-    ring = peer_base + ring_at
-    if VIA != VIA_STORE:
-        # Rows are built in this rank's mirror of each source rank's ring, then put there.
-        mirror_pairs = (channel * NUM_RANKS + ranks).to(tl.int64)
-        ring = my_base + STAGE_OFFSET + mirror_pairs * (RING_STRIDE * SLOT_BYTES)
-    head_flag = my_base + HEAD_OFFSET + (channel * NUM_RANKS + ranks) * 8
-    head_flag = head_flag.to(tl.pointer_type(tl.int64))
     sent = tl.zeros((BLOCK_RANKS,), tl.int32)
-    steps = tl.arange(0, BLOCK_ROWS)
-    x_words = x_ptr.to(tl.pointer_type(tl.int32))
     clock = start_clock(USE_CLOCK)
     spins = tl.zeros((), tl.int64)
     pending = tl.sum(count, 0)
-    # Rows past the input (worst-case outputs that overflowed) or past what the relay will
-    # flag (a relay that dropped its rows) are not read: the last row goes back in their
-    # place, or zeros from a relay (whose rows past the limit were never written); the
-    # overflow is reported, no source waits and nothing is read out of bounds.
-    limit = num_rows
-    if AWAIT:
-        limit = tl.minimum(limit, tl.load(bounds_ptr + NUM_CHANNELS))
     # A step's heads and first tile are read before the previous step's release (a tile holds
     # every row a source still wants, up to BLOCK_ROWS; a full ring only masks its stores), so
     # a step costs about one memory latency.
@@ -312,14 +324,13 @@ def combine_send(
             sent,
             count,
             limit,
-            steps,
-            words,
-            W,
+            row_map_ptr,
+            ROW_WORDS,
+            AWAIT,
+            ROW_MAP,
             BLOCK_RANKS,
             BLOCK_ROWS,
-            AWAIT,
-            row_map_ptr,
-            ROW_MAP,
+            BLOCK_WORDS,
         )
     starved = pending < 0  # waiting on the other leg's rows rather than on a peer
     waited = tl.zeros((), tl.int64)
@@ -334,33 +345,23 @@ def combine_send(
         space = tl.where(waiting & ((heads >> 32) == call), RING - (sent - consumed), 0)
         take = tl.minimum(tl.minimum(space, count - sent), BLOCK_ROWS)
         if AWAIT:
-            # Relayed rows: only those the other leg has flagged (a prefix per source; the
-            # tile is read again after the flags, never before).
-            nth = steps[None, :]
-            at = (start[:, None] + sent[:, None] + nth).to(tl.int64)
-            want = nth < take[:, None]
-            flag = tl.atomic_add(ready_ptr + at, 0, mask=want, sem="acquire", scope="gpu")
-            late = want & (at < limit) & (flag != (call + 1).to(tl.int32))
-            ready = tl.min(tl.where(late, nth, BLOCK_ROWS), 1)
-            starved = tl.max(take - ready, 0) > 0
-            take = tl.minimum(take, ready)
-            tl.debug_barrier()
+            take, starved = flagged_rows(ready_ptr, call, start, sent, take, limit, BLOCK_ROWS)
             v = first_tile(
                 x_words,
                 start,
                 sent,
                 sent + take,
                 limit,
-                steps,
-                words,
-                W,
+                row_map_ptr,
+                ROW_WORDS,
+                AWAIT,
+                ROW_MAP,
                 BLOCK_RANKS,
                 BLOCK_ROWS,
-                AWAIT,
-                row_map_ptr,
-                ROW_MAP,
+                BLOCK_WORDS,
             )
-        if tl.max(take, 0) > 0:
+        moved = tl.max(take, 0) > 0
+        if moved:
             v = send_step(
                 v,
                 x_words,
@@ -388,37 +389,141 @@ def combine_send(
             pending = tl.sum(count - sent, 0)
             heads = tl.atomic_add(head_flag, 0, mask=sent < count, sem="acquire", scope="sys")
             tl.debug_barrier()
+            unannounced += 1
             # One system-scope release per RELEASE_STEPS steps and after the last rows: each
             # waits for the stores before it to reach the peers.
-            unannounced += 1
-            if (unannounced >= RELEASE_STEPS) | (pending == 0):
-                put_rings(my_base, peer_base, ranks, ring_at, ring, announced, sent,
-                          TAIL_OFFSET + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
-                          VIA)  # fmt: skip
-                announced = sent
-                unannounced = unannounced * 0
+            due = (unannounced >= RELEASE_STEPS) | (pending == 0)
+        else:
+            # Nothing fits: the slots come back only once the receivers have the rows held
+            # back, so announce them before polling.
+            due = unannounced > 0
+        if due:
+            if not moved:
+                tl.debug_barrier()
+            announce(rings, announced, sent, tag, NUM_RANKS, RING, SLOT_BYTES, VIA)
+            announced = sent
+            unannounced = unannounced * 0
+        if moved:
             clock = start_clock(USE_CLOCK)
             spins = tl.zeros((), tl.int64)
         else:
-            if unannounced > 0:
-                # Nothing fits: the slots come back only once the receivers have the rows
-                # held back, so announce them before polling.
-                tl.debug_barrier()
-                put_rings(my_base, peer_base, ranks, ring_at, ring, announced, sent,
-                          TAIL_OFFSET + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
-                          VIA)  # fmt: skip
-                announced = sent
-                unannounced = unannounced * 0
             heads = tl.atomic_add(head_flag, 0, mask=waiting, sem="acquire", scope="sys")
             spins += 1
             if PROFILE:
                 waited += read_clock(trace_ptr, USE_CLOCK) - t_w
+    return sent, starved, waited
+
+
+@triton.jit
+def combine_send(
+    channel,  # the channel this program sends
+    call,  # this launch's call number
+    x_ptr,  # [M, H] bf16 rows to hand back
+    weights_ptr,  # [M, K] float32 (HAS_WEIGHTS)
+    num_rows,  # M
+    K,  # top-k columns
+    recv_count_ptr,  # [R, C] int32 rows each (source, channel) delivered here
+    recv_start_ptr,  # [R, C] int32 the dispatch's streams
+    bounds_ptr,  # [C + 1] int32; [C] = input rows the relay flags (AWAIT)
+    ready_ptr,  # [M] int32 per-row flags set by the other leg (AWAIT)
+    row_map_ptr,  # [M] int32 input row of each received row (ROW_MAP)
+    trace_ptr,  # as the kernel's
+    peer_ptrs,  # [R] int64 heap base addresses
+    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
+    rank,  # this rank
+    status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
+    timeout_ns,  # NormalShared (limit in ns)
+    H: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    NUM_CHANNELS: tl.constexpr,
+    RING: tl.constexpr,
+    RING_STRIDE: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    RING_OFFSET: tl.constexpr,
+    TAIL_OFFSET: tl.constexpr,
+    HEAD_OFFSET: tl.constexpr,
+    STAGE_OFFSET: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    AWAIT: tl.constexpr,
+    LOCAL: tl.constexpr,
+    ROW_MAP: tl.constexpr,
+    RELEASE_STEPS: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PROFILE: tl.constexpr,
+    VIA: tl.constexpr,
+):
+    """The sender of ``channel`` (constexprs as :func:`normal_combine_kernel`'s): stream rows
+    back to every source rank. Returns the time it polled without progress (with
+    ``PROFILE``; 0 otherwise)."""
+    rings = send_rings(
+        channel,
+        rank,
+        peer_ptrs,
+        pe_ptr,
+        NUM_RANKS,
+        RING_STRIDE,
+        SLOT_BYTES,
+        RING_OFFSET,
+        TAIL_OFFSET,
+        HEAD_OFFSET,
+        STAGE_OFFSET,
+        BLOCK_RANKS,
+        VIA,
+    )
+    ranks = rings[0]
+    rmask = ranks < NUM_RANKS
+    count = tl.load(recv_count_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
+    if LOCAL:  # this rank's own rows are read from the input by its receiver
+        count = tl.where(ranks == rank, 0, count)
+    start = tl.load(recv_start_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
+    x_words = x_ptr.to(tl.pointer_type(tl.int32))
+    # Rows past the input (worst-case outputs that overflowed) or past what the relay will
+    # flag (a relay that dropped its rows) are not read: the last row goes back in their
+    # place, or zeros from a relay (whose rows past the limit were never written); the
+    # overflow is reported, no source waits and nothing is read out of bounds.
+    limit = num_rows
+    if AWAIT:
+        limit = tl.minimum(limit, tl.load(bounds_ptr + NUM_CHANNELS))
+    sent, starved, waited = stream_rows(
+        count,
+        start,
+        rings,
+        limit,
+        x_words,
+        weights_ptr,
+        ready_ptr,
+        row_map_ptr,
+        trace_ptr,
+        call,
+        timeout_ns,
+        K,
+        H,
+        NUM_RANKS,
+        RING,
+        SLOT_BYTES,
+        HAS_WEIGHTS,
+        AWAIT,
+        ROW_MAP,
+        RELEASE_STEPS,
+        USE_CLOCK,
+        BLOCK_ROWS,
+        BLOCK_WORDS,
+        BLOCK_RANKS,
+        BLOCK_K,
+        PROFILE,
+        VIA,
+    )
+    pending = tl.sum(count - sent, 0)
     if pending > 0:
         if starved:
-            record_timeout(status_ptr, -1, PHASE_COMBINE_RELAY, timeout_ns, channel)
+            record_timeout(status_ptr, -1, COMBINE_RELAY, timeout_ns, channel)
         else:
             peer = first_lane(sent < count, ranks)
-            record_timeout(status_ptr, peer, PHASE_COMBINE_SEND, timeout_ns, channel)
+            record_timeout(status_ptr, peer, COMBINE_SEND, timeout_ns, channel)
     return waited
 
 
@@ -427,19 +532,19 @@ def combine_send(
 
 @triton.jit
 def sum_step(
-    src,
-    ready,
-    tokens,
-    tmask,
-    own_row,
-    x_ptr,
-    weights_ptr,
-    bias0_ptr,
-    bias1_ptr,
-    out_ptr,
-    out_weights_ptr,
-    rank,
-    K,
+    src,  # [BLOCK_TOKENS, BLOCK_RANKS] int64 ring slot of each token's row from each rank
+    ready,  # [BLOCK_TOKENS, BLOCK_RANKS] int32 1 where that row is to be summed
+    tokens,  # [BLOCK_TOKENS] int32 the step's tokens
+    tmask,  # [BLOCK_TOKENS] bool the step's tokens that exist (and have arrived)
+    own_row,  # [BLOCK_TOKENS] int64 row of x holding each token's own row (LOCAL)
+    x_ptr,  # [M, H] bf16 this rank's own rows (LOCAL)
+    weights_ptr,  # [M, K] float32 their weights (LOCAL and HAS_WEIGHTS)
+    bias0_ptr,  # [N, H] bf16 (NUM_BIAS >= 1)
+    bias1_ptr,  # [N, H] bf16 (NUM_BIAS >= 2)
+    out_ptr,  # [N, H] bf16 out: the sums
+    out_weights_ptr,  # [N, K] float32 out: the summed weights (HAS_WEIGHTS)
+    rank,  # this rank
+    K,  # top-k columns
     H: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
@@ -455,7 +560,7 @@ def sum_step(
     slot addresses ``[BLOCK_TOKENS, BLOCK_RANKS]``; this rank's row from ``x_ptr`` at
     ``own_row`` with ``LOCAL``) in float32, in rank order, plus the bias; stores BF16 sums and
     the summed weights."""
-    W: tl.constexpr = H // 2
+    ROW_WORDS: tl.constexpr = H // 2
     ranks = tl.arange(0, BLOCK_RANKS)
     ks = tl.arange(0, BLOCK_K)
     kmask = ks < K
@@ -466,8 +571,8 @@ def sum_step(
         em = e < H
         acc = tl.zeros((BLOCK_TOKENS, 2 * BLOCK_WORDS), tl.float32)
         for d in tl.static_range(NUM_RANKS):
-            from_d = column(ready, ranks, d) > 0
-            p = aligned_ptr(column(src, ranks, d), tl.bfloat16)
+            from_d = lane(ready, ranks, d) > 0
+            p = aligned_ptr(lane(src, ranks, d), tl.bfloat16)
             if LOCAL:
                 p = tl.where(rank == d, x_ptr + own_row * H, p)
             y = tl.load(
@@ -487,8 +592,8 @@ def sum_step(
     if HAS_WEIGHTS:
         wacc = tl.zeros((BLOCK_TOKENS, BLOCK_K), tl.float32)
         for d in tl.static_range(NUM_RANKS):
-            from_d = column(ready, ranks, d) > 0
-            wp = column(src, ranks, d).to(tl.pointer_type(tl.float32)) + W
+            from_d = lane(ready, ranks, d) > 0
+            wp = lane(src, ranks, d).to(tl.pointer_type(tl.float32)) + ROW_WORDS
             if LOCAL:
                 wp = tl.where(rank == d, weights_ptr + own_row * K, wp)
             wacc += tl.load(
@@ -503,13 +608,13 @@ def sum_step(
 
 @triton.jit
 def poison_lost(
-    hit,
-    ready,
-    tokens,
-    tmask,
-    out_ptr,
-    out_weights_ptr,
-    K,
+    hit,  # [BLOCK_TOKENS, BLOCK_RANKS] int32 1 where a token has a row from a rank
+    ready,  # [BLOCK_TOKENS, BLOCK_RANKS] int32 1 where that row came
+    tokens,  # [BLOCK_TOKENS] int32 the step's tokens
+    tmask,  # [BLOCK_TOKENS] bool the step's tokens that exist (and have arrived)
+    out_ptr,  # [N, H] bf16 out: the sums
+    out_weights_ptr,  # [N, K] float32 out: the summed weights (HAS_WEIGHTS)
+    K,  # top-k columns
     H: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
@@ -550,19 +655,19 @@ def combine_receive(
     num_tokens,  # N
     num_rows,  # M
     K,  # top-k columns
-    bias0_ptr,
-    bias1_ptr,
-    recv_start_ptr,
-    out_ptr,
+    bias0_ptr,  # [N, H] bf16 (NUM_BIAS >= 1)
+    bias1_ptr,  # [N, H] bf16 (NUM_BIAS >= 2)
+    recv_start_ptr,  # [R, C] int32 first row of each (source, channel) in x
+    out_ptr,  # [N, H] bf16 out: the sums
     out_weights_ptr,  # as the kernel's
-    bounds_ptr,
-    ready_ptr,
-    relay_call_ptr,
+    bounds_ptr,  # [C + 1] int32 first token of each channel (BOUNDS)
+    ready_ptr,  # [N] int32 per-token flags set once summed (PUBLISH)
+    relay_call_ptr,  # int64 call counter of the launch that awaits the flags set here (PUBLISH)
     trace_ptr,  # as the kernel's
-    peer_ptrs,
-    pe_ptr,
-    rank,
-    status_ptr,
+    peer_ptrs,  # [R] int64 heap base addresses
+    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
+    rank,  # this rank
+    status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
     timeout_ns,  # NormalShared (limit in ns)
     H: tl.constexpr,
     NUM_RANKS: tl.constexpr,
@@ -591,17 +696,22 @@ def combine_receive(
     token's rows from all ranks (with ``LOCAL``, this rank's own rows straight from the input
     ``x_ptr``). Returns the time it waited for rows (with ``PROFILE``; 0 otherwise)."""
     tag = call << 32
-    ranks = tl.arange(0, BLOCK_RANKS)
-    rmask = ranks < NUM_RANKS
-    peer_base = tl.load(peer_ptrs + ranks, mask=rmask, other=0)
-    my_base = tl.load(peer_ptrs + rank)
+    ranks, rmask, peer_base, my_base = peer_heaps(peer_ptrs, rank, NUM_RANKS, BLOCK_RANKS)
     t0, t1 = channel_tokens(channel, num_tokens, bounds_ptr, NUM_CHANNELS, BOUNDS)
     if PUBLISH:
         published = relay_flag(relay_call_ptr)
-    pair = channel * NUM_RANKS + ranks
-    ring = my_base + RING_OFFSET + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)
-    tail_flag = (my_base + TAIL_OFFSET + pair * 8).to(tl.pointer_type(tl.int64))
-    head_at = HEAD_OFFSET + (channel * NUM_RANKS + rank) * 8  # in each expert rank's heap
+    ring, tail_flag, head_at = receive_rings(
+        channel,
+        rank,
+        ranks,
+        my_base,
+        NUM_RANKS,
+        RING_STRIDE,
+        SLOT_BYTES,
+        RING_OFFSET,
+        TAIL_OFFSET,
+        HEAD_OFFSET,
+    )
     taken = tl.zeros((BLOCK_RANKS,), tl.int32)
     arrived = tl.zeros((BLOCK_RANKS,), tl.int64)  # last tail value read, per expert rank
     budget = timeout_ns + tl.zeros((), tl.int64)
@@ -637,7 +747,7 @@ def combine_receive(
             arrived = tl.where(blocked, values, arrived)
             if not ok:
                 peer = first_lane(blocked & (arrived < target), ranks)
-                record_timeout(status_ptr, peer, PHASE_COMBINE_RECV, timeout_ns, channel)
+                record_timeout(status_ptr, peer, COMBINE_RECV, timeout_ns, channel)
                 budget = tl.zeros((), tl.int64)
         # A row that never arrived is not read: its token's sum is NaN.
         ready = hit * ((arrived >= target) | own).to(tl.int32)[None, :]
@@ -647,7 +757,7 @@ def combine_receive(
         if LOCAL:
             # Rows past the input (worst-case outputs that overflowed) read as the last row,
             # as the sender would have sent them.
-            own_row = tl.minimum(own_first + column(nth, ranks, rank), last_row).to(tl.int64)
+            own_row = tl.minimum(own_first + lane(nth, ranks, rank), last_row).to(tl.int64)
         sum_step(
             src,
             ready,
@@ -694,11 +804,34 @@ def combine_receive(
         tl.debug_barrier()
         # Relaxed: the rows' loads have returned (their sums are stored), so a sender's
         # overwrite cannot reach them; a release would add a system-wide fence per block.
-        set_peer_flags(my_base, peer_base, ranks, head_at, tag | taken.to(tl.int64),
-                       (count > 0) & ~own, pe_ptr, NUM_RANKS, VIA, SEM="relaxed")  # fmt: skip
+        set_peer_flags(
+            my_base,
+            peer_base,
+            ranks,
+            head_at,
+            tag | taken.to(tl.int64),
+            (count > 0) & ~own,
+            pe_ptr,
+            NUM_RANKS,
+            VIA,
+            SEM="relaxed",
+        )
     tl.debug_barrier()
-    free_rings(call, channel, HEAD_OFFSET, rank, my_base, peer_base, ranks, rmask, pe_ptr,
-               NUM_RANKS, NUM_CHANNELS, MAX_CHANNELS, VIA)  # fmt: skip
+    free_rings(
+        call,
+        channel,
+        HEAD_OFFSET,
+        rank,
+        my_base,
+        peer_base,
+        ranks,
+        rmask,
+        pe_ptr,
+        NUM_RANKS,
+        NUM_CHANNELS,
+        MAX_CHANNELS,
+        VIA,
+    )
     return waited
 
 
@@ -862,6 +995,5 @@ def normal_combine_kernel(
             VIA,
         )
     if PROFILE:
-        trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), sends, waited,
-                   USE_CLOCK)  # fmt: skip
+        trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), sends, waited, USE_CLOCK)
     finish_call(state_ptr, call, COMBINE_ARRIVALS, COMBINE_CALLS)

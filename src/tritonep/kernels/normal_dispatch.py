@@ -52,26 +52,24 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
+from .phases import DISPATCH_IDS, DISPATCH_RECV, DISPATCH_RELAY, DISPATCH_SEND
 from .status import STATUS_TIMEOUT, first_bad_id, record_bad_id
 from .sync import (
     aligned_ptr,
     elapsed_ns,
+    finish_launch,
     first_lane,
+    lane,
     limit_ns,
     publish_rows,
     record_timeout,
     relay_flag,
+    rows_before,
     start_clock,
     wait_all_at_least,
 )
 from .trace import read_clock, trace_role
 from .transport import VIA_STORE, put_rings, set_peer_flags
-
-PHASE_DISPATCH_SEND = tl.constexpr(11)
-PHASE_DISPATCH_RECV = tl.constexpr(12)
-PHASE_DISPATCH_RELAY = tl.constexpr(15)
-#: The phase named in a bad-id record of a dispatch.
-PHASE_DISPATCH_IDS = tl.constexpr(18)
 
 DISPATCH_CALLS = tl.constexpr(2)
 DISPATCH_ARRIVALS = tl.constexpr(3)
@@ -166,26 +164,13 @@ class DispatchVariant(NamedTuple):
 
 
 @triton.jit
-def column(matrix, lanes, index):
-    """Column ``index`` of a ``[rows, lanes]`` tensor (Triton has no dynamic indexing)."""
-    return tl.sum(tl.where(lanes[None, :] == index, matrix, 0), 1)
-
-
-@triton.jit
-def rows_before(hit, ROWS: tl.constexpr):
-    """Exclusive prefix sum down the rows of a small ``[ROWS, lanes]`` int32 tensor.
-
-    A masked sum over a ``[ROWS, ROWS, lanes]`` broadcast: Triton 3.6's scan lowering fails
-    for some layouts of small 2-D tensors, and ``ROWS`` is at most a few dozen here.
-    """
-    rows = tl.arange(0, ROWS)
-    earlier = (rows[None, :] < rows[:, None]).to(tl.int32)  # [row, earlier row]
-    return tl.sum(earlier[:, :, None] * hit[None, :, :], 1)
-
-
-@triton.jit
-def channel_tokens(channel, num_tokens, bounds_ptr, NUM_CHANNELS: tl.constexpr,
-                   BOUNDS: tl.constexpr):  # fmt: skip
+def channel_tokens(
+    channel,  # the channel of this program
+    num_tokens,  # N, tokens of this rank
+    bounds_ptr,  # [C + 1] int32 first token of each channel (BOUNDS)
+    NUM_CHANNELS: tl.constexpr,
+    BOUNDS: tl.constexpr,
+):
     """``(first, end)`` tokens of a channel: an equal split of the tokens, or with ``BOUNDS``
     the range ``bounds_ptr`` gives (a relay's channel: the rows that one channel of the network
     leg delivered)."""
@@ -200,19 +185,36 @@ def channel_tokens(channel, num_tokens, bounds_ptr, NUM_CHANNELS: tl.constexpr,
 
 
 @triton.jit
-def finish_call(state_ptr, call, ARRIVALS: tl.constexpr, CALLS: tl.constexpr):
-    """The last program of a launch advances the call counter."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(state_ptr + ARRIVALS, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:
-        tl.store(state_ptr + ARRIVALS, 0)
+def finish_call(
+    state_ptr,  # [8] int64 device call counters
+    call,  # this launch's call number
+    ARRIVALS: tl.constexpr,
+    CALLS: tl.constexpr,
+):
+    """The last program of a launch advances the launch's call counter ``state[CALLS]``.
+
+    One counter for the whole launch, not one per program (:func:`.sync.call_number`): the
+    number of programs follows the SM budget, which may change from call to call."""
+    if finish_launch(state_ptr + ARRIVALS, 0, 0, 0, call, call, False, False, True):
         tl.store(state_ptr + CALLS, call + 1)
 
 
 @triton.jit
-def free_rings(call, channel, head_offset, rank, my_base, peer_base, ranks, rmask, pe_ptr,
-               NUM_RANKS: tl.constexpr, NUM_CHANNELS: tl.constexpr, MAX_CHANNELS: tl.constexpr,
-               VIA: tl.constexpr):  # fmt: skip
+def free_rings(
+    call,  # this launch's call number
+    channel,  # the channel of this program
+    head_offset,  # heap byte offset of the heads [C][R dest] int64
+    rank,  # this rank
+    my_base,  # int64 heap base of this rank
+    peer_base,  # [BLOCK_RANKS] int64 heap base of each rank
+    ranks,  # [BLOCK_RANKS] int32 rank lanes
+    rmask,  # [BLOCK_RANKS] bool lanes that are ranks of the group
+    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
+    NUM_RANKS: tl.constexpr,
+    NUM_CHANNELS: tl.constexpr,
+    MAX_CHANNELS: tl.constexpr,
+    VIA: tl.constexpr,
+):
     """Mark the rings this receiver drains free for the next call, in every source's heads.
 
     The receiver of channel ``c`` also frees channels ``c + C, c + 2 C, ...`` that this call
@@ -222,21 +224,136 @@ def free_rings(call, channel, head_offset, rank, my_base, peer_base, ranks, rmas
     freed = tl.zeros((ranks.shape[0],), tl.int64) + ((call + 1) << 32)
     for c in range(channel, MAX_CHANNELS, NUM_CHANNELS):
         head_at = head_offset + (c * NUM_RANKS + rank) * 8  # in each source's heap
-        set_peer_flags(my_base, peer_base, ranks, head_at, freed, rmask, pe_ptr, NUM_RANKS, VIA,
-                       SEM="release")  # fmt: skip
+        set_peer_flags(
+            my_base, peer_base, ranks, head_at, freed, rmask, pe_ptr, NUM_RANKS, VIA, SEM="release"
+        )
 
 
 @triton.jit
-def timed_out(status_ptr):
+def timed_out(
+    status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
+):
     """Whether a timeout is recorded (by this launch or an earlier one): outputs are poison."""
     return tl.load(status_ptr, volatile=True) == STATUS_TIMEOUT
 
 
-# ------------------------------------------------------------------------------------ sender
+@triton.jit
+def peer_heaps(
+    peer_ptrs,  # [R] int64 heap base addresses
+    rank,  # this rank
+    NUM_RANKS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+):
+    """``(ranks, rmask, peer_base, my_base)``: the ``[BLOCK_RANKS]`` rank lanes and which of
+    them are ranks of the group, every rank's int64 heap base, and this rank's."""
+    ranks = tl.arange(0, BLOCK_RANKS)
+    rmask = ranks < NUM_RANKS
+    peer_base = tl.load(peer_ptrs + ranks, mask=rmask, other=0)
+    my_base = tl.load(peer_ptrs + rank)
+    return ranks, rmask, peer_base, my_base
 
 
 @triton.jit
-def step_ids(topk_idx_ptr, tokens, tmask, K, NUM_EXPERTS: tl.constexpr, BLOCK_K: tl.constexpr):
+def send_rings(
+    channel,  # the channel this program sends
+    rank,  # this rank
+    peer_ptrs,  # [R] int64 heap base addresses
+    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
+    NUM_RANKS: tl.constexpr,
+    RING_STRIDE: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    RING_OFFSET: tl.constexpr,
+    TAIL_OFFSET: tl.constexpr,
+    HEAD_OFFSET: tl.constexpr,
+    STAGE_OFFSET: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    VIA: tl.constexpr,
+):
+    """A sender's rings, one per destination rank (constexprs as the kernels'), as one tuple
+    ``(ranks, peer_base, my_base, pe_ptr, ring_at, ring, tail_at, head_flag)``: the rank
+    lanes, every rank's heap base and this rank's, the PEs, the heap offset of this rank's
+    ring in every destination, the ``[BLOCK_RANKS]`` addresses its rows are built at (the
+    destination's ring, or with ``VIA`` this rank's mirror of it), the heap offset of its tail
+    there, and the pointers to the int64 heads the destinations return here."""
+    ranks, _rmask, peer_base, my_base = peer_heaps(peer_ptrs, rank, NUM_RANKS, BLOCK_RANKS)
+    pair = channel * NUM_RANKS + rank
+    ring_at = RING_OFFSET + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)  # in each peer
+    ring = peer_base + ring_at
+    if VIA != VIA_STORE:
+        # Rows are built in this rank's mirror of each destination's ring, then put there.
+        mirror_pairs = (channel * NUM_RANKS + ranks).to(tl.int64)
+        ring = my_base + STAGE_OFFSET + mirror_pairs * (RING_STRIDE * SLOT_BYTES)
+    head_flag = (my_base + HEAD_OFFSET + (channel * NUM_RANKS + ranks) * 8).to(
+        tl.pointer_type(tl.int64)
+    )
+    tail_at = TAIL_OFFSET + pair * 8
+    return ranks, peer_base, my_base, pe_ptr, ring_at, ring, tail_at, head_flag
+
+
+@triton.jit
+def announce(
+    rings,  # the sender's rings (send_rings)
+    announced,  # [BLOCK_RANKS] int32 rows of each ring its tail already announces
+    upto,  # [BLOCK_RANKS] int32 rows of each ring written so far
+    tag,  # int64 this call's tag (call << 32)
+    NUM_RANKS: tl.constexpr,
+    RING: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    VIA: tl.constexpr,
+):
+    """Publish a sender's rows ``[announced, upto)`` of every ring: one system-scope release
+    of each tail (with ``VIA``, after putting the rows from this rank's mirrors)."""
+    ranks, peer_base, my_base, pe_ptr, ring_at, ring, tail_at, _head_flag = rings
+    put_rings(
+        my_base,
+        peer_base,
+        ranks,
+        ring_at,
+        ring,
+        announced,
+        upto,
+        tail_at,
+        tag,
+        pe_ptr,
+        NUM_RANKS,
+        RING,
+        SLOT_BYTES,
+        VIA,
+    )
+
+
+@triton.jit
+def receive_rings(
+    channel,  # the channel this program receives
+    rank,  # this rank
+    ranks,  # [BLOCK_RANKS] int32 rank lanes
+    my_base,  # int64 heap base of this rank
+    NUM_RANKS: tl.constexpr,
+    RING_STRIDE: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    RING_OFFSET: tl.constexpr,
+    TAIL_OFFSET: tl.constexpr,
+    HEAD_OFFSET: tl.constexpr,
+):
+    """A receiver's rings, one per source rank, in this rank's heap (constexprs as the
+    kernels'): ``(ring, tail_flag, head_at)``, the ``[BLOCK_RANKS]`` ring addresses, the
+    pointers to their tails, and the heap offset of the head this rank returns to every
+    source."""
+    pair = channel * NUM_RANKS + ranks
+    ring = my_base + RING_OFFSET + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)
+    tail_flag = (my_base + TAIL_OFFSET + pair * 8).to(tl.pointer_type(tl.int64))
+    return ring, tail_flag, HEAD_OFFSET + (channel * NUM_RANKS + rank) * 8
+
+
+@triton.jit
+def step_ids(
+    topk_idx_ptr,  # [N, K] int64 global expert ids
+    tokens,  # [BLOCK_TOKENS] int32 the step's tokens
+    tmask,  # [BLOCK_TOKENS] bool the step's tokens that exist (and have arrived)
+    K,  # top-k columns
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """``[BLOCK_TOKENS, BLOCK_K]`` int64 top-k ids of a step's tokens (``-1`` in masked lanes),
     and where they lie outside ``[-1, NUM_EXPERTS)`` (int32 1s: reduced once, after the
     channel, rather than a block-wide reduction per step)."""
@@ -251,12 +368,12 @@ def step_ids(topk_idx_ptr, tokens, tmask, K, NUM_EXPERTS: tl.constexpr, BLOCK_K:
 
 @triton.jit
 def step_destinations(
-    ids,
-    tokens,
-    tmask,
-    t1,
-    in_rank_ptr,
-    rank,
+    ids,  # [BLOCK_TOKENS, BLOCK_K] int64 the step's top-k ids
+    tokens,  # [BLOCK_TOKENS] int32 the step's tokens
+    tmask,  # [BLOCK_TOKENS] bool the step's tokens that exist (and have arrived)
+    t1,  # int32 the channel's end token
+    in_rank_ptr,  # [N, R] int8 is_token_in_rank (stored with RANKS_FROM_IDS)
+    rank,  # this rank
     E_LOCAL: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     RANKS_FROM_IDS: tl.constexpr,
@@ -286,16 +403,16 @@ def step_destinations(
 
 @triton.jit
 def store_step(
-    x_ptr,
-    scales_ptr,
-    topk_weights_ptr,
-    src_tag_ptr,
-    tokens,
-    tmask,
-    ids,
-    hit,
-    dst,
-    K,
+    x_ptr,  # [N, ROW_WORDS] int32 payload words
+    scales_ptr,  # [N, SCALE_WORDS] int32 scale words (HAS_SCALES)
+    topk_weights_ptr,  # [N, K] float32 (HAS_WEIGHTS)
+    src_tag_ptr,  # [N] int32 each row's recorded source (HAS_TAG)
+    tokens,  # [BLOCK_TOKENS] int32 the step's tokens
+    tmask,  # [BLOCK_TOKENS] bool the step's tokens that exist (and have arrived)
+    ids,  # [BLOCK_TOKENS, BLOCK_K] int64 the step's global top-k ids
+    hit,  # [BLOCK_TOKENS, BLOCK_RANKS] int32 1 where a token goes to a rank's ring
+    dst,  # [BLOCK_TOKENS, BLOCK_RANKS] int64 slot address of each token in each ring
+    K,  # top-k columns
     ROW_WORDS: tl.constexpr,
     SCALE_WORDS: tl.constexpr,
     E_LOCAL: tl.constexpr,
@@ -330,8 +447,8 @@ def store_step(
         wn = w + BLOCK_SEND_WORDS
         v_next = tl.load(rows + wn[None, :], mask=tmask[:, None] & (wn < ROW_WORDS)[None, :])
         for d in tl.static_range(NUM_RANKS):
-            to_d = column(hit, ranks, d) > 0
-            p = aligned_ptr(column(dst, ranks, d), tl.int32)
+            to_d = lane(hit, ranks, d) > 0
+            p = aligned_ptr(lane(dst, ranks, d), tl.int32)
             tl.store(p[:, None] + w[None, :], v, mask=to_d[:, None] & (w < ROW_WORDS)[None, :])
         v = v_next
     if HAS_SCALES:
@@ -340,8 +457,8 @@ def store_step(
             mask=tmask[:, None] & gmask[None, :],
         )
         for d in tl.static_range(NUM_RANKS):
-            to_d = column(hit, ranks, d) > 0
-            p = aligned_ptr(column(dst, ranks, d) + ROW_WORDS * 4, tl.int32)
+            to_d = lane(hit, ranks, d) > 0
+            p = aligned_ptr(lane(dst, ranks, d) + ROW_WORDS * 4, tl.int32)
             tl.store(p[:, None] + groups[None, :], s, mask=to_d[:, None] & gmask[None, :])
     if HAS_TOPK:
         owner = tl.where(ids >= 0, ids // E_LOCAL, -1)
@@ -355,8 +472,8 @@ def store_step(
     if HAS_TAG:  # a row's origin further back (the internode forwarders use it)
         source = tl.load(src_tag_ptr + tokens64, mask=tmask, other=0)
     for d in tl.static_range(NUM_RANKS):
-        to_d = column(hit, ranks, d) > 0
-        record = aligned_ptr(column(dst, ranks, d) + RECORD_WORD * 4, tl.int32)
+        to_d = lane(hit, ranks, d) > 0
+        record = aligned_ptr(lane(dst, ranks, d) + RECORD_WORD * 4, tl.int32)
         tl.store(record, source, mask=to_d)
         if HAS_TOPK:
             local = tl.where(owner == d, ids - d * E_LOCAL, -1).to(tl.int32)
@@ -386,10 +503,10 @@ def dispatch_send(
     bounds_ptr,  # [C + 1] int32 first token of each channel (BOUNDS)
     ready_ptr,  # [N] int32 per-token flags awaited before reading a token (AWAIT)
     trace_ptr,  # readings (PROFILE)
-    peer_ptrs,
-    pe_ptr,
-    rank,
-    status_ptr,
+    peer_ptrs,  # [R] int64 heap base addresses
+    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
+    rank,  # this rank
+    status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
     timeout_ns,  # NormalShared (limit in ns)
     ROW_WORDS: tl.constexpr,
     SCALE_WORDS: tl.constexpr,
@@ -425,21 +542,24 @@ def dispatch_send(
     """The sender of ``channel`` (constexprs as :func:`normal_dispatch_kernel`'s): walk its
     tokens, feed every destination ring (with ``LOCAL``, every ring but this rank's own).
     Returns the time it waited (with ``PROFILE``; 0 otherwise)."""
-    ranks = tl.arange(0, BLOCK_RANKS)
-    rmask = ranks < NUM_RANKS
-    peer_base = tl.load(peer_ptrs + ranks, mask=rmask, other=0)
-    my_base = tl.load(peer_ptrs + rank)
     tag = call << 32
     t0, t1 = channel_tokens(channel, num_tokens, bounds_ptr, NUM_CHANNELS, BOUNDS)
-    pair = channel * NUM_RANKS + rank
-    ring_at = RING_OFFSET + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)  # in each peer
-    ring = peer_base + ring_at
-    if VIA != VIA_STORE:
-        # Rows are built in this rank's mirror of each destination's ring, then put there.
-        mirror_pairs = (channel * NUM_RANKS + ranks).to(tl.int64)
-        ring = my_base + STAGE_OFFSET + mirror_pairs * (RING_STRIDE * SLOT_BYTES)
-    head_flag = my_base + HEAD_OFFSET + (channel * NUM_RANKS + ranks) * 8
-    head_flag = head_flag.to(tl.pointer_type(tl.int64))
+    rings = send_rings(
+        channel,
+        rank,
+        peer_ptrs,
+        pe_ptr,
+        NUM_RANKS,
+        RING_STRIDE,
+        SLOT_BYTES,
+        RING_OFFSET,
+        TAIL_OFFSET,
+        HEAD_OFFSET,
+        STAGE_OFFSET,
+        BLOCK_RANKS,
+        VIA,
+    )
+    ranks, _peer_base, _my_base, _pe_ptr, _ring_at, ring, _tail_at, head_flag = rings
     sent = tl.zeros((BLOCK_RANKS,), tl.int32)
     released = tl.zeros((BLOCK_RANKS,), tl.int64)  # last head value read, per destination
     budget = timeout_ns + tl.zeros((), tl.int64)
@@ -465,7 +585,7 @@ def dispatch_send(
             if PROFILE:
                 waited += read_clock(trace_ptr, USE_CLOCK) - t_w
             if not arrived:
-                record_timeout(status_ptr, -1, PHASE_DISPATCH_RELAY, timeout_ns, channel)
+                record_timeout(status_ptr, -1, DISPATCH_RELAY, timeout_ns, channel)
                 budget = tl.zeros((), tl.int64)
             # Rows not arrived are not read. (A tile compare, not `tmask & arrived`: Triton
             # 3.9's interpreter splats a scalar comparison as int32, which no mask accepts.)
@@ -498,9 +618,7 @@ def dispatch_send(
             if unannounced > 0:
                 # The slots waited for are freed only once the receivers have the rows held
                 # back: announce them first.
-                put_rings(my_base, peer_base, ranks, ring_at, ring, announced, sent,
-                          TAIL_OFFSET + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
-                          VIA)  # fmt: skip
+                announce(rings, announced, sent, tag, NUM_RANKS, RING, SLOT_BYTES, VIA)
                 announced = sent
                 unannounced = unannounced * 0
             if PROFILE:
@@ -511,7 +629,7 @@ def dispatch_send(
             released = tl.where(blocked, values, released)
             if not ok:
                 peer = first_lane(blocked & (released < target), ranks)
-                record_timeout(status_ptr, peer, PHASE_DISPATCH_SEND, timeout_ns, channel)
+                record_timeout(status_ptr, peer, DISPATCH_SEND, timeout_ns, channel)
                 budget = tl.zeros((), tl.int64)
         # After a timeout (budget spent) the program stores and publishes nothing more: tails
         # past a skipped step would hand its slots, stale, to healthy peers as this call's
@@ -548,9 +666,7 @@ def dispatch_send(
             # waits for the stores before it to reach the peers.
             unannounced += 1
             if (unannounced >= RELEASE_STEPS) | (first + BLOCK_TOKENS >= t1):
-                put_rings(my_base, peer_base, ranks, ring_at, ring, announced, sent + count,
-                          TAIL_OFFSET + pair * 8, tag, pe_ptr, NUM_RANKS, RING, SLOT_BYTES,
-                          VIA)  # fmt: skip
+                announce(rings, announced, sent + count, tag, NUM_RANKS, RING, SLOT_BYTES, VIA)
                 announced = sent + count
                 unannounced = unannounced * 0
         sent += count
@@ -559,7 +675,7 @@ def dispatch_send(
         token, col, bad_id = first_bad_id(
             topk_idx_ptr, num_tokens, K, E_LOCAL * NUM_RANKS, BLOCK_K, BLOCK_TOKENS
         )
-        record_bad_id(status_ptr, rank, PHASE_DISPATCH_IDS, token, col, bad_id)
+        record_bad_id(status_ptr, rank, DISPATCH_IDS, token, col, bad_id)
     return waited
 
 
@@ -568,16 +684,16 @@ def dispatch_send(
 
 @triton.jit
 def own_lane(
-    own,
-    own_tok,
-    own_end,
-    own_next,
-    in_rank_ptr,
-    x_addr,
-    rank,
-    row,
-    live,
-    src,
+    own,  # [BLOCK_RANKS, BLOCK_ROWS] bool lanes of this rank's own rows
+    own_tok,  # int32 the own lane's next token of the channel
+    own_end,  # int32 the channel's end token
+    own_next,  # int32 the own lane's next output row
+    in_rank_ptr,  # [N, R] int8 is_token_in_rank
+    x_addr,  # int64 address of the [N, ROW_WORDS] int32 input payload
+    rank,  # this rank
+    row,  # [BLOCK_RANKS, BLOCK_ROWS] int64 output row of each ring row
+    live,  # [BLOCK_RANKS, BLOCK_ROWS] bool ring rows to copy
+    src,  # [BLOCK_RANKS, BLOCK_ROWS] int64 slot address of each ring row
     NUM_RANKS: tl.constexpr,
     ROW_WORDS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
@@ -604,23 +720,23 @@ def own_lane(
 
 @triton.jit
 def copy_rows(
-    src,
-    row,
-    live,
-    mine,
-    token,
-    out_x_ptr,
-    out_scales_ptr,
-    out_topk_idx_ptr,
-    out_weights_ptr,
-    out_src_ptr,
-    scales_addr,
-    topk_idx_ptr,
-    topk_weights_ptr,
-    src_tag_ptr,
-    row_map_ptr,
-    rank,
-    K,
+    src,  # [F] int64 slot address of each row (input row address for own rows)
+    row,  # [F] int64 output row of each row
+    live,  # [F] bool rows to copy
+    mine,  # [F] bool this rank's own rows, read from the input (LOCAL)
+    token,  # [F] int64 input token of each own row (LOCAL)
+    out_x_ptr,  # [max_rows, ROW_WORDS] int32 out: payload words
+    out_scales_ptr,  # [max_rows, SCALE_WORDS] int32 out (HAS_SCALES)
+    out_topk_idx_ptr,  # [max_rows, K] int64 out: local expert ids (HAS_TOPK)
+    out_weights_ptr,  # [max_rows, K] float32 out (HAS_WEIGHTS)
+    out_src_ptr,  # [max_rows] int32 out: source token index (or tag) of each row
+    scales_addr,  # int64 address of the [N, SCALE_WORDS] int32 input scales (LOCAL)
+    topk_idx_ptr,  # [N, K] int64 global expert ids (LOCAL and HAS_TOPK)
+    topk_weights_ptr,  # [N, K] float32 (LOCAL and HAS_WEIGHTS)
+    src_tag_ptr,  # [N] int32 recorded sources (LOCAL and HAS_TAG)
+    row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
+    rank,  # this rank
+    K,  # top-k columns
     ROW_WORDS: tl.constexpr,
     SCALE_WORDS: tl.constexpr,
     E_LOCAL: tl.constexpr,
@@ -709,16 +825,16 @@ def copy_rows(
 
 @triton.jit
 def fill_rows(
-    first,
-    end,
-    max_rows,
-    out_x_ptr,
-    out_scales_ptr,
-    out_topk_idx_ptr,
-    out_weights_ptr,
-    out_src_ptr,
-    row_map_ptr,
-    K,
+    first,  # first row to fill
+    end,  # end of the rows to fill (exclusive)
+    max_rows,  # rows the outputs hold
+    out_x_ptr,  # [max_rows, ROW_WORDS] int32 out: payload words
+    out_scales_ptr,  # [max_rows, SCALE_WORDS] int32 out (HAS_SCALES)
+    out_topk_idx_ptr,  # [max_rows, K] int64 out: local expert ids (HAS_TOPK)
+    out_weights_ptr,  # [max_rows, K] float32 out (HAS_WEIGHTS)
+    out_src_ptr,  # [max_rows] int32 out: source token index (or tag) of each row
+    row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
+    K,  # top-k columns
     POISON: tl.constexpr,
     ROW_WORDS: tl.constexpr,
     SCALE_WORDS: tl.constexpr,
@@ -771,198 +887,37 @@ def fill_rows(
 
 
 @triton.jit
-def dispatch_receive(
+def fill_channel_rows(
     channel,  # the channel this program receives
-    call,  # this launch's call number
-    x_ptr,  # [N, ROW_WORDS] int32 payload words (the own lane's input, LOCAL)
-    scales_ptr,  # [N, SCALE_WORDS] int32 (LOCAL and HAS_SCALES)
-    topk_idx_ptr,  # [N, K] int64 (LOCAL and HAS_TOPK)
-    topk_weights_ptr,  # [N, K] float32 (LOCAL and HAS_WEIGHTS)
-    in_rank_ptr,  # [N, R] int8 (LOCAL)
-    src_tag_ptr,  # [N] int32 (LOCAL and HAS_TAG)
-    num_tokens,  # N
-    K,  # top-k columns
-    recv_count_ptr,
-    recv_start_ptr,
-    host_info_ptr,  # from notify
-    out_x_ptr,
-    out_scales_ptr,
-    out_topk_idx_ptr,
-    out_weights_ptr,
-    out_src_ptr,  # outputs
+    recv_count_ptr,  # [R, C] int32 rows each (source, channel) sends here
+    recv_start_ptr,  # [R, C] int32 first output row of each (source, channel)
+    host_info_ptr,  # [1 + E_LOCAL] int32, [0] = rows received
+    out_x_ptr,  # [max_rows, ROW_WORDS] int32 out: payload words
+    out_scales_ptr,  # [max_rows, SCALE_WORDS] int32 out (HAS_SCALES)
+    out_topk_idx_ptr,  # [max_rows, K] int64 out (HAS_TOPK)
+    out_weights_ptr,  # [max_rows, K] float32 out (HAS_WEIGHTS)
+    out_src_ptr,  # [max_rows] int32 out
     max_rows,  # rows the outputs hold
-    bounds_ptr,
-    ready_ptr,
-    relay_call_ptr,
-    row_map_ptr,
-    trace_ptr,  # as the kernel's
-    peer_ptrs,
-    pe_ptr,
-    rank,
-    status_ptr,
-    timeout_ns,  # NormalShared (limit in ns)
+    row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
+    status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
+    K,  # top-k columns
     ROW_WORDS: tl.constexpr,
     SCALE_WORDS: tl.constexpr,
-    E_LOCAL: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
-    MAX_CHANNELS: tl.constexpr,
-    RING: tl.constexpr,
-    RING_STRIDE: tl.constexpr,
-    SLOT_BYTES: tl.constexpr,
-    RECORD_WORD: tl.constexpr,
-    RING_OFFSET: tl.constexpr,
-    TAIL_OFFSET: tl.constexpr,
-    HEAD_OFFSET: tl.constexpr,
     HAS_SCALES: tl.constexpr,
     HAS_TOPK: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
-    HAS_TAG: tl.constexpr,
     PAD_ROWS: tl.constexpr,
-    BOUNDS: tl.constexpr,
-    PUBLISH: tl.constexpr,
-    LOCAL: tl.constexpr,
     ROW_MAP: tl.constexpr,
-    USE_CLOCK: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
     BLOCK_RECV_WORDS: tl.constexpr,
-    BLOCK_RANKS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_SCALES: tl.constexpr,
-    PROFILE: tl.constexpr,
-    VIA: tl.constexpr,
 ):
-    """The receiver of ``channel`` (constexprs as :func:`normal_dispatch_kernel`'s): drain
-    the rings of every source into the outputs (with ``LOCAL``, this rank's own lane of each
-    step reads the channel's tokens straight from the input instead). Returns the time it
-    polled without progress (with ``PROFILE``; 0 otherwise)."""
-    ranks = tl.arange(0, BLOCK_RANKS)
-    rmask = ranks < NUM_RANKS
-    peer_base = tl.load(peer_ptrs + ranks, mask=rmask, other=0)
-    my_base = tl.load(peer_ptrs + rank)
-    tag = call << 32
-    count = tl.load(recv_count_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
-    start = tl.load(recv_start_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
-    steps = tl.arange(0, BLOCK_ROWS)
-    lane = ranks[:, None] + 0 * steps[None, :]  # [BLOCK_RANKS, BLOCK_ROWS] source of each row
-    # The own lane walks the channel's tokens BLOCK_ROWS at a time, from own_tok to own_end; a
-    # token for this rank lands at recv_start[rank, channel] + (this rank's tokens before it).
-    own_tok = tl.zeros((), tl.int32)
-    own_end = own_tok
-    own_next = own_tok
-    own = lane < 0
-    if LOCAL:
-        own = lane == rank
-        count = tl.where(ranks == rank, 0, count)
-        own_tok, own_end = channel_tokens(channel, num_tokens, bounds_ptr, NUM_CHANNELS, BOUNDS)
-        own_next = tl.load(recv_start_ptr + rank * NUM_CHANNELS + channel)
-    x_addr = x_ptr.to(tl.int64, bitcast=True)
-    scales_addr = scales_ptr.to(tl.int64, bitcast=True)
-    pair = channel * NUM_RANKS + ranks
-    ring = my_base + RING_OFFSET + pair.to(tl.int64) * (RING_STRIDE * SLOT_BYTES)
-    tail_flag = (my_base + TAIL_OFFSET + pair * 8).to(tl.pointer_type(tl.int64))
-    head_at = HEAD_OFFSET + (channel * NUM_RANKS + rank) * 8  # in each source's heap
-    head = tl.zeros((BLOCK_RANKS,), tl.int32)
-    clock = start_clock(USE_CLOCK)
-    spins = tl.zeros((), tl.int64)
-    pending = tl.sum(count, 0)
-    if PUBLISH:
-        published = relay_flag(relay_call_ptr)
-    waited = tl.zeros((), tl.int64)
-    FLAT: tl.constexpr = BLOCK_RANKS * BLOCK_ROWS  # rows of a step, flattened
-    while ((pending > 0) | (own_tok < own_end)) & (
-        elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns
-    ):
-        if PROFILE:
-            t_w = read_clock(trace_ptr, USE_CLOCK)
-        waiting = head < count
-        tails = tl.atomic_add(tail_flag, 0, mask=waiting, sem="acquire", scope="sys")
-        arrived = tl.where(waiting & (tails >= tag), (tails & 0xFFFFFFFF).to(tl.int32), head)
-        take = tl.minimum(arrived - head, BLOCK_ROWS)
-        if (tl.max(take, 0) > 0) | (own_tok < own_end):
-            tl.debug_barrier()
-            i = steps[None, :]
-            slot = ((head[:, None] + i) % RING).to(tl.int64)
-            row = (start[:, None] + head[:, None] + i).to(tl.int64)
-            live = i < take[:, None]
-            src = ring[:, None] + slot * SLOT_BYTES
-            token = 0 * lane
-            if LOCAL:
-                token, row, live, src, taken = own_lane(
-                    own,
-                    own_tok,
-                    own_end,
-                    own_next,
-                    in_rank_ptr,
-                    x_addr,
-                    rank,
-                    row,
-                    live,
-                    src,
-                    NUM_RANKS,
-                    ROW_WORDS,
-                    BLOCK_ROWS,
-                )
-                own_next += taken
-                own_tok += BLOCK_ROWS
-            live = live & (row < max_rows)  # worst-case outputs drop the overflow
-            row = tl.reshape(row, (FLAT,))
-            live = tl.reshape(live, (FLAT,))
-            copy_rows(
-                tl.reshape(src, (FLAT,)),
-                row,
-                live,
-                tl.reshape(own, (FLAT,)),
-                tl.reshape(token, (FLAT,)).to(tl.int64),
-                out_x_ptr,
-                out_scales_ptr,
-                out_topk_idx_ptr,
-                out_weights_ptr,
-                out_src_ptr,
-                scales_addr,
-                topk_idx_ptr,
-                topk_weights_ptr,
-                src_tag_ptr,
-                row_map_ptr,
-                rank,
-                K,
-                ROW_WORDS,
-                SCALE_WORDS,
-                E_LOCAL,
-                RECORD_WORD,
-                HAS_SCALES,
-                HAS_TOPK,
-                HAS_WEIGHTS,
-                HAS_TAG,
-                LOCAL,
-                ROW_MAP,
-                BLOCK_RECV_WORDS,
-                BLOCK_K,
-                BLOCK_SCALES,
-            )
-            if PUBLISH:
-                publish_rows(ready_ptr + row, published, live)
-            head += take
-            tl.debug_barrier()
-            # Relaxed: the slots' loads have returned (their values are stored), so nothing
-            # can move past this store that a sender's overwrite could affect; a release
-            # would add a system-wide fence to every step.
-            set_peer_flags(my_base, peer_base, ranks, head_at, tag | head.to(tl.int64),
-                           take > 0, pe_ptr, NUM_RANKS, VIA, SEM="relaxed")  # fmt: skip
-            clock = start_clock(USE_CLOCK)  # progress: the limit counts idle time only
-            spins = tl.zeros((), tl.int64)
-        else:
-            spins += 1
-            if PROFILE:
-                waited += read_clock(trace_ptr, USE_CLOCK) - t_w
-        pending = tl.sum(count - head, 0)
-    if pending > 0:
-        peer = first_lane(head < count, ranks)
-        record_timeout(status_ptr, peer, PHASE_DISPATCH_RECV, timeout_ns, channel)
-    # Every ring of this channel is free for the next call, whatever it carried.
-    tl.debug_barrier()
-    free_rings(call, channel, HEAD_OFFSET, rank, my_base, peer_base, ranks, rmask, pe_ptr,
-               NUM_RANKS, NUM_CHANNELS, MAX_CHANNELS, VIA)  # fmt: skip
+    """A receiver's last writes (constexprs as :func:`normal_dispatch_kernel`'s): with
+    ``PAD_ROWS`` its share of the rows past the received ones as padding, and after a
+    timeout (recorded by this launch or an earlier one) every row of its channel, from every
+    source, as poison."""
     if PAD_ROWS:  # rows past the received ones, this channel's share of them
         total = tl.load(host_info_ptr)
         for first in range(total + channel * BLOCK_FILL, max_rows, NUM_CHANNELS * BLOCK_FILL):
@@ -1014,6 +969,479 @@ def dispatch_receive(
                 BLOCK_K,
                 BLOCK_SCALES,
             )
+
+
+@triton.jit
+def copy_step(
+    head,  # [BLOCK_RANKS] int32 slots of each source's ring already copied
+    take,  # [BLOCK_RANKS] int32 slots of each ring to copy in this step
+    start,  # [BLOCK_RANKS] int32 first output row of each source's rows of the channel
+    ring,  # [BLOCK_RANKS] int64 address of each source's ring
+    own_tok,  # int32 the own lane's next token of the channel (LOCAL)
+    own_end,  # int32 the channel's end token (LOCAL)
+    own_next,  # int32 the own lane's next output row (LOCAL)
+    x_addr,  # int64 address of the [N, ROW_WORDS] int32 input payload (LOCAL)
+    scales_addr,  # int64 address of the [N, SCALE_WORDS] int32 input scales (LOCAL)
+    topk_idx_ptr,  # [N, K] int64 global expert ids (LOCAL and HAS_TOPK)
+    topk_weights_ptr,  # [N, K] float32 (LOCAL and HAS_WEIGHTS)
+    in_rank_ptr,  # [N, R] int8 destinations of each token (LOCAL)
+    src_tag_ptr,  # [N] int32 recorded sources (LOCAL and HAS_TAG)
+    out_x_ptr,  # [max_rows, ROW_WORDS] int32 out: payload words
+    out_scales_ptr,  # [max_rows, SCALE_WORDS] int32 out (HAS_SCALES)
+    out_topk_idx_ptr,  # [max_rows, K] int64 out: local expert ids (HAS_TOPK)
+    out_weights_ptr,  # [max_rows, K] float32 out (HAS_WEIGHTS)
+    out_src_ptr,  # [max_rows] int32 out: source token index (or tag) of each row
+    max_rows,  # rows the outputs hold
+    ready_ptr,  # [max_rows] int32 per-row flags set once a row is written (PUBLISH)
+    row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
+    published,  # int32 the flag value of this call's rows (PUBLISH)
+    rank,  # this rank
+    K,  # top-k columns
+    ROW_WORDS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    RING: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    RECORD_WORD: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    HAS_TOPK: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    HAS_TAG: tl.constexpr,
+    PUBLISH: tl.constexpr,
+    LOCAL: tl.constexpr,
+    ROW_MAP: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_RECV_WORDS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
+):
+    """Copy one receiver step into the outputs (constexprs as :func:`normal_dispatch_kernel`'s):
+    ``take`` slots of each source's ring from ``head`` on into rows ``start + head`` on, and
+    with ``LOCAL`` the own lane's next ``BLOCK_ROWS`` tokens from the input; rows at or past
+    ``max_rows`` are dropped. Returns the own rows copied (0 without ``LOCAL``)."""
+    FLAT: tl.constexpr = BLOCK_RANKS * BLOCK_ROWS  # rows of a step, flattened
+    i = tl.arange(0, BLOCK_ROWS)[None, :]
+    slot = ((head[:, None] + i) % RING).to(tl.int64)
+    row = (start[:, None] + head[:, None] + i).to(tl.int64)
+    live = i < take[:, None]
+    src = ring[:, None] + slot * SLOT_BYTES
+    sources = tl.arange(0, BLOCK_RANKS)[:, None] + 0 * i  # source rank of each row
+    own = sources < 0
+    if LOCAL:
+        own = sources == rank  # the own lane: rows read from the input
+    token = tl.zeros((BLOCK_RANKS, BLOCK_ROWS), tl.int32)
+    taken = tl.zeros((), tl.int32)
+    if LOCAL:
+        token, row, live, src, taken = own_lane(
+            own,
+            own_tok,
+            own_end,
+            own_next,
+            in_rank_ptr,
+            x_addr,
+            rank,
+            row,
+            live,
+            src,
+            NUM_RANKS,
+            ROW_WORDS,
+            BLOCK_ROWS,
+        )
+    live = live & (row < max_rows)  # worst-case outputs drop the overflow
+    row = tl.reshape(row, (FLAT,))
+    live = tl.reshape(live, (FLAT,))
+    copy_rows(
+        tl.reshape(src, (FLAT,)),
+        row,
+        live,
+        tl.reshape(own, (FLAT,)),
+        tl.reshape(token, (FLAT,)).to(tl.int64),
+        out_x_ptr,
+        out_scales_ptr,
+        out_topk_idx_ptr,
+        out_weights_ptr,
+        out_src_ptr,
+        scales_addr,
+        topk_idx_ptr,
+        topk_weights_ptr,
+        src_tag_ptr,
+        row_map_ptr,
+        rank,
+        K,
+        ROW_WORDS,
+        SCALE_WORDS,
+        E_LOCAL,
+        RECORD_WORD,
+        HAS_SCALES,
+        HAS_TOPK,
+        HAS_WEIGHTS,
+        HAS_TAG,
+        LOCAL,
+        ROW_MAP,
+        BLOCK_RECV_WORDS,
+        BLOCK_K,
+        BLOCK_SCALES,
+    )
+    if PUBLISH:
+        publish_rows(ready_ptr + row, published, live)
+    return taken
+
+
+@triton.jit
+def drain_rings(
+    count,  # [BLOCK_RANKS] int32 rows each source sends over this channel (own rank: 0 with LOCAL)
+    start,  # [BLOCK_RANKS] int32 first output row of each source's rows
+    ring,  # [BLOCK_RANKS] int64 address of each source's ring here
+    tail_flag,  # [BLOCK_RANKS] pointers to each ring's tail (int64, tagged)
+    head_at,  # heap byte offset of this rank's head in each source's heap
+    tag,  # int64 this call's tag (call << 32)
+    own_tok,  # int32 the own lane's first token (LOCAL)
+    own_end,  # int32 the channel's end token (LOCAL)
+    own_next,  # int32 the own lane's first output row (LOCAL)
+    x_addr,  # int64 address of the [N, ROW_WORDS] int32 input payload (LOCAL)
+    scales_addr,  # int64 address of the [N, SCALE_WORDS] int32 input scales (LOCAL)
+    topk_idx_ptr,  # [N, K] int64 global expert ids (LOCAL and HAS_TOPK)
+    topk_weights_ptr,  # [N, K] float32 (LOCAL and HAS_WEIGHTS)
+    in_rank_ptr,  # [N, R] int8 destinations of each token (LOCAL)
+    src_tag_ptr,  # [N] int32 recorded sources (LOCAL and HAS_TAG)
+    out_x_ptr,  # [max_rows, ROW_WORDS] int32 out: payload words
+    out_scales_ptr,  # [max_rows, SCALE_WORDS] int32 out (HAS_SCALES)
+    out_topk_idx_ptr,  # [max_rows, K] int64 out: local expert ids (HAS_TOPK)
+    out_weights_ptr,  # [max_rows, K] float32 out (HAS_WEIGHTS)
+    out_src_ptr,  # [max_rows] int32 out: source token index (or tag) of each row
+    max_rows,  # rows the outputs hold
+    ready_ptr,  # [max_rows] int32 per-row flags set once a row is written (PUBLISH)
+    row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
+    published,  # int32 the flag value of this call's rows (PUBLISH)
+    trace_ptr,  # int64 readings (PROFILE)
+    ranks,  # [BLOCK_RANKS] int32 rank lanes
+    peer_base,  # [BLOCK_RANKS] int64 heap base of each rank
+    my_base,  # int64 heap base of this rank
+    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
+    rank,  # this rank
+    timeout_ns,  # int64 limit of the wait without progress
+    K,  # top-k columns
+    ROW_WORDS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    RING: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    RECORD_WORD: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    HAS_TOPK: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    HAS_TAG: tl.constexpr,
+    PUBLISH: tl.constexpr,
+    LOCAL: tl.constexpr,
+    ROW_MAP: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_RECV_WORDS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
+    PROFILE: tl.constexpr,
+    VIA: tl.constexpr,
+):
+    """The receiving loop (constexprs as :func:`normal_dispatch_kernel`'s): poll the tails of
+    every source ring, copy what has arrived (and with ``LOCAL`` the own lane's next tokens)
+    a step at a time, and return the heads to the sources; stop once every row is copied or
+    ``timeout_ns`` passed without progress. Returns ``(head, waited)``: the slots copied from
+    each source and the time it polled without progress (with ``PROFILE``; 0 otherwise)."""
+    head = tl.zeros((BLOCK_RANKS,), tl.int32)
+    clock = start_clock(USE_CLOCK)
+    spins = tl.zeros((), tl.int64)
+    pending = tl.sum(count, 0)
+    waited = tl.zeros((), tl.int64)
+    while ((pending > 0) | (own_tok < own_end)) & (
+        elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns
+    ):
+        if PROFILE:
+            t_w = read_clock(trace_ptr, USE_CLOCK)
+        waiting = head < count
+        tails = tl.atomic_add(tail_flag, 0, mask=waiting, sem="acquire", scope="sys")
+        arrived = tl.where(waiting & (tails >= tag), (tails & 0xFFFFFFFF).to(tl.int32), head)
+        take = tl.minimum(arrived - head, BLOCK_ROWS)
+        if (tl.max(take, 0) > 0) | (own_tok < own_end):
+            tl.debug_barrier()
+            taken = copy_step(
+                head,
+                take,
+                start,
+                ring,
+                own_tok,
+                own_end,
+                own_next,
+                x_addr,
+                scales_addr,
+                topk_idx_ptr,
+                topk_weights_ptr,
+                in_rank_ptr,
+                src_tag_ptr,
+                out_x_ptr,
+                out_scales_ptr,
+                out_topk_idx_ptr,
+                out_weights_ptr,
+                out_src_ptr,
+                max_rows,
+                ready_ptr,
+                row_map_ptr,
+                published,
+                rank,
+                K,
+                ROW_WORDS,
+                SCALE_WORDS,
+                E_LOCAL,
+                NUM_RANKS,
+                RING,
+                SLOT_BYTES,
+                RECORD_WORD,
+                HAS_SCALES,
+                HAS_TOPK,
+                HAS_WEIGHTS,
+                HAS_TAG,
+                PUBLISH,
+                LOCAL,
+                ROW_MAP,
+                BLOCK_ROWS,
+                BLOCK_RECV_WORDS,
+                BLOCK_RANKS,
+                BLOCK_K,
+                BLOCK_SCALES,
+            )
+            if LOCAL:
+                own_next += taken
+                own_tok += BLOCK_ROWS
+            head += take
+            tl.debug_barrier()
+            # Relaxed: the slots' loads have returned (their values are stored), so nothing
+            # can move past this store that a sender's overwrite could affect; a release
+            # would add a system-wide fence to every step.
+            set_peer_flags(
+                my_base,
+                peer_base,
+                ranks,
+                head_at,
+                tag | head.to(tl.int64),
+                take > 0,
+                pe_ptr,
+                NUM_RANKS,
+                VIA,
+                SEM="relaxed",
+            )
+            clock = start_clock(USE_CLOCK)  # progress: the limit counts idle time only
+            spins = tl.zeros((), tl.int64)
+        else:
+            spins += 1
+            if PROFILE:
+                waited += read_clock(trace_ptr, USE_CLOCK) - t_w
+        pending = tl.sum(count - head, 0)
+    return head, waited
+
+
+@triton.jit
+def dispatch_receive(
+    channel,  # the channel this program receives
+    call,  # this launch's call number
+    x_ptr,  # [N, ROW_WORDS] int32 payload words (the own lane's input, LOCAL)
+    scales_ptr,  # [N, SCALE_WORDS] int32 (LOCAL and HAS_SCALES)
+    topk_idx_ptr,  # [N, K] int64 (LOCAL and HAS_TOPK)
+    topk_weights_ptr,  # [N, K] float32 (LOCAL and HAS_WEIGHTS)
+    in_rank_ptr,  # [N, R] int8 (LOCAL)
+    src_tag_ptr,  # [N] int32 (LOCAL and HAS_TAG)
+    num_tokens,  # N
+    K,  # top-k columns
+    recv_count_ptr,  # [R, C] int32 tokens each (source, channel) sends here
+    recv_start_ptr,  # [R, C] int32 first output row of each (source, channel)
+    host_info_ptr,  # from notify
+    out_x_ptr,  # [max_rows, ROW_WORDS] int32 out: payload words
+    out_scales_ptr,  # [max_rows, SCALE_WORDS] int32 out (HAS_SCALES)
+    out_topk_idx_ptr,  # [max_rows, K] int64 out: local expert ids (HAS_TOPK)
+    out_weights_ptr,  # [max_rows, K] float32 out (HAS_WEIGHTS)
+    out_src_ptr,  # outputs
+    max_rows,  # rows the outputs hold
+    bounds_ptr,  # [C + 1] int32 first token of each channel (BOUNDS)
+    ready_ptr,  # [max_rows] int32 per-row flags set once a row is written (PUBLISH)
+    relay_call_ptr,  # int64 call counter of the launch that awaits the flags set here (PUBLISH)
+    row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
+    trace_ptr,  # as the kernel's
+    peer_ptrs,  # [R] int64 heap base addresses
+    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
+    rank,  # this rank
+    status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
+    timeout_ns,  # NormalShared (limit in ns)
+    ROW_WORDS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    NUM_CHANNELS: tl.constexpr,
+    MAX_CHANNELS: tl.constexpr,
+    RING: tl.constexpr,
+    RING_STRIDE: tl.constexpr,
+    SLOT_BYTES: tl.constexpr,
+    RECORD_WORD: tl.constexpr,
+    RING_OFFSET: tl.constexpr,
+    TAIL_OFFSET: tl.constexpr,
+    HEAD_OFFSET: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    HAS_TOPK: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    HAS_TAG: tl.constexpr,
+    PAD_ROWS: tl.constexpr,
+    BOUNDS: tl.constexpr,
+    PUBLISH: tl.constexpr,
+    LOCAL: tl.constexpr,
+    ROW_MAP: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_RECV_WORDS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
+    PROFILE: tl.constexpr,
+    VIA: tl.constexpr,
+):
+    """The receiver of ``channel`` (constexprs as :func:`normal_dispatch_kernel`'s): drain
+    the rings of every source into the outputs (with ``LOCAL``, this rank's own lane of each
+    step reads the channel's tokens straight from the input instead). Returns the time it
+    polled without progress (with ``PROFILE``; 0 otherwise)."""
+    ranks, rmask, peer_base, my_base = peer_heaps(peer_ptrs, rank, NUM_RANKS, BLOCK_RANKS)
+    tag = call << 32
+    count = tl.load(recv_count_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
+    start = tl.load(recv_start_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
+    # The own lane walks the channel's tokens BLOCK_ROWS at a time, from own_tok to own_end; a
+    # token for this rank lands at recv_start[rank, channel] + (this rank's tokens before it).
+    own_tok = tl.zeros((), tl.int32)
+    own_end = own_tok
+    own_next = own_tok
+    if LOCAL:
+        count = tl.where(ranks == rank, 0, count)
+        own_tok, own_end = channel_tokens(channel, num_tokens, bounds_ptr, NUM_CHANNELS, BOUNDS)
+        own_next = tl.load(recv_start_ptr + rank * NUM_CHANNELS + channel)
+    x_addr = x_ptr.to(tl.int64, bitcast=True)
+    scales_addr = scales_ptr.to(tl.int64, bitcast=True)
+    ring, tail_flag, head_at = receive_rings(
+        channel,
+        rank,
+        ranks,
+        my_base,
+        NUM_RANKS,
+        RING_STRIDE,
+        SLOT_BYTES,
+        RING_OFFSET,
+        TAIL_OFFSET,
+        HEAD_OFFSET,
+    )
+    published = tl.zeros((), tl.int32)
+    if PUBLISH:
+        published = relay_flag(relay_call_ptr)
+    head, waited = drain_rings(
+        count,
+        start,
+        ring,
+        tail_flag,
+        head_at,
+        tag,
+        own_tok,
+        own_end,
+        own_next,
+        x_addr,
+        scales_addr,
+        topk_idx_ptr,
+        topk_weights_ptr,
+        in_rank_ptr,
+        src_tag_ptr,
+        out_x_ptr,
+        out_scales_ptr,
+        out_topk_idx_ptr,
+        out_weights_ptr,
+        out_src_ptr,
+        max_rows,
+        ready_ptr,
+        row_map_ptr,
+        published,
+        trace_ptr,
+        ranks,
+        peer_base,
+        my_base,
+        pe_ptr,
+        rank,
+        timeout_ns,
+        K,
+        ROW_WORDS,
+        SCALE_WORDS,
+        E_LOCAL,
+        NUM_RANKS,
+        RING,
+        SLOT_BYTES,
+        RECORD_WORD,
+        HAS_SCALES,
+        HAS_TOPK,
+        HAS_WEIGHTS,
+        HAS_TAG,
+        PUBLISH,
+        LOCAL,
+        ROW_MAP,
+        USE_CLOCK,
+        BLOCK_ROWS,
+        BLOCK_RECV_WORDS,
+        BLOCK_RANKS,
+        BLOCK_K,
+        BLOCK_SCALES,
+        PROFILE,
+        VIA,
+    )
+    pending = tl.sum(count - head, 0)
+    if pending > 0:
+        peer = first_lane(head < count, ranks)
+        record_timeout(status_ptr, peer, DISPATCH_RECV, timeout_ns, channel)
+    # Every ring of this channel is free for the next call, whatever it carried.
+    tl.debug_barrier()
+    free_rings(
+        call,
+        channel,
+        HEAD_OFFSET,
+        rank,
+        my_base,
+        peer_base,
+        ranks,
+        rmask,
+        pe_ptr,
+        NUM_RANKS,
+        NUM_CHANNELS,
+        MAX_CHANNELS,
+        VIA,
+    )
+    fill_channel_rows(
+        channel,
+        recv_count_ptr,
+        recv_start_ptr,
+        host_info_ptr,
+        out_x_ptr,
+        out_scales_ptr,
+        out_topk_idx_ptr,
+        out_weights_ptr,
+        out_src_ptr,
+        max_rows,
+        row_map_ptr,
+        status_ptr,
+        K,
+        ROW_WORDS,
+        SCALE_WORDS,
+        NUM_RANKS,
+        NUM_CHANNELS,
+        HAS_SCALES,
+        HAS_TOPK,
+        HAS_WEIGHTS,
+        PAD_ROWS,
+        ROW_MAP,
+        BLOCK_RECV_WORDS,
+        BLOCK_K,
+        BLOCK_SCALES,
+    )
     return waited
 
 
@@ -1220,6 +1648,5 @@ def normal_dispatch_kernel(
             VIA,
         )
     if PROFILE:
-        trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), sends, waited,
-                   USE_CLOCK)  # fmt: skip
+        trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), sends, waited, USE_CLOCK)
     finish_call(state_ptr, call, DISPATCH_ARRIVALS, DISPATCH_CALLS)

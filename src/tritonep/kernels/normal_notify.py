@@ -34,11 +34,10 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
+from .phases import NOTIFY
 from .sync import STATUS_OVERFLOW, elapsed_ns, limit_ns, record_timeout, start_clock
 from .trace import read_clock, trace_role
 from .transport import VIA_STORE, put_block
-
-PHASE_NOTIFY = tl.constexpr(10)
 
 # Device state counters (int64) of the normal mode.
 NOTIFY_CALLS = tl.constexpr(0)
@@ -85,7 +84,11 @@ class NotifyVariant(NamedTuple):
 
 
 @triton.jit
-def all_nonzero(a, b, c):
+def all_nonzero(
+    a,  # [BLOCK_CHANNELS] int32 words
+    b,  # [BLOCK_EXPERTS] int32 words
+    c,  # [BLOCK_EXTRA] int32 words
+):
     """Whether no word of three masked vectors (masked lanes read ``-1``) is zero."""
     return (
         tl.min(tl.where(a != 0, 1, 0), 0)
@@ -96,9 +99,9 @@ def all_nonzero(a, b, c):
 
 @triton.jit
 def channel_counts(
-    counts_ptr,
-    num_tokens,
-    peer,
+    counts_ptr,  # [N, R] bool is_token_in_rank, or [R, C] int32 counts (COUNTS_GIVEN)
+    num_tokens,  # N, tokens of this rank
+    peer,  # the destination rank counted for
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
     COUNTS_GIVEN: tl.constexpr,
@@ -129,14 +132,14 @@ def channel_counts(
 
 @triton.jit
 def notify_send(
-    counts,
-    per_expert_ptr,
-    extra_ptr,
-    peer,
-    rank,
-    row_offset,
-    peer_ptrs,
-    pe_ptr,
+    counts,  # [BLOCK_CHANNELS] int32 tokens of each channel for peer
+    per_expert_ptr,  # [E] int32 top-k entries per global expert on this rank
+    extra_ptr,  # [R, EXTRA] int32 sent to each peer (EXTRA > 0)
+    peer,  # the destination rank
+    rank,  # this rank
+    row_offset,  # heap byte offset of this rank's row in peer's heap
+    peer_ptrs,  # [R] int64 heap base addresses
+    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
     NUM_CHANNELS: tl.constexpr,
     E_LOCAL: tl.constexpr,
     ROW_WORDS: tl.constexpr,
@@ -165,19 +168,26 @@ def notify_send(
         tl.store(words + NUM_CHANNELS + E_LOCAL + xs, -more - 1, mask=xs < EXTRA)
     if VIA != VIA_STORE:
         # No signal: the receiver waits for every word to be non-zero.
-        put_block(tl.load(peer_ptrs + rank), peer_base, row_offset, row, ROW_WORDS * 4,
-                  tl.load(pe_ptr + peer), VIA)  # fmt: skip
+        put_block(
+            tl.load(peer_ptrs + rank),
+            peer_base,
+            row_offset,
+            row,
+            ROW_WORDS * 4,
+            tl.load(pe_ptr + peer),
+            VIA,
+        )
 
 
 @triton.jit
 def notify_receive(
-    my_row,
-    peer,
-    timeout_ns,
-    status_ptr,
-    recv_count_ptr,
-    decoded_ptr,
-    extra_out_ptr,
+    my_row,  # *int32 the row of source peer in this rank's heap
+    peer,  # the source rank
+    timeout_ns,  # int64 limit of the wait
+    status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
+    recv_count_ptr,  # [R, C] int32 out: tokens each (source, channel) sends here
+    decoded_ptr,  # [R, E_LOCAL] int32 out: expert entries from each source
+    extra_out_ptr,  # [R, EXTRA] int32 out: the extra words of each source (EXTRA > 0)
     NUM_CHANNELS: tl.constexpr,
     E_LOCAL: tl.constexpr,
     EXTRA: tl.constexpr,
@@ -209,7 +219,7 @@ def notify_receive(
         got_x = tl.load(my_extra + xs, mask=xmask, other=-1, volatile=True)
         arrived = all_nonzero(got_c, got_e, got_x)
     if not arrived:
-        record_timeout(status_ptr, peer, PHASE_NOTIFY, timeout_ns)
+        record_timeout(status_ptr, peer, NOTIFY, timeout_ns)
     tl.store(
         recv_count_ptr + peer * NUM_CHANNELS + channels,
         tl.where(arrived, -got_c - 1, 0),
@@ -225,13 +235,13 @@ def notify_receive(
 
 @triton.jit
 def lay_out_rows(
-    recv_count_ptr,
-    recv_start_ptr,
-    decoded_ptr,
-    host_info_ptr,
-    alignment,
-    max_rows,
-    status_ptr,
+    recv_count_ptr,  # [R, C] int32 tokens each (source, channel) sends here
+    recv_start_ptr,  # [R, C] int32 out: first output row of each (source, channel)
+    decoded_ptr,  # [R, E_LOCAL] int32 expert entries from each source
+    host_info_ptr,  # [1 + E_LOCAL] int32 out: total rows, aligned tokens per local expert
+    alignment,  # round the entries per local expert up to a multiple of this
+    max_rows,  # rows the outputs hold (worst-case mode), 0 = unlimited
+    status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
     E_LOCAL: tl.constexpr,
@@ -267,7 +277,7 @@ def lay_out_rows(
     tl.store(host_info_ptr, total)
     tl.store(host_info_ptr + 1 + experts, per_expert, mask=experts < E_LOCAL)
     if (max_rows > 0) & (total > max_rows):
-        record_timeout(status_ptr, -1, PHASE_NOTIFY, 0, total, STATUS_OVERFLOW)
+        record_timeout(status_ptr, -1, NOTIFY, 0, total, STATUS_OVERFLOW)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "alignment", "max_rows", "timeout_us"])

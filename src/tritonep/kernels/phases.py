@@ -27,6 +27,8 @@ COMBINE_SEND = tl.constexpr(13)
 COMBINE_RECV = tl.constexpr(14)
 DISPATCH_RELAY = tl.constexpr(15)  # a forwarder waits for rows from the network leg
 COMBINE_RELAY = tl.constexpr(16)  # a forwarder waits for sums from the NVLink leg
+LAYOUT_IDS = tl.constexpr(17)  # a bad id read by get_dispatch_layout
+DISPATCH_IDS = tl.constexpr(18)  # a bad id read by a dispatch
 
 # Elastic mode (DeepEP V2's interface).
 ELASTIC_DISPATCH = tl.constexpr(20)
@@ -47,6 +49,8 @@ NAMES: dict[int, str] = {
     COMBINE_RECV.value: "combine receive",
     DISPATCH_RELAY.value: "dispatch relay (rows from the network leg)",
     COMBINE_RELAY.value: "combine relay (sums from the NVLink leg)",
+    LAYOUT_IDS.value: "get_dispatch_layout",
+    DISPATCH_IDS.value: "dispatch",
     ELASTIC_DISPATCH.value: "elastic dispatch",
     ELASTIC_COMBINE.value: "elastic combine",
     ELASTIC_BARRIER.value: "elastic barrier",

@@ -72,7 +72,7 @@ from ..validation import (
     check_topk_idx,
     default_group,
 )
-from .normal import Config, NormalDispatchOutput, NormalHandle, NormalMode, Relay
+from .normal import Config, NormalDispatchOutput, NormalHandle, NormalMode, Relay, raise_after
 from .trace import TraceRecorder
 
 _no_torch_function = torch._C.DisableTorchFunction
@@ -301,22 +301,22 @@ class InternodeMode:
         leg recorded earlier is raised after the launches (as by ``NormalMode``).
         """
         with _no_torch_function():
-            recorded = self._recorded()
-            out = self._dispatch(
-                x,
-                topk_idx,
-                topk_weights,
-                num_tokens_per_expert,
-                is_token_in_rank,
-                handle,
-                expert_alignment,
-                num_worst_tokens,
-                config,
+            return raise_after(
+                self._recorded,
+                lambda: self._raise_first(NormalMode.raise_recorded),
+                lambda: self._dispatch(
+                    x,
+                    topk_idx,
+                    topk_weights,
+                    num_tokens_per_expert,
+                    is_token_in_rank,
+                    handle,
+                    expert_alignment,
+                    num_worst_tokens,
+                    config,
+                ),
+                synced=handle is None and not num_worst_tokens,
             )
-            synced = handle is None and not num_worst_tokens  # read the host: raise now
-            if recorded or (synced and self._recorded()):
-                self._raise_first(NormalMode.raise_recorded)
-            return out
 
     def _dispatch(
         self,
@@ -497,11 +497,11 @@ class InternodeMode:
         nodes' sums across the network. Args and returns as
         :meth:`tritonep.modes.normal.NormalMode.combine`, without ``relay``."""
         with _no_torch_function():
-            recorded = self._recorded()
-            out = self._combine(x, handle, topk_weights, bias)
-            if recorded:
-                self._raise_first(NormalMode.raise_recorded)
-            return out
+            return raise_after(
+                self._recorded,
+                lambda: self._raise_first(NormalMode.raise_recorded),
+                lambda: self._combine(x, handle, topk_weights, bias),
+            )
 
     def _combine(self, x, handle, topk_weights, bias):
         if not isinstance(handle, InternodeHandle):

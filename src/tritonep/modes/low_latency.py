@@ -58,9 +58,10 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+import triton
 
 from ..heap import allocate
-from ..kernels import ll_combine, ll_dispatch, transport
+from ..kernels import ll_combine, ll_dispatch, phases, transport
 from ..kernels.launcher import KernelLaunch, Shared
 from ..kernels.ll_combine import CombineCall, CombineVariant
 from ..kernels.ll_dispatch import DispatchCall, DispatchVariant, LowLatencyShared
@@ -87,10 +88,13 @@ MAX_TOPK = 16
 DISPATCH_KERNEL = profiled(ll_dispatch.ll_dispatch_kernel, "tritonep::low_latency::dispatch")
 COMBINE_KERNEL = profiled(ll_combine.ll_combine_kernel, "tritonep::low_latency::combine")
 PHASES = {
-    ll_dispatch.PHASE_DISPATCH_RECV.value: "low-latency dispatch receive",
-    ll_combine.PHASE_COMBINE_RECV.value: "low-latency combine receive",
-    ll_dispatch.PHASE_DISPATCH_IDS.value: "low-latency dispatch",
-    ll_combine.PHASE_COMBINE_IDS.value: "low-latency combine",
+    code.value: phases.NAMES[code.value]
+    for code in (
+        phases.LL_DISPATCH_RECV,
+        phases.LL_COMBINE_RECV,
+        phases.LL_DISPATCH_IDS,
+        phases.LL_COMBINE_IDS,
+    )
 }
 
 _no_torch_function = torch._C.DisableTorchFunction
@@ -98,10 +102,6 @@ _no_torch_function = torch._C.DisableTorchFunction
 
 def _align(n: int, a: int = 128) -> int:
     return (n + a - 1) // a * a
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _groups(hidden: int) -> int:
@@ -113,7 +113,7 @@ def _groups(hidden: int) -> int:
 def _rows_in_flight(hidden: int, itemsize: int, budget: int = 32768) -> int:
     """Rows a program moves per iteration: about ``budget`` bytes of (padded) payload in
     flight."""
-    row_bytes = _next_pow2(_groups(hidden)) * 128 * itemsize
+    row_bytes = triton.next_power_of_2(_groups(hidden)) * 128 * itemsize
     return max(1, min(8, budget // row_bytes))
 
 
@@ -413,7 +413,7 @@ class LowLatencyMode:
         # At least 2 bins: the scratch row (3 * bins + TOKEN_WORDS int32) stays even, so its
         # int64 words (the counting tally, the destination list) are 8-byte aligned in every
         # program's row.
-        self._bins = _next_pow2(max(num_experts, 2))
+        self._bins = triton.next_power_of_2(max(num_experts, 2))
         self.scratch = torch.empty(
             num_programs,
             3 * self._bins + ll_dispatch.TOKEN_WORDS.value,
@@ -445,7 +445,7 @@ class LowLatencyMode:
         # packs one while the next one's counts are still on the way (4x H100: 2 together
         # 14.6-14.7 against 15.1-15.5 us at 32 tokens, 26.0-26.9 against 24.6-24.7 at 128;
         # BENCHMARKS.md).
-        self._items = min(4, _next_pow2(-(-num_experts // num_programs)))
+        self._items = min(4, triton.next_power_of_2(-(-num_experts // num_programs)))
         self._plans: dict[tuple, _Plan] = {}
         self._device_index = self.device.index if self.device.type == "cuda" else -1
         self._shared_args()
@@ -821,12 +821,12 @@ class LowLatencyMode:
             DO_SEND=True,
             DO_RECV=True,
             USE_CLOCK=use_clock(self.device),
-            BLOCK_N=min(128, _next_pow2(max(M, 16))),
+            BLOCK_N=min(128, triton.next_power_of_2(max(M, 16))),
             COUNT_BY_ADDS=by_adds,
             ONE_TOKEN=one_token,
-            K_P2=_next_pow2(max(topk, 2)),
-            G_P2=_next_pow2(_groups(H)),
-            R_P2=_next_pow2(max(R, 2)),
+            K_P2=triton.next_power_of_2(max(topk, 2)),
+            G_P2=triton.next_power_of_2(_groups(H)),
+            R_P2=triton.next_power_of_2(max(R, 2)),
             BINS=self._bins,
             # Messages copied together on receive: 64 KB of payload in flight, on 16 warps
             # (the pack's loads wait on the headers that locate the payloads).
@@ -1013,8 +1013,8 @@ class LowLatencyMode:
             DO_SEND=True,
             DO_RECV=True,
             USE_CLOCK=use_clock(self.device),
-            G_P2=_next_pow2(_groups(H)),
-            R_P2=_next_pow2(max(R, 2)),
+            G_P2=triton.next_power_of_2(_groups(H)),
+            R_P2=triton.next_power_of_2(max(R, 2)),
             # 16 warps: a BF16 sender keeps 64 KB in flight, the reduce takes whole rows
             # (BENCHMARKS.md, "Low-latency combine on 16 warps"). LogFMT encodes BLOCK_ROWS
             # rows x BLOCK_GROUPS groups at a time: whole rows, 32 KB of BF16 a step (its
@@ -1024,14 +1024,16 @@ class LowLatencyMode:
             # 64 registers a thread (LogFMT: 4096 channels, the fastest measured; whole groups
             # of 128 channels, even where H is smaller).
             BLOCK_CHANNELS=min(
-                _next_pow2(max(H, 128)), 65536 // _next_pow2(topk), 4096 if logfmt else 8192
+                triton.next_power_of_2(max(H, 128)),
+                65536 // triton.next_power_of_2(topk),
+                4096 if logfmt else 8192,
             ),
             PROFILE=self.trace is not None,
             WAIT_STATS=wait_stats,
             SHRINK=self.enable_shrink,
             VIA=self.transport.via,
             LOGFMT=logfmt,
-            BLOCK_GROUPS=min(_next_pow2(_groups(H)), 64),
+            BLOCK_GROUPS=min(triton.next_power_of_2(_groups(H)), 64),
         )
         # No fused multiply-add: products round as in the reference, so the sum is bit-exact.
         options = {"num_warps": 16, "enable_fp_fusion": False}

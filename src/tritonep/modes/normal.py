@@ -53,6 +53,7 @@ row and a mirror ring per destination) and moved with the tails and heads by
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, TypeVar
 
@@ -61,9 +62,9 @@ import torch.distributed as dist
 import triton
 
 from ..heap import allocate, default_device
-from ..kernels import normal_combine, normal_dispatch, normal_notify, transport
+from ..kernels import normal_combine, normal_dispatch, normal_notify, phases, transport
 from ..kernels.launcher import KernelLaunch, Shared
-from ..kernels.layout import PHASE_LAYOUT_IDS, DispatchLayout
+from ..kernels.layout import DispatchLayout
 from ..kernels.normal_combine import CombineCall, CombineVariant
 from ..kernels.normal_dispatch import DispatchCall, DispatchVariant, NormalShared
 from ..kernels.normal_notify import NotifyCall, NotifyVariant
@@ -85,18 +86,23 @@ from .outputs import empty_output
 from .trace import TraceRecorder
 
 PHASES = {
-    normal_notify.PHASE_NOTIFY.value: "notify",
-    normal_dispatch.PHASE_DISPATCH_SEND.value: "dispatch send",
-    normal_dispatch.PHASE_DISPATCH_RECV.value: "dispatch receive",
-    normal_combine.PHASE_COMBINE_SEND.value: "combine send",
-    normal_combine.PHASE_COMBINE_RECV.value: "combine receive",
-    normal_dispatch.PHASE_DISPATCH_RELAY.value: "dispatch relay (rows from the network leg)",
-    normal_combine.PHASE_COMBINE_RELAY.value: "combine relay (sums from the NVLink leg)",
-    PHASE_LAYOUT_IDS.value: "get_dispatch_layout",
-    normal_dispatch.PHASE_DISPATCH_IDS.value: "dispatch",
+    code.value: phases.NAMES[code.value]
+    for code in (
+        phases.NOTIFY,
+        phases.DISPATCH_SEND,
+        phases.DISPATCH_RECV,
+        phases.COMBINE_SEND,
+        phases.COMBINE_RECV,
+        phases.DISPATCH_RELAY,
+        phases.COMBINE_RELAY,
+        phases.LAYOUT_IDS,
+        phases.DISPATCH_IDS,
+    )
 }
 
 _no_torch_function = torch._C.DisableTorchFunction
+
+T = TypeVar("T")
 
 
 #: SM budget of a call by default on GPUs (DeepEP's default is 20-24).
@@ -193,8 +199,21 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+def raise_after(
+    recorded: Callable[[], object],
+    raise_recorded: Callable[[], None],
+    call: Callable[[], T],
+    synced: bool = False,
+) -> T:
+    """Run ``call()`` and return what it returns, unless the kernels recorded an error before
+    it (``recorded()``, read first), or (``synced``: a call that read the host, an exact-size
+    dispatch without a handle) during it: then ``raise_recorded()`` raises it, after the
+    launches, deterministically on every rank."""
+    earlier = recorded()
+    out = call()
+    if earlier or (synced and recorded()):
+        raise_recorded()
+    return out
 
 
 def _step_tokens(config: Config, tile_tokens: int) -> int:
@@ -202,7 +221,7 @@ def _step_tokens(config: Config, tile_tokens: int) -> int:
     power of two, at most ``tile_tokens`` (what a step's tile holds) and at most the ring, so
     that a step never waits for slots that only its own later rows would free."""
     ring = config.nvl_recv_buffer_tokens
-    chunk = _next_pow2(max(1, min(config.nvl_send_chunk, 32)))
+    chunk = triton.next_power_of_2(max(1, min(config.nvl_send_chunk, 32)))
     return max(1, min(chunk, tile_tokens, 1 << (ring.bit_length() - 1)))
 
 
@@ -875,10 +894,10 @@ class NormalMode:
             CHANNEL_MAJOR=options.channel_major,
             USE_CLOCK=use_clock(self.device),
             BLOCK_TOKENS=256,
-            BLOCK_CHANNELS=_next_pow2(C + 1),
-            BLOCK_EXPERTS=_next_pow2(max(E_local, 2)),
-            BLOCK_RANKS=_next_pow2(max(R, 2)),
-            BLOCK_EXTRA=_next_pow2(max(options.extra, 2)),
+            BLOCK_CHANNELS=triton.next_power_of_2(C + 1),
+            BLOCK_EXPERTS=triton.next_power_of_2(max(E_local, 2)),
+            BLOCK_RANKS=triton.next_power_of_2(max(R, 2)),
+            BLOCK_EXTRA=triton.next_power_of_2(max(options.extra, 2)),
             PROFILE=self.trace is not None,
             VIA=self.transport.via,
         )
@@ -941,27 +960,25 @@ class NormalMode:
             after its launches, what an earlier call recorded (module docs).
         """
         with _no_torch_function():
-            recorded = self.status.recorded()
-            out = self._dispatch(
-                x,
-                topk_idx,
-                topk_weights,
-                num_tokens_per_expert,
-                is_token_in_rank,
-                handle,
-                expert_alignment,
-                num_worst_tokens,
-                config,
-                src_tag,
-                relay,
-                row_map,
+            return raise_after(
+                self.status.recorded,
+                self.raise_recorded,
+                lambda: self._dispatch(
+                    x,
+                    topk_idx,
+                    topk_weights,
+                    num_tokens_per_expert,
+                    is_token_in_rank,
+                    handle,
+                    expert_alignment,
+                    num_worst_tokens,
+                    config,
+                    src_tag,
+                    relay,
+                    row_map,
+                ),
+                synced=handle is None and not num_worst_tokens,
             )
-            # An exact-size first dispatch read the host after its layout and count exchange:
-            # what they recorded is raised now, deterministically.
-            synced = handle is None and not num_worst_tokens
-            if recorded or (synced and self.status.recorded()):
-                self.raise_recorded()
-            return out
 
     def _check_x(self, x) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(payload [N, H], scales [N, S] token-major or None)``, checked: plain comparisons
@@ -1208,9 +1225,9 @@ class NormalMode:
         config, R, layout = options.config, self.num_ranks, self.layout
         G = options.scale_words
         W = self.hidden // 4 if G else self.hidden // 2  # words of an e4m3 or BF16 row
-        r_p2 = _next_pow2(max(R, 2))
+        r_p2 = triton.next_power_of_2(max(R, 2))
         warps = DISPATCH_WARPS if r_p2 <= 4 else max(4, DISPATCH_WARPS // 2)
-        send_words = min(SEND_BW, _next_pow2(W))
+        send_words = min(SEND_BW, triton.next_power_of_2(W))
         rows_per_source = max(1, STEP_ROWS // r_p2)
         local = not (options.awaits or options.ranks_from_ids)
         variant = DispatchVariant(
@@ -1246,10 +1263,10 @@ class NormalMode:
             BLOCK_TOKENS=_step_tokens(config, SEND_TILE * warps // 16 // send_words),
             BLOCK_ROWS=rows_per_source,
             BLOCK_SEND_WORDS=send_words,
-            BLOCK_RECV_WORDS=min(RECV_TILE // (r_p2 * rows_per_source), _next_pow2(W)),
+            BLOCK_RECV_WORDS=min(RECV_TILE // (r_p2 * rows_per_source), triton.next_power_of_2(W)),
             BLOCK_RANKS=r_p2,
             BLOCK_K=options.block_k,
-            BLOCK_SCALES=_next_pow2(max(G, 2)),
+            BLOCK_SCALES=triton.next_power_of_2(max(G, 2)),
             PROFILE=self.trace is not None,
             VIA=self.transport.via,
         )
@@ -1294,11 +1311,11 @@ class NormalMode:
             after its launches, what an earlier call recorded (module docs).
         """
         with _no_torch_function():
-            recorded = self.status.recorded()
-            out = self._combine(x, handle, topk_weights, bias, relay, row_map)
-            if recorded:
-                self.raise_recorded()
-            return out
+            return raise_after(
+                self.status.recorded,
+                self.raise_recorded,
+                lambda: self._combine(x, handle, topk_weights, bias, relay, row_map),
+            )
 
     def _combine(self, x, handle, topk_weights=None, bias=None, relay=None, row_map=None):
         if not isinstance(handle, NormalHandle):  # (or a subclass: deep_ep's LegacyHandle)
@@ -1392,7 +1409,8 @@ class NormalMode:
         config, R, H, layout = options.config, self.num_ranks, self.hidden, self.layout
         # A sender step holds [ranks x BLOCK_ROWS, BLOCK_WORDS] words: bounded, fewer rows
         # rather than narrower ones (a step's rows are contiguous).
-        r_p2, words = _next_pow2(max(R, 2)), min(COMBINE_BW, _next_pow2(H // 2))
+        r_p2 = triton.next_power_of_2(max(R, 2))
+        words = min(COMBINE_BW, triton.next_power_of_2(H // 2))
         rows = max(1, min(STEP_ROWS // r_p2, COMBINE_SEND_TILE // (r_p2 * words)))
         if options.awaits:  # reading a relay's rows (no tile in flight): half the rows, no spill
             rows = max(1, rows // 2)
