@@ -1,0 +1,329 @@
+"""Dispatch on fixed receive slots: each row stored once per destination, at its final index.
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src \\
+        python scripts/probes/slot_dispatch_probe.py [--ranks 4] [--tokens 4096]
+        [--programs 4,8,12,16] [--methods store,tma,tma-row] [--cpu]
+
+Every rank routes its tokens (random top-8 of 256 experts, hidden 7168 BF16) and runs the
+prototype of :mod:`tritonep.kernels.normal_slots`: a one-program count exchange (the ``[R, R]``
+count matrix all-gathered, so each source's rows have a known base at each destination), then
+``P`` sender programs that store each token's row once per destination rank straight at its
+final row of that rank's receive buffer (symmetric memory), and count themselves in; the last
+program waits for every source. Methods:
+
+* ``store``: ``[16, 1024]`` tiles of rows loaded once, stored with plain wide stores (16 warps);
+* ``tma``: TMA through host-side ``TensorDescriptor``s on every peer's view of its receive
+  buffer: a row viewed as ``[28, 256]``, loaded through a local descriptor in boxes
+  ``[1, 4, 256]`` (2 KB, 7 per row; 28 is no power of two) and stored through each
+  destination's descriptor at the token's row (4 warps, 3 stages);
+* ``tma-row``: the same with one box ``[1, 32, 256]`` per row, the 4 rows past the row's 28
+  dropped by the copy engine (out of the descriptor's bounds), like DeepEP V2's one bulk copy
+  per token.
+
+For each method and program count it checks the receive buffer (poisoned before) and the
+epilogue's copy against a direct gather of every source's rows, then prints: the kernel alone
+(``kernel``: CUDA events around the dispatch launch, started together after a barrier, the
+count exchange done), the epilogue alone (``epi``: a fresh ``torch.empty`` and ``copy_`` of the
+received rows, all SMs), the whole call eager without and with the epilogue (``call``,
+``call+epi``: count exchange, the host reading the row count as exact-size outputs need,
+dispatch, epilogue) and the whole call with epilogue replayed from a CUDA graph (``graph``), the
+median of ``--iters`` per rank, then the slowest rank; and GB/s in DeepEP's accounting
+(``logical``: received bytes, this rank's own rows included, over the time) and over NVLink
+(``remote``: bytes from peers over the time).
+
+Predictions (4x H200, written before any number existed; received per rank about 14.7k rows =
+211 MB, 158 MB of it remote; the box's ceiling about 370 GB/s remote = 430 us; the rings today
+602 us whole call):
+
+=========  ========  =========  ============  ===========
+method     programs  kernel us  remote GB/s   call+epi us
+=========  ========  =========  ============  ===========
+store      4         1900       85            2050
+store      8         1000       160           1150
+store      12        720        220           870
+store      16        600        265           750
+tma        4         1800       90            1950
+tma        8         950        165           1100
+tma        12        700        225           850
+tma        16        600        265           750
+tma-row    4         1150       140           1300
+tma-row    8         640        245           790
+tma-row    12        560        280           710
+tma-row    16        540        295           690
+=========  ========  =========  ============  ===========
+
+The count exchange 10-20 us, the host read of the count 20-40 us, the epilogue 90-110 us
+(422 MB through HBM); the graph saves the host read (5-40 us). So no configuration reaches the
+issue's 450 GB/s logical whole call with the epilogue (it needs 470 us); ``tma-row`` at 16
+programs without the epilogue should come within 15%.
+
+On CPU ranks (``--cpu``, or fewer GPUs than ranks) the kernels run under the Triton interpreter
+with tiny shapes (3 ranks, 12 tokens, hidden 224, 24 experts, top-4, 2 and 3 programs): all
+three methods run there (the interpreter implements host-side descriptors and drops
+out-of-bounds boxes), times mean nothing; the data check is what counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+GPU_SHAPE = dict(tokens=4096, hidden=7168, experts=256, topk=8, programs="4,8,12,16")
+CPU_SHAPE = dict(tokens=12, hidden=224, experts=24, topk=4, programs="2,3")
+POISON = -1  # int16 0xFFFF: a BF16 NaN, so an unwritten row never compares equal
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _inputs(opts, R, dev):
+    """Every source's rows and routing (each rank makes all of them from the same seeds)."""
+    from tritonep.reference.layout import expert_owner
+    from tritonep.testing import route
+
+    xs, in_ranks = [], []
+    for s in range(R):
+        gen = torch.Generator().manual_seed(1000 + s)
+        idx = route(gen, opts.tokens, opts.experts, opts.topk, "random")
+        owner = expert_owner(idx, opts.experts, R)
+        in_rank = torch.stack([(owner == d).any(1) for d in range(R)], 1).to(torch.int8)
+        dgen = torch.Generator(device=dev).manual_seed(2000 + s)
+        x = torch.randn(opts.tokens, opts.hidden, generator=dgen, device=dev)
+        xs.append(x.to(torch.bfloat16))
+        in_ranks.append(in_rank.to(dev))
+    return xs, in_ranks
+
+
+class Prototype:
+    """One rank's buffers and launches of the prototype."""
+
+    def __init__(self, ctx, opts):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        from tritonep import heap as heaps
+        from tritonep.kernels import normal_slots as slots
+        from tritonep.kernels.status import new_status
+        from tritonep.kernels.sync import timeout_us, use_clock
+
+        self.slots, self.opts = slots, opts
+        R, me, dev = ctx.world_size, ctx.rank, ctx.device
+        self.R, self.me, self.dev, self.H = R, me, dev, opts.hidden
+        self.max_rows = R * opts.tokens
+        self.arrivals, self.recv_offset, nbytes = slots.heap_bytes(R, self.max_rows, self.H, 2)
+        self.heap = heaps.allocate(nbytes, ctx.group, dev)
+        self.recv = self.heap.view(me, torch.bfloat16, (self.max_rows, self.H), self.recv_offset)
+        xs, in_ranks = _inputs(opts, R, dev)
+        self.x, self.in_rank = xs[me], in_ranks[me]
+        self.expected = torch.cat([x[m[:, me] != 0] for x, m in zip(xs, in_ranks, strict=True)])
+        self.from_me = int((self.in_rank[:, me] != 0).sum())
+        del xs
+        self.state = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.info = torch.zeros(1 + 3 * R, dtype=torch.int32, device=dev)
+        self.plan = torch.empty(opts.tokens, R, dtype=torch.int32, device=dev)
+        self.status = new_status(dev)
+        self.timeout = timeout_us(opts.timeout)
+        self.clock = use_clock(dev)
+        self.cols = min(256, self.H & -self.H)  # a box's columns: a power of two, 512 B at most
+        if self.cols < 8:
+            raise ValueError(f"--hidden: {self.H} is not a multiple of 8")
+        parts = self.H // self.cols
+
+        def desc(t, rows, box_rows):
+            return TensorDescriptor(t, [rows, parts, self.cols], [self.H, self.cols, 1],
+                                    [1, box_rows, self.cols])  # fmt: skip
+
+        self.descs = {}
+        fits = parts & -parts  # the largest power of two dividing the parts
+        for name, box in (("tma", min(fits, 32)), ("tma-row", _pow2(parts))):
+            peers = [self.heap.view(d, torch.bfloat16, (self.max_rows, self.H), self.recv_offset)
+                     for d in range(R)]  # fmt: skip
+            self.descs[name] = (
+                desc(self.x, opts.tokens, box),
+                [desc(p, self.max_rows, box) for p in peers],
+                -(-parts // box),
+                box,
+            )
+
+    def notify(self):
+        R = self.R
+        self.slots.slots_notify_kernel[(1,)](
+            self.in_rank, self.opts.tokens, self.heap.peer_ptrs, self.me, self.state, self.info,
+            self.status, self.timeout, NUM_RANKS=R, USE_CLOCK=self.clock,
+            BLOCK_TOKENS=256 if self.clock else 8, BLOCK_RANKS=_pow2(R), num_warps=4,
+        )  # fmt: skip
+
+    def dispatch(self, method: str, programs: int):
+        R, gpu = self.R, self.clock
+        tma = method != "store"
+        x_desc, descs, boxes, box_rows = self.descs.get(method, (None, [], 1, 1))
+        descs = list(descs) + [None] * (8 - len(descs))
+        self.slots.slots_dispatch_kernel[(programs,)](
+            None if tma else self.x, x_desc, *descs, self.in_rank, self.plan, self.info,
+            self.state, self.heap.peer_ptrs, self.me, self.opts.tokens, self.H, self.max_rows,
+            self.arrivals, self.recv_offset, self.status, self.timeout, NUM_RANKS=R,
+            VIA_TMA=tma, BOXES=boxes, BOX_ROWS=box_rows, STAGES=3,
+            BLOCK_T=16 if gpu else 4, BLOCK_H=1024 if gpu else 128,
+            BLOCK_TOKENS=256 if gpu else 8, BLOCK_RANKS=_pow2(R), USE_CLOCK=self.clock,
+            num_warps=4 if tma else 16,
+        )  # fmt: skip
+
+    def epilogue(self, total: int) -> torch.Tensor:
+        out = torch.empty(total, self.H, dtype=torch.bfloat16, device=self.dev)
+        out.copy_(self.recv[:total])
+        return out
+
+    def call(self, method, programs, epilogue: bool):
+        self.notify()
+        total = int(self.info[0].item())  # exact-size outputs: the host learns the count
+        self.dispatch(method, programs)
+        return self.epilogue(total) if epilogue else self.recv[:total]
+
+    def check_status(self):
+        from tritonep.kernels.phases import NAMES
+        from tritonep.kernels.status import raise_on_timeout
+
+        raise_on_timeout(self.status, self.me, NAMES)
+
+    def check(self, got: torch.Tensor, what: str):
+        """``got`` must be the expected rows, and the receive buffer past them untouched."""
+        self.check_status()
+        total = self.expected.shape[0]
+        if got.shape[0] != total or not torch.equal(got, self.expected):
+            raise AssertionError(f"rank {self.me}: {what}: received rows differ")
+        rest = self.recv[total:].view(torch.int16)
+        if rest.numel() and not bool((rest == POISON).all()):
+            raise AssertionError(f"rank {self.me}: {what}: rows past {total} were written")
+
+
+def _timed(fn, heap, iters: int, before=None) -> float:
+    """Median us of ``fn()`` over ``iters`` runs, each after ``before()`` and a barrier (every
+    rank starts together); 1.0 on CPU ranks (one run, no clock worth reading)."""
+    if heap.device.type != "cuda":
+        if before:
+            before()
+        heap.barrier()
+        fn()
+        return 1.0
+    times = []
+    for _ in range(iters + 2):
+        if before:
+            before()
+        heap.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times[2:])
+
+
+def _measure(proto: Prototype, method: str, programs: int, iters: int) -> dict[str, float]:
+    heap = proto.heap
+    # Correctness first: poisoned receive buffer, one call, then its epilogue's copy.
+    proto.recv.view(torch.int16).fill_(POISON)
+    heap.barrier()
+    got = proto.call(method, programs, epilogue=False)
+    heap.barrier()
+    proto.check(got, f"{method}, {programs} programs")
+    proto.check(proto.epilogue(got.shape[0]), f"{method}, {programs} programs, epilogue")
+    total = got.shape[0]
+    t = {
+        "kernel": _timed(lambda: proto.dispatch(method, programs), heap, iters, proto.notify),
+        "epi": _timed(lambda: proto.epilogue(total), heap, iters),
+        "call": _timed(lambda: proto.call(method, programs, False), heap, iters),
+        "call+epi": _timed(lambda: proto.call(method, programs, True), heap, iters),
+        "graph": float("nan"),
+    }
+    if proto.dev.type == "cuda":
+        graph, outs = torch.cuda.CUDAGraph(), []
+        heap.barrier()
+        with torch.cuda.graph(graph):
+            proto.notify()
+            proto.dispatch(method, programs)
+            outs.append(proto.epilogue(total))
+        t["graph"] = _timed(graph.replay, heap, iters)
+        heap.barrier()
+        proto.check(outs[0], f"{method}, {programs} programs, graph replay")
+        del graph
+    proto.check_status()
+    return t
+
+
+def _rank(ctx, opts):
+    import torch.distributed as dist
+
+    proto = Prototype(ctx, opts)
+    R, me = ctx.world_size, ctx.rank
+    recv_bytes = proto.expected.shape[0] * opts.hidden * 2
+    remote_bytes = recv_bytes - proto.from_me * opts.hidden * 2
+    lines = []
+    if me == 0:
+        print(f"{R} ranks on {ctx.device.type}, {opts.tokens} tokens x {opts.hidden} BF16, "
+              f"top-{opts.topk} of {opts.experts} experts; rank 0 receives "
+              f"{proto.expected.shape[0]} rows ({recv_bytes / 1e6:.1f} MB, "
+              f"{remote_bytes / 1e6:.1f} MB remote)", flush=True)  # fmt: skip
+        head = (f"{'method':8s} {'progs':>5s} {'kernel':>8s} {'epi':>7s} {'call':>8s} "
+                f"{'call+epi':>8s} {'graph':>8s} | {'kernel GB/s log/rem':>19s} | "
+                f"{'call GB/s':>9s} {'call+epi':>8s} {'graph':>6s}")  # fmt: skip
+        print(head + "\n" + "-" * len(head), flush=True)
+    for method in opts.methods:
+        for programs in opts.programs:
+            t = _measure(proto, method, programs, opts.iters)
+            per_rank = [None] * R
+            dist.all_gather_object(per_rank, (t, recv_bytes, remote_bytes))
+            if me != 0:
+                continue
+            worst = {k: max(r[0][k] for r in per_rank) for k in t}
+            logical = statistics.mean(r[1] for r in per_rank) / 1e3
+            remote = statistics.mean(r[2] for r in per_rank) / 1e3
+            line = (f"{method:8s} {programs:5d} {worst['kernel']:8.1f} {worst['epi']:7.1f} "
+                    f"{worst['call']:8.1f} {worst['call+epi']:8.1f} {worst['graph']:8.1f} | "
+                    f"{logical / worst['kernel']:9.0f} {remote / worst['kernel']:9.0f} | "
+                    f"{logical / worst['call']:9.0f} {logical / worst['call+epi']:8.0f} "
+                    f"{logical / worst['graph']:6.0f}")  # fmt: skip
+            print(line, flush=True)
+            lines.append(line)
+    proto.heap.close()
+    return lines
+
+
+def main() -> None:
+    from tritonep.launch import gpus_suffice, spawn
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=None, help="default 4 (3 on CPU)")
+    parser.add_argument("--cpu", action="store_true", help="CPU ranks, tiny shapes")
+    parser.add_argument("--tokens", type=int)
+    parser.add_argument("--hidden", type=int)
+    parser.add_argument("--experts", type=int)
+    parser.add_argument("--topk", type=int)
+    parser.add_argument("--programs", help="comma-separated program counts")
+    parser.add_argument("--methods", default="store,tma,tma-row")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--timeout", type=float, help="seconds a wait may take (20; CPU 300)")
+    args = parser.parse_args()
+    ranks = args.ranks or 4
+    cpu = args.cpu or not gpus_suffice(ranks)
+    if cpu and args.ranks is None:
+        ranks = 3
+    for key, value in (CPU_SHAPE if cpu else GPU_SHAPE).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.programs = [int(p) for p in args.programs.split(",")]
+    args.methods = args.methods.split(",")
+    if cpu:
+        args.iters = 1
+    if args.timeout is None:
+        # The interpreter counts a wait in spins of an assumed 1 ms, and CPU ranks on a busy
+        # machine drift apart by seconds.
+        args.timeout = 300.0 if cpu else 20.0
+    backend = "gloo" if cpu else None
+    spawn(_rank, ranks, args, backend=backend, timeout=900)
+
+
+if __name__ == "__main__":
+    main()
