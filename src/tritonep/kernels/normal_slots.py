@@ -129,25 +129,28 @@ def plan_rows(
     t0,  # this program's first token
     t1,  # one past its last token
     NUM_RANKS: tl.constexpr,
-    BLOCK_TOKENS: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,  # tokens per step
+    BLOCK_RANKS: tl.constexpr,  # NUM_RANKS rounded up to a power of two
 ):
     """Row of each token of ``[t0, t1)`` at each destination: the rows of this rank there
-    start at ``send_base[d]`` and keep token order."""
-    for d in tl.static_range(NUM_RANKS):
-        before = tl.load(info_ptr + 1 + d)
-        for first in range(0, t0, BLOCK_TOKENS):
-            tokens = (first + tl.arange(0, BLOCK_TOKENS)).to(tl.int64)
-            hit = tl.load(in_rank_ptr + tokens * NUM_RANKS + d, mask=tokens < t0, other=0)
-            before += tl.sum((hit != 0).to(tl.int32), 0)
-        for first in range(t0, t1, BLOCK_TOKENS):
-            tokens = (first + tl.arange(0, BLOCK_TOKENS)).to(tl.int64)
-            live = tokens < t1
-            hit = (tl.load(in_rank_ptr + tokens * NUM_RANKS + d, mask=live, other=0) != 0).to(
-                tl.int32
-            )
-            rows = before + tl.cumsum(hit, 0) - hit
-            tl.store(plan_ptr + tokens * NUM_RANKS + d, tl.where(hit != 0, rows, -1), mask=live)
-            before += tl.sum(hit, 0)
+    start at ``send_base[d]`` and keep token order, so a token's row is that base plus the
+    tokens before it that go there (counted over ``[0, t0)`` first, a few steps)."""
+    ranks = tl.arange(0, BLOCK_RANKS)
+    rmask = ranks < NUM_RANKS
+    before = tl.load(info_ptr + 1 + ranks, mask=rmask, other=0)
+    for first in range(0, t0, BLOCK_TOKENS):
+        tokens = (first + tl.arange(0, BLOCK_TOKENS)).to(tl.int64)
+        cells = tokens[:, None] * NUM_RANKS + ranks[None, :]
+        hit = tl.load(in_rank_ptr + cells, mask=(tokens < t0)[:, None] & rmask[None, :], other=0)
+        before += tl.sum((hit != 0).to(tl.int32), 0)
+    for first in range(t0, t1, BLOCK_TOKENS):
+        tokens = (first + tl.arange(0, BLOCK_TOKENS)).to(tl.int64)
+        cells = tokens[:, None] * NUM_RANKS + ranks[None, :]
+        live = (tokens < t1)[:, None] & rmask[None, :]
+        hit = (tl.load(in_rank_ptr + cells, mask=live, other=0) != 0).to(tl.int32)
+        rows = before[None, :] + tl.cumsum(hit, 0) - hit
+        tl.store(plan_ptr + cells, tl.where(hit != 0, rows, -1), mask=live)
+        before += tl.sum(hit, 0)
     tl.debug_barrier()  # every thread's plan stores before any thread reads them
 
 
@@ -195,7 +198,7 @@ def push_tma(x_desc, desc0, desc1, desc2, desc3, desc4, desc5, desc6, desc7, pla
 
 
 @triton.jit
-def push_stores(x_ptr, plan_ptr, peer_ptrs, recv_offset, t0, t1, hidden,
+def push_stores(x_ptr, plan_ptr, peer_ptrs, recv_offset, t0, t1, HIDDEN: tl.constexpr,
                 NUM_RANKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
     """Each ``[BLOCK_T, BLOCK_H]`` tile of rows loaded once (the next one before the current
     one is stored) and stored with plain wide stores at every destination's rows."""
@@ -204,18 +207,18 @@ def push_stores(x_ptr, plan_ptr, peer_ptrs, recv_offset, t0, t1, hidden,
     for first in range(t0, t1, BLOCK_T):
         tokens = (first + tl.arange(0, BLOCK_T)).to(tl.int64)
         live = tokens < t1
-        src = x_ptr + tokens[:, None] * hidden
-        v = tl.load(src + cols[None, :], mask=live[:, None] & (cols < hidden)[None, :])
-        for h0 in range(0, hidden, BLOCK_H):
+        src = x_ptr + tokens[:, None] * HIDDEN
+        v = tl.load(src + cols[None, :], mask=live[:, None] & (cols < HIDDEN)[None, :])
+        for h0 in range(0, HIDDEN, BLOCK_H):
             h = h0 + cols
             hn = h + BLOCK_H
-            v_next = tl.load(src + hn[None, :], mask=live[:, None] & (hn < hidden)[None, :])
+            v_next = tl.load(src + hn[None, :], mask=live[:, None] & (hn < HIDDEN)[None, :])
             for d in tl.static_range(NUM_RANKS):
                 rows = tl.load(plan_ptr + tokens * NUM_RANKS + d, mask=live, other=-1)
                 base = tl.load(peer_ptrs + d) + recv_offset
                 dst = tl.multiple_of(base.to(tl.pointer_type(out_ty)), 16)
-                m = (rows >= 0)[:, None] & (h < hidden)[None, :]
-                tl.store(dst + rows.to(tl.int64)[:, None] * hidden + h[None, :], v, mask=m)
+                m = (rows >= 0)[:, None] & (h < HIDDEN)[None, :]
+                tl.store(dst + rows.to(tl.int64)[:, None] * HIDDEN + h[None, :], v, mask=m)
             v = v_next
 
 
@@ -265,13 +268,13 @@ def slots_dispatch_kernel(
     peer_ptrs,  # int64 [NUM_RANKS]: every rank's heap base address
     rank,  # this rank
     num_tokens,  # tokens of this rank
-    hidden,  # elements per row
     max_rows,  # rows of every receive buffer
     arrivals_offset,  # byte offset of the arrival counters in every heap
     recv_offset,  # byte offset of the receive buffer in every heap
     status_ptr,  # int32 status words: a timeout is recorded here
     timeout_us,  # bound of the wait, microseconds
     NUM_RANKS: tl.constexpr,
+    HIDDEN: tl.constexpr,  # elements per row
     VIA_TMA: tl.constexpr,  # bulk copies through the descriptors, else plain stores
     BOXES: tl.constexpr,  # TMA boxes per row
     BOX_ROWS: tl.constexpr,  # rows of the row's [hidden / BOX_COLS, BOX_COLS] view per box
@@ -288,12 +291,12 @@ def slots_dispatch_kernel(
     chunk = tl.cdiv(num_tokens, tl.num_programs(0))
     t0 = tl.minimum(tl.program_id(0) * chunk, num_tokens)
     t1 = tl.minimum(t0 + chunk, num_tokens)
-    plan_rows(in_rank_ptr, plan_ptr, info_ptr, t0, t1, NUM_RANKS, BLOCK_TOKENS)
+    plan_rows(in_rank_ptr, plan_ptr, info_ptr, t0, t1, NUM_RANKS, BLOCK_TOKENS, BLOCK_RANKS)
     if VIA_TMA:
         push_tma(x_desc, desc0, desc1, desc2, desc3, desc4, desc5, desc6, desc7, plan_ptr, t0,
                  t1, max_rows, NUM_RANKS, BOXES, BOX_ROWS, STAGES)  # fmt: skip
     else:
-        push_stores(x_ptr, plan_ptr, peer_ptrs, recv_offset, t0, t1, hidden, NUM_RANKS,
+        push_stores(x_ptr, plan_ptr, peer_ptrs, recv_offset, t0, t1, HIDDEN, NUM_RANKS,
                     BLOCK_T, BLOCK_H)  # fmt: skip
     arrive_and_wait(peer_ptrs, rank, arrivals_offset, call, timeout_us, status_ptr, NUM_RANKS,
                     BLOCK_RANKS, USE_CLOCK)  # fmt: skip
