@@ -21,9 +21,10 @@ Two launches and no receiver programs:
 Rows arrive ordered by source rank, then by token: the receive buffer's first ``info[0]`` rows
 are the dispatch output, and a copy into a fresh tensor (any kernel on all SMs) is optional.
 
-The heap of every rank holds, at byte offsets the caller chooses (:func:`heap_bytes`): the
-count matrix (``int64 [R, R]``), the arrival counters (``int64 [R]``) and the receive buffer
-(``[max_rows, hidden]`` of the rows' dtype).
+The heap of every rank holds the count matrix (``int64 [R, R]``, at offset 0), the arrival
+counters (``int64 [R]``) and the receive buffer (``[max_rows, hidden]`` of the rows' dtype),
+at the offsets :func:`heap_bytes` gives. A rank's rows for itself take the same path as the
+others (its own descriptor, its own address).
 """
 
 from __future__ import annotations
