@@ -23,39 +23,47 @@ program waits for every source. Methods:
 For each method and program count it checks the receive buffer (poisoned before) and the
 epilogue's copy against a direct gather of every source's rows, then prints: the kernel alone
 (``kernel``: CUDA events around the dispatch launch, started together after a barrier, the
-count exchange done), the epilogue alone (``epi``: a fresh ``torch.empty`` and ``copy_`` of the
-received rows, all SMs), the whole call eager without and with the epilogue (``call``,
+count exchange done, the launch enqueued before the start event: device time), the epilogue
+alone (``epi``: a fresh ``torch.empty`` and ``copy_`` of the received rows, all SMs, device
+time), the whole call eager without and with the epilogue (``call``,
 ``call+epi``: count exchange, the host reading the row count as exact-size outputs need,
 dispatch, epilogue) and the whole call with epilogue replayed from a CUDA graph (``graph``), the
 median of ``--iters`` per rank, then the slowest rank; and GB/s in DeepEP's accounting
 (``logical``: received bytes, this rank's own rows included, over the time) and over NVLink
-(``remote``: bytes from peers over the time).
+(``remote``: bytes from peers over the time). A line is printed as soon as its configuration
+is measured; a configuration that fails prints ``FAILED`` with the rank and the error (wrong
+rows: the sweep goes on; anything else, a wait's timeout included: it stops there).
 
 Predictions (4x H200, written before any number existed; received per rank about 14.7k rows =
 211 MB, 158 MB of it remote; the box's ceiling about 370 GB/s remote = 430 us; the rings today
-602 us whole call):
+602 us whole call). Plain stores from what ``a2a_probe.py`` measured (12 programs with the same
+tiles and warps, nothing else to do: 500-542 us, about 25 GB/s a program); ``tma-row`` from the
+TMA probe in the hardware notes (4 / 8 / 16 programs: 142 / 266 / 285 GB/s, here a bit less:
+a fourth store per row for this rank's own rows, the row plan); ``tma`` moves 2 KB a copy, and
+Triton waits for each store's shared-memory read before the next (one staging buffer for all
+destinations), so it is latency-bound:
 
 =========  ========  =========  ============  ===========
 method     programs  kernel us  remote GB/s   call+epi us
 =========  ========  =========  ============  ===========
-store      4         1900       85            2050
-store      8         1000       160           1150
-store      12        720        220           870
-store      16        600        265           750
-tma        4         1800       90            1950
-tma        8         950        165           1100
-tma        12        700        225           850
-tma        16        600        265           750
-tma-row    4         1150       140           1300
-tma-row    8         640        245           790
-tma-row    12        560        280           710
-tma-row    16        540        295           690
+store      4         1580       100           1730
+store      8         790        200           940
+store      12        560        280           710
+store      16        480        330           630
+tma        4         2600       60            2750
+tma        8         1300       120           1450
+tma        12        880        180           1030
+tma        16        660        240           810
+tma-row    4         1260       125           1410
+tma-row    8         660        240           810
+tma-row    12        575        275           725
+tma-row    16        545        290           695
 =========  ========  =========  ============  ===========
 
 The count exchange 10-20 us, the host read of the count 20-40 us, the epilogue 90-110 us
 (422 MB through HBM); the graph saves the host read (5-40 us). So no configuration reaches the
-issue's 450 GB/s logical whole call with the epilogue (it needs 470 us); ``tma-row`` at 16
-programs without the epilogue should come within 15%.
+issue's 450 GB/s logical whole call with the epilogue (it needs 470 us); plain stores at 16
+programs without the epilogue come closest (about 410 GB/s logical, 500-520 us a call).
 
 On CPU ranks (``--cpu``, or fewer GPUs than ranks) the kernels run under the Triton interpreter
 with tiny shapes (3 ranks, 12 tokens, hidden 224, 24 experts, top-4, 2 and 3 programs): all
@@ -75,10 +83,10 @@ CPU_SHAPE = dict(tokens=12, hidden=224, experts=24, topk=4, programs="2,3")
 POISON = -1  # int16 0xFFFF: a BF16 NaN, so an unwritten row never compares equal
 #: The docstring's predictions (4x H200): (method, programs) -> (kernel us, call+epi us).
 PREDICTED = {
-    ("store", 4): (1900, 2050), ("store", 8): (1000, 1150), ("store", 12): (720, 870),
-    ("store", 16): (600, 750), ("tma", 4): (1800, 1950), ("tma", 8): (950, 1100),
-    ("tma", 12): (700, 850), ("tma", 16): (600, 750), ("tma-row", 4): (1150, 1300),
-    ("tma-row", 8): (640, 790), ("tma-row", 12): (560, 710), ("tma-row", 16): (540, 690),
+    ("store", 4): (1580, 1730), ("store", 8): (790, 940), ("store", 12): (560, 710),
+    ("store", 16): (480, 630), ("tma", 4): (2600, 2750), ("tma", 8): (1300, 1450),
+    ("tma", 12): (880, 1030), ("tma", 16): (660, 810), ("tma-row", 4): (1260, 1410),
+    ("tma-row", 8): (660, 810), ("tma-row", 12): (575, 725), ("tma-row", 16): (545, 695),
 }  # fmt: skip
 
 
@@ -228,9 +236,11 @@ class Prototype:
             raise AssertionError(f"rank {self.me}: {what}: rows past {total} were written")
 
 
-def _timed(fn, heap, iters: int, before=None) -> float:
+def _timed(fn, heap, iters: int, before=None, device_only: bool = False) -> float:
     """Median us of ``fn()`` over ``iters`` runs, each after ``before()`` and a barrier (every
-    rank starts together); 1.0 on CPU ranks (one run, no clock worth reading)."""
+    rank starts together); 1.0 on CPU ranks (one run, no clock worth reading). With
+    ``device_only`` the GPU first sleeps half a millisecond, so that the host has enqueued
+    ``fn``'s launches (and built their descriptors) before the start event: device time."""
     if heap.device.type != "cuda":
         if before:
             before()
@@ -243,6 +253,8 @@ def _timed(fn, heap, iters: int, before=None) -> float:
             before()
         heap.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if device_only:
+            torch.cuda._sleep(1_000_000)
         start.record()
         fn()
         end.record()
@@ -262,9 +274,12 @@ def _measure(proto: Prototype, method: str, programs: int, iters: int) -> dict[s
     proto.check(got, f"{method}, {programs} programs")
     proto.check(proto.epilogue(got.shape[0]), f"{method}, {programs} programs, epilogue")
     total = got.shape[0]
+    def kernel():
+        proto.dispatch(method, programs)
+
     t = {
-        "kernel": _timed(lambda: proto.dispatch(method, programs), heap, iters, proto.notify),
-        "epi": _timed(lambda: proto.epilogue(total), heap, iters),
+        "kernel": _timed(kernel, heap, iters, proto.notify, device_only=True),
+        "epi": _timed(lambda: proto.epilogue(total), heap, iters, device_only=True),
         "call": _timed(lambda: proto.call(method, programs, False), heap, iters),
         "call+epi": _timed(lambda: proto.call(method, programs, True), heap, iters),
         "graph": float("nan"),
