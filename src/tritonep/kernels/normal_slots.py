@@ -65,7 +65,8 @@ def bulk_stores_done():
         )
 
 
-@triton.jit
+# Counts, ranks and the limit reach the kernels unspecialized: a new batch compiles nothing.
+@triton.jit(do_not_specialize=["num_tokens", "rank", "timeout_us"])
 def slots_notify_kernel(
     in_rank_ptr,  # int8/bool [num_tokens, NUM_RANKS]: token t goes to rank d
     num_tokens,  # tokens of this rank
@@ -250,7 +251,7 @@ def arrive_and_wait(peer_ptrs, rank, arrivals_offset, call, timeout_us, status_p
             record_timeout(status_ptr, late, DISPATCH_RECV, limit)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank", "num_tokens", "max_rows", "timeout_us"])
 def slots_dispatch_kernel(
     x_ptr,  # [num_tokens, hidden] rows of this rank (plain stores; None with VIA_TMA)
     x_desc,  # descriptor of x as [num_tokens, hidden / BOX_COLS, BOX_COLS] (VIA_TMA)
