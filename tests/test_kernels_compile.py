@@ -296,6 +296,53 @@ KERNELS.append(
     )
 )
 
+# The slot dispatch prototype: 4 ranks, hidden 7168 as [28, 256] boxes of one row (TMA) or
+# [16, 1024] tiles (plain stores).
+_SLOTS = {
+    "in_rank_ptr": "*i8",
+    "plan_ptr": "*i32",
+    "info_ptr": "*i32",
+    "state_ptr": "*i64",
+    "peer_ptrs": "*i64",
+    "rank": "i32",
+    "num_tokens": "i32",
+    "max_rows": "i32",
+    "arrivals_offset": "i64",
+    "recv_offset": "i64",
+    "status_ptr": "*i32",
+    "timeout_us": "i32",
+}
+_SLOTS_META = dict(
+    NUM_RANKS=4, HIDDEN=7168, BOXES=1, BOX_ROWS=32, STAGES=3, BLOCK_T=16, BLOCK_H=1024,
+    BLOCK_TOKENS=1024, BLOCK_RANKS=4, USE_CLOCK=True, desc4=None, desc5=None, desc6=None,
+    desc7=None,
+)  # fmt: skip
+_BOX = "tensordesc<bf16[1,32,256]>"
+KERNELS += [
+    (
+        "tritonep.kernels.normal_slots",
+        "slots_notify_kernel",
+        {k: _SLOTS[k] for k in ("in_rank_ptr", "num_tokens", "peer_ptrs", "rank", "state_ptr",
+                                "info_ptr", "status_ptr", "timeout_us")},
+        dict(NUM_RANKS=4, USE_CLOCK=True, BLOCK_TOKENS=1024, BLOCK_RANKS=4),
+    ),
+    (
+        "tritonep.kernels.normal_slots",
+        "slots_dispatch_kernel",
+        {**_SLOTS, "x_desc": _BOX, **{f"desc{d}": _BOX for d in range(4)}},
+        dict(_SLOTS_META, x_ptr=None, VIA_TMA=True),
+        {"num_warps": 4},
+    ),
+    (
+        "tritonep.kernels.normal_slots",
+        "slots_dispatch_kernel",
+        {**_SLOTS, "x_ptr": "*bf16"},
+        dict(_SLOTS_META, x_desc=None, desc0=None, desc1=None, desc2=None, desc3=None,
+             VIA_TMA=False),
+        {"num_warps": 16},
+    ),
+]  # fmt: skip
+
 # 4 ranks, hidden 7168, 256 experts, top-8, 12 channels of rings for 16, 128 slots a ring.
 _LAYOUT = NormalLayout.of(7168, 4, 64, 8, 16, 128, staged=True, notify_extra=96)
 NOTIFY = _signature(normal_notify.NotifyCall, normal_dispatch.NormalShared)
@@ -536,6 +583,7 @@ def _id(kernel):
     packed += "-h2880" if meta.get("ROW_WORDS") == 720 else ""
     packed += "-one-token" if meta.get("ONE_TOKEN") else ""
     packed += "-histograms" if meta.get("COUNT_BY_ADDS") is False else ""
+    packed += "-tma" if meta.get("VIA_TMA") else ""
     return kernel[1] + traced + ("-staged" if meta.get("VIA") else "") + shrink + packed + relay
 
 
