@@ -134,6 +134,13 @@ def test_edge_values_match_the_reference_and_stay_contained(run_ranks, mode, use
 
 
 # ----------------------------------------------------------------------- fault injection
+def _lone_limit_s(device) -> float:
+    """The limit of rank 0's calls while its peers stay away: 1 s on GPUs. The interpreter
+    counts a limit in spins of 1 ms each, which take tens of ms on a loaded CPU: 0.1 s there
+    (no live peer is waited for under it, so no peer can be late for it)."""
+    return 1.0 if device.type == "cuda" else 0.1
+
+
 def _rank0_alone(me, call):
     """Rank 0 makes ``call`` while its peer stays away: ``(WaitTimeoutError message or None,
     seconds taken)`` on rank 0, ``(None, 0.0)`` elsewhere."""
@@ -152,11 +159,11 @@ def _rank0_alone(me, call):
     return error, took
 
 
-def _assert_rank0_timed_out_at_1_s(results):
-    (error, took), (none, _) = results
+def _assert_rank0_timed_out_at_its_limit(results):
+    (error, took, limit), (none, _, _) = results
     assert none is None
-    assert error.startswith("rank 0 timed out after 1 s in phase") and "peer 1" in error
-    assert took < 30
+    assert error.startswith(f"rank 0 timed out after {limit:g} s in phase"), error
+    assert "peer 1" in error and took < 30
 
 
 def _recover_body(ctx, mode_name):
@@ -183,7 +190,8 @@ def _recover_body(ctx, mode_name):
         mode.check()
         return ref.LowLatencyDispatchResult.from_outputs(recv_x, recv_count, handle)
 
-    mode = build(1.0)
+    limit = _lone_limit_s(dev)
+    mode = build(limit)
     error, took = _rank0_alone(me, lambda: call(mode))
     with contextlib.suppress(WaitTimeoutError):  # the same timeout, reported again
         mode.destroy()
@@ -198,12 +206,12 @@ def _recover_body(ctx, mode_name):
     else:
         want = ref.low_latency_dispatch(case.x, case.topk_idx, 4, experts, False)[me]
         ref.assert_low_latency_dispatch_equal(got, want, me)
-    return error, took
+    return error, took, limit
 
 
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
 def test_a_skipped_call_raises_then_a_new_buffer_works(run_ranks, mode):
-    _assert_rank0_timed_out_at_1_s(run_ranks(2, _recover_body, mode))
+    _assert_rank0_timed_out_at_its_limit(run_ranks(2, _recover_body, mode))
 
 
 def _buffer_with_a_call(ctx, mode_name, seed):
@@ -235,36 +243,37 @@ def _buffer_with_a_call(ctx, mode_name, seed):
 
 def _timeout_change_body(ctx, mode_name):
     """A Buffer's ``timeout_s`` assigned after its mode exists reaches the mode's kernels:
-    both ranks make one call under the default 100 s, the limit drops to 1 s, and rank 0
-    calls again alone."""
+    both ranks make one call under the default 100 s, the limit drops (to 1 s on GPUs), and
+    rank 0 calls again alone."""
     from tritonep.errors import WaitTimeoutError
 
     me = ctx.rank
     buffer, call = _buffer_with_a_call(ctx, mode_name, 4)
-    buffer.timeout_s = 1.0
+    buffer.timeout_s = limit = _lone_limit_s(ctx.device)
     error, took = _rank0_alone(me, lambda: (call(), buffer.check()))
     with contextlib.suppress(WaitTimeoutError):  # the same timeout, reported again
         buffer.destroy()
-    return error, took
+    return error, took, limit
 
 
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
 def test_a_timeout_set_on_a_buffer_reaches_modes_already_built(run_ranks, mode):
-    _assert_rank0_timed_out_at_1_s(run_ranks(2, _timeout_change_body, mode))
+    _assert_rank0_timed_out_at_its_limit(run_ranks(2, _timeout_change_body, mode))
 
 
 def _later_calls_body(ctx, mode_name):
-    """Rank 1 stops answering after one call. Rank 0 times out under a 1 s limit, then makes
-    three more calls under the longest limit there is (about 35 minutes): each must raise the
-    first error at once, since the kernels read the recorded timeout and no longer wait."""
+    """Rank 1 stops answering after one call. Rank 0 times out under a short limit (1 s on
+    GPUs), then makes three more calls under the longest limit there is (about 35 minutes):
+    each must raise the first error at once, since the kernels read the recorded timeout and
+    no longer wait."""
     from tritonep.errors import WaitTimeoutError
     from tritonep.kernels.sync import MAX_TIMEOUT_S
 
     me = ctx.rank
     buffer, call = _buffer_with_a_call(ctx, mode_name, 5)
-    errors = []
+    errors, limit = [], _lone_limit_s(ctx.device)
     if me == 0:
-        buffer.timeout_s = 1.0
+        buffer.timeout_s = limit
         for _ in range(4):
             try:
                 call()
@@ -275,7 +284,7 @@ def _later_calls_body(ctx, mode_name):
             buffer.timeout_s = MAX_TIMEOUT_S
     with contextlib.suppress(WaitTimeoutError):  # the same timeout, reported again
         buffer.destroy()
-    return errors
+    return errors, limit
 
 
 @pytest.mark.parametrize("mode", ["normal", "low_latency", "internode"])
@@ -283,11 +292,15 @@ def test_after_a_timeout_later_calls_raise_at_once(run_ranks, mode):
     """Without the recorded timeout cutting later waits short, the second call would wait
     out its 35-minute limit and the rank pool's 120 s would fail the test. Across 2 nodes of
     2 ranks each leg has its own status: both must stop waiting."""
-    errors, *none = run_ranks(4 if mode == "internode" else 2, _later_calls_body, mode,
-                              timeout=120 if mode != "internode" else 240)  # fmt: skip
-    assert all(n == [] for n in none)
+    (errors, limit), *others = run_ranks(
+        4 if mode == "internode" else 2,
+        _later_calls_body,
+        mode,
+        timeout=120 if mode != "internode" else 240,
+    )
+    assert all(n == [] for n, _ in others)
     peer = 2 if mode == "internode" else 1  # across nodes: rank 0's rail partner first
-    assert errors[0].startswith("rank 0 timed out after 1 s in phase"), errors[0]
+    assert errors[0].startswith(f"rank 0 timed out after {limit:g} s in phase"), errors[0]
     assert f"waiting for peer {peer};" in errors[0], errors[0]
     assert errors == [errors[0]] * 4, errors  # the first error, its limit included
 
