@@ -428,15 +428,16 @@ for hidden, g_p2 in [(7168, 64), (2880, 32)]:
         (
             "tritonep.kernels.fp8",
             "quantize_fp8_kernel",
-            {**FP8_QUANTIZE, **dict.fromkeys(("H", "BLOCK_GROUPS", "USE_UE8M0", "IS_BF16", "EMULATE"),
-                                             "constexpr")},
+            {**FP8_QUANTIZE, **dict.fromkeys(
+                ("H", "BLOCK_GROUPS", "USE_UE8M0", "IS_BF16", "EMULATE"), "constexpr")},
             dict(H=hidden, BLOCK_GROUPS=g_p2, USE_UE8M0=False, IS_BF16=True, EMULATE=False),
             {"num_warps": 8},
         ),
         (
             "tritonep.kernels.fp8",
             "dequantize_fp8_kernel",
-            {**FP8_DEQUANTIZE, **dict.fromkeys(("H", "BLOCK_GROUPS", "TO_BF16", "EMULATE"), "constexpr")},
+            {**FP8_DEQUANTIZE, **dict.fromkeys(
+                ("H", "BLOCK_GROUPS", "TO_BF16", "EMULATE"), "constexpr")},
             dict(H=hidden, BLOCK_GROUPS=g_p2, TO_BF16=True, EMULATE=False),
             {"num_warps": 8},
         ),
