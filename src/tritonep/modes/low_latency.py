@@ -450,8 +450,7 @@ class LowLatencyMode:
         self._untraced_address = self._untraced.data_ptr()
         self._combine_shape = (self.num_local_experts, self.num_ranks * self.max_tokens, hidden)
         self._stats_shape = (self.num_local_experts,)
-        self._count_shape = (self.num_local_experts,)
-        self._block_shape = (self._handle_layout.words,)
+        self._block_words = self._handle_layout.words
         self._recorded = self.status.recorded
         # Outputs are allocated with new_empty on empty tensors of their dtype (their sizes
         # as separate ints): faster than torch.empty, whose keywords cost more to parse.
@@ -707,9 +706,9 @@ class LowLatencyMode:
         # Fresh outputs (users keep them), one allocation each; the handle's three tensors
         # share one (LowLatencyHandle).
         empty_x, x_shape, empty_scales, scale_shape, scale_strides = plan.outputs
-        recv_x = empty_x.new_empty(x_shape)
-        recv_count = self._empty_int32.new_empty(self._count_shape)
-        block = self._empty_int32.new_empty(self._block_shape)
+        recv_x = empty_x.new_empty(*x_shape)
+        recv_count = self._empty_int32.new_empty(self.num_local_experts)
+        block = self._empty_int32.new_empty(self._block_words)
         count = recv_count.data_ptr()
         if empty_scales is None:
             recv_scales = None
