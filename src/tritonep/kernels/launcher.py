@@ -311,6 +311,7 @@ class KernelLaunch:
         self.compiled: dict[Any, tuple] = {}
         self.device = -1
         self._shared_spec: list | None = None
+        self._tail: tuple = (None, None, ())
 
     def key(self, addresses) -> Any:
         """The alignment of the call's pointers: True when all are 16-byte aligned."""
@@ -351,11 +352,14 @@ class KernelLaunch:
         launches through :meth:`__call__` with the tensors. ``aligned``: the bitwise or of
         the pointer fields, if the caller has it (else it is computed here); ``grid``: one
         dimension, where the launch's differs from the variant's."""
-        if not (self.direct and self.compiled):
+        if not self.direct:
             return False
         rt = knobs.runtime
-        if _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook):
-            return False
+        enter, exit_ = rt.launch_enter_hook, rt.launch_exit_hook
+        if (enter is not None and getattr(enter, "calls", True)) or (
+            exit_ is not None and getattr(exit_, "calls", True)
+        ):
+            return False  # a launch hook is set (_hooked, inlined)
         if aligned is None:
             aligned = 0
             for i in self.pointers:
@@ -370,13 +374,16 @@ class KernelLaunch:
         if entry is None or torch._C._cuda_getDevice() != self.device:
             return False
         run, function, packed, cooperative, pdl, constexprs = entry
+        # The arguments after the call's, joined once per (shared, variant).
+        tail = self._tail
+        if tail[0] is not shared or tail[1] is not constexprs:
+            tail = self._tail = (shared, constexprs, shared.values + constexprs)
         g0, g1, g2 = self.grid if grid is None else (grid[0], 1, 1)
-        stream = torch._C._cuda_getCurrentRawStream(self.device)
         run(
             g0,
             g1,
             g2,
-            stream,
+            torch._C._cuda_getCurrentRawStream(self.device),
             function,
             cooperative,
             pdl,
@@ -387,8 +394,7 @@ class KernelLaunch:
             None,
             None,
             *values,
-            *shared.values,
-            *constexprs,
+            *tail[2],
         )
         return True
 

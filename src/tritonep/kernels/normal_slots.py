@@ -157,8 +157,9 @@ def plan_rows(
 
 
 @triton.jit
-def store_box(d: tl.constexpr, coords, tile, desc0, desc1, desc2, desc3, desc4, desc5, desc6,
-              desc7):  # fmt: skip
+def store_box(
+    d: tl.constexpr, coords, tile, desc0, desc1, desc2, desc3, desc4, desc5, desc6, desc7
+):
     """Store ``tile`` through destination ``d``'s descriptor (Triton indexes no list of them)."""
     if d == 0:
         desc0.store(coords, tile)
@@ -179,9 +180,25 @@ def store_box(d: tl.constexpr, coords, tile, desc0, desc1, desc2, desc3, desc4, 
 
 
 @triton.jit
-def push_tma(x_desc, desc0, desc1, desc2, desc3, desc4, desc5, desc6, desc7, plan_ptr, t0, t1,
-             max_rows, NUM_RANKS: tl.constexpr, BOXES: tl.constexpr, BOX_ROWS: tl.constexpr,
-             STAGES: tl.constexpr):  # fmt: skip
+def push_tma(
+    x_desc,
+    desc0,
+    desc1,
+    desc2,
+    desc3,
+    desc4,
+    desc5,
+    desc6,
+    desc7,
+    plan_ptr,
+    t0,
+    t1,
+    max_rows,
+    NUM_RANKS: tl.constexpr,
+    BOXES: tl.constexpr,
+    BOX_ROWS: tl.constexpr,
+    STAGES: tl.constexpr,
+):
     """Each token's row as ``BOXES`` boxes ``[1, BOX_ROWS, BOX_COLS]`` of the row viewed as
     ``[hidden / BOX_COLS, BOX_COLS]``: loaded once, stored through each destination's
     descriptor at the token's row there; a rank the token skips gets row ``max_rows``, outside
@@ -193,15 +210,26 @@ def push_tma(x_desc, desc0, desc1, desc2, desc3, desc4, desc5, desc6, desc7, pla
         for d in tl.static_range(NUM_RANKS):
             row = tl.load(plan_ptr + token.to(tl.int64) * NUM_RANKS + d)
             row = tl.where(row < 0, max_rows, row)
-            store_box(d, [row, part, 0], tile, desc0, desc1, desc2, desc3, desc4, desc5, desc6,
-                      desc7)  # fmt: skip
+            store_box(
+                d, [row, part, 0], tile, desc0, desc1, desc2, desc3, desc4, desc5, desc6, desc7
+            )
     tl.debug_barrier()
     bulk_stores_done()
 
 
 @triton.jit
-def push_stores(x_ptr, plan_ptr, peer_ptrs, recv_offset, t0, t1, HIDDEN: tl.constexpr,
-                NUM_RANKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+def push_stores(
+    x_ptr,
+    plan_ptr,
+    peer_ptrs,
+    recv_offset,
+    t0,
+    t1,
+    HIDDEN: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """Each ``[BLOCK_T, BLOCK_H]`` tile of rows loaded once (the next one before the current
     one is stored) and stored with plain wide stores at every destination's rows."""
     cols = tl.arange(0, BLOCK_H)
@@ -225,9 +253,17 @@ def push_stores(x_ptr, plan_ptr, peer_ptrs, recv_offset, t0, t1, HIDDEN: tl.cons
 
 
 @triton.jit
-def arrive_and_wait(peer_ptrs, rank, arrivals_offset, call, timeout_us, status_ptr,
-                    NUM_RANKS: tl.constexpr, BLOCK_RANKS: tl.constexpr,
-                    USE_CLOCK: tl.constexpr):  # fmt: skip
+def arrive_and_wait(
+    peer_ptrs,
+    rank,
+    arrivals_offset,
+    call,
+    timeout_us,
+    status_ptr,
+    NUM_RANKS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+):
     """Count this program's rows in at every destination (after all of its stores), and in the
     last program wait until every source's programs have counted theirs in here. The last
     program runs last under the interpreter too, so no program waits on one that cannot
@@ -243,9 +279,15 @@ def arrive_and_wait(peer_ptrs, rank, arrivals_offset, call, timeout_us, status_p
         cells = mine + ranks[:, None] + tl.zeros((1, 1), tl.int64)
         limit = limit_ns(timeout_us, status_ptr)
         _, missing, _, limit = wait_tile(
-            cells, active, call * programs, limit, timeout_us, status_ptr, USE_CLOCK,
+            cells,
+            active,
+            call * programs,
+            limit,
+            timeout_us,
+            status_ptr,
+            USE_CLOCK,
             AT_LEAST=True,
-        )  # fmt: skip
+        )
         late = tl.max(tl.where(missing, ranks[:, None], -1))
         if late >= 0:
             record_timeout(status_ptr, late, DISPATCH_RECV, limit)
@@ -295,10 +337,37 @@ def slots_dispatch_kernel(
     t1 = tl.minimum(t0 + chunk, num_tokens)
     plan_rows(in_rank_ptr, plan_ptr, info_ptr, t0, t1, NUM_RANKS, BLOCK_TOKENS, BLOCK_RANKS)
     if VIA_TMA:
-        push_tma(x_desc, desc0, desc1, desc2, desc3, desc4, desc5, desc6, desc7, plan_ptr, t0,
-                 t1, max_rows, NUM_RANKS, BOXES, BOX_ROWS, STAGES)  # fmt: skip
+        push_tma(
+            x_desc,
+            desc0,
+            desc1,
+            desc2,
+            desc3,
+            desc4,
+            desc5,
+            desc6,
+            desc7,
+            plan_ptr,
+            t0,
+            t1,
+            max_rows,
+            NUM_RANKS,
+            BOXES,
+            BOX_ROWS,
+            STAGES,
+        )
     else:
-        push_stores(x_ptr, plan_ptr, peer_ptrs, recv_offset, t0, t1, HIDDEN, NUM_RANKS,
-                    BLOCK_T, BLOCK_H)  # fmt: skip
-    arrive_and_wait(peer_ptrs, rank, arrivals_offset, call, timeout_us, status_ptr, NUM_RANKS,
-                    BLOCK_RANKS, USE_CLOCK)  # fmt: skip
+        push_stores(
+            x_ptr, plan_ptr, peer_ptrs, recv_offset, t0, t1, HIDDEN, NUM_RANKS, BLOCK_T, BLOCK_H
+        )
+    arrive_and_wait(
+        peer_ptrs,
+        rank,
+        arrivals_offset,
+        call,
+        timeout_us,
+        status_ptr,
+        NUM_RANKS,
+        BLOCK_RANKS,
+        USE_CLOCK,
+    )

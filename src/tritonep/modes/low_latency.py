@@ -49,6 +49,8 @@ then checks its tensors, allocates its outputs and launches, all under
 variant serves a class of batch sizes (one token; ids counted by adds, up to
 :attr:`LowLatencyMode.count_adds`; beyond), compiled on the first call of its class: token counts
 within a class are run-time values, so a new batch size of a class already used compiles nothing.
+A dispatch checks ``x`` and ``topk_idx`` in full once per pair of shapes (and flags); later calls
+with plain tensors of those shapes find their plan and batch class in one lookup.
 """
 
 from __future__ import annotations
@@ -98,6 +100,8 @@ PHASES = {
 }
 
 _no_torch_function = torch._C.DisableTorchFunction
+_Tensor, _BF16, _FLOAT32 = torch.Tensor, torch.bfloat16, torch.float32
+_INT32, _INT64 = torch.int32, torch.int64
 
 
 def _align(n: int, a: int = 128) -> int:
@@ -421,8 +425,8 @@ class LowLatencyMode:
             device=self.device,
         )
         self.expert_done = torch.zeros(self._bins, dtype=torch.int32, device=self.device)
-        #: Dispatch senders count the batch's ids by atomic adds while (programs with tokens)
-        #: x tokens x top-k stays within this, by histograms beyond; 0: always histograms.
+        # Per (x shape, ids shape, flags) of a dispatch: (plan, num_tokens, topk).
+        self._calls: dict[tuple, tuple] = {}
         self.count_adds = ll_dispatch.COUNT_ADDS
         #: ``[R]`` int32, 1 where a peer is masked (shrink mode; change it in stream order).
         self.peer_mask = torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device)
@@ -457,6 +461,8 @@ class LowLatencyMode:
         self._state_address = self.state.data_ptr()
         self._untraced_address = self._untraced.data_ptr()
         self._combine_shape = (self.num_local_experts, self.num_ranks * self.max_tokens, hidden)
+        self._stats_shape = (self.num_local_experts,)
+        self._block_words = self._handle_layout.words
         self._recorded = self.status.recorded
         # Outputs are allocated with new_empty on empty tensors of their dtype (their sizes
         # as separate ints): faster than torch.empty, whose keywords cost more to parse.
@@ -480,6 +486,17 @@ class LowLatencyMode:
                 skipped_ptr=self._skipped,
             )
         )
+
+    @property
+    def count_adds(self) -> int:
+        """Dispatch senders count the batch's ids by atomic adds while (programs with tokens)
+        x tokens x top-k stays within this, by histograms beyond; 0: always histograms."""
+        return self._count_adds
+
+    @count_adds.setter
+    def count_adds(self, value: int) -> None:
+        self._count_adds = value
+        self._calls.clear()  # their batch classes follow from it
 
     @property
     def timeout_s(self) -> float:
@@ -681,48 +698,132 @@ class LowLatencyMode:
                 self._raise_recorded(out[3])
             return out
 
-    def _dispatch(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        use_fp8,
-        use_ue8m0,
-        hook,
-        wait_stats,
-        pack_ue8m0,
-        recv_stats,
+    def _dispatch(self, x, topk_idx, use_fp8, use_ue8m0, hook, wait_stats, pack_ue8m0, recv_stats):
+        at = self._device_index
+        # A call with plain x and ids of shapes seen before takes their checked shapes and its
+        # plan from one lookup (x and ids are checked in full once per shape).
+        key = None
+        if (
+            type(x) is _Tensor
+            and type(topk_idx) is _Tensor
+            and x.dtype is _BF16
+            and topk_idx.dtype is _INT64
+            and x.get_device() == at
+            and topk_idx.get_device() == at
+            and x.is_contiguous()
+            and topk_idx.is_contiguous()
+            and not self.check_ids
+        ):
+            key = (
+                x.shape,
+                topk_idx.shape,
+                use_fp8,
+                use_ue8m0,
+                pack_ue8m0,
+                hook,
+                wait_stats is None,
+                recv_stats is None,
+            )
+            call = self._calls.get(key)
+        if key is None or call is None:
+            call = self._dispatch_call(
+                x, topk_idx, use_fp8, use_ue8m0, hook, wait_stats, pack_ue8m0, recv_stats, key
+            )
+        plan, num_tokens, topk = call
+        stats_address = self._state_address
+        if wait_stats is not None:
+            if not _plain(wait_stats, _INT64, at) or wait_stats.shape != (self.num_ranks,):
+                check_tensor(
+                    "wait_stats",
+                    wait_stats,
+                    dtype=_INT64,
+                    shape=(self.num_ranks,),
+                    device=self.device,
+                )
+            stats_address = wait_stats.data_ptr()
+        if recv_stats is not None:
+            if not _plain(recv_stats, _INT32, at) or recv_stats.shape != self._stats_shape:
+                check_tensor(
+                    "cumulative_local_expert_recv_stats",
+                    recv_stats,
+                    dtype=_INT32,
+                    shape=self._stats_shape,
+                    device=self.device,
+                )
+            count_stats = recv_stats.data_ptr()
+
+        # Fresh outputs (users keep them), one allocation each; the handle's three tensors
+        # share one (LowLatencyHandle).
+        empty_x, x_shape, empty_scales, scale_shape, scale_strides = plan.outputs
+        recv_x = empty_x.new_empty(*x_shape)
+        recv_count = self._empty_int32.new_empty(self.num_local_experts)
+        block = self._empty_int32.new_empty(self._block_words)
+        count = recv_count.data_ptr()
+        if empty_scales is None:
+            recv_scales = None
+            scales = count
+        else:
+            recv_scales = empty_scales.new_empty_strided(scale_shape, scale_strides)
+            scales = recv_scales.data_ptr()
+        if POISON_OUTPUTS:
+            self._poison(recv_x, recv_scales, recv_count, block)
+        handle = LowLatencyHandle(block, self._handle_layout, num_tokens, topk)
+        x_address, ids = x.data_ptr(), topk_idx.data_ptr()
+        out_x, src = recv_x.data_ptr(), block.data_ptr()
+        if recv_stats is None:
+            count_stats = count
+        # DispatchCall's fields in order, tensors as addresses: those of _dispatch_bundle's
+        # (tests/test_call_path.py compares them).
+        values = (
+            x_address,
+            ids,
+            num_tokens,
+            out_x,
+            scales,
+            src,  # out_src_ptr: recv_src_info, then recv_topk_slot
+            count,
+            src + self._range_offset,  # out_range_ptr: recv_layout_range (16-byte aligned)
+            count_stats,
+            stats_address,
+            self._untraced_address,  # trace_ptr
+        )
+        # Outputs and the mode's own tensors are 16-byte aligned: the inputs decide.
+        aligned = x_address | ids | count_stats | stats_address | out_x | scales | src
+        both = plan.both
+        if both is not None and not hook and self.trace is None:
+            receive = None if both.launch_values(values, self._shared, aligned) else False
+        else:
+            tensors = (x, topk_idx, recv_x, recv_scales, recv_count, handle, recv_stats, wait_stats)
+            receive = self._launch_split(plan, values, hook, self._dispatch_bundle, tensors)
+        if receive is False:
+            call = self._dispatch_bundle(
+                values, x, topk_idx, recv_x, recv_scales, recv_count, handle, recv_stats, wait_stats
+            )
+            receive = self._launch(plan, "low-latency dispatch", call, hook)
+        return (recv_x, recv_scales) if use_fp8 else recv_x, recv_count, handle, receive
+
+    def _dispatch_call(
+        self, x, topk_idx, use_fp8, use_ue8m0, hook, wait_stats, pack_ue8m0, recv_stats, key
     ):
-        E_local, R, M, H = self.num_local_experts, self.num_ranks, self.max_tokens, self.hidden
-        device, at = self.device, self._device_index
-        shape = x.shape if _plain(x, torch.bfloat16, at) else ()
+        """Check ``x`` and ``topk_idx`` in full and find the call's plan (``(plan, num_tokens,
+        topk)``), kept under ``key`` (None: not kept, e.g. with ``check_ids``)."""
+        M, H, device = self.max_tokens, self.hidden, self.device
+        at = self._device_index
+        shape: tuple[int, ...] = x.shape if _plain(x, _BF16, at) else ()
         if len(shape) != 2 or shape[1] != H:
-            check_tensor("x", x, dtype=torch.bfloat16, shape=(None, H), device=device)
+            check_tensor("x", x, dtype=_BF16, shape=(None, H), device=device)
         num_tokens = x.shape[0]
         if num_tokens > M:
             raise ValueError(f"x: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank={M}")
-        shape = topk_idx.shape if _plain(topk_idx, torch.int64, at) else ()
-        if self.check_ids or len(shape) != 2 or shape[0] != num_tokens or shape[1] < 1:
+        ids_shape: tuple[int, ...] = topk_idx.shape if _plain(topk_idx, _INT64, at) else ()
+        if self.check_ids or len(ids_shape) != 2 or ids_shape[0] != num_tokens or ids_shape[1] < 1:
             check_topk_idx(
                 "topk_idx", topk_idx, num_tokens, self.num_experts, device, self.check_ids
             )
-            shape = topk_idx.shape
-        topk = shape[1]
+            ids_shape = topk_idx.shape
+        topk = ids_shape[1]
         if topk > self.max_topk:
             raise ValueError(f"topk_idx: top-k {topk} exceeds max_topk={self.max_topk}")
-        if wait_stats is not None and (
-            not _plain(wait_stats, torch.int64, at) or wait_stats.shape != (R,)
-        ):
-            check_tensor("wait_stats", wait_stats, dtype=torch.int64, shape=(R,), device=device)
-        if recv_stats is not None and (
-            not _plain(recv_stats, torch.int32, at) or recv_stats.shape != (E_local,)
-        ):
-            check_tensor(
-                "cumulative_local_expert_recv_stats",
-                recv_stats,
-                dtype=torch.int32,
-                shape=(E_local,),
-                device=device,
-            )
         # The batch class: how the senders count the ids, by atomic adds or histograms
         # (ll_dispatch.COUNT_ADDS), and one token or more; from the shapes alone, so a captured
         # graph keeps its choice.
@@ -730,54 +831,16 @@ class LowLatencyMode:
         senders = -(-num_tokens // per_program) if num_tokens else 1
         by_adds = senders * num_tokens * topk <= self.count_adds
         stats = (wait_stats is not None, recv_stats is not None)
-        key = (use_fp8, use_ue8m0, pack_ue8m0, topk, hook, *stats, by_adds, num_tokens == 1)
-        plan = self._plans.get(key)
+        plan_key = (use_fp8, use_ue8m0, pack_ue8m0, topk, hook, *stats, by_adds, num_tokens == 1)
+        plan = self._plans.get(plan_key)
         if plan is None:
-            plan = self._plans[key] = self._dispatch_plan(
+            plan = self._plans[plan_key] = self._dispatch_plan(
                 use_fp8, use_ue8m0, pack_ue8m0, topk, *stats, by_adds, num_tokens == 1
             )
-
-        # Fresh outputs (users keep them), one allocation each; the handle's three tensors
-        # share one (LowLatencyHandle).
-        empty_x, empty_scales, scale_shape, scale_strides = plan.outputs
-        recv_x = empty_x.new_empty(E_local, R * M, H)
-        recv_scales = None
-        if empty_scales is not None:
-            recv_scales = empty_scales.new_empty_strided(scale_shape, scale_strides)
-        recv_count = self._empty_int32.new_empty(E_local)
-        block = self._empty_int32.new_empty(self._handle_layout.words)
-        if POISON_OUTPUTS:
-            self._poison(recv_x, recv_scales, recv_count, block)
-        handle = LowLatencyHandle(block, self._handle_layout, num_tokens, topk)
-        count = recv_count.data_ptr()
-        src = block.data_ptr()
-        # DispatchCall's fields in order, tensors as addresses: those of _dispatch_bundle's
-        # (tests/test_call_path.py compares them).
-        values = (
-            x.data_ptr(),
-            topk_idx.data_ptr(),
-            num_tokens,
-            recv_x.data_ptr(),
-            count if recv_scales is None else recv_scales.data_ptr(),
-            src,  # out_src_ptr: recv_src_info, then recv_topk_slot
-            count,
-            src + self._range_offset,  # out_range_ptr: recv_layout_range
-            count if recv_stats is None else recv_stats.data_ptr(),
-            self._state_address if wait_stats is None else wait_stats.data_ptr(),
-            self._untraced_address,  # trace_ptr
-        )
-        both = plan.both
-        if both is None or hook or self.trace is not None:
-            tensors = (x, topk_idx, recv_x, recv_scales, recv_count, handle, recv_stats, wait_stats)
-            receive = self._launch_split(plan, values, hook, self._dispatch_bundle, tensors)
-        else:
-            receive = None if both.launch_values(values, self._shared) else False
-        if receive is False:
-            call = self._dispatch_bundle(
-                values, x, topk_idx, recv_x, recv_scales, recv_count, handle, recv_stats, wait_stats
-            )
-            receive = self._launch(plan, "low-latency dispatch", call, hook)
-        return (recv_x, recv_scales) if use_fp8 else recv_x, recv_count, handle, receive
+        call = (plan, num_tokens, topk)
+        if key is not None:
+            self._calls[key] = call
+        return call
 
     def _dispatch_bundle(
         self, values, x, topk_idx, recv_x, recv_scales, recv_count, handle, recv_stats, wait_stats
@@ -843,7 +906,8 @@ class LowLatencyMode:
         empty_x = torch.empty(
             0, dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16, device=self.device
         )
-        outputs: tuple = (empty_x, None, None, None)
+        x_shape = (self.num_local_experts, R * M, H)
+        outputs: tuple = (empty_x, x_shape, None, None, None)
         if use_fp8:
             rows = R * M
             columns = -(-_groups(H) // 4) if pack_ue8m0 else _groups(H)
@@ -851,7 +915,8 @@ class LowLatencyMode:
                 0, dtype=torch.int32 if pack_ue8m0 else torch.float32, device=self.device
             )
             strides = (columns * rows, 1, rows if columns > 1 else 1)
-            outputs = (empty_x, empty_scales, (self.num_local_experts, rows, columns), strides)
+            scale_shape = (self.num_local_experts, rows, columns)
+            outputs = (empty_x, x_shape, empty_scales, scale_shape, strides)
         return self._plan(DISPATCH_KERNEL, DispatchCall, variant, {"num_warps": 16}, outputs)
 
     # ---------------------------------------------------------------------------- combine
@@ -916,28 +981,29 @@ class LowLatencyMode:
     def _combine(self, x, topk_idx, topk_weights, handle, hook, out, wait_stats, logfmt):
         R, H = self.num_ranks, self.hidden
         device, at = self.device, self._device_index
-        if not isinstance(handle, LowLatencyHandle):
+        if type(handle) is not LowLatencyHandle and not isinstance(handle, LowLatencyHandle):
             kind = type(handle).__name__
             raise TypeError(f"handle: expected the handle of a low-latency dispatch, got {kind}")
         if handle.layout is not self._handle_layout and handle.layout != self._handle_layout:
             raise ValueError("handle: it comes from a dispatch with other sizes")
-        if not _plain(x, torch.bfloat16, at) or x.shape != self._combine_shape:
-            check_tensor("x", x, dtype=torch.bfloat16, shape=self._combine_shape, device=device)
+        if not _plain(x, _BF16, at) or x.shape != self._combine_shape:
+            check_tensor("x", x, dtype=_BF16, shape=self._combine_shape, device=device)
         # Token t's rows come back to slots [t][k] of this rank's receive set: ids of another
         # shape would read slots this call never filled, or past the set.
         num_tokens, topk = handle.num_tokens, handle.topk
-        if self.check_ids or not _plain(topk_idx, torch.int64, at):
+        if self.check_ids or not _plain(topk_idx, _INT64, at):
             check_topk_idx("topk_idx", topk_idx, None, self.num_experts, device, self.check_ids)
-        if topk_idx.shape != (num_tokens, topk):
+        shape = topk_idx.shape
+        if shape != (num_tokens, topk):
             raise ValueError(
                 f"topk_idx: shape {list(topk_idx.shape)} differs from that of the dispatch "
                 f"whose handle this is, [{num_tokens}, {topk}]"
             )
-        if not _plain(topk_weights, torch.float32, at) or topk_weights.shape != (num_tokens, topk):
+        if not _plain(topk_weights, _FLOAT32, at) or topk_weights.shape != shape:
             check_tensor(
                 "topk_weights",
                 topk_weights,
-                dtype=torch.float32,
+                dtype=_FLOAT32,
                 shape=(num_tokens, topk),
                 device=device,
             )
@@ -945,39 +1011,45 @@ class LowLatencyMode:
             out = self._empty_bf16.new_empty(num_tokens, H)
             if POISON_OUTPUTS:
                 self._poison(out)
-        elif not _plain(out, torch.bfloat16, at) or out.shape != (num_tokens, H):
-            check_tensor("out", out, dtype=torch.bfloat16, shape=(num_tokens, H), device=device)
-        if wait_stats is not None and (
-            not _plain(wait_stats, torch.int64, at) or wait_stats.shape != (R,)
-        ):
-            check_tensor("wait_stats", wait_stats, dtype=torch.int64, shape=(R,), device=device)
+        elif not _plain(out, _BF16, at) or out.shape != (num_tokens, H):
+            check_tensor("out", out, dtype=_BF16, shape=(num_tokens, H), device=device)
+        stats_address = self._state_address
+        if wait_stats is not None:
+            if not _plain(wait_stats, _INT64, at) or wait_stats.shape != (R,):
+                check_tensor("wait_stats", wait_stats, dtype=_INT64, shape=(R,), device=device)
+            stats_address = wait_stats.data_ptr()
         key = ("combine", topk, logfmt, hook, wait_stats is None)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._combine_plan(topk, logfmt, wait_stats is not None)
         src = handle.block.data_ptr()
+        x_address, ids = x.data_ptr(), topk_idx.data_ptr()
+        weights, out_address = topk_weights.data_ptr(), out.data_ptr()
         # CombineCall's fields in order, tensors as addresses: those of _combine_bundle's
         # (tests/test_call_path.py compares them).
         values = (
-            x.data_ptr(),
+            x_address,
             src,
             src + self._slot_offset,
             src + self._range_offset,
-            topk_idx.data_ptr(),
-            topk_weights.data_ptr(),
+            ids,
+            weights,
             num_tokens,
-            out.data_ptr(),
-            self._state_address if wait_stats is None else wait_stats.data_ptr(),
+            out_address,
+            stats_address,
             self._untraced_address,
         )
-        tensors = (x, handle, topk_idx, topk_weights, out, wait_stats)
         both = plan.both
-        if both is None or hook or self.trace is not None:
-            receive = self._launch_split(plan, values, hook, self._combine_bundle, tensors)
+        if both is not None and not hook and self.trace is None:
+            # The handle's views start on 16-byte boundaries of its block; the mode's tensors
+            # are aligned: the rest decide.
+            aligned = x_address | src | ids | weights | out_address | stats_address
+            receive = None if both.launch_values(values, self._shared, aligned) else False
         else:
-            receive = None if both.launch_values(values, self._shared) else False
+            tensors = (x, handle, topk_idx, topk_weights, out, wait_stats)
+            receive = self._launch_split(plan, values, hook, self._combine_bundle, tensors)
         if receive is False:
-            call = self._combine_bundle(values, *tensors)
+            call = self._combine_bundle(values, x, handle, topk_idx, topk_weights, out, wait_stats)
             receive = self._launch(plan, "low-latency combine", call, hook)
         return out, receive
 
