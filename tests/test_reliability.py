@@ -135,9 +135,8 @@ def test_edge_values_match_the_reference_and_stay_contained(run_ranks, mode, use
 
 # ----------------------------------------------------------------------- fault injection
 def _lone_limit_s(device) -> float:
-    """The limit of rank 0's calls while its peers stay away: 1 s on GPUs. The interpreter
-    counts a limit in spins of 1 ms each, which take tens of ms on a loaded CPU: 0.1 s there
-    (no live peer is waited for under it, so no peer can be late for it)."""
+    """The limit of rank 0's calls while its peers stay away: 1 s on GPUs, 0.1 s under the
+    interpreter (no live peer is waited for under it, so no peer can be late for it)."""
     return 1.0 if device.type == "cuda" else 0.1
 
 

@@ -232,6 +232,15 @@ def _worker(rank, world_size, port, backend, collective_timeout_s, tasks, result
     # Tear down together (see tests/rank_scripts/allreduce.py).
     dist.barrier()
     dist.destroy_process_group()
+    # Then leave at once: the interpreter's own shutdown (torch's and Triton's finalizers) can
+    # take seconds, or hang for good, after everything that matters is done. What is left to
+    # release goes with the process (the CPU heaps' files were unlinked once mapped), so only
+    # the results still in this queue's feeder thread, and the output streams, need flushing.
+    results.close()
+    results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @contextlib.contextmanager
@@ -359,8 +368,10 @@ class RankPool:
         if not force:
             for q in self._tasks:
                 q.put(None)
+            # One deadline for all: the ranks stop together (a barrier), so their exits overlap.
+            deadline = time.monotonic() + 10.0
             for p in self._procs:
-                p.join(timeout=10)
+                p.join(timeout=max(deadline - time.monotonic(), 0.0))
         for p in self._procs:
             if p.is_alive():
                 p.kill()

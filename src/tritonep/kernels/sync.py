@@ -5,12 +5,13 @@ system-scope *acquire*, so data stored before a flag is visible to whoever sees 
 Triton executes an atomic on a scalar pointer once per program, so each helper puts a program
 barrier on the side where other threads' memory accesses must be ordered with it.
 
-Every wait is bounded. On a GPU the deadline comes from the nanosecond ``globaltimer``; the
-Triton interpreter has no clock, so there the time is counted in spins of
-:data:`INTERPRETER_SPIN_NS` each. A wait that gives up records (peer, phase) in a small device
-*status* (:mod:`tritonep.kernels.status`) and returns ``False``; the kernel then skips the
-rest of its work and the host turns the status into :class:`~tritonep.errors.WaitTimeoutError`.
-No kernel ever traps, so the CUDA context survives a timeout.
+Every wait is bounded. On a GPU the deadline comes from the nanosecond ``globaltimer``; under
+the Triton interpreter, which cannot read it, from the host's monotonic clock
+(:func:`host_clock_ns`), so a limit there is wall time too, however slow each spin is. A wait
+that gives up records (peer, phase) in a small device *status* (:mod:`tritonep.kernels.status`)
+and returns ``False``; the kernel then skips the rest of its work and the host turns the status
+into :class:`~tritonep.errors.WaitTimeoutError`. No kernel ever traps, so the CUDA context
+survives a timeout.
 
 A recorded timeout stays: the mode's call counters no longer agree with its peers', so the
 buffer is done for. Every later launch therefore reads the status before it waits and, finding
@@ -27,6 +28,8 @@ while its peers wait on it (under a short limit, long enough to time out).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import triton
@@ -45,8 +48,19 @@ from .status import (  # noqa: F401 - the status words and their records, named 
     record_timeout,
 )
 
-#: Wall time one spin of a wait loop is assumed to take under the Triton interpreter.
-INTERPRETER_SPIN_NS = tl.constexpr(1_000_000)
+
+def host_clock_ns() -> int:
+    """The host's monotonic clock in nanoseconds: the kernels' clock under the interpreter.
+
+    The interpreter runs a kernel as Python, so a wait loop calls this as it is; it is marked a
+    Triton builtin only so that the compiler's scan of a kernel's globals accepts it, and the
+    compiler never reaches it (it sits in the ``USE_CLOCK`` False branch, which GPU launches
+    never take).
+    """
+    return time.monotonic_ns()
+
+
+host_clock_ns.__triton_builtin__ = True  # type: ignore[attr-defined]
 
 #: Default limit of every wait, in seconds.
 DEFAULT_TIMEOUT_S = 100.0
@@ -98,10 +112,12 @@ def limit_ns(timeout_us, status_ptr):
 
 @triton.jit
 def elapsed_ns(start, spins, USE_CLOCK: tl.constexpr):
+    """Nanoseconds since ``start`` (:func:`start_clock`). ``spins`` (the loop's count of
+    reads) is unused: both clocks are wall time."""
     if USE_CLOCK:
         return tl.extra.cuda.globaltimer() - start
     else:
-        return spins * INTERPRETER_SPIN_NS
+        return tl.full((), host_clock_ns(), tl.int64) - start
 
 
 @triton.jit
@@ -109,7 +125,7 @@ def start_clock(USE_CLOCK: tl.constexpr):
     if USE_CLOCK:
         return tl.extra.cuda.globaltimer()
     else:
-        return tl.zeros((), tl.int64)
+        return tl.full((), host_clock_ns(), tl.int64)
 
 
 @triton.jit
