@@ -47,6 +47,10 @@ TABLE_COLUMNS = {
     "torch_combine_us": "torch combine us",
     "deep_ep_dispatch_us": "DeepEP dispatch us",
     "deep_ep_combine_us": "DeepEP combine us",
+    "eager_pair_us": "eager pair us",
+    "eager_pair_defaults_us": "eager pair, defaults us",
+    "host_dispatch_us": "host dispatch us",
+    "host_combine_us": "host combine us",
 }
 
 
