@@ -312,6 +312,7 @@ _SLOTS = {
     "status_ptr": "*i32",
     "timeout_us": "i32",
 }
+_SLOTS_DISPATCH = {k: v for k, v in _SLOTS.items() if k != "state_ptr"}
 _SLOTS_META = dict(
     NUM_RANKS=4, HIDDEN=7168, BOXES=1, BOX_ROWS=32, STAGES=3, BLOCK_T=16, BLOCK_H=1024,
     BLOCK_TOKENS=1024, BLOCK_RANKS=4, USE_CLOCK=True, desc4=None, desc5=None, desc6=None,
@@ -329,14 +330,14 @@ KERNELS += [
     (
         "tritonep.kernels.normal_slots",
         "slots_dispatch_kernel",
-        {**_SLOTS, "x_desc": _BOX, **{f"desc{d}": _BOX for d in range(4)}},
+        {**_SLOTS_DISPATCH, "x_desc": _BOX, **{f"desc{d}": _BOX for d in range(4)}},
         dict(_SLOTS_META, x_ptr=None, VIA_TMA=True),
         {"num_warps": 4},
     ),
     (
         "tritonep.kernels.normal_slots",
         "slots_dispatch_kernel",
-        {**_SLOTS, "x_ptr": "*bf16"},
+        {**_SLOTS_DISPATCH, "x_ptr": "*bf16"},
         dict(_SLOTS_META, x_desc=None, desc0=None, desc1=None, desc2=None, desc3=None,
              VIA_TMA=False),
         {"num_warps": 16},

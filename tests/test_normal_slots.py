@@ -3,7 +3,9 @@
 Every rank makes every rank's inputs from one fresh seed, poisons its receive buffer, runs the
 count exchange and the dispatch (plain stores, TMA boxes that split a row, one TMA box per row
 whose tail lies past the row), and compares the received rows with the reference's, twice in
-a row with new inputs (the call counters and arrival counters carry over).
+a row with new inputs (the call counters and arrival counters carry over), each call with its
+own program count: counts that change from call to call on one heap, token counts that no
+program count divides, and programs left without tokens.
 """
 
 import random
@@ -40,7 +42,7 @@ def _descriptor(t, rows, box_rows):
     )  # fmt: skip
 
 
-def _slots_body(ctx, seed, tokens, programs):
+def _slots_body(ctx, seed, tokens, program_counts):
     from tritonep import heap as heaps
     from tritonep.kernels import normal_slots as slots
     from tritonep.kernels.phases import NAMES
@@ -59,7 +61,10 @@ def _slots_body(ctx, seed, tokens, programs):
     block_ranks = 1 << (R - 1).bit_length()
     rows_seen = []
     # (method, TMA box rows, boxes per row): one box of 1 row x 32 (7 a row), 8 rows (1 a row)
-    for step, (tma, box_rows, boxes) in enumerate([(False, 1, 1), (True, 1, 7), (True, 8, 1)]):
+    methods = [(False, 1, 1), (True, 1, 7), (True, 8, 1)]
+    for step, ((tma, box_rows, boxes), programs) in enumerate(
+        zip(methods, program_counts, strict=True)
+    ):
         xs, idx, in_rank = _case(seed + step, R, tokens)
         want = normal_dispatch(xs, idx, None, EXPERTS)[me].recv_x
         x, mine = xs[me].to(dev), in_rank[me].to(dev)
@@ -73,7 +78,7 @@ def _slots_body(ctx, seed, tokens, programs):
         descs = [_descriptor(p, max_rows, box_rows) for p in peers] if tma else []
         slots.slots_dispatch_kernel[(programs,)](
             None if tma else x, _descriptor(x, tokens[me], box_rows) if tma else None,
-            *(descs + [None] * (8 - len(descs))), mine, plan, info, state, heap.peer_ptrs, me,
+            *(descs + [None] * (8 - len(descs))), mine, plan, info, heap.peer_ptrs, me,
             tokens[me], max_rows, arrivals, recv_offset, status, timeout_us(60.0),
             NUM_RANKS=R, HIDDEN=HIDDEN, VIA_TMA=tma, BOXES=boxes, BOX_ROWS=box_rows, STAGES=2,
             BLOCK_T=4, BLOCK_H=128, BLOCK_TOKENS=4, BLOCK_RANKS=block_ranks,
@@ -91,13 +96,18 @@ def _slots_body(ctx, seed, tokens, programs):
     return rows_seen
 
 
+# Program counts per call (plain stores, TMA split rows, TMA whole rows). 2 ranks: 7 and 12
+# tokens over 2, 3 and 5 programs (7 / 5: the last program has none). 3 ranks: 3, then 2,
+# then 4 (fewer programs after more, then more again).
 @pytest.mark.parametrize(
-    ("tokens", "programs"), [((7, 12), 2), ((5, 9, 6), 3)], ids=["2 ranks", "3 ranks"]
+    ("tokens", "programs"),
+    [((7, 12), (2, 3, 5)), ((5, 9, 6), (3, 2, 4))],
+    ids=["2 ranks", "3 ranks"],
 )
 def test_slot_dispatch_matches_the_reference(run_ranks, tokens, programs):
     seed = random.randrange(1 << 30)
     R = len(tokens)
-    seen = run_ranks(R, _slots_body, seed, list(tokens), programs, timeout=600)
+    seen = run_ranks(R, _slots_body, seed, list(tokens), list(programs), timeout=600)
     # Every rank received rows in every step (top-3 of 12 experts reaches each rank often).
     for rows in seen:
         assert all(n > 0 for n in rows), (seed, seen)

@@ -183,7 +183,7 @@ class Prototype:
         descs = list(descs) + [None] * (8 - len(descs))
         args = (
             None if tma else self.x, x_desc, *descs, self.in_rank, self.plan, self.info,
-            self.state, self.heap.peer_ptrs, self.me, self.opts.tokens, self.max_rows,
+            self.heap.peer_ptrs, self.me, self.opts.tokens, self.max_rows,
             self.arrivals, self.recv_offset, self.status, self.timeout,
         )  # fmt: skip
         meta = dict(NUM_RANKS=R, HIDDEN=self.H, VIA_TMA=tma, BOXES=boxes, BOX_ROWS=box_rows,

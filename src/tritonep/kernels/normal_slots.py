@@ -16,7 +16,9 @@ Two launches and no receiver programs:
    memory accelerator copies through host-side tensor descriptors on every peer's view of the
    receive buffer (``VIA_TMA``), or with wide plain stores through peer addresses. Each
    program then adds one to its arrival counter at every destination (release), and the last
-   program waits (bounded) until every source's programs have arrived here.
+   program waits (bounded) until every source's ``P`` programs have arrived here, then takes
+   them back off the counters (each call starts from zero, so calls with different program
+   counts share a heap; a source's next call adds only after this rank's next count word).
 
 Rows arrive ordered by source rank, then by token: the receive buffer's first ``info[0]`` rows
 are the dispatch output, and a copy into a fresh tensor (any kernel on all SMs) is optional.
@@ -257,7 +259,6 @@ def arrive_and_wait(
     peer_ptrs,
     rank,
     arrivals_offset,
-    call,
     timeout_us,
     status_ptr,
     NUM_RANKS: tl.constexpr,
@@ -265,9 +266,11 @@ def arrive_and_wait(
     USE_CLOCK: tl.constexpr,
 ):
     """Count this program's rows in at every destination (after all of its stores), and in the
-    last program wait until every source's programs have counted theirs in here. The last
-    program runs last under the interpreter too, so no program waits on one that cannot
-    start."""
+    last program wait until every source's programs have counted theirs in here, then subtract
+    them, so the next call waits for its own program count whatever this one's was. Nothing
+    adds to a counter meanwhile: a source's next call adds only after it has read this rank's
+    next count word, written by a later launch. The last program runs last under the
+    interpreter too, so no program waits on one that cannot start."""
     programs = tl.num_programs(0)
     for d in range(NUM_RANKS):
         counter = tl.load(peer_ptrs + d) + arrivals_offset
@@ -281,7 +284,7 @@ def arrive_and_wait(
         _, missing, _, limit = wait_tile(
             cells,
             active,
-            call * programs,
+            programs,
             limit,
             timeout_us,
             status_ptr,
@@ -291,6 +294,9 @@ def arrive_and_wait(
         late = tl.max(tl.where(missing, ranks[:, None], -1))
         if late >= 0:
             record_timeout(status_ptr, late, DISPATCH_RECV, limit)
+        # A source that timed out keeps its count: the status already fails every later call.
+        taken = tl.zeros((BLOCK_RANKS, 1), tl.int64) - programs
+        tl.atomic_add(cells, taken, mask=active & ~missing, sem="relaxed", scope="sys")
 
 
 @triton.jit(do_not_specialize=["rank", "num_tokens", "max_rows", "timeout_us"])
@@ -308,7 +314,6 @@ def slots_dispatch_kernel(
     in_rank_ptr,  # int8/bool [num_tokens, NUM_RANKS]: token t goes to rank d
     plan_ptr,  # int32 [num_tokens, NUM_RANKS] scratch: each token's row at each rank
     info_ptr,  # int32 [1 + 3 * NUM_RANKS] from the notify: send_base at 1 + d
-    state_ptr,  # int64 [1]: the call number, advanced by the notify
     peer_ptrs,  # int64 [NUM_RANKS]: every rank's heap base address
     rank,  # this rank
     num_tokens,  # tokens of this rank
@@ -331,7 +336,6 @@ def slots_dispatch_kernel(
 ):
     """Push this program's contiguous token range to every destination at the rows the notify
     gave, then count in and (last program) wait for every source."""
-    call = tl.load(state_ptr)
     chunk = tl.cdiv(num_tokens, tl.num_programs(0))
     t0 = tl.minimum(tl.program_id(0) * chunk, num_tokens)
     t1 = tl.minimum(t0 + chunk, num_tokens)
@@ -364,7 +368,6 @@ def slots_dispatch_kernel(
         peer_ptrs,
         rank,
         arrivals_offset,
-        call,
         timeout_us,
         status_ptr,
         NUM_RANKS,
