@@ -24,11 +24,11 @@ ON_GPU = torch.cuda.is_available()
 
 @triton.jit
 def quantize_rows_kernel(x_ptr, q_ptr, code_ptr, scale_ptr, H: tl.constexpr,
-                         G_P2: tl.constexpr, USE_UE8M0: tl.constexpr,
+                         BLOCK_GROUPS: tl.constexpr, USE_UE8M0: tl.constexpr,
                          EMULATE: tl.constexpr):  # fmt: skip
     G: tl.constexpr = (H + 127) // 128
     row = tl.program_id(0).to(tl.int64)
-    groups = tl.arange(0, G_P2)
+    groups = tl.arange(0, BLOCK_GROUPS)
     offs = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
     x = tl.load(x_ptr + row * H + offs, mask=offs < H, other=0.0)
     q, scale = quantize_groups(from_bf16(x, EMULATE), USE_UE8M0, EMULATE)
@@ -78,7 +78,7 @@ def test_quantization_is_bit_exact(hidden, use_ue8m0):
     G = -(-hidden // 128)
     scale = torch.full((x.shape[0], G), -1.0, device=device)
     quantize_rows_kernel[(x.shape[0],)](
-        xd, q, code, scale, H=hidden, G_P2=triton.next_power_of_2(G), USE_UE8M0=use_ue8m0,
+        xd, q, code, scale, H=hidden, BLOCK_GROUPS=triton.next_power_of_2(G), USE_UE8M0=use_ue8m0,
         EMULATE=not ON_GPU,
     )  # fmt: skip
     q, code, scale = q.cpu(), code.cpu(), scale.cpu()

@@ -102,7 +102,7 @@ LL_DISPATCH_META = dict(
     K=8,
     NUM_EXPERTS=256,
     NUM_RANKS=4,
-    M=128,
+    MAX_TOKENS=128,
     MSG_BYTES=7312,
     RECV_SET_BYTES=1 << 28,
     FLAG_SET_BYTES=2048,
@@ -119,9 +119,9 @@ LL_DISPATCH_META = dict(
     BLOCK_N=128,
     COUNT_BY_ADDS=True,
     ONE_TOKEN=False,
-    K_P2=8,
-    G_P2=64,
-    R_P2=4,
+    BLOCK_K=8,
+    BLOCK_SCALES=64,
+    BLOCK_RANKS=4,
     BINS=256,
     BLOCK_MSGS=8,
     BLOCK_ITEMS=2,
@@ -137,7 +137,7 @@ LL_COMBINE_META = dict(
     K_MAX=16,
     NUM_EXPERTS=256,
     NUM_RANKS=4,
-    M=128,
+    MAX_TOKENS=128,
     RECV_SET_BYTES=1 << 25,
     SLOT_BYTES=14784,
     RECV_OFFSET=(1 << 29) + 4096,
@@ -147,8 +147,8 @@ LL_COMBINE_META = dict(
     DO_SEND=True,
     DO_RECV=True,
     USE_CLOCK=True,
-    G_P2=64,
-    R_P2=4,
+    BLOCK_SCALES=64,
+    BLOCK_RANKS=4,
     BLOCK_ROWS=4,
     BLOCK_CHANNELS=8192,
     PROFILE=False,
@@ -159,8 +159,8 @@ LL_COMBINE_META = dict(
     BLOCK_GROUPS=8,
 )
 # Hidden 2880 (gpt-oss): messages of 16 + 2880 + 23 * 4 bytes (FP8), slots of 23 groups.
-H2880_DISPATCH = dict(H=2880, MSG_BYTES=2992, G_P2=32, BLOCK_MSGS=8)
-H2880_COMBINE = dict(H=2880, SLOT_BYTES=6080, G_P2=32, BLOCK_GROUPS=32, BLOCK_CHANNELS=4096)
+H2880_DISPATCH = dict(H=2880, MSG_BYTES=2992, BLOCK_SCALES=32, BLOCK_MSGS=8)
+H2880_COMBINE = dict(H=2880, SLOT_BYTES=6080, BLOCK_SCALES=32, BLOCK_GROUPS=32, BLOCK_CHANNELS=4096)
 TRACED = dict(PROFILE=True, WAIT_STATS=True)
 LOGFMT = dict(LOGFMT=True, BLOCK_ROWS=2, BLOCK_CHANNELS=4096, BLOCK_GROUPS=64)
 for name, sig, meta in [
@@ -205,7 +205,11 @@ for name, sig, meta in [
         {**LL_DISPATCH, "out_x_ptr": "*bf16", "out_scales_ptr": "*i32"},
         {**LL_DISPATCH_META, **H2880_DISPATCH, "USE_FP8": False, "MSG_BYTES": 5776},
     ),
-    ("ll_dispatch", LL_DISPATCH, {**LL_DISPATCH_META, "H": 200, "MSG_BYTES": 240, "G_P2": 2}),
+    (
+        "ll_dispatch",
+        LL_DISPATCH,
+        {**LL_DISPATCH_META, "H": 200, "MSG_BYTES": 240, "BLOCK_SCALES": 2},
+    ),
     ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, **H2880_COMBINE}),
     ("ll_combine", LL_COMBINE, {**LL_COMBINE_META, **LOGFMT, **H2880_COMBINE}),
     # The other batch classes: one token, and ids counted by histograms (one item at a time)

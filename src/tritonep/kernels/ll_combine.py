@@ -62,7 +62,7 @@ class CombineVariant(NamedTuple):
     K_MAX: int
     NUM_EXPERTS: int
     NUM_RANKS: int
-    M: int
+    MAX_TOKENS: int
     RECV_SET_BYTES: int
     SLOT_BYTES: int
     RECV_OFFSET: int
@@ -72,8 +72,8 @@ class CombineVariant(NamedTuple):
     DO_SEND: bool
     DO_RECV: bool
     USE_CLOCK: bool
-    G_P2: int
-    R_P2: int
+    BLOCK_SCALES: int
+    BLOCK_RANKS: int
     BLOCK_ROWS: int
     BLOCK_CHANNELS: int
     PROFILE: bool
@@ -87,9 +87,9 @@ class CombineVariant(NamedTuple):
 @triton.jit(do_not_specialize=["num_tokens", "timeout_us"])
 def ll_combine_kernel(
     # What changes from call to call (CombineCall).
-    x_ptr,  # [E_local, R * M, H] bf16 expert outputs, rows as dispatch packed them
-    src_ptr,  # [E_local, R * M] int32 source token of each row
-    slot_ptr,  # [E_local, R * M] int32 top-k column of each row
+    x_ptr,  # [E_local, R * MAX_TOKENS, H] bf16 expert outputs, rows as dispatch packed them
+    src_ptr,  # [E_local, R * MAX_TOKENS] int32 source token of each row
+    slot_ptr,  # [E_local, R * MAX_TOKENS] int32 top-k column of each row
     range_ptr,  # [E_local, R] int64 begin << 32 | count
     topk_idx_ptr,  # [N, K] int64 global expert ids, -1 for none
     topk_weights_ptr,  # [N, K] float32
@@ -114,18 +114,18 @@ def ll_combine_kernel(
     K_MAX: tl.constexpr,  # top-k columns of a token's receive slots
     NUM_EXPERTS: tl.constexpr,  # experts in all
     NUM_RANKS: tl.constexpr,  # R: ranks of the group
-    M: tl.constexpr,  # max tokens per rank
+    MAX_TOKENS: tl.constexpr,  # max tokens per rank
     RECV_SET_BYTES: tl.constexpr,  # a buffer set of the receive slots
     SLOT_BYTES: tl.constexpr,  # a row's slot: 256 bytes per group, then [G] (log_amin, step)
-    RECV_OFFSET: tl.constexpr,  # heap byte offset of buffer set 0 of the [M][K_MAX] slots
+    RECV_OFFSET: tl.constexpr,  # heap byte offset of buffer set 0 of the [MAX_TOKENS][K_MAX] slots
     DONE_OFFSET: tl.constexpr,  # heap byte offset of the [R] int64 done counters
-    STAGE_OFFSET: tl.constexpr,  # heap byte offset of the staging slots [E_local * R * M] (VIA)
+    STAGE_OFFSET: tl.constexpr,  # heap offset of the staging slots [E_local * R * MAX_TOKENS] (VIA)
     GPUS_PER_NODE: tl.constexpr,  # ranks r, r' share a node when r // it == r' // it
     DO_SEND: tl.constexpr,  # run the send phase
     DO_RECV: tl.constexpr,  # run the receive phase
     USE_CLOCK: tl.constexpr,  # on a GPU (else the interpreter)
-    G_P2: tl.constexpr,  # power of two >= ceil(H / 128)
-    R_P2: tl.constexpr,  # power of two >= max(NUM_RANKS, 2)
+    BLOCK_SCALES: tl.constexpr,  # power of two >= ceil(H / 128)
+    BLOCK_RANKS: tl.constexpr,  # power of two >= max(NUM_RANKS, 2)
     BLOCK_ROWS: tl.constexpr,  # rows a sending program moves at a time
     BLOCK_CHANNELS: tl.constexpr,  # channels of a token reduced at a time (power of two)
     PROFILE: tl.constexpr,  # record traces
@@ -163,14 +163,14 @@ def ll_combine_kernel(
             K_MAX,
             NUM_EXPERTS,
             NUM_RANKS,
-            M,
+            MAX_TOKENS,
             RECV_SET_BYTES,
             SLOT_BYTES,
             RECV_OFFSET,
             STAGE_OFFSET,
             GPUS_PER_NODE,
             USE_CLOCK,
-            G_P2,
+            BLOCK_SCALES,
             BLOCK_ROWS,
             PROFILE,
             SHRINK,
@@ -207,7 +207,7 @@ def ll_combine_kernel(
             NUM_RANKS,
             DONE_OFFSET,
             USE_CLOCK,
-            R_P2,
+            BLOCK_RANKS,
             WAIT_STATS,
             SHRINK,
         )
@@ -279,14 +279,14 @@ def _send_rows(
     K_MAX: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
     NUM_RANKS: tl.constexpr,
-    M: tl.constexpr,
+    MAX_TOKENS: tl.constexpr,
     RECV_SET_BYTES: tl.constexpr,
     SLOT_BYTES: tl.constexpr,
     RECV_OFFSET: tl.constexpr,
     STAGE_OFFSET: tl.constexpr,
     GPUS_PER_NODE: tl.constexpr,
     USE_CLOCK: tl.constexpr,
-    G_P2: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     PROFILE: tl.constexpr,
     SHRINK: tl.constexpr,
@@ -303,7 +303,7 @@ def _send_rows(
     num_programs = tl.num_programs(0)
     set_off = (c_send % 2) * RECV_SET_BYTES
     rows_in_block = tl.arange(0, BLOCK_ROWS)
-    flat = tl.arange(0, G_P2 * 128)
+    flat = tl.arange(0, BLOCK_SCALES * 128)
     flat_mask = flat < H
     my_base = tl.load(peer_ptrs + rank)
     t_send = tl.zeros((), tl.int64)
@@ -322,7 +322,7 @@ def _send_rows(
         remote = (src // GPUS_PER_NODE) != (rank // GPUS_PER_NODE)
         for first in range(0, count, BLOCK_ROWS):
             rmask = (first + rows_in_block) < count
-            rows = (local * NUM_RANKS * M + begin + first + rows_in_block).to(tl.int64)
+            rows = (local * NUM_RANKS * MAX_TOKENS + begin + first + rows_in_block).to(tl.int64)
             token = tl.load(src_ptr + rows, mask=rmask).to(tl.int64)
             column = tl.load(slot_ptr + rows, mask=rmask).to(tl.int64)
             mask2 = rmask[:, None] & flat_mask[None, :]
@@ -341,7 +341,7 @@ def _send_rows(
             if remote:
                 pe = tl.load(pe_ptr + src)
                 for r in range(0, count):
-                    row = (local * NUM_RANKS * M + begin + r).to(tl.int64)
+                    row = (local * NUM_RANKS * MAX_TOKENS + begin + r).to(tl.int64)
                     token = tl.load(src_ptr + row).to(tl.int64)
                     column = tl.load(slot_ptr + row).to(tl.int64)
                     offset = RECV_OFFSET + set_off + (token * K_MAX + column) * SLOT_BYTES
@@ -413,7 +413,7 @@ def _wait_senders(
     NUM_RANKS: tl.constexpr,
     DONE_OFFSET: tl.constexpr,
     USE_CLOCK: tl.constexpr,
-    R_P2: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
     WAIT_STATS: tl.constexpr,
     SHRINK: tl.constexpr,
 ):
@@ -451,7 +451,7 @@ def _wait_senders(
         else:
             # Every sender's counter in one read, usually all there; else the read repeats
             # (bounded) until they are.
-            sources = tl.arange(0, R_P2)[None, :]
+            sources = tl.arange(0, BLOCK_RANKS)[None, :]
             done = (my_base + DONE_OFFSET + sources * 8).to(tl.pointer_type(tl.int64))
             _, missing, waited, limit = wait_tile(
                 done,
@@ -466,7 +466,7 @@ def _wait_senders(
             )
             failed = any_set(missing)
             if failed:  # name the first sender still missing
-                gone = tl.min(tl.min(tl.where(missing, sources, R_P2), axis=1), axis=0)
+                gone = tl.min(tl.min(tl.where(missing, sources, BLOCK_RANKS), axis=1), axis=0)
                 record_timeout(status_ptr, gone, LL_COMBINE_RECV, limit)
             if WAIT_STATS:  # the time until each sender's rows were all there
                 tl.atomic_add(

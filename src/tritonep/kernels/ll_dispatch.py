@@ -101,7 +101,7 @@ class DispatchVariant(NamedTuple):
     K: int
     NUM_EXPERTS: int
     NUM_RANKS: int
-    M: int
+    MAX_TOKENS: int
     MSG_BYTES: int
     RECV_SET_BYTES: int
     FLAG_SET_BYTES: int
@@ -118,9 +118,9 @@ class DispatchVariant(NamedTuple):
     BLOCK_N: int
     COUNT_BY_ADDS: bool
     ONE_TOKEN: bool
-    K_P2: int
-    G_P2: int
-    R_P2: int
+    BLOCK_K: int
+    BLOCK_SCALES: int
+    BLOCK_RANKS: int
     BINS: int
     BLOCK_MSGS: int
     BLOCK_ITEMS: int
@@ -133,7 +133,7 @@ class DispatchVariant(NamedTuple):
 
 @triton.jit
 def first_choices(ids, ks, K: tl.constexpr, NUM_EXPERTS: tl.constexpr):
-    """Which of ``[T, K_P2]`` top-k ids get a message: ids of an expert that no earlier
+    """Which of ``[T, BLOCK_K]`` top-k ids get a message: ids of an expert that no earlier
     column of the same row names (a token that names an expert twice is sent once)."""
     valid = (ids >= 0) & (ids < NUM_EXPERTS) & (ks[None, :] < K)
     for j in tl.static_range(K - 1):
@@ -144,7 +144,15 @@ def first_choices(ids, ks, K: tl.constexpr, NUM_EXPERTS: tl.constexpr):
 
 @triton.jit
 def _listed(
-    m, starts, ends, begin, local, src, item_lanes, NUM_RANKS: tl.constexpr, M: tl.constexpr
+    m,
+    starts,
+    ends,
+    begin,
+    local,
+    src,
+    item_lanes,
+    NUM_RANKS: tl.constexpr,
+    MAX_TOKENS: tl.constexpr,
 ):
     """Where positions ``m`` of a group's message list lie. The list holds the messages of the
     group's items (``local`` expert, ``src`` rank) one item after another, item ``j``'s from
@@ -156,7 +164,7 @@ def _listed(
     m_local = tl.sum(tl.where(at, local[None, :], 0), axis=1)
     m_src = tl.sum(tl.where(at, src[None, :], 0), axis=1)
     row = tl.sum(tl.where(at, begin[None, :], 0), axis=1) + slot
-    return (m_local * NUM_RANKS + m_src) * M + slot, row, m_local
+    return (m_local * NUM_RANKS + m_src) * MAX_TOKENS + slot, row, m_local
 
 
 @triton.jit(do_not_specialize=["num_tokens", "timeout_us"])
@@ -165,9 +173,10 @@ def ll_dispatch_kernel(
     x_ptr,  # [N, H] bf16 tokens
     topk_idx_ptr,  # [N, K] int64 global expert ids, -1 for none
     num_tokens,  # N
-    out_x_ptr,  # [E_local, R * M, H] bf16, or e4m3 (USE_FP8)
-    out_scales_ptr,  # [E_local, G, R * M] float32, or [E_local, G / 4, R * M] int32 (PACK_UE8M0)
-    out_src_ptr,  # [2, E_local, R * M] int32: each row's source token, then its top-k column
+    out_x_ptr,  # [E_local, R * MAX_TOKENS, H] bf16, or e4m3 (USE_FP8)
+    out_scales_ptr,  # [E_local, G, R * MAX_TOKENS] float32,
+    # or [E_local, G / 4, R * MAX_TOKENS] int32 (PACK_UE8M0)
+    out_src_ptr,  # [2, E_local, R * MAX_TOKENS] int32: each row's source token, then top-k column
     out_count_ptr,  # [E_local] int32 rows of each local expert
     out_range_ptr,  # [E_local, R] int64 begin << 32 | count of each source rank's block
     recv_stats_ptr,  # [E_local] int32 each expert's rows are added to it (RECV_STATS)
@@ -189,13 +198,13 @@ def ll_dispatch_kernel(
     K: tl.constexpr,  # top-k
     NUM_EXPERTS: tl.constexpr,  # experts in all
     NUM_RANKS: tl.constexpr,  # R: ranks of the group
-    M: tl.constexpr,  # max tokens per rank
+    MAX_TOKENS: tl.constexpr,  # max tokens per rank
     MSG_BYTES: tl.constexpr,  # a message: header, payload, scales
     RECV_SET_BYTES: tl.constexpr,  # a buffer set of the receive slabs
     FLAG_SET_BYTES: tl.constexpr,  # a buffer set of the count flags
     RECV_OFFSET: tl.constexpr,  # heap byte offset of buffer set 0 of the receive slabs
     FLAG_OFFSET: tl.constexpr,  # heap byte offset of buffer set 0 of the count flags
-    STAGE_OFFSET: tl.constexpr,  # heap byte offset of the staging slabs [E][M] (VIA)
+    STAGE_OFFSET: tl.constexpr,  # heap byte offset of the staging slabs [E][MAX_TOKENS] (VIA)
     GPUS_PER_NODE: tl.constexpr,  # ranks r, r' share a node when r // it == r' // it
     USE_FP8: tl.constexpr,  # quantize to e4m3 with a float32 scale per (partial) 128 channels
     USE_UE8M0: tl.constexpr,  # scales rounded up to powers of two
@@ -206,9 +215,9 @@ def ll_dispatch_kernel(
     BLOCK_N: tl.constexpr,  # tokens whose ids are counted at a time
     COUNT_BY_ADDS: tl.constexpr,  # senders count the ids by atomic adds, else by histograms
     ONE_TOKEN: tl.constexpr,  # num_tokens == 1, known when compiling
-    K_P2: tl.constexpr,  # power of two >= max(K, 2)
-    G_P2: tl.constexpr,  # power of two >= ceil(H / 128)
-    R_P2: tl.constexpr,  # power of two >= max(NUM_RANKS, 2)
+    BLOCK_K: tl.constexpr,  # power of two >= max(K, 2)
+    BLOCK_SCALES: tl.constexpr,  # power of two >= ceil(H / 128)
+    BLOCK_RANKS: tl.constexpr,  # power of two >= max(NUM_RANKS, 2)
     BINS: tl.constexpr,  # power of two >= max(NUM_EXPERTS, 2): one bin per expert
     BLOCK_MSGS: tl.constexpr,  # messages a receiving program copies at a time
     BLOCK_ITEMS: tl.constexpr,  # (expert, source) items a receiving program moves together
@@ -250,7 +259,7 @@ def ll_dispatch_kernel(
                 K,
                 NUM_EXPERTS,
                 NUM_RANKS,
-                M,
+                MAX_TOKENS,
                 MSG_BYTES,
                 RECV_SET_BYTES,
                 FLAG_SET_BYTES,
@@ -262,8 +271,8 @@ def ll_dispatch_kernel(
                 USE_UE8M0,
                 USE_CLOCK,
                 BLOCK_N,
-                K_P2,
-                G_P2,
+                BLOCK_K,
+                BLOCK_SCALES,
                 BINS,
                 PROFILE,
                 SHRINK,
@@ -288,7 +297,7 @@ def ll_dispatch_kernel(
                 K,
                 NUM_EXPERTS,
                 NUM_RANKS,
-                M,
+                MAX_TOKENS,
                 MSG_BYTES,
                 RECV_SET_BYTES,
                 FLAG_SET_BYTES,
@@ -300,8 +309,8 @@ def ll_dispatch_kernel(
                 USE_UE8M0,
                 USE_CLOCK,
                 BLOCK_N,
-                K_P2,
-                G_P2,
+                BLOCK_K,
+                BLOCK_SCALES,
                 BINS,
                 PROFILE,
                 SHRINK,
@@ -328,7 +337,7 @@ def ll_dispatch_kernel(
             H,
             NUM_EXPERTS,
             NUM_RANKS,
-            M,
+            MAX_TOKENS,
             MSG_BYTES,
             RECV_SET_BYTES,
             FLAG_SET_BYTES,
@@ -337,8 +346,8 @@ def ll_dispatch_kernel(
             PACK_UE8M0,
             USE_FP8,
             USE_CLOCK,
-            G_P2,
-            R_P2,
+            BLOCK_SCALES,
+            BLOCK_RANKS,
             BLOCK_MSGS,
             BLOCK_ITEMS,
             PROFILE,
@@ -394,7 +403,7 @@ def _send(
     K: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
     NUM_RANKS: tl.constexpr,
-    M: tl.constexpr,
+    MAX_TOKENS: tl.constexpr,
     MSG_BYTES: tl.constexpr,
     RECV_SET_BYTES: tl.constexpr,
     FLAG_SET_BYTES: tl.constexpr,
@@ -406,8 +415,8 @@ def _send(
     USE_UE8M0: tl.constexpr,
     USE_CLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    K_P2: tl.constexpr,
-    G_P2: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
     BINS: tl.constexpr,
     PROFILE: tl.constexpr,
     SHRINK: tl.constexpr,
@@ -433,7 +442,7 @@ def _send(
     # counted; each token's send then loads the next one's. (A tile compare, not `mask &
     # scalar`: Triton 3.9's interpreter splats a scalar comparison as int32, which no mask
     # accepts.)
-    groups = tl.arange(0, G_P2)
+    groups = tl.arange(0, BLOCK_SCALES)
     row_offs = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
     x_next = tl.load(
         x_ptr + tl.cast(first_token, tl.int64) * H + row_offs,
@@ -451,7 +460,7 @@ def _send(
             NUM_EXPERTS,
             NUM_RANKS,
             BLOCK_N,
-            K_P2,
+            BLOCK_K,
             BINS,
             SHRINK,
         )
@@ -465,14 +474,14 @@ def _send(
             NUM_EXPERTS,
             NUM_RANKS,
             BLOCK_N,
-            K_P2,
+            BLOCK_K,
             BINS,
             SHRINK,
         )
     # An id outside [-1, NUM_EXPERTS): every counting program saw it, program 0 records it.
     if bad & (pid == 0):
         token, column, bad_id = first_bad_id(
-            topk_idx_ptr, num_tokens, K, NUM_EXPERTS, K_P2, BLOCK_N
+            topk_idx_ptr, num_tokens, K, NUM_EXPERTS, BLOCK_K, BLOCK_N
         )
         record_bad_id(status_ptr, rank, LL_DISPATCH_IDS, token, column, bad_id)
     # next_slot[e]: the slot of this program's next token for expert e.
@@ -493,7 +502,7 @@ def _send(
         K,
         NUM_EXPERTS,
         NUM_RANKS,
-        M,
+        MAX_TOKENS,
         MSG_BYTES,
         RECV_OFFSET,
         STAGE_OFFSET,
@@ -501,8 +510,8 @@ def _send(
         USE_FP8,
         USE_UE8M0,
         USE_CLOCK,
-        K_P2,
-        G_P2,
+        BLOCK_K,
+        BLOCK_SCALES,
         BINS,
         SHRINK,
         VIA,
@@ -523,7 +532,7 @@ def _send(
         mask_ptr,
         NUM_EXPERTS,
         NUM_RANKS,
-        M,
+        MAX_TOKENS,
         MSG_BYTES,
         RECV_SET_BYTES,
         FLAG_SET_BYTES,
@@ -553,12 +562,12 @@ def _batch_ids(
     NUM_EXPERTS: tl.constexpr,
     E_LOCAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    K_P2: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     SHRINK: tl.constexpr,
 ):
-    """A block of the batch's ids: ``[BLOCK_N, K_P2]`` ids, which of them get a message,
+    """A block of the batch's ids: ``[BLOCK_N, BLOCK_K]`` ids, which of them get a message,
     which belong to tokens before ``first_token``, and which lie outside ``[-1, NUM_EXPERTS)``."""
-    ks = tl.arange(0, K_P2)
+    ks = tl.arange(0, BLOCK_K)
     tokens = start + tl.arange(0, BLOCK_N)
     ids = tl.load(
         topk_idx_ptr + tokens[:, None].to(tl.int64) * K + ks[None, :],
@@ -584,7 +593,7 @@ def _count_by_adds(
     NUM_EXPERTS: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    K_P2: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     BINS: tl.constexpr,
     SHRINK: tl.constexpr,
 ):
@@ -610,7 +619,7 @@ def _count_by_adds(
             NUM_EXPERTS,
             NUM_EXPERTS // NUM_RANKS,
             BLOCK_N,
-            K_P2,
+            BLOCK_K,
             SHRINK,
         )
         tl.atomic_add(
@@ -637,7 +646,7 @@ def _count_by_histograms(
     NUM_EXPERTS: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    K_P2: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     BINS: tl.constexpr,
     SHRINK: tl.constexpr,
 ):
@@ -646,7 +655,7 @@ def _count_by_histograms(
     ~32K adds. Returns ``(total, before, bad)``."""
     total = tl.zeros((BINS,), tl.int32)
     before = tl.zeros((BINS,), tl.int32)
-    seen = tl.zeros((BLOCK_N, K_P2), tl.int1)
+    seen = tl.zeros((BLOCK_N, BLOCK_K), tl.int1)
     for start in range(0, num_tokens, BLOCK_N):
         ids, chosen, earlier, bad = _batch_ids(
             topk_idx_ptr,
@@ -658,12 +667,12 @@ def _count_by_histograms(
             NUM_EXPERTS,
             NUM_EXPERTS // NUM_RANKS,
             BLOCK_N,
-            K_P2,
+            BLOCK_K,
             SHRINK,
         )
-        binned = tl.reshape(tl.where(chosen, ids, 0).to(tl.int32), (BLOCK_N * K_P2,))
-        total += tl.histogram(binned, BINS, mask=tl.reshape(chosen, (BLOCK_N * K_P2,)))
-        before += tl.histogram(binned, BINS, mask=tl.reshape(earlier, (BLOCK_N * K_P2,)))
+        binned = tl.reshape(tl.where(chosen, ids, 0).to(tl.int32), (BLOCK_N * BLOCK_K,))
+        total += tl.histogram(binned, BINS, mask=tl.reshape(chosen, (BLOCK_N * BLOCK_K,)))
+        before += tl.histogram(binned, BINS, mask=tl.reshape(earlier, (BLOCK_N * BLOCK_K,)))
         seen = seen | bad
     return total, before, any_set(seen)
 
@@ -684,7 +693,7 @@ def _send_tokens(
     K: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
     NUM_RANKS: tl.constexpr,
-    M: tl.constexpr,
+    MAX_TOKENS: tl.constexpr,
     MSG_BYTES: tl.constexpr,
     RECV_OFFSET: tl.constexpr,
     STAGE_OFFSET: tl.constexpr,
@@ -692,8 +701,8 @@ def _send_tokens(
     USE_FP8: tl.constexpr,
     USE_UE8M0: tl.constexpr,
     USE_CLOCK: tl.constexpr,
-    K_P2: tl.constexpr,
-    G_P2: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
     BINS: tl.constexpr,
     SHRINK: tl.constexpr,
     VIA: tl.constexpr,
@@ -702,8 +711,8 @@ def _send_tokens(
     (``x_next`` holds the first), quantize it once, and store one message per distinct expert
     into its owner's slab (or this rank's staging slab) at the expert's next slot."""
     E_LOCAL: tl.constexpr = NUM_EXPERTS // NUM_RANKS
-    ks = tl.arange(0, K_P2)
-    groups = tl.arange(0, G_P2)
+    ks = tl.arange(0, BLOCK_K)
+    groups = tl.arange(0, BLOCK_SCALES)
     gmask = groups < (H + 127) // 128  # the last group may be partial
     # A message's scales start at the first 16-byte boundary after its e4m3 payload (aligned
     # stores whatever H is; modes.low_latency.message_bytes).
@@ -720,7 +729,7 @@ def _send_tokens(
     col_j = ks[None, :] + 0 * ks[:, None]
     for token in range(first_token, last_token):
         ids = tl.load(topk_idx_ptr + tl.cast(token, tl.int64) * K + ks, mask=ks < K, other=-1)
-        valid = tl.reshape(first_choices(ids[None, :], ks, K, NUM_EXPERTS), (K_P2,))
+        valid = tl.reshape(first_choices(ids[None, :], ks, K, NUM_EXPERTS), (BLOCK_K,))
         if SHRINK:
             valid = valid & ~masked(mask_ptr, ids // E_LOCAL, valid)
         ids = tl.where(valid, ids, 0).to(tl.int32)
@@ -743,12 +752,12 @@ def _send_tokens(
         # column, its address read back (scalar loads, no cross-warp reductions).
         owners = ids // E_LOCAL
         msgs = tl.load(peer_ptrs + owners, mask=valid, other=0) + RECV_OFFSET + set_off
-        msgs += (((ids % E_LOCAL) * NUM_RANKS + rank) * M).to(tl.int64) * MSG_BYTES
+        msgs += (((ids % E_LOCAL) * NUM_RANKS + rank) * MAX_TOKENS).to(tl.int64) * MSG_BYTES
         if VIA != VIA_STORE:
             # An owner on another node: the message goes to this rank's staging slab, whose
             # block of the expert is put there once the block is complete.
             far = (owners // GPUS_PER_NODE) != (rank // GPUS_PER_NODE)
-            staged = my_base + STAGE_OFFSET + ids.to(tl.int64) * (M * MSG_BYTES)
+            staged = my_base + STAGE_OFFSET + ids.to(tl.int64) * (MAX_TOKENS * MSG_BYTES)
             msgs = tl.where(far, staged, msgs)
         msgs += slots.to(tl.int64) * MSG_BYTES
         tl.store(dests + ks, tl.where(valid, msgs, 0), mask=ks < K)
@@ -761,11 +770,11 @@ def _send_tokens(
         if VIA != VIA_STORE:
             key = tl.where(far, -1, key)
         tl.store(keys + ks, key)
-        tl.store(indexes + ks, ((ids % E_LOCAL) * NUM_RANKS + rank) * M + slots)
+        tl.store(indexes + ks, ((ids % E_LOCAL) * NUM_RANKS + rank) * MAX_TOKENS + slots)
         tl.debug_barrier()
         key_k = tl.load(keys + col_k)
         same = ((tl.load(keys + col_j) == key_k) & (key_k >= 0)) | (col_j == col_k)
-        first = tl.min(tl.where(same, col_j, K_P2), axis=1)
+        first = tl.min(tl.where(same, col_j, BLOCK_K), axis=1)
         ref = tl.sum(tl.where(col_j == first[:, None], tl.load(indexes + col_j), 0), axis=1)
         # -ref - 1 marks a header-only message.
         tl.store(refs + ks, tl.where(first == ks, ref, -ref - 1))
@@ -804,7 +813,7 @@ def _publish_counts(
     mask_ptr,
     NUM_EXPERTS: tl.constexpr,
     NUM_RANKS: tl.constexpr,
-    M: tl.constexpr,
+    MAX_TOKENS: tl.constexpr,
     MSG_BYTES: tl.constexpr,
     RECV_SET_BYTES: tl.constexpr,
     FLAG_SET_BYTES: tl.constexpr,
@@ -869,8 +878,8 @@ def _publish_counts(
             put_block_signal(
                 my_base,
                 tl.load(peer_ptrs + owner),
-                RECV_OFFSET + set_off + ((local * NUM_RANKS + rank) * M) * MSG_BYTES,
-                my_base + STAGE_OFFSET + expert.to(tl.int64) * (M * MSG_BYTES),
+                RECV_OFFSET + set_off + ((local * NUM_RANKS + rank) * MAX_TOKENS) * MSG_BYTES,
+                my_base + STAGE_OFFSET + expert.to(tl.int64) * (MAX_TOKENS * MSG_BYTES),
                 count.to(tl.int64) * MSG_BYTES,
                 FLAG_OFFSET + flag_set_off + (local * NUM_RANKS + rank) * 8,
                 ((c_send + 1) << 32) | count.to(tl.int64),
@@ -900,7 +909,7 @@ def _receive(
     H: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
     NUM_RANKS: tl.constexpr,
-    M: tl.constexpr,
+    MAX_TOKENS: tl.constexpr,
     MSG_BYTES: tl.constexpr,
     RECV_SET_BYTES: tl.constexpr,
     FLAG_SET_BYTES: tl.constexpr,
@@ -909,8 +918,8 @@ def _receive(
     PACK_UE8M0: tl.constexpr,
     USE_FP8: tl.constexpr,
     USE_CLOCK: tl.constexpr,
-    G_P2: tl.constexpr,
-    R_P2: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
     BLOCK_MSGS: tl.constexpr,
     BLOCK_ITEMS: tl.constexpr,
     PROFILE: tl.constexpr,
@@ -980,7 +989,7 @@ def _receive(
                 status_ptr,
                 timeout_us,
                 USE_CLOCK,
-                R_P2,
+                BLOCK_RANKS,
                 BLOCK_ITEMS,
                 WAIT_STATS,
             )
@@ -1004,11 +1013,11 @@ def _receive(
             H,
             NUM_RANKS * E_LOCAL,
             NUM_RANKS,
-            M,
+            MAX_TOKENS,
             MSG_BYTES,
             PACK_UE8M0,
             USE_FP8,
-            G_P2,
+            BLOCK_SCALES,
             BLOCK_MSGS,
             BLOCK_ITEMS,
         )
@@ -1024,10 +1033,10 @@ def _receive(
                 H,
                 E_LOCAL,
                 NUM_RANKS,
-                M,
+                MAX_TOKENS,
                 PACK_UE8M0,
                 USE_FP8,
-                G_P2,
+                BLOCK_SCALES,
                 BLOCK_ITEMS,
             )
         packed = (begin.to(tl.int64) << 32) | moved
@@ -1057,7 +1066,7 @@ def _wait_counts(
     status_ptr,
     timeout_us,
     USE_CLOCK: tl.constexpr,
-    R_P2: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
     BLOCK_ITEMS: tl.constexpr,
     WAIT_STATS: tl.constexpr,
 ):
@@ -1066,7 +1075,7 @@ def _wait_counts(
     items' own source gave up (``own_missing``), whether any wait gave up, and the budget
     left. A source that gave up counts as one (poison) row, so that every later block keeps
     its place and the poisoned one stands out."""
-    sources = tl.arange(0, R_P2)
+    sources = tl.arange(0, BLOCK_RANKS)
     wanted = live[:, None] & (sources[None, :] <= me_src[:, None])
     count_flags = (flag_rows[:, None] + sources[None, :] * 8).to(tl.pointer_type(tl.int64))
     tagged, missing, waited, limit = wait_tile(
@@ -1093,14 +1102,14 @@ def _wait_counts(
     gave_up = any_set(missing)
     if gave_up:
         # Name the first (item, source) still missing.
-        lanes = item_lanes[:, None] * R_P2 + sources[None, :]
-        gone = tl.min(tl.min(tl.where(missing, lanes, BLOCK_ITEMS * R_P2), axis=1), 0)
+        lanes = item_lanes[:, None] * BLOCK_RANKS + sources[None, :]
+        gone = tl.min(tl.min(tl.where(missing, lanes, BLOCK_ITEMS * BLOCK_RANKS), axis=1), 0)
         record_timeout(
             status_ptr,
-            gone % R_P2,
+            gone % BLOCK_RANKS,
             LL_DISPATCH_RECV,
             limit,
-            lane(local, item_lanes, gone // R_P2),
+            lane(local, item_lanes, gone // BLOCK_RANKS),
         )
         budget = budget * 0
         counts = tl.where(missing, 1, counts)
@@ -1178,11 +1187,11 @@ def _pack_group(
     H: tl.constexpr,
     ITEMS_TOTAL: tl.constexpr,
     NUM_RANKS: tl.constexpr,
-    M: tl.constexpr,
+    MAX_TOKENS: tl.constexpr,
     MSG_BYTES: tl.constexpr,
     PACK_UE8M0: tl.constexpr,
     USE_FP8: tl.constexpr,
-    G_P2: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
     BLOCK_MSGS: tl.constexpr,
     BLOCK_ITEMS: tl.constexpr,
 ):
@@ -1192,10 +1201,12 @@ def _pack_group(
     G: tl.constexpr = (H + 127) // 128
     SCALES_AT: tl.constexpr = HEADER_BYTES + (H + 15) // 16 * 16
     msgs = tl.arange(0, BLOCK_MSGS)
-    scale_lanes = tl.arange(0, G_P2 * BLOCK_MSGS)
-    flat = tl.arange(0, G_P2 * 128)
+    scale_lanes = tl.arange(0, BLOCK_SCALES * BLOCK_MSGS)
+    flat = tl.arange(0, BLOCK_SCALES * 128)
     flat_mask = flat < H
-    out_slot_ptr = out_src_ptr + ITEMS_TOTAL * M  # the second half of [2, E_local, R * M]
+    out_slot_ptr = (
+        out_src_ptr + ITEMS_TOTAL * MAX_TOKENS
+    )  # the second half of [2, E_local, R * MAX_TOKENS]
     ends = tl.cumsum(count, axis=0)
     starts = ends - count
     group_msgs = tl.sum(count, axis=0)
@@ -1203,10 +1214,10 @@ def _pack_group(
         m = first + msgs
         mmask = m < group_msgs
         index, row_in, m_local = _listed(
-            m, starts, ends, begin, local, me_src, item_lanes, NUM_RANKS, M
+            m, starts, ends, begin, local, me_src, item_lanes, NUM_RANKS, MAX_TOKENS
         )
         msg = set_base + index.to(tl.int64) * MSG_BYTES
-        rows = (m_local * NUM_RANKS * M + row_in).to(tl.int64)
+        rows = (m_local * NUM_RANKS * MAX_TOKENS + row_in).to(tl.int64)
         header = aligned_ptr(msg, tl.int32)
         source_token = tl.load(header, mask=mmask, cache_modifier=".cg")
         column = tl.load(header + 1, mask=mmask, cache_modifier=".cg")
@@ -1231,7 +1242,7 @@ def _pack_group(
             s_group = scale_lanes // BLOCK_MSGS
             s_mask = (s_group < G) & (s_m < group_msgs)
             s_index, s_row, s_local = _listed(
-                s_m, starts, ends, begin, local, me_src, item_lanes, NUM_RANKS, M
+                s_m, starts, ends, begin, local, me_src, item_lanes, NUM_RANKS, MAX_TOKENS
             )
             s_header = aligned_ptr(set_base + s_index.to(tl.int64) * MSG_BYTES, tl.int32)
             s_ref = tl.load(s_header + 2, mask=s_mask, other=0, cache_modifier=".cg")
@@ -1245,11 +1256,13 @@ def _pack_group(
                 # column g // 4 (out_scales_ptr is that int32 tensor).
                 e8 = ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
                 s_column = s_local * ((G + 3) // 4) + s_group // 4
-                dst_s = (s_column * (NUM_RANKS * M) + row) * 4 + s_group % 4
+                dst_s = (s_column * (NUM_RANKS * MAX_TOKENS) + row) * 4 + s_group % 4
                 tl.store(out_scales_ptr.to(tl.pointer_type(tl.uint8)) + dst_s, e8, mask=s_mask)
             else:
                 s_column = s_local * G + s_group
-                tl.store(out_scales_ptr + s_column * (NUM_RANKS * M) + row, scale, mask=s_mask)
+                tl.store(
+                    out_scales_ptr + s_column * (NUM_RANKS * MAX_TOKENS) + row, scale, mask=s_mask
+                )
         else:
             x_src = aligned_ptr(payload, tl.bfloat16)[:, None] + flat[None, :]
             x = tl.load(x_src, mask=mask2, cache_modifier=".cg")
@@ -1268,18 +1281,18 @@ def _poison_rows(
     H: tl.constexpr,
     E_LOCAL: tl.constexpr,
     NUM_RANKS: tl.constexpr,
-    M: tl.constexpr,
+    MAX_TOKENS: tl.constexpr,
     PACK_UE8M0: tl.constexpr,
     USE_FP8: tl.constexpr,
-    G_P2: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
     BLOCK_ITEMS: tl.constexpr,
 ):
     """Fill the row at ``begin`` of each ``poisoned`` item's block with 0xFF bytes: its payload
     and scales read as NaN, its source token and column as -1. Runs only after a timeout."""
     G: tl.constexpr = (H + 127) // 128
-    ROWS: tl.constexpr = NUM_RANKS * M
-    flat = tl.arange(0, G_P2 * 128)
-    groups = tl.arange(0, G_P2)
+    ROWS: tl.constexpr = NUM_RANKS * MAX_TOKENS
+    flat = tl.arange(0, BLOCK_SCALES * 128)
+    groups = tl.arange(0, BLOCK_SCALES)
     for j in tl.static_range(BLOCK_ITEMS):
         if lane(poisoned.to(tl.int32), item_lanes, j) != 0:
             expert = lane(local, item_lanes, j).to(tl.int64)

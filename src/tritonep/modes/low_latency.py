@@ -853,7 +853,7 @@ class LowLatencyMode:
             topk_idx_ptr=topk_idx,
             out_x_ptr=recv_x,
             out_scales_ptr=recv_count if recv_scales is None else recv_scales,  # unused without FP8
-            out_src_ptr=handle.block,  # [2, E_local, R * M]: recv_src_info, recv_topk_slot
+            out_src_ptr=handle.block,  # [2, E_local, R * MAX_TOKENS]: recv_src_info, recv_topk_slot
             out_count_ptr=recv_count,
             out_range_ptr=handle.recv_layout_range,
             recv_stats_ptr=recv_count if recv_stats is None else recv_stats,
@@ -870,7 +870,7 @@ class LowLatencyMode:
             K=topk,
             NUM_EXPERTS=self.num_experts,
             NUM_RANKS=R,
-            M=M,
+            MAX_TOKENS=M,
             MSG_BYTES=message_bytes(H, use_fp8),
             RECV_SET_BYTES=self.layout.recv_set,
             FLAG_SET_BYTES=self.layout.flags_set,
@@ -887,9 +887,9 @@ class LowLatencyMode:
             BLOCK_N=min(128, triton.next_power_of_2(max(M, 16))),
             COUNT_BY_ADDS=by_adds,
             ONE_TOKEN=one_token,
-            K_P2=triton.next_power_of_2(max(topk, 2)),
-            G_P2=triton.next_power_of_2(_groups(H)),
-            R_P2=triton.next_power_of_2(max(R, 2)),
+            BLOCK_K=triton.next_power_of_2(max(topk, 2)),
+            BLOCK_SCALES=triton.next_power_of_2(_groups(H)),
+            BLOCK_RANKS=triton.next_power_of_2(max(R, 2)),
             BINS=self._bins,
             # Messages copied together on receive: 64 KB of payload in flight, on 16 warps
             # (the pack's loads wait on the headers that locate the payloads).
@@ -1075,7 +1075,7 @@ class LowLatencyMode:
             K_MAX=self.max_topk,
             NUM_EXPERTS=self.num_experts,
             NUM_RANKS=R,
-            M=self.max_tokens,
+            MAX_TOKENS=self.max_tokens,
             RECV_SET_BYTES=self.layout.combine_set,
             SLOT_BYTES=combine_slot_bytes(H),
             RECV_OFFSET=self.layout.combine,
@@ -1085,8 +1085,8 @@ class LowLatencyMode:
             DO_SEND=True,
             DO_RECV=True,
             USE_CLOCK=use_clock(self.device),
-            G_P2=triton.next_power_of_2(_groups(H)),
-            R_P2=triton.next_power_of_2(max(R, 2)),
+            BLOCK_SCALES=triton.next_power_of_2(_groups(H)),
+            BLOCK_RANKS=triton.next_power_of_2(max(R, 2)),
             # 16 warps: a BF16 sender keeps 64 KB in flight, the reduce takes whole rows
             # (BENCHMARKS.md, "Low-latency combine on 16 warps"). LogFMT encodes BLOCK_ROWS
             # rows x BLOCK_GROUPS groups at a time: whole rows, 32 KB of BF16 a step (its

@@ -134,14 +134,14 @@ DISPATCH_WARPS = 16
 #: flight per SM, which 16 warps double at the same registers per thread.
 COMBINE_BW = 512
 COMBINE_WARPS = 16
-#: Words a combine sender holds per step, over its ``R_P2`` rank lanes x ``ROWS`` rows. On 2x
+#: Words a combine sender holds per step, over its ``BLOCK_RANKS`` rank lanes x ``ROWS`` rows. On 2x
 #: H200 this shape (16 384 words, 512 per row, 8 warps) combines 4096 tokens in 343 us, a
 #: narrower one (8192, 256, 16 warps) in 428 us. The bound matters: rows once came from the
 #: rank count rounded up (1 for one rank) while the lanes were at least 2, so one rank held
 #: 32 768 words and took 2660 us (BENCHMARKS.md). On 16 warps, 8192 words (fewer spilled
 #: registers) was 7% slower on 2 H100s.
 COMBINE_SEND_TILE = 16384
-#: BF16 values a combine receiver loads per step, over its rank lanes (``[R_P2, tokens,
+#: BF16 values a combine receiver loads per step, over its rank lanes (``[BLOCK_RANKS, tokens,
 #: 2 * COMBINE_BW]``): its tokens per step are this over the lanes and the row chunk (16 on 2
 #: ranks, 8 on 4, 4 on 8), so that its registers, and its bytes in flight, do not grow with
 #: the rank count; at most the send chunk.
