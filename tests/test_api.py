@@ -154,10 +154,15 @@ def _buffer_normal_body(ctx, num_tokens, use_fp8, async_finish):
     previous = Buffer.capture()
     send = tuple(t.to(ctx.device) for t in ref.quantize_fp8(case.x[me])) if use_fp8 else x
     recv_x, recv_idx, recv_w, per_expert_list, handle, event = buffer.dispatch(
-        send, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
-        previous_event=previous, async_finish=async_finish,
-    )  # fmt: skip
+        send,
+        num_tokens_per_rank=per_rank,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=idx,
+        topk_weights=w,
+        previous_event=previous,
+        async_finish=async_finish,
+    )
     assert (event.event is not None) == (async_finish and ctx.device.type == "cuda")
     event.current_stream_wait()
     rows = ref.dequantize_fp8(*recv_x) if use_fp8 else recv_x.float()
@@ -180,9 +185,11 @@ def _buffer_normal_body(ctx, num_tokens, use_fp8, async_finish):
         assert int((recv_idx == local).sum()) == per_expert_list[local]
     # combine(dispatch(x)) divided by the ranks each token reached is x (BF16 payloads).
     combined, combined_w, event = buffer.combine(
-        recv_x if not use_fp8 else rows.to(torch.bfloat16), handle, topk_weights=recv_w,
+        recv_x if not use_fp8 else rows.to(torch.bfloat16),
+        handle,
+        topk_weights=recv_w,
         async_finish=async_finish,
-    )  # fmt: skip
+    )
     event.current_stream_wait()
     reached = in_rank.sum(1, keepdim=True).clamp_min(1)
     # What was sent, as combine got it back (FP8 rows de-quantized and rounded to BF16).
@@ -235,12 +242,21 @@ def _buffer_graph_body(ctx, replays):
     def normal_step():
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, E)
         recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
-            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
+            x,
+            num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=idx,
+            topk_weights=w,
             num_worst_tokens=N * R,
-        )  # fmt: skip
-        out = SimpleNamespace(recv_x=recv_x, recv_topk_idx=recv_idx, recv_topk_weights=recv_w,
-                              num_recv_tokens_per_expert=counts, handle=handle)  # fmt: skip
+        )
+        out = SimpleNamespace(
+            recv_x=recv_x,
+            recv_topk_idx=recv_idx,
+            recv_topk_weights=recv_w,
+            num_recv_tokens_per_expert=counts,
+            handle=handle,
+        )
         combined, combined_w, _ = buffer.combine(_combine_input(out, me), handle, recv_w)
         return out, combined, combined_w
 

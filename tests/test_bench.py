@@ -29,8 +29,15 @@ def test_normal_sweep_with_comparison(tmp_path, capfd):
     assert {r["device"] for r in rows} == {report.INTERPRETER if on_cpu else "cuda"}
     for row in rows:
         assert row["mode"] == "normal" and row["ranks"] == 2 and row["hidden"] == 256
-        for key in ("dispatch_us", "fp8_dispatch_us", "combine_us", "torch_dispatch_us",
-                    "torch_combine_us", "deep_ep_dispatch_us", "deep_ep_combine_us"):  # fmt: skip
+        for key in (
+            "dispatch_us",
+            "fp8_dispatch_us",
+            "combine_us",
+            "torch_dispatch_us",
+            "torch_combine_us",
+            "deep_ep_dispatch_us",
+            "deep_ep_combine_us",
+        ):
             assert row[key] > 0, key
         assert math.isnan(row["graph_dispatch_us"])  # no CUDA graphs on CPU ranks
         # DeepEP's accounting counts the local rank too, so it bounds the remote figure.
@@ -40,10 +47,18 @@ def test_normal_sweep_with_comparison(tmp_path, capfd):
 
     md = tmp_path / "BENCH.md"
     md.write_text("# Results\n\nkept\n")
-    assert cli.main(["report", str(tmp_path / "normal.csv"), "--markdown", str(md),
-                     "--section", "cpu"]) == 0  # fmt: skip
-    assert cli.main(["report", str(tmp_path / "normal.csv"), "--markdown", str(md),
-                     "--section", "cpu"]) == 0  # fmt: skip
+    assert (
+        cli.main(
+            ["report", str(tmp_path / "normal.csv"), "--markdown", str(md), "--section", "cpu"]
+        )
+        == 0
+    )
+    assert (
+        cli.main(
+            ["report", str(tmp_path / "normal.csv"), "--markdown", str(md), "--section", "cpu"]
+        )
+        == 0
+    )
     text = md.read_text()
     assert text.startswith("# Results\n\nkept\n")
     assert text.count("<!-- bench:cpu -->") == 1  # a second report replaces the first
@@ -54,9 +69,22 @@ def test_normal_sweep_with_comparison(tmp_path, capfd):
 def test_low_latency_sweep_over_topk_and_an_absent_rival(tmp_path, capfd):
     trace = str(tmp_path / "trace-{rank}.json")
     # One rank per emulated node: every peer is on another node, reached through staging.
-    rows = _run(tmp_path, "low-latency", "--tokens", "3", "--topk", "1,2", "--bf16",
-                "--compare", "no_such_module", "--trace", trace,
-                "--gpus-per-node", "1", "--logfmt")  # fmt: skip
+    rows = _run(
+        tmp_path,
+        "low-latency",
+        "--tokens",
+        "3",
+        "--topk",
+        "1,2",
+        "--bf16",
+        "--compare",
+        "no_such_module",
+        "--trace",
+        trace,
+        "--gpus-per-node",
+        "1",
+        "--logfmt",
+    )
     for rank in range(2):
         text = (tmp_path / f"trace-{rank}.json").read_text()
         assert "low-latency dispatch: send" in text and "pack" in text
@@ -76,9 +104,11 @@ def test_low_latency_sweep_over_topk_and_an_absent_rival(tmp_path, capfd):
     assert ("microseconds" in clock) == on_gpu and ("logical ticks" in clock) != on_gpu
     # 3 traced dispatch + combine pairs per rank; every phase of both kernels is there.
     # Sub-phases are named with their phase (normal senders and receivers both "wait").
-    for key in [("low-latency dispatch", "send: quantize and send"),
-                ("low-latency dispatch", "receive: pack"),
-                ("low-latency combine", "receive: reduce")]:  # fmt: skip
+    for key in [
+        ("low-latency dispatch", "send: quantize and send"),
+        ("low-latency dispatch", "receive: pack"),
+        ("low-latency combine", "receive: reduce"),
+    ]:
         assert summary[key]["launches"] == 6 and summary[key]["programs"] >= 1, summary[key]
         assert summary[key][f"launch_span_{unit}"] >= summary[key][f"max_{unit}"] > 0
     assert cli.main(["trace-summary", *paths]) == 0
@@ -88,8 +118,20 @@ def test_low_latency_sweep_over_topk_and_an_absent_rival(tmp_path, capfd):
 
 def test_internode_legs(tmp_path):
     out = tmp_path / "internode.csv"
-    args = ["internode", "--ranks", "4", "--gpus-per-node", "2", "--tokens", "8",
-            "--iters", "1", "--quiet", "--csv", str(out)]  # fmt: skip
+    args = [
+        "internode",
+        "--ranks",
+        "4",
+        "--gpus-per-node",
+        "2",
+        "--tokens",
+        "8",
+        "--iters",
+        "1",
+        "--quiet",
+        "--csv",
+        str(out),
+    ]
     assert cli.main(args) == 0
     (row,) = report.read_csv(out)
     assert row["gpus_per_node"] == 2 and row["tokens"] == 8
@@ -103,24 +145,41 @@ def test_internode_legs(tmp_path):
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
     rows = [
-        {"mode": "normal", "ranks": 4, "hidden": 7168, "topk": 8, "experts": 256, "tokens": t,
-         "dispatch_us": 100.0 * t, "combine_us": 90.0 * t, "torch_dispatch_us": 300.0 * t,
-         "torch_combine_us": 250.0 * t, "dispatch_remote_GBps": 150.0, "dispatch_GBps": 200.0}
+        {
+            "mode": "normal",
+            "ranks": 4,
+            "hidden": 7168,
+            "topk": 8,
+            "experts": 256,
+            "tokens": t,
+            "dispatch_us": 100.0 * t,
+            "combine_us": 90.0 * t,
+            "torch_dispatch_us": 300.0 * t,
+            "torch_combine_us": 250.0 * t,
+            "dispatch_remote_GBps": 150.0,
+            "dispatch_GBps": 200.0,
+        }
         for t in (128, 1024, 4096)
-    ]  # fmt: skip
+    ]
     path = tmp_path / "plot.png"
     labels = report.plot(rows, path, ceiling_gbps=370)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert labels == [
-        "tritonep dispatch", "tritonep combine", "torch dispatch", "torch combine",
-        "dispatch (remote)", "dispatch (DeepEP accounting)", "NVLink ceiling (remote)",
-    ]  # fmt: skip
+        "tritonep dispatch",
+        "tritonep combine",
+        "torch dispatch",
+        "torch combine",
+        "dispatch (remote)",
+        "dispatch (DeepEP accounting)",
+        "NVLink ceiling (remote)",
+    ]
     # Rows of CPU ranks: no GPU link to compare interpreted kernels with.
     cpu_rows = [dict(row, device=report.INTERPRETER) for row in rows]
     assert "NVLink ceiling (remote)" not in report.plot(cpu_rows, path, ceiling_gbps=370)
     # Graph timings get lines of their own; a column that CPU ranks leave NaN gets none.
-    timed = [dict(row, graph_dispatch_us=80.0 * row["tokens"], graph_combine_us=math.nan)
-             for row in rows]  # fmt: skip
+    timed = [
+        dict(row, graph_dispatch_us=80.0 * row["tokens"], graph_combine_us=math.nan) for row in rows
+    ]
     labels = report.plot(timed, path)
     assert "tritonep dispatch, CUDA graph" in labels
     assert "tritonep combine, CUDA graph" not in labels
@@ -151,14 +210,25 @@ def test_launch_constants_label_the_rows_and_bad_ones_stop_the_run(tmp_path, mon
     # The rows in the CSV are those rank 0 appended as each point finished: the run's final
     # rewrite of the file is switched off here.
     monkeypatch.setattr(report, "write_csv", lambda rows, path: None)
-    rows = _run(tmp_path, "normal", "--tokens", "9", "--launch", "COMBINE_SEND_TILE=64",
-                "--launch", "STEP_ROWS=2")  # fmt: skip
+    rows = _run(
+        tmp_path,
+        "normal",
+        "--tokens",
+        "9",
+        "--launch",
+        "COMBINE_SEND_TILE=64",
+        "--launch",
+        "STEP_ROWS=2",
+    )
     (row,) = rows
     assert row["launch"] == "COMBINE_SEND_TILE=64 STEP_ROWS=2" and row["combine_us"] > 0
     assert (normal.COMBINE_SEND_TILE, normal.STEP_ROWS) == (16384, 32)  # this process: unchanged
-    for bad, says in [("SEND_TILE=3", "power of two"), ("NUM_SMS=4", "not a launch constant"),
-                      ("STEP_ROWS", "NAME=VALUE"),
-                      ("DISPATCH_WARPS=64", "4, 8, 16 or 32")]:  # fmt: skip
+    for bad, says in [
+        ("SEND_TILE=3", "power of two"),
+        ("NUM_SMS=4", "not a launch constant"),
+        ("STEP_ROWS", "NAME=VALUE"),
+        ("DISPATCH_WARPS=64", "4, 8, 16 or 32"),
+    ]:
         with pytest.raises(SystemExit, match=says):
             cli.main(["normal", "--ranks", "2", "--launch", bad])
 

@@ -82,8 +82,9 @@ def test_bundles_follow_the_kernel_signatures(name):
 
 def _warm_mode(ctx, tokens=5, **kwargs):
     R, me = ctx.world_size, ctx.rank
-    mode = ll.LowLatencyMode(None, 8, 256, 4 * R, max_topk=3, device=ctx.device, timeout_s=60,
-                             **kwargs)  # fmt: skip
+    mode = ll.LowLatencyMode(
+        None, 8, 256, 4 * R, max_topk=3, device=ctx.device, timeout_s=60, **kwargs
+    )
     case = make_case(3, [tokens] * R, 256, 4 * R, 3, "random")
     dev = case.to(ctx.device)
     x, idx, w = dev.x[me], dev.topk_idx[me], dev.topk_weights[me]
@@ -99,14 +100,15 @@ def _host_reads_body(ctx):
     mode, _, x, idx, w = _warm_mode(ctx)
     stats = torch.zeros(mode.num_local_experts, dtype=torch.int32, device=ctx.device)
 
-    y = torch.zeros(mode.num_local_experts, mode.num_ranks * 8, 256, dtype=torch.bfloat16,
-                    device=ctx.device)  # fmt: skip
+    y = torch.zeros(
+        mode.num_local_experts, mode.num_ranks * 8, 256, dtype=torch.bfloat16, device=ctx.device
+    )
 
     def calls():
         for use_fp8, hook in [(True, False), (False, True)]:
-            _, _, handle, recv_hook = mode.dispatch(x, idx, use_fp8=use_fp8,
-                                                         return_recv_hook=hook,
-                                                         recv_stats=stats)  # fmt: skip
+            _, _, handle, recv_hook = mode.dispatch(
+                x, idx, use_fp8=use_fp8, return_recv_hook=hook, recv_stats=stats
+            )
             if hook:
                 recv_hook()
             _, comb_hook = mode.combine(y, idx, w, handle, return_recv_hook=hook)
@@ -168,8 +170,11 @@ def _sync_debug_body(ctx):
     def calls():
         for use_fp8 in (True, False):
             recv_x, _, handle, _ = mode.dispatch(x, idx, use_fp8=use_fp8, recv_stats=stats)
-            y = torch.zeros(recv_x[0].shape if use_fp8 else recv_x.shape, dtype=torch.bfloat16,
-                            device=ctx.device)  # fmt: skip
+            y = torch.zeros(
+                recv_x[0].shape if use_fp8 else recv_x.shape,
+                dtype=torch.bfloat16,
+                device=ctx.device,
+            )
             mode.combine(y, idx, w, handle)
             recv_x, _, handle, _, _ = buffer.low_latency_dispatch(
                 x, idx, 8, E, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8
@@ -222,8 +227,10 @@ def _variants_body(ctx):
         free = launcher.not_specialized(self.fn)
         names = list(call._fields) + list(ll_dispatch.LowLatencyShared._fields)
         args = list(call) + list(shared.args)
-        spec = tuple(native_specialize_impl(BaseBackend, a, False, n not in free, True)
-                     for n, a in zip(names, args, strict=True))  # fmt: skip
+        spec = tuple(
+            native_specialize_impl(BaseBackend, a, False, n not in free, True)
+            for n, a in zip(names, args, strict=True)
+        )
         keys.add((self.fn.__name__, tuple(sorted(self.meta.items())), spec))
         if "ONE_TOKEN" in self.meta:
             classes.add(tuple(self.meta[name] for name in CLASS_FIELDS))
@@ -236,13 +243,11 @@ def _variants_body(ctx):
             case = make_case(100 + step, [tokens] * R, H, E, K, "random")
             dev = case.to(ctx.device)
             classes.clear()
-            recv_x, recv_count, handle, _ = mode.dispatch(dev.x[me], dev.topk_idx[me],
-                                                          use_fp8=True)  # fmt: skip
+            recv_x, recv_count, handle, _ = mode.dispatch(dev.x[me], dev.topk_idx[me], use_fp8=True)
             outputs = _expert_outputs(recv_x, True, me)
             combined, _ = mode.combine(outputs, dev.topk_idx[me], dev.topk_weights[me], handle)
             mode.check()
-            _verify_call(ctx, case, M, True, False, recv_x, recv_count, handle, outputs,
-                         combined)  # fmt: skip
+            _verify_call(ctx, case, M, True, False, recv_x, recv_count, handle, outputs, combined)
             steps.append((tokens, sorted(classes), len(keys)))
     finally:
         launcher.KernelLaunch._triton_path = triton_path
@@ -326,10 +331,18 @@ def _timed_out_body(ctx, phase):
         rows = []
         for e, n in enumerate(own):
             begin, count = divmod(int(handle.recv_layout_range[e, 1]), 1 << 32)
-            rows.append((int(recv_count[e]), n, begin, count,
-                         bool(payload[e, n].view(torch.uint8).eq(0xFF).all()),
-                         bool(scales[e, n].isnan().all()), int(handle.recv_src_info[e, n]),
-                         int(handle.recv_topk_slot[e, n])))  # fmt: skip
+            rows.append(
+                (
+                    int(recv_count[e]),
+                    n,
+                    begin,
+                    count,
+                    bool(payload[e, n].view(torch.uint8).eq(0xFF).all()),
+                    bool(scales[e, n].isnan().all()),
+                    int(handle.recv_src_info[e, n]),
+                    int(handle.recv_topk_slot[e, n]),
+                )
+            )
         result["rows"] = rows
     else:
         out = torch.zeros(idx.shape[0], H, dtype=torch.bfloat16, device=ctx.device)
@@ -756,21 +769,25 @@ def _addresses_body(ctx):
 
     launcher.KernelLaunch.launch_values, launcher.KernelLaunch.__call__ = refused, bundled
     try:
-        for use_fp8, hook, wait_stats, recv_stats in [(True, False, None, stats),
-                                                      (False, True, wait, None)]:  # fmt: skip
+        for use_fp8, hook, wait_stats, recv_stats in [
+            (True, False, None, stats),
+            (False, True, wait, None),
+        ]:
             recv_x, recv_count, handle, recv_hook = mode.dispatch(
                 x, idx, use_fp8, False, hook, wait_stats, False, recv_stats
             )
             if hook:
                 recv_hook()
             outputs = _expert_outputs(recv_x, use_fp8, ctx.rank)
-            combined, comb_hook = mode.combine(outputs, idx, w, handle, False, hook, None,
-                                               wait_stats)  # fmt: skip
+            combined, comb_hook = mode.combine(
+                outputs, idx, w, handle, False, hook, None, wait_stats
+            )
             if hook:
                 comb_hook()
             mode.check()
-            _verify_call(ctx, case, 8, use_fp8, False, recv_x, recv_count, handle, outputs,
-                         combined)  # fmt: skip
+            _verify_call(
+                ctx, case, 8, use_fp8, False, recv_x, recv_count, handle, outputs, combined
+            )
     finally:
         launcher.KernelLaunch.launch_values, launcher.KernelLaunch.__call__ = launch_values, call
     mode.destroy()
@@ -802,16 +819,18 @@ def _same_shape_body(ctx):
         case = make_case(seed, [tokens] * R, H, E, K, "random")
         dev = case.to(ctx.device)
         x, idx, w = dev.x[me], dev.topk_idx[me], dev.topk_weights[me]
-        recv_x, recv_count, handle, _ = mode.dispatch(x, idx, True, False, False, None, False,
-                                                      stats)  # fmt: skip
+        recv_x, recv_count, handle, _ = mode.dispatch(
+            x, idx, True, False, False, None, False, stats
+        )
         outputs = _expert_outputs(recv_x, True, me)
         combined, _ = mode.combine(outputs, idx, w, handle)
         mode.check()
         _verify_call(ctx, case, M, True, False, recv_x, recv_count, handle, outputs, combined)
         counted += recv_count
         if kept is None:  # the first call's outputs, to be compared after the later calls
-            kept = [(t, t.clone()) for t in (recv_x[0], recv_x[1], recv_count, handle.block,
-                                             combined)]  # fmt: skip
+            kept = [
+                (t, t.clone()) for t in (recv_x[0], recv_x[1], recv_count, handle.block, combined)
+            ]
     unchanged = all(
         torch.equal(t.contiguous().view(torch.uint8), c.contiguous().view(torch.uint8))
         for t, c in kept

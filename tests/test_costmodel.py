@@ -45,8 +45,10 @@ def test_predictions():
     links = Links(nvlink_gbps=370, network_gbps=45, fixed_us=25)
     one = predict(uniform_traffic(4096, 256, 8, 1, 8), 7168, links=links)
     assert one["dispatch_network_MB"] == 0
-    times = [predict(uniform_traffic(4096, 256, 8, m, 8), 7168, links=links)["dispatch_us"]
-             for m in (2, 4, 8, 16, 32)]  # fmt: skip
+    times = [
+        predict(uniform_traffic(4096, 256, 8, m, 8), 7168, links=links)["dispatch_us"]
+        for m in (2, 4, 8, 16, 32)
+    ]
     assert times == sorted(times)  # more nodes, more network rows per GPU
     fp8 = predict(uniform_traffic(4096, 256, 8, 4, 8), 7168, use_fp8=True, links=links)
     bf16 = predict(uniform_traffic(4096, 256, 8, 4, 8), 7168, links=links)
@@ -59,8 +61,7 @@ def test_predictions():
     assert two["dispatch_serial_us"] == pytest.approx(25 + t_net + t_nvl)
     # Emulated nodes: each leg at the kernels' one-peer rate, the legs adding up.
     emulated = Links(nvlink_gbps=370, network_gbps=45, fixed_us=25, emulated_leg_gbps=200)
-    shared = predict(uniform_traffic(4096, 256, 8, 2, 2), 7168, links=emulated,
-                     shared_links=True)  # fmt: skip
+    shared = predict(uniform_traffic(4096, 256, 8, 2, 2), 7168, links=emulated, shared_links=True)
     mb = shared["dispatch_network_MB"] + shared["dispatch_nvlink_MB"]
     assert shared["dispatch_us"] == pytest.approx(25 + mb * 1e3 / 200)
     # The 2 x 2 run on 4x H200 (2026-11-26): 58.5 + 106.5 MB per GPU, cached dispatch 886 us.

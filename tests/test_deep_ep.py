@@ -77,8 +77,9 @@ def per_token_cast_back(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (_padded_groups(q) * scales.unsqueeze(2)).flatten(1)[:, : q.shape[1]]
 
 
-def _intranode_body(ctx, tokens, hidden, experts_per_rank, topk, gpus_per_node=None,
-                    variant="bf16"):  # fmt: skip
+def _intranode_body(
+    ctx, tokens, hidden, experts_per_rank, topk, gpus_per_node=None, variant="bf16"
+):
     """DeepEP's intranode test; ``variant``: "bf16", "fp8" (a tuple of e4m3 rows and scales)
     or "worst" (``num_worst_tokens``: padded outputs, no host synchronization)."""
     R, rank, dev = ctx.world_size, ctx.rank, ctx.device
@@ -194,17 +195,28 @@ def _intranode_body(ctx, tokens, hidden, experts_per_rank, topk, gpus_per_node=N
         kept = topk_idx >= 0
         assert torch.allclose(combined_w[kept], topk_weights[kept])
         valid = (payload[:num_recv], recv_x[1][:num_recv]) if use_fp8 else recv_x[:num_recv]
-        hashes.add(digest(valid, recv_topk_idx[:num_recv], recv_topk_weights[:num_recv],
-                          combined_x, combined_w))  # fmt: skip
+        hashes.add(
+            digest(
+                valid,
+                recv_topk_idx[:num_recv],
+                recv_topk_weights[:num_recv],
+                combined_x,
+                combined_w,
+            )
+        )
     assert len(hashes) == 1
 
     if not gpus_per_node:
         _check_handle_items(handle, rank, is_token_in_rank)
         # Without top-k, as DeepEP allows: the layout arguments route the rows.
         plain_x, plain_idx, plain_w, plain_per_expert, plain_handle, _ = buffer.dispatch(
-            x_in, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
-            num_tokens_per_expert=num_tokens_per_expert, config=config, num_worst_tokens=worst,
-        )  # fmt: skip
+            x_in,
+            num_tokens_per_rank=num_tokens_per_rank,
+            is_token_in_rank=is_token_in_rank,
+            num_tokens_per_expert=num_tokens_per_expert,
+            config=config,
+            num_worst_tokens=worst,
+        )
         assert plain_idx is None and plain_w is None
         assert plain_per_expert == ([] if worst else per_expert)
         plain_rows = plain_x[0] if use_fp8 else plain_x
@@ -289,10 +301,17 @@ def _low_latency_body(ctx, tokens, hidden, experts_per_rank, topk, use_fp8, use_
     hashes = set()
     for _ in range(3):
         recv_x, recv_count, handle, _, hook = buffer.low_latency_dispatch(
-            x, topk_idx, num_max, num_experts, cumulative_local_expert_recv_stats=stats,
-            use_fp8=use_fp8, round_scale=use_ue8m0, use_ue8m0=use_ue8m0, async_finish=False,
+            x,
+            topk_idx,
+            num_max,
+            num_experts,
+            cumulative_local_expert_recv_stats=stats,
+            use_fp8=use_fp8,
+            round_scale=use_ue8m0,
+            use_ue8m0=use_ue8m0,
+            async_finish=False,
             return_recv_hook=True,
-        )  # fmt: skip
+        )
         hook()
         if use_fp8:  # DeepEP's layout: column-major scales (its tests call .contiguous())
             assert recv_x[1].stride()[1] == 1
@@ -441,10 +460,15 @@ def test_internode_like_deep_ep(run_ranks):
 
 @pytest.mark.parametrize(
     "use_fp8, use_ue8m0, hidden",
-    [(False, False, 256), (True, False, 256), (True, True, 512), (True, False, 200),
-     (True, True, 200)],
+    [
+        (False, False, 256),
+        (True, False, 256),
+        (True, True, 512),
+        (True, False, 200),
+        (True, True, 200),
+    ],
     ids=["bf16", "fp8", "fp8-ue8m0", "fp8-h200", "fp8-ue8m0-h200"],
-)  # fmt: skip
+)
 def test_low_latency_like_deep_ep(run_ranks, use_fp8, use_ue8m0, hidden):
     # Packed UE8M0: DeepEP's multiple of 512; and hidden sizes DeepEP V1 does not take, as V2
     # does: 200, whose last group of 128 channels holds 72 (one packed column).
@@ -585,9 +609,12 @@ def test_signatures_match_deep_ep():
         assert all("=" in a for a in ours if a not in theirs), (name, ours)
     # Config: DeepEP's names, order and defaults; the top-k id dtype.
     assert _arguments(deep_ep.Config) == [
-        "num_sms=20", "num_max_nvl_chunked_send_tokens=6", "num_max_nvl_chunked_recv_tokens=256",
-        "num_max_rdma_chunked_send_tokens=6", "num_max_rdma_chunked_recv_tokens=256",
-    ]  # fmt: skip
+        "num_sms=20",
+        "num_max_nvl_chunked_send_tokens=6",
+        "num_max_nvl_chunked_recv_tokens=256",
+        "num_max_rdma_chunked_send_tokens=6",
+        "num_max_rdma_chunked_recv_tokens=256",
+    ]
     assert {"Buffer", "Config", "EventOverlap", "topk_idx_t"} <= set(deep_ep.__all__)
     assert deep_ep.topk_idx_t is torch.int64
     assert deep_ep.Buffer.num_sms == 20

@@ -23,9 +23,16 @@ ON_GPU = torch.cuda.is_available()
 
 
 @triton.jit
-def quantize_rows_kernel(x_ptr, q_ptr, code_ptr, scale_ptr, H: tl.constexpr,
-                         BLOCK_GROUPS: tl.constexpr, USE_UE8M0: tl.constexpr,
-                         EMULATE: tl.constexpr):  # fmt: skip
+def quantize_rows_kernel(
+    x_ptr,
+    q_ptr,
+    code_ptr,
+    scale_ptr,
+    H: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+    USE_UE8M0: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
     G: tl.constexpr = (H + 127) // 128
     row = tl.program_id(0).to(tl.int64)
     groups = tl.arange(0, BLOCK_GROUPS)
@@ -78,9 +85,15 @@ def test_quantization_is_bit_exact(hidden, use_ue8m0):
     G = -(-hidden // 128)
     scale = torch.full((x.shape[0], G), -1.0, device=device)
     quantize_rows_kernel[(x.shape[0],)](
-        xd, q, code, scale, H=hidden, BLOCK_GROUPS=triton.next_power_of_2(G), USE_UE8M0=use_ue8m0,
+        xd,
+        q,
+        code,
+        scale,
+        H=hidden,
+        BLOCK_GROUPS=triton.next_power_of_2(G),
+        USE_UE8M0=use_ue8m0,
         EMULATE=not ON_GPU,
-    )  # fmt: skip
+    )
     q, code, scale = q.cpu(), code.cpu(), scale.cpu()
     # NaN may carry any sign and payload; everything else must match in every bit.
     nan = want_q.isnan()

@@ -51,8 +51,9 @@ def _normal(ctx, group, which, internode):
         # Internode with one GPU per node: each node's sum is one row, so the sums across
         # the nodes round as the single-node reference does (bit for bit).
         combined, combined_w = mode.combine(y, out.handle, out.recv_topk_weights, bias)
-        tn._verify(SimpleNamespace(rank=me), case, list(case.x), out, combined, combined_w,
-                   E, 2, 0, True)  # fmt: skip
+        tn._verify(
+            SimpleNamespace(rank=me), case, list(case.x), out, combined, combined_w, E, 2, 0, True
+        )
     mode.check()
     mode.destroy()
     return mode.rail.group if internode else None
@@ -67,11 +68,13 @@ def _low_latency(ctx, group, which):
         dev_case = case.to(dev)
         recv_x, recv_count, handle, _ = mode.dispatch(dev_case.x[me], dev_case.topk_idx[me])
         outputs = tll._expert_outputs(recv_x, True, me)
-        combined, _ = mode.combine(outputs, dev_case.topk_idx[me], dev_case.topk_weights[me],
-                                   handle)  # fmt: skip
+        combined, _ = mode.combine(
+            outputs, dev_case.topk_idx[me], dev_case.topk_weights[me], handle
+        )
         mode.check()
-        verify_low_latency_call(me, case, M, True, False, recv_x, recv_count, handle, outputs,
-                                combined, group=group)  # fmt: skip
+        verify_low_latency_call(
+            me, case, M, True, False, recv_x, recv_count, handle, outputs, combined, group=group
+        )
     mode.destroy()
 
 
@@ -141,8 +144,10 @@ def _body(ctx, kind):
         _layout(ctx, group, which)
     else:
         # Across nodes twice: the second mode reuses the legs' groups of the first.
-        legs = [_normal(ctx, group, which, internode=kind == "internode")
-                for _ in range(2 if kind == "internode" else 1)]  # fmt: skip
+        legs = [
+            _normal(ctx, group, which, internode=kind == "internode")
+            for _ in range(2 if kind == "internode" else 1)
+        ]
         assert legs[-1] is legs[0]
     return dist.get_rank(group)
 

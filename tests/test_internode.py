@@ -19,12 +19,21 @@ from tritonep.modes.internode import InternodeMode
 from tritonep.testing import make_case, tag_rows
 
 
-def _body(ctx, gpus_per_node, tokens, hidden, experts_per_rank, topk, routing, use_fp8,
-          worst=False, calls=2):  # fmt: skip
+def _body(
+    ctx,
+    gpus_per_node,
+    tokens,
+    hidden,
+    experts_per_rank,
+    topk,
+    routing,
+    use_fp8,
+    worst=False,
+    calls=2,
+):
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
     E = experts_per_rank * R
-    mode = InternodeMode(None, hidden, E, gpus_per_node, max_topk=topk, device=dev,
-                         timeout_s=60)  # fmt: skip
+    mode = InternodeMode(None, hidden, E, gpus_per_node, max_topk=topk, device=dev, timeout_s=60)
     # The rail leg goes through staging (copies or NVSHMEM puts); the node leg stores.
     assert mode.rail.transport.via != VIA_STORE.value and mode.node.transport.via == VIA_STORE.value
     for call in range(calls):  # a second call: fresh inputs on a mode that has run
@@ -53,9 +62,12 @@ def _body(ctx, gpus_per_node, tokens, hidden, experts_per_rank, topk, routing, u
         want_per_expert = want.num_recv_tokens_per_expert
         # On a mismatch, each leg's counts (rows, then per expert) say which leg went wrong.
         assert per_expert == want_per_expert, (
-            me, call, per_expert, want_per_expert,
+            me,
+            call,
+            per_expert,
+            want_per_expert,
             [h.host_info.tolist() for h in (out.handle.rail, out.handle.node)],
-        )  # fmt: skip
+        )
 
         # Combine: each row comes back scaled by its receiver; sums within 2 BF16 roundings.
         rows = ref.dequantize_fp8(*out.recv_x) if use_fp8 else out.recv_x.float()
@@ -111,8 +123,19 @@ def test_internode_matches_the_single_node_reference(
 ):
     tokens = [7, 4, 5, 0]  # ranks 1 and 2 both send: the legs deliver them out of order
     calls = 2 if not use_fp8 and (num_ranks, gpus_per_node) in ((4, 2), (3, 1)) else 1
-    results = run_ranks(num_ranks, _body, gpus_per_node, tokens, 128, 2, 3, routing, use_fp8,
-                        calls=calls, timeout=600)  # fmt: skip
+    results = run_ranks(
+        num_ranks,
+        _body,
+        gpus_per_node,
+        tokens,
+        128,
+        2,
+        3,
+        routing,
+        use_fp8,
+        calls=calls,
+        timeout=600,
+    )
     assert results == [True] * num_ranks
 
 
@@ -120,8 +143,19 @@ def test_internode_matches_the_single_node_reference(
 # below (bf16-skewed-worst, fp8-topk8-worst, fp8-h160-worst).
 @pytest.mark.parametrize("num_ranks, gpus_per_node", [(3, 1)], ids=["3x1"])
 def test_internode_worst_case_sizes(run_ranks, num_ranks, gpus_per_node):
-    results = run_ranks(num_ranks, _body, gpus_per_node, [7, 4, 5, 0], 128, 2, 3, "dropped",
-                        False, True, timeout=600)  # fmt: skip
+    results = run_ranks(
+        num_ranks,
+        _body,
+        gpus_per_node,
+        [7, 4, 5, 0],
+        128,
+        2,
+        3,
+        "dropped",
+        False,
+        True,
+        timeout=600,
+    )
     assert results == [True] * num_ranks
 
 
@@ -131,8 +165,9 @@ def test_internode_runs_the_intranode_cases(run_ranks, name):
     # worst-case sizing), as 2 nodes of 2 ranks: one call each (a second call on the same mode
     # runs above, worst-case sizes included).
     tokens, hidden, experts, topk, routing, fp8, worst = tn.CASES[name]
-    results = run_ranks(4, _body, 2, tokens, hidden, experts, topk, routing, fp8, worst > 0,
-                        calls=1, timeout=600)  # fmt: skip
+    results = run_ranks(
+        4, _body, 2, tokens, hidden, experts, topk, routing, fp8, worst > 0, calls=1, timeout=600
+    )
     assert results == [True] * 4
 
 
@@ -189,27 +224,38 @@ def _gpu_nodes():
 
 @pytest.mark.gpu(n=2)
 @pytest.mark.parametrize(
-    "use_fp8, worst", [(False, False), (True, False), (False, True)],
+    "use_fp8, worst",
+    [(False, False), (True, False), (False, True)],
     ids=["bf16", "fp8", "bf16-worst"],
-)  # fmt: skip
+)
 def test_internode_on_gpus_as_2_nodes(run_ranks, use_fp8, worst):
     ranks, per_node = _gpu_nodes()
     tokens = [4096, 100, 0, 2000]
-    results = run_ranks(ranks, _body, per_node, tokens, 7168, 64, 8, "random", use_fp8, worst,
-                        timeout=300)  # fmt: skip
+    results = run_ranks(
+        ranks, _body, per_node, tokens, 7168, 64, 8, "random", use_fp8, worst, timeout=300
+    )
     assert results == [True] * ranks
 
 
-@pytest.mark.parametrize(
-    "num_ranks, gpus_per_node", [(4, 2), (3, 1)], ids=["2x2", "3x1"]
-)  # fmt: skip
+@pytest.mark.parametrize("num_ranks, gpus_per_node", [(4, 2), (3, 1)], ids=["2x2", "3x1"])
 @pytest.mark.parametrize("name", ["fp8-ue8m0-hook", "bf16-skewed-dup"])
 def test_low_latency_across_emulated_nodes(run_ranks, num_ranks, gpus_per_node, name):
     tokens, hidden, experts, topk, routing, fp8, ue8m0, hook, dup = tll.CASES[name]
     results = run_ranks(
-        num_ranks, tll._ll_body, 2, tokens, hidden, experts, topk, routing, fp8, ue8m0, hook,
-        dup, gpus_per_node,
-    )  # fmt: skip
+        num_ranks,
+        tll._ll_body,
+        2,
+        tokens,
+        hidden,
+        experts,
+        topk,
+        routing,
+        fp8,
+        ue8m0,
+        hook,
+        dup,
+        gpus_per_node,
+    )
     assert results == [True] * num_ranks
 
 
@@ -221,8 +267,9 @@ def test_low_latency_runs_the_single_node_cases_across_nodes(run_ranks, name):
     # the other node), one call each: calls with both buffer sets, and peers on the rank's own
     # node beside those on others (2x2, 3x1), run across nodes above.
     tokens, hidden, experts, topk, routing, fp8, ue8m0, hook, dup = tll.CASES[name]
-    results = run_ranks(2, tll._ll_body, 1, tokens, hidden, experts, topk, routing, fp8, ue8m0,
-                        hook, dup, 1)  # fmt: skip
+    results = run_ranks(
+        2, tll._ll_body, 1, tokens, hidden, experts, topk, routing, fp8, ue8m0, hook, dup, 1
+    )
     assert results == [True] * 2
 
 
@@ -233,8 +280,22 @@ def test_logfmt_combine_across_emulated_nodes(run_ranks, hidden):
     buffer sets at 384)."""
     tokens, _, experts, topk, routing, fp8, ue8m0, hook, dup = tll.CASES["bf16-random"]
     calls = 2 if hidden == 384 else 1
-    results = run_ranks(4, tll._ll_body, calls, tokens, hidden, experts, topk, routing, fp8, ue8m0,
-                        hook, dup, 2, logfmt=True)  # fmt: skip
+    results = run_ranks(
+        4,
+        tll._ll_body,
+        calls,
+        tokens,
+        hidden,
+        experts,
+        topk,
+        routing,
+        fp8,
+        ue8m0,
+        hook,
+        dup,
+        2,
+        logfmt=True,
+    )
     assert results == [True] * 4
 
 
@@ -267,8 +328,21 @@ def _nvshmem_ll_body(ctx, name, per_node):
     heap.set_backend("NVSHMEM")  # before this process's first symmetric allocation
     name, logfmt = name.removesuffix("-logfmt"), name.endswith("-logfmt")
     _, _, experts, topk, routing, fp8, ue8m0, hook, dup = tll.CASES[name]
-    result = tll._ll_body(ctx, 3, [128, 0, 77, 128], 7168 if fp8 else 2048, experts * 4, topk,
-                          routing, fp8, ue8m0, hook, dup, per_node, logfmt)  # fmt: skip
+    result = tll._ll_body(
+        ctx,
+        3,
+        [128, 0, 77, 128],
+        7168 if fp8 else 2048,
+        experts * 4,
+        topk,
+        routing,
+        fp8,
+        ue8m0,
+        hook,
+        dup,
+        per_node,
+        logfmt,
+    )
     assert result
     return heap.allocate(4096, device=ctx.device).backend
 
@@ -293,8 +367,9 @@ def _stuck_rank_body(ctx):
     for the short limit."""
     from tritonep.errors import WaitTimeoutError
 
-    mode = InternodeMode(None, 128, 8, 2, max_topk=2, device=ctx.device, max_sms=2,
-                         ring_tokens=8, timeout_s=60)  # fmt: skip
+    mode = InternodeMode(
+        None, 128, 8, 2, max_topk=2, device=ctx.device, max_sms=2, ring_tokens=8, timeout_s=60
+    )
     x = torch.ones(4, 128, dtype=torch.bfloat16, device=ctx.device)
     idx = torch.tensor([[0, 7], [2, 6], [4, 1], [6, 3]], device=ctx.device)
     mode.dispatch(x, idx, num_worst_tokens=32)
@@ -340,9 +415,14 @@ def _buffer_body(ctx):
     owner_node = torch.where(case.topk_idx[me] >= 0, case.topk_idx[me] // 4, -1)
     assert per_node.cpu().tolist() == [int((owner_node == n).any(1).sum()) for n in range(2)]
     recv_x, recv_idx, _, counts, handle, _ = buffer.dispatch(
-        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
-        is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
-    )  # fmt: skip
+        x,
+        num_tokens_per_rank=per_rank,
+        num_tokens_per_rdma_rank=per_node,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=idx,
+        topk_weights=w,
+    )
     want = ref.normal_dispatch(case.x, case.topk_idx, case.topk_weights, E)[me]
     ref.assert_bitwise_equal(recv_x.cpu(), want.recv_x, f"rank {me} recv_x")
     ref.assert_bitwise_equal(recv_idx.cpu(), want.recv_topk_idx, f"rank {me} recv_topk_idx")
@@ -441,15 +521,23 @@ def _overlap_body(ctx, tmp):
             return min(e["ts"] for e in picked), max(e["ts"] + e["dur"] for e in picked)
 
         # The reading leg starts while the writing leg still runs.
-        names = ("rail dispatch: receive", "node dispatch: send", "node combine: receive",
-                 "rail combine: send")  # fmt: skip
+        names = (
+            "rail dispatch: receive",
+            "node dispatch: send",
+            "node combine: receive",
+            "rail combine: send",
+        )
         spans = {name: span(name) for name in names}
-        print(f"overlap rank {me} call {call} (us):",
-              {k: (round(a), round(b)) for k, (a, b) in spans.items()})  # fmt: skip
-        overlaps.append((
-            spans["node dispatch: send"][0] < spans["rail dispatch: receive"][1],
-            spans["rail combine: send"][0] < spans["node combine: receive"][1],
-        ))  # fmt: skip
+        print(
+            f"overlap rank {me} call {call} (us):",
+            {k: (round(a), round(b)) for k, (a, b) in spans.items()},
+        )
+        overlaps.append(
+            (
+                spans["node dispatch: send"][0] < spans["rail dispatch: receive"][1],
+                spans["rail combine: send"][0] < spans["node combine: receive"][1],
+            )
+        )
     mode.destroy()
     return any(d for d, _ in overlaps), any(c for _, c in overlaps)
 

@@ -318,17 +318,39 @@ _SLOTS = {
 }
 _SLOTS_DISPATCH = {k: v for k, v in _SLOTS.items() if k != "state_ptr"}
 _SLOTS_META = dict(
-    NUM_RANKS=4, HIDDEN=7168, BOXES=1, BOX_ROWS=32, STAGES=3, BLOCK_T=16, BLOCK_H=1024,
-    BLOCK_TOKENS=1024, BLOCK_RANKS=4, USE_CLOCK=True, desc4=None, desc5=None, desc6=None,
+    NUM_RANKS=4,
+    HIDDEN=7168,
+    BOXES=1,
+    BOX_ROWS=32,
+    STAGES=3,
+    BLOCK_T=16,
+    BLOCK_H=1024,
+    BLOCK_TOKENS=1024,
+    BLOCK_RANKS=4,
+    USE_CLOCK=True,
+    desc4=None,
+    desc5=None,
+    desc6=None,
     desc7=None,
-)  # fmt: skip
+)
 _BOX = "tensordesc<bf16[1,32,256]>"
 KERNELS += [
     (
         "tritonep.kernels.normal_slots",
         "slots_notify_kernel",
-        {k: _SLOTS[k] for k in ("in_rank_ptr", "num_tokens", "peer_ptrs", "rank", "state_ptr",
-                                "info_ptr", "status_ptr", "timeout_us")},
+        {
+            k: _SLOTS[k]
+            for k in (
+                "in_rank_ptr",
+                "num_tokens",
+                "peer_ptrs",
+                "rank",
+                "state_ptr",
+                "info_ptr",
+                "status_ptr",
+                "timeout_us",
+            )
+        },
         dict(NUM_RANKS=4, USE_CLOCK=True, BLOCK_TOKENS=1024, BLOCK_RANKS=4),
     ),
     (
@@ -342,11 +364,12 @@ KERNELS += [
         "tritonep.kernels.normal_slots",
         "slots_dispatch_kernel",
         {**_SLOTS_DISPATCH, "x_ptr": "*bf16"},
-        dict(_SLOTS_META, x_desc=None, desc0=None, desc1=None, desc2=None, desc3=None,
-             VIA_TMA=False),
+        dict(
+            _SLOTS_META, x_desc=None, desc0=None, desc1=None, desc2=None, desc3=None, VIA_TMA=False
+        ),
         {"num_warps": 16},
     ),
-]  # fmt: skip
+]
 
 # 4 ranks, hidden 7168, 256 experts, top-8, 12 channels of rings for 16, 128 slots a ring.
 _LAYOUT = NormalLayout.of(7168, 4, 64, 8, 16, 128, staged=True, notify_extra=96)
@@ -373,91 +396,265 @@ NOTIFY_META = dict(
 )
 NORMAL_DISPATCH = _signature(normal_dispatch.DispatchCall, normal_dispatch.NormalShared)
 NORMAL_DISPATCH_META = dict(
-    ROW_WORDS=1792, SCALE_WORDS=56, E_LOCAL=64, NUM_RANKS=4, NUM_CHANNELS=12, MAX_CHANNELS=16,
-    RING=128, RING_STRIDE=128, SLOT_BYTES=_LAYOUT.dispatch_slot, RECORD_WORD=1848,
-    RING_OFFSET=_LAYOUT.dispatch_ring, TAIL_OFFSET=_LAYOUT.dispatch_tail,
-    HEAD_OFFSET=_LAYOUT.dispatch_head, STAGE_OFFSET=_LAYOUT.stage_rings, HAS_SCALES=True,
-    HAS_TOPK=True, HAS_WEIGHTS=True, HAS_TAG=False, PAD_ROWS=True, BOUNDS=False, AWAIT=False,
-    RANKS_FROM_IDS=False, PUBLISH=False, LOCAL=True, ROW_MAP=False, RELEASE_STEPS=1,
-    USE_CLOCK=True, BLOCK_TOKENS=8, BLOCK_ROWS=8, BLOCK_SEND_WORDS=512, BLOCK_RECV_WORDS=256,
-    BLOCK_RANKS=4, BLOCK_K=8, BLOCK_SCALES=64, PROFILE=False, VIA=0,
-)  # fmt: skip
+    ROW_WORDS=1792,
+    SCALE_WORDS=56,
+    E_LOCAL=64,
+    NUM_RANKS=4,
+    NUM_CHANNELS=12,
+    MAX_CHANNELS=16,
+    RING=128,
+    RING_STRIDE=128,
+    SLOT_BYTES=_LAYOUT.dispatch_slot,
+    RECORD_WORD=1848,
+    RING_OFFSET=_LAYOUT.dispatch_ring,
+    TAIL_OFFSET=_LAYOUT.dispatch_tail,
+    HEAD_OFFSET=_LAYOUT.dispatch_head,
+    STAGE_OFFSET=_LAYOUT.stage_rings,
+    HAS_SCALES=True,
+    HAS_TOPK=True,
+    HAS_WEIGHTS=True,
+    HAS_TAG=False,
+    PAD_ROWS=True,
+    BOUNDS=False,
+    AWAIT=False,
+    RANKS_FROM_IDS=False,
+    PUBLISH=False,
+    LOCAL=True,
+    ROW_MAP=False,
+    RELEASE_STEPS=1,
+    USE_CLOCK=True,
+    BLOCK_TOKENS=8,
+    BLOCK_ROWS=8,
+    BLOCK_SEND_WORDS=512,
+    BLOCK_RECV_WORDS=256,
+    BLOCK_RANKS=4,
+    BLOCK_K=8,
+    BLOCK_SCALES=64,
+    PROFILE=False,
+    VIA=0,
+)
 NORMAL_COMBINE = _signature(normal_combine.CombineCall, normal_dispatch.NormalShared, x_ptr="*bf16")
 NORMAL_COMBINE_META = dict(
-    H=7168, NUM_RANKS=4, NUM_CHANNELS=12, MAX_CHANNELS=16, RING=128, RING_STRIDE=128,
-    SLOT_BYTES=_LAYOUT.combine_slot, RING_OFFSET=_LAYOUT.combine_ring,
-    TAIL_OFFSET=_LAYOUT.combine_tail, HEAD_OFFSET=_LAYOUT.combine_head,
-    STAGE_OFFSET=_LAYOUT.stage_rings, HAS_WEIGHTS=True, NUM_BIAS=2, BOUNDS=False, AWAIT=False,
-    PUBLISH=False, LOCAL=True, ROW_MAP=False, RELEASE_STEPS=1, USE_CLOCK=True, BLOCK_TOKENS=8,
-    BLOCK_ROWS=8, BLOCK_WORDS=512, BLOCK_RANKS=4, BLOCK_K=8, PROFILE=False, VIA=0,
-)  # fmt: skip
+    H=7168,
+    NUM_RANKS=4,
+    NUM_CHANNELS=12,
+    MAX_CHANNELS=16,
+    RING=128,
+    RING_STRIDE=128,
+    SLOT_BYTES=_LAYOUT.combine_slot,
+    RING_OFFSET=_LAYOUT.combine_ring,
+    TAIL_OFFSET=_LAYOUT.combine_tail,
+    HEAD_OFFSET=_LAYOUT.combine_head,
+    STAGE_OFFSET=_LAYOUT.stage_rings,
+    HAS_WEIGHTS=True,
+    NUM_BIAS=2,
+    BOUNDS=False,
+    AWAIT=False,
+    PUBLISH=False,
+    LOCAL=True,
+    ROW_MAP=False,
+    RELEASE_STEPS=1,
+    USE_CLOCK=True,
+    BLOCK_TOKENS=8,
+    BLOCK_ROWS=8,
+    BLOCK_WORDS=512,
+    BLOCK_RANKS=4,
+    BLOCK_K=8,
+    PROFILE=False,
+    VIA=0,
+)
 # As the normal mode launches them (4 ranks).
 DISPATCH_OPTIONS = {"num_warps": DISPATCH_WARPS}
 COMBINE_OPTIONS = {"num_warps": COMBINE_WARPS, "enable_fp_fusion": False}
 NORMAL_BF16 = {"x_ptr": "*bf16", "out_x_ptr": "*bf16"}
 for module, name, sig, meta, options in [
     ("normal_notify", "notify_kernel", NOTIFY, NOTIFY_META, {}),
-    ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH, NORMAL_DISPATCH_META,
-     DISPATCH_OPTIONS),
-    ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE, NORMAL_COMBINE_META,
-     COMBINE_OPTIONS),
+    (
+        "normal_dispatch",
+        "normal_dispatch_kernel",
+        NORMAL_DISPATCH,
+        NORMAL_DISPATCH_META,
+        DISPATCH_OPTIONS,
+    ),
+    (
+        "normal_combine",
+        "normal_combine_kernel",
+        NORMAL_COMBINE,
+        NORMAL_COMBINE_META,
+        COMBINE_OPTIONS,
+    ),
     ("normal_notify", "notify_kernel", NOTIFY, {**NOTIFY_META, "PROFILE": True}, {}),
-    ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
-     {**NORMAL_DISPATCH_META, "PROFILE": True}, DISPATCH_OPTIONS),
-    ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
-     {**NORMAL_COMBINE_META, "PROFILE": True}, COMBINE_OPTIONS),
+    (
+        "normal_dispatch",
+        "normal_dispatch_kernel",
+        NORMAL_DISPATCH,
+        {**NORMAL_DISPATCH_META, "PROFILE": True},
+        DISPATCH_OPTIONS,
+    ),
+    (
+        "normal_combine",
+        "normal_combine_kernel",
+        NORMAL_COMBINE,
+        {**NORMAL_COMBINE_META, "PROFILE": True},
+        COMBINE_OPTIONS,
+    ),
     # BF16 payloads, cached (no ids), exact size
-    ("normal_dispatch", "normal_dispatch_kernel", {**NORMAL_DISPATCH, **NORMAL_BF16},
-     {**NORMAL_DISPATCH_META, "ROW_WORDS": 3584, "SCALE_WORDS": 0, "HAS_SCALES": False,
-      "HAS_TOPK": False, "HAS_WEIGHTS": False, "PAD_ROWS": False, "RECORD_WORD": 3584,
-      "BLOCK_SCALES": 2}, DISPATCH_OPTIONS),
+    (
+        "normal_dispatch",
+        "normal_dispatch_kernel",
+        {**NORMAL_DISPATCH, **NORMAL_BF16},
+        {
+            **NORMAL_DISPATCH_META,
+            "ROW_WORDS": 3584,
+            "SCALE_WORDS": 0,
+            "HAS_SCALES": False,
+            "HAS_TOPK": False,
+            "HAS_WEIGHTS": False,
+            "PAD_ROWS": False,
+            "RECORD_WORD": 3584,
+            "BLOCK_SCALES": 2,
+        },
+        DISPATCH_OPTIONS,
+    ),
     # The staged transport of the internode rail leg (copies from the mirror rings)
     ("normal_notify", "notify_kernel", NOTIFY, {**NOTIFY_META, "VIA": 1}, {}),
-    ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
-     {**NORMAL_DISPATCH_META, "VIA": 1}, DISPATCH_OPTIONS),
-    ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
-     {**NORMAL_COMBINE_META, "VIA": 1}, COMBINE_OPTIONS),
+    (
+        "normal_dispatch",
+        "normal_dispatch_kernel",
+        NORMAL_DISPATCH,
+        {**NORMAL_DISPATCH_META, "VIA": 1},
+        DISPATCH_OPTIONS,
+    ),
+    (
+        "normal_combine",
+        "normal_combine_kernel",
+        NORMAL_COMBINE,
+        {**NORMAL_COMBINE_META, "VIA": 1},
+        COMBINE_OPTIONS,
+    ),
     # The relay between the internode legs: the network leg flags the rows it writes (and
     # its notify carries the forwarding counts); the NVLink leg waits for them.
-    ("normal_notify", "notify_kernel", NOTIFY,
-     {**NOTIFY_META, "VIA": 1, "EXTRA": 96, "BLOCK_EXTRA": 128, "CHANNEL_MAJOR": True}, {}),
-    ("normal_notify", "notify_kernel", {**NOTIFY, "counts_ptr": "*i32"},
-     {**NOTIFY_META, "COUNTS_GIVEN": True}, {}),
-    ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
-     {**NORMAL_DISPATCH_META, "VIA": 1, "HAS_TAG": True, "PUBLISH": True},
-     DISPATCH_OPTIONS),
-    ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
-     {**NORMAL_DISPATCH_META, "HAS_TAG": True, "BOUNDS": True, "AWAIT": True,
-      "RANKS_FROM_IDS": True, "LOCAL": False}, DISPATCH_OPTIONS),
+    (
+        "normal_notify",
+        "notify_kernel",
+        NOTIFY,
+        {**NOTIFY_META, "VIA": 1, "EXTRA": 96, "BLOCK_EXTRA": 128, "CHANNEL_MAJOR": True},
+        {},
+    ),
+    (
+        "normal_notify",
+        "notify_kernel",
+        {**NOTIFY, "counts_ptr": "*i32"},
+        {**NOTIFY_META, "COUNTS_GIVEN": True},
+        {},
+    ),
+    (
+        "normal_dispatch",
+        "normal_dispatch_kernel",
+        NORMAL_DISPATCH,
+        {**NORMAL_DISPATCH_META, "VIA": 1, "HAS_TAG": True, "PUBLISH": True},
+        DISPATCH_OPTIONS,
+    ),
+    (
+        "normal_dispatch",
+        "normal_dispatch_kernel",
+        NORMAL_DISPATCH,
+        {
+            **NORMAL_DISPATCH_META,
+            "HAS_TAG": True,
+            "BOUNDS": True,
+            "AWAIT": True,
+            "RANKS_FROM_IDS": True,
+            "LOCAL": False,
+        },
+        DISPATCH_OPTIONS,
+    ),
     # A cached NVLink leg writing rows at their final positions (ROW_MAP)
-    ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
-     {**NORMAL_DISPATCH_META, "HAS_TOPK": False, "HAS_WEIGHTS": False, "HAS_TAG": True,
-      "BOUNDS": True, "AWAIT": True, "LOCAL": False, "ROW_MAP": True}, DISPATCH_OPTIONS),
-    ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
-     {**NORMAL_COMBINE_META, "BOUNDS": True, "PUBLISH": True, "LOCAL": False},
-     COMBINE_OPTIONS),
+    (
+        "normal_dispatch",
+        "normal_dispatch_kernel",
+        NORMAL_DISPATCH,
+        {
+            **NORMAL_DISPATCH_META,
+            "HAS_TOPK": False,
+            "HAS_WEIGHTS": False,
+            "HAS_TAG": True,
+            "BOUNDS": True,
+            "AWAIT": True,
+            "LOCAL": False,
+            "ROW_MAP": True,
+        },
+        DISPATCH_OPTIONS,
+    ),
+    (
+        "normal_combine",
+        "normal_combine_kernel",
+        NORMAL_COMBINE,
+        {**NORMAL_COMBINE_META, "BOUNDS": True, "PUBLISH": True, "LOCAL": False},
+        COMBINE_OPTIONS,
+    ),
     # The NVLink leg reading its input in the caller's order (ROW_MAP)
-    ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
-     {**NORMAL_COMBINE_META, "BOUNDS": True, "PUBLISH": True, "LOCAL": False, "ROW_MAP": True},
-     COMBINE_OPTIONS),
-    ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
-     {**NORMAL_COMBINE_META, "VIA": 1, "AWAIT": True, "BLOCK_ROWS": 4, "LOCAL": False},
-     COMBINE_OPTIONS),
+    (
+        "normal_combine",
+        "normal_combine_kernel",
+        NORMAL_COMBINE,
+        {**NORMAL_COMBINE_META, "BOUNDS": True, "PUBLISH": True, "LOCAL": False, "ROW_MAP": True},
+        COMBINE_OPTIONS,
+    ),
+    (
+        "normal_combine",
+        "normal_combine_kernel",
+        NORMAL_COMBINE,
+        {**NORMAL_COMBINE_META, "VIA": 1, "AWAIT": True, "BLOCK_ROWS": 4, "LOCAL": False},
+        COMBINE_OPTIONS,
+    ),
     # Senders that release their tails every few steps (SEND_RELEASE_STEPS)
-    ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
-     {**NORMAL_DISPATCH_META, "RELEASE_STEPS": 2}, DISPATCH_OPTIONS),
-    ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
-     {**NORMAL_DISPATCH_META, "VIA": 1, "RELEASE_STEPS": 4, "LOCAL": False}, DISPATCH_OPTIONS),
-    ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
-     {**NORMAL_COMBINE_META, "RELEASE_STEPS": 2}, COMBINE_OPTIONS),
+    (
+        "normal_dispatch",
+        "normal_dispatch_kernel",
+        NORMAL_DISPATCH,
+        {**NORMAL_DISPATCH_META, "RELEASE_STEPS": 2},
+        DISPATCH_OPTIONS,
+    ),
+    (
+        "normal_dispatch",
+        "normal_dispatch_kernel",
+        NORMAL_DISPATCH,
+        {**NORMAL_DISPATCH_META, "VIA": 1, "RELEASE_STEPS": 4, "LOCAL": False},
+        DISPATCH_OPTIONS,
+    ),
+    (
+        "normal_combine",
+        "normal_combine_kernel",
+        NORMAL_COMBINE,
+        {**NORMAL_COMBINE_META, "RELEASE_STEPS": 2},
+        COMBINE_OPTIONS,
+    ),
     # gpt-oss's hidden size, 2880: FP8 rows of 720 words and 23 scale words
-    ("normal_dispatch", "normal_dispatch_kernel", NORMAL_DISPATCH,
-     {**NORMAL_DISPATCH_META, "ROW_WORDS": 720, "SCALE_WORDS": 23, "BLOCK_SCALES": 32,
-      "SLOT_BYTES": 5936, "RECORD_WORD": 744, "BLOCK_SEND_WORDS": 512,
-      "BLOCK_RECV_WORDS": 256}, DISPATCH_OPTIONS),
-    ("normal_combine", "normal_combine_kernel", NORMAL_COMBINE,
-     {**NORMAL_COMBINE_META, "H": 2880, "SLOT_BYTES": 5792}, COMBINE_OPTIONS),
-]:  # fmt: skip
+    (
+        "normal_dispatch",
+        "normal_dispatch_kernel",
+        NORMAL_DISPATCH,
+        {
+            **NORMAL_DISPATCH_META,
+            "ROW_WORDS": 720,
+            "SCALE_WORDS": 23,
+            "BLOCK_SCALES": 32,
+            "SLOT_BYTES": 5936,
+            "RECORD_WORD": 744,
+            "BLOCK_SEND_WORDS": 512,
+            "BLOCK_RECV_WORDS": 256,
+        },
+        DISPATCH_OPTIONS,
+    ),
+    (
+        "normal_combine",
+        "normal_combine_kernel",
+        NORMAL_COMBINE,
+        {**NORMAL_COMBINE_META, "H": 2880, "SLOT_BYTES": 5792},
+        COMBINE_OPTIONS,
+    ),
+]:
     KERNELS.append(
         (
             f"tritonep.kernels.{module}",
@@ -470,30 +667,42 @@ for module, name, sig, meta, options in [
 
 FP8_QUANTIZE = {"x_ptr": "*bf16", "q_ptr": "*u8", "scale_ptr": "*fp32", "x_stride": "i32"}
 FP8_DEQUANTIZE = {
-    "q_ptr": "*u8", "scale_ptr": "*fp32", "out_ptr": "*bf16", "num_tokens": "i32",
-    "q_batch_stride": "i32", "q_stride": "i32", "scale_batch_stride": "i32",
-    "scale_stride": "i32", "scale_group_stride": "i32",
-}  # fmt: skip
+    "q_ptr": "*u8",
+    "scale_ptr": "*fp32",
+    "out_ptr": "*bf16",
+    "num_tokens": "i32",
+    "q_batch_stride": "i32",
+    "q_stride": "i32",
+    "scale_batch_stride": "i32",
+    "scale_stride": "i32",
+    "scale_group_stride": "i32",
+}
 # The public quantize_fp8 and dequantize_fp8 at 7168 and at gpt-oss's 2880 (a partial group).
 for hidden, g_p2 in [(7168, 64), (2880, 32)]:
     KERNELS += [
         (
             "tritonep.kernels.fp8",
             "quantize_fp8_kernel",
-            {**FP8_QUANTIZE, **dict.fromkeys(
-                ("H", "BLOCK_GROUPS", "USE_UE8M0", "IS_BF16", "EMULATE"), "constexpr")},
+            {
+                **FP8_QUANTIZE,
+                **dict.fromkeys(
+                    ("H", "BLOCK_GROUPS", "USE_UE8M0", "IS_BF16", "EMULATE"), "constexpr"
+                ),
+            },
             dict(H=hidden, BLOCK_GROUPS=g_p2, USE_UE8M0=False, IS_BF16=True, EMULATE=False),
             {"num_warps": 8},
         ),
         (
             "tritonep.kernels.fp8",
             "dequantize_fp8_kernel",
-            {**FP8_DEQUANTIZE, **dict.fromkeys(
-                ("H", "BLOCK_GROUPS", "TO_BF16", "EMULATE"), "constexpr")},
+            {
+                **FP8_DEQUANTIZE,
+                **dict.fromkeys(("H", "BLOCK_GROUPS", "TO_BF16", "EMULATE"), "constexpr"),
+            },
             dict(H=hidden, BLOCK_GROUPS=g_p2, TO_BF16=True, EMULATE=False),
             {"num_warps": 8},
         ),
-    ]  # fmt: skip
+    ]
 
 COMPILE = """
 import importlib, inspect, json, sys, traceback
@@ -683,9 +892,14 @@ def _nvshmem_device_library():
 
 @pytest.mark.parametrize(
     "name",
-    ["ll_dispatch_kernel", "ll_combine_kernel", "notify_kernel", "normal_dispatch_kernel",
-     "normal_combine_kernel"],
-)  # fmt: skip
+    [
+        "ll_dispatch_kernel",
+        "ll_combine_kernel",
+        "notify_kernel",
+        "normal_dispatch_kernel",
+        "normal_combine_kernel",
+    ],
+)
 def test_staged_kernels_put_to_other_nodes_with_nvshmem(name):
     module, kernel, signature, meta, options = next(
         k for k in KERNELS if k[1] == name and k[3].get("VIA") == 1
@@ -766,8 +980,13 @@ def _param_flags() -> dict:
     # Compiled, not interpreted, even without a GPU (importing tritonep keeps an explicit 0).
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join(sys.path))
     kernels = sorted({(k[0], k[1]) for k in KERNELS})
-    proc = subprocess.run([sys.executable, "-c", PARAM_FLAGS, json.dumps(kernels)],
-                          capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", PARAM_FLAGS, json.dumps(kernels)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 

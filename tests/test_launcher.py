@@ -30,8 +30,12 @@ def _launch_all(device, repeats):
             src = base[offset : offset + n]
             out = torch.full((256,), -7, dtype=torch.int32, device=device)  # poisoned
             dst = out[offset : offset + n]
-            launcher.launch(scaled_copy, (triton.cdiv(n, 32),), (src, dst, n, factor),
-                            dict(BLOCK=32, ADD=add, num_warps=1))  # fmt: skip
+            launcher.launch(
+                scaled_copy,
+                (triton.cdiv(n, 32),),
+                (src, dst, n, factor),
+                dict(BLOCK=32, ADD=add, num_warps=1),
+            )
             assert torch.equal(dst, src * factor + add), (offset, n, factor, add)
             assert bool((out[:offset] == -7).all()) and bool((out[offset + n :] == -7).all())
 
@@ -90,8 +94,9 @@ def test_a_remembered_argument_gives_way_to_a_new_one():
     for src, dst in [(base, out), (base, out), (base, out), (base[1:], out[1:]), (base, out)]:
         out.fill_(-7)
         n = src.numel()
-        launcher.launch(scaled_copy, (triton.cdiv(n, 32),), (src, dst, n, 3),
-                        dict(BLOCK=32, ADD=1, num_warps=1))  # fmt: skip
+        launcher.launch(
+            scaled_copy, (triton.cdiv(n, 32),), (src, dst, n, 3), dict(BLOCK=32, ADD=1, num_warps=1)
+        )
         assert torch.equal(dst, src * 3 + 1)
         assert int(out[0]) == (-7 if n == 299 else 1)
 
@@ -179,8 +184,9 @@ def _bundled_launches(device, repeats):
     gen = torch.Generator().manual_seed(6)
     base = torch.randint(-1000, 1000, (256,), generator=gen, dtype=torch.int32).to(device)
     grid = (8,)
-    launch = launcher.KernelLaunch(bundled_copy, grid, dict(BLOCK=32, ADD=3, num_warps=1),
-                                   CopyCall._fields, (0, 1))  # fmt: skip
+    launch = launcher.KernelLaunch(
+        bundled_copy, grid, dict(BLOCK=32, ADD=3, num_warps=1), CopyCall._fields, (0, 1)
+    )
     shared = launcher.Shared.of((5,))
     for _ in range(repeats):
         for offset, n in [(0, 100), (1, 99), (0, 1), (0, 64), (3, 77), (0, 16)]:

@@ -183,8 +183,9 @@ def _moe_body(ctx, tokens, hidden, experts_per_rank, topk, use_fp8, variant):
     mine = slice(start, start + tokens[me])
     buffer = Buffer(device=dev, gpus_per_node=2 if variant == "internode" else None)
     worst = sum(tokens) + 3 if variant == "worst" else 0  # padding rows must stay inert
-    layer = MoELayer(buffer, router.to(dev), experts.to(dev), topk, use_fp8=use_fp8,
-                     num_worst_tokens=worst)  # fmt: skip
+    layer = MoELayer(
+        buffer, router.to(dev), experts.to(dev), topk, use_fp8=use_fp8, num_worst_tokens=worst
+    )
     x = xs[me].to(dev).requires_grad_()
     if variant == "checkpoint":
         out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)

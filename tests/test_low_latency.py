@@ -29,14 +29,24 @@ def _expert_fn(rows, global_expert):
     return (rows * ((global_expert + 1) / 8)).to(torch.bfloat16)
 
 
-def _verify_call(ctx, case, M, use_fp8, ue8m0, recv_x, recv_count, handle, outputs, combined,
-                 logfmt=False):  # fmt: skip
+def _verify_call(
+    ctx, case, M, use_fp8, ue8m0, recv_x, recv_count, handle, outputs, combined, logfmt=False
+):
     """Check one dispatch and combine of this rank against the reference, bit for bit (a
     LogFMT combine within its error bound)."""
     verify_low_latency_call(
-        ctx.rank, case, M, use_fp8, ue8m0, recv_x, recv_count, handle, outputs, combined,
+        ctx.rank,
+        case,
+        M,
+        use_fp8,
+        ue8m0,
+        recv_x,
+        recv_count,
+        handle,
+        outputs,
+        combined,
         logfmt=logfmt,
-    )  # fmt: skip
+    )
 
 
 def _with_special_groups(outputs):
@@ -87,31 +97,60 @@ def _assert_scale_layout(scales, mode, packed):
 
 
 def _ll_body(
-    ctx, calls, tokens, hidden, experts, topk, routing, use_fp8, ue8m0, hook, dup,
-    gpus_per_node=None, logfmt=False, count_adds=None,
-):  # fmt: skip
+    ctx,
+    calls,
+    tokens,
+    hidden,
+    experts,
+    topk,
+    routing,
+    use_fp8,
+    ue8m0,
+    hook,
+    dup,
+    gpus_per_node=None,
+    logfmt=False,
+    count_adds=None,
+):
     R, me = ctx.world_size, ctx.rank
     experts = experts * R
     M = max(max(tokens), 1)
     mode = ll.LowLatencyMode(
-        None, M, hidden, experts, max_topk=max(topk, 2), device=ctx.device, timeout_s=60,
+        None,
+        M,
+        hidden,
+        experts,
+        max_topk=max(topk, 2),
+        device=ctx.device,
+        timeout_s=60,
         gpus_per_node=gpus_per_node,
-    )  # fmt: skip
+    )
     if count_adds is not None:
         mode.count_adds = count_adds
     for call in range(calls):  # odd and even calls use different buffer sets
         # LogFMT cases: most groups below 1 (encoded), some above (sent unchanged).
-        case = make_case(1000 * call + 7, tokens[:R], hidden, experts, topk, routing,
-                         scale=0.3 if logfmt else 1.0)  # fmt: skip
+        case = make_case(
+            1000 * call + 7,
+            tokens[:R],
+            hidden,
+            experts,
+            topk,
+            routing,
+            scale=0.3 if logfmt else 1.0,
+        )
         if dup:  # a token that names one expert twice is sent there once
             for idx in case.topk_idx:
                 if idx.shape[0] and topk > 1:
                     idx[0, 1] = idx[0, 0]
         dev = case.to(ctx.device)
         recv_x, recv_count, handle, recv_hook = mode.dispatch(
-            dev.x[me], dev.topk_idx[me], use_fp8=use_fp8, use_ue8m0=bool(ue8m0),
-            return_recv_hook=hook, pack_ue8m0=ue8m0 == "packed",
-        )  # fmt: skip
+            dev.x[me],
+            dev.topk_idx[me],
+            use_fp8=use_fp8,
+            use_ue8m0=bool(ue8m0),
+            return_recv_hook=hook,
+            pack_ue8m0=ue8m0 == "packed",
+        )
         assert (recv_hook is not None) == hook
         if use_fp8:
             _assert_scale_layout(recv_x[1], mode, ue8m0 == "packed")
@@ -122,14 +161,19 @@ def _ll_body(
         if logfmt:
             outputs = _with_special_groups(outputs)
         combined, comb_hook = mode.combine(
-            outputs, dev.topk_idx[me], dev.topk_weights[me], handle, return_recv_hook=hook,
+            outputs,
+            dev.topk_idx[me],
+            dev.topk_weights[me],
+            handle,
+            return_recv_hook=hook,
             use_logfmt=logfmt,
-        )  # fmt: skip
+        )
         if hook:
             comb_hook()
         mode.check()
-        _verify_call(ctx, case, M, use_fp8, ue8m0, recv_x, recv_count, handle, outputs, combined,
-                     logfmt)  # fmt: skip
+        _verify_call(
+            ctx, case, M, use_fp8, ue8m0, recv_x, recv_count, handle, outputs, combined, logfmt
+        )
     mode.destroy()
     return True
 
@@ -273,11 +317,14 @@ def _two_batch_body(ctx, use_fp8, hook):
     M, H, E, K = 6, 256, 3 * R, 3
     mode = ll.LowLatencyMode(None, M, H, E, max_topk=K, device=ctx.device, timeout_s=60)
     for step in range(2):  # the second step starts on the other buffer set's parity
-        cases = [make_case(70 + 10 * step + b, [6, 2, 5, 0][:R], H, E, K, "dropped")
-                 for b in range(2)]  # fmt: skip
+        cases = [
+            make_case(70 + 10 * step + b, [6, 2, 5, 0][:R], H, E, K, "dropped") for b in range(2)
+        ]
         devs = [case.to(ctx.device) for case in cases]
-        sent = [mode.dispatch(d.x[me], d.topk_idx[me], use_fp8=use_fp8, return_recv_hook=hook)
-                for d in devs]  # fmt: skip
+        sent = [
+            mode.dispatch(d.x[me], d.topk_idx[me], use_fp8=use_fp8, return_recv_hook=hook)
+            for d in devs
+        ]
         if hook:
             for *_, recv_hook in sent:
                 recv_hook()
@@ -317,8 +364,9 @@ def _payload_once_body(ctx, use_fp8):
     recv_set.fill_(0xFF)  # poison: payload bytes that no one writes stay 0xFF
     mode.heap.barrier()
     case = make_case(5, [M] * R, H, E_local * R, K)  # 4 of 8 or 12 experts: shared owners
-    _, _, handle, _ = mode.dispatch(case.x[me].to(ctx.device), case.topk_idx[me].to(ctx.device),
-                                    use_fp8=use_fp8)  # fmt: skip
+    _, _, handle, _ = mode.dispatch(
+        case.x[me].to(ctx.device), case.topk_idx[me].to(ctx.device), use_fp8=use_fp8
+    )
     mode.check()
     msg_bytes = ll.message_bytes(H, use_fp8)
     messages = recv_set.cpu()[: E_local * R * M * msg_bytes].view(E_local, R, M, msg_bytes)
@@ -467,8 +515,9 @@ def _run_ahead_body(ctx):
     outputs = [(base.float() * (call + 1)).to(torch.bfloat16) for call in range(3)]
     if case.x[me].shape[0]:
         time.sleep(2.0)
-    combined = [mode.combine(y, dev.topk_idx[me], dev.topk_weights[me], handle)[0].clone()
-                for y in outputs]  # fmt: skip
+    combined = [
+        mode.combine(y, dev.topk_idx[me], dev.topk_weights[me], handle)[0].clone() for y in outputs
+    ]
     for y, out in zip(outputs, combined, strict=True):
         _verify_call(ctx, case, M, False, False, recv_x, recv_count, handle, y, out)
     mode.destroy()
@@ -480,8 +529,9 @@ def test_a_rank_without_tokens_does_not_run_ahead(run_ranks):
 
 
 def _bad_input_body(ctx):
-    mode = ll.LowLatencyMode(None, 4, 256, 2 * ctx.world_size, max_topk=4, device=ctx.device,
-                             check_ids=True)  # fmt: skip
+    mode = ll.LowLatencyMode(
+        None, 4, 256, 2 * ctx.world_size, max_topk=4, device=ctx.device, check_ids=True
+    )
     x = torch.randn(5, 256, device=ctx.device).to(torch.bfloat16)
     idx = torch.zeros(5, 2, dtype=torch.long, device=ctx.device)
     messages = []

@@ -70,9 +70,12 @@ def _verify(ctx, case, xs, out, combined, combined_w, experts, alignment, worst,
     _check_dispatch(me, out, wants[me], use_fp8, worst, alignment)
     ys = [_expert_rows(w.recv_x, d) for d, w in enumerate(wants)]
     expected, expected_w = ref.normal_combine(
-        ys, wants, [x.shape[0] for x in case.x], [w.recv_topk_weights for w in wants],
+        ys,
+        wants,
+        [x.shape[0] for x in case.x],
+        [w.recv_topk_weights for w in wants],
         [(x * 0.5).to(torch.bfloat16) for x in case.x] if bias else None,
-    )[me]  # fmt: skip
+    )[me]
     ref.assert_bitwise_equal(combined.cpu(), expected, f"rank {me} combined")
     # Weights come back exactly when they went out: a combine that dropped them must fail.
     assert (combined_w is None) == (expected_w is None), f"rank {me}: combined weights"
@@ -101,9 +104,16 @@ def _normal_body(ctx, calls, tokens, hidden, experts, topk, routing, use_fp8, wo
         weights = case.topk_weights[me].to(ctx.device)
         _, per_expert, in_rank = mode.get_dispatch_layout(idx)
         out = mode.dispatch(
-            _to(xs[me], ctx.device), idx, weights, per_expert, in_rank, None, alignment,
-            worst, config,
-        )  # fmt: skip
+            _to(xs[me], ctx.device),
+            idx,
+            weights,
+            per_expert,
+            in_rank,
+            None,
+            alignment,
+            worst,
+            config,
+        )
         # Combine: every rank hands back a known function of what it received.
         bias = (case.x[me] * 0.5).to(torch.bfloat16).to(ctx.device)
         y = _combine_input(out, me)
@@ -153,8 +163,9 @@ def test_normal_matches_reference(run_ranks, num_ranks, name):
 def test_one_rank_matches_reference(run_ranks, name):
     # A group of one rank: every row stays local (the rank lanes of a step are half masked).
     tokens, hidden, experts, topk, routing, fp8, worst = CASES[name]
-    assert run_ranks(1, _normal_body, 2, tokens, hidden, experts, topk, routing, fp8, worst,
-                     None) == [True]  # fmt: skip
+    assert run_ranks(
+        1, _normal_body, 2, tokens, hidden, experts, topk, routing, fp8, worst, None
+    ) == [True]
 
 
 def with_release_steps(release_steps, body, *args):
@@ -171,8 +182,20 @@ def with_release_steps(release_steps, body, *args):
 def _release_body(ctx, name, release_steps):
     tokens, hidden, experts, topk, routing, fp8, worst = CASES[name]
     config = nm.Config(num_sms=4, nvl_send_chunk=2, nvl_recv_buffer_tokens=64)  # 2-token steps
-    return with_release_steps(release_steps, _normal_body, ctx, 1, tokens, hidden, experts,
-                              topk, routing, fp8, worst, config)  # fmt: skip
+    return with_release_steps(
+        release_steps,
+        _normal_body,
+        ctx,
+        1,
+        tokens,
+        hidden,
+        experts,
+        topk,
+        routing,
+        fp8,
+        worst,
+        config,
+    )
 
 
 @pytest.mark.parametrize("release_steps", [2, 4])
@@ -202,8 +225,9 @@ def _scale_words_body(ctx, hidden, kinds, gpus_per_node=None):
     else:
         from tritonep.modes.internode import InternodeMode
 
-        mode = InternodeMode(None, hidden, experts, gpus_per_node, max_topk=topk, device=dev,
-                             timeout_s=60)  # fmt: skip
+        mode = InternodeMode(
+            None, hidden, experts, gpus_per_node, max_topk=topk, device=dev, timeout_s=60
+        )
     for call, kind in enumerate(kinds):
         case = tag_rows(make_case(40 + call, [6, 3, 0, 5][:R], hidden, experts, topk, "random"))
         xs = [_scale_words(x, kind) for x in case.x]
@@ -265,9 +289,19 @@ def test_normal_on_gpus(run_ranks, name):
     experts = experts * 4 // R
     config = nm.Config(num_sms=cfg[0], nvl_recv_buffer_tokens=cfg[1]) if cfg else None
     results = run_ranks(
-        R, _normal_body, 2, tokens, hidden, experts, topk, routing, fp8, worst, config,
+        R,
+        _normal_body,
+        2,
+        tokens,
+        hidden,
+        experts,
+        topk,
+        routing,
+        fp8,
+        worst,
+        config,
         timeout=240,
-    )  # fmt: skip
+    )
     assert results == [True] * R
 
 
@@ -276,16 +310,16 @@ def _changing_budget_body(ctx, budgets):
     uses more channels than the last must find the extra rings free."""
     R, me = ctx.world_size, ctx.rank
     experts = 2 * R
-    mode = nm.NormalMode(None, 128, experts, max_topk=2, device=ctx.device, max_sms=6,
-                         timeout_s=5)  # fmt: skip
+    mode = nm.NormalMode(None, 128, experts, max_topk=2, device=ctx.device, max_sms=6, timeout_s=5)
     for call, sms in enumerate(budgets):
         case = tag_rows(make_case(70 + call, [9, 5, 7][:R], 128, experts, 2, "random"))
         config = nm.Config(num_sms=sms, nvl_recv_buffer_tokens=16)
         x, idx = case.x[me].to(ctx.device), case.topk_idx[me].to(ctx.device)
         w = case.topk_weights[me].to(ctx.device)
         out = mode.dispatch(x, idx, w, config=config)
-        combined, combined_w = mode.combine(_combine_input(out, me), out.handle,
-                                            out.recv_topk_weights)  # fmt: skip
+        combined, combined_w = mode.combine(
+            _combine_input(out, me), out.handle, out.recv_topk_weights
+        )
         _verify(ctx, case, list(case.x), out, combined, combined_w, experts, 1, 0, False)
     mode.check()
     mode.destroy()
@@ -401,18 +435,29 @@ def _two_batch_body(ctx, worst):
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
     H, E, K = 256, 3 * R, 3
     mode = nm.NormalMode(None, H, E, max_topk=K, device=dev, timeout_s=60)
-    cases = [tag_rows(make_case(80 + b, [[7, 3, 9], [2, 8, 0]][b][:R], H, E, K, "dropped"))
-             for b in range(2)]  # fmt: skip
+    cases = [
+        tag_rows(make_case(80 + b, [[7, 3, 9], [2, 8, 0]][b][:R], H, E, K, "dropped"))
+        for b in range(2)
+    ]
     rows = 40 if worst else 0
-    outs = [mode.dispatch(c.x[me].to(dev), c.topk_idx[me].to(dev), c.topk_weights[me].to(dev),
-                          num_worst_tokens=rows) for c in cases]  # fmt: skip
-    combined = [mode.combine(_combine_input(out, me), out.handle, out.recv_topk_weights)
-                for out in outs]  # fmt: skip
+    outs = [
+        mode.dispatch(
+            c.x[me].to(dev),
+            c.topk_idx[me].to(dev),
+            c.topk_weights[me].to(dev),
+            num_worst_tokens=rows,
+        )
+        for c in cases
+    ]
+    combined = [
+        mode.combine(_combine_input(out, me), out.handle, out.recv_topk_weights) for out in outs
+    ]
     for case, out, (y, y_w) in zip(cases, outs, combined, strict=True):
         _verify(SimpleNamespace(rank=me), case, list(case.x), out, y, y_w, E, 1, rows, False)
     for case, out in zip(cases, outs, strict=True):
-        again = mode.dispatch((case.x[me].float() * 2).to(torch.bfloat16).to(dev),
-                              handle=out.handle)  # fmt: skip
+        again = mode.dispatch(
+            (case.x[me].float() * 2).to(torch.bfloat16).to(dev), handle=out.handle
+        )
         want = ref.normal_dispatch(list(case.x), case.topk_idx, None, E)[me]
         n = want.num_recv_tokens
         doubled = (want.recv_x.float() * 2).to(torch.bfloat16)
@@ -431,17 +476,24 @@ def _run_ahead_body(ctx):
     H, E, K = 256, 2 * R, 2
     mode = nm.NormalMode(None, H, E, max_topk=K, device=dev, timeout_s=60)
     case = tag_rows(make_case(93, [7, 0, 5][:R], H, E, K, "dropped"))
-    out = mode.dispatch(case.x[me].to(dev), case.topk_idx[me].to(dev),
-                        case.topk_weights[me].to(dev))  # fmt: skip
+    out = mode.dispatch(
+        case.x[me].to(dev), case.topk_idx[me].to(dev), case.topk_weights[me].to(dev)
+    )
     y = _combine_input(out, me)
     if case.x[me].shape[0]:
         time.sleep(2.0)
     factors = (1, 2, 4)
-    results = [mode.combine((y.float() * f).to(torch.bfloat16), out.handle, out.recv_topk_weights)
-               for f in factors]  # fmt: skip
+    results = [
+        mode.combine((y.float() * f).to(torch.bfloat16), out.handle, out.recv_topk_weights)
+        for f in factors
+    ]
     combined = [c.clone() for c, _ in results]
-    again = [mode.dispatch((case.x[me].float() * f).to(torch.bfloat16).to(dev),
-                           handle=out.handle).recv_x.clone() for f in factors]  # fmt: skip
+    again = [
+        mode.dispatch(
+            (case.x[me].float() * f).to(torch.bfloat16).to(dev), handle=out.handle
+        ).recv_x.clone()
+        for f in factors
+    ]
     _verify(ctx, case, list(case.x), out, combined[0], results[0][1], E, 1, 0, False)
     for f, c, a in zip(factors, combined, again, strict=True):
         want = (combined[0].float() * f).to(torch.bfloat16)
@@ -525,15 +577,21 @@ def _skip_body(ctx, phase):
 @pytest.mark.parametrize(
     "phase, message",
     [
-        ("dispatch", "rank 0 timed out after 1 s in phase 'notify' waiting for peer 1; that "
-                     "peer is stuck, crashed, or called with different arguments"),
+        (
+            "dispatch",
+            "rank 0 timed out after 1 s in phase 'notify' waiting for peer 1; that "
+            "peer is stuck, crashed, or called with different arguments",
+        ),
         # Rank 0's combine receivers wait for rank 1's rows of its tokens, which never come.
         # Several channels wait at once on separate GPUs: whichever gives up first is named.
-        ("combine", r"rank 0 timed out after 1 s in phase 'combine receive, channel \d+' "
-                    r"waiting for peer 1; that peer is stuck, crashed, or called with "
-                    r"different arguments"),
+        (
+            "combine",
+            r"rank 0 timed out after 1 s in phase 'combine receive, channel \d+' "
+            r"waiting for peer 1; that peer is stuck, crashed, or called with "
+            r"different arguments",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_rank_that_skips_a_call_makes_the_others_raise(run_ranks, phase, message):
     raised, skipped = run_ranks(2, _skip_body, phase)
     assert re.fullmatch(message, raised), raised
@@ -546,8 +604,9 @@ def _stuck_destination_body(ctx):
     out on them in its first step, whose tokens also go to rank 1."""
     me, dev, R = ctx.rank, ctx.device, ctx.world_size
     config = nm.Config(num_sms=2, nvl_send_chunk=2, nvl_recv_buffer_tokens=8)
-    mode = nm.NormalMode(None, 128, 2 * R, max_topk=2, device=dev, max_sms=2, ring_tokens=8,
-                         timeout_s=2.0)  # fmt: skip
+    mode = nm.NormalMode(
+        None, 128, 2 * R, max_topk=2, device=dev, max_sms=2, ring_tokens=8, timeout_s=2.0
+    )
     result = "no error"
     for call in range(2):
         if me == 2:

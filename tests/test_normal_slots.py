@@ -37,9 +37,7 @@ def _case(seed, R, tokens):
 def _descriptor(t, rows, box_rows):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor(
-        t, [rows, HIDDEN // 32, 32], [HIDDEN, 32, 1], [1, box_rows, 32]
-    )  # fmt: skip
+    return TensorDescriptor(t, [rows, HIDDEN // 32, 32], [HIDDEN, 32, 1], [1, box_rows, 32])
 
 
 def _slots_body(ctx, seed, tokens, program_counts):
@@ -72,18 +70,47 @@ def _slots_body(ctx, seed, tokens, program_counts):
         recv.view(torch.int16).fill_(POISON)
         heap.barrier()
         slots.slots_notify_kernel[(1,)](
-            mine, tokens[me], heap.peer_ptrs, me, state, info, status, timeout_us(60.0),
-            NUM_RANKS=R, USE_CLOCK=use_clock(dev), BLOCK_TOKENS=4, BLOCK_RANKS=block_ranks,
-        )  # fmt: skip
+            mine,
+            tokens[me],
+            heap.peer_ptrs,
+            me,
+            state,
+            info,
+            status,
+            timeout_us(60.0),
+            NUM_RANKS=R,
+            USE_CLOCK=use_clock(dev),
+            BLOCK_TOKENS=4,
+            BLOCK_RANKS=block_ranks,
+        )
         descs = [_descriptor(p, max_rows, box_rows) for p in peers] if tma else []
         slots.slots_dispatch_kernel[(programs,)](
-            None if tma else x, _descriptor(x, tokens[me], box_rows) if tma else None,
-            *(descs + [None] * (8 - len(descs))), mine, plan, info, heap.peer_ptrs, me,
-            tokens[me], max_rows, arrivals, recv_offset, status, timeout_us(60.0),
-            NUM_RANKS=R, HIDDEN=HIDDEN, VIA_TMA=tma, BOXES=boxes, BOX_ROWS=box_rows, STAGES=2,
-            BLOCK_T=4, BLOCK_H=128, BLOCK_TOKENS=4, BLOCK_RANKS=block_ranks,
+            None if tma else x,
+            _descriptor(x, tokens[me], box_rows) if tma else None,
+            *(descs + [None] * (8 - len(descs))),
+            mine,
+            plan,
+            info,
+            heap.peer_ptrs,
+            me,
+            tokens[me],
+            max_rows,
+            arrivals,
+            recv_offset,
+            status,
+            timeout_us(60.0),
+            NUM_RANKS=R,
+            HIDDEN=HIDDEN,
+            VIA_TMA=tma,
+            BOXES=boxes,
+            BOX_ROWS=box_rows,
+            STAGES=2,
+            BLOCK_T=4,
+            BLOCK_H=128,
+            BLOCK_TOKENS=4,
+            BLOCK_RANKS=block_ranks,
             USE_CLOCK=use_clock(dev),
-        )  # fmt: skip
+        )
         heap.barrier()
         raise_on_timeout(status, me, NAMES)
         total = int(info[0])

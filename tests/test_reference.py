@@ -374,8 +374,14 @@ def test_logfmt_leaves_groups_it_cannot_encode_unchanged():
     x[3, 9] = float("nan")
     x[4, 130] = float("-inf")
     encoded, _, step = ref.logfmt_params(x)
-    assert encoded.tolist() == [[False, True], [False, True], [False, True], [False, True],
-                                [True, False], [True, True]]  # fmt: skip
+    assert encoded.tolist() == [
+        [False, True],
+        [False, True],
+        [False, True],
+        [False, True],
+        [True, False],
+        [True, True],
+    ]
     assert (step[~encoded] == 0).all() and (step[encoded] > 0).all()
     y = ref.logfmt_round_trip(x)
     plain = ~encoded.repeat_interleave(128, -1)

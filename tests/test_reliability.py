@@ -71,9 +71,16 @@ def _low_latency_body(ctx, use_fp8):
         n = int(recv_count[e])
         tokens = handle.recv_src_info[e, :n].long().cpu()
         sources = _source_ranks(handle.recv_layout_range[e].cpu(), n)
-        sent_finite = torch.stack([_finite_rows(case.x[s][t : t + 1])[0]
-                                   for s, t in zip(sources, tokens.tolist(), strict=True)]
-                                  ) if n else torch.zeros(0, dtype=torch.bool)  # fmt: skip
+        sent_finite = (
+            torch.stack(
+                [
+                    _finite_rows(case.x[s][t : t + 1])[0]
+                    for s, t in zip(sources, tokens.tolist(), strict=True)
+                ]
+            )
+            if n
+            else torch.zeros(0, dtype=torch.bool)
+        )
         assert torch.equal(_finite_rows(rows[e, :n].cpu()), sent_finite), f"rank {me} expert {e}"
     _check_combined(case, me, combined)
     mode.destroy()
@@ -177,10 +184,12 @@ def _recover_body(ctx, mode_name):
 
     def build(timeout_s):
         if mode_name == "normal":
-            return nm.NormalMode(None, hidden, experts, max_topk=topk, device=dev,
-                                 timeout_s=timeout_s)  # fmt: skip
-        return ll.LowLatencyMode(None, 4, hidden, experts, max_topk=topk, device=dev,
-                                 timeout_s=timeout_s)  # fmt: skip
+            return nm.NormalMode(
+                None, hidden, experts, max_topk=topk, device=dev, timeout_s=timeout_s
+            )
+        return ll.LowLatencyMode(
+            None, 4, hidden, experts, max_topk=topk, device=dev, timeout_s=timeout_s
+        )
 
     def call(mode):
         if mode_name == "normal":
@@ -229,9 +238,13 @@ def _buffer_with_a_call(ctx, mode_name, seed):
     if mode_name in ("normal", "internode"):
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, experts)
         *_, handle, _ = buffer.dispatch(
-            x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank,
-            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        )  # fmt: skip
+            x,
+            topk_idx=idx,
+            topk_weights=w,
+            num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+        )
         call = lambda: buffer.dispatch(x, handle=handle)
     else:
         call = lambda: buffer.low_latency_dispatch(x, idx, 4, experts, use_fp8=False)
@@ -318,16 +331,21 @@ def _variants_body(ctx):
     hidden, experts, topk = 128, 2 * R, 2
     low = ll.LowLatencyMode(None, 16, hidden, experts, max_topk=topk, device=dev)
     normal = nm.NormalMode(None, hidden, experts, max_topk=topk, device=dev)
-    kernels = [ll.DISPATCH_KERNEL, ll.COMBINE_KERNEL,
-               normal_notify.notify_kernel, normal_dispatch.normal_dispatch_kernel,
-               normal_combine.normal_combine_kernel]  # fmt: skip
+    kernels = [
+        ll.DISPATCH_KERNEL,
+        ll.COMBINE_KERNEL,
+        normal_notify.notify_kernel,
+        normal_dispatch.normal_dispatch_kernel,
+        normal_combine.normal_combine_kernel,
+    ]
 
     def calls(tokens, seed):
         case = make_case(seed, [tokens] * R, hidden, experts, topk)
         x, idx = case.x[me].to(dev), case.topk_idx[me].to(dev)
         recv_x, _, handle, _ = low.dispatch(x, idx, use_fp8=True)
-        low.combine(tll._expert_outputs(recv_x, True, me), idx, case.topk_weights[me].to(dev),
-                    handle)  # fmt: skip
+        low.combine(
+            tll._expert_outputs(recv_x, True, me), idx, case.topk_weights[me].to(dev), handle
+        )
         low.check()
         if tokens == 5:
             result = normal.dispatch(x, idx)
@@ -398,8 +416,10 @@ def _cycles_body(ctx, cycles, what):
     kept = []  # destroyed objects stay referenced: destroy itself must release the memory
     for _ in range(cycles):
         if what == "modes":
-            made = [nm.NormalMode(None, 128, E, max_topk=2, device=dev),
-                    ll.LowLatencyMode(None, 8, 128, E, max_topk=2, device=dev)]  # fmt: skip
+            made = [
+                nm.NormalMode(None, 128, E, max_topk=2, device=dev),
+                ll.LowLatencyMode(None, 8, 128, E, max_topk=2, device=dev),
+            ]
         elif what == "internode":
             made = [InternodeMode(None, 128, E, 2, max_topk=2, device=dev)]
         else:
@@ -407,9 +427,13 @@ def _cycles_body(ctx, cycles, what):
             buffer.clean_low_latency_buffer(8, 128, E)  # builds the low-latency mode
             idx = torch.zeros(2, 1, dtype=torch.int64, device=dev)
             per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, E)
-            buffer.dispatch(torch.zeros(2, 128, dtype=torch.bfloat16, device=dev),
-                            num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                            num_tokens_per_expert=per_expert, topk_idx=idx)  # fmt: skip
+            buffer.dispatch(
+                torch.zeros(2, 128, dtype=torch.bfloat16, device=dev),
+                num_tokens_per_rank=per_rank,
+                is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert,
+                topk_idx=idx,
+            )
             made = [buffer]
         for thing in made:
             thing.destroy()
@@ -434,8 +458,18 @@ def test_soak_across_emulated_nodes(capfd):
     skip_unless_ranks_fit(4)
 
     # Seeds 1-4 draw every kind of call (see test_soak_seeds_draw_every_kind_of_call).
-    args = ["--ranks", "4", "--modes", "internode,low_latency_internode", "--calls", "4",
-            "--check-every", "1", "--seed", "1"]  # fmt: skip
+    args = [
+        "--ranks",
+        "4",
+        "--modes",
+        "internode,low_latency_internode",
+        "--calls",
+        "4",
+        "--check-every",
+        "1",
+        "--seed",
+        "1",
+    ]
     assert main(args) == 0
     out = capfd.readouterr().out
     assert "'internode': {'calls': 4, 'checked': 4" in out
@@ -448,8 +482,20 @@ def test_soak_checks_every_call_on_cpu_ranks(capfd):
     skip_unless_ranks_fit(3)
 
     # Seeds 2-5 draw every kind of call (see test_soak_seeds_draw_every_kind_of_call).
-    args = ["--ranks", "3", "--calls", "4", "--check-every", "1", "--seed", "2",
-            "--progress", "2", "--progress-s", "1e9"]  # fmt: skip
+    args = [
+        "--ranks",
+        "3",
+        "--calls",
+        "4",
+        "--check-every",
+        "1",
+        "--seed",
+        "2",
+        "--progress",
+        "2",
+        "--progress-s",
+        "1e9",
+    ]
     assert main(args) == 0
     out = capfd.readouterr().out
     assert "'normal': {'calls': 4, 'checked': 4" in out

@@ -57,8 +57,17 @@ def _explicit_body(ctx, gpus_per_node):
     """The last rank and the others mask each other, then everyone unmasks (in step)."""
     R, me = ctx.world_size, ctx.rank
     last = R - 1
-    mode = ll.LowLatencyMode(None, 6, 256, 2 * R, max_topk=3, device=ctx.device, timeout_s=60,
-                             enable_shrink=True, gpus_per_node=gpus_per_node)  # fmt: skip
+    mode = ll.LowLatencyMode(
+        None,
+        6,
+        256,
+        2 * R,
+        max_topk=3,
+        device=ctx.device,
+        timeout_s=60,
+        enable_shrink=True,
+        gpus_per_node=gpus_per_node,
+    )
     others = set(range(last))
     for peer in others if me == last else {last}:
         mode.peer_mask[peer] = 1
@@ -87,8 +96,7 @@ def _assert_masks_seen(seen):
 
 
 @pytest.mark.parametrize("num_ranks,gpus_per_node", [(3, None), (4, 2)])
-def test_masked_peers_are_skipped_and_can_be_unmasked_in_step(run_ranks, num_ranks,
-                                                              gpus_per_node):  # fmt: skip
+def test_masked_peers_are_skipped_and_can_be_unmasked_in_step(run_ranks, num_ranks, gpus_per_node):
     _assert_masks_seen(run_ranks(num_ranks, _explicit_body, gpus_per_node))
 
 
@@ -96,8 +104,9 @@ def _dead_peer_body(ctx, fail_at, timeout_s):
     """The last rank stops calling at ``fail_at``: the others mask it and go on without it."""
     R, me = ctx.world_size, ctx.rank
     last = R - 1
-    mode = ll.LowLatencyMode(None, 5, 128, 2 * R, max_topk=2, device=ctx.device,
-                             timeout_s=60, enable_shrink=True)  # fmt: skip
+    mode = ll.LowLatencyMode(
+        None, 5, 128, 2 * R, max_topk=2, device=ctx.device, timeout_s=60, enable_shrink=True
+    )
     # Every kernel variant of the test, compiled by every rank under a long limit first: a
     # limit shorter than a peer's compilation would mask a live peer (seen on GPUs). A batch
     # of one token (rank 2's below) has a dispatch variant of its own.

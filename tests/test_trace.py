@@ -22,16 +22,19 @@ TOKENS = [6, 0, 5]  # per rank
 def _trace_body(ctx, tmp):
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
     tokens, hidden, experts, topk = TOKENS[:R], 256, 4 * R, 3
-    layer = EPLowLatencyAllToAllLayer(max(tokens), hidden, topk, True, me, experts, R, R,
-                                      enable_profiling=True)  # fmt: skip
+    layer = EPLowLatencyAllToAllLayer(
+        max(tokens), hidden, topk, True, me, experts, R, R, enable_profiling=True
+    )
     for call in range(2):
         case = make_case(call, tokens, hidden, experts, topk)
         idx, w = case.topk_idx[me].to(dev), case.topk_weights[me].to(dev)
         recv, _, _, meta = layer.dispatch(case.x[me].to(dev), None, idx)
         y = torch.ones(recv.shape, dtype=torch.bfloat16, device=dev)
         layer.combine(y, idx, w, meta)
-    paths = [layer.dump_dispatch_trace(f"{tmp}/dispatch-{{rank}}.json"),
-             layer.dump_combine_trace(f"{tmp}/combine-{{rank}}.json")]  # fmt: skip
+    paths = [
+        layer.dump_dispatch_trace(f"{tmp}/dispatch-{{rank}}.json"),
+        layer.dump_combine_trace(f"{tmp}/combine-{{rank}}.json"),
+    ]
     layer.finalize()
     return paths
 
@@ -103,9 +106,13 @@ def _stats_body(ctx):
     dispatch_waits = torch.zeros(R, dtype=torch.int64, device=dev)
     combine_waits = torch.zeros(R, dtype=torch.int64, device=dev)
     recv, _, handle, _, _ = buffer.low_latency_dispatch(
-        case.x[me].to(dev), idx, max(tokens), experts, use_fp8=False,
+        case.x[me].to(dev),
+        idx,
+        max(tokens),
+        experts,
+        use_fp8=False,
         dispatch_wait_recv_cost_stats=dispatch_waits,
-    )  # fmt: skip
+    )
     buffer.low_latency_combine(recv, idx, w, handle, combine_wait_recv_cost_stats=combine_waits)
     with pytest.raises(ValueError, match="wait_stats"):
         buffer.low_latency_combine(
@@ -131,9 +138,12 @@ def _dispatch_and_combine(buffer, case, me, dev, experts):
     x, idx, w = case.x[me].to(dev), case.topk_idx[me].to(dev), case.topk_weights[me].to(dev)
     _, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, experts)
     recv_x, _, _, _, handle, _ = buffer.dispatch(
-        x, topk_idx=idx, topk_weights=w, num_tokens_per_expert=per_expert,
+        x,
+        topk_idx=idx,
+        topk_weights=w,
+        num_tokens_per_expert=per_expert,
         is_token_in_rank=in_rank,
-    )  # fmt: skip
+    )
     buffer.combine(recv_x, handle)
     return x, idx, handle
 
@@ -154,9 +164,17 @@ def _buffer_trace_body(ctx, tmp):
 def test_buffer_traces_both_modes_on_one_time_axis(run_ranks, tmp_path):
     for events in run_ranks(2, _buffer_trace_body, str(tmp_path)):
         names = [e["name"] for e in events]
-        for name in ["normal notify: notify", "normal dispatch: send", "normal dispatch: receive",
-                     "normal combine: send", "normal combine: receive", "copy", "reduce",
-                     "low-latency dispatch: send", "quantize and send"]:  # fmt: skip
+        for name in [
+            "normal notify: notify",
+            "normal dispatch: send",
+            "normal dispatch: receive",
+            "normal combine: send",
+            "normal combine: receive",
+            "copy",
+            "reduce",
+            "low-latency dispatch: send",
+            "quantize and send",
+        ]:
             assert name in names, name
         # A normal-mode program's span is split into the time it waited and the rest, laid
         # end to end inside it: their durations add up to the span's.
@@ -168,8 +186,12 @@ def test_buffer_traces_both_modes_on_one_time_axis(run_ranks, tmp_path):
         for key, span in spans.items():
             if not key[0].startswith("normal") or key[0] == "normal notify":
                 continue
-            subs = [e for e in events if ": " not in e["name"]
-                    and (e["args"]["kernel"], e["args"]["call"], e["tid"]) == key]  # fmt: skip
+            subs = [
+                e
+                for e in events
+                if ": " not in e["name"]
+                and (e["args"]["kernel"], e["args"]["call"], e["tid"]) == key
+            ]
             assert {e["name"] for e in subs} <= {"wait", "copy", "reduce"}, key
             assert subs, key
             assert abs(sum(e["dur"] for e in subs) - span["dur"]) <= ROUNDING_US, key

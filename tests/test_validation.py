@@ -212,18 +212,32 @@ def _disagree_body(ctx, which):
     "which, detail",
     [
         ("normal", "NormalMode: the ranks disagree on the configuration: hidden = [256, 384, 256]"),
-        ("low_latency", "LowLatencyMode: the ranks disagree on the configuration: hidden = "
-                        "[256, 384, 256]"),
-        ("modes", "NormalMode: the ranks disagree on the configuration: object = "
-                  "['NormalMode', 'InternodeMode', 'NormalMode'] on ranks 0..2; "),
-        ("buffer_rdma", "Buffer: the ranks disagree on the configuration: num_rdma_bytes = "
-                        "[1000000000, 0, 1000000000] on ranks 0..2"),
-        ("buffer_nodes", "Buffer: the ranks disagree on the configuration: gpus_per_node = "
-                         "[3, 1, 3] on ranks 0..2"),
-        ("first_call", "Buffer's low-latency mode: the ranks disagree on the configuration: "
-                       "hidden = [256, 384, 256] on ranks 0..2"),
+        (
+            "low_latency",
+            "LowLatencyMode: the ranks disagree on the configuration: hidden = [256, 384, 256]",
+        ),
+        (
+            "modes",
+            "NormalMode: the ranks disagree on the configuration: object = "
+            "['NormalMode', 'InternodeMode', 'NormalMode'] on ranks 0..2; ",
+        ),
+        (
+            "buffer_rdma",
+            "Buffer: the ranks disagree on the configuration: num_rdma_bytes = "
+            "[1000000000, 0, 1000000000] on ranks 0..2",
+        ),
+        (
+            "buffer_nodes",
+            "Buffer: the ranks disagree on the configuration: gpus_per_node = "
+            "[3, 1, 3] on ranks 0..2",
+        ),
+        (
+            "first_call",
+            "Buffer's low-latency mode: the ranks disagree on the configuration: "
+            "hidden = [256, 384, 256] on ranks 0..2",
+        ),
     ],
-)  # fmt: skip
+)
 def test_ranks_that_disagree_all_raise_the_same_error(run_ranks, which, detail):
     # Before any rank can raise alone (and leave its peers waiting in a collective for it).
     messages = run_ranks(3, _disagree_body, which)
