@@ -1,7 +1,7 @@
 """Decode through DeepEP V2's ElasticBuffer against the low-latency mode, in CUDA graphs.
 
     PYTHONPATH=src python scripts/elastic_decode_probe.py [--ranks 4] [--tokens 1,32,128]
-        [--hidden 7168] [--experts 256] [--topk 8] [--prefill 4096]
+        [--hidden 7168] [--experts 256] [--topk 8] [--prefill 4096] [--decode-max N]
 
 Per batch size, the device time per call (CUDA-graph replays, mean over ranks) of:
 
@@ -41,7 +41,12 @@ def _decode_line(ctx, opts, elastic, legacy, T, most):
     x = x.to(ctx.device)
     ll = legacy.low_latency_dispatch(x, idx, most, E, use_fp8=True)
     y_ll = torch.randn(ll[0][0].shape, device=ctx.device).to(torch.bfloat16)
-    common = dict(num_experts=E, do_cpu_sync=False, do_expand=True)
+    common = dict(
+        num_experts=E,
+        num_max_tokens_per_rank=opts.decode_max or most,
+        do_cpu_sync=False,
+        do_expand=True,
+    )
     recv, _, recv_w, handle, _ = elastic.dispatch(x, idx, w, **common)
     y = torch.randn(recv.shape, device=ctx.device).to(torch.bfloat16)
     calls = {
@@ -121,6 +126,13 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--prefill", type=int, default=0)
+    parser.add_argument(
+        "--decode-max",
+        type=int,
+        default=0,
+        help="num_max_tokens_per_rank of the elastic decode calls (default: the largest "
+        "--tokens, the low-latency buffer's; the buffer's own is max(--tokens, --prefill))",
+    )
     args = parser.parse_args()
     args.tokens = [int(v) for v in args.tokens.split(",")]
     results = spawn(_rank, args.ranks, args, timeout=580)
