@@ -105,6 +105,36 @@ def many_kernel(
     tl.store(out_ptr + tl.program_id(0), n)
 
 
+@triton.jit(do_not_specialize=["n", "m"])
+def many_runtime_kernel(
+    out_ptr,
+    p1,
+    p2,
+    p3,
+    p4,
+    p5,
+    p6,
+    p7,
+    p8,
+    p9,
+    p10,
+    n,
+    q1,
+    q2,
+    q3,
+    q4,
+    q5,
+    q6,
+    q7,
+    q8,
+    q9,
+    m,
+    C0: tl.constexpr,
+):
+    """``many_kernel``'s runtime arguments with one constexpr."""
+    tl.store(out_ptr + tl.program_id(0), n)
+
+
 class FewCall(NamedTuple):
     out_ptr: object
     in_ptr: object
@@ -149,9 +179,12 @@ def _launches(programs: int, warps: int, cooperative: bool):
     constexprs = {f"C{i}": i + 1 for i in range(33)}
     meta = {**constexprs, "num_warps": warps, **extra}
     many = KernelLaunch(many_kernel, (programs,), meta, ManyCall._fields, pointers)
-    one = {f"C{i}": 1 for i in range(33)}
     many_runtime = KernelLaunch(
-        many_kernel, (programs,), {**one, "num_warps": warps, **extra}, ManyCall._fields, pointers
+        many_runtime_kernel,
+        (programs,),
+        {"C0": 1, "num_warps": warps, **extra},
+        ManyCall._fields,
+        pointers,
     )
     shared_many = Shared.of((*[word] * 9, 7))
     yield "few", few, FewCall(word, word, 3), Shared.of(())
