@@ -742,7 +742,13 @@ class LowLatencyMode:
                 )
             stats_address = wait_stats.data_ptr()
         if recv_stats is not None:
-            if not _plain(recv_stats, _INT32, at) or recv_stats.shape != self._stats_shape:
+            if not (
+                type(recv_stats) is _Tensor
+                and recv_stats.dtype is _INT32
+                and recv_stats.get_device() == at
+                and recv_stats.is_contiguous()
+                and recv_stats.shape == self._stats_shape
+            ):  # plain_tensor, inlined: DeepEP's users pass these statistics on every call
                 check_tensor(
                     "cumulative_local_expert_recv_stats",
                     recv_stats,
