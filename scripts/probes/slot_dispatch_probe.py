@@ -83,7 +83,9 @@ Methods (``STORE_METHODS``) and predictions, written before any number existed:
   early; 1-3 % more.
 * ``store-rs32``: that, with ``[32, 1024]`` tiles on 32 warps: twice the bytes in flight a
   program with the same registers a thread. 8 programs gain most (today 8 -> 16 programs only
-  gains 9 %, so one program's rate is not all that limits 16), about 18 % at 8, 12 % at 16.
+  gains 9 %, so one program's rate is not all that limits 16), about 15 % at 8, 10 % at 16;
+  less than that would give, as ptxas caps 1024 threads at 64 registers and spills about
+  200 bytes a thread (the 16-warp tiles use 95-102 registers, no spill).
 
 ==========  ========  =========  ==========================  ===========
 method      programs  kernel us  graph us, no epilogue        graph GB/s
@@ -94,11 +96,11 @@ store-rot   8         560        610                          349
 store-rot   16        510        555                          383
 store-rs    8         550        600                          355
 store-rs    16        500        545                          390
-store-rs32  8         480        525                          405
-store-rs32  16        470        515                          413
+store-rs32  8         500        545                          390
+store-rs32  16        480        525                          405
 ==========  ========  =========  ==========================  ===========
 
-So the best is predicted at 413 GB/s logical, about 40 us short of the 450 GB/s target (472
+So the best is predicted at 405 GB/s logical, about 50 us short of the 450 GB/s target (472
 us): the kernel would need about 430 us, the box's remote ceiling (370 GB/s).
 
 On CPU ranks (``--cpu``, or fewer GPUs than ranks) the kernels run under the Triton interpreter
@@ -130,7 +132,7 @@ PREDICTED = {
 PREDICTED_NO_EPI = {
     ("store", 8): (590, 640), ("store", 16): (536, 580), ("store-rot", 8): (560, 610),
     ("store-rot", 16): (510, 555), ("store-rs", 8): (550, 600), ("store-rs", 16): (500, 545),
-    ("store-rs32", 8): (480, 525), ("store-rs32", 16): (470, 515),
+    ("store-rs32", 8): (500, 545), ("store-rs32", 16): (480, 525),
 }  # fmt: skip
 #: Plain-store methods: (ROTATE, STREAM, BLOCK_T on GPU, warps). ``store-rot``: each program
 #: starts at destination ``(rank + program) % R``; ``store-rs``: that, evict-first loads and
