@@ -369,6 +369,25 @@ KERNELS += [
         ),
         {"num_warps": 16},
     ),
+    # Rotated destinations, streaming stores, [32, 1024] tiles on 32 warps.
+    (
+        "tritonep.kernels.normal_slots",
+        "slots_dispatch_kernel",
+        {**_SLOTS_DISPATCH, "x_ptr": "*bf16"},
+        dict(
+            _SLOTS_META,
+            x_desc=None,
+            desc0=None,
+            desc1=None,
+            desc2=None,
+            desc3=None,
+            VIA_TMA=False,
+            BLOCK_T=32,
+            ROTATE=True,
+            STREAM=True,
+        ),
+        {"num_warps": 32},
+    ),
 ]
 
 # 4 ranks, hidden 7168, 256 experts, top-8, 12 channels of rings for 16, 128 slots a ring.
@@ -717,7 +736,8 @@ def compile_ptx(module, name, signature, constexprs, options):
     # Constexprs left out take their defaults, as a launch fills them in (Triton 3.9 wants
     # each).
     for p in kernel.params:
-        if p.name not in signature and p.default is not inspect.Parameter.empty:
+        given = p.name in signature or p.name in constexprs
+        if not given and p.default is not inspect.Parameter.empty:
             constexprs[p.name] = getattr(p.default, "value", p.default)
     signature = {p.name: signature.get(p.name, "constexpr") for p in kernel.params}
     hopper = GPUTarget("cuda", 90, 32)
@@ -797,6 +817,7 @@ def _id(kernel):
     packed += "-one-token" if meta.get("ONE_TOKEN") else ""
     packed += "-histograms" if meta.get("COUNT_BY_ADDS") is False else ""
     packed += "-tma" if meta.get("VIA_TMA") else ""
+    packed += "-rotated-streaming" if meta.get("ROTATE") and meta.get("STREAM") else ""
     return kernel[1] + traced + ("-staged" if meta.get("VIA") else "") + shrink + packed + relay
 
 

@@ -2,10 +2,11 @@
 
 Every rank makes every rank's inputs from one fresh seed, poisons its receive buffer, runs the
 count exchange and the dispatch (plain stores, TMA boxes that split a row, one TMA box per row
-whose tail lies past the row), and compares the received rows with the reference's, twice in
-a row with new inputs (the call counters and arrival counters carry over), each call with its
-own program count: counts that change from call to call on one heap, token counts that no
-program count divides, and programs left without tokens.
+whose tail lies past the row, plain stores from rotated destinations with cache hints), and
+compares the received rows with the reference's, four calls in a row with new inputs (the call
+counters and arrival counters carry over), each call with its own program count: counts that
+change from call to call on one heap, token counts that no program count divides, and programs
+left without tokens.
 """
 
 import random
@@ -58,9 +59,15 @@ def _slots_body(ctx, seed, tokens, program_counts):
     status = new_status(dev)
     block_ranks = 1 << (R - 1).bit_length()
     rows_seen = []
-    # (method, TMA box rows, boxes per row): one box of 1 row x 32 (7 a row), 8 rows (1 a row)
-    methods = [(False, 1, 1), (True, 1, 7), (True, 8, 1)]
-    for step, ((tma, box_rows, boxes), programs) in enumerate(
+    # (TMA, box rows, boxes per row, rotated, streaming): plain stores, one box of 1 row x 32
+    # (7 a row), 8 rows (1 a row), plain stores from rotated destinations with cache hints.
+    methods = [
+        (False, 1, 1, False, False),
+        (True, 1, 7, False, False),
+        (True, 8, 1, False, False),
+        (False, 1, 1, True, True),
+    ]
+    for step, ((tma, box_rows, boxes, rotate, stream), programs) in enumerate(
         zip(methods, program_counts, strict=True)
     ):
         xs, idx, in_rank = _case(seed + step, R, tokens)
@@ -110,6 +117,8 @@ def _slots_body(ctx, seed, tokens, program_counts):
             BLOCK_TOKENS=4,
             BLOCK_RANKS=block_ranks,
             USE_CLOCK=use_clock(dev),
+            ROTATE=rotate,
+            STREAM=stream,
         )
         heap.barrier()
         raise_on_timeout(status, me, NAMES)
@@ -123,12 +132,13 @@ def _slots_body(ctx, seed, tokens, program_counts):
     return rows_seen
 
 
-# Program counts per call (plain stores, TMA split rows, TMA whole rows). 2 ranks: 7 and 12
-# tokens over 2, 3 and 5 programs (7 / 5: the last program has none). 3 ranks: 3, then 2,
-# then 4 (fewer programs after more, then more again).
+# Program counts per call (plain stores, TMA split rows, TMA whole rows, rotated plain
+# stores). 2 ranks: 7 and 12 tokens over 2, 3, 5 and 3 programs (7 / 5: the last program has
+# none). 3 ranks: 3, then 2, then 4, then 5 (fewer programs after more, then more again;
+# rotations starting at every rank).
 @pytest.mark.parametrize(
     ("tokens", "programs"),
-    [((7, 12), (2, 3, 5)), ((5, 9, 6), (3, 2, 4))],
+    [((7, 12), (2, 3, 5, 3)), ((5, 9, 6), (3, 2, 4, 5))],
     ids=["2 ranks", "3 ranks"],
 )
 def test_slot_dispatch_matches_the_reference(run_ranks, tokens, programs):

@@ -2,7 +2,7 @@
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src \\
         python scripts/probes/slot_dispatch_probe.py [--ranks 4] [--tokens 4096]
-        [--programs 4,8,12,16] [--methods store,tma,tma-row] [--cpu]
+        [--programs 4,8,12,16] [--methods store,store-rs32,tma-row] [--cpu]
 
 Every rank routes its tokens (random top-8 of 256 experts, hidden 7168 BF16) and runs the
 prototype of :mod:`tritonep.kernels.normal_slots`: a one-program count exchange (the ``[R, R]``
@@ -65,6 +65,44 @@ The count exchange 10-20 us, the host read of the count 20-40 us, the epilogue 9
 issue's 450 GB/s logical whole call with the epilogue (it needs 470 us); plain stores at 16
 programs without the epilogue come closest (about 410 GB/s logical, 500-520 us a call).
 
+Second round: plain stores faster at 16 programs or fewer, and no epilogue. Measured first
+(4x H200, 4096 tokens, rank 0 receives 14834 rows = 212.7 MB, 159.4 MB remote): ``store`` at
+8 / 12 / 16 programs 590 / 556 / 536 us kernel, epilogue 108 us, graph with epilogue
+755 / 718 / 682 us; so a graphed call without the epilogue is the kernel plus 40-55 us (count
+exchange, launch gaps). The receive buffer is the output: ``recv[:total]``, rows ordered by
+source rank, then token, valid until this rank's next dispatch on the buffer starts (peers
+write it again only after reading this rank's next count word, written by that call's count
+exchange; DeepEP V1's low-latency mode and TensorRT-LLM's all-to-all hand out views on the
+same rule). ``call`` and ``graph`` (no epilogue) are the headline; ``+epi`` for reference.
+Methods (``STORE_METHODS``) and predictions, written before any number existed:
+
+* ``store-rot``: destinations rotated per program. The stores are fire-and-forget, so senders
+  queue on one peer only when its link's write queue fills; 3-6 % off the kernel.
+* ``store-rs``: that, with evict-first loads of x and streaming (``.cs``) stores: the rows
+  read once no longer push the received rows (written into this GPU's L2 by the peers) out
+  early; 1-3 % more.
+* ``store-rs32``: that, with ``[32, 1024]`` tiles on 32 warps: twice the bytes in flight a
+  program with the same registers a thread. 8 programs gain most (today 8 -> 16 programs only
+  gains 9 %, so one program's rate is not all that limits 16), about 15 % at 8, 10 % at 16;
+  less than that would give, as ptxas caps 1024 threads at 64 registers and spills about
+  200 bytes a thread (the 16-warp tiles use 95-102 registers, no spill).
+
+==========  ========  =========  ==========================  ===========
+method      programs  kernel us  graph us, no epilogue        graph GB/s
+==========  ========  =========  ==========================  ===========
+store       8         590        640                          332
+store       16        536        580                          367
+store-rot   8         560        610                          349
+store-rot   16        510        555                          383
+store-rs    8         550        600                          355
+store-rs    16        500        545                          390
+store-rs32  8         500        545                          390
+store-rs32  16        480        525                          405
+==========  ========  =========  ==========================  ===========
+
+So the best is predicted at 405 GB/s logical, about 50 us short of the 450 GB/s target (472
+us): the kernel would need about 430 us, the box's remote ceiling (370 GB/s).
+
 On CPU ranks (``--cpu``, or fewer GPUs than ranks) the kernels run under the Triton interpreter
 with tiny shapes (3 ranks, 12 tokens, hidden 224, 24 experts, top-4, 2 and 3 programs): all
 three methods run there (the interpreter implements host-side descriptors and drops
@@ -88,6 +126,24 @@ PREDICTED = {
     ("tma", 12): (880, 1030), ("tma", 16): (660, 810), ("tma-row", 4): (1260, 1410),
     ("tma-row", 8): (660, 810), ("tma-row", 12): (575, 725), ("tma-row", 16): (545, 695),
 }  # fmt: skip
+
+
+#: The second round's predictions: (method, programs) -> (kernel us, graph us no epilogue).
+PREDICTED_NO_EPI = {
+    ("store", 8): (590, 640), ("store", 16): (536, 580), ("store-rot", 8): (560, 610),
+    ("store-rot", 16): (510, 555), ("store-rs", 8): (550, 600), ("store-rs", 16): (500, 545),
+    ("store-rs32", 8): (500, 545), ("store-rs32", 16): (480, 525),
+}  # fmt: skip
+#: Plain-store methods: (ROTATE, STREAM, BLOCK_T on GPU, warps). ``store-rot``: each program
+#: starts at destination ``(rank + program) % R``; ``store-rs``: that, evict-first loads and
+#: streaming (``.cs``) stores; ``store-rs32``: that with ``[32, 1024]`` tiles on 32 warps
+#: (twice the bytes in flight a program, the same registers a thread).
+STORE_METHODS = {
+    "store": (False, False, 16, 16),
+    "store-rot": (True, False, 16, 16),
+    "store-rs": (True, True, 16, 16),
+    "store-rs32": (True, True, 32, 32),
+}
 
 
 def _pow2(n: int) -> int:
@@ -178,7 +234,8 @@ class Prototype:
 
     def dispatch(self, method: str, programs: int, warmup: bool = False):
         R, gpu = self.R, self.clock
-        tma = method != "store"
+        tma = method not in STORE_METHODS
+        rotate, stream, block_t, warps = STORE_METHODS.get(method, (False, False, 16, 4))
         x_desc, descs, boxes, box_rows = self.descs.get(method, (None, [], 1, 1))
         descs = list(descs) + [None] * (8 - len(descs))
         args = (
@@ -187,9 +244,9 @@ class Prototype:
             self.arrivals, self.recv_offset, self.status, self.timeout,
         )  # fmt: skip
         meta = dict(NUM_RANKS=R, HIDDEN=self.H, VIA_TMA=tma, BOXES=boxes, BOX_ROWS=box_rows,
-                    STAGES=3, BLOCK_T=16 if gpu else 4, BLOCK_H=1024 if gpu else 128,
+                    STAGES=3, BLOCK_T=block_t if gpu else 4, BLOCK_H=1024 if gpu else 128,
                     BLOCK_TOKENS=1024 if gpu else 8, BLOCK_RANKS=_pow2(R), USE_CLOCK=gpu,
-                    num_warps=4 if tma else 16)  # fmt: skip
+                    ROTATE=rotate, STREAM=stream, num_warps=warps)  # fmt: skip
         kernel = self.slots.slots_dispatch_kernel
         if warmup:
             kernel.warmup(*args, grid=(programs,), **meta)
@@ -274,6 +331,7 @@ def _measure(proto: Prototype, method: str, programs: int, iters: int) -> dict[s
     proto.check(got, f"{method}, {programs} programs")
     proto.check(proto.epilogue(got.shape[0]), f"{method}, {programs} programs, epilogue")
     total = got.shape[0]
+
     def kernel():
         proto.dispatch(method, programs)
 
@@ -283,23 +341,28 @@ def _measure(proto: Prototype, method: str, programs: int, iters: int) -> dict[s
         "call": _timed(lambda: proto.call(method, programs, False), heap, iters),
         "call+epi": _timed(lambda: proto.call(method, programs, True), heap, iters),
         "graph": float("nan"),
+        "graph+epi": float("nan"),
     }
     if proto.dev.type == "cuda" and not proto.opts.no_graph:
-        t["graph"] = _graph_us(proto, method, programs, total, iters)
+        t["graph"] = _graph_us(proto, method, programs, total, iters, epilogue=False)
+    if proto.dev.type == "cuda" and not proto.opts.no_graph:
+        t["graph+epi"] = _graph_us(proto, method, programs, total, iters, epilogue=True)
     proto.check_status()
     return t
 
 
-def _graph_us(proto: Prototype, method: str, programs: int, total: int, iters: int) -> float:
-    """us of a whole call with epilogue replayed from a CUDA graph; NaN (and no graphs for
-    the rest of the run) where capturing fails, which every rank finds alike."""
+def _graph_us(
+    proto: Prototype, method: str, programs: int, total: int, iters: int, epilogue: bool
+) -> float:
+    """us of a whole call (with or without the epilogue) replayed from a CUDA graph; NaN (and
+    no graphs for the rest of the run) where capturing fails, which every rank finds alike."""
     graph, outs = torch.cuda.CUDAGraph(), []
     proto.heap.barrier()
     try:
         with torch.cuda.graph(graph):
             proto.notify()
             proto.dispatch(method, programs)
-            outs.append(proto.epilogue(total))
+            outs.append(proto.epilogue(total) if epilogue else proto.recv[:total])
     except Exception as e:
         if proto.me == 0:
             print(f"graph capture failed, no graphs from here: {type(e).__name__}: {e}"[:300])
@@ -308,7 +371,8 @@ def _graph_us(proto: Prototype, method: str, programs: int, total: int, iters: i
         return float("nan")
     us = _timed(graph.replay, proto.heap, iters)
     proto.heap.barrier()
-    proto.check(outs[0], f"{method}, {programs} programs, graph replay")
+    what = "graph replay" + (" with epilogue" if epilogue else "")
+    proto.check(outs[0], f"{method}, {programs} programs, {what}")
     return us
 
 
@@ -316,14 +380,21 @@ def _report(method, programs, per_rank) -> str:
     """One table line: each figure from the slowest rank, bytes averaged over the ranks."""
     t = per_rank[0][0]
     worst = {k: max(r[0][k] for r in per_rank) for k in t}
-    predicted = PREDICTED.get((method, programs), "-")
+    key = (method, programs)
+    if key in PREDICTED_NO_EPI:
+        predicted = "kernel {}, graph {}".format(*PREDICTED_NO_EPI[key])
+    elif key in PREDICTED:
+        predicted = "kernel {}, call+epi {}".format(*PREDICTED[key])
+    else:
+        predicted = "-"
     logical = statistics.mean(r[1] for r in per_rank) / 1e3
     remote = statistics.mean(r[2] for r in per_rank) / 1e3
-    line = (f"{method:8s} {programs:5d} {worst['kernel']:8.1f} {worst['epi']:7.1f} "
-            f"{worst['call']:8.1f} {worst['call+epi']:8.1f} {worst['graph']:8.1f} | "
-            f"{logical / worst['kernel']:9.0f} {remote / worst['kernel']:9.0f} | "
-            f"{logical / worst['call']:9.0f} {logical / worst['call+epi']:8.0f} "
-            f"{logical / worst['graph']:6.0f} | {predicted}")  # fmt: skip
+    line = (f"{method:10s} {programs:5d} {worst['kernel']:7.1f} {worst['call']:7.1f} "
+            f"{worst['graph']:7.1f} {worst['epi']:6.1f} {worst['call+epi']:8.1f} "
+            f"{worst['graph+epi']:9.1f} | {logical / worst['kernel']:5.0f} "
+            f"{remote / worst['kernel']:5.0f} | {logical / worst['call']:5.0f} "
+            f"{logical / worst['graph']:5.0f} | {logical / worst['call+epi']:8.0f} "
+            f"{logical / worst['graph+epi']:9.0f} | {predicted}")  # fmt: skip
     print(line, flush=True)
     return line
 
@@ -341,9 +412,10 @@ def _rank(ctx, opts):
               f"top-{opts.topk} of {opts.experts} experts; rank 0 receives "
               f"{proto.expected.shape[0]} rows ({recv_bytes / 1e6:.1f} MB, "
               f"{remote_bytes / 1e6:.1f} MB remote)", flush=True)  # fmt: skip
-        head = (f"{'method':8s} {'progs':>5s} {'kernel':>8s} {'epi':>7s} {'call':>8s} "
-                f"{'call+epi':>8s} {'graph':>8s} | {'kernel GB/s log/rem':>19s} | "
-                f"{'call GB/s':>9s} {'call+epi':>8s} {'graph':>6s} | predicted us")  # fmt: skip
+        head = (f"{'method':10s} {'progs':>5s} {'kernel':>7s} {'call':>7s} {'graph':>7s} "
+                f"{'epi':>6s} {'call+epi':>8s} {'graph+epi':>9s} | {'kernel log/rem':>11s} | "
+                f"{'call':>5s} {'graph':>5s} | {'call+epi':>8s} {'graph+epi':>9s} | "
+                "predicted us")  # fmt: skip
         print(head + "\n" + "-" * len(head), flush=True)
     for method in opts.methods:
         for programs in opts.programs:

@@ -220,37 +220,60 @@ def push_tma(
 
 
 @triton.jit
+def load_rows(ptrs, mask, STREAM: tl.constexpr):
+    """Rows read once: with ``STREAM`` marked evict-first, so they leave L2 before others."""
+    if STREAM:
+        return tl.load(ptrs, mask=mask, eviction_policy="evict_first")
+    else:
+        return tl.load(ptrs, mask=mask)
+
+
+@triton.jit
 def push_stores(
     x_ptr,
     plan_ptr,
     peer_ptrs,
     recv_offset,
+    rank,
     t0,
     t1,
     HIDDEN: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    ROTATE: tl.constexpr,
+    STREAM: tl.constexpr,
 ):
     """Each ``[BLOCK_T, BLOCK_H]`` tile of rows loaded once (the next one before the current
-    one is stored) and stored with plain wide stores at every destination's rows."""
+    one is stored) and stored with plain wide stores at every destination's rows. With
+    ``ROTATE`` program ``p`` of rank ``r`` stores to rank ``(r + p + j) % R`` at step ``j``:
+    at each step the ranks' programs ``p`` aim at ``R`` different ranks, and one rank's programs
+    at several, instead of every sender at rank 0 first. With ``STREAM`` the rows are read
+    with evict-first (each is read once) and stored streaming (``.cs``: no line of a peer's
+    rows is read again by this GPU)."""
     cols = tl.arange(0, BLOCK_H)
     out_ty = x_ptr.dtype.element_ty
+    first_rank = (rank + tl.program_id(0)) % NUM_RANKS if ROTATE else 0
     for first in range(t0, t1, BLOCK_T):
         tokens = (first + tl.arange(0, BLOCK_T)).to(tl.int64)
         live = tokens < t1
         src = x_ptr + tokens[:, None] * HIDDEN
-        v = tl.load(src + cols[None, :], mask=live[:, None] & (cols < HIDDEN)[None, :])
+        v = load_rows(src + cols[None, :], live[:, None] & (cols < HIDDEN)[None, :], STREAM)
         for h0 in range(0, HIDDEN, BLOCK_H):
             h = h0 + cols
             hn = h + BLOCK_H
-            v_next = tl.load(src + hn[None, :], mask=live[:, None] & (hn < HIDDEN)[None, :])
-            for d in tl.static_range(NUM_RANKS):
+            v_next = load_rows(src + hn[None, :], live[:, None] & (hn < HIDDEN)[None, :], STREAM)
+            for j in tl.static_range(NUM_RANKS):
+                d = (first_rank + j) % NUM_RANKS
                 rows = tl.load(plan_ptr + tokens * NUM_RANKS + d, mask=live, other=-1)
                 base = tl.load(peer_ptrs + d) + recv_offset
                 dst = tl.multiple_of(base.to(tl.pointer_type(out_ty)), 16)
                 m = (rows >= 0)[:, None] & (h < HIDDEN)[None, :]
-                tl.store(dst + rows.to(tl.int64)[:, None] * HIDDEN + h[None, :], v, mask=m)
+                out = dst + rows.to(tl.int64)[:, None] * HIDDEN + h[None, :]
+                if STREAM:
+                    tl.store(out, v, mask=m, cache_modifier=".cs")
+                else:
+                    tl.store(out, v, mask=m)
             v = v_next
 
 
@@ -333,6 +356,8 @@ def slots_dispatch_kernel(
     BLOCK_TOKENS: tl.constexpr,  # tokens per step of the row plan
     BLOCK_RANKS: tl.constexpr,  # NUM_RANKS rounded up to a power of two
     USE_CLOCK: tl.constexpr,  # a GPU clock bounds the wait (spins under the interpreter)
+    ROTATE: tl.constexpr = False,  # plain stores: each program starts at its own destination
+    STREAM: tl.constexpr = False,  # plain stores: evict-first loads, streaming (.cs) stores
 ):
     """Push this program's contiguous token range to every destination at the rows the notify
     gave, then count in and (last program) wait for every source."""
@@ -362,7 +387,19 @@ def slots_dispatch_kernel(
         )
     else:
         push_stores(
-            x_ptr, plan_ptr, peer_ptrs, recv_offset, t0, t1, HIDDEN, NUM_RANKS, BLOCK_T, BLOCK_H
+            x_ptr,
+            plan_ptr,
+            peer_ptrs,
+            recv_offset,
+            rank,
+            t0,
+            t1,
+            HIDDEN,
+            NUM_RANKS,
+            BLOCK_T,
+            BLOCK_H,
+            ROTATE,
+            STREAM,
         )
     arrive_and_wait(
         peer_ptrs,
