@@ -405,6 +405,7 @@ ELASTIC_KERNELS = [
             PAYLOAD_BYTES=7168,
             SCALE_BYTES=224,
             BLOCK_ROWS=16,
+            BLOCK_FILL=128,
             EXPAND=True,
             HAS_SF=True,
         ),

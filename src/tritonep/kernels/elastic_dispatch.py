@@ -481,6 +481,93 @@ def copy_rows(
 
 
 @triton.jit
+def copy_expanded(
+    src,
+    dst,
+    live,
+    ks,
+    out_words,
+    out_sf,
+    out_sf_token_stride,
+    out_sf_group_stride,
+    K: tl.constexpr,
+    ROW_WORDS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+    PAYLOAD_BYTES: tl.constexpr,
+    HAS_SF: tl.constexpr,
+):
+    """Copy the payload and scale packs of records ``src`` ([B] int64) to each of their
+    expanded rows ``dst`` ([B, BLOCK_K], ``-1`` none): each word is read once and written
+    up to ``K`` times, the writes unrolled so that they overlap."""
+    words = tl.arange(0, BLOCK_WORDS)
+    rec = aligned_ptr(src, tl.int32)
+    used = live & (tl.max(dst, 1) >= 0)
+    for w0 in range(0, ROW_WORDS, BLOCK_WORDS):
+        w = w0 + words
+        wmask = w < ROW_WORDS
+        v = tl.load(
+            rec[:, None] + w[None, :], mask=used[:, None] & wmask[None, :], cache_modifier=".cg"
+        )
+        for k in tl.static_range(K):
+            rows = lane(dst, ks, k)
+            m = (live & (rows >= 0))[:, None] & wmask[None, :]
+            tl.store(out_words + rows.to(tl.int64)[:, None] * ROW_WORDS + w[None, :], v, mask=m)
+    if HAS_SF:
+        g = tl.arange(0, BLOCK_GROUPS)
+        gmask = g < G
+        v = tl.load(
+            aligned_ptr(src + PAYLOAD_BYTES, tl.int32)[:, None] + g[None, :],
+            mask=used[:, None] & gmask[None, :],
+            cache_modifier=".cg",
+        )
+        for k in tl.static_range(K):
+            rows = lane(dst, ks, k).to(tl.int64)
+            m = (live & (rows >= 0))[:, None] & gmask[None, :]
+            at = rows[:, None] * out_sf_token_stride + g[None, :] * out_sf_group_stride
+            tl.store(out_sf + at, v, mask=m)
+
+
+@triton.jit
+def mark_unused_rows(
+    pid,
+    num_programs,
+    total,
+    num_rows,
+    out_ids,
+    out_weights,
+    out_meta,
+    out_slots,
+    ks,
+    K: tl.constexpr,
+    EXPAND: tl.constexpr,
+    has_weights,
+    write_meta,
+    BLOCK_FILL: tl.constexpr,
+):
+    """Rows ``[total, num_rows)`` of worst-case outputs: metadata, slots and (plain) ids
+    ``-1``, weights 0. Markers only: the payload rows stay unwritten, so the cost follows the
+    received rows, not the worst case."""
+    kmask = ks < K
+    for r0 in range(total + pid * BLOCK_FILL, num_rows, num_programs * BLOCK_FILL):
+        i = r0 + tl.arange(0, BLOCK_FILL)
+        pad = i < num_rows
+        rows = i.to(tl.int64)
+        m2 = pad[:, None] & kmask[None, :]
+        if not EXPAND:
+            tl.store(out_ids + rows[:, None] * K + ks[None, :], -1, mask=m2)
+            if has_weights:
+                tl.store(out_weights + rows[:, None] * K + ks[None, :], 0.0, mask=m2)
+        if write_meta:
+            row = out_meta + rows * (K + 2)
+            tl.store(row, -1, mask=pad)
+            tl.store(row + 1, -1, mask=pad)
+            tl.store(row[:, None] + 2 + ks[None, :], -1, mask=m2)
+            tl.store(out_slots + rows, -1, mask=pad)
+
+
+@triton.jit
 def zero_padding(
     pid,
     num_programs,
@@ -564,6 +651,7 @@ def elastic_dispatch_epilogue(
     PAYLOAD_BYTES: tl.constexpr,  # bytes of its payload (16-byte aligned)
     SCALE_BYTES: tl.constexpr,  # bytes of its scale packs (16-byte aligned)
     BLOCK_ROWS: tl.constexpr,  # received tokens per block
+    BLOCK_FILL: tl.constexpr,  # rows per block of the unused rows' markers
     EXPAND: tl.constexpr,  # expanded layout: a row per (token, local expert)
     HAS_SF: tl.constexpr,  # the rows come with scale packs (FP8)
 ):
@@ -600,7 +688,7 @@ def elastic_dispatch_epilogue(
             EXPAND,
         )
     start_flat = tl.reshape(start, (BLOCK_RANKS * BLOCK_LOCAL_EXPERTS,))
-    for i0 in range(pid * BLOCK_ROWS, num_rows, num_programs * BLOCK_ROWS):
+    for i0 in range(pid * BLOCK_ROWS, total, num_programs * BLOCK_ROWS):
         i = i0 + tl.arange(0, BLOCK_ROWS)
         live = i < total
         source = tl.sum((src_end[None, :] <= i[:, None]).to(tl.int32), 1)
@@ -627,23 +715,23 @@ def elastic_dispatch_epilogue(
             dst = tl.where(
                 (local >= 0) & (block_start + ranked < num_out_rows), block_start + ranked, -1
             )
-            for k in range(K):
-                rows = lane(dst, ks, k)
-                copy_rows(
-                    rec,
-                    rows,
-                    live & (rows >= 0),
-                    out_words,
-                    out_sf,
-                    out_sf_token_stride,
-                    out_sf_group_stride,
-                    ROW_WORDS,
-                    BLOCK_WORDS,
-                    G,
-                    BLOCK_GROUPS,
-                    PAYLOAD_BYTES,
-                    HAS_SF,
-                )
+            copy_expanded(
+                rec,
+                dst,
+                live,
+                ks,
+                out_words,
+                out_sf,
+                out_sf_token_stride,
+                out_sf_group_stride,
+                K,
+                ROW_WORDS,
+                BLOCK_WORDS,
+                G,
+                BLOCK_GROUPS,
+                PAYLOAD_BYTES,
+                HAS_SF,
+            )
             if has_weights:
                 tl.store(out_weights + dst.to(tl.int64), weights, mask=m2 & (dst >= 0))
         else:
@@ -663,22 +751,35 @@ def elastic_dispatch_epilogue(
                 PAYLOAD_BYTES,
                 HAS_SF,
             )
-            pad = (i >= total) & (i < num_rows)
             rows2 = i.to(tl.int64)[:, None] * K + ks[None, :]
-            keep = (live | pad)[:, None] & kmask[None, :]
-            tl.store(out_ids + rows2, tl.where(live[:, None], local, -1).to(tl.int64), mask=keep)
+            tl.store(out_ids + rows2, local.to(tl.int64), mask=m2)
             if has_weights:
-                tl.store(out_weights + rows2, tl.where(live[:, None], weights, 0.0), mask=keep)
+                tl.store(out_weights + rows2, weights, mask=m2)
         if write_meta:
             token = tl.load(meta, mask=live, other=-1, cache_modifier=".cg")
             first_col = tl.load(meta + 1, mask=live, other=-1, cache_modifier=".cg")
             slot = tl.load(meta + 2, mask=live, other=-1, cache_modifier=".cg")
             row = out_meta + i.to(tl.int64) * (K + 2)
-            in_rows = i < num_rows
-            tl.store(row, tl.where(live, source * max_tokens + token, -1), mask=in_rows)
-            tl.store(row + 1, tl.where(live, source * K + first_col, -1), mask=in_rows)
-            tl.store(row[:, None] + 2 + ks[None, :], dst, mask=in_rows[:, None] & kmask[None, :])
-            tl.store(out_slots + i, tl.where(live, slot, -1), mask=in_rows)
+            tl.store(row, source * max_tokens + token, mask=live)
+            tl.store(row + 1, source * K + first_col, mask=live)
+            tl.store(row[:, None] + 2 + ks[None, :], dst, mask=m2)
+            tl.store(out_slots + i, slot, mask=live)
+    mark_unused_rows(
+        pid,
+        num_programs,
+        total,
+        num_rows,
+        out_ids,
+        out_weights,
+        out_meta,
+        out_slots,
+        ks,
+        K,
+        EXPAND,
+        has_weights,
+        write_meta,
+        BLOCK_FILL,
+    )
     if EXPAND:  # noqa: SIM102 (compiled in or out; the inner test runs)
         if (flags & FLAG_ZERO_PAD) != 0:
             zero_padding(
