@@ -50,6 +50,10 @@ HEADER_WORDS = (2 + MAX_LOCAL_EXPERTS + 3) // 4 * 4
 MAX_TOPK = 32
 #: Scale-factor packs per row are aligned to this in the TMA-aligned column-major layout.
 TMA_SF_ALIGN = 4
+#: Calls of at most this many tokens on a rank (decode batches) run their pushes on every SM,
+#: as the low-latency mode does: at these sizes a push is bound by latency, not bandwidth, and
+#: ``num_sms`` programs would each walk many rows one after another.
+DECODE_TOKENS = 256
 
 
 def _align(n: int, a: int) -> int:
@@ -228,6 +232,10 @@ class ElasticMode:
             wanted = min(wanted, 2)
         return max(1, min(wanted, -(-work // block)))
 
+    def _push_programs(self, num_sms: int, num_tokens: int) -> int:
+        """The SM budget of a push: ``num_sms``, or every SM for a decode batch."""
+        return self.num_device_sms if num_tokens <= DECODE_TOKENS else num_sms
+
     def _block(self, most: int, work: int, programs: int) -> int:
         """Rows per block: ``most``, or fewer (a power of two) when that leaves programs of the
         budget idle; decode batches then spread over every SM (one variant per power of two)."""
@@ -320,7 +328,8 @@ class ElasticMode:
                 count as ``-1``).
             topk_weights: ``[N, K]`` float32, or None.
             num_experts, num_max_tokens, expert_alignment: as DeepEP V2's.
-            num_sms: programs of the push (the epilogue uses every SM).
+            num_sms: programs of the push (every SM for at most :data:`DECODE_TOKENS` tokens;
+                the epilogue uses every SM).
             cached: the sizes of the dispatch whose handle this call reuses (no host read).
             do_cpu_sync: read the counts on the host and size the outputs exactly.
             do_expand, do_zero_padding, tma_sf: DeepEP V2's ``do_expand``,
@@ -353,6 +362,7 @@ class ElasticMode:
         int32_dummy, int64_dummy = self.status, self.state
         f32_dummy = self._f32_dummy()
         ROW_WORDS, BLOCK_K = row_bytes // 4, triton.next_power_of_2(max(K, 2))
+        num_sms = self._push_programs(num_sms, N)
         BLOCK_TOKENS = self._block(max(1, min(16, 128 // BLOCK_K)), N, num_sms)
         rec = record_bytes(row_bytes, G, K)
         pay, scl = _align(row_bytes, 16), _align(4 * G, 16)
@@ -461,6 +471,7 @@ class ElasticMode:
             E_local,
             do_expand,
             do_zero_padding,
+            num_recv if do_cpu_sync or cached is not None else min(num_recv, R * max(N, 1)),
         )
         return out
 
@@ -510,14 +521,19 @@ class ElasticMode:
         E_local,
         do_expand,
         do_zero_padding,
+        expected_rows,
     ) -> None:
+        """Launch the copy epilogue. ``expected_rows``: the received rows it plans for (the
+        exact count, or without a host read this rank's tokens times the ranks, as when the
+        ranks decode equal batches); only the block size follows it, the loops run over the
+        rows received."""
         R = self.num_ranks
         int32_dummy, int64_dummy, f32_dummy = self.status, self.state, self._f32_dummy()
         write_meta = out.recv_src_metadata is not None
         recv_sf = out.recv_sf
         has_sf, has_w = recv_sf is not None, out.recv_topk_weights is not None
         ROW_WORDS, BLOCK_K = row_bytes // 4, triton.next_power_of_2(max(K, 2))
-        BLOCK_ROWS = self._block(16, out.num_recv_tokens, self.num_device_sms)
+        BLOCK_ROWS = self._block(16, expected_rows, self.num_device_sms)
         rows = out.recv_x.shape[0]
         key = (
             "epilogue",
@@ -577,6 +593,7 @@ class ElasticMode:
                 PAYLOAD_BYTES=_align(row_bytes, 16),
                 SCALE_BYTES=_align(4 * G, 16),
                 BLOCK_ROWS=BLOCK_ROWS,
+                BLOCK_FILL=128,
                 EXPAND=do_expand,
                 HAS_SF=has_sf,
                 num_warps=8,
@@ -612,7 +629,8 @@ class ElasticMode:
             do_expand: ``x`` is in the expanded layout.
             multiple_reduction: expanded rows are summed here per token before they go back
                 (else each goes back alone, and ``topk_weights`` must be None).
-            num_sms: programs of the push (the epilogue uses every SM).
+            num_sms: programs of the push (every SM for at most :data:`DECODE_TOKENS` tokens;
+                the epilogue uses every SM).
             before_epilogue: called before the epilogue is launched (stream waits).
         Returns:
             ``(combined_x [N, H] BF16, combined_topk_weights [N, K] float32 or None)``.
@@ -628,14 +646,18 @@ class ElasticMode:
         has_w = topk_weights is not None
         multi = multiple_reduction or not do_expand
         f32_dummy, crec = self._f32_dummy(), combine_record_bytes(H, K)
-        BLOCK_K, BLOCK_ROWS, BLOCK_CHANNELS = (
-            triton.next_power_of_2(max(K, 2)),
-            8,
-            min(triton.next_power_of_2(H), 1024),
-        )
+        BLOCK_K = triton.next_power_of_2(max(K, 2))
+        # CPU ranks take narrow chunks, so that the tests cross chunk boundaries.
+        BLOCK_CHANNELS = min(triton.next_power_of_2(H), 1024 if device.type == "cuda" else 64)
+        chunks = -(-H // BLOCK_CHANNELS)
+        # Received tokens: the handle's worst case, planned for as this rank's tokens times the
+        # ranks (equal decode batches); only the block size follows the guess.
+        rows = min(recv_src_metadata.shape[0], R * max(N, 1))
+        num_sms = self._push_programs(num_sms, N)
+        BLOCK_ROWS = self._block(8, rows * chunks, num_sms)
         self._launch(
             elastic_combine.elastic_combine,
-            self._programs(num_sms, recv_src_metadata.shape[0], BLOCK_ROWS),
+            self._programs(num_sms, -(-recv_src_metadata.shape[0] // BLOCK_ROWS) * chunks, 1),
             (
                 x,
                 topk_weights if has_w else f32_dummy,
@@ -653,7 +675,7 @@ class ElasticMode:
                 self._timeout_us,
                 int(has_w),
             ),
-            ("combine", H, K, do_expand, multi),
+            ("combine", H, K, do_expand, multi, BLOCK_ROWS),
             lambda: dict(
                 H=H,
                 K=K,
