@@ -586,7 +586,9 @@ class ElasticMode:
                 E_LOCAL=E_local,
                 BLOCK_LOCAL_EXPERTS=triton.next_power_of_2(max(E_local, 2)),
                 ROW_WORDS=ROW_WORDS,
-                BLOCK_WORDS=min(triton.next_power_of_2(ROW_WORDS), 512),
+                # Tiles of 8192 words: a decode block of a row or two copies it in one step
+                # (each step waits for its load).
+                BLOCK_WORDS=min(triton.next_power_of_2(ROW_WORDS), 8192 // BLOCK_ROWS),
                 G=G,
                 BLOCK_GROUPS=triton.next_power_of_2(max(G, 2)),
                 RECORD_BYTES=record_bytes(row_bytes, G, K),
