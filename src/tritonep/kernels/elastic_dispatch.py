@@ -8,7 +8,8 @@ ids), so that it knows, without any atomics, each of its tokens' slot on every d
 (the token's rank among the tokens of this source that go there) and, per chosen expert, the
 token's rank among this source's tokens of that expert. It stores into the destination's
 region ``[source][slot]`` a record: the payload, the scale packs (FP8), and the token's
-metadata (:data:`META_WORDS`). The last program to finish sends each destination a header
+metadata (:data:`META_WORDS`); each payload word is read once and stored to every
+destination. The last program to finish sends each destination a header
 (tokens and per-expert counts, then the tag), waits for every source's header and decodes
 them into ``recv_counts [R, 1 + E_local]``.
 
@@ -135,33 +136,11 @@ def reduction_slots(owner, ranks, ks, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def store_record(
-    rec,
-    tokens,
-    go,
-    first_col,
-    slot,
-    local,
-    ranked,
-    weights,
-    x_ptr,
-    sf_ptr,
-    sf_token_stride,
-    sf_group_stride,
-    ks,
-    K: tl.constexpr,
-    ROW_WORDS: tl.constexpr,
-    BLOCK_WORDS: tl.constexpr,
-    G: tl.constexpr,
-    BLOCK_GROUPS: tl.constexpr,
-    PAYLOAD_BYTES: tl.constexpr,
-    SCALE_BYTES: tl.constexpr,
-    HAS_SF: tl.constexpr,
-    has_weights,
-):
-    """Store the records of the block's tokens ``go`` at the addresses ``rec`` ([T] int64)."""
+def store_meta(rec, tokens, go, first_col, slot, local, ranked, weights, ks, K, has_weights):
+    """Store the metadata of the records of the block's tokens ``go`` at ``rec`` ([T] int64,
+    each record's metadata words)."""
     kmask = go[:, None] & (ks < K)[None, :]
-    meta = aligned_ptr(rec + PAYLOAD_BYTES + SCALE_BYTES, tl.int32)
+    meta = aligned_ptr(rec, tl.int32)
     tl.store(meta, tokens, mask=go)
     tl.store(meta + 1, first_col, mask=go)
     tl.store(meta + 2, slot, mask=go)
@@ -171,24 +150,50 @@ def store_record(
         tl.store(
             meta[:, None] + 3 + 2 * K + ks[None, :], weights.to(tl.int32, bitcast=True), mask=kmask
         )
+
+
+@triton.jit
+def store_payloads(
+    recs,
+    hit,
+    ranks,
+    tokens,
+    tmask,
+    x_ptr,
+    sf_ptr,
+    sf_token_stride,
+    sf_group_stride,
+    NUM_RANKS: tl.constexpr,
+    ROW_WORDS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+    PAYLOAD_BYTES: tl.constexpr,
+    HAS_SF: tl.constexpr,
+):
+    """Store the rows (and scale packs) of the block's tokens into their records ``recs``
+    ([T, BLOCK_RANKS] int64 on each destination, where ``hit``): each word is read once and
+    stored to every destination, so a step waits for one load, not one per destination."""
     rows = tokens.to(tl.int64)
-    dst = aligned_ptr(rec, tl.int32)
     words = tl.arange(0, BLOCK_WORDS)
     for w0 in range(0, ROW_WORDS, BLOCK_WORDS):
         w = w0 + words
-        m = go[:, None] & (w < ROW_WORDS)[None, :]
-        tl.store(
-            dst[:, None] + w[None, :],
-            tl.load(x_ptr + rows[:, None] * ROW_WORDS + w[None, :], mask=m),
-            mask=m,
-        )
+        m = tmask[:, None] & (w < ROW_WORDS)[None, :]
+        v = tl.load(x_ptr + rows[:, None] * ROW_WORDS + w[None, :], mask=m)
+        for d in range(NUM_RANKS):
+            go = lane(hit, ranks, d) > 0
+            dst = aligned_ptr(lane(recs, ranks, d), tl.int32)
+            tl.store(dst[:, None] + w[None, :], v, mask=m & go[:, None])
     if HAS_SF:
         g = tl.arange(0, BLOCK_GROUPS)
-        m = go[:, None] & (g < G)[None, :]
+        m = tmask[:, None] & (g < G)[None, :]
         packs = tl.load(
             sf_ptr + rows[:, None] * sf_token_stride + g[None, :] * sf_group_stride, mask=m
         )
-        tl.store(aligned_ptr(rec + PAYLOAD_BYTES, tl.int32)[:, None] + g[None, :], packs, mask=m)
+        for d in range(NUM_RANKS):
+            go = lane(hit, ranks, d) > 0
+            dst = aligned_ptr(lane(recs, ranks, d) + PAYLOAD_BYTES, tl.int32)
+            tl.store(dst[:, None] + g[None, :], packs, mask=m & go[:, None])
 
 
 @triton.jit
@@ -333,36 +338,43 @@ def elastic_dispatch(
             mine = owner[:, :, None] == ranks[None, None, :]
             dst_slot = tl.sum(tl.where(mine, pos[:, None, :], 0), 2)
             tl.store(slots_ptr + at, tl.where(owner >= 0, dst_slot, -1), mask=kmask)
+        # [T, BLOCK_RANKS] each token's record on each destination.
+        spots = (rank * max_tokens + pos).to(tl.int64)
+        recs = peer_base[None, :] + region + spots * RECORD_BYTES
         for d in range(NUM_RANKS):
             go = lane(hit, ranks, d) > 0
             if tl.max(go.to(tl.int32), 0) > 0:
-                spot = (rank * max_tokens + lane(pos, ranks, d)).to(tl.int64)
-                rec = lane(peer_base, ranks, d) + region + spot * RECORD_BYTES
-                local = tl.where(owner == d, ids - d * E_LOCAL, -1)
-                store_record(
-                    rec,
+                store_meta(
+                    lane(recs, ranks, d) + PAYLOAD_BYTES + SCALE_BYTES,
                     tokens,
                     go,
                     lane(first_col, ranks, d),
                     lane(slot, ranks, d),
-                    local,
+                    tl.where(owner == d, ids - d * E_LOCAL, -1),
                     ranked,
                     weights,
-                    x_words,
-                    sf_ptr,
-                    sf_token_stride,
-                    sf_group_stride,
                     ks,
                     K,
-                    ROW_WORDS,
-                    BLOCK_WORDS,
-                    G,
-                    BLOCK_GROUPS,
-                    PAYLOAD_BYTES,
-                    SCALE_BYTES,
-                    HAS_SF,
                     has_weights,
                 )
+        store_payloads(
+            recs,
+            hit,
+            ranks,
+            tokens,
+            tmask,
+            x_words,
+            sf_ptr,
+            sf_token_stride,
+            sf_group_stride,
+            NUM_RANKS,
+            ROW_WORDS,
+            BLOCK_WORDS,
+            G,
+            BLOCK_GROUPS,
+            PAYLOAD_BYTES,
+            HAS_SF,
+        )
         sent += tl.sum(hit, 0)
         flat = tl.reshape(tl.where(valid & tmask[:, None], ids, 0), (BLOCK_TOKENS * BLOCK_K,))
         fmask = tl.reshape(valid & tmask[:, None], (BLOCK_TOKENS * BLOCK_K,))
