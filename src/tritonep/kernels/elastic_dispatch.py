@@ -625,6 +625,121 @@ def zero_padding(
                 tl.store(out_weights + rows, 0.0, mask=live)
 
 
+@triton.jit
+def copy_received_block(
+    i,
+    total,
+    src_start,
+    src_end,
+    ranks,
+    start_flat,
+    ks,
+    rec_base,
+    max_tokens,
+    num_out_rows,
+    out_words,
+    out_sf,
+    out_sf_token_stride,
+    out_sf_group_stride,
+    out_ids,
+    out_weights,
+    out_meta,
+    out_slots,
+    has_weights,
+    write_meta,
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_LOCAL_EXPERTS: tl.constexpr,
+    ROW_WORDS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+    RECORD_BYTES: tl.constexpr,
+    PAYLOAD_BYTES: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    EXPAND: tl.constexpr,
+    HAS_SF: tl.constexpr,
+):
+    """Received rows ``i`` ([BLOCK_ROWS], those below ``total`` live) into the caller's
+    layout, from their records in the region at ``rec_base``, with the handle's rows."""
+    kmask = ks < K
+    live = i < total
+    source = tl.sum((src_end[None, :] <= i[:, None]).to(tl.int32), 1)
+    source = tl.where(live, source, 0)
+    pos = i - tl.sum(tl.where(ranks[None, :] == source[:, None], src_start[None, :], 0), 1)
+    spot = (source * max_tokens + pos).to(tl.int64)
+    rec = rec_base + spot * RECORD_BYTES
+    meta = aligned_ptr(rec + PAYLOAD_BYTES + SCALE_BYTES, tl.int32)
+    m2 = live[:, None] & kmask[None, :]
+    local = tl.load(meta[:, None] + 3 + ks[None, :], mask=m2, other=-1, cache_modifier=".cg")
+    weights = tl.load(
+        meta[:, None] + 3 + 2 * K + ks[None, :], mask=m2, other=0, cache_modifier=".cg"
+    )
+    weights = weights.to(tl.float32, bitcast=True)
+    if EXPAND:
+        ranked = tl.load(
+            meta[:, None] + 3 + K + ks[None, :], mask=m2, other=0, cache_modifier=".cg"
+        )
+        at = tl.reshape(
+            source[:, None] * BLOCK_LOCAL_EXPERTS + tl.maximum(local, 0),
+            (BLOCK_ROWS * BLOCK_K,),
+        )
+        block_start = tl.reshape(tl.gather(start_flat, at, 0), (BLOCK_ROWS, BLOCK_K))
+        dst = tl.where(
+            (local >= 0) & (block_start + ranked < num_out_rows), block_start + ranked, -1
+        )
+        copy_expanded(
+            rec,
+            dst,
+            live,
+            ks,
+            out_words,
+            out_sf,
+            out_sf_token_stride,
+            out_sf_group_stride,
+            K,
+            ROW_WORDS,
+            BLOCK_WORDS,
+            G,
+            BLOCK_GROUPS,
+            PAYLOAD_BYTES,
+            HAS_SF,
+        )
+        if has_weights:
+            tl.store(out_weights + dst.to(tl.int64), weights, mask=m2 & (dst >= 0))
+    else:
+        dst = tl.full((BLOCK_ROWS, BLOCK_K), -1, tl.int32)
+        copy_rows(
+            rec,
+            i,
+            live,
+            out_words,
+            out_sf,
+            out_sf_token_stride,
+            out_sf_group_stride,
+            ROW_WORDS,
+            BLOCK_WORDS,
+            G,
+            BLOCK_GROUPS,
+            PAYLOAD_BYTES,
+            HAS_SF,
+        )
+        rows2 = i.to(tl.int64)[:, None] * K + ks[None, :]
+        tl.store(out_ids + rows2, local.to(tl.int64), mask=m2)
+        if has_weights:
+            tl.store(out_weights + rows2, weights, mask=m2)
+    if write_meta:
+        token = tl.load(meta, mask=live, other=-1, cache_modifier=".cg")
+        first_col = tl.load(meta + 1, mask=live, other=-1, cache_modifier=".cg")
+        slot = tl.load(meta + 2, mask=live, other=-1, cache_modifier=".cg")
+        row = out_meta + i.to(tl.int64) * (K + 2)
+        tl.store(row, source * max_tokens + token, mask=live)
+        tl.store(row + 1, source * K + first_col, mask=live)
+        tl.store(row[:, None] + 2 + ks[None, :], dst, mask=m2)
+        tl.store(out_slots + i, slot, mask=live)
+
+
 @kernel("tritonep::elastic::dispatch_copy_epilogue_impl", do_not_specialize=["flags"])
 def elastic_dispatch_epilogue(
     recv_counts_ptr,  # [R, 1 + E_LOCAL] int32 from elastic_dispatch
@@ -675,7 +790,6 @@ def elastic_dispatch_epilogue(
     ranks = tl.arange(0, BLOCK_RANKS)
     els = tl.arange(0, BLOCK_LOCAL_EXPERTS)
     ks = tl.arange(0, BLOCK_K)
-    kmask = ks < K
     has_weights = (flags & FLAG_WEIGHTS) != 0
     write_meta = (flags & FLAG_META) != 0
     src_start, src_end, chosen, aligned, expert_start, start = received_layout(
@@ -701,81 +815,41 @@ def elastic_dispatch_epilogue(
         )
     start_flat = tl.reshape(start, (BLOCK_RANKS * BLOCK_LOCAL_EXPERTS,))
     for i0 in range(pid * BLOCK_ROWS, total, num_programs * BLOCK_ROWS):
-        i = i0 + tl.arange(0, BLOCK_ROWS)
-        live = i < total
-        source = tl.sum((src_end[None, :] <= i[:, None]).to(tl.int32), 1)
-        source = tl.where(live, source, 0)
-        pos = i - tl.sum(tl.where(ranks[None, :] == source[:, None], src_start[None, :], 0), 1)
-        spot = (source * max_tokens + pos).to(tl.int64)
-        rec = my_base + region + spot * RECORD_BYTES
-        meta = aligned_ptr(rec + PAYLOAD_BYTES + SCALE_BYTES, tl.int32)
-        m2 = live[:, None] & kmask[None, :]
-        local = tl.load(meta[:, None] + 3 + ks[None, :], mask=m2, other=-1, cache_modifier=".cg")
-        weights = tl.load(
-            meta[:, None] + 3 + 2 * K + ks[None, :], mask=m2, other=0, cache_modifier=".cg"
+        copy_received_block(
+            i0 + tl.arange(0, BLOCK_ROWS),
+            total,
+            src_start,
+            src_end,
+            ranks,
+            start_flat,
+            ks,
+            my_base + region,
+            max_tokens,
+            num_out_rows,
+            out_words,
+            out_sf,
+            out_sf_token_stride,
+            out_sf_group_stride,
+            out_ids,
+            out_weights,
+            out_meta,
+            out_slots,
+            has_weights,
+            write_meta,
+            K,
+            BLOCK_K,
+            BLOCK_LOCAL_EXPERTS,
+            ROW_WORDS,
+            BLOCK_WORDS,
+            G,
+            BLOCK_GROUPS,
+            RECORD_BYTES,
+            PAYLOAD_BYTES,
+            SCALE_BYTES,
+            BLOCK_ROWS,
+            EXPAND,
+            HAS_SF,
         )
-        weights = weights.to(tl.float32, bitcast=True)
-        if EXPAND:
-            ranked = tl.load(
-                meta[:, None] + 3 + K + ks[None, :], mask=m2, other=0, cache_modifier=".cg"
-            )
-            at = tl.reshape(
-                source[:, None] * BLOCK_LOCAL_EXPERTS + tl.maximum(local, 0),
-                (BLOCK_ROWS * BLOCK_K,),
-            )
-            block_start = tl.reshape(tl.gather(start_flat, at, 0), (BLOCK_ROWS, BLOCK_K))
-            dst = tl.where(
-                (local >= 0) & (block_start + ranked < num_out_rows), block_start + ranked, -1
-            )
-            copy_expanded(
-                rec,
-                dst,
-                live,
-                ks,
-                out_words,
-                out_sf,
-                out_sf_token_stride,
-                out_sf_group_stride,
-                K,
-                ROW_WORDS,
-                BLOCK_WORDS,
-                G,
-                BLOCK_GROUPS,
-                PAYLOAD_BYTES,
-                HAS_SF,
-            )
-            if has_weights:
-                tl.store(out_weights + dst.to(tl.int64), weights, mask=m2 & (dst >= 0))
-        else:
-            dst = tl.full((BLOCK_ROWS, BLOCK_K), -1, tl.int32)
-            copy_rows(
-                rec,
-                i,
-                live,
-                out_words,
-                out_sf,
-                out_sf_token_stride,
-                out_sf_group_stride,
-                ROW_WORDS,
-                BLOCK_WORDS,
-                G,
-                BLOCK_GROUPS,
-                PAYLOAD_BYTES,
-                HAS_SF,
-            )
-            rows2 = i.to(tl.int64)[:, None] * K + ks[None, :]
-            tl.store(out_ids + rows2, local.to(tl.int64), mask=m2)
-            if has_weights:
-                tl.store(out_weights + rows2, weights, mask=m2)
-        if write_meta:
-            token = tl.load(meta, mask=live, other=-1, cache_modifier=".cg")
-            first_col = tl.load(meta + 1, mask=live, other=-1, cache_modifier=".cg")
-            slot = tl.load(meta + 2, mask=live, other=-1, cache_modifier=".cg")
-            row = out_meta + i.to(tl.int64) * (K + 2)
-            tl.store(row, source * max_tokens + token, mask=live)
-            tl.store(row + 1, source * K + first_col, mask=live)
-            tl.store(row[:, None] + 2 + ks[None, :], dst, mask=m2)
-            tl.store(out_slots + i, slot, mask=live)
     mark_unused_rows(
         pid,
         num_programs,
