@@ -50,9 +50,9 @@ HEADER_WORDS = (2 + MAX_LOCAL_EXPERTS + 3) // 4 * 4
 MAX_TOPK = 32
 #: Scale-factor packs per row are aligned to this in the TMA-aligned column-major layout.
 TMA_SF_ALIGN = 4
-#: Calls of at most this many tokens on a rank (decode batches) run their pushes on every SM,
-#: as the low-latency mode does: at these sizes a push is bound by latency, not bandwidth, and
-#: ``num_sms`` programs would each walk many rows one after another.
+#: Calls of at most this many tokens on a rank are decode batches: the DeepEP V2 layer runs
+#: their pushes on every SM unless the caller sets ``num_sms`` (at these sizes a push is
+#: bound by latency, not bandwidth, and few programs would each walk many rows in turn).
 DECODE_TOKENS = 256
 
 
@@ -232,10 +232,6 @@ class ElasticMode:
             wanted = min(wanted, 2)
         return max(1, min(wanted, -(-work // block)))
 
-    def _push_programs(self, num_sms: int, num_tokens: int) -> int:
-        """The SM budget of a push: ``num_sms``, or every SM for a decode batch."""
-        return self.num_device_sms if num_tokens <= DECODE_TOKENS else num_sms
-
     def _block(self, most: int, work: int, programs: int) -> int:
         """Rows per block: ``most``, or fewer (a power of two) when that leaves programs of the
         budget idle; decode batches then spread over every SM (one variant per power of two)."""
@@ -328,8 +324,7 @@ class ElasticMode:
                 count as ``-1``).
             topk_weights: ``[N, K]`` float32, or None.
             num_experts, num_max_tokens, expert_alignment: as DeepEP V2's.
-            num_sms: programs of the push (every SM for at most :data:`DECODE_TOKENS` tokens;
-                the epilogue uses every SM).
+            num_sms: programs of the push (the epilogue uses every SM).
             cached: the sizes of the dispatch whose handle this call reuses (no host read).
             do_cpu_sync: read the counts on the host and size the outputs exactly.
             do_expand, do_zero_padding, tma_sf: DeepEP V2's ``do_expand``,
@@ -362,7 +357,6 @@ class ElasticMode:
         int32_dummy, int64_dummy = self.status, self.state
         f32_dummy = self._f32_dummy()
         ROW_WORDS, BLOCK_K = row_bytes // 4, triton.next_power_of_2(max(K, 2))
-        num_sms = self._push_programs(num_sms, N)
         BLOCK_TOKENS = self._block(max(1, min(16, 128 // BLOCK_K)), N, num_sms)
         rec = record_bytes(row_bytes, G, K)
         pay, scl = _align(row_bytes, 16), _align(4 * G, 16)
@@ -631,8 +625,7 @@ class ElasticMode:
             do_expand: ``x`` is in the expanded layout.
             multiple_reduction: expanded rows are summed here per token before they go back
                 (else each goes back alone, and ``topk_weights`` must be None).
-            num_sms: programs of the push (every SM for at most :data:`DECODE_TOKENS` tokens;
-                the epilogue uses every SM).
+            num_sms: programs of the push (the epilogue uses every SM).
             before_epilogue: called before the epilogue is launched (stream waits).
         Returns:
             ``(combined_x [N, H] BF16, combined_topk_weights [N, K] float32 or None)``.
@@ -655,7 +648,6 @@ class ElasticMode:
         # Received tokens: the handle's worst case, planned for as this rank's tokens times the
         # ranks (equal decode batches); only the block size follows the guess.
         rows = min(recv_src_metadata.shape[0], R * max(N, 1))
-        num_sms = self._push_programs(num_sms, N)
         BLOCK_ROWS = self._block(8, rows * chunks, num_sms)
         self._launch(
             elastic_combine.elastic_combine,
