@@ -280,46 +280,51 @@ def elastic_combine_epilogue(
     region = tl.load(peer_ptrs + rank) + region_offset + (call % 2) * region_bytes
     ks = tl.arange(0, BLOCK_K)
     hs = tl.arange(0, BLOCK_CHANNELS)
-    for t0 in range(pid * BLOCK_TOKENS, num_tokens, tl.num_programs(0) * BLOCK_TOKENS):
-        tokens = t0 + tl.arange(0, BLOCK_TOKENS)
+    # Work items: (block of BLOCK_TOKENS tokens, chunk of BLOCK_CHANNELS channels), so that a
+    # decode batch spreads over the programs; the slots' loads are unrolled so that they
+    # overlap, the sum keeping the slot order.
+    NUM_CHUNKS: tl.constexpr = (H + BLOCK_CHANNELS - 1) // BLOCK_CHANNELS
+    num_items = tl.cdiv(num_tokens, BLOCK_TOKENS) * NUM_CHUNKS
+    for item in range(pid, num_items, tl.num_programs(0)):
+        tokens = (item // NUM_CHUNKS) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+        h0 = (item % NUM_CHUNKS) * BLOCK_CHANNELS
         tmask = tokens < num_tokens
         _, ids, valid = load_choices(topk_ptr, tokens, tmask, ks, K, NUM_EXPERTS)
         owner = tl.where(valid, ids // E_LOCAL, -1)
         weight_slot, num_slots = weight_slots(owner, ks)
         rows = tokens.to(tl.int64)
-        for h0 in range(0, H, BLOCK_CHANNELS):
-            h = h0 + hs
-            m2 = tmask[:, None] & (h < H)[None, :]
-            at = rows[:, None] * H + h[None, :]
-            acc = tl.zeros((BLOCK_TOKENS, BLOCK_CHANNELS), tl.float32)
-            if num_bias >= 1:
-                acc = from_bf16(tl.load(bias0_ptr + at, mask=m2, other=0.0), EMULATE)
-            if num_bias == 2:
-                acc = acc + from_bf16(tl.load(bias1_ptr + at, mask=m2, other=0.0), EMULATE)
-            for j in range(SLOTS):
-                if RANK_SLOTS:
-                    used = tmask & (j < num_slots)
-                else:
-                    used = tmask & (lane(valid.to(tl.int32), ks, j) > 0)
-                src = slot_rows(region, j, tokens, max_tokens, COMBINE_RECORD_BYTES).to(
-                    tl.pointer_type(tl.bfloat16)
-                )
-                y = tl.load(
-                    src[:, None] + h[None, :],
-                    mask=used[:, None] & (h < H)[None, :],
-                    other=0.0,
-                    cache_modifier=".cg",  # written by peers: not from this SM's L1
-                )
-                acc = tl.where(used[:, None], acc + from_bf16(y, EMULATE), acc)
-            tl.store(out_ptr + at, to_bf16(acc, EMULATE), mask=m2)
-        if has_weights:
+        h = h0 + hs
+        m2 = tmask[:, None] & (h < H)[None, :]
+        at = rows[:, None] * H + h[None, :]
+        acc = tl.zeros((BLOCK_TOKENS, BLOCK_CHANNELS), tl.float32)
+        if num_bias >= 1:
+            acc = from_bf16(tl.load(bias0_ptr + at, mask=m2, other=0.0), EMULATE)
+        if num_bias == 2:
+            acc = acc + from_bf16(tl.load(bias1_ptr + at, mask=m2, other=0.0), EMULATE)
+        for j in tl.static_range(SLOTS):
+            if RANK_SLOTS:
+                used = tmask & (j < num_slots)
+            else:
+                used = tmask & (lane(valid.to(tl.int32), ks, j) > 0)
+            src = slot_rows(region, j, tokens, max_tokens, COMBINE_RECORD_BYTES).to(
+                tl.pointer_type(tl.bfloat16)
+            )
+            y = tl.load(
+                src[:, None] + h[None, :],
+                mask=used[:, None] & (h < H)[None, :],
+                other=0.0,
+                cache_modifier=".cg",  # written by peers: not from this SM's L1
+            )
+            acc = tl.where(used[:, None], acc + from_bf16(y, EMULATE), acc)
+        tl.store(out_ptr + at, to_bf16(acc, EMULATE), mask=m2)
+        if (has_weights != 0) & (h0 == 0):
             kmask = tmask[:, None] & (ks < K)[None, :]
-            src = (
+            at_w = (
                 slot_rows(region, weight_slot, tokens[:, None], max_tokens, COMBINE_RECORD_BYTES)
                 + 2 * H
             )
             w = tl.load(
-                src.to(tl.pointer_type(tl.float32)) + ks[None, :],
+                at_w.to(tl.pointer_type(tl.float32)) + ks[None, :],
                 mask=kmask & valid,
                 other=0.0,
                 cache_modifier=".cg",

@@ -692,10 +692,10 @@ class ElasticMode:
         out = empty_output(device, (N, H), torch.bfloat16)
         out_w = empty_output(device, (N, K), torch.float32) if has_w else None
         terms = tuple(bias) + (out,) * (2 - len(bias))  # unused pointers when fewer
-        BLOCK_TOKENS = self._block(8, N, self.num_device_sms)
+        BLOCK_TOKENS = self._block(8, N * chunks, self.num_device_sms)
         self._launch(
             elastic_combine.elastic_combine_epilogue,
-            self._programs(self.num_device_sms, N, BLOCK_TOKENS),
+            self._programs(self.num_device_sms, -(-N // BLOCK_TOKENS) * chunks, 1),
             (
                 topk_idx,
                 terms[0],
