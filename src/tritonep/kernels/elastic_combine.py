@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .elastic_dispatch import load_choices
 from .elastic_exchange import arrive, exchange_number, finish_exchange, tag_and_wait
@@ -151,7 +152,12 @@ def elastic_combine(
     EXPAND: tl.constexpr,  # expanded layout: a row per (token, local expert)
     MULTI: tl.constexpr,  # EXPAND: reduce a token's rows here before sending one
     USE_CLOCK: tl.constexpr,  # waits read the GPU clock (not under the interpreter)
+    PDL: tl.constexpr = False,  # the epilogue is a programmatic dependent launch (sm_90+)
 ):
+    if PDL:
+        # The epilogue may launch now (as in elastic_dispatch: every program of this grid is
+        # resident by then, so none is held back; the epilogue waits for this grid's end).
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     call = exchange_number(state_ptr)
     region = region_offset + (call % 2) * region_bytes
@@ -273,8 +279,13 @@ def elastic_combine_epilogue(
     BLOCK_TOKENS: tl.constexpr,  # tokens per block
     BLOCK_CHANNELS: tl.constexpr,  # channels moved per step
     USE_CLOCK: tl.constexpr,  # waits read the GPU clock (not under the interpreter)
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent of elastic_combine
 ):
     EMULATE: tl.constexpr = not USE_CLOCK
+    if PDL:
+        # Before any read: the push's grid (state, and the rows, which its last program saw
+        # every peer finish) is complete and its writes visible after this.
+        gdc_wait()
     pid = tl.program_id(0)
     call = tl.load(state_ptr, volatile=True) - 1
     region = tl.load(peer_ptrs + rank) + region_offset + (call % 2) * region_bytes

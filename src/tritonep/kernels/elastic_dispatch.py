@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .elastic_exchange import (
     arrive,
@@ -301,7 +302,16 @@ def elastic_dispatch(
     SCAN_BLOCK_TOKENS: tl.constexpr,  # tokens per block of the scan of the earlier tokens' ids
     HAS_SF: tl.constexpr,  # the rows come with scale packs (FP8)
     USE_CLOCK: tl.constexpr,  # waits read the GPU clock (not under the interpreter)
+    PDL: tl.constexpr = False,  # the epilogue is a programmatic dependent launch (sm_90+)
 ):
+    if PDL:
+        # Let the epilogue's grid launch now, so that its launch and its programs' start
+        # overlap this push; they wait (gdc_wait) for this grid to complete before reading
+        # anything. This cannot hold a push program back: the epilogue launches only once
+        # every program of this grid has run this line or exited, i.e. all of them are
+        # already resident (the last one, which waits for the peers' headers, included); the
+        # epilogue's programs take only the room left on the SMs.
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     has_weights = (flags & FLAG_WEIGHTS) != 0
     has_stats = (flags & FLAG_STATS) != 0
@@ -781,7 +791,12 @@ def elastic_dispatch_epilogue(
     BLOCK_FILL: tl.constexpr,  # rows per block of the unused rows' markers
     EXPAND: tl.constexpr,  # expanded layout: a row per (token, local expert)
     HAS_SF: tl.constexpr,  # the rows come with scale packs (FP8)
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent of elastic_dispatch
 ):
+    if PDL:
+        # Before any read: the push's grid (counts, state, and the records, which its last
+        # program saw every peer finish) is complete and its writes visible after this.
+        gdc_wait()
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     call = tl.load(state_ptr, volatile=True) - 1

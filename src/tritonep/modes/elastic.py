@@ -207,6 +207,11 @@ class ElasticMode:
         self.num_device_sms = (
             torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else 4
         )
+        # Each epilogue is a programmatic dependent launch of its push (sm_90 and later): the
+        # push lets it launch at the push's start, so that its launch and its programs' start
+        # overlap the push, and it waits for the push's grid to complete before reading.
+        # Never under the interpreter (no inline assembly there).
+        self._pdl = on_gpu and torch.cuda.get_device_capability(self.device)[0] >= 9
 
     @property
     def timeout_s(self) -> float:
@@ -224,6 +229,12 @@ class ElasticMode:
         if meta is None:
             meta = self._metas[(kernel, key)] = build_meta()
         launcher.launch(kernel, (max(1, num_programs),), args, meta)
+
+    def _dependent(self) -> dict:
+        """An epilogue's launch options: a programmatic dependent launch on sm_90 and later
+        (the kernel waits for its push first), else none (the interpreter takes no
+        ``launch_pdl``)."""
+        return dict(PDL=True, launch_pdl=True) if self._pdl else {}
 
     def _programs(self, wanted: int, work: int, block: int) -> int:
         """Programs of a launch: ``wanted`` (an SM budget), no more than blocks of work, fewer
@@ -425,6 +436,7 @@ class ElasticMode:
                 SCAN_BLOCK_TOKENS=max(BLOCK_TOKENS, 1024 // BLOCK_K),
                 HAS_SF=sf is not None,
                 USE_CLOCK=use_clock(device),
+                PDL=self._pdl,
                 num_warps=8,
             ),
         )
@@ -592,6 +604,7 @@ class ElasticMode:
                 BLOCK_FILL=128,
                 EXPAND=do_expand,
                 HAS_SF=has_sf,
+                **self._dependent(),
                 num_warps=8,
             ),
         )
@@ -683,6 +696,7 @@ class ElasticMode:
                 EXPAND=do_expand,
                 MULTI=multi,
                 USE_CLOCK=use_clock(device),
+                PDL=self._pdl,
                 num_warps=8,
                 enable_fp_fusion=False,
             ),
@@ -725,6 +739,7 @@ class ElasticMode:
                 BLOCK_TOKENS=BLOCK_TOKENS,
                 BLOCK_CHANNELS=BLOCK_CHANNELS,
                 USE_CLOCK=use_clock(device),
+                **self._dependent(),
                 num_warps=8,
                 enable_fp_fusion=False,
             ),
