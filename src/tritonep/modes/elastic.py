@@ -16,7 +16,9 @@ Between the two, ``do_cpu_sync=True`` reads the counts on the host to size the o
 ``False`` sizes them for the worst case and never waits for the host, so CUDA graphs can
 capture the calls. A combine is a push of one row per received token (reduced over its local
 experts in the expanded layout) into the owner's slot for it, then a reduce epilogue that sums
-each token's rows in a fixed order. Call counters live on the device.
+each token's rows in a fixed order. Call counters live on the device. On sm_90 and later each
+epilogue is a programmatic dependent launch of its push (launched while the push runs, it waits
+for the push's grid before reading), so that a call costs about one launch.
 """
 
 from __future__ import annotations
