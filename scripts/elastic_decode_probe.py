@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python scripts/elastic_decode_probe.py [--ranks 4] [--tokens 1,32,128]
         [--hidden 7168] [--experts 256] [--topk 8] [--prefill 4096] [--decode-max N]
+        [--kernels]
 
 Per batch size, the device time per call (CUDA-graph replays, mean over ranks) of:
 
@@ -16,14 +17,64 @@ The bytes differ in kind: the low-latency dispatch moves one FP8 row per (token,
 combine one BF16 row per (token, expert); the elastic dispatch moves one row per (token,
 rank) too, its combine one BF16 row per (token, rank). With ``--prefill N`` it also times an
 exact-size (``do_cpu_sync=True``, plain layout) elastic dispatch and combine of N tokens
-against the normal mode's (eager medians: both read a count on the host).
+against the normal mode's (eager medians: both read a count on the host). With ``--kernels``
+it also prints, per decode call, each kernel's device time per call on rank 0 (the profiler
+over graph replays; it is started once before any timing, as its first start is slow).
 """
 
 from __future__ import annotations
 
 import argparse
+from collections import defaultdict
 
 import torch
+
+
+def _graph(fn, calls):
+    """``fn`` captured ``calls`` times in one CUDA graph (after a warm-up call)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def _profiled(graph, replays):
+    """The CUDA kernels of ``replays`` replays of ``graph``: {name: total device us}."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    dist.barrier()
+    totals: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] += event.device_time_total
+    return totals
+
+
+def _kernel_lines(calls_by_name, calls=5, replays=10):
+    """Per decode call: each kernel's device time per call (us), this rank's."""
+    lines = []
+    for name, fn in calls_by_name.items():
+        graph = _graph(fn, calls)
+        totals = _profiled(graph, replays)
+        per = ", ".join(
+            f"{kernel.split('(')[0]} {us / (calls * replays):.1f}"
+            for kernel, us in sorted(totals.items(), key=lambda kv: -kv[1])
+        )
+        lines.append(f"        {name}: {per}")
+    return lines
 
 
 def _decode_line(ctx, opts, elastic, legacy, T, most):
@@ -58,7 +109,10 @@ def _decode_line(ctx, opts, elastic, legacy, T, most):
     }
     times = mean_over_ranks([time_graph(fn, 5, 10) * 1e3 for fn in calls.values()])
     timed = ", ".join(f"{name} {t:.1f} us" for name, t in zip(calls, times, strict=True))
-    return f"{T:5d} tokens: {timed}"
+    lines = [f"{T:5d} tokens: {timed}"]
+    if opts.kernels:
+        lines += _kernel_lines(calls)
+    return lines
 
 
 def _rank(ctx, opts):
@@ -71,14 +125,18 @@ def _rank(ctx, opts):
     group = ctx.group
     elastic = deep_ep.ElasticBuffer(
         group,
-        num_max_tokens_per_rank=max(most, opts.prefill),
+        num_max_tokens_per_rank=max(most, opts.prefill, opts.decode_max),
         hidden=H,
         num_topk=K,
         explicitly_destroy=True,
     )
     rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(most, H, R, E)
     legacy = deep_ep.Buffer(group, 0, rdma, low_latency_mode=True, explicitly_destroy=True)
-    lines = [_decode_line(ctx, opts, elastic, legacy, T, most) for T in opts.tokens]
+    if opts.kernels:  # CUPTI's first start takes long: not inside a timed call
+        _profiled(_graph(lambda: torch.ones(1, device=ctx.device).add_(1), 1), 1)
+    lines = [
+        line for T in opts.tokens for line in _decode_line(ctx, opts, elastic, legacy, T, most)
+    ]
     if opts.prefill:
         T = opts.prefill
         gen = torch.Generator().manual_seed(13 + ctx.rank)
@@ -131,7 +189,13 @@ def main() -> None:
         type=int,
         default=0,
         help="num_max_tokens_per_rank of the elastic decode calls (default: the largest "
-        "--tokens, the low-latency buffer's; the buffer's own is max(--tokens, --prefill))",
+        "--tokens, the low-latency buffer's; the buffer's own is the largest of --tokens, "
+        "--prefill and this)",
+    )
+    parser.add_argument(
+        "--kernels",
+        action="store_true",
+        help="also print each decode call's kernels with their device time per call (rank 0)",
     )
     args = parser.parse_args()
     args.tokens = [int(v) for v in args.tokens.split(",")]

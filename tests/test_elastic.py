@@ -405,6 +405,7 @@ ELASTIC_KERNELS = [
             PAYLOAD_BYTES=7168,
             SCALE_BYTES=224,
             BLOCK_ROWS=16,
+            BLOCK_FILL=128,
             EXPAND=True,
             HAS_SF=True,
         ),
@@ -515,6 +516,34 @@ def test_elastic_kernels_compile_under_their_profiler_names(kernel):
     ptx = compile_ptx(module, name, signature, meta, {"num_warps": 8})
     (symbol,) = re.findall(r"\.entry (\w+)", ptx)
     assert torch._C._demangle(symbol) == f"tritonep::elastic::{shown}()"
+
+
+def _elastic_ptx(kernel, **extra) -> str:
+    from tests.test_kernels_compile import compile_ptx
+
+    name, _, signature, meta = kernel
+    module = "tritonep.kernels." + ("elastic_combine" if "combine" in name else "elastic_dispatch")
+    meta = {**meta, **extra}
+    signature = {**signature, **dict.fromkeys(meta, "constexpr")}
+    return compile_ptx(module, name, signature, meta, {"num_warps": 8})
+
+
+@pytest.mark.parametrize("push, epilogue", [(0, 1), (2, 3)], ids=["dispatch", "combine"])
+def test_elastic_epilogue_is_a_programmatic_dependent_of_its_push(push, epilogue):
+    """On sm_90 the push lets its epilogue launch (griddepcontrol.launch_dependents) and the
+    epilogue waits for the push's grid (griddepcontrol.wait) before anything else; the
+    default variants (the interpreter's, or GPUs before sm_90) carry neither."""
+    pytest.importorskip("triton.backends.nvidia")
+    push_ptx = _elastic_ptx(ELASTIC_KERNELS[push], PDL=True)
+    epilogue_ptx = _elastic_ptx(ELASTIC_KERNELS[epilogue], PDL=True)
+    assert "griddepcontrol.launch_dependents" in push_ptx
+    assert "griddepcontrol.wait" not in push_ptx
+    assert "griddepcontrol.wait" in epilogue_ptx
+    # The wait comes before the epilogue's first load from memory.
+    body = epilogue_ptx[epilogue_ptx.index(".entry") :]
+    assert body.index("griddepcontrol.wait") < body.index("ld.global")
+    for kernel in (ELASTIC_KERNELS[push], ELASTIC_KERNELS[epilogue]):
+        assert "griddepcontrol" not in _elastic_ptx(kernel)
 
 
 #: DeepEP V2's ``ElasticBuffer`` and ``EPHandle`` (v2.1.0): every public method's arguments in

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..buffer import ranks_per_node
 from ..modes.elastic import (
+    DECODE_TOKENS,
     MAX_TOPK,
     CachedLayout,
     ElasticLayout,
@@ -378,6 +379,14 @@ class ElasticBuffer:
         num_qps = num_sms * 16 + 1 if self.allow_hybrid_mode else min(num_sms, 9)
         return min(num_qps, self.num_allocated_qps)
 
+    def _push_sms(self, num_sms: int, num_tokens: int) -> int:
+        """Programs of a push the caller left to us (``num_sms`` 0) for a decode batch: every
+        SM, as the low-latency mode takes; at these sizes a push is bound by latency, not by
+        bandwidth, and is short. 0 otherwise (the caller's or the theoretical count)."""
+        if num_sms or num_tokens > DECODE_TOKENS:
+            return 0
+        return self._require_runtime().num_device_sms
+
     def _require_runtime(self) -> ElasticMode:
         if self.runtime is None:
             raise RuntimeError("ElasticBuffer: destroyed")
@@ -469,7 +478,8 @@ class ElasticBuffer:
                 passes the same.
             expert_alignment: pad each local expert's row count to a multiple of this
                 (default 1).
-            num_sms: programs of the push; 0: :meth:`get_theoretical_num_sms`. The copy
+            num_sms: programs of the push; 0: :meth:`get_theoretical_num_sms`, or every SM
+                for a decode batch (at most ``DECODE_TOKENS`` tokens, 256). The copy
                 epilogue uses every SM.
             num_qps: accepted (no RDMA); at most ``num_allocated_qps``.
             previous_event: an event (:meth:`capture`) the kernels wait for (default: the
@@ -558,6 +568,7 @@ class ElasticBuffer:
                 shape=(e_local,),
                 device=runtime.device,
             )
+        push_sms = self._push_sms(num_sms, num_tokens)
         num_sms = num_sms or self.get_theoretical_num_sms(num_experts, topk)
         num_qps = num_qps or self.get_theoretical_num_qps(num_sms)
         if num_qps > self.num_allocated_qps:
@@ -581,7 +592,7 @@ class ElasticBuffer:
                 num_experts,
                 num_max,
                 expert_alignment,
-                num_sms,
+                push_sms or num_sms,
                 cached,
                 do_cpu_sync,
                 do_expand,
@@ -656,7 +667,8 @@ class ElasticBuffer:
             topk_weights: ``[rows, K]`` (plain) or ``[rows]`` (expanded) float32, handed back:
                 weight ``k`` of a token comes from the rank that holds expert ``k``.
             bias: ``[N, H]`` BF16, or a tuple of two.
-            num_sms: programs of the push; 0: the dispatch's.
+            num_sms: programs of the push; 0: the dispatch's, or every SM for a decode
+                batch (at most ``DECODE_TOKENS`` tokens, 256).
             num_qps, previous_event, previous_event_before_epilogue,
                 async_with_compute_stream, allocate_on_comm_stream: as in :meth:`dispatch`.
         Returns:
@@ -693,6 +705,7 @@ class ElasticBuffer:
                 shape=(num_tokens, x.shape[1]),
                 device=device,
             )
+        push_sms = self._push_sms(num_sms, num_tokens)
         num_sms = num_sms or handle.num_sms
         num_qps = num_qps or self.get_theoretical_num_qps(num_sms)
         if num_qps > self.num_allocated_qps:
@@ -712,7 +725,7 @@ class ElasticBuffer:
                 handle.num_max_tokens_per_rank,
                 handle.do_expand,
                 self.allow_multiple_reduction,
-                num_sms,
+                push_sms or num_sms,
                 self._before_epilogue(previous_event_before_epilogue),
             )
         event = self._finish(compute, async_with_compute_stream, (out, out_w))

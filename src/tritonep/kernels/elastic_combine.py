@@ -2,7 +2,8 @@
 token's owner, then one epilogue on all SMs sums each token's rows in a fixed order.
 
 :func:`elastic_combine` (``tritonep::elastic::combine_impl``), on the rank that holds the
-experts: program ``p`` takes received tokens ``p, p + P, ...`` (blocks of ``BLOCK_ROWS``). A token's
+experts: program ``p`` takes work items ``p, p + P, ...``, an item being a block of
+``BLOCK_ROWS`` received tokens and a chunk of ``BLOCK_CHANNELS`` channels. A token's
 row is the input row (plain layout), or the float32 sum of its expanded rows in top-k order,
 rounded to BF16 (expand layout, ``MULTI``); it goes to the owner's region at
 ``[slot][source token]`` with the token's top-k weights, ``slot`` being this rank's place in
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .elastic_dispatch import load_choices
 from .elastic_exchange import arrive, exchange_number, finish_exchange, tag_and_wait
@@ -45,6 +47,7 @@ def send_sums(
     i,
     live,
     dst,
+    h0,
     ks,
     H: tl.constexpr,
     K: tl.constexpr,
@@ -53,32 +56,32 @@ def send_sums(
     has_weights,
     EMULATE: tl.constexpr,
 ):
-    """Store each token's row (the input row ``i``, or with ``EXPAND`` the float32 sum of its
-    expanded rows ``rows`` in top-k order, rounded) and weights at ``dst`` ([B] int64)."""
-    hs = tl.arange(0, BLOCK_CHANNELS)
+    """Store channels ``[h0, h0 + BLOCK_CHANNELS)`` of each token's row (the input row ``i``,
+    or with ``EXPAND`` the float32 sum of its expanded rows ``rows`` in top-k order, rounded)
+    at ``dst`` ([B] int64), and with the first channels its weights. The top-k loop is
+    unrolled: its loads are independent and overlap; only the sum keeps the top-k order."""
+    h = h0 + tl.arange(0, BLOCK_CHANNELS)
+    hmask = h < H
     out = dst.to(tl.pointer_type(tl.bfloat16))
-    for h0 in range(0, H, BLOCK_CHANNELS):
-        h = h0 + hs
-        hmask = h < H
-        if EXPAND:
-            acc = tl.zeros((i.shape[0], BLOCK_CHANNELS), tl.float32)
-            for k in range(K):
-                r = lane(rows, ks, k)
-                m = live & (r >= 0)
-                y = tl.load(
-                    x_ptr + r.to(tl.int64)[:, None] * H + h[None, :],
-                    mask=m[:, None] & hmask[None, :],
-                    other=0.0,
-                )
-                acc = tl.where(m[:, None], acc + from_bf16(y, EMULATE), acc)
-            y = to_bf16(acc, EMULATE)
-        else:
+    if EXPAND:
+        acc = tl.zeros((i.shape[0], BLOCK_CHANNELS), tl.float32)
+        for k in tl.static_range(K):
+            r = lane(rows, ks, k)
+            m = live & (r >= 0)
             y = tl.load(
-                x_ptr + i.to(tl.int64)[:, None] * H + h[None, :],
-                mask=live[:, None] & hmask[None, :],
+                x_ptr + tl.maximum(r, 0).to(tl.int64)[:, None] * H + h[None, :],
+                mask=m[:, None] & hmask[None, :],
+                other=0.0,
             )
-        tl.store(out[:, None] + h[None, :], y, mask=live[:, None] & hmask[None, :])
-    if has_weights:
+            acc = tl.where(m[:, None], acc + from_bf16(y, EMULATE), acc)
+        y = to_bf16(acc, EMULATE)
+    else:
+        y = tl.load(
+            x_ptr + i.to(tl.int64)[:, None] * H + h[None, :],
+            mask=live[:, None] & hmask[None, :],
+        )
+    tl.store(out[:, None] + h[None, :], y, mask=live[:, None] & hmask[None, :])
+    if (has_weights != 0) & (h0 == 0):
         kmask = live[:, None] & (ks < K)[None, :]
         if EXPAND:
             w = tl.load(
@@ -99,24 +102,24 @@ def send_expanded(
     region,
     token,
     max_tokens,
+    h0,
     ks,
     H: tl.constexpr,
     K: tl.constexpr,
     BLOCK_CHANNELS: tl.constexpr,
     COMBINE_RECORD_BYTES: tl.constexpr,
 ):
-    """Without reductions here: every expanded row to slot ``k`` (its top-k column)."""
-    hs = tl.arange(0, BLOCK_CHANNELS)
-    for k in range(K):
+    """Without reductions here: channels ``[h0, h0 + BLOCK_CHANNELS)`` of every expanded row
+    to slot ``k`` (its top-k column), the top-k loop unrolled so that the copies overlap."""
+    h = h0 + tl.arange(0, BLOCK_CHANNELS)
+    hmask = h < H
+    for k in tl.static_range(K):
         r = lane(rows, ks, k)
-        m = live & (r >= 0)
+        m2 = (live & (r >= 0))[:, None] & hmask[None, :]
         out = slot_rows(owner_base + region, k, token, max_tokens, COMBINE_RECORD_BYTES)
         out = out.to(tl.pointer_type(tl.bfloat16))
-        for h0 in range(0, H, BLOCK_CHANNELS):
-            h = h0 + hs
-            m2 = m[:, None] & (h < H)[None, :]
-            y = tl.load(x_ptr + tl.maximum(r, 0).to(tl.int64)[:, None] * H + h[None, :], mask=m2)
-            tl.store(out[:, None] + h[None, :], y, mask=m2)
+        y = tl.load(x_ptr + tl.maximum(r, 0).to(tl.int64)[:, None] * H + h[None, :], mask=m2)
+        tl.store(out[:, None] + h[None, :], y, mask=m2)
 
 
 @kernel("tritonep::elastic::combine_impl", do_not_specialize=["timeout_us", "has_weights"])
@@ -149,7 +152,12 @@ def elastic_combine(
     EXPAND: tl.constexpr,  # expanded layout: a row per (token, local expert)
     MULTI: tl.constexpr,  # EXPAND: reduce a token's rows here before sending one
     USE_CLOCK: tl.constexpr,  # waits read the GPU clock (not under the interpreter)
+    PDL: tl.constexpr = False,  # the epilogue is a programmatic dependent launch (sm_90+)
 ):
+    if PDL:
+        # The epilogue may launch now (as in elastic_dispatch: every program of this grid is
+        # resident by then, so none is held back; the epilogue waits for this grid's end).
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     call = exchange_number(state_ptr)
     region = region_offset + (call % 2) * region_bytes
@@ -157,8 +165,13 @@ def elastic_combine(
     ks = tl.arange(0, BLOCK_K)
     peer_base = tl.load(peer_ptrs + ranks, mask=ranks < NUM_RANKS, other=0)
     total = tl.load(psum_rank_ptr + NUM_RANKS - 1)
-    for i0 in range(pid * BLOCK_ROWS, total, tl.num_programs(0) * BLOCK_ROWS):
-        i = i0 + tl.arange(0, BLOCK_ROWS)
+    # Work items: (block of BLOCK_ROWS received tokens, chunk of BLOCK_CHANNELS channels), so
+    # that a decode batch of a few tokens still spreads over every program.
+    NUM_CHUNKS: tl.constexpr = (H + BLOCK_CHANNELS - 1) // BLOCK_CHANNELS
+    num_items = tl.cdiv(total, BLOCK_ROWS) * NUM_CHUNKS
+    for item in range(pid, num_items, tl.num_programs(0)):
+        i = (item // NUM_CHUNKS) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        h0 = (item % NUM_CHUNKS) * BLOCK_CHANNELS
         live = i < total
         meta = meta_ptr + i.to(tl.int64) * (K + 2)
         src = tl.load(meta, mask=live, other=0)
@@ -179,6 +192,7 @@ def elastic_combine(
                 region,
                 token,
                 max_tokens,
+                h0,
                 ks,
                 H,
                 K,
@@ -195,6 +209,7 @@ def elastic_combine(
                 i,
                 live,
                 dst,
+                h0,
                 ks,
                 H,
                 K,
@@ -264,53 +279,63 @@ def elastic_combine_epilogue(
     BLOCK_TOKENS: tl.constexpr,  # tokens per block
     BLOCK_CHANNELS: tl.constexpr,  # channels moved per step
     USE_CLOCK: tl.constexpr,  # waits read the GPU clock (not under the interpreter)
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent of elastic_combine
 ):
     EMULATE: tl.constexpr = not USE_CLOCK
+    if PDL:
+        # Before any read: the push's grid (state, and the rows, which its last program saw
+        # every peer finish) is complete and its writes visible after this.
+        gdc_wait()
     pid = tl.program_id(0)
     call = tl.load(state_ptr, volatile=True) - 1
     region = tl.load(peer_ptrs + rank) + region_offset + (call % 2) * region_bytes
     ks = tl.arange(0, BLOCK_K)
     hs = tl.arange(0, BLOCK_CHANNELS)
-    for t0 in range(pid * BLOCK_TOKENS, num_tokens, tl.num_programs(0) * BLOCK_TOKENS):
-        tokens = t0 + tl.arange(0, BLOCK_TOKENS)
+    # Work items: (block of BLOCK_TOKENS tokens, chunk of BLOCK_CHANNELS channels), so that a
+    # decode batch spreads over the programs; the slots' loads are unrolled so that they
+    # overlap, the sum keeping the slot order.
+    NUM_CHUNKS: tl.constexpr = (H + BLOCK_CHANNELS - 1) // BLOCK_CHANNELS
+    num_items = tl.cdiv(num_tokens, BLOCK_TOKENS) * NUM_CHUNKS
+    for item in range(pid, num_items, tl.num_programs(0)):
+        tokens = (item // NUM_CHUNKS) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+        h0 = (item % NUM_CHUNKS) * BLOCK_CHANNELS
         tmask = tokens < num_tokens
         _, ids, valid = load_choices(topk_ptr, tokens, tmask, ks, K, NUM_EXPERTS)
         owner = tl.where(valid, ids // E_LOCAL, -1)
         weight_slot, num_slots = weight_slots(owner, ks)
         rows = tokens.to(tl.int64)
-        for h0 in range(0, H, BLOCK_CHANNELS):
-            h = h0 + hs
-            m2 = tmask[:, None] & (h < H)[None, :]
-            at = rows[:, None] * H + h[None, :]
-            acc = tl.zeros((BLOCK_TOKENS, BLOCK_CHANNELS), tl.float32)
-            if num_bias >= 1:
-                acc = from_bf16(tl.load(bias0_ptr + at, mask=m2, other=0.0), EMULATE)
-            if num_bias == 2:
-                acc = acc + from_bf16(tl.load(bias1_ptr + at, mask=m2, other=0.0), EMULATE)
-            for j in range(SLOTS):
-                if RANK_SLOTS:
-                    used = tmask & (j < num_slots)
-                else:
-                    used = tmask & (lane(valid.to(tl.int32), ks, j) > 0)
-                src = slot_rows(region, j, tokens, max_tokens, COMBINE_RECORD_BYTES).to(
-                    tl.pointer_type(tl.bfloat16)
-                )
-                y = tl.load(
-                    src[:, None] + h[None, :],
-                    mask=used[:, None] & (h < H)[None, :],
-                    other=0.0,
-                    cache_modifier=".cg",  # written by peers: not from this SM's L1
-                )
-                acc = tl.where(used[:, None], acc + from_bf16(y, EMULATE), acc)
-            tl.store(out_ptr + at, to_bf16(acc, EMULATE), mask=m2)
-        if has_weights:
+        h = h0 + hs
+        m2 = tmask[:, None] & (h < H)[None, :]
+        at = rows[:, None] * H + h[None, :]
+        acc = tl.zeros((BLOCK_TOKENS, BLOCK_CHANNELS), tl.float32)
+        if num_bias >= 1:
+            acc = from_bf16(tl.load(bias0_ptr + at, mask=m2, other=0.0), EMULATE)
+        if num_bias == 2:
+            acc = acc + from_bf16(tl.load(bias1_ptr + at, mask=m2, other=0.0), EMULATE)
+        for j in tl.static_range(SLOTS):
+            if RANK_SLOTS:
+                used = tmask & (j < num_slots)
+            else:
+                used = tmask & (lane(valid.to(tl.int32), ks, j) > 0)
+            src = slot_rows(region, j, tokens, max_tokens, COMBINE_RECORD_BYTES).to(
+                tl.pointer_type(tl.bfloat16)
+            )
+            y = tl.load(
+                src[:, None] + h[None, :],
+                mask=used[:, None] & (h < H)[None, :],
+                other=0.0,
+                cache_modifier=".cg",  # written by peers: not from this SM's L1
+            )
+            acc = tl.where(used[:, None], acc + from_bf16(y, EMULATE), acc)
+        tl.store(out_ptr + at, to_bf16(acc, EMULATE), mask=m2)
+        if (has_weights != 0) & (h0 == 0):
             kmask = tmask[:, None] & (ks < K)[None, :]
-            src = (
+            at_w = (
                 slot_rows(region, weight_slot, tokens[:, None], max_tokens, COMBINE_RECORD_BYTES)
                 + 2 * H
             )
             w = tl.load(
-                src.to(tl.pointer_type(tl.float32)) + ks[None, :],
+                at_w.to(tl.pointer_type(tl.float32)) + ks[None, :],
                 mask=kmask & valid,
                 other=0.0,
                 cache_modifier=".cg",

@@ -8,7 +8,8 @@ ids), so that it knows, without any atomics, each of its tokens' slot on every d
 (the token's rank among the tokens of this source that go there) and, per chosen expert, the
 token's rank among this source's tokens of that expert. It stores into the destination's
 region ``[source][slot]`` a record: the payload, the scale packs (FP8), and the token's
-metadata (:data:`META_WORDS`). The last program to finish sends each destination a header
+metadata (:data:`META_WORDS`); each payload word is read once and stored to every
+destination. The last program to finish sends each destination a header
 (tokens and per-expert counts, then the tag), waits for every source's header and decodes
 them into ``recv_counts [R, 1 + E_local]``.
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .elastic_exchange import (
     arrive,
@@ -135,33 +137,11 @@ def reduction_slots(owner, ranks, ks, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def store_record(
-    rec,
-    tokens,
-    go,
-    first_col,
-    slot,
-    local,
-    ranked,
-    weights,
-    x_ptr,
-    sf_ptr,
-    sf_token_stride,
-    sf_group_stride,
-    ks,
-    K: tl.constexpr,
-    ROW_WORDS: tl.constexpr,
-    BLOCK_WORDS: tl.constexpr,
-    G: tl.constexpr,
-    BLOCK_GROUPS: tl.constexpr,
-    PAYLOAD_BYTES: tl.constexpr,
-    SCALE_BYTES: tl.constexpr,
-    HAS_SF: tl.constexpr,
-    has_weights,
-):
-    """Store the records of the block's tokens ``go`` at the addresses ``rec`` ([T] int64)."""
+def store_meta(rec, tokens, go, first_col, slot, local, ranked, weights, ks, K, has_weights):
+    """Store the metadata of the records of the block's tokens ``go`` at ``rec`` ([T] int64,
+    each record's metadata words)."""
     kmask = go[:, None] & (ks < K)[None, :]
-    meta = aligned_ptr(rec + PAYLOAD_BYTES + SCALE_BYTES, tl.int32)
+    meta = aligned_ptr(rec, tl.int32)
     tl.store(meta, tokens, mask=go)
     tl.store(meta + 1, first_col, mask=go)
     tl.store(meta + 2, slot, mask=go)
@@ -171,24 +151,50 @@ def store_record(
         tl.store(
             meta[:, None] + 3 + 2 * K + ks[None, :], weights.to(tl.int32, bitcast=True), mask=kmask
         )
+
+
+@triton.jit
+def store_payloads(
+    recs,
+    hit,
+    ranks,
+    tokens,
+    tmask,
+    x_ptr,
+    sf_ptr,
+    sf_token_stride,
+    sf_group_stride,
+    NUM_RANKS: tl.constexpr,
+    ROW_WORDS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+    PAYLOAD_BYTES: tl.constexpr,
+    HAS_SF: tl.constexpr,
+):
+    """Store the rows (and scale packs) of the block's tokens into their records ``recs``
+    ([T, BLOCK_RANKS] int64 on each destination, where ``hit``): each word is read once and
+    stored to every destination, so a step waits for one load, not one per destination."""
     rows = tokens.to(tl.int64)
-    dst = aligned_ptr(rec, tl.int32)
     words = tl.arange(0, BLOCK_WORDS)
     for w0 in range(0, ROW_WORDS, BLOCK_WORDS):
         w = w0 + words
-        m = go[:, None] & (w < ROW_WORDS)[None, :]
-        tl.store(
-            dst[:, None] + w[None, :],
-            tl.load(x_ptr + rows[:, None] * ROW_WORDS + w[None, :], mask=m),
-            mask=m,
-        )
+        m = tmask[:, None] & (w < ROW_WORDS)[None, :]
+        v = tl.load(x_ptr + rows[:, None] * ROW_WORDS + w[None, :], mask=m)
+        for d in range(NUM_RANKS):
+            go = lane(hit, ranks, d) > 0
+            dst = aligned_ptr(lane(recs, ranks, d), tl.int32)
+            tl.store(dst[:, None] + w[None, :], v, mask=m & go[:, None])
     if HAS_SF:
         g = tl.arange(0, BLOCK_GROUPS)
-        m = go[:, None] & (g < G)[None, :]
+        m = tmask[:, None] & (g < G)[None, :]
         packs = tl.load(
             sf_ptr + rows[:, None] * sf_token_stride + g[None, :] * sf_group_stride, mask=m
         )
-        tl.store(aligned_ptr(rec + PAYLOAD_BYTES, tl.int32)[:, None] + g[None, :], packs, mask=m)
+        for d in range(NUM_RANKS):
+            go = lane(hit, ranks, d) > 0
+            dst = aligned_ptr(lane(recs, ranks, d) + PAYLOAD_BYTES, tl.int32)
+            tl.store(dst[:, None] + g[None, :], packs, mask=m & go[:, None])
 
 
 @triton.jit
@@ -296,7 +302,16 @@ def elastic_dispatch(
     SCAN_BLOCK_TOKENS: tl.constexpr,  # tokens per block of the scan of the earlier tokens' ids
     HAS_SF: tl.constexpr,  # the rows come with scale packs (FP8)
     USE_CLOCK: tl.constexpr,  # waits read the GPU clock (not under the interpreter)
+    PDL: tl.constexpr = False,  # the epilogue is a programmatic dependent launch (sm_90+)
 ):
+    if PDL:
+        # Let the epilogue's grid launch now, so that its launch and its programs' start
+        # overlap this push; they wait (gdc_wait) for this grid to complete before reading
+        # anything. This cannot hold a push program back: the epilogue launches only once
+        # every program of this grid has run this line or exited, i.e. all of them are
+        # already resident (the last one, which waits for the peers' headers, included); the
+        # epilogue's programs take only the room left on the SMs.
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     has_weights = (flags & FLAG_WEIGHTS) != 0
     has_stats = (flags & FLAG_STATS) != 0
@@ -333,36 +348,43 @@ def elastic_dispatch(
             mine = owner[:, :, None] == ranks[None, None, :]
             dst_slot = tl.sum(tl.where(mine, pos[:, None, :], 0), 2)
             tl.store(slots_ptr + at, tl.where(owner >= 0, dst_slot, -1), mask=kmask)
+        # [T, BLOCK_RANKS] each token's record on each destination.
+        spots = (rank * max_tokens + pos).to(tl.int64)
+        recs = peer_base[None, :] + region + spots * RECORD_BYTES
         for d in range(NUM_RANKS):
             go = lane(hit, ranks, d) > 0
             if tl.max(go.to(tl.int32), 0) > 0:
-                spot = (rank * max_tokens + lane(pos, ranks, d)).to(tl.int64)
-                rec = lane(peer_base, ranks, d) + region + spot * RECORD_BYTES
-                local = tl.where(owner == d, ids - d * E_LOCAL, -1)
-                store_record(
-                    rec,
+                store_meta(
+                    lane(recs, ranks, d) + PAYLOAD_BYTES + SCALE_BYTES,
                     tokens,
                     go,
                     lane(first_col, ranks, d),
                     lane(slot, ranks, d),
-                    local,
+                    tl.where(owner == d, ids - d * E_LOCAL, -1),
                     ranked,
                     weights,
-                    x_words,
-                    sf_ptr,
-                    sf_token_stride,
-                    sf_group_stride,
                     ks,
                     K,
-                    ROW_WORDS,
-                    BLOCK_WORDS,
-                    G,
-                    BLOCK_GROUPS,
-                    PAYLOAD_BYTES,
-                    SCALE_BYTES,
-                    HAS_SF,
                     has_weights,
                 )
+        store_payloads(
+            recs,
+            hit,
+            ranks,
+            tokens,
+            tmask,
+            x_words,
+            sf_ptr,
+            sf_token_stride,
+            sf_group_stride,
+            NUM_RANKS,
+            ROW_WORDS,
+            BLOCK_WORDS,
+            G,
+            BLOCK_GROUPS,
+            PAYLOAD_BYTES,
+            HAS_SF,
+        )
         sent += tl.sum(hit, 0)
         flat = tl.reshape(tl.where(valid & tmask[:, None], ids, 0), (BLOCK_TOKENS * BLOCK_K,))
         fmask = tl.reshape(valid & tmask[:, None], (BLOCK_TOKENS * BLOCK_K,))
@@ -481,6 +503,93 @@ def copy_rows(
 
 
 @triton.jit
+def copy_expanded(
+    src,
+    dst,
+    live,
+    ks,
+    out_words,
+    out_sf,
+    out_sf_token_stride,
+    out_sf_group_stride,
+    K: tl.constexpr,
+    ROW_WORDS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+    PAYLOAD_BYTES: tl.constexpr,
+    HAS_SF: tl.constexpr,
+):
+    """Copy the payload and scale packs of records ``src`` ([B] int64) to each of their
+    expanded rows ``dst`` ([B, BLOCK_K], ``-1`` none): each word is read once and written
+    up to ``K`` times, the writes unrolled so that they overlap."""
+    words = tl.arange(0, BLOCK_WORDS)
+    rec = aligned_ptr(src, tl.int32)
+    used = live & (tl.max(dst, 1) >= 0)
+    for w0 in range(0, ROW_WORDS, BLOCK_WORDS):
+        w = w0 + words
+        wmask = w < ROW_WORDS
+        v = tl.load(
+            rec[:, None] + w[None, :], mask=used[:, None] & wmask[None, :], cache_modifier=".cg"
+        )
+        for k in tl.static_range(K):
+            rows = lane(dst, ks, k)
+            m = (live & (rows >= 0))[:, None] & wmask[None, :]
+            tl.store(out_words + rows.to(tl.int64)[:, None] * ROW_WORDS + w[None, :], v, mask=m)
+    if HAS_SF:
+        g = tl.arange(0, BLOCK_GROUPS)
+        gmask = g < G
+        v = tl.load(
+            aligned_ptr(src + PAYLOAD_BYTES, tl.int32)[:, None] + g[None, :],
+            mask=used[:, None] & gmask[None, :],
+            cache_modifier=".cg",
+        )
+        for k in tl.static_range(K):
+            rows = lane(dst, ks, k).to(tl.int64)
+            m = (live & (rows >= 0))[:, None] & gmask[None, :]
+            at = rows[:, None] * out_sf_token_stride + g[None, :] * out_sf_group_stride
+            tl.store(out_sf + at, v, mask=m)
+
+
+@triton.jit
+def mark_unused_rows(
+    pid,
+    num_programs,
+    total,
+    num_rows,
+    out_ids,
+    out_weights,
+    out_meta,
+    out_slots,
+    ks,
+    K: tl.constexpr,
+    EXPAND: tl.constexpr,
+    has_weights,
+    write_meta,
+    BLOCK_FILL: tl.constexpr,
+):
+    """Rows ``[total, num_rows)`` of worst-case outputs: metadata, slots and (plain) ids
+    ``-1``, weights 0. Markers only: the payload rows stay unwritten, so the cost follows the
+    received rows, not the worst case."""
+    kmask = ks < K
+    for r0 in range(total + pid * BLOCK_FILL, num_rows, num_programs * BLOCK_FILL):
+        i = r0 + tl.arange(0, BLOCK_FILL)
+        pad = i < num_rows
+        rows = i.to(tl.int64)
+        m2 = pad[:, None] & kmask[None, :]
+        if not EXPAND:
+            tl.store(out_ids + rows[:, None] * K + ks[None, :], -1, mask=m2)
+            if has_weights:
+                tl.store(out_weights + rows[:, None] * K + ks[None, :], 0.0, mask=m2)
+        if write_meta:
+            row = out_meta + rows * (K + 2)
+            tl.store(row, -1, mask=pad)
+            tl.store(row + 1, -1, mask=pad)
+            tl.store(row[:, None] + 2 + ks[None, :], -1, mask=m2)
+            tl.store(out_slots + rows, -1, mask=pad)
+
+
+@triton.jit
 def zero_padding(
     pid,
     num_programs,
@@ -526,6 +635,121 @@ def zero_padding(
                 tl.store(out_weights + rows, 0.0, mask=live)
 
 
+@triton.jit
+def copy_received_block(
+    i,
+    total,
+    src_start,
+    src_end,
+    ranks,
+    start_flat,
+    ks,
+    rec_base,
+    max_tokens,
+    num_out_rows,
+    out_words,
+    out_sf,
+    out_sf_token_stride,
+    out_sf_group_stride,
+    out_ids,
+    out_weights,
+    out_meta,
+    out_slots,
+    has_weights,
+    write_meta,
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_LOCAL_EXPERTS: tl.constexpr,
+    ROW_WORDS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+    RECORD_BYTES: tl.constexpr,
+    PAYLOAD_BYTES: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    EXPAND: tl.constexpr,
+    HAS_SF: tl.constexpr,
+):
+    """Received rows ``i`` ([BLOCK_ROWS], those below ``total`` live) into the caller's
+    layout, from their records in the region at ``rec_base``, with the handle's rows."""
+    kmask = ks < K
+    live = i < total
+    source = tl.sum((src_end[None, :] <= i[:, None]).to(tl.int32), 1)
+    source = tl.where(live, source, 0)
+    pos = i - tl.sum(tl.where(ranks[None, :] == source[:, None], src_start[None, :], 0), 1)
+    spot = (source * max_tokens + pos).to(tl.int64)
+    rec = rec_base + spot * RECORD_BYTES
+    meta = aligned_ptr(rec + PAYLOAD_BYTES + SCALE_BYTES, tl.int32)
+    m2 = live[:, None] & kmask[None, :]
+    local = tl.load(meta[:, None] + 3 + ks[None, :], mask=m2, other=-1, cache_modifier=".cg")
+    weights = tl.load(
+        meta[:, None] + 3 + 2 * K + ks[None, :], mask=m2, other=0, cache_modifier=".cg"
+    )
+    weights = weights.to(tl.float32, bitcast=True)
+    if EXPAND:
+        ranked = tl.load(
+            meta[:, None] + 3 + K + ks[None, :], mask=m2, other=0, cache_modifier=".cg"
+        )
+        at = tl.reshape(
+            source[:, None] * BLOCK_LOCAL_EXPERTS + tl.maximum(local, 0),
+            (BLOCK_ROWS * BLOCK_K,),
+        )
+        block_start = tl.reshape(tl.gather(start_flat, at, 0), (BLOCK_ROWS, BLOCK_K))
+        dst = tl.where(
+            (local >= 0) & (block_start + ranked < num_out_rows), block_start + ranked, -1
+        )
+        copy_expanded(
+            rec,
+            dst,
+            live,
+            ks,
+            out_words,
+            out_sf,
+            out_sf_token_stride,
+            out_sf_group_stride,
+            K,
+            ROW_WORDS,
+            BLOCK_WORDS,
+            G,
+            BLOCK_GROUPS,
+            PAYLOAD_BYTES,
+            HAS_SF,
+        )
+        if has_weights:
+            tl.store(out_weights + dst.to(tl.int64), weights, mask=m2 & (dst >= 0))
+    else:
+        dst = tl.full((BLOCK_ROWS, BLOCK_K), -1, tl.int32)
+        copy_rows(
+            rec,
+            i,
+            live,
+            out_words,
+            out_sf,
+            out_sf_token_stride,
+            out_sf_group_stride,
+            ROW_WORDS,
+            BLOCK_WORDS,
+            G,
+            BLOCK_GROUPS,
+            PAYLOAD_BYTES,
+            HAS_SF,
+        )
+        rows2 = i.to(tl.int64)[:, None] * K + ks[None, :]
+        tl.store(out_ids + rows2, local.to(tl.int64), mask=m2)
+        if has_weights:
+            tl.store(out_weights + rows2, weights, mask=m2)
+    if write_meta:
+        token = tl.load(meta, mask=live, other=-1, cache_modifier=".cg")
+        first_col = tl.load(meta + 1, mask=live, other=-1, cache_modifier=".cg")
+        slot = tl.load(meta + 2, mask=live, other=-1, cache_modifier=".cg")
+        row = out_meta + i.to(tl.int64) * (K + 2)
+        tl.store(row, source * max_tokens + token, mask=live)
+        tl.store(row + 1, source * K + first_col, mask=live)
+        tl.store(row[:, None] + 2 + ks[None, :], dst, mask=m2)
+        tl.store(out_slots + i, slot, mask=live)
+
+
 @kernel("tritonep::elastic::dispatch_copy_epilogue_impl", do_not_specialize=["flags"])
 def elastic_dispatch_epilogue(
     recv_counts_ptr,  # [R, 1 + E_LOCAL] int32 from elastic_dispatch
@@ -564,9 +788,15 @@ def elastic_dispatch_epilogue(
     PAYLOAD_BYTES: tl.constexpr,  # bytes of its payload (16-byte aligned)
     SCALE_BYTES: tl.constexpr,  # bytes of its scale packs (16-byte aligned)
     BLOCK_ROWS: tl.constexpr,  # received tokens per block
+    BLOCK_FILL: tl.constexpr,  # rows per block of the unused rows' markers
     EXPAND: tl.constexpr,  # expanded layout: a row per (token, local expert)
     HAS_SF: tl.constexpr,  # the rows come with scale packs (FP8)
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent of elastic_dispatch
 ):
+    if PDL:
+        # Before any read: the push's grid (counts, state, and the records, which its last
+        # program saw every peer finish) is complete and its writes visible after this.
+        gdc_wait()
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     call = tl.load(state_ptr, volatile=True) - 1
@@ -575,7 +805,6 @@ def elastic_dispatch_epilogue(
     ranks = tl.arange(0, BLOCK_RANKS)
     els = tl.arange(0, BLOCK_LOCAL_EXPERTS)
     ks = tl.arange(0, BLOCK_K)
-    kmask = ks < K
     has_weights = (flags & FLAG_WEIGHTS) != 0
     write_meta = (flags & FLAG_META) != 0
     src_start, src_end, chosen, aligned, expert_start, start = received_layout(
@@ -600,85 +829,58 @@ def elastic_dispatch_epilogue(
             EXPAND,
         )
     start_flat = tl.reshape(start, (BLOCK_RANKS * BLOCK_LOCAL_EXPERTS,))
-    for i0 in range(pid * BLOCK_ROWS, num_rows, num_programs * BLOCK_ROWS):
-        i = i0 + tl.arange(0, BLOCK_ROWS)
-        live = i < total
-        source = tl.sum((src_end[None, :] <= i[:, None]).to(tl.int32), 1)
-        source = tl.where(live, source, 0)
-        pos = i - tl.sum(tl.where(ranks[None, :] == source[:, None], src_start[None, :], 0), 1)
-        spot = (source * max_tokens + pos).to(tl.int64)
-        rec = my_base + region + spot * RECORD_BYTES
-        meta = aligned_ptr(rec + PAYLOAD_BYTES + SCALE_BYTES, tl.int32)
-        m2 = live[:, None] & kmask[None, :]
-        local = tl.load(meta[:, None] + 3 + ks[None, :], mask=m2, other=-1, cache_modifier=".cg")
-        weights = tl.load(
-            meta[:, None] + 3 + 2 * K + ks[None, :], mask=m2, other=0, cache_modifier=".cg"
+    for i0 in range(pid * BLOCK_ROWS, total, num_programs * BLOCK_ROWS):
+        copy_received_block(
+            i0 + tl.arange(0, BLOCK_ROWS),
+            total,
+            src_start,
+            src_end,
+            ranks,
+            start_flat,
+            ks,
+            my_base + region,
+            max_tokens,
+            num_out_rows,
+            out_words,
+            out_sf,
+            out_sf_token_stride,
+            out_sf_group_stride,
+            out_ids,
+            out_weights,
+            out_meta,
+            out_slots,
+            has_weights,
+            write_meta,
+            K,
+            BLOCK_K,
+            BLOCK_LOCAL_EXPERTS,
+            ROW_WORDS,
+            BLOCK_WORDS,
+            G,
+            BLOCK_GROUPS,
+            RECORD_BYTES,
+            PAYLOAD_BYTES,
+            SCALE_BYTES,
+            BLOCK_ROWS,
+            EXPAND,
+            HAS_SF,
         )
-        weights = weights.to(tl.float32, bitcast=True)
-        if EXPAND:
-            ranked = tl.load(
-                meta[:, None] + 3 + K + ks[None, :], mask=m2, other=0, cache_modifier=".cg"
-            )
-            at = tl.reshape(
-                source[:, None] * BLOCK_LOCAL_EXPERTS + tl.maximum(local, 0),
-                (BLOCK_ROWS * BLOCK_K,),
-            )
-            block_start = tl.reshape(tl.gather(start_flat, at, 0), (BLOCK_ROWS, BLOCK_K))
-            dst = tl.where(
-                (local >= 0) & (block_start + ranked < num_out_rows), block_start + ranked, -1
-            )
-            for k in range(K):
-                rows = lane(dst, ks, k)
-                copy_rows(
-                    rec,
-                    rows,
-                    live & (rows >= 0),
-                    out_words,
-                    out_sf,
-                    out_sf_token_stride,
-                    out_sf_group_stride,
-                    ROW_WORDS,
-                    BLOCK_WORDS,
-                    G,
-                    BLOCK_GROUPS,
-                    PAYLOAD_BYTES,
-                    HAS_SF,
-                )
-            if has_weights:
-                tl.store(out_weights + dst.to(tl.int64), weights, mask=m2 & (dst >= 0))
-        else:
-            dst = tl.full((BLOCK_ROWS, BLOCK_K), -1, tl.int32)
-            copy_rows(
-                rec,
-                i,
-                live,
-                out_words,
-                out_sf,
-                out_sf_token_stride,
-                out_sf_group_stride,
-                ROW_WORDS,
-                BLOCK_WORDS,
-                G,
-                BLOCK_GROUPS,
-                PAYLOAD_BYTES,
-                HAS_SF,
-            )
-            pad = (i >= total) & (i < num_rows)
-            rows2 = i.to(tl.int64)[:, None] * K + ks[None, :]
-            keep = (live | pad)[:, None] & kmask[None, :]
-            tl.store(out_ids + rows2, tl.where(live[:, None], local, -1).to(tl.int64), mask=keep)
-            if has_weights:
-                tl.store(out_weights + rows2, tl.where(live[:, None], weights, 0.0), mask=keep)
-        if write_meta:
-            token = tl.load(meta, mask=live, other=-1, cache_modifier=".cg")
-            first_col = tl.load(meta + 1, mask=live, other=-1, cache_modifier=".cg")
-            slot = tl.load(meta + 2, mask=live, other=-1, cache_modifier=".cg")
-            row = out_meta + i.to(tl.int64) * (K + 2)
-            in_rows = i < num_rows
-            tl.store(row, tl.where(live, source * max_tokens + token, -1), mask=in_rows)
-            tl.store(row + 1, tl.where(live, source * K + first_col, -1), mask=in_rows)
-            tl.store(row[:, None] + 2 + ks[None, :], dst, mask=in_rows[:, None] & kmask[None, :])
-            tl.store(out_slots + i, tl.where(live, slot, -1), mask=in_rows)
+    mark_unused_rows(
+        pid,
+        num_programs,
+        total,
+        num_rows,
+        out_ids,
+        out_weights,
+        out_meta,
+        out_slots,
+        ks,
+        K,
+        EXPAND,
+        has_weights,
+        write_meta,
+        BLOCK_FILL,
+    )
     if EXPAND:  # noqa: SIM102 (compiled in or out; the inner test runs)
         if (flags & FLAG_ZERO_PAD) != 0:
             zero_padding(

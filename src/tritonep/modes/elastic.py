@@ -16,7 +16,9 @@ Between the two, ``do_cpu_sync=True`` reads the counts on the host to size the o
 ``False`` sizes them for the worst case and never waits for the host, so CUDA graphs can
 capture the calls. A combine is a push of one row per received token (reduced over its local
 experts in the expanded layout) into the owner's slot for it, then a reduce epilogue that sums
-each token's rows in a fixed order. Call counters live on the device.
+each token's rows in a fixed order. Call counters live on the device. On sm_90 and later each
+epilogue is a programmatic dependent launch of its push (launched while the push runs, it waits
+for the push's grid before reading), so that a call costs about one launch.
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ HEADER_WORDS = (2 + MAX_LOCAL_EXPERTS + 3) // 4 * 4
 MAX_TOPK = 32
 #: Scale-factor packs per row are aligned to this in the TMA-aligned column-major layout.
 TMA_SF_ALIGN = 4
+#: Calls of at most this many tokens on a rank are decode batches: the DeepEP V2 layer runs
+#: their pushes on every SM unless the caller sets ``num_sms`` (at these sizes a push is
+#: bound by latency, not bandwidth, and few programs would each walk many rows in turn).
+DECODE_TOKENS = 256
 
 
 def _align(n: int, a: int) -> int:
@@ -203,6 +209,11 @@ class ElasticMode:
         self.num_device_sms = (
             torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else 4
         )
+        # Each epilogue is a programmatic dependent launch of its push (sm_90 and later): the
+        # push lets it launch at the push's start, so that its launch and its programs' start
+        # overlap the push, and it waits for the push's grid to complete before reading.
+        # Never under the interpreter (no inline assembly there).
+        self._pdl = on_gpu and torch.cuda.get_device_capability(self.device)[0] >= 9
 
     @property
     def timeout_s(self) -> float:
@@ -220,6 +231,12 @@ class ElasticMode:
         if meta is None:
             meta = self._metas[(kernel, key)] = build_meta()
         launcher.launch(kernel, (max(1, num_programs),), args, meta)
+
+    def _dependent(self) -> dict:
+        """An epilogue's launch options: a programmatic dependent launch on sm_90 and later
+        (the kernel waits for its push first), else none (the interpreter takes no
+        ``launch_pdl``)."""
+        return dict(PDL=True, launch_pdl=True) if self._pdl else {}
 
     def _programs(self, wanted: int, work: int, block: int) -> int:
         """Programs of a launch: ``wanted`` (an SM budget), no more than blocks of work, fewer
@@ -421,6 +438,7 @@ class ElasticMode:
                 SCAN_BLOCK_TOKENS=max(BLOCK_TOKENS, 1024 // BLOCK_K),
                 HAS_SF=sf is not None,
                 USE_CLOCK=use_clock(device),
+                PDL=self._pdl,
                 num_warps=8,
             ),
         )
@@ -461,6 +479,7 @@ class ElasticMode:
             E_local,
             do_expand,
             do_zero_padding,
+            num_recv if do_cpu_sync or cached is not None else min(num_recv, R * max(N, 1)),
         )
         return out
 
@@ -510,14 +529,19 @@ class ElasticMode:
         E_local,
         do_expand,
         do_zero_padding,
+        expected_rows,
     ) -> None:
+        """Launch the copy epilogue. ``expected_rows``: the received rows it plans for (the
+        exact count, or without a host read this rank's tokens times the ranks, as when the
+        ranks decode equal batches); only the block size follows it, the loops run over the
+        rows received."""
         R = self.num_ranks
         int32_dummy, int64_dummy, f32_dummy = self.status, self.state, self._f32_dummy()
         write_meta = out.recv_src_metadata is not None
         recv_sf = out.recv_sf
         has_sf, has_w = recv_sf is not None, out.recv_topk_weights is not None
         ROW_WORDS, BLOCK_K = row_bytes // 4, triton.next_power_of_2(max(K, 2))
-        BLOCK_ROWS = self._block(16, out.num_recv_tokens, self.num_device_sms)
+        BLOCK_ROWS = self._block(16, expected_rows, self.num_device_sms)
         rows = out.recv_x.shape[0]
         key = (
             "epilogue",
@@ -570,15 +594,19 @@ class ElasticMode:
                 E_LOCAL=E_local,
                 BLOCK_LOCAL_EXPERTS=triton.next_power_of_2(max(E_local, 2)),
                 ROW_WORDS=ROW_WORDS,
-                BLOCK_WORDS=min(triton.next_power_of_2(ROW_WORDS), 512),
+                # Tiles of 8192 words: a decode block of a row or two copies it in one step
+                # (each step waits for its load).
+                BLOCK_WORDS=min(triton.next_power_of_2(ROW_WORDS), 8192 // BLOCK_ROWS),
                 G=G,
                 BLOCK_GROUPS=triton.next_power_of_2(max(G, 2)),
                 RECORD_BYTES=record_bytes(row_bytes, G, K),
                 PAYLOAD_BYTES=_align(row_bytes, 16),
                 SCALE_BYTES=_align(4 * G, 16),
                 BLOCK_ROWS=BLOCK_ROWS,
+                BLOCK_FILL=128,
                 EXPAND=do_expand,
                 HAS_SF=has_sf,
+                **self._dependent(),
                 num_warps=8,
             ),
         )
@@ -628,14 +656,17 @@ class ElasticMode:
         has_w = topk_weights is not None
         multi = multiple_reduction or not do_expand
         f32_dummy, crec = self._f32_dummy(), combine_record_bytes(H, K)
-        BLOCK_K, BLOCK_ROWS, BLOCK_CHANNELS = (
-            triton.next_power_of_2(max(K, 2)),
-            8,
-            min(triton.next_power_of_2(H), 1024),
-        )
+        BLOCK_K = triton.next_power_of_2(max(K, 2))
+        # CPU ranks take narrow chunks, so that the tests cross chunk boundaries.
+        BLOCK_CHANNELS = min(triton.next_power_of_2(H), 1024 if device.type == "cuda" else 64)
+        chunks = -(-H // BLOCK_CHANNELS)
+        # Received tokens: the handle's worst case, planned for as this rank's tokens times the
+        # ranks (equal decode batches); only the block size follows the guess.
+        rows = min(recv_src_metadata.shape[0], R * max(N, 1))
+        BLOCK_ROWS = self._block(8, rows * chunks, num_sms)
         self._launch(
             elastic_combine.elastic_combine,
-            self._programs(num_sms, recv_src_metadata.shape[0], BLOCK_ROWS),
+            self._programs(num_sms, -(-recv_src_metadata.shape[0] // BLOCK_ROWS) * chunks, 1),
             (
                 x,
                 topk_weights if has_w else f32_dummy,
@@ -653,7 +684,7 @@ class ElasticMode:
                 self._timeout_us,
                 int(has_w),
             ),
-            ("combine", H, K, do_expand, multi),
+            ("combine", H, K, do_expand, multi, BLOCK_ROWS),
             lambda: dict(
                 H=H,
                 K=K,
@@ -667,6 +698,7 @@ class ElasticMode:
                 EXPAND=do_expand,
                 MULTI=multi,
                 USE_CLOCK=use_clock(device),
+                PDL=self._pdl,
                 num_warps=8,
                 enable_fp_fusion=False,
             ),
@@ -676,10 +708,10 @@ class ElasticMode:
         out = empty_output(device, (N, H), torch.bfloat16)
         out_w = empty_output(device, (N, K), torch.float32) if has_w else None
         terms = tuple(bias) + (out,) * (2 - len(bias))  # unused pointers when fewer
-        BLOCK_TOKENS = self._block(8, N, self.num_device_sms)
+        BLOCK_TOKENS = self._block(8, N * chunks, self.num_device_sms)
         self._launch(
             elastic_combine.elastic_combine_epilogue,
-            self._programs(self.num_device_sms, N, BLOCK_TOKENS),
+            self._programs(self.num_device_sms, -(-N // BLOCK_TOKENS) * chunks, 1),
             (
                 topk_idx,
                 terms[0],
@@ -709,6 +741,7 @@ class ElasticMode:
                 BLOCK_TOKENS=BLOCK_TOKENS,
                 BLOCK_CHANNELS=BLOCK_CHANNELS,
                 USE_CLOCK=use_clock(device),
+                **self._dependent(),
                 num_warps=8,
                 enable_fp_fusion=False,
             ),
