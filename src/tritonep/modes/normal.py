@@ -40,10 +40,14 @@ The call path. Each configuration (config, dtypes, top-k rounded up to a power o
 relay options) gets a plan on its first call: its kernel's variant (``NotifyVariant``,
 ``DispatchVariant``, ``CombineVariant``), whose compiled kernel later calls launch with
 addresses (:class:`~tritonep.kernels.launcher.KernelLaunch`). A call then checks its tensors
-(plain comparisons), allocates its outputs, builds its argument bundle by name and launches,
-all under ``torch._C.DisableTorchFunction`` (a ``torch`` function mode, such as
-``torch.set_default_device``'s, would otherwise intercept every tensor access). Token and
-row counts, top-k and the alignment are run-time values: a new batch compiles nothing.
+(plain comparisons), allocates its outputs, sets its own arguments on a template of its launch
+and launches, all under ``torch._C.DisableTorchFunction`` (a ``torch`` function mode, such as
+``torch.set_default_device``'s, would otherwise intercept every tensor access). The templates
+are argument bundles made by name, tensors as addresses: per shape class for a first dispatch
+(:class:`_RouteCall`), per handle for a cached dispatch and a combine (:class:`_HandleCall`,
+kept on the handle); a launch that needs tensors (the first of a variant, one under a launch
+hook, relays and traces) gets its bundle by name. Token and row counts, top-k and the
+alignment are run-time values: a new batch compiles nothing.
 
 With ``staged=True`` (the network leg of :class:`~tritonep.modes.internode.InternodeMode`)
 nothing is stored into a peer directly: counts and rows are built in this rank's heap (a notify
