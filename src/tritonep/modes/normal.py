@@ -57,6 +57,7 @@ row and a mirror ring per destination) and moved with the tails and heads by
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, TypeVar
@@ -489,14 +490,14 @@ class _HandleCall(NamedTuple):
     launch: KernelLaunch
     values: list
     aligned: int
-    mode: object
+    mode: weakref.ref  # (a handle kept longer than its mode does not keep the mode)
     version: int
     tensors: tuple  # the handle's tensors it read, compared by identity
 
     def stands(self, mode, handle: NormalHandle) -> bool:
         held = self.tensors
         return (
-            self.mode is mode
+            self.mode() is mode
             and self.version == _launch_version
             and held[0] is handle.is_token_in_rank
             and held[1] is handle.recv_count
@@ -535,7 +536,7 @@ def _handle_call(
         handle.recv_src_idx,
         handle.bounds,
     )
-    return _HandleCall(launch, values, aligned, mode, _launch_version, tensors)
+    return _HandleCall(launch, values, aligned, weakref.ref(mode), _launch_version, tensors)
 
 
 def _handle_calls(handle: NormalHandle) -> dict:
