@@ -705,6 +705,65 @@ def test_normal_bad_ids_are_dropped_and_raised_after_the_launches(run_ranks, kin
         assert errors[0][0] is None and errors[0][1].startswith(message), errors[0]
 
 
+def _normal_addresses_body(ctx):
+    """Every normal-mode launch offered as addresses (the templates of cached dispatches,
+    combines and first dispatches) against the tensor bundle Triton's path then gets, field by
+    field; every offer is refused, so each launch runs from its bundle and is checked."""
+    from tests.test_normal import _combine_input, _verify
+    from tritonep.modes import normal as nm
+
+    me, R = ctx.rank, ctx.world_size
+    E = 2 * R
+    mode = nm.NormalMode(None, 128, E, max_topk=3, device=ctx.device, timeout_s=60)
+    case, dev = _normal_case(ctx, 81, [7, 4, 9])
+    x, idx, w = dev.x[me], dev.topk_idx[me], dev.topk_weights[me]
+    events = []  # ("offer" or "bundle", kernel, values as addresses and ints)
+    launch_values, call = launcher.KernelLaunch.launch_values, launcher.KernelLaunch.__call__
+
+    def refused(self, values, shared, *args):
+        events.append(("offer", self.fn.__name__, tuple(values)))
+        return False
+
+    def bundled(self, bundle, shared, grid=None):
+        null = self.placeholder.data_ptr() if self.placeholder is not None else None
+        addresses = tuple(
+            a.data_ptr() if isinstance(a, torch.Tensor) else null if a is None else a
+            for a in bundle
+        )
+        events.append(("bundle", self.fn.__name__, addresses))
+        return call(self, bundle, shared, grid)
+
+    launcher.KernelLaunch.launch_values, launcher.KernelLaunch.__call__ = refused, bundled
+    try:
+        for rows in (0, 40):
+            out = mode.dispatch(x, idx, w, num_worst_tokens=rows)
+            for _ in range(2):  # the second call of each offers its handle's template
+                y = _combine_input(out, me)
+                combined, combined_w = mode.combine(y, out.handle, out.recv_topk_weights)
+                again = mode.dispatch(x, handle=out.handle)
+            mode.check()
+            _verify(ctx, case, list(case.x), out, combined, combined_w, E, 1, rows, False)
+            assert torch.equal(again.recv_x.view(torch.int16), out.recv_x.view(torch.int16))
+    finally:
+        launcher.KernelLaunch.launch_values, launcher.KernelLaunch.__call__ = launch_values, call
+    mode.destroy()
+    offers = [i for i, e in enumerate(events) if e[0] == "offer"]
+    # Each offer is followed by the launch of its bundle, with the same values.
+    same = all(events[i + 1] == ("bundle", *events[i][1:]) for i in offers)
+    return sorted(events[i][1] for i in offers), same
+
+
+def test_normal_launch_addresses_are_those_of_the_bundles(run_ranks):
+    """The normal mode's templates (:meth:`KernelLaunch.launch_values`) hold the addresses
+    and ints its named bundles hold: two first dispatches (notify and dispatch each), then per
+    handle a combine and a cached dispatch, offered from their second call on (the first
+    makes the handle's template)."""
+    names = ["notify_kernel"] * 2 + ["normal_dispatch_kernel"] * 4 + ["normal_combine_kernel"] * 2
+    expected = sorted(names)
+    for offered, same in run_ranks(2, _normal_addresses_body):
+        assert offered == expected and same, offered
+
+
 def _normal_defaults_body(ctx):
     """Every normal-mode call without and with a process-wide default device and dtype."""
     from tritonep.modes import normal as nm

@@ -235,7 +235,8 @@ class Buffer(_Buffer):
             async_finish,
             allocate_on_comm_stream,
         )
-        if isinstance(out_handle, NormalHandle):
+        # (A cached dispatch returns the caller's handle, a LegacyHandle already: kept as is.)
+        if isinstance(out_handle, NormalHandle) and not isinstance(out_handle, LegacyHandle):
             out_handle = LegacyHandle.of(out_handle, self.rank)
         if isinstance(per_expert, torch.Tensor):
             per_expert = []

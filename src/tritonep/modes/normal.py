@@ -40,10 +40,14 @@ The call path. Each configuration (config, dtypes, top-k rounded up to a power o
 relay options) gets a plan on its first call: its kernel's variant (``NotifyVariant``,
 ``DispatchVariant``, ``CombineVariant``), whose compiled kernel later calls launch with
 addresses (:class:`~tritonep.kernels.launcher.KernelLaunch`). A call then checks its tensors
-(plain comparisons), allocates its outputs, builds its argument bundle by name and launches,
-all under ``torch._C.DisableTorchFunction`` (a ``torch`` function mode, such as
-``torch.set_default_device``'s, would otherwise intercept every tensor access). Token and
-row counts, top-k and the alignment are run-time values: a new batch compiles nothing.
+(plain comparisons), allocates its outputs, sets its own arguments on a template of its launch
+and launches, all under ``torch._C.DisableTorchFunction`` (a ``torch`` function mode, such as
+``torch.set_default_device``'s, would otherwise intercept every tensor access). The templates
+are argument bundles made by name, tensors as addresses: per shape class for a first dispatch
+(:class:`_RouteCall`), per handle for a cached dispatch and a combine (:class:`_HandleCall`,
+kept on the handle); a launch that needs tensors (the first of a variant, one under a launch
+hook, relays and traces) gets its bundle by name. Token and row counts, top-k and the
+alignment are run-time values: a new batch compiles nothing.
 
 With ``staged=True`` (the network leg of :class:`~tritonep.modes.internode.InternodeMode`)
 nothing is stored into a peer directly: counts and rows are built in this rank's heap (a notify
@@ -53,6 +57,7 @@ row and a mirror ring per destination) and moved with the tails and heads by
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, TypeVar
@@ -473,6 +478,136 @@ class NotifyOptions(NamedTuple):
     channel_major: bool
 
 
+class _HandleCall(NamedTuple):
+    """The launch of a cached dispatch or a combine with one handle, its arguments known but
+    for those of the call (:meth:`NormalMode._cached_dispatch`, :meth:`NormalMode._fast_combine`).
+
+    Made on the first such call of the handle and kept on it: the call bundle's fields in
+    order, tensors as addresses (``values``: the handle's, the defaults' placeholder; those of
+    the call left 0), and the bitwise or of those addresses (``aligned``). It stands while the
+    mode, its launch constants and the handle's tensors are those it was made from."""
+
+    launch: KernelLaunch
+    values: list
+    aligned: int
+    mode: weakref.ref  # (a handle kept longer than its mode does not keep the mode)
+    version: int
+    tensors: tuple  # the handle's tensors it read, compared by identity
+
+    def stands(self, mode, handle: NormalHandle) -> bool:
+        held = self.tensors
+        return (
+            self.mode() is mode
+            and self.version == _launch_version
+            and held[0] is handle.is_token_in_rank
+            and held[1] is handle.recv_count
+            and held[2] is handle.recv_start
+            and held[3] is handle.host_info
+            and held[4] is handle.recv_src_idx
+            and held[5] is handle.bounds
+        )
+
+
+def _handle_call(
+    mode, handle: NormalHandle, launch: KernelLaunch, call: tuple, given
+) -> _HandleCall:
+    """A :class:`_HandleCall` from ``call`` (a bundle of the first such call, by name), whose
+    fields ``given`` (indices) each call sets; kept on ``handle`` by the caller."""
+    null = launch.placeholder.data_ptr() if launch.placeholder is not None else 0
+    values = [
+        a.data_ptr()
+        if isinstance(a, torch.Tensor)
+        else null
+        if a is None and i in launch.pointers
+        else a
+        for i, a in enumerate(call)
+    ]
+    aligned = 0
+    for i in launch.pointers:
+        if i in given and call[i] is not None:
+            values[i] = 0
+        else:
+            aligned |= values[i]
+    tensors = (
+        handle.is_token_in_rank,
+        handle.recv_count,
+        handle.recv_start,
+        handle.host_info,
+        handle.recv_src_idx,
+        handle.bounds,
+    )
+    return _HandleCall(launch, values, aligned, weakref.ref(mode), _launch_version, tensors)
+
+
+def _handle_calls(handle: NormalHandle) -> dict:
+    """The :class:`_HandleCall` entries kept on ``handle`` (an attribute, not a field: a
+    handle copied field by field starts without them)."""
+    calls = handle.__dict__.get("_calls")
+    if calls is None:
+        calls = handle.__dict__["_calls"] = {}
+    return calls
+
+
+class _RouteCall(NamedTuple):
+    """The two launches of a first dispatch (no relay, source tags or traces) of one shape
+    class: notify's and the dispatch's call bundles as lists in their fields' order, tensors
+    as addresses, the placeholder's where the variant reads nothing; each call sets the rest
+    (:meth:`NormalMode._routed_dispatch`)."""
+
+    notify: KernelLaunch
+    notify_values: list
+    dispatch: KernelLaunch
+    dispatch_values: list
+    null: int  # the placeholder's address (in every template)
+    version: int
+
+
+def _indices(fields: tuple, names: str) -> tuple[int, ...]:
+    return tuple(fields.index(name) for name in names.split())
+
+
+# The fields each call sets in place, by name.
+(
+    _N_COUNTS,
+    _N_TOKENS,
+    _N_PER_EXPERT,
+    _N_ALIGNMENT,
+    _N_MAX_ROWS,
+    _N_RECV_COUNT,
+    _N_RECV_START,
+    _N_HOST_INFO,
+) = _indices(
+    NotifyCall._fields,
+    "counts_ptr num_tokens per_expert_ptr alignment max_rows recv_count_ptr recv_start_ptr "
+    "host_info_ptr",
+)
+(
+    _D_X,
+    _D_SCALES,
+    _D_IDS,
+    _D_WEIGHTS,
+    _D_IN_RANK,
+    _D_TOKENS,
+    _D_RECV_COUNT,
+    _D_RECV_START,
+    _D_HOST_INFO,
+    _D_OUT_X,
+    _D_OUT_SCALES,
+    _D_OUT_IDS,
+    _D_OUT_WEIGHTS,
+    _D_OUT_SRC,
+    _D_MAX_ROWS,
+) = _indices(
+    DispatchCall._fields,
+    "x_ptr scales_ptr topk_idx_ptr topk_weights_ptr in_rank_ptr num_tokens recv_count_ptr "
+    "recv_start_ptr host_info_ptr out_x_ptr out_scales_ptr out_topk_idx_ptr out_weights_ptr "
+    "out_src_ptr max_rows",
+)
+_C_X, _C_WEIGHTS, _C_BIAS0, _C_BIAS1, _C_OUT, _C_OUT_WEIGHTS = _indices(
+    CombineCall._fields, "x_ptr weights_ptr bias0_ptr bias1_ptr out_ptr out_weights_ptr"
+)
+
+
 class NormalMode:
     """Normal-mode dispatch and combine for one expert-parallel group within a node.
 
@@ -593,6 +728,7 @@ class NormalMode:
         # Passed for the pointers a variant does not read.
         self._unused = torch.zeros(4, dtype=torch.int64, device=self.device)
         self._plans: dict[tuple, KernelLaunch] = {}
+        self._routes: dict[tuple, _RouteCall] = {}  # _routed_dispatch's templates
         self._plans_version = _launch_version
         self._configs: set[Config] = set()  # configs found valid (_config)
         self._scale_shapes: set[tuple] = set()  # (words, dtype) of scales found valid
@@ -632,7 +768,7 @@ class NormalMode:
         if self.device.type == "cuda":
             return
         if bounds is None:
-            widest = triton.cdiv(num_tokens, config.num_channels)
+            widest = -(-num_tokens // config.num_channels)
         else:
             widest = int((bounds[1:] - bounds[:-1]).max()) if bounds.numel() > 1 else 0
         if widest > config.nvl_recv_buffer_tokens:
@@ -959,26 +1095,25 @@ class NormalMode:
             ``ValueError``/``TypeError`` naming the argument, before anything is launched;
             after its launches, what an earlier call recorded (module docs).
         """
-        with _no_torch_function():
-            return raise_after(
-                self.status.recorded,
-                self.raise_recorded,
-                lambda: self._dispatch(
-                    x,
-                    topk_idx,
-                    topk_weights,
-                    num_tokens_per_expert,
-                    is_token_in_rank,
-                    handle,
-                    expert_alignment,
-                    num_worst_tokens,
-                    config,
-                    src_tag,
-                    relay,
-                    row_map,
-                ),
-                synced=handle is None and not num_worst_tokens,
+        with _no_torch_function():  # raise_after, inlined (host time)
+            earlier = self.status.recorded()
+            out = self._dispatch(
+                x,
+                topk_idx,
+                topk_weights,
+                num_tokens_per_expert,
+                is_token_in_rank,
+                handle,
+                expert_alignment,
+                num_worst_tokens,
+                config,
+                src_tag,
+                relay,
+                row_map,
             )
+            if earlier or (handle is None and not num_worst_tokens and self.status.recorded()):
+                self.raise_recorded()
+            return out
 
     def _check_x(self, x) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(payload [N, H], scales [N, S] token-major or None)``, checked: plain comparisons
@@ -1045,6 +1180,8 @@ class NormalMode:
                 raise ValueError("topk_idx: required with a handle from notify(send_counts=...)")
             cached = handle.recv_src_idx is not None
             if cached:  # the ids stay (as DeepEP's)
+                if relay is None and row_map is None and src_tag is None and self.trace is None:
+                    return self._cached_dispatch(payload, scales, handle)
                 topk_idx = topk_weights = None
         if row_map is not None:
             if not cached:
@@ -1070,6 +1207,18 @@ class NormalMode:
         if handle is None:
             if not has_topk:
                 raise ValueError("topk_idx: required without a handle")
+            if relay is None and src_tag is None and self.trace is None:
+                return self._routed_dispatch(
+                    payload,
+                    scales,
+                    topk_idx,
+                    topk_weights,
+                    num_tokens_per_expert,
+                    is_token_in_rank,
+                    expert_alignment,
+                    num_worst_tokens,
+                    config,
+                )
             handle = self._route(
                 topk_idx,
                 num_tokens_per_expert,
@@ -1166,6 +1315,300 @@ class NormalMode:
         per_expert = handle.num_recv_tokens_per_expert
         return NormalDispatchOutput(recv_x, recv_topk_idx, recv_weights, per_expert, new_handle)
 
+    def _cached_dispatch(self, payload, scales, handle: NormalHandle) -> NormalDispatchOutput:
+        """A dispatch with the handle of an earlier one, no relay, row map or source tags
+        (``payload`` and ``scales`` checked): only the payload's arguments and the outputs'
+        are new; the rest come from the handle's :class:`_HandleCall`."""
+        key = (
+            "dispatch",
+            payload.dtype,
+            None if scales is None else (scales.shape[1], scales.dtype),
+        )
+        calls = handle.__dict__.get("_calls")
+        entry = calls.get(key) if calls is not None else None
+        if entry is None or not entry.stands(self, handle):
+            entry = None
+        rows, device = handle.num_rows, self.device
+        recv_x = empty_output(device, (rows, self.hidden), payload.dtype)
+        recv_scales = None
+        if entry is not None:
+            values = entry.values.copy()
+            x, out = payload.data_ptr(), recv_x.data_ptr()
+            values[_D_X], values[_D_OUT_X] = x, out
+            aligned = entry.aligned | x | out
+            if scales is not None:
+                recv_scales = empty_output(device, (rows, scales.shape[1]), scales.dtype)
+                s, out = scales.data_ptr(), recv_scales.data_ptr()
+                values[_D_SCALES], values[_D_OUT_SCALES] = s, out
+                aligned |= s | out
+            if entry.launch.launch_values(values, self._shared, aligned):
+                if recv_scales is None:
+                    return NormalDispatchOutput(recv_x, None, None, None, handle)
+                return NormalDispatchOutput((recv_x, recv_scales), None, None, None, handle)
+        elif scales is not None:
+            recv_scales = empty_output(device, (rows, scales.shape[1]), scales.dtype)
+        # The first call with this handle (or one Triton's path launches): by name.
+        options = DispatchOptions(
+            config=handle.config,
+            scale_words=scales.shape[1] if scales is not None else 0,
+            block_k=2,
+            has_topk=False,
+            has_weights=False,
+            has_tag=False,
+            pad_rows=handle.num_recv_tokens < 0,
+            bounds=handle.bounds is not None,
+            awaits=False,
+            ranks_from_ids=False,
+            publish=False,
+            row_map=False,
+        )
+        plan = self._plans.get(options)
+        if plan is None or self._plans_version != _launch_version:
+            plan = self._plan(options, self._dispatch_plan)
+        call = DispatchCall(
+            x_ptr=payload,
+            scales_ptr=scales,
+            topk_idx_ptr=None,
+            topk_weights_ptr=None,
+            in_rank_ptr=handle.is_token_in_rank,
+            src_tag_ptr=None,
+            num_tokens=handle.num_tokens,
+            K=1,
+            recv_count_ptr=handle.recv_count,
+            recv_start_ptr=handle.recv_start,
+            host_info_ptr=handle.host_info,
+            out_x_ptr=recv_x,
+            out_scales_ptr=recv_scales,
+            out_topk_idx_ptr=None,
+            out_weights_ptr=None,
+            out_src_ptr=handle.recv_src_idx,  # written again, with the same values
+            max_rows=rows,
+            bounds_ptr=handle.bounds,
+            ready_ptr=None,
+            relay_call_ptr=None,
+            row_map_ptr=None,
+            trace_ptr=None,
+        )
+        self._launch(plan, "dispatch", call)
+        if entry is None:
+            given = (_D_X, _D_SCALES, _D_OUT_X, _D_OUT_SCALES)
+            _handle_calls(handle)[key] = _handle_call(self, handle, plan, call, given)
+        out_x = recv_x if recv_scales is None else (recv_x, recv_scales)
+        return NormalDispatchOutput(out_x, None, None, None, handle)
+
+    def _routed_dispatch(
+        self,
+        payload,
+        scales,
+        topk_idx,
+        topk_weights,
+        num_tokens_per_expert,
+        is_token_in_rank,
+        expert_alignment,
+        num_worst_tokens,
+        config,
+    ) -> NormalDispatchOutput[NormalHandle]:
+        """A first dispatch (no handle) without a relay, source tags or traces, its inputs
+        checked but the layout: the count exchange, then the rows, each launch's arguments set
+        in place on its :class:`_RouteCall` template (by name on a launch that needs tensors:
+        the first of a shape class, or one under a launch hook)."""
+        num_tokens, topk = topk_idx.shape
+        per_expert_in, in_rank = self._layout_of(
+            topk_idx, num_tokens_per_expert, is_token_in_rank, num_tokens
+        )
+        config = self._config(config)
+        if self._device_index < 0:
+            self._check_fits_interpreter(config, "x", num_tokens)
+        has_weights = topk_weights is not None
+        key = (
+            config,
+            0 if scales is None else scales.shape[1],
+            topk,
+            has_weights,
+            num_worst_tokens > 0,
+        )
+        route = self._routes.get(key)
+        if route is None or route.version != _launch_version:
+            route = self._route_call(key)
+        device, null = self.device, route.null
+        # The count exchange.
+        counts = torch.empty(
+            2, self.num_ranks, config.num_channels, dtype=torch.int32, device=device
+        )
+        recv_count, recv_start = counts.unbind(0)
+        host_info = torch.empty(1 + self.num_local_experts, dtype=torch.int32, device=device)
+        rank, count, start, info = (
+            in_rank.data_ptr(),
+            recv_count.data_ptr(),
+            recv_start.data_ptr(),
+            host_info.data_ptr(),
+        )
+        values = route.notify_values.copy()
+        values[_N_COUNTS] = rank
+        values[_N_TOKENS] = num_tokens
+        values[_N_PER_EXPERT] = a = per_expert_in.data_ptr()
+        values[_N_ALIGNMENT] = expert_alignment
+        values[_N_MAX_ROWS] = num_worst_tokens
+        values[_N_RECV_COUNT] = count
+        values[_N_RECV_START] = start
+        values[_N_HOST_INFO] = info
+        handles = rank | count | start | info
+        if not route.notify.launch_values(values, self._shared, handles | a | null):
+            call = NotifyCall._make(values)._replace(
+                counts_ptr=in_rank,
+                per_expert_ptr=per_expert_in,
+                extra_ptr=None,
+                recv_count_ptr=recv_count,
+                recv_start_ptr=recv_start,
+                host_info_ptr=host_info,
+                extra_out_ptr=None,
+                trace_ptr=None,
+            )
+            self._launch(route.notify, "notify", call)
+        per_expert: list[int] | torch.Tensor
+        if num_worst_tokens:
+            num_recv, rows = -1, num_worst_tokens
+            per_expert = host_info[1:]
+        else:
+            # The one host synchronization of exact mode: the received count.
+            read = host_info.tolist()
+            if self.status.recorded() == STATUS_TIMEOUT.value:
+                self.raise_recorded()  # the count is unknown: nothing can follow
+            num_recv = rows = read[0]
+            per_expert = read[1:]
+        # The rows.
+        recv_x = empty_output(device, (rows, self.hidden), payload.dtype)
+        recv_topk_idx = empty_output(device, (rows, topk), torch.int64)
+        recv_src_idx = empty_output(device, (rows,), torch.int32)
+        values = route.dispatch_values.copy()
+        values[_D_X] = a = payload.data_ptr()
+        values[_D_IDS] = b = topk_idx.data_ptr()
+        values[_D_IN_RANK] = rank
+        values[_D_TOKENS] = num_tokens
+        values[_D_RECV_COUNT] = count
+        values[_D_RECV_START] = start
+        values[_D_HOST_INFO] = info
+        values[_D_OUT_X] = c = recv_x.data_ptr()
+        values[_D_OUT_IDS] = d = recv_topk_idx.data_ptr()
+        values[_D_OUT_SRC] = e = recv_src_idx.data_ptr()
+        values[_D_MAX_ROWS] = rows
+        aligned = handles | a | b | c | d | e | null
+        recv_scales = recv_weights = None
+        if scales is not None:
+            recv_scales = empty_output(device, (rows, scales.shape[1]), scales.dtype)
+            values[_D_SCALES] = a = scales.data_ptr()
+            values[_D_OUT_SCALES] = b = recv_scales.data_ptr()
+            aligned |= a | b
+        if has_weights:
+            recv_weights = empty_output(device, (rows, topk), torch.float32)
+            values[_D_WEIGHTS] = a = topk_weights.data_ptr()
+            values[_D_OUT_WEIGHTS] = b = recv_weights.data_ptr()
+            aligned |= a | b
+        if not route.dispatch.launch_values(values, self._shared, aligned):
+            bundle = DispatchCall._make(values)._replace(
+                x_ptr=payload,
+                scales_ptr=scales,
+                topk_idx_ptr=topk_idx,
+                topk_weights_ptr=topk_weights,
+                in_rank_ptr=in_rank,
+                src_tag_ptr=None,
+                recv_count_ptr=recv_count,
+                recv_start_ptr=recv_start,
+                host_info_ptr=host_info,
+                out_x_ptr=recv_x,
+                out_scales_ptr=recv_scales,
+                out_topk_idx_ptr=recv_topk_idx,
+                out_weights_ptr=recv_weights,
+                out_src_ptr=recv_src_idx,
+                bounds_ptr=None,
+                ready_ptr=None,
+                relay_call_ptr=None,
+                row_map_ptr=None,
+                trace_ptr=None,
+            )
+            self._launch(route.dispatch, "dispatch", bundle)
+        handle = NormalHandle(
+            in_rank,
+            recv_count,
+            recv_start,
+            host_info,
+            recv_src_idx,
+            num_recv,
+            rows,
+            num_tokens,
+            self.hidden,
+            self.num_experts,
+            config,
+        )
+        out_x = recv_x if recv_scales is None else (recv_x, recv_scales)
+        return NormalDispatchOutput(out_x, recv_topk_idx, recv_weights, per_expert, handle)
+
+    def _route_call(self, key: tuple) -> _RouteCall:
+        """The :class:`_RouteCall` of ``key`` (config, scale words, top-k, weights given,
+        worst-case outputs), made and kept."""
+        config, scale_words, topk, has_weights, pad_rows = key
+        notify = self._plan(NotifyOptions(config, False, 0, False), self._notify_plan)
+        options = DispatchOptions(
+            config=config,
+            scale_words=scale_words,
+            block_k=2 if topk <= 2 else 1 << (topk - 1).bit_length(),
+            has_topk=True,
+            has_weights=has_weights,
+            has_tag=False,
+            pad_rows=pad_rows,
+            bounds=False,
+            awaits=False,
+            ranks_from_ids=False,
+            publish=False,
+            row_map=False,
+        )
+        dispatch = self._plan(options, self._dispatch_plan)
+        null = self._unused.data_ptr()
+        scales = 0 if scale_words else null  # 0: set by each call
+        weights = 0 if has_weights else null
+        notify_call = NotifyCall(
+            counts_ptr=0,
+            num_tokens=0,
+            per_expert_ptr=0,
+            extra_ptr=null,
+            alignment=0,
+            max_rows=0,
+            recv_count_ptr=0,
+            recv_start_ptr=0,
+            host_info_ptr=0,
+            extra_out_ptr=null,
+            trace_ptr=null,
+        )
+        dispatch_call = DispatchCall(
+            x_ptr=0,
+            scales_ptr=scales,
+            topk_idx_ptr=0,
+            topk_weights_ptr=weights,
+            in_rank_ptr=0,
+            src_tag_ptr=null,
+            num_tokens=0,
+            K=topk,
+            recv_count_ptr=0,
+            recv_start_ptr=0,
+            host_info_ptr=0,
+            out_x_ptr=0,
+            out_scales_ptr=scales,
+            out_topk_idx_ptr=0,
+            out_weights_ptr=weights,
+            out_src_ptr=0,
+            max_rows=0,
+            bounds_ptr=null,
+            ready_ptr=null,
+            relay_call_ptr=null,
+            row_map_ptr=null,
+            trace_ptr=null,
+        )
+        route = _RouteCall(
+            notify, list(notify_call), dispatch, list(dispatch_call), null, _launch_version
+        )
+        self._routes[key] = route
+        return route
+
     def _route(
         self,
         topk_idx,
@@ -1177,6 +1620,25 @@ class NormalMode:
         config,
     ) -> NormalHandle:
         """The layout (unless given) and the count exchange of a first dispatch."""
+        num_tokens_per_expert, is_token_in_rank = self._layout_of(
+            topk_idx, num_tokens_per_expert, is_token_in_rank, num_tokens
+        )
+        return self._notify(
+            is_token_in_rank,
+            num_tokens_per_expert,
+            num_tokens,
+            expert_alignment,
+            num_worst_tokens,
+            self._config(config),
+            None,
+            None,
+            None,
+            False,
+        )
+
+    def _layout_of(self, topk_idx, num_tokens_per_expert, is_token_in_rank, num_tokens):
+        """``(num_tokens_per_expert, is_token_in_rank)`` of a first dispatch: checked where
+        given, else from :meth:`get_dispatch_layout`'s kernel."""
         R, device = self.num_ranks, self.device
         if (num_tokens_per_expert is None) != (is_token_in_rank is None):
             raise ValueError(
@@ -1208,18 +1670,7 @@ class NormalMode:
                     shape=(self.num_experts,),
                     device=device,
                 )
-        return self._notify(
-            is_token_in_rank,
-            num_tokens_per_expert,
-            num_tokens,
-            expert_alignment,
-            num_worst_tokens,
-            self._config(config),
-            None,
-            None,
-            None,
-            False,
-        )
+        return num_tokens_per_expert, is_token_in_rank
 
     def _dispatch_plan(self, options: DispatchOptions):
         config, R, layout = options.config, self.num_ranks, self.layout
@@ -1310,12 +1761,12 @@ class NormalMode:
             ``ValueError``/``TypeError`` naming the argument, before anything is launched;
             after its launches, what an earlier call recorded (module docs).
         """
-        with _no_torch_function():
-            return raise_after(
-                self.status.recorded,
-                self.raise_recorded,
-                lambda: self._combine(x, handle, topk_weights, bias, relay, row_map),
-            )
+        with _no_torch_function():  # raise_after, inlined (host time)
+            earlier = self.status.recorded()
+            out = self._combine(x, handle, topk_weights, bias, relay, row_map)
+            if earlier:
+                self.raise_recorded()
+            return out
 
     def _combine(self, x, handle, topk_weights=None, bias=None, relay=None, row_map=None):
         if not isinstance(handle, NormalHandle):  # (or a subclass: deep_ep's LegacyHandle)
@@ -1355,6 +1806,8 @@ class NormalMode:
                     shape=(N, H),
                     device=device,
                 )
+        if relay is None and row_map is None and self.trace is None:
+            return self._fast_combine(x, handle, topk_weights, terms, K)
         config = handle.config
         if device.type != "cuda":
             self._check_fits_interpreter(config, "handle", N, handle.bounds)
@@ -1403,6 +1856,79 @@ class NormalMode:
                 trace_ptr=None,
             ),
         )
+        return out, out_weights
+
+    def _fast_combine(self, x, handle: NormalHandle, topk_weights, terms: tuple, K: int):
+        """A combine without a relay or a row map (its tensors checked): only the arguments of
+        its tensors and outputs are new; the rest come from the handle's :class:`_HandleCall`."""
+        key = ("combine", K if topk_weights is not None else 0, len(terms))
+        calls = handle.__dict__.get("_calls")
+        entry = calls.get(key) if calls is not None else None
+        if entry is None or not entry.stands(self, handle):
+            entry = None
+        device, N = self.device, handle.num_tokens
+        out = empty_output(device, (N, handle.hidden), torch.bfloat16)
+        out_weights = None
+        if topk_weights is not None:
+            out_weights = empty_output(device, (N, K), torch.float32)
+        if entry is not None:
+            values = entry.values.copy()
+            a, o = x.data_ptr(), out.data_ptr()
+            values[_C_X], values[_C_OUT] = a, o
+            aligned = entry.aligned | a | o
+            if out_weights is not None:
+                a, o = topk_weights.data_ptr(), out_weights.data_ptr()
+                values[_C_WEIGHTS], values[_C_OUT_WEIGHTS] = a, o
+                aligned |= a | o
+            if terms:
+                a = values[_C_BIAS0] = terms[0].data_ptr()
+                aligned |= a
+                if len(terms) > 1:
+                    a = values[_C_BIAS1] = terms[1].data_ptr()
+                    aligned |= a
+            if entry.launch.launch_values(values, self._shared, aligned):
+                return out, out_weights
+        else:
+            if device.type != "cuda":
+                self._check_fits_interpreter(handle.config, "handle", N, handle.bounds)
+        # The first combine with this handle (or one Triton's path launches): by name.
+        options = CombineOptions(
+            config=handle.config,
+            block_k=2 if K <= 2 else 1 << (K - 1).bit_length(),
+            has_weights=topk_weights is not None,
+            num_bias=len(terms),
+            bounds=handle.bounds is not None,
+            relay=False,
+            awaits=False,
+            publish=False,
+            row_map=False,
+        )
+        plan = self._plans.get(options)
+        if plan is None or self._plans_version != _launch_version:
+            plan = self._plan(options, self._combine_plan)
+        call = CombineCall(
+            x_ptr=x,
+            weights_ptr=topk_weights,
+            in_rank_ptr=handle.is_token_in_rank,
+            num_tokens=N,
+            num_rows=handle.num_rows,
+            K=K,
+            bias0_ptr=terms[0] if terms else None,
+            bias1_ptr=terms[1] if len(terms) > 1 else None,
+            recv_count_ptr=handle.recv_count,
+            recv_start_ptr=handle.recv_start,
+            out_ptr=out,
+            out_weights_ptr=out_weights,
+            bounds_ptr=handle.bounds,
+            ready_ptr=None,
+            relay_call_ptr=None,
+            row_map_ptr=None,
+            trace_ptr=None,
+        )
+        self._launch(plan, "combine", call)
+        if entry is None:
+            given = (_C_X, _C_WEIGHTS, _C_BIAS0, _C_BIAS1, _C_OUT, _C_OUT_WEIGHTS)
+            _handle_calls(handle)[key] = _handle_call(self, handle, plan, call, given)
         return out, out_weights
 
     def _combine_plan(self, options: CombineOptions):
