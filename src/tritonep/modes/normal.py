@@ -539,6 +539,17 @@ def _handle_call(
     return _HandleCall(launch, values, aligned, weakref.ref(mode), _launch_version, tensors)
 
 
+def _keep_handle_call(
+    mode, handle: NormalHandle, key: tuple, launch: KernelLaunch, call: tuple, given
+) -> None:
+    """Keep on ``handle``, under ``key``, the template of ``call`` (a bundle just launched by
+    name), unless one made from the same mode and tensors stands there."""
+    calls = _handle_calls(handle)
+    entry = calls.get(key)
+    if entry is None or not entry.stands(mode, handle):
+        calls[key] = _handle_call(mode, handle, launch, call, given)
+
+
 def _handle_calls(handle: NormalHandle) -> dict:
     """The :class:`_HandleCall` entries kept on ``handle`` (an attribute, not a field: a
     handle copied field by field starts without them)."""
@@ -606,6 +617,19 @@ def _indices(fields: tuple, names: str) -> tuple[int, ...]:
 _C_X, _C_WEIGHTS, _C_BIAS0, _C_BIAS1, _C_OUT, _C_OUT_WEIGHTS = _indices(
     CombineCall._fields, "x_ptr weights_ptr bias0_ptr bias1_ptr out_ptr out_weights_ptr"
 )
+#: The fields a cached dispatch's and a combine's templates leave to each call.
+_D_GIVEN = (_D_X, _D_SCALES, _D_OUT_X, _D_OUT_SCALES)
+_C_GIVEN = (_C_X, _C_WEIGHTS, _C_BIAS0, _C_BIAS1, _C_OUT, _C_OUT_WEIGHTS)
+
+
+def _dispatch_key(payload: torch.Tensor, scales: torch.Tensor | None) -> tuple:
+    """The key of a cached dispatch's template on its handle."""
+    return ("dispatch", payload.dtype, None if scales is None else (scales.shape[1], scales.dtype))
+
+
+def _combine_key(topk_weights: torch.Tensor | None, K: int, num_bias: int) -> tuple:
+    """The key of a combine's template on its handle."""
+    return ("combine", K if topk_weights is not None else 0, num_bias)
 
 
 class NormalMode:
@@ -1169,6 +1193,7 @@ class NormalMode:
         if type(num_worst_tokens) is not int or num_worst_tokens < 0:
             raise ValueError(f"num_worst_tokens: expected an int >= 0, got {num_worst_tokens}")
         cached = False
+        recv_x = recv_scales = None
         if handle is not None:
             if not isinstance(handle, NormalHandle):  # (or a subclass: deep_ep's LegacyHandle)
                 raise TypeError(f"handle: expected a NormalHandle, got {type(handle).__name__}")
@@ -1181,7 +1206,10 @@ class NormalMode:
             cached = handle.recv_src_idx is not None
             if cached:  # the ids stay (as DeepEP's)
                 if relay is None and row_map is None and src_tag is None and self.trace is None:
-                    return self._cached_dispatch(payload, scales, handle)
+                    recv_x, recv_scales = self._dispatch_outputs(payload, scales, handle)
+                    if self._cached_dispatch(payload, scales, handle, recv_x, recv_scales):
+                        out_x = recv_x if recv_scales is None else (recv_x, recv_scales)
+                        return NormalDispatchOutput(out_x, None, None, None, handle)
                 topk_idx = topk_weights = None
         if row_map is not None:
             if not cached:
@@ -1252,11 +1280,8 @@ class NormalMode:
         if plan is None or self._plans_version != _launch_version:
             plan = self._plan(options, self._dispatch_plan)
         # Outputs.
-        recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-        recv_x = empty_output(device, (rows, self.hidden), payload.dtype)
-        recv_scales = None
-        if scales is not None:
-            recv_scales = empty_output(device, (rows, scales.shape[1]), scales.dtype)
+        if recv_x is None:  # (else made for the template launch, which declined)
+            recv_x, recv_scales = self._dispatch_outputs(payload, scales, handle)
         recv_topk_idx = recv_weights = None
         if has_topk:
             recv_topk_idx = empty_output(device, (rows, topk), torch.int64)
@@ -1264,38 +1289,37 @@ class NormalMode:
                 recv_weights = empty_output(device, (rows, topk), torch.float32)
         # Cached mode writes the handle's sources again (the same values): no new handle.
         recv_src_idx = handle.recv_src_idx if cached else empty_output(device, (rows,), torch.int32)
-        self._launch(
-            plan,
-            "dispatch",
-            DispatchCall(
-                x_ptr=payload,
-                scales_ptr=scales,
-                topk_idx_ptr=topk_idx,
-                topk_weights_ptr=topk_weights,
-                in_rank_ptr=handle.is_token_in_rank,
-                src_tag_ptr=src_tag,
-                num_tokens=num_tokens,
-                K=topk,
-                recv_count_ptr=handle.recv_count,
-                recv_start_ptr=handle.recv_start,
-                host_info_ptr=handle.host_info,
-                out_x_ptr=recv_x,
-                out_scales_ptr=recv_scales,
-                out_topk_idx_ptr=recv_topk_idx,
-                out_weights_ptr=recv_weights,
-                out_src_ptr=recv_src_idx,
-                max_rows=rows,
-                bounds_ptr=handle.bounds,
-                ready_ptr=relay.flags if relay is not None else None,
-                relay_call_ptr=relay.publish_to if publish else None,
-                row_map_ptr=row_map,
-                trace_ptr=None,
-            ),
+        call = DispatchCall(
+            x_ptr=payload,
+            scales_ptr=scales,
+            topk_idx_ptr=topk_idx,
+            topk_weights_ptr=topk_weights,
+            in_rank_ptr=handle.is_token_in_rank,
+            src_tag_ptr=src_tag,
+            num_tokens=num_tokens,
+            K=topk,
+            recv_count_ptr=handle.recv_count,
+            recv_start_ptr=handle.recv_start,
+            host_info_ptr=handle.host_info,
+            out_x_ptr=recv_x,
+            out_scales_ptr=recv_scales,
+            out_topk_idx_ptr=recv_topk_idx,
+            out_weights_ptr=recv_weights,
+            out_src_ptr=recv_src_idx,
+            max_rows=rows,
+            bounds_ptr=handle.bounds,
+            ready_ptr=relay.flags if relay is not None else None,
+            relay_call_ptr=relay.publish_to if publish else None,
+            row_map_ptr=row_map,
+            trace_ptr=None,
         )
-        if recv_scales is not None:
-            recv_x = (recv_x, recv_scales)
+        self._launch(plan, "dispatch", call)
+        out_x = recv_x if recv_scales is None else (recv_x, recv_scales)
         if cached:
-            return NormalDispatchOutput(recv_x, None, None, None, handle)
+            if relay is None and row_map is None and src_tag is None and self.trace is None:
+                key = _dispatch_key(payload, scales)
+                _keep_handle_call(self, handle, key, plan, call, _D_GIVEN)
+            return NormalDispatchOutput(out_x, None, None, None, handle)
         new_handle = NormalHandle(
             handle.is_token_in_rank,
             handle.recv_count,
@@ -1313,88 +1337,35 @@ class NormalMode:
         )
         # Set on a handle from notify (a first dispatch, with or without top-k).
         per_expert = handle.num_recv_tokens_per_expert
-        return NormalDispatchOutput(recv_x, recv_topk_idx, recv_weights, per_expert, new_handle)
+        return NormalDispatchOutput(out_x, recv_topk_idx, recv_weights, per_expert, new_handle)
 
-    def _cached_dispatch(self, payload, scales, handle: NormalHandle) -> NormalDispatchOutput:
-        """A dispatch with the handle of an earlier one, no relay, row map or source tags
-        (``payload`` and ``scales`` checked): only the payload's arguments and the outputs'
-        are new; the rest come from the handle's :class:`_HandleCall`."""
-        key = (
-            "dispatch",
-            payload.dtype,
-            None if scales is None else (scales.shape[1], scales.dtype),
-        )
-        calls = handle.__dict__.get("_calls")
-        entry = calls.get(key) if calls is not None else None
-        if entry is None or not entry.stands(self, handle):
-            entry = None
+    def _dispatch_outputs(self, payload, scales, handle: NormalHandle):
+        """``(recv_x, recv_scales or None)``: a dispatch's outputs, ``handle.num_rows`` rows."""
         rows, device = handle.num_rows, self.device
         recv_x = empty_output(device, (rows, self.hidden), payload.dtype)
-        recv_scales = None
-        if entry is not None:
-            values = entry.values.copy()
-            x, out = payload.data_ptr(), recv_x.data_ptr()
-            values[_D_X], values[_D_OUT_X] = x, out
-            aligned = entry.aligned | x | out
-            if scales is not None:
-                recv_scales = empty_output(device, (rows, scales.shape[1]), scales.dtype)
-                s, out = scales.data_ptr(), recv_scales.data_ptr()
-                values[_D_SCALES], values[_D_OUT_SCALES] = s, out
-                aligned |= s | out
-            if entry.launch.launch_values(values, self._shared, aligned):
-                if recv_scales is None:
-                    return NormalDispatchOutput(recv_x, None, None, None, handle)
-                return NormalDispatchOutput((recv_x, recv_scales), None, None, None, handle)
-        elif scales is not None:
-            recv_scales = empty_output(device, (rows, scales.shape[1]), scales.dtype)
-        # The first call with this handle (or one Triton's path launches): by name.
-        options = DispatchOptions(
-            config=handle.config,
-            scale_words=scales.shape[1] if scales is not None else 0,
-            block_k=2,
-            has_topk=False,
-            has_weights=False,
-            has_tag=False,
-            pad_rows=handle.num_recv_tokens < 0,
-            bounds=handle.bounds is not None,
-            awaits=False,
-            ranks_from_ids=False,
-            publish=False,
-            row_map=False,
-        )
-        plan = self._plans.get(options)
-        if plan is None or self._plans_version != _launch_version:
-            plan = self._plan(options, self._dispatch_plan)
-        call = DispatchCall(
-            x_ptr=payload,
-            scales_ptr=scales,
-            topk_idx_ptr=None,
-            topk_weights_ptr=None,
-            in_rank_ptr=handle.is_token_in_rank,
-            src_tag_ptr=None,
-            num_tokens=handle.num_tokens,
-            K=1,
-            recv_count_ptr=handle.recv_count,
-            recv_start_ptr=handle.recv_start,
-            host_info_ptr=handle.host_info,
-            out_x_ptr=recv_x,
-            out_scales_ptr=recv_scales,
-            out_topk_idx_ptr=None,
-            out_weights_ptr=None,
-            out_src_ptr=handle.recv_src_idx,  # written again, with the same values
-            max_rows=rows,
-            bounds_ptr=handle.bounds,
-            ready_ptr=None,
-            relay_call_ptr=None,
-            row_map_ptr=None,
-            trace_ptr=None,
-        )
-        self._launch(plan, "dispatch", call)
-        if entry is None:
-            given = (_D_X, _D_SCALES, _D_OUT_X, _D_OUT_SCALES)
-            _handle_calls(handle)[key] = _handle_call(self, handle, plan, call, given)
-        out_x = recv_x if recv_scales is None else (recv_x, recv_scales)
-        return NormalDispatchOutput(out_x, None, None, None, handle)
+        if scales is None:
+            return recv_x, None
+        return recv_x, empty_output(device, (rows, scales.shape[1]), scales.dtype)
+
+    def _cached_dispatch(self, payload, scales, handle: NormalHandle, recv_x, recv_scales) -> bool:
+        """Launch a dispatch with the handle of an earlier one, no relay, row map or source
+        tags (``payload`` and ``scales`` checked), into ``recv_x`` and ``recv_scales``, from
+        the handle's :class:`_HandleCall`: only the payload's and the outputs' arguments are
+        new. False where there is no such template yet (the first such call, which
+        :meth:`_dispatch` makes by name and keeps) or the launch must take Triton's path."""
+        calls = handle.__dict__.get("_calls")
+        entry = calls.get(_dispatch_key(payload, scales)) if calls is not None else None
+        if entry is None or not entry.stands(self, handle):
+            return False
+        values = entry.values.copy()
+        x, out = payload.data_ptr(), recv_x.data_ptr()
+        values[_D_X], values[_D_OUT_X] = x, out
+        aligned = entry.aligned | x | out
+        if recv_scales is not None:
+            s, out = scales.data_ptr(), recv_scales.data_ptr()
+            values[_D_SCALES], values[_D_OUT_SCALES] = s, out
+            aligned |= s | out
+        return entry.launch.launch_values(values, self._shared, aligned)
 
     def _routed_dispatch(
         self,
@@ -1806,8 +1777,13 @@ class NormalMode:
                     shape=(N, H),
                     device=device,
                 )
-        if relay is None and row_map is None and self.trace is None:
-            return self._fast_combine(x, handle, topk_weights, terms, K)
+        out = empty_output(device, (N, H), torch.bfloat16)
+        out_weights = None
+        if topk_weights is not None:
+            out_weights = empty_output(device, (N, K), torch.float32)
+        plain = relay is None and row_map is None and self.trace is None
+        if plain and self._fast_combine(x, handle, topk_weights, terms, K, out, out_weights):
+            return out, out_weights
         config = handle.config
         if device.type != "cuda":
             self._check_fits_interpreter(config, "handle", N, handle.bounds)
@@ -1829,89 +1805,12 @@ class NormalMode:
         plan = self._plans.get(options)
         if plan is None or self._plans_version != _launch_version:
             plan = self._plan(options, self._combine_plan)
-        out = empty_output(device, (N, H), torch.bfloat16)
-        out_weights = None
-        if topk_weights is not None:
-            out_weights = empty_output(device, (N, K), torch.float32)
-        self._launch(
-            plan,
-            "combine",
-            CombineCall(
-                x_ptr=x,
-                weights_ptr=topk_weights,
-                in_rank_ptr=handle.is_token_in_rank,
-                num_tokens=N,
-                num_rows=M,
-                K=K,
-                bias0_ptr=terms[0] if terms else None,
-                bias1_ptr=terms[1] if len(terms) > 1 else None,
-                recv_count_ptr=handle.recv_count,
-                recv_start_ptr=handle.recv_start,
-                out_ptr=out,
-                out_weights_ptr=out_weights,
-                bounds_ptr=relay.limit if awaits else handle.bounds,
-                ready_ptr=relay.flags if relay is not None else None,
-                relay_call_ptr=relay.publish_to if publish else None,
-                row_map_ptr=row_map,
-                trace_ptr=None,
-            ),
-        )
-        return out, out_weights
-
-    def _fast_combine(self, x, handle: NormalHandle, topk_weights, terms: tuple, K: int):
-        """A combine without a relay or a row map (its tensors checked): only the arguments of
-        its tensors and outputs are new; the rest come from the handle's :class:`_HandleCall`."""
-        key = ("combine", K if topk_weights is not None else 0, len(terms))
-        calls = handle.__dict__.get("_calls")
-        entry = calls.get(key) if calls is not None else None
-        if entry is None or not entry.stands(self, handle):
-            entry = None
-        device, N = self.device, handle.num_tokens
-        out = empty_output(device, (N, handle.hidden), torch.bfloat16)
-        out_weights = None
-        if topk_weights is not None:
-            out_weights = empty_output(device, (N, K), torch.float32)
-        if entry is not None:
-            values = entry.values.copy()
-            a, o = x.data_ptr(), out.data_ptr()
-            values[_C_X], values[_C_OUT] = a, o
-            aligned = entry.aligned | a | o
-            if out_weights is not None:
-                a, o = topk_weights.data_ptr(), out_weights.data_ptr()
-                values[_C_WEIGHTS], values[_C_OUT_WEIGHTS] = a, o
-                aligned |= a | o
-            if terms:
-                a = values[_C_BIAS0] = terms[0].data_ptr()
-                aligned |= a
-                if len(terms) > 1:
-                    a = values[_C_BIAS1] = terms[1].data_ptr()
-                    aligned |= a
-            if entry.launch.launch_values(values, self._shared, aligned):
-                return out, out_weights
-        else:
-            if device.type != "cuda":
-                self._check_fits_interpreter(handle.config, "handle", N, handle.bounds)
-        # The first combine with this handle (or one Triton's path launches): by name.
-        options = CombineOptions(
-            config=handle.config,
-            block_k=2 if K <= 2 else 1 << (K - 1).bit_length(),
-            has_weights=topk_weights is not None,
-            num_bias=len(terms),
-            bounds=handle.bounds is not None,
-            relay=False,
-            awaits=False,
-            publish=False,
-            row_map=False,
-        )
-        plan = self._plans.get(options)
-        if plan is None or self._plans_version != _launch_version:
-            plan = self._plan(options, self._combine_plan)
         call = CombineCall(
             x_ptr=x,
             weights_ptr=topk_weights,
             in_rank_ptr=handle.is_token_in_rank,
             num_tokens=N,
-            num_rows=handle.num_rows,
+            num_rows=M,
             K=K,
             bias0_ptr=terms[0] if terms else None,
             bias1_ptr=terms[1] if len(terms) > 1 else None,
@@ -1919,17 +1818,45 @@ class NormalMode:
             recv_start_ptr=handle.recv_start,
             out_ptr=out,
             out_weights_ptr=out_weights,
-            bounds_ptr=handle.bounds,
-            ready_ptr=None,
-            relay_call_ptr=None,
-            row_map_ptr=None,
+            bounds_ptr=relay.limit if awaits else handle.bounds,
+            ready_ptr=relay.flags if relay is not None else None,
+            relay_call_ptr=relay.publish_to if publish else None,
+            row_map_ptr=row_map,
             trace_ptr=None,
         )
         self._launch(plan, "combine", call)
-        if entry is None:
-            given = (_C_X, _C_WEIGHTS, _C_BIAS0, _C_BIAS1, _C_OUT, _C_OUT_WEIGHTS)
-            _handle_calls(handle)[key] = _handle_call(self, handle, plan, call, given)
+        if plain:
+            key = _combine_key(topk_weights, K, len(terms))
+            _keep_handle_call(self, handle, key, plan, call, _C_GIVEN)
         return out, out_weights
+
+    def _fast_combine(
+        self, x, handle: NormalHandle, topk_weights, terms: tuple, K: int, out, out_weights
+    ) -> bool:
+        """Launch a combine without a relay or a row map (its tensors checked) into ``out``
+        and ``out_weights`` from the handle's :class:`_HandleCall`: only the arguments of its
+        tensors and outputs are new. False where there is no such template yet (the first
+        such combine, which :meth:`_combine` makes by name and keeps) or the launch must take
+        Triton's path."""
+        calls = handle.__dict__.get("_calls")
+        entry = calls.get(_combine_key(topk_weights, K, len(terms))) if calls is not None else None
+        if entry is None or not entry.stands(self, handle):
+            return False
+        values = entry.values.copy()
+        a, o = x.data_ptr(), out.data_ptr()
+        values[_C_X], values[_C_OUT] = a, o
+        aligned = entry.aligned | a | o
+        if out_weights is not None:
+            a, o = topk_weights.data_ptr(), out_weights.data_ptr()
+            values[_C_WEIGHTS], values[_C_OUT_WEIGHTS] = a, o
+            aligned |= a | o
+        if terms:
+            a = values[_C_BIAS0] = terms[0].data_ptr()
+            aligned |= a
+            if len(terms) > 1:
+                a = values[_C_BIAS1] = terms[1].data_ptr()
+                aligned |= a
+        return entry.launch.launch_values(values, self._shared, aligned)
 
     def _combine_plan(self, options: CombineOptions):
         config, R, H, layout = options.config, self.num_ranks, self.hidden, self.layout
