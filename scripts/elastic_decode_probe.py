@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python scripts/elastic_decode_probe.py [--ranks 4] [--tokens 1,32,128]
         [--hidden 7168] [--experts 256] [--topk 8] [--prefill 4096] [--decode-max N]
-        [--kernels]
+        [--kernels] [--tune "combine_rows=4,combine_warps=4;copy_rows=8"]
 
 Per batch size, the device time per call (CUDA-graph replays, mean over ranks) of:
 
@@ -20,6 +20,9 @@ exact-size (``do_cpu_sync=True``, plain layout) elastic dispatch and combine of 
 against the normal mode's (eager medians: both read a count on the host). With ``--kernels``
 it also prints, per decode call, each kernel's device time per call on rank 0 (the profiler
 over graph replays; it is started once before any timing, as its first start is slow).
+With ``--tune`` it times the elastic calls again under each given
+:class:`tritonep.modes.elastic.Tuning` (fields as ``name=value``, configurations separated by
+``;``), after the defaults.
 """
 
 from __future__ import annotations
@@ -77,8 +80,9 @@ def _kernel_lines(calls_by_name, calls=5, replays=10):
     return lines
 
 
-def _decode_line(ctx, opts, elastic, legacy, T, most):
-    """One batch size: device time per call of each decode call, in CUDA graphs."""
+def _decode_line(ctx, opts, elastic, legacy, T, most, label=""):
+    """One batch size: device time per call of each decode call, in CUDA graphs (with a
+    ``label``, of the elastic FP8 dispatch and the combine alone)."""
     from tritonep.bench.timing import mean_over_ranks, time_graph
     from tritonep.reference.fp8 import quantize_fp8
     from tritonep.testing import route
@@ -107,9 +111,11 @@ def _decode_line(ctx, opts, elastic, legacy, T, most):
         "elastic dispatch BF16": lambda: elastic.dispatch(x, idx, w, **common),
         "elastic combine": lambda: elastic.combine(y, handle, recv_w),
     }
+    if label:
+        calls = {k: v for k, v in calls.items() if k in ("elastic dispatch FP8", "elastic combine")}
     times = mean_over_ranks([time_graph(fn, 5, 10) * 1e3 for fn in calls.values()])
     timed = ", ".join(f"{name} {t:.1f} us" for name, t in zip(calls, times, strict=True))
-    lines = [f"{T:5d} tokens: {timed}"]
+    lines = [f"{T:5d} tokens{label}: {timed}"]
     if opts.kernels:
         lines += _kernel_lines(calls)
     return lines
@@ -137,6 +143,14 @@ def _rank(ctx, opts):
     lines = [
         line for T in opts.tokens for line in _decode_line(ctx, opts, elastic, legacy, T, most)
     ]
+    for config in filter(None, (opts.tune or "").split(";")):
+        import tritonep.modes.elastic as mode
+
+        fields = dict(item.split("=") for item in config.split(","))
+        mode.TUNING = mode.Tuning(**{k.strip(): int(v) for k, v in fields.items()})
+        for T in opts.tokens:
+            lines += _decode_line(ctx, opts, elastic, legacy, T, most, f" [{config}]")
+        mode.TUNING = mode.Tuning()
     if opts.prefill:
         T = opts.prefill
         gen = torch.Generator().manual_seed(13 + ctx.rank)
@@ -196,6 +210,11 @@ def main() -> None:
         "--kernels",
         action="store_true",
         help="also print each decode call's kernels with their device time per call (rank 0)",
+    )
+    parser.add_argument(
+        "--tune",
+        default="",
+        help="Tuning configurations to time the elastic calls under (name=value,...;...)",
     )
     args = parser.parse_args()
     args.tokens = [int(v) for v in args.tokens.split(",")]

@@ -58,6 +58,27 @@ TMA_SF_ALIGN = 4
 DECODE_TOKENS = 256
 
 
+@dataclass(frozen=True)
+class Tuning:
+    """Tile sizes and warps of the four launches (the largest a launch may take: smaller
+    batches take smaller blocks so that they spread over the programs). Measured on H200 with
+    ``scripts/elastic_decode_probe.py --tune``; part of every variant's key, so a probe may
+    swap :data:`TUNING` between calls."""
+
+    dispatch_tokens: int = 16  # tokens per block of the dispatch push
+    dispatch_warps: int = 8
+    copy_rows: int = 16  # received rows per block of the copy epilogue
+    copy_warps: int = 8
+    combine_rows: int = 8  # received tokens per block of the combine push
+    combine_channels: int = 1024  # channels per work item of the combine push and reduce
+    combine_warps: int = 8
+    reduce_tokens: int = 8  # tokens per block of the reduce epilogue
+    reduce_warps: int = 8
+
+
+TUNING = Tuning()
+
+
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
@@ -370,7 +391,8 @@ class ElasticMode:
         int32_dummy, int64_dummy = self.status, self.state
         f32_dummy = self._f32_dummy()
         ROW_WORDS, BLOCK_K = row_bytes // 4, triton.next_power_of_2(max(K, 2))
-        BLOCK_TOKENS = self._block(max(1, min(16, 128 // BLOCK_K)), N, num_sms)
+        tuning = TUNING
+        BLOCK_TOKENS = self._block(max(1, min(tuning.dispatch_tokens, 128 // BLOCK_K)), N, num_sms)
         rec = record_bytes(row_bytes, G, K)
         pay, scl = _align(row_bytes, 16), _align(4 * G, 16)
         key = (
@@ -381,6 +403,7 @@ class ElasticMode:
             G,
             BLOCK_TOKENS,
             sf is not None,
+            tuning,
         )
         flags = (
             (ed.FLAG_WEIGHTS.value if topk_weights is not None else 0)
@@ -439,7 +462,7 @@ class ElasticMode:
                 HAS_SF=sf is not None,
                 USE_CLOCK=use_clock(device),
                 PDL=self._pdl,
-                num_warps=8,
+                num_warps=tuning.dispatch_warps,
             ),
         )
         if cached is not None:
@@ -541,7 +564,8 @@ class ElasticMode:
         recv_sf = out.recv_sf
         has_sf, has_w = recv_sf is not None, out.recv_topk_weights is not None
         ROW_WORDS, BLOCK_K = row_bytes // 4, triton.next_power_of_2(max(K, 2))
-        BLOCK_ROWS = self._block(16, expected_rows, self.num_device_sms)
+        tuning = TUNING
+        BLOCK_ROWS = self._block(tuning.copy_rows, expected_rows, self.num_device_sms)
         rows = out.recv_x.shape[0]
         key = (
             "epilogue",
@@ -552,6 +576,7 @@ class ElasticMode:
             BLOCK_ROWS,
             do_expand,
             has_sf,
+            tuning,
         )
         flags = (
             (ed.FLAG_WEIGHTS.value if has_w else 0)
@@ -607,7 +632,7 @@ class ElasticMode:
                 EXPAND=do_expand,
                 HAS_SF=has_sf,
                 **self._dependent(),
-                num_warps=8,
+                num_warps=tuning.copy_warps,
             ),
         )
 
@@ -658,12 +683,15 @@ class ElasticMode:
         f32_dummy, crec = self._f32_dummy(), combine_record_bytes(H, K)
         BLOCK_K = triton.next_power_of_2(max(K, 2))
         # CPU ranks take narrow chunks, so that the tests cross chunk boundaries.
-        BLOCK_CHANNELS = min(triton.next_power_of_2(H), 1024 if device.type == "cuda" else 64)
+        tuning = TUNING
+        BLOCK_CHANNELS = min(
+            triton.next_power_of_2(H), tuning.combine_channels if device.type == "cuda" else 64
+        )
         chunks = -(-H // BLOCK_CHANNELS)
         # Received tokens: the handle's worst case, planned for as this rank's tokens times the
         # ranks (equal decode batches); only the block size follows the guess.
         rows = min(recv_src_metadata.shape[0], R * max(N, 1))
-        BLOCK_ROWS = self._block(8, rows * chunks, num_sms)
+        BLOCK_ROWS = self._block(tuning.combine_rows, rows * chunks, num_sms)
         self._launch(
             elastic_combine.elastic_combine,
             self._programs(num_sms, -(-recv_src_metadata.shape[0] // BLOCK_ROWS) * chunks, 1),
@@ -684,7 +712,7 @@ class ElasticMode:
                 self._timeout_us,
                 int(has_w),
             ),
-            ("combine", H, K, do_expand, multi, BLOCK_ROWS),
+            ("combine", H, K, do_expand, multi, BLOCK_ROWS, tuning),
             lambda: dict(
                 H=H,
                 K=K,
@@ -699,7 +727,7 @@ class ElasticMode:
                 MULTI=multi,
                 USE_CLOCK=use_clock(device),
                 PDL=self._pdl,
-                num_warps=8,
+                num_warps=tuning.combine_warps,
                 enable_fp_fusion=False,
             ),
         )
@@ -708,7 +736,7 @@ class ElasticMode:
         out = empty_output(device, (N, H), torch.bfloat16)
         out_w = empty_output(device, (N, K), torch.float32) if has_w else None
         terms = tuple(bias) + (out,) * (2 - len(bias))  # unused pointers when fewer
-        BLOCK_TOKENS = self._block(8, N * chunks, self.num_device_sms)
+        BLOCK_TOKENS = self._block(tuning.reduce_tokens, N * chunks, self.num_device_sms)
         self._launch(
             elastic_combine.elastic_combine_epilogue,
             self._programs(self.num_device_sms, -(-N // BLOCK_TOKENS) * chunks, 1),
@@ -728,7 +756,7 @@ class ElasticMode:
                 len(bias),
                 int(has_w),
             ),
-            ("reduce", H, K, num_experts, slots, multi, BLOCK_TOKENS),
+            ("reduce", H, K, num_experts, slots, multi, BLOCK_TOKENS, tuning),
             lambda: dict(
                 H=H,
                 K=K,
@@ -742,7 +770,7 @@ class ElasticMode:
                 BLOCK_CHANNELS=BLOCK_CHANNELS,
                 USE_CLOCK=use_clock(device),
                 **self._dependent(),
-                num_warps=8,
+                num_warps=tuning.reduce_warps,
                 enable_fp_fusion=False,
             ),
         )
