@@ -165,6 +165,13 @@ def elastic_combine(
     ks = tl.arange(0, BLOCK_K)
     peer_base = tl.load(peer_ptrs + ranks, mask=ranks < NUM_RANKS, other=0)
     total = tl.load(psum_rank_ptr + NUM_RANKS - 1)
+    # The received tokens are in source order, and every rank walks them together: in that
+    # order all ranks would push to source 0 first, then to source 1, each receiver taking
+    # every sender's rows at once while other links idle. Each rank starts instead with the
+    # tokens of the next rank (its own come last), so that at any moment the ranks push to
+    # different owners.
+    start = tl.load(psum_rank_ptr + rank)
+    start = tl.where(start < total, start, 0)
     # Work items: (block of BLOCK_ROWS received tokens, chunk of BLOCK_CHANNELS channels), so
     # that a decode batch of a few tokens still spreads over every program.
     NUM_CHUNKS: tl.constexpr = (H + BLOCK_CHANNELS - 1) // BLOCK_CHANNELS
@@ -173,6 +180,8 @@ def elastic_combine(
         i = (item // NUM_CHUNKS) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         h0 = (item % NUM_CHUNKS) * BLOCK_CHANNELS
         live = i < total
+        i = i + start
+        i = tl.where(i < total, i, i - total)
         meta = meta_ptr + i.to(tl.int64) * (K + 2)
         src = tl.load(meta, mask=live, other=0)
         source = src // max_tokens

@@ -70,9 +70,14 @@ class Tuning:
     copy_rows: int = 16  # received rows per block of the copy epilogue
     copy_warps: int = 8
     combine_rows: int = 8  # received tokens per block of the combine push
-    combine_channels: int = 1024  # channels per work item of the combine push and reduce
+    combine_channels: int = 1024  # channels per work item of the combine push
+    # the same for decode batches (at most DECODE_TOKENS tokens on this rank): narrow blocks
+    # of wide chunks (4x H200, 4 ranks, 128 tokens: 37.9 us against 46.2 with 8 x 1024)
+    decode_combine_rows: int = 2
+    decode_combine_channels: int = 2048
     combine_warps: int = 8
     reduce_tokens: int = 8  # tokens per block of the reduce epilogue
+    reduce_channels: int = 1024  # channels per work item of the reduce epilogue
     reduce_warps: int = 8
 
 
@@ -682,16 +687,19 @@ class ElasticMode:
         multi = multiple_reduction or not do_expand
         f32_dummy, crec = self._f32_dummy(), combine_record_bytes(H, K)
         BLOCK_K = triton.next_power_of_2(max(K, 2))
-        # CPU ranks take narrow chunks, so that the tests cross chunk boundaries.
         tuning = TUNING
+        decode = N <= DECODE_TOKENS
+        # CPU ranks take narrow chunks, so that the tests cross chunk boundaries.
+        widest = triton.next_power_of_2(H) if device.type == "cuda" else 64
         BLOCK_CHANNELS = min(
-            triton.next_power_of_2(H), tuning.combine_channels if device.type == "cuda" else 64
+            widest, tuning.decode_combine_channels if decode else tuning.combine_channels
         )
         chunks = -(-H // BLOCK_CHANNELS)
         # Received tokens: the handle's worst case, planned for as this rank's tokens times the
         # ranks (equal decode batches); only the block size follows the guess.
         rows = min(recv_src_metadata.shape[0], R * max(N, 1))
-        BLOCK_ROWS = self._block(tuning.combine_rows, rows * chunks, num_sms)
+        most_rows = tuning.decode_combine_rows if decode else tuning.combine_rows
+        BLOCK_ROWS = self._block(most_rows, rows * chunks, num_sms)
         self._launch(
             elastic_combine.elastic_combine,
             self._programs(num_sms, -(-recv_src_metadata.shape[0] // BLOCK_ROWS) * chunks, 1),
@@ -736,6 +744,8 @@ class ElasticMode:
         out = empty_output(device, (N, H), torch.bfloat16)
         out_w = empty_output(device, (N, K), torch.float32) if has_w else None
         terms = tuple(bias) + (out,) * (2 - len(bias))  # unused pointers when fewer
+        REDUCE_CHANNELS = min(widest, tuning.reduce_channels)
+        chunks = -(-H // REDUCE_CHANNELS)
         BLOCK_TOKENS = self._block(tuning.reduce_tokens, N * chunks, self.num_device_sms)
         self._launch(
             elastic_combine.elastic_combine_epilogue,
@@ -767,7 +777,7 @@ class ElasticMode:
                 RANK_SLOTS=multi,
                 COMBINE_RECORD_BYTES=crec,
                 BLOCK_TOKENS=BLOCK_TOKENS,
-                BLOCK_CHANNELS=BLOCK_CHANNELS,
+                BLOCK_CHANNELS=REDUCE_CHANNELS,
                 USE_CLOCK=use_clock(device),
                 **self._dependent(),
                 num_warps=tuning.reduce_warps,
