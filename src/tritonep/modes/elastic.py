@@ -66,6 +66,7 @@ class Tuning:
     swap :data:`TUNING` between calls."""
 
     dispatch_tokens: int = 16  # tokens per block of the dispatch push
+    small_scan_tokens: int = 32  # batches of up to this many tokens scan that many a step
     dispatch_warps: int = 8
     copy_rows: int = 16  # received rows per block of the copy epilogue
     copy_warps: int = 8
@@ -398,6 +399,12 @@ class ElasticMode:
         ROW_WORDS, BLOCK_K = row_bytes // 4, triton.next_power_of_2(max(K, 2))
         tuning = TUNING
         BLOCK_TOKENS = self._block(max(1, min(tuning.dispatch_tokens, 128 // BLOCK_K)), N, num_sms)
+        # The scan of the earlier tokens' ids reads 1024 of them a step; a small batch, no
+        # more than it has (its histogram costs per id read, masked or not).
+        SCAN_BLOCK_TOKENS = 1024 // BLOCK_K
+        if tuning.small_scan_tokens >= N:
+            SCAN_BLOCK_TOKENS = min(SCAN_BLOCK_TOKENS, tuning.small_scan_tokens)
+        SCAN_BLOCK_TOKENS = max(BLOCK_TOKENS, SCAN_BLOCK_TOKENS)
         rec = record_bytes(row_bytes, G, K)
         pay, scl = _align(row_bytes, 16), _align(4 * G, 16)
         key = (
@@ -407,6 +414,7 @@ class ElasticMode:
             ROW_WORDS,
             G,
             BLOCK_TOKENS,
+            SCAN_BLOCK_TOKENS,
             sf is not None,
             tuning,
         )
@@ -462,8 +470,7 @@ class ElasticMode:
                 SCALE_BYTES=scl,
                 HEADER_WORDS=HEADER_WORDS,
                 BLOCK_TOKENS=BLOCK_TOKENS,
-                # The scan of the earlier ranges' ids reads 1024 of them a step.
-                SCAN_BLOCK_TOKENS=max(BLOCK_TOKENS, 1024 // BLOCK_K),
+                SCAN_BLOCK_TOKENS=SCAN_BLOCK_TOKENS,
                 HAS_SF=sf is not None,
                 USE_CLOCK=use_clock(device),
                 PDL=self._pdl,
