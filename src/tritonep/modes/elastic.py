@@ -66,7 +66,7 @@ class Tuning:
     swap :data:`TUNING` between calls."""
 
     dispatch_tokens: int = 16  # tokens per block of the dispatch push
-    small_scan_tokens: int = 32  # batches of up to this many tokens scan that many a step
+    small_scan_tokens: int = 32  # the fewest tokens a step of the scan of earlier ids reads
     dispatch_warps: int = 8
     copy_rows: int = 16  # received rows per block of the copy epilogue
     copy_warps: int = 8
@@ -399,12 +399,11 @@ class ElasticMode:
         ROW_WORDS, BLOCK_K = row_bytes // 4, triton.next_power_of_2(max(K, 2))
         tuning = TUNING
         BLOCK_TOKENS = self._block(max(1, min(tuning.dispatch_tokens, 128 // BLOCK_K)), N, num_sms)
-        # The scan of the earlier tokens' ids reads 1024 of them a step; a small batch, no
-        # more than it has (its histogram costs per id read, masked or not).
-        SCAN_BLOCK_TOKENS = 1024 // BLOCK_K
-        if tuning.small_scan_tokens >= N:
-            SCAN_BLOCK_TOKENS = min(SCAN_BLOCK_TOKENS, tuning.small_scan_tokens)
-        SCAN_BLOCK_TOKENS = max(BLOCK_TOKENS, SCAN_BLOCK_TOKENS)
+        # The scan of the earlier tokens' ids reads 1024 of them a step; a small batch no more
+        # than it has, in powers of two from small_scan_tokens (its histogram costs per id
+        # read, masked or not).
+        scan = max(tuning.small_scan_tokens, triton.next_power_of_2(max(N, 1)))
+        SCAN_BLOCK_TOKENS = max(BLOCK_TOKENS, min(1024 // BLOCK_K, scan))
         rec = record_bytes(row_bytes, G, K)
         pay, scl = _align(row_bytes, 16), _align(4 * G, 16)
         key = (
