@@ -18,7 +18,8 @@ capture the calls. A combine is a push of one row per received token (reduced ov
 experts in the expanded layout) into the owner's slot for it, then a reduce epilogue that sums
 each token's rows in a fixed order. Call counters live on the device. On sm_90 and later each
 epilogue is a programmatic dependent launch of its push (launched while the push runs, it waits
-for the push's grid before reading), so that a call costs about one launch.
+for the push's grid before reading), so that a call costs about one launch. Tile sizes and
+warps come from :data:`TUNING`.
 """
 
 from __future__ import annotations
