@@ -783,6 +783,13 @@ class NormalMode:
         self._layout = DispatchLayout(
             self.device, num_experts, self.num_ranks, self.status, self.rank
         )
+        # A dispatch that computes its layout reads only is_token_in_rank past its launches:
+        # the tokens per rank and per expert go here (fewer allocations per call), read by the
+        # notify launch that follows in stream order, as the heap's rings are.
+        self._layout_scratch = (
+            torch.empty(self.num_ranks, dtype=torch.int32, device=self.device),
+            torch.empty(num_experts, dtype=torch.int32, device=self.device),
+        )
         # Passed for the pointers a variant does not read.
         self._unused = torch.zeros(4, dtype=torch.int64, device=self.device)
         self._plans: dict[tuple, KernelLaunch] = {}
@@ -1468,11 +1475,12 @@ class NormalMode:
             per_expert = counts[1 : 1 + self.num_local_experts]
         else:
             # The one host synchronization of exact mode: the received count.
-            read = counts[: 1 + self.num_local_experts].tolist()
+            # (All of counts: a view first would cost more than the words it leaves out.)
+            read = counts.tolist()
             if self.status.recorded() == STATUS_TIMEOUT.value:
                 self.raise_recorded()  # the count is unknown: nothing can follow
             num_recv = rows = read[0]
-            per_expert = read[1:]
+            per_expert = read[1 : 1 + self.num_local_experts]
         # The rows.
         recv_x = empty_output(device, (rows, self.hidden), payload.dtype)
         recv_topk_idx = empty_output(device, (rows, topk), torch.int64)
@@ -1655,7 +1663,11 @@ class NormalMode:
                 "get_dispatch_layout) or neither"
             )
         if is_token_in_rank is None:
-            _, num_tokens_per_expert, is_token_in_rank = self._layout(topk_idx)
+            per_rank, per_expert = self._layout_scratch
+            in_rank = torch.empty((num_tokens, R), dtype=torch.bool, device=device)
+            _, num_tokens_per_expert, is_token_in_rank = self._layout(
+                topk_idx, out=(per_rank, per_expert, in_rank)
+            )
         else:
             at = self._device_index
             if not _plain(is_token_in_rank, torch.bool, at) or is_token_in_rank.shape != (
