@@ -13,7 +13,8 @@ binding and cache key) instead of straight to the compiled kernel; that count sh
 Operations: low-latency dispatch (FP8, with ``cumulative_local_expert_recv_stats``) and
 combine, through ``tritonep.deep_ep.Buffer`` (what users call) and through
 ``LowLatencyMode`` (the mode alone); with ``--normal`` also the normal mode's cached dispatch,
-worst-case dispatch, combine and exact-size dispatch (whose host waits for the received count).
+worst-case dispatch, combine and exact-size dispatch (whose host waits for the received count),
+through ``NormalMode`` and through ``tritonep.deep_ep.Buffer`` (its stream handling included).
 Each line also splits the time on GPUs into this project's Python (the same calls with the
 kernel launches left out) and the launches. The script also runs on a tree from before issue
 48 (``PYTHONPATH=prev/src``), whose modes check ids on the host by default (a synchronization
@@ -275,6 +276,8 @@ def _normal(ctx, args, group, lines, on_gpu):
     if on_gpu:  # its host waits for the count: the notify kernel must run
         ops.append(("NormalMode exact-size dispatch (waits for the count)",
                     lambda: mode.dispatch(x, idx, w, per_expert, in_rank)))  # fmt: skip
+    buffer_ops, buffer = _deep_ep_normal_ops(ctx, group, x, idx, w, E, worst, on_gpu)
+    ops += buffer_ops
     for name, fn in ops:  # the first call of each (its variants compiled or loaded)
         start = time.perf_counter()
         fn()
@@ -291,6 +294,29 @@ def _normal(ctx, args, group, lines, on_gpu):
                 _report(label, fn, args, device, group, on_gpu, lines, args.profile)
     mode.check()
     mode.destroy()
+    buffer.destroy()
+
+
+def _deep_ep_normal_ops(ctx, group, x, idx, w, E, worst, on_gpu):
+    """(name, call) of the normal calls through a ``tritonep.deep_ep.Buffer`` (its first
+    dispatch run), and the buffer."""
+    import tritonep.deep_ep as deep_ep
+
+    buffer = deep_ep.Buffer(group, 1 << 30, 0)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, E)
+    layout = (per_rank, None, in_rank, per_expert, idx, w)
+    first = buffer.dispatch(x, None, *layout)
+    handle, y = first[4], first[0].clone()
+    ops = [
+        ("deep_ep.Buffer cached dispatch", lambda: buffer.dispatch(x, handle)),
+        ("deep_ep.Buffer worst-case dispatch",
+         lambda: buffer.dispatch(x, None, *layout, num_worst_tokens=worst)),
+        ("deep_ep.Buffer combine", lambda: buffer.combine(y, handle)),
+    ]  # fmt: skip
+    if on_gpu:
+        ops.append(("deep_ep.Buffer exact-size dispatch (waits for the count)",
+                    lambda: buffer.dispatch(x, None, *layout)))  # fmt: skip
+    return ops, buffer
 
 
 def _rank(ctx, args):

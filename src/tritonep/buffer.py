@@ -295,6 +295,7 @@ class Buffer:
         self._layouts: dict[int, DispatchLayout] = {}
         self._layout_status: Status | None = None
         self._comm_stream: torch.cuda.Stream | None = None
+        self._mode_configs: dict = {}  # config given -> (mode, its config there) (_mode_config)
         #: A number naming this buffer in operators (:mod:`tritonep.integrations.autograd`).
         self.key = next(_KEYS)
         _BUFFERS[self.key] = self
@@ -458,6 +459,28 @@ class Buffer:
             )
         return mode
 
+    def _mode_config(self, mode: NormalMode | InternodeMode, config: Config | None) -> Config:
+        """The config ``mode`` runs a dispatch with, for ``config`` (None: the class's
+        :meth:`get_dispatch_config`), made once per config (configs are frozen) and mode."""
+        key = (config, type(self).num_sms) if config is None else config
+        known = self._mode_configs.get(key)
+        if known is not None and known[0] is mode:
+            return known[1]
+        given = config or self.get_dispatch_config(self.group_size)
+        # A config may ask for more ring slots than the buffer has (DeepEP's defaults ask for
+        # 256 and more): it gets them all.
+        slots = min(given.nvl_recv_buffer_tokens, mode.layout.ring_tokens)
+        sms = given.num_sms
+        if mode.device.type != "cuda":  # SM counts mean nothing to the interpreter
+            sms = min(sms, mode.default_config.num_sms)
+        # Built anew rather than replaced: configs may be subclasses with other arguments
+        # (tritonep.deep_ep.Config takes DeepEP's names).
+        made = Config(
+            sms, given.nvl_send_chunk, slots, given.rdma_send_chunk, given.rdma_recv_buffer_tokens
+        )
+        self._mode_configs[key] = (mode, made)
+        return made
+
     def _on_comm_stream(self, device, previous_event, inputs, fn):
         """Run ``fn`` on the communication stream after ``previous_event`` (or the current
         stream); returns ``(fn's result, compute stream)``."""
@@ -609,7 +632,11 @@ class Buffer:
                         f"{name}: must be None with a handle (cached mode moves "
                         "rows along the handle's routing)"
                     )
-        payload = check_dispatch_x("x", x)
+        # Once the mode exists it checks x and the layout tensors in full before it launches;
+        # here only what picks the stream then (a payload tensor).
+        payload = x[0] if type(x) is tuple and len(x) == 2 else x
+        if self._normal is None or type(payload) is not torch.Tensor or payload.dim() != 2:
+            payload = check_dispatch_x("x", x)
         # Without top-k (as DeepEP allows) the layout arguments alone route the rows: the
         # count exchange runs first and the rows follow its handle.
         notify_first = handle is None and topk_idx is None
@@ -617,9 +644,14 @@ class Buffer:
         if handle is not None:
             mode = self._normal_mode(payload.shape[1], None)
         else:
-            check_tensor(
-                "num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32, shape=(None,)
-            )
+            counts = num_tokens_per_expert
+            if self._normal is None or type(counts) is not torch.Tensor or counts.dim() != 1:
+                check_tensor(
+                    "num_tokens_per_expert",
+                    num_tokens_per_expert,
+                    dtype=torch.int32,
+                    shape=(None,),
+                )
             mode = self._normal_mode(payload.shape[1], num_tokens_per_expert.shape[0])
         if notify_first:
             if topk_weights is not None:
@@ -646,22 +678,7 @@ class Buffer:
                 device=mode.device,
             )
         if handle is None:
-            config = config or self.get_dispatch_config(self.group_size)
-            # A config may ask for more ring slots than the buffer has (DeepEP's defaults
-            # ask for 256 and more): it gets them all.
-            slots = min(config.nvl_recv_buffer_tokens, mode.layout.ring_tokens)
-            sms = config.num_sms
-            if mode.device.type != "cuda":  # SM counts mean nothing to the interpreter
-                sms = min(sms, mode.default_config.num_sms)
-            # Built anew rather than replaced: configs may be subclasses with other arguments
-            # (tritonep.deep_ep.Config takes DeepEP's names).
-            config = Config(
-                sms,
-                config.nvl_send_chunk,
-                slots,
-                config.rdma_send_chunk,
-                config.rdma_recv_buffer_tokens,
-            )
+            config = self._mode_config(mode, config)
         inputs = (x, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert)
 
         def run():

@@ -6,7 +6,6 @@ Every difference from DeepEP is listed in ``docs/deepep-compat.md``.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
@@ -101,8 +100,11 @@ class LegacyHandle(NormalHandle):
     @classmethod
     def of(cls, handle: NormalHandle, rank: int) -> LegacyHandle:
         """``handle`` (of a dispatch on rank ``rank``) as a :class:`LegacyHandle`."""
-        fields = {f.name: getattr(handle, f.name) for f in dataclasses.fields(handle)}
-        out = cls(**fields)
+        out = cls.__new__(cls)
+        # The fields as they are (a dataclass keeps them in its __dict__), without the launch
+        # templates a handle may hold (modes.normal: kept per handle object).
+        out.__dict__.update(handle.__dict__)
+        out.__dict__.pop("_calls", None)
         out.rank = rank
         return out
 

@@ -57,6 +57,7 @@ row and a mirror ring per destination) and moved with the tails and heads by
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -348,6 +349,10 @@ class NormalHandle:
 
     Attributes:
         is_token_in_rank: ``[N, R]`` bool, where this rank's tokens went.
+        counts: int32 on the device, all that the count exchange writes, in one allocation
+            (each allocation costs host time on every dispatch): ``host_info``,
+            ``recv_count`` and ``recv_start`` below are views of it, made when first read,
+            each starting at a 16-byte boundary (:func:`count_offsets`).
         recv_count: ``[R, C]`` int32, tokens each (source rank, channel) sent here.
         recv_start: ``[R, C]`` int32, the first received row of each (source rank, channel).
         host_info: ``[1 + E_local]`` int32 on the device: rows received, then tokens per local
@@ -374,9 +379,7 @@ class NormalHandle:
     """
 
     is_token_in_rank: torch.Tensor
-    recv_count: torch.Tensor
-    recv_start: torch.Tensor
-    host_info: torch.Tensor
+    counts: torch.Tensor
     recv_src_idx: torch.Tensor | None
     num_recv_tokens: int
     num_rows: int
@@ -388,6 +391,43 @@ class NormalHandle:
     extra: torch.Tensor | None = None
     bounds: torch.Tensor | None = None
     ranks_from_ids: bool = False
+
+    # Views of ``counts``, made when first read: a call's launches take its addresses.
+    @functools.cached_property
+    def host_info(self) -> torch.Tensor:
+        return self._count_view(0)
+
+    @functools.cached_property
+    def recv_count(self) -> torch.Tensor:
+        return self._count_view(1)
+
+    @functools.cached_property
+    def recv_start(self) -> torch.Tensor:
+        return self._count_view(2)
+
+    def _count_view(self, part: int) -> torch.Tensor:
+        R = self.is_token_in_rank.shape[1]
+        return count_views(self.counts, self.num_experts // R, R, self.config.num_channels)[part]
+
+
+def count_offsets(num_local_experts: int, num_ranks: int, num_channels: int) -> tuple[int, ...]:
+    """Where a handle's ``counts`` (int32 words) holds ``recv_count`` and ``recv_start``, and
+    its length: ``host_info`` first, each part starting at a multiple of 4 words (16 bytes:
+    the kernels are compiled for aligned pointers, whatever the rank and channel counts)."""
+    info, rows = _align(1 + num_local_experts, 4), _align(num_ranks * num_channels, 4)
+    return info, info + rows, info + 2 * rows
+
+
+def count_views(counts: torch.Tensor, num_local_experts: int, num_ranks: int, num_channels: int):
+    """``(host_info [1 + E_local], recv_count [R, C], recv_start [R, C])``, views of a
+    handle's ``counts`` (:func:`count_offsets`)."""
+    at_count, at_start, _ = count_offsets(num_local_experts, num_ranks, num_channels)
+    n = num_ranks * num_channels
+    return (
+        counts[: 1 + num_local_experts],
+        counts[at_count : at_count + n].view(num_ranks, num_channels),
+        counts[at_start : at_start + n].view(num_ranks, num_channels),
+    )
 
 
 @dataclass
@@ -500,11 +540,9 @@ class _HandleCall(NamedTuple):
             self.mode() is mode
             and self.version == _launch_version
             and held[0] is handle.is_token_in_rank
-            and held[1] is handle.recv_count
-            and held[2] is handle.recv_start
-            and held[3] is handle.host_info
-            and held[4] is handle.recv_src_idx
-            and held[5] is handle.bounds
+            and held[1] is handle.counts
+            and held[2] is handle.recv_src_idx
+            and held[3] is handle.bounds
         )
 
 
@@ -528,14 +566,7 @@ def _handle_call(
             values[i] = 0
         else:
             aligned |= values[i]
-    tensors = (
-        handle.is_token_in_rank,
-        handle.recv_count,
-        handle.recv_start,
-        handle.host_info,
-        handle.recv_src_idx,
-        handle.bounds,
-    )
+    tensors = (handle.is_token_in_rank, handle.counts, handle.recv_src_idx, handle.bounds)
     return _HandleCall(launch, values, aligned, weakref.ref(mode), _launch_version, tensors)
 
 
@@ -571,6 +602,9 @@ class _RouteCall(NamedTuple):
     dispatch_values: list
     null: int  # the placeholder's address (in every template)
     version: int
+    count_words: int  # length of the handle's counts (count_offsets)
+    count_bytes: int  # where in it recv_count starts
+    start_bytes: int  # where recv_start starts
 
 
 def _indices(fields: tuple, names: str) -> tuple[int, ...]:
@@ -748,6 +782,13 @@ class NormalMode:
         # number in the group, as the dispatch kernel's; errors name it by rank_names).
         self._layout = DispatchLayout(
             self.device, num_experts, self.num_ranks, self.status, self.rank
+        )
+        # A dispatch that computes its layout reads only is_token_in_rank past its launches:
+        # the tokens per rank and per expert go here (fewer allocations per call), read by the
+        # notify launch that follows in stream order, as the heap's rings are.
+        self._layout_scratch = (
+            torch.empty(self.num_ranks, dtype=torch.int32, device=self.device),
+            torch.empty(num_experts, dtype=torch.int32, device=self.device),
         )
         # Passed for the pointers a variant does not read.
         self._unused = torch.zeros(4, dtype=torch.int64, device=self.device)
@@ -984,9 +1025,8 @@ class NormalMode:
                     f"extra: expected 1 to {self.notify_extra} words per rank, got {X}"
                 )
             check_tensor("extra", extra, dtype=torch.int32, shape=(R, X), device=device)
-        counts = torch.empty((2, R, C), dtype=torch.int32, device=device)
-        recv_count, recv_start = counts.unbind(0)
-        host_info = torch.empty(1 + E_local, dtype=torch.int32, device=device)
+        counts = torch.empty(count_offsets(E_local, R, C)[2], dtype=torch.int32, device=device)
+        host_info, recv_count, recv_start = count_views(counts, E_local, R, C)
         extra_out = torch.empty((R, X), dtype=torch.int32, device=device) if X else None
         options = NotifyOptions(config, send_counts is not None, X, channel_major)
         plan = self._plans.get(options)
@@ -1020,11 +1060,9 @@ class NormalMode:
                 self.raise_recorded()  # the count is unknown: nothing can follow
             num_recv = rows = info[0]
             per_expert = info[1:]
-        return NormalHandle(
+        handle = NormalHandle(
             in_rank,
-            recv_count,
-            recv_start,
-            host_info,
+            counts,
             None,
             num_recv,
             rows,
@@ -1037,6 +1075,8 @@ class NormalMode:
             bounds,
             send_counts is not None,
         )
+        handle.__dict__.update(host_info=host_info, recv_count=recv_count, recv_start=recv_start)
+        return handle
 
     def _notify_plan(self, options: NotifyOptions):
         config, R, E_local = options.config, self.num_ranks, self.num_local_experts
@@ -1322,9 +1362,7 @@ class NormalMode:
             return NormalDispatchOutput(out_x, None, None, None, handle)
         new_handle = NormalHandle(
             handle.is_token_in_rank,
-            handle.recv_count,
-            handle.recv_start,
-            handle.host_info,
+            handle.counts,
             recv_src_idx,
             handle.num_recv_tokens,
             rows,
@@ -1402,18 +1440,10 @@ class NormalMode:
         if route is None or route.version != _launch_version:
             route = self._route_call(key)
         device, null = self.device, route.null
-        # The count exchange.
-        counts = torch.empty(
-            2, self.num_ranks, config.num_channels, dtype=torch.int32, device=device
-        )
-        recv_count, recv_start = counts.unbind(0)
-        host_info = torch.empty(1 + self.num_local_experts, dtype=torch.int32, device=device)
-        rank, count, start, info = (
-            in_rank.data_ptr(),
-            recv_count.data_ptr(),
-            recv_start.data_ptr(),
-            host_info.data_ptr(),
-        )
+        # The count exchange, into one allocation (the handle's views of it come when read).
+        counts = torch.empty(route.count_words, dtype=torch.int32, device=device)
+        rank, info = in_rank.data_ptr(), counts.data_ptr()
+        count, start = info + route.count_bytes, info + route.start_bytes
         values = route.notify_values.copy()
         values[_N_COUNTS] = rank
         values[_N_TOKENS] = num_tokens
@@ -1425,6 +1455,9 @@ class NormalMode:
         values[_N_HOST_INFO] = info
         handles = rank | count | start | info
         if not route.notify.launch_values(values, self._shared, handles | a | null):
+            host_info, recv_count, recv_start = count_views(
+                counts, self.num_local_experts, self.num_ranks, config.num_channels
+            )
             call = NotifyCall._make(values)._replace(
                 counts_ptr=in_rank,
                 per_expert_ptr=per_expert_in,
@@ -1439,14 +1472,15 @@ class NormalMode:
         per_expert: list[int] | torch.Tensor
         if num_worst_tokens:
             num_recv, rows = -1, num_worst_tokens
-            per_expert = host_info[1:]
+            per_expert = counts[1 : 1 + self.num_local_experts]
         else:
             # The one host synchronization of exact mode: the received count.
-            read = host_info.tolist()
+            # (All of counts: a view first would cost more than the words it leaves out.)
+            read = counts.tolist()
             if self.status.recorded() == STATUS_TIMEOUT.value:
                 self.raise_recorded()  # the count is unknown: nothing can follow
             num_recv = rows = read[0]
-            per_expert = read[1:]
+            per_expert = read[1 : 1 + self.num_local_experts]
         # The rows.
         recv_x = empty_output(device, (rows, self.hidden), payload.dtype)
         recv_topk_idx = empty_output(device, (rows, topk), torch.int64)
@@ -1476,6 +1510,9 @@ class NormalMode:
             values[_D_OUT_WEIGHTS] = b = recv_weights.data_ptr()
             aligned |= a | b
         if not route.dispatch.launch_values(values, self._shared, aligned):
+            host_info, recv_count, recv_start = count_views(
+                counts, self.num_local_experts, self.num_ranks, config.num_channels
+            )
             bundle = DispatchCall._make(values)._replace(
                 x_ptr=payload,
                 scales_ptr=scales,
@@ -1500,9 +1537,7 @@ class NormalMode:
             self._launch(route.dispatch, "dispatch", bundle)
         handle = NormalHandle(
             in_rank,
-            recv_count,
-            recv_start,
-            host_info,
+            counts,
             recv_src_idx,
             num_recv,
             rows,
@@ -1574,8 +1609,19 @@ class NormalMode:
             row_map_ptr=null,
             trace_ptr=null,
         )
+        at_count, at_start, words = count_offsets(
+            self.num_local_experts, self.num_ranks, config.num_channels
+        )
         route = _RouteCall(
-            notify, list(notify_call), dispatch, list(dispatch_call), null, _launch_version
+            notify,
+            list(notify_call),
+            dispatch,
+            list(dispatch_call),
+            null,
+            _launch_version,
+            words,
+            4 * at_count,
+            4 * at_start,
         )
         self._routes[key] = route
         return route
@@ -1617,7 +1663,11 @@ class NormalMode:
                 "get_dispatch_layout) or neither"
             )
         if is_token_in_rank is None:
-            _, num_tokens_per_expert, is_token_in_rank = self._layout(topk_idx)
+            per_rank, per_expert = self._layout_scratch
+            in_rank = torch.empty((num_tokens, R), dtype=torch.bool, device=device)
+            _, num_tokens_per_expert, is_token_in_rank = self._layout(
+                topk_idx, out=(per_rank, per_expert, in_rank)
+            )
         else:
             at = self._device_index
             if not _plain(is_token_in_rank, torch.bool, at) or is_token_in_rank.shape != (
