@@ -205,11 +205,15 @@ def test_bundled_launches_match_the_kernel_everywhere():
 
 @pytest.mark.gpu
 def test_bundled_launches_go_straight_to_the_compiled_kernel(monkeypatch):
-    """After the first launch of each pointer alignment, a KernelLaunch calls the compiled
-    kernel's launcher with addresses: Triton's binding is not called again, and a new element
-    count (1, 16, 99) compiles nothing."""
+    """After the first launch of each pointer alignment, a KernelLaunch calls a launcher of
+    the compiled kernel's runtime arguments (:func:`launcher.runtime_launcher`) with addresses:
+    Triton's binding is not called again, and a new element count (1, 16, 99) compiles
+    nothing."""
     launch = _bundled_launches("cuda", repeats=1)
     assert launch.direct and len(launch.compiled) == 2, list(launch.compiled)  # two alignments
+    # Launched by a launcher of the runtime arguments alone (BLOCK and ADD compiled in, the
+    # outputs checked above).
+    assert all(entry[5] == () for entry in launch.compiled.values())
     calls = []
     original = type(bundled_copy).run
 
