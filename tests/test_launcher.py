@@ -226,3 +226,43 @@ def test_bundled_launches_go_straight_to_the_compiled_kernel(monkeypatch):
     _bundled_launches("cuda", repeats=2)  # (a new KernelLaunch: its first launch is Triton's)
     assert launcher.triton_path_launches - before == len(calls) == 2, len(calls)
     assert len(bundled_copy.device_caches[torch.cuda.current_device()][0]) == 2
+
+
+def _copy_runtime(src_ptr, dst_ptr, n, factor, BLOCK: tl.constexpr, ADD: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs) * factor + ADD + n)
+
+
+def test_runtime_launcher_takes_the_runtime_arguments_alone(monkeypatch):
+    """The launcher made for a compiled kernel (compiled here for an sm_90 target, without a
+    GPU) parses its runtime parameters alone, a parameter Triton turned into a constant (the
+    value 1) among them, and hands the kernel exactly what Triton's own launcher hands it."""
+    import re
+    import types
+
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia import driver as nvidia
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    signature = {"src_ptr": "*i32", "dst_ptr": "*i32", "n": "constexpr", "factor": "i32"}
+    signature.update(BLOCK="constexpr", ADD="constexpr")
+    source = ASTSource(JITFunction(_copy_runtime), signature, {"n": 1, "BLOCK": 32, "ADD": 3})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    sources = []  # the launchers' C, in the order they are made
+
+    def compile_module(src, name, library_dirs=None, include_dirs=None, libraries=None):
+        sources.append(src)
+        return types.SimpleNamespace(launch=print)
+
+    monkeypatch.setattr(nvidia, "compile_module_from_src", compile_module)
+    monkeypatch.setattr(nvidia, "library_dirs", lambda: [])
+    compiled._run = nvidia.CudaLauncher(compiled.src, compiled.metadata)  # Triton's own
+    lean = launcher.runtime_launcher(compiled, 4)
+    assert lean is not None and lean.launch is print
+    assert launcher.runtime_launcher(compiled, 5) is None  # ADD is no runtime parameter
+    formats = [re.search(r'PyArg_ParseTuple\(args, "(\w+)"', s).group(1) for s in sources]
+    params = [re.search(r"void \*params\[\] = \{([^}]*)\}", s).group(1) for s in sources]
+    # Triton's launch arguments (13), then 4 runtime parameters, then 2 constexprs.
+    assert (len(formats[0]), len(formats[1])) == (13 + 4 + 2, 13 + 4)
+    assert params[1] == params[0] and "arg3" in params[0] and "arg2" not in params[0]

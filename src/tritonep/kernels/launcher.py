@@ -270,11 +270,17 @@ def runtime_launcher(compiled, num_args: int):
     """
     src = getattr(compiled, "src", None)
     signature = getattr(src, "signature", None)
-    if not isinstance(signature, dict):
+    params = getattr(getattr(src, "fn", None), "params", None)
+    if not isinstance(signature, dict) or params is None or len(params) != len(signature):
         return None
-    runtime = {name: ty for name, ty in signature.items() if ty != "constexpr"}
-    if len(runtime) != num_args or len(runtime) == len(signature):
+    # The kernel's declared runtime parameters first, then its constexprs (some at least).
+    declared = [p.is_constexpr for p in params]
+    if any(declared[:num_args]) or not declared[num_args:] or not all(declared[num_args:]):
         return None
+    items = list(signature.items())
+    # A runtime parameter Triton specialized to a constant (an int of value 1, say a rank)
+    # stays: the launcher takes it and passes it on to nobody, as Triton's own does.
+    runtime = dict(items[:num_args])
     source = types.SimpleNamespace(fn=src.fn, signature=runtime, constants={})
     try:
         lean = type(compiled.run)(source, compiled.metadata)
