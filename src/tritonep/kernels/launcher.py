@@ -271,7 +271,8 @@ def runtime_launcher(compiled, num_args: int):
     """
     src = getattr(compiled, "src", None)
     signature = getattr(src, "signature", None)
-    params = getattr(getattr(src, "fn", None), "params", None)
+    fn = getattr(src, "fn", None)
+    params = getattr(fn, "params", None)
     if not isinstance(signature, dict) or params is None or len(params) != len(signature):
         return None
     # The kernel's declared runtime parameters first, then its constexprs (some at least).
@@ -282,7 +283,7 @@ def runtime_launcher(compiled, num_args: int):
     # A runtime parameter Triton specialized to a constant (an int of value 1, say a rank)
     # stays: the launcher takes it and passes it on to nobody, as Triton's own does.
     runtime = dict(items[:num_args])
-    source = types.SimpleNamespace(fn=src.fn, signature=runtime, constants={})
+    source = types.SimpleNamespace(fn=fn, signature=runtime, constants={})
     try:
         lean = type(compiled.run)(source, compiled.metadata)
     except Exception:  # a launcher class that builds otherwise: Triton's own stays

@@ -257,7 +257,9 @@ class LowLatencyHandle(Sequence):
         "topk",
     )
 
-    def __init__(self, storage, layout: HandleLayout, num_tokens: int, topk: int):
+    def __init__(
+        self, storage: torch.UntypedStorage, layout: HandleLayout, num_tokens: int, topk: int
+    ):
         self.storage, self.layout, self.num_tokens, self.topk = storage, layout, num_tokens, topk
         self._block: torch.Tensor | None = None
         self._views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -267,7 +269,8 @@ class LowLatencyHandle(Sequence):
         """The handle's ``layout.words`` int32 words (a tensor over ``storage``)."""
         if self._block is None:
             empty = torch.empty(0, dtype=torch.int32, device=self.storage.device)
-            self._block = empty.set_(self.storage, self.layout.first_word, (self.layout.words,))
+            words = (self.layout.words,)
+            self._block = empty.set_(self.storage, self.layout.first_word, words, (1,))
         return self._block
 
     def _tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
