@@ -55,6 +55,9 @@ def test_repeated_shapes_skip_tritons_binding(monkeypatch):
     # Aligned and unaligned pointers, n == 1 (a constant), n % 16 == 0, another ADD: the six
     # calls but the last (the first one's shapes with another factor) need their own variant.
     assert len(variants.compiled) == 5, [key[2] for key in variants.compiled]
+    # Each through a launcher of the runtime arguments alone (n == 1, made a constant by
+    # Triton, among them), the outputs checked by _launch_all.
+    assert all(entry[2] == () for entry in variants.compiled.values())
     calls = []
     original = type(scaled_copy).run
 

@@ -65,8 +65,9 @@ class _Variants:
             (p.is_const, not p.do_not_specialize, not p.do_not_specialize_on_alignment)
             for p in params[:num_args]
         ]
-        #: (meta, options, specialization) -> (compiled kernel, constexpr values in order)
-        self.compiled: dict[tuple, tuple[Any, tuple]] = {}
+        #: (meta, options, specialization) -> (compiled kernel, its launcher, the constexpr
+        #: values in order that launcher takes: none for a runtime-only one)
+        self.compiled: dict[tuple, tuple[Any, Any, tuple]] = {}
         self.held: list[Any] = [None] * num_args  # weakref.ref or _Const per position
         self.specs: list[tuple] = [()] * num_args
         self.seen: list[int] = [0] * num_args
@@ -108,14 +109,20 @@ class _Variants:
         return spec
 
     def record(self, key: tuple, args: tuple, meta: dict, compiled) -> None:
-        """Keep what ``fn[grid](*args, **meta)`` just launched, if Triton bound it as assumed."""
+        """Keep what ``fn[grid](*args, **meta)`` just launched, if Triton bound it as assumed,
+        with a launcher of its runtime arguments alone where one can be made
+        (:func:`runtime_launcher`)."""
         bound, specialization, _ = self.binder(*args, **meta)
         if specialization[: self.num_args] != list(key[2]):
             self.usable = False  # Triton specializes differently than assumed: never guess
             return
         if hasattr(compiled, "result"):  # compiled asynchronously
             compiled = compiled.result()
-        self.compiled[key] = (compiled, tuple(bound.values())[self.num_args :])
+        lean = runtime_launcher(compiled, self.num_args)
+        if lean is not None:
+            self.compiled[key] = (compiled, lean, ())
+        else:
+            self.compiled[key] = (compiled, compiled.run, tuple(bound.values())[self.num_args :])
         if REPORT_RESOURCES:
             report_resources(self.fn, meta, compiled)
 
@@ -201,10 +208,10 @@ def launch(fn, grid: tuple[int, ...], args: tuple, meta: dict[str, Any]) -> None
     if entry is None:
         variants.record(key, args, meta, fn[grid](*args, **meta))
         return
-    compiled, constexprs = entry
+    compiled, run, constexprs = entry
     grid = tuple(grid) + (1,) * (3 - len(grid))
     stream = driver.active.get_current_stream(device)
-    compiled.run(
+    run(
         grid[0],
         grid[1],
         grid[2],
