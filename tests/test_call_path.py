@@ -911,12 +911,17 @@ def _same_shape_body(ctx):
             errors.append(None)
         except (TypeError, ValueError) as e:
             errors.append(type(e).__name__)
-    # The bad calls launched nothing: a good one still matches the reference.
+    # The bad calls launched nothing: a good one still matches the reference. Its recv_count
+    # ([E_local], not a view), overwritten by the caller, changes nothing the combine reads
+    # (the handle's words share its allocation, past its end).
     recv_x, recv_count, handle, _ = mode.dispatch(x, idx, True)
+    assert recv_count.shape == (mode.num_local_experts,) and recv_count._base is None
+    counts = recv_count.clone()
+    recv_count.fill_(-1)
     outputs = _expert_outputs(recv_x, True, me)
     combined, _ = mode.combine(outputs, idx, w, handle)
     mode.check()
-    _verify_call(ctx, case, M, True, False, recv_x, recv_count, handle, outputs, combined)
+    _verify_call(ctx, case, M, True, False, recv_x, counts, handle, outputs, combined)
     mode.destroy()
     return unchanged, errors, torch.equal(stats, counted) and bool(counted.sum() > 0)
 

@@ -55,6 +55,9 @@ def test_repeated_shapes_skip_tritons_binding(monkeypatch):
     # Aligned and unaligned pointers, n == 1 (a constant), n % 16 == 0, another ADD: the six
     # calls but the last (the first one's shapes with another factor) need their own variant.
     assert len(variants.compiled) == 5, [key[2] for key in variants.compiled]
+    # Each through a launcher of the runtime arguments alone (n == 1, made a constant by
+    # Triton, among them), the outputs checked by _launch_all.
+    assert all(entry[2] == () for entry in variants.compiled.values())
     calls = []
     original = type(scaled_copy).run
 
@@ -205,11 +208,15 @@ def test_bundled_launches_match_the_kernel_everywhere():
 
 @pytest.mark.gpu
 def test_bundled_launches_go_straight_to_the_compiled_kernel(monkeypatch):
-    """After the first launch of each pointer alignment, a KernelLaunch calls the compiled
-    kernel's launcher with addresses: Triton's binding is not called again, and a new element
-    count (1, 16, 99) compiles nothing."""
+    """After the first launch of each pointer alignment, a KernelLaunch calls a launcher of
+    the compiled kernel's runtime arguments (:func:`launcher.runtime_launcher`) with addresses:
+    Triton's binding is not called again, and a new element count (1, 16, 99) compiles
+    nothing."""
     launch = _bundled_launches("cuda", repeats=1)
     assert launch.direct and len(launch.compiled) == 2, list(launch.compiled)  # two alignments
+    # Launched by a launcher of the runtime arguments alone (BLOCK and ADD compiled in, the
+    # outputs checked above).
+    assert all(entry[5] == () for entry in launch.compiled.values())
     calls = []
     original = type(bundled_copy).run
 
@@ -222,3 +229,43 @@ def test_bundled_launches_go_straight_to_the_compiled_kernel(monkeypatch):
     _bundled_launches("cuda", repeats=2)  # (a new KernelLaunch: its first launch is Triton's)
     assert launcher.triton_path_launches - before == len(calls) == 2, len(calls)
     assert len(bundled_copy.device_caches[torch.cuda.current_device()][0]) == 2
+
+
+def _copy_runtime(src_ptr, dst_ptr, n, factor, BLOCK: tl.constexpr, ADD: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs) * factor + ADD + n)
+
+
+def test_runtime_launcher_takes_the_runtime_arguments_alone(monkeypatch):
+    """The launcher made for a compiled kernel (compiled here for an sm_90 target, without a
+    GPU) parses its runtime parameters alone, a parameter Triton turned into a constant (the
+    value 1) among them, and hands the kernel exactly what Triton's own launcher hands it."""
+    import re
+    import types
+
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia import driver as nvidia
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    signature = {"src_ptr": "*i32", "dst_ptr": "*i32", "n": "constexpr", "factor": "i32"}
+    signature.update(BLOCK="constexpr", ADD="constexpr")
+    source = ASTSource(JITFunction(_copy_runtime), signature, {"n": 1, "BLOCK": 32, "ADD": 3})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    sources = []  # the launchers' C, in the order they are made
+
+    def compile_module(src, name, library_dirs=None, include_dirs=None, libraries=None):
+        sources.append(src)
+        return types.SimpleNamespace(launch=print)
+
+    monkeypatch.setattr(nvidia, "compile_module_from_src", compile_module)
+    monkeypatch.setattr(nvidia, "library_dirs", lambda: [])
+    compiled._run = nvidia.CudaLauncher(compiled.src, compiled.metadata)  # Triton's own
+    lean = launcher.runtime_launcher(compiled, 4)
+    assert lean is not None and lean.launch is print
+    assert launcher.runtime_launcher(compiled, 5) is None  # ADD is no runtime parameter
+    formats = [re.search(r'PyArg_ParseTuple\(args, "(\w+)"', s).group(1) for s in sources]
+    params = [re.search(r"void \*params\[\] = \{([^}]*)\}", s).group(1) for s in sources]
+    # Triton's launch arguments (13), then 4 runtime parameters, then 2 constexprs.
+    assert (len(formats[0]), len(formats[1])) == (13 + 4 + 2, 13 + 4)
+    assert params[1] == params[0] and "arg3" in params[0] and "arg2" not in params[0]

@@ -247,8 +247,9 @@ def _allocations(device: str) -> dict:
 
 def _output_sets(device: str) -> dict:
     """A dispatch's outputs (128 tokens, hidden 7168, 288 experts on 8 ranks: 36 local experts,
-    1024 rows each) as four allocations, as the mode makes them, against recv_x and one int32
-    allocation of which the scales, the counts and the handle's words are views."""
+    1024 rows each): four allocations; three, as the mode makes them (the counts' allocation,
+    resized in place, also holds the handle's words); recv_x and one int32 allocation of which
+    the scales, the counts and the handle's words are views."""
     E, rows, G = 36, 1024, 56
     words = 2 * E * rows + 2 * E * 8  # the handle: src info and top-k slot, then layout range
     e8 = torch.empty(0, dtype=torch.float8_e4m3fn, device=device)
@@ -260,6 +261,17 @@ def _output_sets(device: str) -> dict:
             e8.new_empty(E, rows, 7168),
             e32.new_empty(E),
             e32.new_empty(words),
+            ef.new_empty_strided((E, rows, G), (G * rows, 1, rows)),
+        )
+
+    def three_and_resize():
+        # As the mode makes them: recv_count's allocation also holds the handle's words.
+        count = e32.new_empty(E + words)
+        count.resize_(E)
+        return (
+            e8.new_empty(E, rows, 7168),
+            count,
+            count.untyped_storage(),
             ef.new_empty_strided((E, rows, G), (G * rows, 1, rows)),
         )
 
@@ -275,6 +287,7 @@ def _output_sets(device: str) -> dict:
 
     return {
         "dispatch outputs: 4 allocations": four,
+        "dispatch outputs: 3 allocations, one resized": three_and_resize,
         "dispatch outputs: 2 allocations + 3 views": two_and_views,
     }
 

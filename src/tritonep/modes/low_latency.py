@@ -183,10 +183,12 @@ class LowLatencyLayout(NamedTuple):
 class HandleLayout(NamedTuple):
     """Where a dispatch's handle keeps its tensors, and the sizes a combine checks it against.
 
-    One int32 allocation per dispatch (``words`` long) holds ``recv_src_info`` and then
-    ``recv_topk_slot`` (``[E_local, R * max_tokens]`` each; together the dispatch kernel's
-    ``[2, E_local, R * max_tokens]``) from word 0, and ``recv_layout_range`` (``[E_local, R]``
-    int64) from word ``range_word``, on a 16-byte boundary.
+    The dispatch's one int32 allocation for ``recv_count`` (``[E_local]`` from word 0) also
+    holds the handle's ``words`` from word ``first_word``, on a 16-byte boundary: counted from
+    there, ``recv_src_info`` and then ``recv_topk_slot`` (``[E_local, R * max_tokens]`` each;
+    together the dispatch kernel's ``[2, E_local, R * max_tokens]``) from word 0, and
+    ``recv_layout_range`` (``[E_local, R]`` int64) from word ``range_word``, on a 16-byte
+    boundary.
     """
 
     num_local_experts: int
@@ -194,6 +196,7 @@ class HandleLayout(NamedTuple):
     max_tokens: int
     hidden: int
     num_experts: int
+    first_word: int
     range_word: int
     words: int
 
@@ -202,7 +205,16 @@ class HandleLayout(NamedTuple):
         e_local = num_experts // num_ranks
         range_word = _align(2 * e_local * num_ranks * max_tokens, 4)
         words = range_word + 2 * e_local * num_ranks
-        return HandleLayout(e_local, num_ranks, max_tokens, hidden, num_experts, range_word, words)
+        return HandleLayout(
+            e_local,
+            num_ranks,
+            max_tokens,
+            hidden,
+            num_experts,
+            _align(e_local, 4),
+            range_word,
+            words,
+        )
 
     def views(self, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(recv_src_info, recv_topk_slot, recv_layout_range)``, views of ``block``."""
@@ -226,12 +238,13 @@ class LowLatencyHandle(Sequence):
         num_tokens, topk: the shape of the dispatch's ``topk_idx``; combine takes ids of
             that shape, whose rows it reads back from the slots of those tokens.
 
-    The three tensors live in one int32 allocation of the dispatch, ``block``, laid out as
-    ``layout`` (:class:`HandleLayout`) says; each view is made when first read (a combine
-    takes the addresses from ``block`` and makes none).
+    The three tensors live in ``storage``, the allocation whose first words are the
+    dispatch's ``recv_count``, laid out as ``layout`` (:class:`HandleLayout`) says; ``block``
+    (their words) and each view are made when first read (a combine takes the addresses from
+    ``storage`` and makes none).
     """
 
-    __slots__ = ("_views", "block", "layout", "num_tokens", "topk")
+    __slots__ = ("_block", "_views", "layout", "num_tokens", "storage", "topk")
 
     ITEMS = (
         "recv_src_info",
@@ -244,9 +257,21 @@ class LowLatencyHandle(Sequence):
         "topk",
     )
 
-    def __init__(self, block: torch.Tensor, layout: HandleLayout, num_tokens: int, topk: int):
-        self.block, self.layout, self.num_tokens, self.topk = block, layout, num_tokens, topk
+    def __init__(
+        self, storage: torch.UntypedStorage, layout: HandleLayout, num_tokens: int, topk: int
+    ):
+        self.storage, self.layout, self.num_tokens, self.topk = storage, layout, num_tokens, topk
+        self._block: torch.Tensor | None = None
         self._views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def block(self) -> torch.Tensor:
+        """The handle's ``layout.words`` int32 words (a tensor over ``storage``)."""
+        if self._block is None:
+            empty = torch.empty(0, dtype=torch.int32, device=self.storage.device)
+            words = (self.layout.words,)
+            self._block = empty.set_(self.storage, self.layout.first_word, words, (1,))
+        return self._block
 
     def _tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self._views is None:
@@ -458,11 +483,12 @@ class LowLatencyMode:
         self._handle_layout = HandleLayout.of(self.num_ranks, self.max_tokens, hidden, num_experts)
         self._slot_offset = 4 * self.num_local_experts * self.num_ranks * self.max_tokens
         self._range_offset = 4 * self._handle_layout.range_word
+        self._handle_offset = 4 * self._handle_layout.first_word
         self._state_address = self.state.data_ptr()
         self._untraced_address = self._untraced.data_ptr()
         self._combine_shape = (self.num_local_experts, self.num_ranks * self.max_tokens, hidden)
         self._stats_shape = (self.num_local_experts,)
-        self._block_words = self._handle_layout.words
+        self._count_words = self._handle_layout.first_word + self._handle_layout.words
         self._recorded = self.status.recorded
         # Outputs are allocated with new_empty on empty tensors of their dtype (their sizes
         # as separate ints): faster than torch.empty, whose keywords cost more to parse.
@@ -758,12 +784,15 @@ class LowLatencyMode:
                 )
             count_stats = recv_stats.data_ptr()
 
-        # Fresh outputs (users keep them), one allocation each; the handle's three tensors
-        # share one (LowLatencyHandle).
+        # Fresh outputs (users keep them). recv_count's allocation also holds the handle's
+        # three tensors (HandleLayout), one allocation less per call (each costs about 2 us
+        # of host time on a GPU, a view as much): it is resized in place to [E_local], and
+        # the handle keeps its storage.
         empty_x, x_shape, empty_scales, scale_shape, scale_strides = plan.outputs
         recv_x = empty_x.new_empty(*x_shape)
-        recv_count = self._empty_int32.new_empty(self.num_local_experts)
-        block = self._empty_int32.new_empty(self._block_words)
+        recv_count = self._empty_int32.new_empty(self._count_words)
+        recv_count.resize_(self.num_local_experts)
+        storage = recv_count.untyped_storage()
         count = recv_count.data_ptr()
         if empty_scales is None:
             recv_scales = None
@@ -772,10 +801,10 @@ class LowLatencyMode:
             recv_scales = empty_scales.new_empty_strided(scale_shape, scale_strides)
             scales = recv_scales.data_ptr()
         if POISON_OUTPUTS:
-            self._poison(recv_x, recv_scales, recv_count, block)
-        handle = LowLatencyHandle(block, self._handle_layout, num_tokens, topk)
+            self._poison(recv_x, recv_scales, recv_count)  # (the whole storage: the handle's too)
+        handle = LowLatencyHandle(storage, self._handle_layout, num_tokens, topk)
         x_address, ids = x.data_ptr(), topk_idx.data_ptr()
-        out_x, src = recv_x.data_ptr(), block.data_ptr()
+        out_x, src = recv_x.data_ptr(), count + self._handle_offset
         if recv_stats is None:
             count_stats = count
         # DispatchCall's fields in order, tensors as addresses: those of _dispatch_bundle's
@@ -1028,7 +1057,7 @@ class LowLatencyMode:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._combine_plan(topk, logfmt, wait_stats is not None)
-        src = handle.block.data_ptr()
+        src = handle.storage.data_ptr() + self._handle_offset
         x_address, ids = x.data_ptr(), topk_idx.data_ptr()
         weights, out_address = topk_weights.data_ptr(), out.data_ptr()
         # CombineCall's fields in order, tensors as addresses: those of _combine_bundle's
