@@ -33,9 +33,17 @@ SLOTS, START, SEND_END, END, FIRST_PHASE, SM = (
 
 #: Each traced kernel's two phases, as (name, sub-phase names): the send phase, the receive
 #: phase. Normal-mode programs either send or receive, so each shows one of the two, split
-#: into the time it waited (for ring space, rows or tails) and the rest.
+#: into the time it waited (for ring space, rows or tails) and the rest. Elastic pushes: every
+#: program's push, then its exchange (the arrive; in the last program also the headers or
+#: tag, the wait for the peers' and, after the sub-phases, the decoding of the counts); their
+#: epilogues: the wait for the push's grid, then the work.
 # fmt: off
 PHASES = {
+    "elastic dispatch": (("push", ("scan", "stores")),
+                         ("exchange", ("arrive", "headers", "wait"))),
+    "elastic dispatch epilogue": (("wait", ()), ("copy", ("layout", "rows", "marks", "padding"))),
+    "elastic combine": (("push", ("rows",)), ("exchange", ("arrive", "tag", "wait"))),
+    "elastic combine epilogue": (("wait", ()), ("reduce", ())),
     "low-latency dispatch": (("send", ("quantize and send", "count send")),
                              ("receive", ("wait", "pack"))),
     "low-latency combine": (("send", ("send", "signal")), ("receive", ("wait", "reduce"))),
@@ -187,3 +195,69 @@ def write_chrome_trace(
     path = Path(path)
     path.write_text(json.dumps({"traceEvents": events, "otherData": {"clock": clock}}))
     return path
+
+
+def _runs(recorder: TraceRecorder, kernel: str) -> dict[int, torch.Tensor]:
+    """Per call of ``kernel``: the ``[P, SLOTS]`` readings of its programs that ran (a call
+    traced as two launches, send and receive, keeps the last)."""
+    runs = {}
+    for launch in recorder.launches:
+        if launch.kernel == kernel:
+            table = launch.readings[:-1].view(-1, SLOTS).cpu()
+            runs[launch.call] = table[table[:, END] > 0]
+    return {call: t for call, t in runs.items() if len(t)}
+
+
+def _median(values) -> float:
+    return float(torch.tensor(values, dtype=torch.float64).median()) if values else 0.0
+
+
+def phase_medians(recorder: TraceRecorder, kernel: str) -> dict[str, tuple[float, int]]:
+    """Each phase of ``kernel`` (its span), each sub-phase and the rest of each phase
+    (``"<phase>: other"``, the span less its sub-phases): ``(median, programs)``, the median
+    in microseconds over the programs of every call that spent time in it, and how many
+    programs of all calls did."""
+    (send, send_subs), (recv, recv_subs) = phases(kernel)
+    split = len(send_subs)
+    values: dict[str, list[float]] = {}
+
+    def add(name, ticks):
+        if ticks > 0:
+            values.setdefault(name, []).append(ticks * recorder.scale_us)
+
+    for table in _runs(recorder, kernel).values():
+        for row in table.tolist():
+            totals = row[FIRST_PHASE:SM]
+            for phase, begin, end, subs, subtotals in (
+                (send, row[START], row[SEND_END], send_subs, totals[:split]),
+                (recv, row[SEND_END], row[END], recv_subs, totals[split : split + len(recv_subs)]),
+            ):
+                add(phase, end - begin)
+                for sub, total in zip(subs, subtotals, strict=True):
+                    add(sub, total)
+                if subs:
+                    add(f"{phase}: other", end - begin - sum(subtotals))
+    return {name: (_median(v), len(v)) for name, v in values.items()}
+
+
+def critical_path(recorder: TraceRecorder, kernels: tuple[str, ...]) -> list[tuple[str, float]]:
+    """The launches of ``kernels`` that make one call (e.g. a push and its epilogue), each
+    call's times from the first program's start: per kernel its first program's start, its
+    last program's send-phase end and its last program's end (the program that ended last:
+    in an elastic push, the one that exchanged the headers); medians over the calls, in
+    microseconds."""
+    runs = [_runs(recorder, k) for k in kernels]
+    calls = sorted(set.intersection(*(set(r) for r in runs))) if runs else []
+    points: dict[str, list[float]] = {}
+    for call in calls:
+        origin = min(int(r[call][:, START].min()) for r in runs)
+        for kernel, r in zip(kernels, runs, strict=True):
+            (send, _), _ = phases(kernel)
+            t = r[call]
+            for name, value in (
+                (f"{kernel}: first start", int(t[:, START].min())),
+                (f"{kernel}: last {send} end", int(t[:, SEND_END].max())),
+                (f"{kernel}: last end", int(t[:, END].max())),
+            ):
+                points.setdefault(name, []).append((value - origin) * recorder.scale_us)
+    return [(name, _median(v)) for name, v in points.items()]
