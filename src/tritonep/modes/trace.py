@@ -197,19 +197,38 @@ def write_chrome_trace(
     return path
 
 
-def _runs(recorder: TraceRecorder, kernel: str) -> dict[int, torch.Tensor]:
-    """Per call of ``kernel``: the ``[P, SLOTS]`` readings of its programs that ran (a call
-    traced as two launches, send and receive, keeps the last)."""
-    runs = {}
+def _runs(recorder: TraceRecorder, kernel: str) -> dict[int, list[tuple[list[int], bool, bool]]]:
+    """Per call of ``kernel``: the readings of each of its programs that ran, in each launch
+    (one, or a send and a receive launch), with the phases that launch ran."""
+    runs: dict[int, list[tuple[list[int], bool, bool]]] = {}
     for launch in recorder.launches:
         if launch.kernel == kernel:
-            table = launch.readings[:-1].view(-1, SLOTS).cpu()
-            runs[launch.call] = table[table[:, END] > 0]
-    return {call: t for call, t in runs.items() if len(t)}
+            for row in launch.readings[:-1].view(-1, SLOTS).tolist():
+                if row[END] > 0:
+                    runs.setdefault(launch.call, []).append((row, *launch.phases))
+    return runs
 
 
 def _median(values) -> float:
     return float(torch.tensor(values, dtype=torch.float64).median()) if values else 0.0
+
+
+def _program_phases(kernel: str, row: list[int], send: bool, receive: bool):
+    """``(name, ticks)`` of one program's readings: each phase it ran (its span), its
+    sub-phases and the rest of the phase (``"<phase>: other"``)."""
+    (send_name, send_subs), (recv_name, recv_subs) = phases(kernel)
+    totals = row[FIRST_PHASE:SM]
+    split = len(send_subs)
+    for ran, phase, begin, end, subs, subtotals in (
+        (send, send_name, row[START], row[SEND_END], send_subs, totals[:split]),
+        (receive, recv_name, row[SEND_END], row[END], recv_subs, totals[split:][: len(recv_subs)]),
+    ):
+        if not ran:
+            continue
+        yield phase, end - begin
+        yield from zip(subs, subtotals, strict=True)
+        if subs:
+            yield f"{phase}: other", end - begin - sum(subtotals)
 
 
 def phase_medians(recorder: TraceRecorder, kernel: str) -> dict[str, tuple[float, int]]:
@@ -217,47 +236,45 @@ def phase_medians(recorder: TraceRecorder, kernel: str) -> dict[str, tuple[float
     (``"<phase>: other"``, the span less its sub-phases): ``(median, programs)``, the median
     in microseconds over the programs of every call that spent time in it, and how many
     programs of all calls did."""
-    (send, send_subs), (recv, recv_subs) = phases(kernel)
-    split = len(send_subs)
     values: dict[str, list[float]] = {}
-
-    def add(name, ticks):
-        if ticks > 0:
-            values.setdefault(name, []).append(ticks * recorder.scale_us)
-
-    for table in _runs(recorder, kernel).values():
-        for row in table.tolist():
-            totals = row[FIRST_PHASE:SM]
-            for phase, begin, end, subs, subtotals in (
-                (send, row[START], row[SEND_END], send_subs, totals[:split]),
-                (recv, row[SEND_END], row[END], recv_subs, totals[split : split + len(recv_subs)]),
-            ):
-                add(phase, end - begin)
-                for sub, total in zip(subs, subtotals, strict=True):
-                    add(sub, total)
-                if subs:
-                    add(f"{phase}: other", end - begin - sum(subtotals))
+    for rows in _runs(recorder, kernel).values():
+        for row, send, receive in rows:
+            for name, ticks in _program_phases(kernel, row, send, receive):
+                if ticks > 0:
+                    values.setdefault(name, []).append(ticks * recorder.scale_us)
     return {name: (_median(v), len(v)) for name, v in values.items()}
 
 
-def critical_path(recorder: TraceRecorder, kernels: tuple[str, ...]) -> list[tuple[str, float]]:
-    """The launches of ``kernels`` that make one call (e.g. a push and its epilogue), each
-    call's times from the first program's start: per kernel its first program's start, its
-    last program's send-phase end and its last program's end (the program that ended last:
-    in an elastic push, the one that exchanged the headers); medians over the calls, in
+def critical_path(recorder: TraceRecorder, kernels: tuple[str, ...]) -> dict[str, dict]:
+    """The launches of ``kernels`` that make one call (e.g. a push and its epilogue), per
+    kernel: ``"start"`` (its first program's), ``"<send phase> end"`` (the last program to
+    end its first phase), ``"end"`` (the last program's), each call's times counted from
+    the call's first start; and ``"last"``, the phases of the program that ended last (in an
+    elastic push, the one that exchanged the headers). Medians over the calls, in
     microseconds."""
     runs = [_runs(recorder, k) for k in kernels]
     calls = sorted(set.intersection(*(set(r) for r in runs))) if runs else []
-    points: dict[str, list[float]] = {}
+    points: dict[str, dict[str, list[float]]] = {k: {} for k in kernels}
     for call in calls:
-        origin = min(int(r[call][:, START].min()) for r in runs)
+        origin = min(row[START] for r in runs for row, _, _ in r[call])
         for kernel, r in zip(kernels, runs, strict=True):
             (send, _), _ = phases(kernel)
-            t = r[call]
+            rows = r[call]
+            sent = [row[SEND_END] for row, ran, _ in rows if ran] or [origin]
+            last = max(rows, key=lambda run: run[0][END])
+            mine = points[kernel]
             for name, value in (
-                (f"{kernel}: first start", int(t[:, START].min())),
-                (f"{kernel}: last {send} end", int(t[:, SEND_END].max())),
-                (f"{kernel}: last end", int(t[:, END].max())),
+                ("start", min(row[START] for row, _, _ in rows)),
+                (f"{send} end", max(sent)),
+                ("end", last[0][END]),
             ):
-                points.setdefault(name, []).append((value - origin) * recorder.scale_us)
-    return [(name, _median(v)) for name, v in points.items()]
+                mine.setdefault(name, []).append((value - origin) * recorder.scale_us)
+            for name, ticks in _program_phases(kernel, *last):
+                mine.setdefault("last: " + name, []).append(ticks * recorder.scale_us)
+    path: dict[str, dict] = {}
+    for kernel, mine in points.items():
+        path[kernel] = {n: _median(v) for n, v in mine.items() if not n.startswith("last: ")}
+        path[kernel]["last"] = {
+            n[len("last: ") :]: _median(v) for n, v in mine.items() if n.startswith("last: ")
+        }
+    return path
