@@ -208,8 +208,9 @@ def _trace_lines(ctx, opts, elastic, legacy, T, most, recorder):
     phases and paths."""
     from tritonep.modes.trace import critical_path
 
-    calls = _decode_calls(ctx, opts, elastic, legacy, T, most)
     first = len(recorder.launches)
+    calls = _decode_calls(ctx, opts, elastic, legacy, T, most)
+    del recorder.launches[first:]  # the calls that made the inputs (and compiled)
     graphs = [_traced(ctx, calls[name], recorder) for name in TRACED]
     path = f"{opts.trace}/decode-{T}-rank{ctx.rank}.json"
     recorder.dump(path)
