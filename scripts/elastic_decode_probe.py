@@ -30,7 +30,7 @@ epilogue is a programmatic dependent launch that starts early and waits): 5 call
 low-latency dispatch and combine, elastic FP8 dispatch and combine, captured in CUDA graphs
 and replayed (the readings are the last replay's; eager on CPU ranks). It writes each rank's
 Chrome trace to ``DIR/decode-<tokens>-rank<r>.json`` (Perfetto) and prints rank 0's phases:
-per kernel, each phase's span and its sub-phases (medians over programs and calls, in us;
+per kernel, each phase's span and its sub-phases (median|mean over programs and calls, in us;
 ``(n)`` where fewer programs than all spent time in one, e.g. the exchange of the last
 program of an elastic push only), and each call's path (medians over calls, from its first
 program's start): each launch's first start, the end of its first phase in the last program
@@ -182,24 +182,25 @@ def _traced(ctx, fn, recorder, calls=5, replays=5):
 
 
 def _phase_text(recorder, kernel):
-    """``phase span [sub value, ..., other value]; ...`` of ``kernel``: medians, ``(n)``
-    where fewer programs than all spent time in it."""
+    """``phase span [sub value, ..., other value]; ...`` of ``kernel``: each value the
+    median|mean, ``(n)`` where fewer programs than all spent time in it."""
     from tritonep.modes.trace import phase_medians, phases
 
     medians = phase_medians(recorder, kernel)
-    total = max((n for _, n in medians.values()), default=0)
+    total = max((n for _, _, n in medians.values()), default=0)
     parts = []
     for phase, subs in phases(kernel):
         if phase not in medians:
             continue
-        value, programs = medians[phase]
+        value, mean, programs = medians[phase]
         inner = []
         for sub in (*subs, f"{phase}: other"):
             if sub in medians:
-                v, n = medians[sub]
+                v, m, n = medians[sub]
                 name = "other" if sub.endswith(": other") else sub
-                inner.append(f"{name} {v:.2f}" + (f" ({n})" if n < programs else ""))
-        parts.append(f"{phase} {value:.2f}" + (f" [{', '.join(inner)}]" if inner else ""))
+                inner.append(f"{name} {v:.2f}|{m:.2f}" + (f" ({n})" if n < programs else ""))
+        head = f"{phase} {value:.2f}|{mean:.2f}"
+        parts.append(head + (f" [{', '.join(inner)}]" if inner else ""))
     return f"{kernel} ({total} programs x calls): " + "; ".join(parts)
 
 
@@ -215,7 +216,7 @@ def _trace_lines(ctx, opts, elastic, legacy, T, most, recorder):
     path = f"{opts.trace}/decode-{T}-rank{ctx.rank}.json"
     recorder.dump(path)
     unit = "us" if ctx.device.type == "cuda" else "logical ticks"
-    lines = [f"{T:5d} tokens, traced (rank 0, {unit}; {path}):"]
+    lines = [f"{T:5d} tokens, traced (rank 0, {unit}, median|mean over programs; {path}):"]
     for name, kernels in TRACED.items():
         lines.append(f"    {name}:")
         lines += [f"        {_phase_text(recorder, kernel)}" for kernel in kernels]

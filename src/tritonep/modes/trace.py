@@ -231,18 +231,18 @@ def _program_phases(kernel: str, row: list[int], send: bool, receive: bool):
             yield f"{phase}: other", end - begin - sum(subtotals)
 
 
-def phase_medians(recorder: TraceRecorder, kernel: str) -> dict[str, tuple[float, int]]:
+def phase_medians(recorder: TraceRecorder, kernel: str) -> dict[str, tuple[float, float, int]]:
     """Each phase of ``kernel`` (its span), each sub-phase and the rest of each phase
-    (``"<phase>: other"``, the span less its sub-phases): ``(median, programs)``, the median
-    in microseconds over the programs of every call that spent time in it, and how many
-    programs of all calls did."""
+    (``"<phase>: other"``, the span less its sub-phases): ``(median, mean, programs)`` in
+    microseconds over the programs of every call that spent time in it, and how many
+    programs of all calls did (the mean, as a coarse timer rounds each reading)."""
     values: dict[str, list[float]] = {}
     for rows in _runs(recorder, kernel).values():
         for row, send, receive in rows:
             for name, ticks in _program_phases(kernel, row, send, receive):
                 if ticks > 0:
                     values.setdefault(name, []).append(ticks * recorder.scale_us)
-    return {name: (_median(v), len(v)) for name, v in values.items()}
+    return {name: (_median(v), sum(v) / len(v), len(v)) for name, v in values.items()}
 
 
 def critical_path(recorder: TraceRecorder, kernels: tuple[str, ...]) -> dict[str, dict]:
