@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python scripts/elastic_decode_probe.py [--ranks 4] [--tokens 1,32,128]
         [--hidden 7168] [--experts 256] [--topk 8] [--prefill 4096] [--decode-max N]
-        [--kernels] [--tune "combine_rows=4,combine_warps=4;copy_rows=8"]
+        [--kernels] [--tune "combine_rows=4,combine_warps=4;copy_rows=8"] [--trace DIR]
 
 Per batch size, the device time per call (CUDA-graph replays, mean over ranks) of:
 
@@ -23,6 +23,18 @@ over graph replays; it is started once before any timing, as its first start is 
 With ``--tune`` it times the elastic calls again under each given
 :class:`tritonep.modes.elastic.Tuning` (fields as ``name=value``, configurations separated by
 ``;``), after the defaults.
+
+With ``--trace DIR`` it then traces, per batch size, the decode calls inside the kernels
+(:mod:`tritonep.kernels.trace`; profilers cannot split the elastic dispatch, whose copy
+epilogue is a programmatic dependent launch that starts early and waits): 5 calls of each of
+low-latency dispatch and combine, elastic FP8 dispatch and combine, captured in CUDA graphs
+and replayed (the readings are the last replay's; eager on CPU ranks). It writes each rank's
+Chrome trace to ``DIR/decode-<tokens>-rank<r>.json`` (Perfetto) and prints rank 0's phases:
+per kernel, each phase's span and its sub-phases (median|mean over programs and calls, in us;
+``(n)`` where fewer programs than all spent time in one, e.g. the exchange of the last
+program of an elastic push only), and each call's path (medians over calls, from its first
+program's start): each launch's first start, the end of its first phase in the last program
+to end it (the push of an elastic push; the wait of an epilogue), and its last end.
 """
 
 from __future__ import annotations
@@ -80,10 +92,8 @@ def _kernel_lines(calls_by_name, calls=5, replays=10):
     return lines
 
 
-def _decode_line(ctx, opts, elastic, legacy, T, most, label=""):
-    """One batch size: device time per call of each decode call, in CUDA graphs (with a
-    ``label``, of the elastic FP8 dispatch and the combine alone)."""
-    from tritonep.bench.timing import mean_over_ranks, time_graph
+def _decode_calls(ctx, opts, elastic, legacy, T, most):
+    """The decode calls of a batch of ``T`` tokens per rank: {name: call}."""
     from tritonep.reference.fp8 import quantize_fp8
     from tritonep.testing import route
 
@@ -104,13 +114,21 @@ def _decode_line(ctx, opts, elastic, legacy, T, most, label=""):
     )
     recv, _, recv_w, handle, _ = elastic.dispatch(x, idx, w, **common)
     y = torch.randn(recv.shape, device=ctx.device).to(torch.bfloat16)
-    calls = {
+    return {
         "LL dispatch FP8": lambda: legacy.low_latency_dispatch(x, idx, most, E, use_fp8=True),
         "LL combine": lambda: legacy.low_latency_combine(y_ll, idx, w, ll[2]),
         "elastic dispatch FP8": lambda: elastic.dispatch(x8, idx, w, **common),
         "elastic dispatch BF16": lambda: elastic.dispatch(x, idx, w, **common),
         "elastic combine": lambda: elastic.combine(y, handle, recv_w),
     }
+
+
+def _decode_line(ctx, opts, elastic, legacy, T, most, label=""):
+    """One batch size: device time per call of each decode call, in CUDA graphs (with a
+    ``label``, of the elastic FP8 dispatch and the combine alone)."""
+    from tritonep.bench.timing import mean_over_ranks, time_graph
+
+    calls = _decode_calls(ctx, opts, elastic, legacy, T, most)
     if label:
         calls = {k: v for k, v in calls.items() if k in ("elastic dispatch FP8", "elastic combine")}
     times = mean_over_ranks([time_graph(fn, 5, 10) * 1e3 for fn in calls.values()])
@@ -118,6 +136,96 @@ def _decode_line(ctx, opts, elastic, legacy, T, most, label=""):
     lines = [f"{T:5d} tokens{label}: {timed}"]
     if opts.kernels:
         lines += _kernel_lines(calls)
+    return lines
+
+
+#: The traced calls: (call name, its launches' names in traces).
+TRACED = {
+    "LL dispatch FP8": ("low-latency dispatch",),
+    "LL combine": ("low-latency combine",),
+    "elastic dispatch FP8": ("elastic dispatch", "elastic dispatch epilogue"),
+    "elastic combine": ("elastic combine", "elastic combine epilogue"),
+}
+
+
+def _traced(ctx, fn, recorder, calls=5, replays=5):
+    """``calls`` traced calls of ``fn`` after a warm-up call (whose launches are dropped):
+    captured in one CUDA graph and replayed ``replays`` times on GPUs (the readings buffers
+    hold the last replay's), eager on CPU ranks."""
+    import torch.distributed as dist
+
+    first = len(recorder.launches)
+    on_gpu = ctx.device.type == "cuda"
+    stream = torch.cuda.Stream() if on_gpu else None
+    if on_gpu:
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # compiles the traced variants outside the capture
+            torch.cuda.synchronize()
+            del recorder.launches[first:]
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                for _ in range(calls):
+                    fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+        dist.barrier()
+        return graph  # its memory holds the readings
+    fn()
+    del recorder.launches[first:]
+    for _ in range(calls):
+        fn()
+    return None
+
+
+def _phase_text(recorder, kernel):
+    """``phase span [sub value, ..., other value]; ...`` of ``kernel``: each value the
+    median|mean, ``(n)`` where fewer programs than all spent time in it."""
+    from tritonep.modes.trace import phase_medians, phases
+
+    medians = phase_medians(recorder, kernel)
+    total = max((n for _, _, n in medians.values()), default=0)
+    parts = []
+    for phase, subs in phases(kernel):
+        if phase not in medians:
+            continue
+        value, mean, programs = medians[phase]
+        inner = []
+        for sub in (*subs, f"{phase}: other"):
+            if sub in medians:
+                v, m, n = medians[sub]
+                name = "other" if sub.endswith(": other") else sub
+                inner.append(f"{name} {v:.2f}|{m:.2f}" + (f" ({n})" if n < programs else ""))
+        head = f"{phase} {value:.2f}|{mean:.2f}"
+        parts.append(head + (f" [{', '.join(inner)}]" if inner else ""))
+    return f"{kernel} ({total} programs x calls): " + "; ".join(parts)
+
+
+def _trace_lines(ctx, opts, elastic, legacy, T, most, recorder):
+    """Trace each decode call of ``T`` tokens; dump this rank's Chrome trace; rank 0's
+    phases and paths."""
+    from tritonep.modes.trace import critical_path
+
+    first = len(recorder.launches)
+    calls = _decode_calls(ctx, opts, elastic, legacy, T, most)
+    del recorder.launches[first:]  # the calls that made the inputs (and compiled)
+    graphs = [_traced(ctx, calls[name], recorder) for name in TRACED]
+    path = f"{opts.trace}/decode-{T}-rank{ctx.rank}.json"
+    recorder.dump(path)
+    unit = "us" if ctx.device.type == "cuda" else "logical ticks"
+    lines = [f"{T:5d} tokens, traced (rank 0, {unit}, median|mean over programs; {path}):"]
+    for name, kernels in TRACED.items():
+        lines.append(f"    {name}:")
+        lines += [f"        {_phase_text(recorder, kernel)}" for kernel in kernels]
+        for kernel, points in critical_path(recorder, kernels).items():
+            last = points.pop("last")
+            at = ", ".join(f"{p} {v:.2f}" for p, v in points.items())
+            phases = ", ".join(f"{p} {v:.2f}" for p, v in last.items() if v > 0)
+            lines.append(f"        path of {kernel}: {at}; the last program: {phases}")
+    del recorder.launches[first:], graphs
     return lines
 
 
@@ -151,6 +259,22 @@ def _rank(ctx, opts):
         for T in opts.tokens:
             lines += _decode_line(ctx, opts, elastic, legacy, T, most, f" [{config}]")
         mode.TUNING = mode.Tuning()
+    if opts.trace:
+        import os
+
+        from tritonep.modes.trace import TraceRecorder
+
+        os.makedirs(opts.trace, exist_ok=True)
+        # One recorder for both buffers (one time axis); a second low-latency buffer, whose
+        # mode is created traced at its first call.
+        recorder = TraceRecorder.of(True, ctx.rank, ctx.device, ctx.device.type == "cuda")
+        traced_ll = deep_ep.Buffer(group, 0, rdma, low_latency_mode=True, explicitly_destroy=True)
+        traced_ll.profile = recorder
+        elastic.runtime.trace = recorder
+        for T in opts.tokens:
+            lines += _trace_lines(ctx, opts, elastic, traced_ll, T, most, recorder)
+        elastic.runtime.trace = None
+        traced_ll.destroy()
     if opts.prefill:
         T = opts.prefill
         gen = torch.Generator().manual_seed(13 + ctx.rank)
@@ -215,6 +339,13 @@ def main() -> None:
         "--tune",
         default="",
         help="Tuning configurations to time the elastic calls under (name=value,...;...)",
+    )
+    parser.add_argument(
+        "--trace",
+        default="",
+        metavar="DIR",
+        help="also trace each decode call inside the kernels: Chrome traces per rank into "
+        "DIR, rank 0's phases printed",
     )
     args = parser.parse_args()
     args.tokens = [int(v) for v in args.tokens.split(",")]

@@ -360,6 +360,7 @@ ELASTIC_KERNELS = [
             "status_ptr": "*i32",
             "timeout_us": "i32",
             "flags": "i32",
+            "trace_ptr": "*i64",
         },
         _dispatch_meta(True),
     ),
@@ -389,6 +390,7 @@ ELASTIC_KERNELS = [
             "psum_expert_ptr": "*i32",
             "unaligned_ptr": "*i32",
             "flags": "i32",
+            "trace_ptr": "*i64",
         },
         dict(
             K=8,
@@ -429,6 +431,7 @@ ELASTIC_KERNELS = [
             "status_ptr": "*i32",
             "timeout_us": "i32",
             "has_weights": "i32",
+            "trace_ptr": "*i64",
         },
         dict(
             H=7168,
@@ -463,6 +466,7 @@ ELASTIC_KERNELS = [
             "state_ptr": "*i64",
             "num_bias": "i32",
             "has_weights": "i32",
+            "trace_ptr": "*i64",
         },
         dict(
             H=7168,
@@ -769,3 +773,17 @@ def test_elastic_on_gpus(run_ranks):
         args = ([300, 40, 0, 200][:R], 2880, 8, 4, fp8, True, 1, 1, True)
         assert run_ranks(R, _elastic_body, *args, timeout=900) == [True] * R
     assert run_ranks(R, _graph_body, 128, 7168, 8, 8) == [True] * R
+
+
+@pytest.mark.parametrize("index", range(4), ids=[k[0] for k in ELASTIC_KERNELS[:4]])
+def test_elastic_traces_are_compiled_in_only_when_asked(index):
+    """``PROFILE`` adds clock reads (the GPU's global timer) and the stores of the readings;
+    without it a kernel reads the clock only in its bounded waits (the pushes' last program),
+    the epilogues never."""
+    pytest.importorskip("triton.backends.nvidia")
+    kernel = ELASTIC_KERNELS[index]
+    untraced = _elastic_ptx(kernel).count("globaltimer")
+    traced = _elastic_ptx(kernel, PROFILE=True, USE_CLOCK=True).count("globaltimer")
+    assert traced > untraced
+    if "epilogue" in kernel[0]:
+        assert untraced == 0

@@ -228,3 +228,107 @@ def test_cleared_traces_keep_only_later_calls(run_ranks, tmp_path):
         assert kernels == {"normal dispatch"}, kernels
         # One call, numbered as the kernel's second (numbers keep counting across a clear).
         assert {e["args"]["call"] for e in events} == {1}
+
+
+def _elastic_calls(buffer, x, idx, w, experts):
+    """An exact-size plain dispatch and combine, then a decode-shaped one (expanded, worst-case
+    sizes, no host read): every output on the host (of the expanded layout, the rows the
+    handle names: the others are never written)."""
+    outs = []
+    for expand, sync in ((False, True), (True, False)):
+        recv, recv_idx, recv_w, handle, _ = buffer.dispatch(
+            x, idx, w, num_experts=experts, do_expand=expand, do_cpu_sync=sync
+        )
+        y = torch.ones(recv[0].shape, dtype=torch.bfloat16, device=recv[0].device)
+        combined, combined_w, _ = buffer.combine(y, handle, recv_w)
+        meta = handle.recv_src_metadata.cpu()
+        if expand:
+            rows = meta[:, 2:][meta[:, 2:] >= 0].long()
+            recv, recv_w = tuple(t.cpu()[rows] for t in recv), recv_w.cpu()[rows]
+        outs += [recv, recv_idx, recv_w, combined, combined_w, meta]
+        outs.append(handle.psum_num_recv_tokens_per_expert)
+    flat = [t for o in outs for t in (o if isinstance(o, tuple) else (o,)) if t is not None]
+    return [t.cpu() for t in flat]
+
+
+def _elastic_trace_body(ctx, tmp):
+    import tritonep.deep_ep as deep_ep
+    from tritonep import quantize_fp8
+    from tritonep.modes.trace import TraceRecorder
+
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    tokens, hidden, experts, topk = TOKENS[:R], 256, 4 * R, 3
+    case = make_case(3, tokens, hidden, experts, topk)
+    x = tuple(t.to(dev) for t in quantize_fp8(case.x[me]))
+    idx, w = case.topk_idx[me].to(dev), case.topk_weights[me].to(dev)
+    buffer = deep_ep.ElasticBuffer(
+        ctx.group, num_max_tokens_per_rank=max(tokens), hidden=hidden, num_topk=topk
+    )
+    untraced = _elastic_calls(buffer, x, idx, w, experts)
+    buffer.runtime.trace = TraceRecorder.of(True, me, buffer.runtime.device, False)
+    traced = _elastic_calls(buffer, x, idx, w, experts)
+    buffer.runtime.check()
+    path = buffer.runtime.trace.dump(f"{tmp}/elastic-{me}.json")
+    tables = {k: trace_tables(buffer.runtime.trace, k) for k in ELASTIC}
+    buffer.destroy()
+    same = [torch.equal(a, b) for a, b in zip(untraced, traced, strict=True)]
+    with open(path) as f:
+        return same, [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"], tables
+
+
+ELASTIC = ("elastic dispatch", "elastic dispatch epilogue", "elastic combine")
+ELASTIC += ("elastic combine epilogue",)
+
+
+def trace_tables(recorder, kernel):
+    """Per launch of ``kernel``: ``[P, SLOTS]`` readings, as lists."""
+    from tritonep.modes.trace import SLOTS
+
+    return [
+        lc.readings[:-1].view(-1, SLOTS).tolist() for lc in recorder.launches if lc.kernel == kernel
+    ]
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3])
+def test_elastic_traces_show_every_phase_in_order(run_ranks, num_ranks, tmp_path):
+    from tritonep.modes.trace import END, FIRST_PHASE, SEND_END, START
+
+    for same, slices, tables in run_ranks(num_ranks, _elastic_trace_body, str(tmp_path)):
+        # Traced calls return what untraced ones do, every output.
+        assert same and all(same), [i for i, s in enumerate(same) if not s]
+        for kernel in ELASTIC:
+            (send, send_subs), (recv, recv_subs) = PHASES[kernel]
+            launches = tables[kernel]
+            assert len(launches) == 2, kernel  # two calls, one launch each
+            for call, table in enumerate(launches):
+                for program, row in enumerate(table):
+                    # Every program ran both phases, in order (the logical clock always
+                    # advances), its sub-phases within their phase.
+                    assert row[START] < row[SEND_END] < row[END], (kernel, call, program)
+                    subs = row[FIRST_PHASE : FIRST_PHASE + len(send_subs) + len(recv_subs)]
+                    assert all(v >= 0 for v in subs), (kernel, program, row)
+                    assert sum(subs[: len(send_subs)]) <= row[SEND_END] - row[START]
+                    assert sum(subs[len(send_subs) :]) <= row[END] - row[SEND_END]
+                    if send_subs:
+                        assert all(v > 0 for v in subs[: len(send_subs)]), (kernel, row)
+                mine = [s for s in slices if s["args"]["kernel"] == kernel]
+                names = {s["name"] for s in mine if s["args"]["call"] == call}
+                assert {f"{kernel}: {send}", f"{kernel}: {recv}"} <= names, (kernel, names)
+            if kernel.endswith("epilogue"):
+                continue
+            # In each push exactly one program (the last to arrive) exchanged: it sent the
+            # headers (or the tag), then waited, and ended after every other program.
+            for table in launches:
+                # The sub-phases after the arrive: headers (or tag) and wait.
+                at = FIRST_PHASE + len(send_subs) + 1
+                extra = [row[at : at + 2] for row in table]
+                exchanged = [p for p, (sent, waited) in enumerate(extra) if sent > 0 and waited > 0]
+                assert len(exchanged) == 1, extra
+                assert table[exchanged[0]][END] == max(row[END] for row in table)
+        # A call's launches in order: the push's exchange ends before its epilogue starts
+        # (CPU ranks: no programmatic dependent launch), the dispatch before the combine.
+        order = [tables[k] for k in ELASTIC]
+        for call in range(2):
+            ends = [max(r[END] for r in t[call]) for t in order]
+            starts = [min(r[START] for r in t[call]) for t in order]
+            assert all(ends[i] < starts[i + 1] for i in range(3)), (ends, starts)

@@ -26,11 +26,12 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .elastic_dispatch import load_choices
-from .elastic_exchange import arrive, exchange_number, finish_exchange, tag_and_wait
+from .elastic_exchange import arrive, exchange_number, finish_exchange, send_tags, wait_tags
 from .fp8 import from_bf16, to_bf16
 from .phases import ELASTIC_COMBINE
 from .profiled import kernel
 from .sync import lane
+from .trace import read_clock, write_trace
 
 
 @triton.jit
@@ -139,6 +140,7 @@ def elastic_combine(
     status_ptr,  # [STATUS_WORDS] int32 status record (kernels.status)
     timeout_us,  # limit of a wait in microseconds (sync.timeout_us)
     has_weights,  # 1: top-k weights go back with the rows (run-time: no variant of its own)
+    trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE; kernels.trace), else unused
     H: tl.constexpr,  # hidden size: channels of a row
     K: tl.constexpr,  # top-k: choices per token
     BLOCK_K: tl.constexpr,  # K as a power of two (at least 2)
@@ -153,7 +155,13 @@ def elastic_combine(
     MULTI: tl.constexpr,  # EXPAND: reduce a token's rows here before sending one
     USE_CLOCK: tl.constexpr,  # waits read the GPU clock (not under the interpreter)
     PDL: tl.constexpr = False,  # the epilogue is a programmatic dependent launch (sm_90+)
+    PROFILE: tl.constexpr = False,  # record a trace (push: rows; exchange: arrive, tag, wait)
 ):
+    t_start = tl.zeros((), tl.int64)
+    if PROFILE:
+        t_start = read_clock(trace_ptr, USE_CLOCK)
+    t_tag = tl.zeros((), tl.int64)
+    t_wait = tl.zeros((), tl.int64)
     if PDL:
         # The epilogue may launch now (as in elastic_dispatch: every program of this grid is
         # resident by then, so none is held back; the epilogue waits for this grid's end).
@@ -176,6 +184,9 @@ def elastic_combine(
     # that a decode batch of a few tokens still spreads over every program.
     NUM_CHUNKS: tl.constexpr = (H + BLOCK_CHANNELS - 1) // BLOCK_CHANNELS
     num_items = tl.cdiv(total, BLOCK_ROWS) * NUM_CHUNKS
+    t_rows = t_start
+    if PROFILE:
+        t_rows = read_clock(trace_ptr, USE_CLOCK)
     for item in range(pid, num_items, tl.num_programs(0)):
         i = (item // NUM_CHUNKS) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         h0 = (item % NUM_CHUNKS) * BLOCK_CHANNELS
@@ -227,13 +238,21 @@ def elastic_combine(
                 has_weights,
                 not USE_CLOCK,
             )
-    if arrive(state_ptr):
+    t_push_end = t_start
+    if PROFILE:
+        t_push_end = read_clock(trace_ptr, USE_CLOCK)
+    last = arrive(state_ptr)
+    t_arrive = t_push_end
+    if PROFILE:
+        t_arrive = read_clock(trace_ptr, USE_CLOCK)
+    if last:
         my_base = tl.load(peer_ptrs + rank)
-        tag_and_wait(
+        send_tags(call, peer_base, rank, ranks, header_offset, HEADER_WORDS, NUM_RANKS)
+        if PROFILE:
+            t_tag = read_clock(trace_ptr, USE_CLOCK)
+        wait_tags(
             call,
-            peer_base,
             my_base,
-            rank,
             ranks,
             header_offset,
             status_ptr,
@@ -243,7 +262,23 @@ def elastic_combine(
             NUM_RANKS,
             USE_CLOCK,
         )
+        if PROFILE:
+            t_wait = read_clock(trace_ptr, USE_CLOCK) - t_tag
+            t_tag = t_tag - t_arrive
         finish_exchange(state_ptr, call)
+    if PROFILE:
+        write_trace(
+            trace_ptr,
+            t_start,
+            t_push_end,
+            read_clock(trace_ptr, USE_CLOCK),
+            t_push_end - t_rows,
+            t_arrive - t_push_end,
+            t_tag,
+            t_wait,
+            0,
+            USE_CLOCK,
+        )
 
 
 @triton.jit
@@ -277,6 +312,7 @@ def elastic_combine_epilogue(
     state_ptr,  # [8] int64 mode state (elastic_exchange)
     num_bias,  # bias tensors, 0 to 2 (run-time, as has_weights)
     has_weights,  # 1: weights come back too (run-time: no variant of its own)
+    trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE; kernels.trace), else unused
     H: tl.constexpr,  # hidden size: channels of a row
     K: tl.constexpr,  # top-k: choices per token
     BLOCK_K: tl.constexpr,  # K as a power of two (at least 2)
@@ -289,12 +325,21 @@ def elastic_combine_epilogue(
     BLOCK_CHANNELS: tl.constexpr,  # channels moved per step
     USE_CLOCK: tl.constexpr,  # waits read the GPU clock (not under the interpreter)
     PDL: tl.constexpr = False,  # launched as a programmatic dependent of elastic_combine
+    PROFILE: tl.constexpr = False,  # record a trace (wait; reduce)
 ):
     EMULATE: tl.constexpr = not USE_CLOCK
+    # Trace: the wait phase is the wait for the push's grid (as in the copy epilogue), the
+    # reduce phase the rest.
+    t_start = tl.zeros((), tl.int64)
+    if PROFILE:
+        t_start = read_clock(trace_ptr, USE_CLOCK)
     if PDL:
         # Before any read: the push's grid (state, and the rows, which its last program saw
         # every peer finish) is complete and its writes visible after this.
         gdc_wait()
+    t_waited = t_start
+    if PROFILE:
+        t_waited = read_clock(trace_ptr, USE_CLOCK)
     pid = tl.program_id(0)
     call = tl.load(state_ptr, volatile=True) - 1
     region = tl.load(peer_ptrs + rank) + region_offset + (call % 2) * region_bytes
@@ -350,3 +395,7 @@ def elastic_combine_epilogue(
                 cache_modifier=".cg",
             )
             tl.store(out_weights_ptr + rows[:, None] * K + ks[None, :], w, mask=kmask)
+    if PROFILE:
+        zero = tl.zeros((), tl.int64)
+        t_end = read_clock(trace_ptr, USE_CLOCK)
+        write_trace(trace_ptr, t_start, t_waited, t_end, zero, zero, zero, zero, zero, USE_CLOCK)

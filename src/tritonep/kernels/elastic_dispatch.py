@@ -36,11 +36,13 @@ from .elastic_exchange import (
     exchange_number,
     finish_exchange,
     header_ptr,
-    tag_and_wait,
+    send_tags,
+    wait_tags,
 )
 from .phases import ELASTIC_DISPATCH
 from .profiled import kernel
 from .sync import aligned_ptr, lane, rows_before
+from .trace import read_clock, write_trace
 
 
 #: int32 words of a record's metadata: source token, first local top-k column, reduction
@@ -201,25 +203,17 @@ def store_payloads(
 def send_headers(
     call,
     peer_base,
-    my_base,
     rank,
     ranks,
     header_offset,
     totals_ptr,
-    recv_counts_ptr,
-    stats_ptr,
-    status_ptr,
-    timeout_us,
     NUM_RANKS: tl.constexpr,
     E_LOCAL: tl.constexpr,
     BLOCK_COUNTS: tl.constexpr,
     HEADER_WORDS: tl.constexpr,
-    has_stats,
-    USE_CLOCK: tl.constexpr,
 ):
-    """The last program: each destination's header, the tags, and the decoded counts of every
-    source (``recv_counts[s] = [tokens, choices of each local expert...]``)."""
-    parity = call % 2
+    """The last program: each destination's header (tokens and per-expert counts), then the
+    tags."""
     rmask = ranks < NUM_RANKS
     cols = tl.arange(0, BLOCK_COUNTS)
     grid = rmask[:, None] & (cols < 1 + E_LOCAL)[None, :]
@@ -228,26 +222,34 @@ def send_headers(
         cols[None, :] == 0, ranks[:, None], NUM_RANKS + ranks[:, None] * E_LOCAL + cols[None, :] - 1
     )
     counts = tl.load(totals_ptr + at, mask=grid, other=0, volatile=True)
+    parity = call % 2
     words = header_ptr(
         peer_base[:, None], header_offset, parity, rank, 1 + cols[None, :], HEADER_WORDS, NUM_RANKS
     )
     tl.store(words, counts, mask=grid)
-    tag_and_wait(
-        call,
-        peer_base,
-        my_base,
-        rank,
-        ranks,
-        header_offset,
-        status_ptr,
-        timeout_us,
-        ELASTIC_DISPATCH,
-        HEADER_WORDS,
-        NUM_RANKS,
-        USE_CLOCK,
-    )
+    send_tags(call, peer_base, rank, ranks, header_offset, HEADER_WORDS, NUM_RANKS)
+
+
+@triton.jit
+def decode_headers(
+    call,
+    my_base,
+    ranks,
+    header_offset,
+    recv_counts_ptr,
+    stats_ptr,
+    NUM_RANKS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    BLOCK_COUNTS: tl.constexpr,
+    HEADER_WORDS: tl.constexpr,
+    has_stats,
+):
+    """The last program, once every source's tag came: the counts of every source
+    (``recv_counts[s] = [tokens, choices of each local expert...]``)."""
+    cols = tl.arange(0, BLOCK_COUNTS)
+    grid = (ranks < NUM_RANKS)[:, None] & (cols < 1 + E_LOCAL)[None, :]
     mine = header_ptr(
-        my_base, header_offset, parity, ranks[:, None], 1 + cols[None, :], HEADER_WORDS, NUM_RANKS
+        my_base, header_offset, call % 2, ranks[:, None], 1 + cols[None, :], HEADER_WORDS, NUM_RANKS
     )
     got = tl.load(mine, mask=grid, other=0, volatile=True)
     tl.store(recv_counts_ptr + ranks[:, None] * (1 + E_LOCAL) + cols[None, :], got, mask=grid)
@@ -282,6 +284,7 @@ def elastic_dispatch(
     status_ptr,  # [STATUS_WORDS] int32 status record (kernels.status)
     timeout_us,  # limit of a wait in microseconds (sync.timeout_us)
     flags,  # FLAG_WEIGHTS | FLAG_STATS | FLAG_COPY_IDS | FLAG_SLOTS
+    trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE; kernels.trace), else unused
     K: tl.constexpr,  # top-k: choices per token
     BLOCK_K: tl.constexpr,  # K as a power of two (at least 2)
     NUM_EXPERTS: tl.constexpr,  # experts in all
@@ -303,7 +306,18 @@ def elastic_dispatch(
     HAS_SF: tl.constexpr,  # the rows come with scale packs (FP8)
     USE_CLOCK: tl.constexpr,  # waits read the GPU clock (not under the interpreter)
     PDL: tl.constexpr = False,  # the epilogue is a programmatic dependent launch (sm_90+)
+    PROFILE: tl.constexpr = False,  # record a trace (push: scan, stores; exchange below)
 ):
+    # Trace: the push phase (scan, stores) ends where the program arrives; the exchange phase
+    # is the arrive and, in the last program, the headers, the wait for the peers' tags and
+    # the decoding of their counts (the rest of the phase).
+    t_start = tl.zeros((), tl.int64)
+    if PROFILE:
+        t_start = read_clock(trace_ptr, USE_CLOCK)
+    t_scan = tl.zeros((), tl.int64)
+    t_stores = tl.zeros((), tl.int64)
+    t_headers = tl.zeros((), tl.int64)
+    t_wait = tl.zeros((), tl.int64)
     if PDL:
         # Let the epilogue's grid launch now, so that its launch and its programs' start
         # overlap this push; they wait (gdc_wait) for this grid to complete before reading
@@ -325,9 +339,14 @@ def elastic_dispatch(
     per = tl.cdiv(num_tokens, tl.num_programs(0))
     t0 = tl.minimum(pid * per, num_tokens)
     t1 = tl.minimum(t0 + per, num_tokens)
+    if PROFILE:
+        t_scan = read_clock(trace_ptr, USE_CLOCK)
     sent, chosen = counts_before(
         topk_ptr, t0, ranks, ks, K, NUM_EXPERTS, BLOCK_EXPERTS, E_LOCAL, SCAN_BLOCK_TOKENS, BLOCK_K
     )
+    if PROFILE:
+        t_stores = read_clock(trace_ptr, USE_CLOCK)
+        t_scan = t_stores - t_scan
     for first in range(t0, t1, BLOCK_TOKENS):
         tokens = first + tl.arange(0, BLOCK_TOKENS)
         tmask = tokens < t1
@@ -389,32 +408,77 @@ def elastic_dispatch(
         flat = tl.reshape(tl.where(valid & tmask[:, None], ids, 0), (BLOCK_TOKENS * BLOCK_K,))
         fmask = tl.reshape(valid & tmask[:, None], (BLOCK_TOKENS * BLOCK_K,))
         chosen += tl.histogram(flat, BLOCK_EXPERTS, mask=fmask)
+    if PROFILE:
+        t_stores = read_clock(trace_ptr, USE_CLOCK) - t_stores
     if pid == tl.num_programs(0) - 1:  # its range ends the tokens: its counts are the totals
         tl.store(totals_ptr + ranks, sent, mask=rmask)
         experts = tl.arange(0, BLOCK_EXPERTS)
         tl.store(totals_ptr + NUM_RANKS + experts, chosen, mask=experts < NUM_EXPERTS)
-    if arrive(state_ptr):
+    t_push_end = t_start
+    if PROFILE:
+        t_push_end = read_clock(trace_ptr, USE_CLOCK)
+    last = arrive(state_ptr)
+    t_arrive = t_push_end
+    if PROFILE:
+        t_arrive = read_clock(trace_ptr, USE_CLOCK)
+    if last:
         my_base = tl.load(peer_ptrs + rank)
         send_headers(
             call,
             peer_base,
-            my_base,
             rank,
             ranks,
             header_offset,
             totals_ptr,
-            recv_counts_ptr,
-            stats_ptr,
+            NUM_RANKS,
+            E_LOCAL,
+            BLOCK_COUNTS,
+            HEADER_WORDS,
+        )
+        if PROFILE:
+            t_headers = read_clock(trace_ptr, USE_CLOCK)
+        wait_tags(
+            call,
+            my_base,
+            ranks,
+            header_offset,
             status_ptr,
             timeout_us,
+            ELASTIC_DISPATCH,
+            HEADER_WORDS,
+            NUM_RANKS,
+            USE_CLOCK,
+        )
+        if PROFILE:
+            t_wait = read_clock(trace_ptr, USE_CLOCK) - t_headers
+            t_headers = t_headers - t_arrive
+        decode_headers(
+            call,
+            my_base,
+            ranks,
+            header_offset,
+            recv_counts_ptr,
+            stats_ptr,
             NUM_RANKS,
             E_LOCAL,
             BLOCK_COUNTS,
             HEADER_WORDS,
             has_stats,
-            USE_CLOCK,
         )
         finish_exchange(state_ptr, call)
+    if PROFILE:
+        write_trace(
+            trace_ptr,
+            t_start,
+            t_push_end,
+            read_clock(trace_ptr, USE_CLOCK),
+            t_scan,
+            t_stores,
+            t_arrive - t_push_end,
+            t_headers,
+            t_wait,
+            USE_CLOCK,
+        )
 
 
 @triton.jit
@@ -774,6 +838,7 @@ def elastic_dispatch_epilogue(
     psum_expert_ptr,  # [E_LOCAL] int32 out (FLAG_META)
     unaligned_ptr,  # [E_LOCAL] int32 out (FLAG_META)
     flags,  # FLAG_WEIGHTS | FLAG_ZERO_PAD | FLAG_META
+    trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE; kernels.trace), else unused
     K: tl.constexpr,  # top-k: choices per token
     BLOCK_K: tl.constexpr,  # K as a power of two (at least 2)
     NUM_RANKS: tl.constexpr,  # R: ranks of the group
@@ -792,11 +857,21 @@ def elastic_dispatch_epilogue(
     EXPAND: tl.constexpr,  # expanded layout: a row per (token, local expert)
     HAS_SF: tl.constexpr,  # the rows come with scale packs (FP8)
     PDL: tl.constexpr = False,  # launched as a programmatic dependent of elastic_dispatch
+    PROFILE: tl.constexpr = False,  # record a trace (wait; layout, rows, marks, padding)
+    USE_CLOCK: tl.constexpr = False,  # traces read the GPU clock (not under the interpreter)
 ):
+    # Trace: the wait phase is the wait for the push's grid (started early under PDL, so it
+    # shows how long this launch sat ready); the copy phase its sub-phases after it.
+    t_start = tl.zeros((), tl.int64)
+    if PROFILE:
+        t_start = read_clock(trace_ptr, USE_CLOCK)
     if PDL:
         # Before any read: the push's grid (counts, state, and the records, which its last
         # program saw every peer finish) is complete and its writes visible after this.
         gdc_wait()
+    t_waited = t_start
+    if PROFILE:
+        t_waited = read_clock(trace_ptr, USE_CLOCK)
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     call = tl.load(state_ptr, volatile=True) - 1
@@ -829,6 +904,9 @@ def elastic_dispatch_epilogue(
             EXPAND,
         )
     start_flat = tl.reshape(start, (BLOCK_RANKS * BLOCK_LOCAL_EXPERTS,))
+    t_laid = t_waited
+    if PROFILE:
+        t_laid = read_clock(trace_ptr, USE_CLOCK)
     for i0 in range(pid * BLOCK_ROWS, total, num_programs * BLOCK_ROWS):
         copy_received_block(
             i0 + tl.arange(0, BLOCK_ROWS),
@@ -865,6 +943,9 @@ def elastic_dispatch_epilogue(
             EXPAND,
             HAS_SF,
         )
+    t_copied = t_laid
+    if PROFILE:
+        t_copied = read_clock(trace_ptr, USE_CLOCK)
     mark_unused_rows(
         pid,
         num_programs,
@@ -881,6 +962,9 @@ def elastic_dispatch_epilogue(
         write_meta,
         BLOCK_FILL,
     )
+    t_marked = t_copied
+    if PROFILE:
+        t_marked = read_clock(trace_ptr, USE_CLOCK)
     if EXPAND:  # noqa: SIM102 (compiled in or out; the inner test runs)
         if (flags & FLAG_ZERO_PAD) != 0:
             zero_padding(
@@ -904,3 +988,17 @@ def elastic_dispatch_epilogue(
                 has_weights,
                 BLOCK_ROWS,
             )
+    if PROFILE:
+        t_end = read_clock(trace_ptr, USE_CLOCK)
+        write_trace(
+            trace_ptr,
+            t_start,
+            t_waited,
+            t_end,
+            t_laid - t_waited,
+            t_copied - t_laid,
+            t_marked - t_copied,
+            t_end - t_marked,
+            0,
+            USE_CLOCK,
+        )

@@ -63,11 +63,33 @@ def header_ptr(
 
 
 @triton.jit
-def tag_and_wait(
+def send_tags(
     call,
     peer_base,
-    my_base,
     rank,
+    ranks,
+    header_offset,
+    HEADER_WORDS: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+):
+    """Send exchange ``call``'s tag to every peer (after this program's stores, and so, through
+    :func:`arrive`, after every program's)."""
+    tag = (call + 1).to(tl.int32)
+    theirs = header_ptr(peer_base, header_offset, call % 2, rank, 0, HEADER_WORDS, NUM_RANKS)
+    tl.debug_barrier()
+    tl.atomic_xchg(
+        theirs,
+        tag + tl.zeros(ranks.shape, tl.int32),
+        mask=ranks < NUM_RANKS,
+        sem="release",
+        scope="sys",
+    )
+
+
+@triton.jit
+def wait_tags(
+    call,
+    my_base,
     ranks,
     header_offset,
     status_ptr,
@@ -77,18 +99,11 @@ def tag_and_wait(
     NUM_RANKS: tl.constexpr,
     USE_CLOCK: tl.constexpr,
 ):
-    """Send exchange ``call``'s tag to every peer (after this program's stores, and so, through
-    :func:`arrive`, after every program's), then wait for every peer's. Returns whether all
-    came; a missing peer is recorded in the status."""
+    """Wait for every peer's tag of exchange ``call``. Returns whether all came; a missing
+    peer is recorded in the status."""
     rmask = ranks < NUM_RANKS
-    parity = call % 2
     tag = (call + 1).to(tl.int32)
-    theirs = header_ptr(peer_base, header_offset, parity, rank, 0, HEADER_WORDS, NUM_RANKS)
-    tl.debug_barrier()
-    tl.atomic_xchg(
-        theirs, tag + tl.zeros(ranks.shape, tl.int32), mask=rmask, sem="release", scope="sys"
-    )
-    mine = header_ptr(my_base, header_offset, parity, ranks, 0, HEADER_WORDS, NUM_RANKS)
+    mine = header_ptr(my_base, header_offset, call % 2, ranks, 0, HEADER_WORDS, NUM_RANKS)
     targets = tag + tl.zeros(ranks.shape, tl.int32)
     values, ok = wait_all_at_least(
         mine, targets, rmask, limit_ns(timeout_us, status_ptr), USE_CLOCK

@@ -44,6 +44,7 @@ from ..kernels.sync import (
 )
 from ..validation import check_num_experts, check_ranks_agree, default_group
 from .outputs import empty_output
+from .trace import TraceRecorder
 
 #: Local experts per rank that the headers have room for.
 MAX_LOCAL_EXPERTS = 1024
@@ -206,6 +207,8 @@ class ElasticMode:
             size it for a call shape); every rank passes the same.
         device: a CUDA device, or ``"cpu"`` for CPU ranks (kernels under the interpreter).
         timeout_s: limit of every wait inside the kernels, in seconds.
+        profile: record kernel traces of every launch (:attr:`trace`); a
+            :class:`~tritonep.modes.trace.TraceRecorder` to share one with another mode.
     """
 
     def __init__(
@@ -214,6 +217,7 @@ class ElasticMode:
         num_bytes: int = 1 << 26,
         device: torch.device | str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        profile: bool | TraceRecorder = False,
     ):
         self.group = default_group(group)
         device = torch.device(device) if device is not None else default_device(self.group)
@@ -242,6 +246,10 @@ class ElasticMode:
         # overlap the push, and it waits for the push's grid to complete before reading.
         # Never under the interpreter (no inline assembly there).
         self._pdl = on_gpu and torch.cuda.get_device_capability(self.device)[0] >= 9
+        #: Kernel traces (``profile``; may be set later, for the launches after):
+        #: :meth:`TraceRecorder.dump` writes them. Each launch then gets a readings buffer of
+        #: its own and is compiled with ``PROFILE``; without, the kernels read no clock.
+        self.trace = TraceRecorder.of(profile, self.rank, self.device, on_gpu)
 
     @property
     def timeout_s(self) -> float:
@@ -254,11 +262,24 @@ class ElasticMode:
         self._timeout_s = value
 
     # ---------------------------------------------------------------------------- helpers
-    def _launch(self, kernel, num_programs: int, args: tuple, key: tuple, build_meta) -> None:
-        meta = self._metas.get((kernel, key))
+    def _launch(
+        self, kernel, num_programs: int, args: tuple, key: tuple, build_meta, traced: str = ""
+    ) -> None:
+        """Launch ``kernel`` on ``num_programs`` programs; ``traced``: the kernel's name in
+        traces (the elastic kernels take a readings buffer last, unused when untraced)."""
+        programs = max(1, num_programs)
+        trace = self.trace if traced else None
+        profile = trace is not None
+        meta = self._metas.get((kernel, key, profile))
         if meta is None:
-            meta = self._metas[(kernel, key)] = build_meta()
-        launcher.launch(kernel, (max(1, num_programs),), args, meta)
+            meta = build_meta()
+            if profile:
+                meta.update(PROFILE=True, USE_CLOCK=use_clock(self.device))
+            self._metas[(kernel, key, profile)] = meta
+        if traced:
+            readings = trace.buffer(traced, programs, True, True) if trace else self.state
+            args = (*args, readings)
+        launcher.launch(kernel, (programs,), args, meta)
 
     def _dependent(self) -> dict:
         """An epilogue's launch options: a programmatic dependent launch on sm_90 and later
@@ -476,6 +497,7 @@ class ElasticMode:
                 PDL=self._pdl,
                 num_warps=tuning.dispatch_warps,
             ),
+            traced="elastic dispatch",
         )
         if cached is not None:
             num_recv, num_expanded = cached.num_recv_tokens, cached.num_expanded_tokens
@@ -646,6 +668,7 @@ class ElasticMode:
                 **self._dependent(),
                 num_warps=tuning.copy_warps,
             ),
+            traced="elastic dispatch epilogue",
         )
 
     # ---------------------------------------------------------------------------- combine
@@ -745,6 +768,7 @@ class ElasticMode:
                 num_warps=tuning.combine_warps,
                 enable_fp_fusion=False,
             ),
+            traced="elastic combine",
         )
         if before_epilogue is not None:
             before_epilogue()
@@ -790,6 +814,7 @@ class ElasticMode:
                 num_warps=tuning.reduce_warps,
                 enable_fp_fusion=False,
             ),
+            traced="elastic combine epilogue",
         )
         return out, out_w
 

@@ -33,9 +33,17 @@ SLOTS, START, SEND_END, END, FIRST_PHASE, SM = (
 
 #: Each traced kernel's two phases, as (name, sub-phase names): the send phase, the receive
 #: phase. Normal-mode programs either send or receive, so each shows one of the two, split
-#: into the time it waited (for ring space, rows or tails) and the rest.
+#: into the time it waited (for ring space, rows or tails) and the rest. Elastic pushes: every
+#: program's push, then its exchange (the arrive; in the last program also the headers or
+#: tag, the wait for the peers' and, after the sub-phases, the decoding of the counts); their
+#: epilogues: the wait for the push's grid, then the work.
 # fmt: off
 PHASES = {
+    "elastic dispatch": (("push", ("scan", "stores")),
+                         ("exchange", ("arrive", "headers", "wait"))),
+    "elastic dispatch epilogue": (("wait", ()), ("copy", ("layout", "rows", "marks", "padding"))),
+    "elastic combine": (("push", ("rows",)), ("exchange", ("arrive", "tag", "wait"))),
+    "elastic combine epilogue": (("wait", ()), ("reduce", ())),
     "low-latency dispatch": (("send", ("quantize and send", "count send")),
                              ("receive", ("wait", "pack"))),
     "low-latency combine": (("send", ("send", "signal")), ("receive", ("wait", "reduce"))),
@@ -186,4 +194,87 @@ def write_chrome_trace(
     clock = "microseconds of the GPU's global timer" if on_gpu else TICKS
     path = Path(path)
     path.write_text(json.dumps({"traceEvents": events, "otherData": {"clock": clock}}))
+    return path
+
+
+def _runs(recorder: TraceRecorder, kernel: str) -> dict[int, list[tuple[list[int], bool, bool]]]:
+    """Per call of ``kernel``: the readings of each of its programs that ran, in each launch
+    (one, or a send and a receive launch), with the phases that launch ran."""
+    runs: dict[int, list[tuple[list[int], bool, bool]]] = {}
+    for launch in recorder.launches:
+        if launch.kernel == kernel:
+            for row in launch.readings[:-1].view(-1, SLOTS).tolist():
+                if row[END] > 0:
+                    runs.setdefault(launch.call, []).append((row, *launch.phases))
+    return runs
+
+
+def _median(values) -> float:
+    return float(torch.tensor(values, dtype=torch.float64).median()) if values else 0.0
+
+
+def _program_phases(kernel: str, row: list[int], send: bool, receive: bool):
+    """``(name, ticks)`` of one program's readings: each phase it ran (its span), its
+    sub-phases and the rest of the phase (``"<phase>: other"``)."""
+    (send_name, send_subs), (recv_name, recv_subs) = phases(kernel)
+    totals = row[FIRST_PHASE:SM]
+    split = len(send_subs)
+    for ran, phase, begin, end, subs, subtotals in (
+        (send, send_name, row[START], row[SEND_END], send_subs, totals[:split]),
+        (receive, recv_name, row[SEND_END], row[END], recv_subs, totals[split:][: len(recv_subs)]),
+    ):
+        if not ran:
+            continue
+        yield phase, end - begin
+        yield from zip(subs, subtotals, strict=True)
+        if subs:
+            yield f"{phase}: other", end - begin - sum(subtotals)
+
+
+def phase_medians(recorder: TraceRecorder, kernel: str) -> dict[str, tuple[float, float, int]]:
+    """Each phase of ``kernel`` (its span), each sub-phase and the rest of each phase
+    (``"<phase>: other"``, the span less its sub-phases): ``(median, mean, programs)`` in
+    microseconds over the programs of every call that spent time in it, and how many
+    programs of all calls did (the mean, as a coarse timer rounds each reading)."""
+    values: dict[str, list[float]] = {}
+    for rows in _runs(recorder, kernel).values():
+        for row, send, receive in rows:
+            for name, ticks in _program_phases(kernel, row, send, receive):
+                if ticks > 0:
+                    values.setdefault(name, []).append(ticks * recorder.scale_us)
+    return {name: (_median(v), sum(v) / len(v), len(v)) for name, v in values.items()}
+
+
+def critical_path(recorder: TraceRecorder, kernels: tuple[str, ...]) -> dict[str, dict]:
+    """The launches of ``kernels`` that make one call (e.g. a push and its epilogue), per
+    kernel: ``"start"`` (its first program's), ``"<send phase> end"`` (the last program to
+    end its first phase), ``"end"`` (the last program's), each call's times counted from
+    the call's first start; and ``"last"``, the phases of the program that ended last (in an
+    elastic push, the one that exchanged the headers). Medians over the calls, in
+    microseconds."""
+    runs = [_runs(recorder, k) for k in kernels]
+    calls = sorted(set.intersection(*(set(r) for r in runs))) if runs else []
+    points: dict[str, dict[str, list[float]]] = {k: {} for k in kernels}
+    for call in calls:
+        origin = min(row[START] for r in runs for row, _, _ in r[call])
+        for kernel, r in zip(kernels, runs, strict=True):
+            (send, _), _ = phases(kernel)
+            rows = r[call]
+            sent = [row[SEND_END] for row, ran, _ in rows if ran] or [origin]
+            last = max(rows, key=lambda run: run[0][END])
+            mine = points[kernel]
+            for name, value in (
+                ("start", min(row[START] for row, _, _ in rows)),
+                (f"{send} end", max(sent)),
+                ("end", last[0][END]),
+            ):
+                mine.setdefault(name, []).append((value - origin) * recorder.scale_us)
+            for name, ticks in _program_phases(kernel, *last):
+                mine.setdefault("last: " + name, []).append(ticks * recorder.scale_us)
+    path: dict[str, dict] = {}
+    for kernel, mine in points.items():
+        path[kernel] = {n: _median(v) for n, v in mine.items() if not n.startswith("last: ")}
+        path[kernel]["last"] = {
+            n[len("last: ") :]: _median(v) for n, v in mine.items() if n.startswith("last: ")
+        }
     return path
