@@ -6,7 +6,9 @@ repeated calls equal, and combine equal to the reference that sums in DeepEP V2'
 Outputs are poisoned (tests/conftest.py), so a row no kernel wrote cannot pass.
 """
 
+import functools
 import hashlib
+import json
 
 import pytest
 import torch
@@ -522,14 +524,34 @@ def test_elastic_kernels_compile_under_their_profiler_names(kernel):
     assert torch._C._demangle(symbol) == f"tritonep::elastic::{shown}()"
 
 
-def _elastic_ptx(kernel, **extra) -> str:
-    from tests.test_kernels_compile import compile_ptx
+def _elastic_job(kernel, **extra) -> list:
+    from tests.test_kernels_compile import _job
 
     name, _, signature, meta = kernel
     module = "tritonep.kernels." + ("elastic_combine" if "combine" in name else "elastic_dispatch")
     meta = {**meta, **extra}
     signature = {**signature, **dict.fromkeys(meta, "constexpr")}
-    return compile_ptx(module, name, signature, meta, {"num_warps": 8})
+    return _job(module, name, signature, meta, {"num_warps": 8})
+
+
+@functools.cache
+def _elastic_variants() -> dict[str, dict]:
+    """The variants the tests below read (plain, PDL, traced) of the four elastic kernels,
+    compiled in one process, which pays Triton's and tritonep's imports once."""
+    from tests.test_kernels_compile import _compile
+
+    extras = ({}, {"PDL": True}, {"PROFILE": True, "USE_CLOCK": True})
+    return _compile([_elastic_job(k, **e) for k in ELASTIC_KERNELS[:4] for e in extras])
+
+
+def _elastic_ptx(kernel, **extra) -> str:
+    from tests.test_kernels_compile import _compile
+
+    job = _elastic_job(kernel, **extra)
+    key = json.dumps(job)
+    result = _elastic_variants().get(key) or _compile([job])[key]
+    assert "ptx" in result, result["error"][-3000:]
+    return result["ptx"]
 
 
 @pytest.mark.parametrize("push, epilogue", [(0, 1), (2, 3)], ids=["dispatch", "combine"])
