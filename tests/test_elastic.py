@@ -507,10 +507,16 @@ def test_elastic_kernels_compile_under_their_profiler_names(kernel):
     ``dispatch_impl``, and ``dispatch_copy_epilogue_impl`` does not)."""
     import re
 
-    from tests.test_kernels_compile import compile_ptx
-
     pytest.importorskip("triton.backends.nvidia")
-    name, shown, signature, meta = kernel
+    ptx = _elastic_ptx(kernel)
+    (symbol,) = re.findall(r"\.entry (\w+)", ptx)
+    assert torch._C._demangle(symbol) == f"tritonep::elastic::{kernel[1]}()"
+
+
+def _elastic_job(kernel, **extra) -> list:
+    from tests.test_kernels_compile import _job
+
+    name, _, signature, meta = kernel
     module = "tritonep.kernels." + (
         "elastic_exchange"
         if name == "elastic_barrier"
@@ -518,17 +524,6 @@ def test_elastic_kernels_compile_under_their_profiler_names(kernel):
         if "combine" in name
         else "elastic_dispatch"
     )
-    signature = {**signature, **dict.fromkeys(meta, "constexpr")}
-    ptx = compile_ptx(module, name, signature, meta, {"num_warps": 8})
-    (symbol,) = re.findall(r"\.entry (\w+)", ptx)
-    assert torch._C._demangle(symbol) == f"tritonep::elastic::{shown}()"
-
-
-def _elastic_job(kernel, **extra) -> list:
-    from tests.test_kernels_compile import _job
-
-    name, _, signature, meta = kernel
-    module = "tritonep.kernels." + ("elastic_combine" if "combine" in name else "elastic_dispatch")
     meta = {**meta, **extra}
     signature = {**signature, **dict.fromkeys(meta, "constexpr")}
     return _job(module, name, signature, meta, {"num_warps": 8})
@@ -536,12 +531,13 @@ def _elastic_job(kernel, **extra) -> list:
 
 @functools.cache
 def _elastic_variants() -> dict[str, dict]:
-    """The variants the tests below read (plain, PDL, traced) of the four elastic kernels,
-    compiled in one process, which pays Triton's and tritonep's imports once."""
+    """The variants these tests read (plain, PDL, traced) of the elastic kernels, compiled in
+    one process, which pays Triton's and tritonep's imports once."""
     from tests.test_kernels_compile import _compile
 
     extras = ({}, {"PDL": True}, {"PROFILE": True, "USE_CLOCK": True})
-    return _compile([_elastic_job(k, **e) for k in ELASTIC_KERNELS[:4] for e in extras])
+    jobs = [_elastic_job(k, **e) for k in ELASTIC_KERNELS[:4] for e in extras]
+    return _compile(jobs + [_elastic_job(k) for k in ELASTIC_KERNELS[4:]])
 
 
 def _elastic_ptx(kernel, **extra) -> str:
