@@ -38,23 +38,46 @@ class _AnyKey(dict):
         return self["any"]
 
 
+def _nothing(*args):
+    return None
+
+
+@contextlib.contextmanager
+def stubbed_launches(run_for=lambda call_fields: _nothing):
+    """Every ``KernelLaunch`` made inside takes its compiled path, to the launcher
+    ``run_for(call_fields)`` (one that does nothing unless given); the device and stream
+    queries answer without a GPU. ``scripts/probes/normal_host_proxy.py`` uses it too."""
+    from tritonep.kernels import launcher
+
+    init = launcher.KernelLaunch.__init__
+
+    def stub_init(self, fn, grid, meta, call_fields, *args, **kwargs):
+        init(self, fn, grid, meta, call_fields, *args, **kwargs)
+        self.direct, self.device = True, -1
+        self.compiled = _AnyKey(any=(run_for(call_fields), None, None, False, False, ()))
+
+    queries = ("_cuda_getDevice", "_cuda_getCurrentRawStream")
+    saved = {name: getattr(torch._C, name, None) for name in queries}
+    launcher.KernelLaunch.__init__ = stub_init
+    torch._C._cuda_getDevice = lambda: -1
+    torch._C._cuda_getCurrentRawStream = lambda device: 0
+    try:
+        yield
+    finally:
+        launcher.KernelLaunch.__init__ = init
+        for name, fn in saved.items():
+            if fn is None:
+                delattr(torch._C, name)
+            else:
+                setattr(torch._C, name, fn)
+
+
 @contextlib.contextmanager
 def _stubbed_launches():
-    """Every ``KernelLaunch`` made inside takes its compiled path, to a launcher that does
-    nothing; every low-latency plan has a launch of both phases."""
-    from tritonep.kernels import launcher
+    """:func:`stubbed_launches`, and every low-latency plan has a launch of both phases."""
     from tritonep.modes.low_latency import LowLatencyMode
 
-    def run(*args):
-        return None
-
-    entry = (run, None, None, False, False, ())
-    init, plan = launcher.KernelLaunch.__init__, LowLatencyMode._plan
-
-    def stub_init(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.direct, self.device = True, -1
-        self.compiled = _AnyKey(any=entry)
+    plan = LowLatencyMode._plan
 
     def both_phases(self, *args, **kwargs):
         p = plan(self, *args, **kwargs)
@@ -62,20 +85,12 @@ def _stubbed_launches():
             return p
         return p._replace(both=p[1]) if hasattr(p, "_replace") else (p[1], *p[1:])
 
-    queries = ("_cuda_getDevice", "_cuda_getCurrentRawStream")
-    saved = {name: getattr(torch._C, name, None) for name in queries}
-    launcher.KernelLaunch.__init__, LowLatencyMode._plan = stub_init, both_phases
-    torch._C._cuda_getDevice = lambda: -1
-    torch._C._cuda_getCurrentRawStream = lambda device: 0
+    LowLatencyMode._plan = both_phases
     try:
-        yield
+        with stubbed_launches():
+            yield
     finally:
-        launcher.KernelLaunch.__init__, LowLatencyMode._plan = init, plan
-        for name, fn in saved.items():
-            if fn is None:
-                delattr(torch._C, name)
-            else:
-                setattr(torch._C, name, fn)
+        LowLatencyMode._plan = plan
 
 
 @contextlib.contextmanager
@@ -93,7 +108,7 @@ def _defaults(on: bool):
         torch.set_default_dtype(torch.float32)
 
 
-def _per_call_us(fn, calls, repeats):
+def per_call_us(fn, calls, repeats):
     """Median and least over ``repeats`` runs of the microseconds of this thread's CPU time
     per call (a shared CPU's other work left out)."""
     runs = []
@@ -147,7 +162,7 @@ def _rank(ctx, args):
         for defaults in (False, True):
             with _defaults(defaults):
                 for name, fn in ops:
-                    median, least = _per_call_us(fn, args.calls, args.repeats)
+                    median, least = per_call_us(fn, args.calls, args.repeats)
                     label = f"{name} ({'with' if defaults else 'no'} defaults)"
                     lines.append(f"{label:58s} {median:6.2f} us/call (least {least:6.2f})")
                     if args.profile:

@@ -25,25 +25,18 @@ interleaved runs, the least of each. ``--profile N``: the N functions with the m
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import ctypes
 import io
 import pstats
-import statistics
-import time
 
 import torch
 
+# The launch stubs and the timing of ll_host_proxy.py (this script's folder is on sys.path).
+from ll_host_proxy import per_call_us, stubbed_launches
+
 #: Leading arguments of a compiled kernel's C launcher before the kernel's own.
 _LAUNCHER_ARGS = 13
-
-
-class _AnyKey(dict):
-    """A kept-kernel table that holds an entry for every key."""
-
-    def get(self, key, default=None):
-        return self["any"]
 
 
 def _notify_stand_in(host_info: int, tokens: int):
@@ -57,54 +50,13 @@ def _notify_stand_in(host_info: int, tokens: int):
     return run
 
 
-@contextlib.contextmanager
-def _stubbed_launches():
-    """Every ``KernelLaunch`` made inside takes its compiled path, to a launcher that does
-    nothing (notify's writes its count)."""
-    from tritonep.kernels import launcher
+def _stand_in(call_fields):
+    """Each launch's stand-in: notify's writes its count, the others do nothing."""
     from tritonep.kernels.normal_notify import NotifyCall
 
-    def nothing(*args):
-        return None
-
-    init = launcher.KernelLaunch.__init__
-
-    def stub_init(self, fn, grid, meta, call_fields, *args, **kwargs):
-        init(self, fn, grid, meta, call_fields, *args, **kwargs)
-        run = nothing
-        if tuple(call_fields) == NotifyCall._fields:
-            run = _notify_stand_in(
-                call_fields.index("host_info_ptr"), call_fields.index("num_tokens")
-            )
-        self.direct, self.device = True, -1
-        self.compiled = _AnyKey(any=(run, None, None, False, False, ()))
-
-    queries = ("_cuda_getDevice", "_cuda_getCurrentRawStream")
-    saved = {name: getattr(torch._C, name, None) for name in queries}
-    launcher.KernelLaunch.__init__ = stub_init
-    torch._C._cuda_getDevice = lambda: -1
-    torch._C._cuda_getCurrentRawStream = lambda device: 0
-    try:
-        yield
-    finally:
-        launcher.KernelLaunch.__init__ = init
-        for name, fn in saved.items():
-            if fn is None:
-                delattr(torch._C, name)
-            else:
-                setattr(torch._C, name, fn)
-
-
-def _per_call_us(fn, calls, repeats):
-    """Least and median over ``repeats`` runs of the microseconds of this thread's CPU time
-    per call (a shared CPU's other work left out)."""
-    runs = []
-    for _ in range(repeats):
-        start = time.thread_time()
-        for _ in range(calls):
-            fn()
-        runs.append((time.thread_time() - start) / calls * 1e6)
-    return min(runs), statistics.median(runs)
+    if tuple(call_fields) == NotifyCall._fields:
+        return _notify_stand_in(call_fields.index("host_info_ptr"), call_fields.index("num_tokens"))
+    return lambda *args: None
 
 
 def _ops(ctx, args):
@@ -160,13 +112,13 @@ def _ops(ctx, args):
 def _rank(ctx, args):
     H, E, K, N = args.hidden, args.experts, args.topk, args.tokens
     lines = [f"CPU, launches stubbed: {N} tokens, hidden {H}, {E} experts, top-{K}"]
-    with _stubbed_launches():
+    with stubbed_launches(_stand_in):
         ops, owners = _ops(ctx, args)
         ops = [(name, fn) for name, fn in ops if args.only is None or args.only in name]
         for _, fn in ops:
             fn()
         for name, fn in ops:
-            least, median = _per_call_us(fn, args.calls, args.repeats)
+            median, least = per_call_us(fn, args.calls, args.repeats)
             lines.append(f"{name:48s} least {least:6.2f} median {median:6.2f} us/call")
             if args.profile:
                 profiler = cProfile.Profile()
