@@ -75,7 +75,7 @@ class Tuning:
     combine_rows: int = 8  # received tokens per block of the combine push
     combine_channels: int = 1024  # channels per work item of the combine push
     # the same for decode batches (at most DECODE_TOKENS tokens on this rank): narrow blocks
-    # of wide chunks (4x H200, 4 ranks, 128 tokens: 37.9 us against 46.2 with 8 x 1024)
+    # of wide chunks keep every program's stores in flight (BENCHMARKS.md, ElasticBuffer decode)
     decode_combine_rows: int = 2
     decode_combine_channels: int = 2048
     combine_warps: int = 8
