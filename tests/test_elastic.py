@@ -107,7 +107,7 @@ def _digest(*tensors) -> str:
         if isinstance(t, tuple):
             h.update(_digest(*t).encode())
         elif t is not None:
-            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -787,3 +787,123 @@ def test_elastic_traces_are_compiled_in_only_when_asked(index):
     assert traced > untraced
     if "epilogue" in kernel[0]:
         assert untraced == 0
+
+
+def _fused_body(ctx, tokens, hidden, experts_per_rank, topk, fp8, alignment, reduce_per_rank):
+    """Every decode call twice on one buffer, with two launches and with ``fused_decode``:
+    the same bits in every output and handle tensor (poisoned rows included), the fused
+    kernels launched for the calls sized before the launch and not for the others, and an
+    exact-size dispatch after the fused calls (separate launches) unchanged."""
+    import tritonep.modes.elastic as mode
+    from tritonep.kernels import launcher
+
+    R, rank, dev = ctx.world_size, ctx.rank, ctx.device
+    num_experts = experts_per_rank * R
+    x, idx, weights = _inputs(rank, tokens, hidden, num_experts, topk, fp8, seed=11)
+    x, idx, weights = _to(x, dev), idx.to(dev), weights.to(dev)
+    buffer = deep_ep.ElasticBuffer(
+        dist.group.WORLD,
+        num_max_tokens_per_rank=max(tokens) + 1,
+        hidden=hidden,
+        num_topk=topk,
+        allow_multiple_reduction=reduce_per_rank,
+        explicitly_destroy=True,
+    )
+    bias = (_summands(tokens[rank], hidden, 5 + rank).to(dev),)
+
+    def calls():
+        digests = []
+        for expand in (False, True):
+            common = dict(do_expand=expand, use_tma_aligned_col_major_sf=expand)
+            recv_x, recv_idx, recv_w, handle, _ = buffer.dispatch(
+                x,
+                idx,
+                weights,
+                num_experts=num_experts,
+                expert_alignment=alignment,
+                do_cpu_sync=False,
+                do_zero_padding=expand,
+                **common,
+            )
+            cached = buffer.dispatch(x, topk_weights=weights, handle=handle, **common)
+            rows = handle.num_expanded_tokens if expand else handle.num_recv_tokens
+            y = _summands(rows, hidden, 30 + rank + 7 * expand).to(dev)
+            back = recv_w if reduce_per_rank or not expand else None
+            out, out_w, _ = buffer.combine(y, handle, back, bias=bias[0])
+            digests.append(
+                _digest(
+                    recv_x,
+                    recv_idx,
+                    recv_w,
+                    handle.psum_num_recv_tokens_per_scaleup_rank,
+                    handle.psum_num_recv_tokens_per_expert,
+                    handle.num_unaligned_recv_tokens_per_expert,
+                    handle.recv_src_metadata,
+                    handle.dst_buffer_slot_idx,
+                    handle.reduction_slot,
+                    *cached[:3],
+                    out,
+                    out_w,
+                )
+            )
+        exact = buffer.dispatch(x, idx, weights, num_experts=num_experts, do_cpu_sync=True)
+        digests.append(_digest(*exact[:3], exact[3].recv_src_metadata))
+        return digests
+
+    launched = []
+    plain_launch = launcher.launch
+
+    def spy(fn, grid, args, meta):
+        launched.append((getattr(fn, "__name__", str(fn)), grid[0]))
+        plain_launch(fn, grid, args, meta)
+
+    small = dict(dispatch_tokens=4, copy_rows=4, reduce_tokens=2)
+    launcher.launch = spy
+    try:
+        mode.TUNING = mode.Tuning(**small)
+        two = calls()
+        assert not any("fused" in name for name, _ in launched)
+        launched.clear()
+        mode.TUNING = mode.Tuning(**small, fused_decode=True)
+        one = calls()
+    finally:
+        launcher.launch = plain_launch
+        mode.TUNING = mode.Tuning()
+    assert one == two
+    names = [name for name, _ in launched]
+    # Per layout: dispatch and cached dispatch, combine; then the exact dispatch's two.
+    assert names.count("elastic_dispatch_fused") == 4
+    assert names.count("elastic_combine_fused") == 2
+    assert names.count("elastic_dispatch") == names.count("elastic_dispatch_epilogue") == 1
+    assert "elastic_combine" not in names and "elastic_combine_epilogue" not in names
+    grids = {name: {g for n, g in launched if n == name} for name in names if "fused" in name}
+    buffer.destroy()
+    return grids
+
+
+@pytest.mark.parametrize(
+    "tokens, fp8, alignment, reduce_per_rank",
+    [
+        ([1, 1], None, 1, True),
+        ([9, 0, 6], None, 4, False),
+        ([5, 7], "ue8m0", 2, True),
+    ],
+    ids=["bf16-1-token", "bf16-3ranks-unreduced", "fp8-ue8m0"],
+)
+def test_elastic_fused_decode_matches_two_launches(
+    run_ranks, tokens, fp8, alignment, reduce_per_rank
+):
+    """``Tuning.fused_decode``: push and epilogue in one launch give bit for bit what two
+    launches give, for dispatch (plain, expanded, cached; BF16 and FP8; weights) and combine
+    (with bias; reduced or not), over one program (a 1-token batch) and several. Under the
+    interpreter the last program does every program's share of the epilogue (programs run in
+    turn, so none may wait for a later one); the wait itself runs on GPUs only."""
+    hidden = 272 if fp8 else 136
+    R = len(tokens)
+    grids = run_ranks(R, _fused_body, tokens, hidden, 3, 4, fp8, alignment, reduce_per_rank)
+    dispatch_grids = set().union(*(g["elastic_dispatch_fused"] for g in grids))
+    if max(tokens) == 1:  # one program pushes the token and copies every received row
+        assert dispatch_grids == {1}
+    else:
+        assert max(dispatch_grids) > 1
+    assert max(set().union(*(g["elastic_combine_fused"] for g in grids))) > 1
