@@ -498,6 +498,51 @@ ELASTIC_KERNELS = [
 ]
 
 
+def _fused_kernel(push, epilogue, name, shown, first_arg, extra_meta):
+    """A fused kernel's entry: the push's arguments, the epilogue's from ``first_arg`` on (less
+    those the push has), the trace last; the push's constexprs and ``extra_meta``."""
+    _, _, push_sig, push_meta = push
+    _, _, epi_sig, _ = epilogue
+    names = list(epi_sig)
+    signature = {k: v for k, v in push_sig.items() if k != "trace_ptr"}
+    signature.update({k: epi_sig[k] for k in names[names.index(first_arg) :] if k not in push_sig})
+    signature["trace_ptr"] = "*i64"
+    return (name, shown, signature, {**push_meta, **extra_meta})
+
+
+ELASTIC_KERNELS += [
+    _fused_kernel(
+        ELASTIC_KERNELS[0],
+        ELASTIC_KERNELS[1],
+        "elastic_dispatch_fused",
+        "dispatch_fused_impl",
+        "alignment",
+        dict(
+            BLOCK_LOCAL_EXPERTS=64,
+            COPY_BLOCK_WORDS=512,
+            BLOCK_ROWS=16,
+            BLOCK_FILL=128,
+            EXPAND=True,
+        ),
+    ),
+    _fused_kernel(
+        ELASTIC_KERNELS[2],
+        ELASTIC_KERNELS[3],
+        "elastic_combine_fused",
+        "combine_fused_impl",
+        "topk_ptr",
+        dict(
+            NUM_EXPERTS=256,
+            E_LOCAL=64,
+            SLOTS=4,
+            RANK_SLOTS=True,
+            BLOCK_TOKENS=8,
+            REDUCE_CHANNELS=1024,
+        ),
+    ),
+]
+
+
 @pytest.mark.parametrize("kernel", ELASTIC_KERNELS, ids=[k[0] for k in ELASTIC_KERNELS])
 def test_elastic_kernels_compile_under_their_profiler_names(kernel):
     """Each kernel compiles for Hopper, and its symbol demangles to the name profilers show
@@ -522,14 +567,40 @@ def test_elastic_kernels_compile_under_their_profiler_names(kernel):
     assert torch._C._demangle(symbol) == f"tritonep::elastic::{shown}()"
 
 
-def _elastic_ptx(kernel, **extra) -> str:
+def _elastic_ptx(kernel, options=None, **extra) -> str:
     from tests.test_kernels_compile import compile_ptx
 
     name, _, signature, meta = kernel
     module = "tritonep.kernels." + ("elastic_combine" if "combine" in name else "elastic_dispatch")
     meta = {**meta, **extra}
     signature = {**signature, **dict.fromkeys(meta, "constexpr")}
-    return compile_ptx(module, name, signature, meta, {"num_warps": 8})
+    return compile_ptx(module, name, signature, meta, {"num_warps": 8, **(options or {})})
+
+
+@pytest.mark.parametrize("name", ["elastic_dispatch_fused", "elastic_combine_fused"])
+def test_elastic_fused_decode_kernels_compile(name):
+    """The fused decode kernels compile for sm_90 as cooperative launches; programs other than
+    the last poll the exchange number with volatile reads, then acquire it at GPU scope, which
+    the last program stores with a release; no programmatic dependent launch; ``PROFILE``
+    adds the clock reads of the trace. The mode asks for a cooperative launch on GPUs only
+    (the interpreter takes no such option)."""
+    from types import SimpleNamespace
+
+    from tritonep.modes.elastic import ElasticMode
+
+    pytest.importorskip("triton.backends.nvidia")
+    (kernel,) = [k for k in ELASTIC_KERNELS if k[0] == name]
+    ptx = _elastic_ptx(kernel, {"launch_cooperative_grid": True})
+    body = ptx[ptx.index(".entry") :]
+    assert "atom.global.gpu.release.exch.b64" in body  # the last program closes the exchange
+    assert "ld.volatile.global.b64" in body  # the others poll it
+    assert "ld.global.gpu.acquire.b64" in body  # and acquire it once it came
+    assert "griddepcontrol" not in body
+    untraced = ptx.count("globaltimer")
+    assert _elastic_ptx(kernel, PROFILE=True).count("globaltimer") > untraced
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 0))
+    assert ElasticMode._cooperative(on_gpu) == {"launch_cooperative_grid": True}
+    assert ElasticMode._cooperative(SimpleNamespace(device=torch.device("cpu"))) == {}
 
 
 @pytest.mark.parametrize("push, epilogue", [(0, 1), (2, 3)], ids=["dispatch", "combine"])
@@ -854,7 +925,10 @@ def _fused_body(ctx, tokens, hidden, experts_per_rank, topk, fp8, alignment, red
     plain_launch = launcher.launch
 
     def spy(fn, grid, args, meta):
-        launched.append((getattr(fn, "__name__", str(fn)), grid[0]))
+        name = getattr(fn, "__name__", str(fn))
+        launched.append((name, grid[0]))
+        if name.endswith("fused"):  # every program resident: a cooperative launch on GPUs
+            assert meta.get("launch_cooperative_grid", False) == (dev.type == "cuda")
         plain_launch(fn, grid, args, meta)
 
     small = dict(dispatch_tokens=4, copy_rows=4, reduce_tokens=2)
