@@ -844,6 +844,22 @@ def test_elastic_on_gpus(run_ranks):
         args = ([300, 40, 0, 200][:R], 2880, 8, 4, fp8, True, 1, 1, True)
         assert run_ranks(R, _elastic_body, *args, timeout=900) == [True] * R
     assert run_ranks(R, _graph_body, 128, 7168, 8, 8) == [True] * R
+    # Fused decode launches at decode sizes (a program per token, waits across programs),
+    # against two launches and in a CUDA graph.
+    for fp8 in (None, "ue8m0"):
+        run_ranks(R, _fused_body, [128, 1, 77, 128][:R], 7168, 8, 8, fp8, 64, True, timeout=900)
+    assert run_ranks(R, _fused_graph_body, 128, 7168, 8, 8) == [True] * R
+
+
+def _fused_graph_body(*args):
+    """:func:`_graph_body` with ``Tuning.fused_decode``."""
+    import tritonep.modes.elastic as mode
+
+    mode.TUNING = mode.Tuning(fused_decode=True)
+    try:
+        return _graph_body(*args)
+    finally:
+        mode.TUNING = mode.Tuning()
 
 
 @pytest.mark.parametrize("index", range(4), ids=[k[0] for k in ELASTIC_KERNELS[:4]])

@@ -19,7 +19,11 @@ experts in the expanded layout) into the owner's slot for it, then a reduce epil
 each token's rows in a fixed order. Call counters live on the device. On sm_90 and later each
 epilogue is a programmatic dependent launch of its push (launched while the push runs, it waits
 for the push's grid before reading), so that a call costs about one launch. Tile sizes and
-warps come from :data:`TUNING`.
+warps come from :data:`TUNING`. With ``Tuning.fused_decode`` a decode batch whose outputs are
+sized before the launch (no host read, or a cached handle) runs each push and its epilogue as
+one cooperative launch instead: the push's programs do the epilogue's work once the last of
+them has closed the exchange (:mod:`tritonep.kernels.elastic_exchange`), so no second
+launch's start lies between them.
 """
 
 from __future__ import annotations
@@ -516,6 +520,7 @@ class ElasticMode:
             and N <= DECODE_TOKENS
             and (cached is not None or not do_cpu_sync)
             and before_epilogue is None
+            and programs <= self.num_device_sms  # a program per SM at most: all resident
         )
         if not fused:
             self._launch(
@@ -825,7 +830,12 @@ class ElasticMode:
         programs = self._programs(num_sms, -(-recv_src_metadata.shape[0] // BLOCK_ROWS) * chunks, 1)
         # Decode batches may run push and reduce as one launch (Tuning.fused_decode; see
         # dispatch); a wait asked for between the two needs two.
-        fused = tuning.fused_decode and decode and before_epilogue is None
+        fused = (
+            tuning.fused_decode
+            and decode
+            and before_epilogue is None
+            and programs <= self.num_device_sms
+        )
         if not fused:
             self._launch(
                 elastic_combine.elastic_combine,
