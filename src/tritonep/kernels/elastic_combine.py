@@ -17,6 +17,10 @@ owner: for each token, float32 ``bias_0 + bias_1``, then each slot's row added i
 (the ranks by the column of their last choice, or the top-k columns), rounded to BF16 once: the
 order of DeepEP V2's reference (``deep_ep/utils/refs.py``), so results match it bit for bit.
 Weight ``k`` comes from the row of the rank that holds expert ``k``.
+
+:func:`elastic_combine_fused` (``tritonep::elastic::combine_fused_impl``) is both in one
+cooperative launch, for decode batches (as :func:`.elastic_dispatch.elastic_dispatch_fused`),
+sharing their bodies (:func:`combine_push`, :func:`reduce_share`).
 """
 
 from __future__ import annotations

@@ -20,6 +20,11 @@ earlier sources) + the token's rank among its source's tokens of that expert``, 
 block padded to the alignment (zeroed on request). Rows therefore come in the same order on
 every call: deterministic by construction, cached or not.
 
+:func:`elastic_dispatch_fused` (``tritonep::elastic::dispatch_fused_impl``) is both in one
+cooperative launch, for decode batches: the push's programs copy too, once the last of them
+has closed the exchange (:mod:`.elastic_exchange`). The three kernels share their bodies
+(:func:`dispatch_push`, :func:`copy_share`).
+
 Why it is cheap: one store per (token, destination rank) crosses NVLink, no ring, no slot
 atomics and no receiver programs spinning on data; the copy into the caller's layout reads
 local memory on every SM.
