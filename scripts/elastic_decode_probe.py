@@ -21,8 +21,9 @@ against the normal mode's (eager medians: both read a count on the host). With `
 it also prints, per decode call, each kernel's device time per call on rank 0 (the profiler
 over graph replays; it is started once before any timing, as its first start is slow).
 With ``--tune`` it times the elastic calls again under each given
-:class:`tritonep.modes.elastic.Tuning` (fields as ``name=value``, configurations separated by
-``;``), after the defaults.
+:class:`tritonep.modes.elastic.Tuning` (fields as ``name=value``, flags as 0 or 1,
+configurations separated by ``;``), after the defaults; with ``--trace`` too, it traces under
+each as well (``--tune fused_decode=1``: push and epilogue as one launch).
 
 With ``--trace DIR`` it then traces, per batch size, the decode calls inside the kernels
 (:mod:`tritonep.kernels.trace`; profilers cannot split the elastic dispatch, whose copy
@@ -146,6 +147,24 @@ TRACED = {
     "elastic dispatch FP8": ("elastic dispatch", "elastic dispatch epilogue"),
     "elastic combine": ("elastic combine", "elastic combine epilogue"),
 }
+#: The same under ``fused_decode`` (one launch per call).
+FUSED = {
+    "elastic dispatch FP8": ("elastic dispatch fused",),
+    "elastic combine": ("elastic combine fused",),
+}
+
+
+def _tuning(config: str):
+    """The :class:`~tritonep.modes.elastic.Tuning` of ``name=value,...`` (integers; a flag
+    as 0 or 1)."""
+    import tritonep.modes.elastic as mode
+
+    default = mode.Tuning()
+    fields = {}
+    for item in filter(None, config.split(",")):
+        name, value = (part.strip() for part in item.split("="))
+        fields[name] = type(getattr(default, name))(int(value))
+    return mode.Tuning(**fields)
 
 
 def _traced(ctx, fn, recorder, calls=5, replays=5):
@@ -204,20 +223,24 @@ def _phase_text(recorder, kernel):
     return f"{kernel} ({total} programs x calls): " + "; ".join(parts)
 
 
-def _trace_lines(ctx, opts, elastic, legacy, T, most, recorder):
-    """Trace each decode call of ``T`` tokens; dump this rank's Chrome trace; rank 0's
-    phases and paths."""
+def _trace_lines(ctx, opts, elastic, legacy, T, most, recorder, config=""):
+    """Trace each decode call of ``T`` tokens (under the current tuning, ``config``); dump
+    this rank's Chrome trace; rank 0's phases and paths."""
+    import tritonep.modes.elastic as mode
     from tritonep.modes.trace import critical_path
 
+    traced = {**TRACED, **FUSED} if mode.TUNING.fused_decode else TRACED
     first = len(recorder.launches)
     calls = _decode_calls(ctx, opts, elastic, legacy, T, most)
     del recorder.launches[first:]  # the calls that made the inputs (and compiled)
-    graphs = [_traced(ctx, calls[name], recorder) for name in TRACED]
-    path = f"{opts.trace}/decode-{T}-rank{ctx.rank}.json"
+    graphs = [_traced(ctx, calls[name], recorder) for name in traced]
+    tag = "".join(c if c.isalnum() else "-" for c in config)
+    path = f"{opts.trace}/decode-{T}{'-' + tag if tag else ''}-rank{ctx.rank}.json"
     recorder.dump(path)
     unit = "us" if ctx.device.type == "cuda" else "logical ticks"
-    lines = [f"{T:5d} tokens, traced (rank 0, {unit}, median|mean over programs; {path}):"]
-    for name, kernels in TRACED.items():
+    label = f" [{config}]" if config else ""
+    lines = [f"{T:5d} tokens{label}, traced (rank 0, {unit}, median|mean over programs; {path}):"]
+    for name, kernels in traced.items():
         lines.append(f"    {name}:")
         lines += [f"        {_phase_text(recorder, kernel)}" for kernel in kernels]
         for kernel, points in critical_path(recorder, kernels).items():
@@ -254,8 +277,7 @@ def _rank(ctx, opts):
     for config in filter(None, (opts.tune or "").split(";")):
         import tritonep.modes.elastic as mode
 
-        fields = dict(item.split("=") for item in config.split(","))
-        mode.TUNING = mode.Tuning(**{k.strip(): int(v) for k, v in fields.items()})
+        mode.TUNING = _tuning(config)
         for T in opts.tokens:
             lines += _decode_line(ctx, opts, elastic, legacy, T, most, f" [{config}]")
         mode.TUNING = mode.Tuning()
@@ -271,8 +293,13 @@ def _rank(ctx, opts):
         traced_ll = deep_ep.Buffer(group, 0, rdma, low_latency_mode=True, explicitly_destroy=True)
         traced_ll.profile = recorder
         elastic.runtime.trace = recorder
-        for T in opts.tokens:
-            lines += _trace_lines(ctx, opts, elastic, traced_ll, T, most, recorder)
+        import tritonep.modes.elastic as mode
+
+        for config in ["", *filter(None, (opts.tune or "").split(";"))]:
+            mode.TUNING = _tuning(config)
+            for T in opts.tokens:
+                lines += _trace_lines(ctx, opts, elastic, traced_ll, T, most, recorder, config)
+        mode.TUNING = mode.Tuning()
         elastic.runtime.trace = None
         traced_ll.destroy()
     if opts.prefill:

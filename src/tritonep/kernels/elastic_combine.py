@@ -17,6 +17,10 @@ owner: for each token, float32 ``bias_0 + bias_1``, then each slot's row added i
 (the ranks by the column of their last choice, or the top-k columns), rounded to BF16 once: the
 order of DeepEP V2's reference (``deep_ep/utils/refs.py``), so results match it bit for bit.
 Weight ``k`` comes from the row of the rank that holds expert ``k``.
+
+:func:`elastic_combine_fused` (``tritonep::elastic::combine_fused_impl``) is both in one
+cooperative launch, for decode batches (as :func:`.elastic_dispatch.elastic_dispatch_fused`),
+sharing their bodies (:func:`combine_push`, :func:`reduce_share`).
 """
 
 from __future__ import annotations
@@ -26,9 +30,17 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .elastic_dispatch import load_choices
-from .elastic_exchange import arrive, exchange_number, finish_exchange, send_tags, wait_tags
+from .elastic_exchange import (
+    arrive,
+    exchange_number,
+    finish_exchange,
+    fused_shares,
+    publish_exchange,
+    send_tags,
+    wait_tags,
+)
 from .fp8 import from_bf16, to_bf16
-from .phases import ELASTIC_COMBINE
+from .phases import ELASTIC_COMBINE, ELASTIC_COMBINE_FUSED
 from .profiled import kernel
 from .sync import lane
 from .trace import read_clock, write_trace
@@ -123,49 +135,46 @@ def send_expanded(
         tl.store(out[:, None] + h[None, :], y, mask=m2)
 
 
-@kernel("tritonep::elastic::combine_impl", do_not_specialize=["timeout_us", "has_weights"])
-def elastic_combine(
-    x_ptr,  # [rows, H] bf16: one row per received token, or per expanded slot (EXPAND)
-    weights_ptr,  # [rows, K] (plain) or [rows] (EXPAND) float32 (has_weights)
-    meta_ptr,  # [tokens, K + 2] int32 recv_src_metadata of the dispatch
-    slots_ptr,  # [tokens] int32 each received token's reduction slot
-    psum_rank_ptr,  # [R] int32 rows received per source, inclusive (the last: all)
-    peer_ptrs,  # [R] int64 heap base of every rank
-    rank,  # this rank
-    header_offset,  # byte offset of the headers [2][R][HEADER_WORDS] int32
-    region_offset,  # byte offset of region 0 (region 1 follows at + region_bytes)
-    region_bytes,  # bytes of a region
-    max_tokens,  # slots per source rank in a region (num_max_tokens_per_rank)
-    state_ptr,  # [8] int64 mode state (elastic_exchange)
-    status_ptr,  # [STATUS_WORDS] int32 status record (kernels.status)
-    timeout_us,  # limit of a wait in microseconds (sync.timeout_us)
-    has_weights,  # 1: top-k weights go back with the rows (run-time: no variant of its own)
-    trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE; kernels.trace), else unused
-    H: tl.constexpr,  # hidden size: channels of a row
-    K: tl.constexpr,  # top-k: choices per token
-    BLOCK_K: tl.constexpr,  # K as a power of two (at least 2)
-    NUM_RANKS: tl.constexpr,  # R: ranks of the group
-    BLOCK_RANKS: tl.constexpr,  # NUM_RANKS as a power of two (at least 2)
-    # bytes of a combine record: H bf16 values, then K float32 weights
+@triton.jit
+def combine_push(
+    x_ptr,
+    weights_ptr,
+    meta_ptr,
+    slots_ptr,
+    psum_rank_ptr,
+    peer_ptrs,
+    rank,
+    header_offset,
+    region_offset,
+    region_bytes,
+    max_tokens,
+    state_ptr,
+    status_ptr,
+    timeout_us,
+    has_weights,
+    trace_ptr,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
     COMBINE_RECORD_BYTES: tl.constexpr,
-    HEADER_WORDS: tl.constexpr,  # int32 words of a header
-    BLOCK_ROWS: tl.constexpr,  # rows per block
-    BLOCK_CHANNELS: tl.constexpr,  # channels moved per step
-    EXPAND: tl.constexpr,  # expanded layout: a row per (token, local expert)
-    MULTI: tl.constexpr,  # EXPAND: reduce a token's rows here before sending one
-    USE_CLOCK: tl.constexpr,  # waits read the GPU clock (not under the interpreter)
-    PDL: tl.constexpr = False,  # the epilogue is a programmatic dependent launch (sm_90+)
-    PROFILE: tl.constexpr = False,  # record a trace (push: rows; exchange: arrive, tag, wait)
+    HEADER_WORDS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_CHANNELS: tl.constexpr,
+    EXPAND: tl.constexpr,
+    MULTI: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    PUBLISH: tl.constexpr,
+    PROFILE: tl.constexpr,
 ):
-    t_start = tl.zeros((), tl.int64)
-    if PROFILE:
-        t_start = read_clock(trace_ptr, USE_CLOCK)
+    """The push of :func:`elastic_combine` (also the first part of a fused launch): this
+    program's rows, its arrival and, in the last program, the tags and the wait for the
+    peers', the exchange closed with a release when ``PUBLISH``. Returns the exchange number,
+    whether this program was the last, and its trace readings (rows start, push end,
+    arrival; tag and wait times)."""
     t_tag = tl.zeros((), tl.int64)
     t_wait = tl.zeros((), tl.int64)
-    if PDL:
-        # The epilogue may launch now (as in elastic_dispatch: every program of this grid is
-        # resident by then, so none is held back; the epilogue waits for this grid's end).
-        gdc_launch_dependents()
     pid = tl.program_id(0)
     call = exchange_number(state_ptr)
     region = region_offset + (call % 2) * region_bytes
@@ -184,7 +193,7 @@ def elastic_combine(
     # that a decode batch of a few tokens still spreads over every program.
     NUM_CHUNKS: tl.constexpr = (H + BLOCK_CHANNELS - 1) // BLOCK_CHANNELS
     num_items = tl.cdiv(total, BLOCK_ROWS) * NUM_CHUNKS
-    t_rows = t_start
+    t_rows = tl.zeros((), tl.int64)
     if PROFILE:
         t_rows = read_clock(trace_ptr, USE_CLOCK)
     for item in range(pid, num_items, tl.num_programs(0)):
@@ -238,7 +247,7 @@ def elastic_combine(
                 has_weights,
                 not USE_CLOCK,
             )
-    t_push_end = t_start
+    t_push_end = tl.zeros((), tl.int64)
     if PROFILE:
         t_push_end = read_clock(trace_ptr, USE_CLOCK)
     last = arrive(state_ptr)
@@ -265,7 +274,86 @@ def elastic_combine(
         if PROFILE:
             t_wait = read_clock(trace_ptr, USE_CLOCK) - t_tag
             t_tag = t_tag - t_arrive
-        finish_exchange(state_ptr, call)
+        if PUBLISH:
+            publish_exchange(state_ptr, call)
+        else:
+            finish_exchange(state_ptr, call)
+    return call, last, t_rows, t_push_end, t_arrive, t_tag, t_wait
+
+
+@kernel("tritonep::elastic::combine_impl", do_not_specialize=["timeout_us", "has_weights"])
+def elastic_combine(
+    x_ptr,  # [rows, H] bf16: one row per received token, or per expanded slot (EXPAND)
+    weights_ptr,  # [rows, K] (plain) or [rows] (EXPAND) float32 (has_weights)
+    meta_ptr,  # [tokens, K + 2] int32 recv_src_metadata of the dispatch
+    slots_ptr,  # [tokens] int32 each received token's reduction slot
+    psum_rank_ptr,  # [R] int32 rows received per source, inclusive (the last: all)
+    peer_ptrs,  # [R] int64 heap base of every rank
+    rank,  # this rank
+    header_offset,  # byte offset of the headers [2][R][HEADER_WORDS] int32
+    region_offset,  # byte offset of region 0 (region 1 follows at + region_bytes)
+    region_bytes,  # bytes of a region
+    max_tokens,  # slots per source rank in a region (num_max_tokens_per_rank)
+    state_ptr,  # [8] int64 mode state (elastic_exchange)
+    status_ptr,  # [STATUS_WORDS] int32 status record (kernels.status)
+    timeout_us,  # limit of a wait in microseconds (sync.timeout_us)
+    has_weights,  # 1: top-k weights go back with the rows (run-time: no variant of its own)
+    trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE; kernels.trace), else unused
+    H: tl.constexpr,  # hidden size: channels of a row
+    K: tl.constexpr,  # top-k: choices per token
+    BLOCK_K: tl.constexpr,  # K as a power of two (at least 2)
+    NUM_RANKS: tl.constexpr,  # R: ranks of the group
+    BLOCK_RANKS: tl.constexpr,  # NUM_RANKS as a power of two (at least 2)
+    # bytes of a combine record: H bf16 values, then K float32 weights
+    COMBINE_RECORD_BYTES: tl.constexpr,
+    HEADER_WORDS: tl.constexpr,  # int32 words of a header
+    BLOCK_ROWS: tl.constexpr,  # rows per block
+    BLOCK_CHANNELS: tl.constexpr,  # channels moved per step
+    EXPAND: tl.constexpr,  # expanded layout: a row per (token, local expert)
+    MULTI: tl.constexpr,  # EXPAND: reduce a token's rows here before sending one
+    USE_CLOCK: tl.constexpr,  # waits read the GPU clock (not under the interpreter)
+    PDL: tl.constexpr = False,  # the epilogue is a programmatic dependent launch (sm_90+)
+    PROFILE: tl.constexpr = False,  # record a trace (push: rows; exchange: arrive, tag, wait)
+):
+    t_start = tl.zeros((), tl.int64)
+    if PROFILE:
+        t_start = read_clock(trace_ptr, USE_CLOCK)
+    if PDL:
+        # The epilogue may launch now (as in elastic_dispatch: every program of this grid is
+        # resident by then, so none is held back; the epilogue waits for this grid's end).
+        gdc_launch_dependents()
+    _, _, t_rows, t_push_end, t_arrive, t_tag, t_wait = combine_push(
+        x_ptr,
+        weights_ptr,
+        meta_ptr,
+        slots_ptr,
+        psum_rank_ptr,
+        peer_ptrs,
+        rank,
+        header_offset,
+        region_offset,
+        region_bytes,
+        max_tokens,
+        state_ptr,
+        status_ptr,
+        timeout_us,
+        has_weights,
+        trace_ptr,
+        H,
+        K,
+        BLOCK_K,
+        NUM_RANKS,
+        BLOCK_RANKS,
+        COMBINE_RECORD_BYTES,
+        HEADER_WORDS,
+        BLOCK_ROWS,
+        BLOCK_CHANNELS,
+        EXPAND,
+        MULTI,
+        USE_CLOCK,
+        False,
+        PROFILE,
+    )
     if PROFILE:
         write_trace(
             trace_ptr,
@@ -291,6 +379,94 @@ def weight_slots(owner, ks):
     last_col = tl.max(tl.where(same, ks[None, None, :], -1), 2)  # [T, k]: its rank's last column
     before = last[:, None, :] & (ks[None, None, :] < last_col[:, :, None])
     return tl.sum(before.to(tl.int32), 2), tl.sum(last.to(tl.int32), 1)
+
+
+@triton.jit
+def reduce_share(
+    call,
+    pid,
+    num_programs,
+    topk_ptr,
+    bias0_ptr,
+    bias1_ptr,
+    out_ptr,
+    out_weights_ptr,
+    num_tokens,
+    peer_ptrs,
+    rank,
+    region_offset,
+    region_bytes,
+    max_tokens,
+    num_bias,
+    has_weights,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    SLOTS: tl.constexpr,
+    RANK_SLOTS: tl.constexpr,
+    COMBINE_RECORD_BYTES: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+    BLOCK_CHANNELS: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    """Program ``pid`` of ``num_programs``'s share of the reduce epilogue of exchange ``call``
+    (:func:`elastic_combine_epilogue`, and the second part of a fused launch): its work items
+    of this rank's tokens, summed in the fixed slot order."""
+    region = tl.load(peer_ptrs + rank) + region_offset + (call % 2) * region_bytes
+    ks = tl.arange(0, BLOCK_K)
+    hs = tl.arange(0, BLOCK_CHANNELS)
+    # Work items: (block of BLOCK_TOKENS tokens, chunk of BLOCK_CHANNELS channels), so that a
+    # decode batch spreads over the programs; the slots' loads are unrolled so that they
+    # overlap, the sum keeping the slot order.
+    NUM_CHUNKS: tl.constexpr = (H + BLOCK_CHANNELS - 1) // BLOCK_CHANNELS
+    num_items = tl.cdiv(num_tokens, BLOCK_TOKENS) * NUM_CHUNKS
+    for item in range(pid, num_items, num_programs):
+        tokens = (item // NUM_CHUNKS) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+        h0 = (item % NUM_CHUNKS) * BLOCK_CHANNELS
+        tmask = tokens < num_tokens
+        _, ids, valid = load_choices(topk_ptr, tokens, tmask, ks, K, NUM_EXPERTS)
+        owner = tl.where(valid, ids // E_LOCAL, -1)
+        weight_slot, num_slots = weight_slots(owner, ks)
+        rows = tokens.to(tl.int64)
+        h = h0 + hs
+        m2 = tmask[:, None] & (h < H)[None, :]
+        at = rows[:, None] * H + h[None, :]
+        acc = tl.zeros((BLOCK_TOKENS, BLOCK_CHANNELS), tl.float32)
+        if num_bias >= 1:
+            acc = from_bf16(tl.load(bias0_ptr + at, mask=m2, other=0.0), EMULATE)
+        if num_bias == 2:
+            acc = acc + from_bf16(tl.load(bias1_ptr + at, mask=m2, other=0.0), EMULATE)
+        for j in tl.static_range(SLOTS):
+            if RANK_SLOTS:
+                used = tmask & (j < num_slots)
+            else:
+                used = tmask & (lane(valid.to(tl.int32), ks, j) > 0)
+            src = slot_rows(region, j, tokens, max_tokens, COMBINE_RECORD_BYTES).to(
+                tl.pointer_type(tl.bfloat16)
+            )
+            y = tl.load(
+                src[:, None] + h[None, :],
+                mask=used[:, None] & (h < H)[None, :],
+                other=0.0,
+                cache_modifier=".cg",  # written by peers: not from this SM's L1
+            )
+            acc = tl.where(used[:, None], acc + from_bf16(y, EMULATE), acc)
+        tl.store(out_ptr + at, to_bf16(acc, EMULATE), mask=m2)
+        if (has_weights != 0) & (h0 == 0):
+            kmask = tmask[:, None] & (ks < K)[None, :]
+            at_w = (
+                slot_rows(region, weight_slot, tokens[:, None], max_tokens, COMBINE_RECORD_BYTES)
+                + 2 * H
+            )
+            w = tl.load(
+                at_w.to(tl.pointer_type(tl.float32)) + ks[None, :],
+                mask=kmask & valid,
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            tl.store(out_weights_ptr + rows[:, None] * K + ks[None, :], w, mask=kmask)
 
 
 @kernel(
@@ -340,62 +516,181 @@ def elastic_combine_epilogue(
     t_waited = t_start
     if PROFILE:
         t_waited = read_clock(trace_ptr, USE_CLOCK)
-    pid = tl.program_id(0)
-    call = tl.load(state_ptr, volatile=True) - 1
-    region = tl.load(peer_ptrs + rank) + region_offset + (call % 2) * region_bytes
-    ks = tl.arange(0, BLOCK_K)
-    hs = tl.arange(0, BLOCK_CHANNELS)
-    # Work items: (block of BLOCK_TOKENS tokens, chunk of BLOCK_CHANNELS channels), so that a
-    # decode batch spreads over the programs; the slots' loads are unrolled so that they
-    # overlap, the sum keeping the slot order.
-    NUM_CHUNKS: tl.constexpr = (H + BLOCK_CHANNELS - 1) // BLOCK_CHANNELS
-    num_items = tl.cdiv(num_tokens, BLOCK_TOKENS) * NUM_CHUNKS
-    for item in range(pid, num_items, tl.num_programs(0)):
-        tokens = (item // NUM_CHUNKS) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
-        h0 = (item % NUM_CHUNKS) * BLOCK_CHANNELS
-        tmask = tokens < num_tokens
-        _, ids, valid = load_choices(topk_ptr, tokens, tmask, ks, K, NUM_EXPERTS)
-        owner = tl.where(valid, ids // E_LOCAL, -1)
-        weight_slot, num_slots = weight_slots(owner, ks)
-        rows = tokens.to(tl.int64)
-        h = h0 + hs
-        m2 = tmask[:, None] & (h < H)[None, :]
-        at = rows[:, None] * H + h[None, :]
-        acc = tl.zeros((BLOCK_TOKENS, BLOCK_CHANNELS), tl.float32)
-        if num_bias >= 1:
-            acc = from_bf16(tl.load(bias0_ptr + at, mask=m2, other=0.0), EMULATE)
-        if num_bias == 2:
-            acc = acc + from_bf16(tl.load(bias1_ptr + at, mask=m2, other=0.0), EMULATE)
-        for j in tl.static_range(SLOTS):
-            if RANK_SLOTS:
-                used = tmask & (j < num_slots)
-            else:
-                used = tmask & (lane(valid.to(tl.int32), ks, j) > 0)
-            src = slot_rows(region, j, tokens, max_tokens, COMBINE_RECORD_BYTES).to(
-                tl.pointer_type(tl.bfloat16)
-            )
-            y = tl.load(
-                src[:, None] + h[None, :],
-                mask=used[:, None] & (h < H)[None, :],
-                other=0.0,
-                cache_modifier=".cg",  # written by peers: not from this SM's L1
-            )
-            acc = tl.where(used[:, None], acc + from_bf16(y, EMULATE), acc)
-        tl.store(out_ptr + at, to_bf16(acc, EMULATE), mask=m2)
-        if (has_weights != 0) & (h0 == 0):
-            kmask = tmask[:, None] & (ks < K)[None, :]
-            at_w = (
-                slot_rows(region, weight_slot, tokens[:, None], max_tokens, COMBINE_RECORD_BYTES)
-                + 2 * H
-            )
-            w = tl.load(
-                at_w.to(tl.pointer_type(tl.float32)) + ks[None, :],
-                mask=kmask & valid,
-                other=0.0,
-                cache_modifier=".cg",
-            )
-            tl.store(out_weights_ptr + rows[:, None] * K + ks[None, :], w, mask=kmask)
+    reduce_share(
+        tl.load(state_ptr, volatile=True) - 1,
+        tl.program_id(0),
+        tl.num_programs(0),
+        topk_ptr,
+        bias0_ptr,
+        bias1_ptr,
+        out_ptr,
+        out_weights_ptr,
+        num_tokens,
+        peer_ptrs,
+        rank,
+        region_offset,
+        region_bytes,
+        max_tokens,
+        num_bias,
+        has_weights,
+        H,
+        K,
+        BLOCK_K,
+        NUM_EXPERTS,
+        E_LOCAL,
+        SLOTS,
+        RANK_SLOTS,
+        COMBINE_RECORD_BYTES,
+        BLOCK_TOKENS,
+        BLOCK_CHANNELS,
+        EMULATE,
+    )
     if PROFILE:
         zero = tl.zeros((), tl.int64)
         t_end = read_clock(trace_ptr, USE_CLOCK)
         write_trace(trace_ptr, t_start, t_waited, t_end, zero, zero, zero, zero, zero, USE_CLOCK)
+
+
+@kernel(
+    "tritonep::elastic::combine_fused_impl",
+    do_not_specialize=["timeout_us", "has_weights", "num_bias"],
+)
+def elastic_combine_fused(
+    x_ptr,  # [rows, H] bf16: one row per received token, or per expanded slot (EXPAND)
+    weights_ptr,  # [rows, K] (plain) or [rows] (EXPAND) float32 (has_weights)
+    meta_ptr,  # [tokens, K + 2] int32 recv_src_metadata of the dispatch
+    slots_ptr,  # [tokens] int32 each received token's reduction slot
+    psum_rank_ptr,  # [R] int32 rows received per source, inclusive (the last: all)
+    peer_ptrs,  # [R] int64 heap base of every rank
+    rank,  # this rank
+    header_offset,  # byte offset of the headers [2][R][HEADER_WORDS] int32
+    region_offset,  # byte offset of region 0 (region 1 follows at + region_bytes)
+    region_bytes,  # bytes of a region
+    max_tokens,  # slots per source rank in a region (num_max_tokens_per_rank)
+    state_ptr,  # [8] int64 mode state (elastic_exchange)
+    status_ptr,  # [STATUS_WORDS] int32 status record (kernels.status)
+    timeout_us,  # limit of a wait in microseconds (sync.timeout_us)
+    has_weights,  # 1: top-k weights go back with the rows (run-time: no variant of its own)
+    topk_ptr,  # [N, K] int64 the dispatch's ids (this rank's tokens)
+    bias0_ptr,  # [N, H] bf16 (num_bias >= 1)
+    bias1_ptr,  # [N, H] bf16 (num_bias == 2)
+    out_ptr,  # [N, H] bf16
+    out_weights_ptr,  # [N, K] float32 (has_weights)
+    num_tokens,  # N: this rank's tokens
+    num_bias,  # bias tensors, 0 to 2
+    trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE; kernels.trace), else unused
+    H: tl.constexpr,  # hidden size: channels of a row
+    K: tl.constexpr,  # top-k: choices per token
+    BLOCK_K: tl.constexpr,  # K as a power of two (at least 2)
+    NUM_RANKS: tl.constexpr,  # R: ranks of the group
+    BLOCK_RANKS: tl.constexpr,  # NUM_RANKS as a power of two (at least 2)
+    # bytes of a combine record: H bf16 values, then K float32 weights
+    COMBINE_RECORD_BYTES: tl.constexpr,
+    HEADER_WORDS: tl.constexpr,  # int32 words of a header
+    BLOCK_ROWS: tl.constexpr,  # rows per block
+    BLOCK_CHANNELS: tl.constexpr,  # channels moved per step
+    EXPAND: tl.constexpr,  # expanded layout: a row per (token, local expert)
+    MULTI: tl.constexpr,  # EXPAND: reduce a token's rows here before sending one
+    USE_CLOCK: tl.constexpr,  # waits read the GPU clock (not under the interpreter)
+    NUM_EXPERTS: tl.constexpr,  # experts in all
+    E_LOCAL: tl.constexpr,  # experts per rank
+    SLOTS: tl.constexpr,  # slots per token
+    RANK_SLOTS: tl.constexpr,  # a slot per destination rank (else per top-k column)
+    BLOCK_TOKENS: tl.constexpr,  # tokens per block of the reduce
+    REDUCE_CHANNELS: tl.constexpr,  # channels per work item of the reduce
+    PROFILE: tl.constexpr = False,  # record a trace (push; exchange, launch wait, reduce)
+):
+    """:func:`elastic_combine` and :func:`elastic_combine_epilogue` in one cooperative launch
+    (decode batches): every program pushes its rows and arrives; the last sends the tags,
+    waits for the peers' and closes the exchange with a release; every other program waits
+    for that (bounded; one that gives up records it and leaves its share of the output
+    poisoned), then all reduce their share of this rank's tokens. Under the interpreter the
+    last program does every program's share (:func:`.elastic_exchange.fused_shares`)."""
+    t_start = tl.zeros((), tl.int64)
+    if PROFILE:
+        t_start = read_clock(trace_ptr, USE_CLOCK)
+    call, last, t_rows, t_push_end, t_arrive, _, _ = combine_push(
+        x_ptr,
+        weights_ptr,
+        meta_ptr,
+        slots_ptr,
+        psum_rank_ptr,
+        peer_ptrs,
+        rank,
+        header_offset,
+        region_offset,
+        region_bytes,
+        max_tokens,
+        state_ptr,
+        status_ptr,
+        timeout_us,
+        has_weights,
+        trace_ptr,
+        H,
+        K,
+        BLOCK_K,
+        NUM_RANKS,
+        BLOCK_RANKS,
+        COMBINE_RECORD_BYTES,
+        HEADER_WORDS,
+        BLOCK_ROWS,
+        BLOCK_CHANNELS,
+        EXPAND,
+        MULTI,
+        USE_CLOCK,
+        True,
+        PROFILE,
+    )
+    t_exchanged = t_arrive
+    if PROFILE:
+        t_exchanged = read_clock(trace_ptr, USE_CLOCK)
+    first, shares = fused_shares(
+        last, call, rank, state_ptr, status_ptr, timeout_us, ELASTIC_COMBINE_FUSED, USE_CLOCK
+    )
+    t_waited = t_exchanged
+    if PROFILE:
+        t_waited = read_clock(trace_ptr, USE_CLOCK)
+    for pid in range(first, first + shares):
+        reduce_share(
+            call,
+            pid,
+            tl.num_programs(0),
+            topk_ptr,
+            bias0_ptr,
+            bias1_ptr,
+            out_ptr,
+            out_weights_ptr,
+            num_tokens,
+            peer_ptrs,
+            rank,
+            region_offset,
+            region_bytes,
+            max_tokens,
+            num_bias,
+            has_weights,
+            H,
+            K,
+            BLOCK_K,
+            NUM_EXPERTS,
+            E_LOCAL,
+            SLOTS,
+            RANK_SLOTS,
+            COMBINE_RECORD_BYTES,
+            BLOCK_TOKENS,
+            REDUCE_CHANNELS,
+            not USE_CLOCK,
+        )
+    if PROFILE:
+        t_end = read_clock(trace_ptr, USE_CLOCK)
+        write_trace(
+            trace_ptr,
+            t_start,
+            t_push_end,
+            t_end,
+            t_push_end - t_rows,
+            t_exchanged - t_push_end,
+            t_waited - t_exchanged,
+            t_end - t_waited,
+            0,
+            USE_CLOCK,
+        )

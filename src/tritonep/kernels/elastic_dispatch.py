@@ -20,6 +20,11 @@ earlier sources) + the token's rank among its source's tokens of that expert``, 
 block padded to the alignment (zeroed on request). Rows therefore come in the same order on
 every call: deterministic by construction, cached or not.
 
+:func:`elastic_dispatch_fused` (``tritonep::elastic::dispatch_fused_impl``) is both in one
+cooperative launch, for decode batches: the push's programs copy too, once the last of them
+has closed the exchange (:mod:`.elastic_exchange`). The three kernels share their bodies
+(:func:`dispatch_push`, :func:`copy_share`).
+
 Why it is cheap: one store per (token, destination rank) crosses NVLink, no ring, no slot
 atomics and no receiver programs spinning on data; the copy into the caller's layout reads
 local memory on every SM.
@@ -35,11 +40,13 @@ from .elastic_exchange import (
     arrive,
     exchange_number,
     finish_exchange,
+    fused_shares,
     header_ptr,
+    publish_exchange,
     send_tags,
     wait_tags,
 )
-from .phases import ELASTIC_DISPATCH
+from .phases import ELASTIC_DISPATCH, ELASTIC_DISPATCH_FUSED
 from .profiled import kernel
 from .sync import aligned_ptr, lane, rows_before
 from .trace import read_clock, write_trace
@@ -260,72 +267,63 @@ def decode_headers(
         tl.store(stats_ptr + experts, stats + tl.sum(got, 0), mask=emask)
 
 
-@kernel("tritonep::elastic::dispatch_impl", do_not_specialize=["timeout_us", "flags"])
-def elastic_dispatch(
-    x_ptr,  # [N, ROW_WORDS] int32 words of the rows (BF16 or e4m3 bytes)
-    sf_ptr,  # [N, G] 4-byte scale packs, viewed as int32, any strides (HAS_SF)
-    sf_token_stride,  # strides of sf_ptr, in packs
+@triton.jit
+def dispatch_push(
+    x_ptr,
+    sf_ptr,
+    sf_token_stride,
     sf_group_stride,
-    topk_ptr,  # [N, K] int64 expert ids, -1 for none
-    weights_ptr,  # [N, K] float32 (FLAG_WEIGHTS)
-    num_tokens,  # N: this rank's tokens
-    max_tokens,  # slots per source rank in a region (num_max_tokens_per_rank)
-    peer_ptrs,  # [R] int64 heap base of every rank
-    rank,  # this rank
-    header_offset,  # byte offset of the headers [2][R][HEADER_WORDS] int32
-    region_offset,  # byte offset of region 0 (region 1 follows at + region_bytes)
-    region_bytes,  # bytes of a region
-    state_ptr,  # [8] int64 mode state (elastic_exchange)
-    totals_ptr,  # [R + E] int32 scratch: the last token range's counts, for the headers
-    recv_counts_ptr,  # [R, 1 + E_LOCAL] int32 out: what each source sent here
-    stats_ptr,  # [E_LOCAL] int32, choices received added in (FLAG_STATS)
-    ids_copy_ptr,  # [N, K] int64 out: a copy of the ids (FLAG_COPY_IDS)
-    slots_ptr,  # [N, K] int32 out: each choice's slot on its destination (FLAG_SLOTS)
-    status_ptr,  # [STATUS_WORDS] int32 status record (kernels.status)
-    timeout_us,  # limit of a wait in microseconds (sync.timeout_us)
-    flags,  # FLAG_WEIGHTS | FLAG_STATS | FLAG_COPY_IDS | FLAG_SLOTS
-    trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE; kernels.trace), else unused
-    K: tl.constexpr,  # top-k: choices per token
-    BLOCK_K: tl.constexpr,  # K as a power of two (at least 2)
-    NUM_EXPERTS: tl.constexpr,  # experts in all
-    BLOCK_EXPERTS: tl.constexpr,  # NUM_EXPERTS as a power of two
-    E_LOCAL: tl.constexpr,  # experts per rank
-    BLOCK_COUNTS: tl.constexpr,  # next power of two of E_LOCAL + 1
-    NUM_RANKS: tl.constexpr,  # R: ranks of the group
-    BLOCK_RANKS: tl.constexpr,  # NUM_RANKS as a power of two (at least 2)
-    ROW_WORDS: tl.constexpr,  # int32 words of a row
-    BLOCK_WORDS: tl.constexpr,  # words moved per step
-    G: tl.constexpr,  # scale packs per row
-    BLOCK_GROUPS: tl.constexpr,  # G as a power of two (at least 2)
-    RECORD_BYTES: tl.constexpr,  # bytes of a record
-    PAYLOAD_BYTES: tl.constexpr,  # bytes of its payload (16-byte aligned)
-    SCALE_BYTES: tl.constexpr,  # bytes of its scale packs (16-byte aligned)
-    HEADER_WORDS: tl.constexpr,  # int32 words of a header
-    BLOCK_TOKENS: tl.constexpr,  # tokens per block
-    SCAN_BLOCK_TOKENS: tl.constexpr,  # tokens per block of the scan of the earlier tokens' ids
-    HAS_SF: tl.constexpr,  # the rows come with scale packs (FP8)
-    USE_CLOCK: tl.constexpr,  # waits read the GPU clock (not under the interpreter)
-    PDL: tl.constexpr = False,  # the epilogue is a programmatic dependent launch (sm_90+)
-    PROFILE: tl.constexpr = False,  # record a trace (push: scan, stores; exchange below)
+    topk_ptr,
+    weights_ptr,
+    num_tokens,
+    max_tokens,
+    peer_ptrs,
+    rank,
+    header_offset,
+    region_offset,
+    region_bytes,
+    state_ptr,
+    totals_ptr,
+    recv_counts_ptr,
+    stats_ptr,
+    ids_copy_ptr,
+    slots_ptr,
+    status_ptr,
+    timeout_us,
+    flags,
+    trace_ptr,
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_EXPERTS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    BLOCK_COUNTS: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    ROW_WORDS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+    RECORD_BYTES: tl.constexpr,
+    PAYLOAD_BYTES: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    HEADER_WORDS: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+    SCAN_BLOCK_TOKENS: tl.constexpr,
+    HAS_SF: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    PUBLISH: tl.constexpr,
+    PROFILE: tl.constexpr,
 ):
-    # Trace: the push phase (scan, stores) ends where the program arrives; the exchange phase
-    # is the arrive and, in the last program, the headers, the wait for the peers' tags and
-    # the decoding of their counts (the rest of the phase).
-    t_start = tl.zeros((), tl.int64)
-    if PROFILE:
-        t_start = read_clock(trace_ptr, USE_CLOCK)
+    """The push of :func:`elastic_dispatch` (also the first part of a fused launch): this
+    program's records, its arrival and, in the last program, the exchange of the headers,
+    closed with a release when ``PUBLISH`` (:func:`.elastic_exchange.publish_exchange`).
+    Returns the exchange number, whether this program was the last, and its trace readings
+    (push end, arrival; scan, stores, headers and wait times)."""
     t_scan = tl.zeros((), tl.int64)
     t_stores = tl.zeros((), tl.int64)
     t_headers = tl.zeros((), tl.int64)
     t_wait = tl.zeros((), tl.int64)
-    if PDL:
-        # Let the epilogue's grid launch now, so that its launch and its programs' start
-        # overlap this push; they wait (gdc_wait) for this grid to complete before reading
-        # anything. This cannot hold a push program back: the epilogue launches only once
-        # every program of this grid has run this line or exited, i.e. all of them are
-        # already resident (the last one, which waits for the peers' headers, included); the
-        # epilogue's programs take only the room left on the SMs.
-        gdc_launch_dependents()
     pid = tl.program_id(0)
     has_weights = (flags & FLAG_WEIGHTS) != 0
     has_stats = (flags & FLAG_STATS) != 0
@@ -414,7 +412,7 @@ def elastic_dispatch(
         tl.store(totals_ptr + ranks, sent, mask=rmask)
         experts = tl.arange(0, BLOCK_EXPERTS)
         tl.store(totals_ptr + NUM_RANKS + experts, chosen, mask=experts < NUM_EXPERTS)
-    t_push_end = t_start
+    t_push_end = tl.zeros((), tl.int64)
     if PROFILE:
         t_push_end = read_clock(trace_ptr, USE_CLOCK)
     last = arrive(state_ptr)
@@ -465,7 +463,122 @@ def elastic_dispatch(
             HEADER_WORDS,
             has_stats,
         )
-        finish_exchange(state_ptr, call)
+        if PUBLISH:
+            publish_exchange(state_ptr, call)
+        else:
+            finish_exchange(state_ptr, call)
+    return call, last, t_push_end, t_arrive, t_scan, t_stores, t_headers, t_wait
+
+
+@kernel("tritonep::elastic::dispatch_impl", do_not_specialize=["timeout_us", "flags"])
+def elastic_dispatch(
+    x_ptr,  # [N, ROW_WORDS] int32 words of the rows (BF16 or e4m3 bytes)
+    sf_ptr,  # [N, G] 4-byte scale packs, viewed as int32, any strides (HAS_SF)
+    sf_token_stride,  # strides of sf_ptr, in packs
+    sf_group_stride,
+    topk_ptr,  # [N, K] int64 expert ids, -1 for none
+    weights_ptr,  # [N, K] float32 (FLAG_WEIGHTS)
+    num_tokens,  # N: this rank's tokens
+    max_tokens,  # slots per source rank in a region (num_max_tokens_per_rank)
+    peer_ptrs,  # [R] int64 heap base of every rank
+    rank,  # this rank
+    header_offset,  # byte offset of the headers [2][R][HEADER_WORDS] int32
+    region_offset,  # byte offset of region 0 (region 1 follows at + region_bytes)
+    region_bytes,  # bytes of a region
+    state_ptr,  # [8] int64 mode state (elastic_exchange)
+    totals_ptr,  # [R + E] int32 scratch: the last token range's counts, for the headers
+    recv_counts_ptr,  # [R, 1 + E_LOCAL] int32 out: what each source sent here
+    stats_ptr,  # [E_LOCAL] int32, choices received added in (FLAG_STATS)
+    ids_copy_ptr,  # [N, K] int64 out: a copy of the ids (FLAG_COPY_IDS)
+    slots_ptr,  # [N, K] int32 out: each choice's slot on its destination (FLAG_SLOTS)
+    status_ptr,  # [STATUS_WORDS] int32 status record (kernels.status)
+    timeout_us,  # limit of a wait in microseconds (sync.timeout_us)
+    flags,  # FLAG_WEIGHTS | FLAG_STATS | FLAG_COPY_IDS | FLAG_SLOTS
+    trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE; kernels.trace), else unused
+    K: tl.constexpr,  # top-k: choices per token
+    BLOCK_K: tl.constexpr,  # K as a power of two (at least 2)
+    NUM_EXPERTS: tl.constexpr,  # experts in all
+    BLOCK_EXPERTS: tl.constexpr,  # NUM_EXPERTS as a power of two
+    E_LOCAL: tl.constexpr,  # experts per rank
+    BLOCK_COUNTS: tl.constexpr,  # next power of two of E_LOCAL + 1
+    NUM_RANKS: tl.constexpr,  # R: ranks of the group
+    BLOCK_RANKS: tl.constexpr,  # NUM_RANKS as a power of two (at least 2)
+    ROW_WORDS: tl.constexpr,  # int32 words of a row
+    BLOCK_WORDS: tl.constexpr,  # words moved per step
+    G: tl.constexpr,  # scale packs per row
+    BLOCK_GROUPS: tl.constexpr,  # G as a power of two (at least 2)
+    RECORD_BYTES: tl.constexpr,  # bytes of a record
+    PAYLOAD_BYTES: tl.constexpr,  # bytes of its payload (16-byte aligned)
+    SCALE_BYTES: tl.constexpr,  # bytes of its scale packs (16-byte aligned)
+    HEADER_WORDS: tl.constexpr,  # int32 words of a header
+    BLOCK_TOKENS: tl.constexpr,  # tokens per block
+    SCAN_BLOCK_TOKENS: tl.constexpr,  # tokens per block of the scan of the earlier tokens' ids
+    HAS_SF: tl.constexpr,  # the rows come with scale packs (FP8)
+    USE_CLOCK: tl.constexpr,  # waits read the GPU clock (not under the interpreter)
+    PDL: tl.constexpr = False,  # the epilogue is a programmatic dependent launch (sm_90+)
+    PROFILE: tl.constexpr = False,  # record a trace (push: scan, stores; exchange below)
+):
+    # Trace: the push phase (scan, stores) ends where the program arrives; the exchange phase
+    # is the arrive and, in the last program, the headers, the wait for the peers' tags and
+    # the decoding of their counts (the rest of the phase).
+    t_start = tl.zeros((), tl.int64)
+    if PROFILE:
+        t_start = read_clock(trace_ptr, USE_CLOCK)
+    if PDL:
+        # Let the epilogue's grid launch now, so that its launch and its programs' start
+        # overlap this push; they wait (gdc_wait) for this grid to complete before reading
+        # anything. This cannot hold a push program back: the epilogue launches only once
+        # every program of this grid has run this line or exited, i.e. all of them are
+        # already resident (the last one, which waits for the peers' headers, included); the
+        # epilogue's programs take only the room left on the SMs.
+        gdc_launch_dependents()
+    _, _, t_push_end, t_arrive, t_scan, t_stores, t_headers, t_wait = dispatch_push(
+        x_ptr,
+        sf_ptr,
+        sf_token_stride,
+        sf_group_stride,
+        topk_ptr,
+        weights_ptr,
+        num_tokens,
+        max_tokens,
+        peer_ptrs,
+        rank,
+        header_offset,
+        region_offset,
+        region_bytes,
+        state_ptr,
+        totals_ptr,
+        recv_counts_ptr,
+        stats_ptr,
+        ids_copy_ptr,
+        slots_ptr,
+        status_ptr,
+        timeout_us,
+        flags,
+        trace_ptr,
+        K,
+        BLOCK_K,
+        NUM_EXPERTS,
+        BLOCK_EXPERTS,
+        E_LOCAL,
+        BLOCK_COUNTS,
+        NUM_RANKS,
+        BLOCK_RANKS,
+        ROW_WORDS,
+        BLOCK_WORDS,
+        G,
+        BLOCK_GROUPS,
+        RECORD_BYTES,
+        PAYLOAD_BYTES,
+        SCALE_BYTES,
+        HEADER_WORDS,
+        BLOCK_TOKENS,
+        SCAN_BLOCK_TOKENS,
+        HAS_SF,
+        USE_CLOCK,
+        False,
+        PROFILE,
+    )
     if PROFILE:
         write_trace(
             trace_ptr,
@@ -814,67 +927,59 @@ def copy_received_block(
         tl.store(out_slots + i, slot, mask=live)
 
 
-@kernel("tritonep::elastic::dispatch_copy_epilogue_impl", do_not_specialize=["flags"])
-def elastic_dispatch_epilogue(
-    recv_counts_ptr,  # [R, 1 + E_LOCAL] int32 from elastic_dispatch
-    state_ptr,  # [8] int64 mode state (the exchange is closed: its number is EXCHANGES - 1)
-    peer_ptrs,  # [R] int64 heap base of every rank
-    rank,  # this rank
-    region_offset,  # byte offset of region 0 (region 1 follows at + region_bytes)
-    region_bytes,  # bytes of a region
-    max_tokens,  # slots per source rank in a region (num_max_tokens_per_rank)
-    alignment,  # expert_alignment
-    num_rows,  # rows of recv_src_metadata (and of the plain outputs)
-    num_out_rows,  # rows of recv_x (expanded: more than num_rows)
-    out_words,  # [rows, ROW_WORDS] int32 words of recv_x
-    out_sf,  # [rows, G] int32 view of the scale packs (HAS_SF), strides below
-    out_sf_token_stride,  # strides of out_sf, in packs
+@triton.jit
+def copy_share(
+    call,
+    pid,
+    num_programs,
+    t_waited,
+    recv_counts_ptr,
+    peer_ptrs,
+    rank,
+    region_offset,
+    region_bytes,
+    max_tokens,
+    alignment,
+    num_rows,
+    num_out_rows,
+    out_words,
+    out_sf,
+    out_sf_token_stride,
     out_sf_group_stride,
-    out_ids,  # [rows, K] int64 local expert ids (plain)
-    out_weights,  # [rows, K] (plain) or [rows] (EXPAND) float32 (FLAG_WEIGHTS)
-    out_meta,  # [tokens, K + 2] int32 recv_src_metadata (FLAG_META)
-    out_slots,  # [tokens] int32 reduction slot of each received token (FLAG_META)
-    psum_rank_ptr,  # [R] int32 out (FLAG_META)
-    psum_expert_ptr,  # [E_LOCAL] int32 out (FLAG_META)
-    unaligned_ptr,  # [E_LOCAL] int32 out (FLAG_META)
-    flags,  # FLAG_WEIGHTS | FLAG_ZERO_PAD | FLAG_META
-    trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE; kernels.trace), else unused
-    K: tl.constexpr,  # top-k: choices per token
-    BLOCK_K: tl.constexpr,  # K as a power of two (at least 2)
-    NUM_RANKS: tl.constexpr,  # R: ranks of the group
-    BLOCK_RANKS: tl.constexpr,  # NUM_RANKS as a power of two (at least 2)
-    E_LOCAL: tl.constexpr,  # experts per rank
-    BLOCK_LOCAL_EXPERTS: tl.constexpr,  # E_LOCAL as a power of two (at least 2)
-    ROW_WORDS: tl.constexpr,  # int32 words of a row
-    BLOCK_WORDS: tl.constexpr,  # words moved per step
-    G: tl.constexpr,  # scale packs per row
-    BLOCK_GROUPS: tl.constexpr,  # G as a power of two (at least 2)
-    RECORD_BYTES: tl.constexpr,  # bytes of a dispatch record
-    PAYLOAD_BYTES: tl.constexpr,  # bytes of its payload (16-byte aligned)
-    SCALE_BYTES: tl.constexpr,  # bytes of its scale packs (16-byte aligned)
-    BLOCK_ROWS: tl.constexpr,  # received tokens per block
-    BLOCK_FILL: tl.constexpr,  # rows per block of the unused rows' markers
-    EXPAND: tl.constexpr,  # expanded layout: a row per (token, local expert)
-    HAS_SF: tl.constexpr,  # the rows come with scale packs (FP8)
-    PDL: tl.constexpr = False,  # launched as a programmatic dependent of elastic_dispatch
-    PROFILE: tl.constexpr = False,  # record a trace (wait; layout, rows, marks, padding)
-    USE_CLOCK: tl.constexpr = False,  # traces read the GPU clock (not under the interpreter)
+    out_ids,
+    out_weights,
+    out_meta,
+    out_slots,
+    psum_rank_ptr,
+    psum_expert_ptr,
+    unaligned_ptr,
+    flags,
+    trace_ptr,
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    BLOCK_LOCAL_EXPERTS: tl.constexpr,
+    ROW_WORDS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+    RECORD_BYTES: tl.constexpr,
+    PAYLOAD_BYTES: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_FILL: tl.constexpr,
+    EXPAND: tl.constexpr,
+    HAS_SF: tl.constexpr,
+    PROFILE: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
 ):
-    # Trace: the wait phase is the wait for the push's grid (started early under PDL, so it
-    # shows how long this launch sat ready); the copy phase its sub-phases after it.
-    t_start = tl.zeros((), tl.int64)
-    if PROFILE:
-        t_start = read_clock(trace_ptr, USE_CLOCK)
-    if PDL:
-        # Before any read: the push's grid (counts, state, and the records, which its last
-        # program saw every peer finish) is complete and its writes visible after this.
-        gdc_wait()
-    t_waited = t_start
-    if PROFILE:
-        t_waited = read_clock(trace_ptr, USE_CLOCK)
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    call = tl.load(state_ptr, volatile=True) - 1
+    """Program ``pid`` of ``num_programs``'s share of the copy epilogue of exchange ``call``
+    (:func:`elastic_dispatch_epilogue`, and the second part of a fused launch): its blocks of
+    received rows, the markers of unused rows, the padding, and (``pid`` 0) the prefix sums.
+    Returns its trace readings after the layout, the rows and the markers (``t_waited``
+    untraced)."""
     region = region_offset + (call % 2) * region_bytes
     my_base = tl.load(peer_ptrs + rank)
     ranks = tl.arange(0, BLOCK_RANKS)
@@ -988,6 +1093,114 @@ def elastic_dispatch_epilogue(
                 has_weights,
                 BLOCK_ROWS,
             )
+    return t_laid, t_copied, t_marked
+
+
+@kernel("tritonep::elastic::dispatch_copy_epilogue_impl", do_not_specialize=["flags"])
+def elastic_dispatch_epilogue(
+    recv_counts_ptr,  # [R, 1 + E_LOCAL] int32 from elastic_dispatch
+    state_ptr,  # [8] int64 mode state (the exchange is closed: its number is EXCHANGES - 1)
+    peer_ptrs,  # [R] int64 heap base of every rank
+    rank,  # this rank
+    region_offset,  # byte offset of region 0 (region 1 follows at + region_bytes)
+    region_bytes,  # bytes of a region
+    max_tokens,  # slots per source rank in a region (num_max_tokens_per_rank)
+    alignment,  # expert_alignment
+    num_rows,  # rows of recv_src_metadata (and of the plain outputs)
+    num_out_rows,  # rows of recv_x (expanded: more than num_rows)
+    out_words,  # [rows, ROW_WORDS] int32 words of recv_x
+    out_sf,  # [rows, G] int32 view of the scale packs (HAS_SF), strides below
+    out_sf_token_stride,  # strides of out_sf, in packs
+    out_sf_group_stride,
+    out_ids,  # [rows, K] int64 local expert ids (plain)
+    out_weights,  # [rows, K] (plain) or [rows] (EXPAND) float32 (FLAG_WEIGHTS)
+    out_meta,  # [tokens, K + 2] int32 recv_src_metadata (FLAG_META)
+    out_slots,  # [tokens] int32 reduction slot of each received token (FLAG_META)
+    psum_rank_ptr,  # [R] int32 out (FLAG_META)
+    psum_expert_ptr,  # [E_LOCAL] int32 out (FLAG_META)
+    unaligned_ptr,  # [E_LOCAL] int32 out (FLAG_META)
+    flags,  # FLAG_WEIGHTS | FLAG_ZERO_PAD | FLAG_META
+    trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE; kernels.trace), else unused
+    K: tl.constexpr,  # top-k: choices per token
+    BLOCK_K: tl.constexpr,  # K as a power of two (at least 2)
+    NUM_RANKS: tl.constexpr,  # R: ranks of the group
+    BLOCK_RANKS: tl.constexpr,  # NUM_RANKS as a power of two (at least 2)
+    E_LOCAL: tl.constexpr,  # experts per rank
+    BLOCK_LOCAL_EXPERTS: tl.constexpr,  # E_LOCAL as a power of two (at least 2)
+    ROW_WORDS: tl.constexpr,  # int32 words of a row
+    BLOCK_WORDS: tl.constexpr,  # words moved per step
+    G: tl.constexpr,  # scale packs per row
+    BLOCK_GROUPS: tl.constexpr,  # G as a power of two (at least 2)
+    RECORD_BYTES: tl.constexpr,  # bytes of a dispatch record
+    PAYLOAD_BYTES: tl.constexpr,  # bytes of its payload (16-byte aligned)
+    SCALE_BYTES: tl.constexpr,  # bytes of its scale packs (16-byte aligned)
+    BLOCK_ROWS: tl.constexpr,  # received tokens per block
+    BLOCK_FILL: tl.constexpr,  # rows per block of the unused rows' markers
+    EXPAND: tl.constexpr,  # expanded layout: a row per (token, local expert)
+    HAS_SF: tl.constexpr,  # the rows come with scale packs (FP8)
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent of elastic_dispatch
+    PROFILE: tl.constexpr = False,  # record a trace (wait; layout, rows, marks, padding)
+    USE_CLOCK: tl.constexpr = False,  # traces read the GPU clock (not under the interpreter)
+):
+    # Trace: the wait phase is the wait for the push's grid (started early under PDL, so it
+    # shows how long this launch sat ready); the copy phase its sub-phases after it.
+    t_start = tl.zeros((), tl.int64)
+    if PROFILE:
+        t_start = read_clock(trace_ptr, USE_CLOCK)
+    if PDL:
+        # Before any read: the push's grid (counts, state, and the records, which its last
+        # program saw every peer finish) is complete and its writes visible after this.
+        gdc_wait()
+    t_waited = t_start
+    if PROFILE:
+        t_waited = read_clock(trace_ptr, USE_CLOCK)
+    t_laid, t_copied, t_marked = copy_share(
+        tl.load(state_ptr, volatile=True) - 1,
+        tl.program_id(0),
+        tl.num_programs(0),
+        t_waited,
+        recv_counts_ptr,
+        peer_ptrs,
+        rank,
+        region_offset,
+        region_bytes,
+        max_tokens,
+        alignment,
+        num_rows,
+        num_out_rows,
+        out_words,
+        out_sf,
+        out_sf_token_stride,
+        out_sf_group_stride,
+        out_ids,
+        out_weights,
+        out_meta,
+        out_slots,
+        psum_rank_ptr,
+        psum_expert_ptr,
+        unaligned_ptr,
+        flags,
+        trace_ptr,
+        K,
+        BLOCK_K,
+        NUM_RANKS,
+        BLOCK_RANKS,
+        E_LOCAL,
+        BLOCK_LOCAL_EXPERTS,
+        ROW_WORDS,
+        BLOCK_WORDS,
+        G,
+        BLOCK_GROUPS,
+        RECORD_BYTES,
+        PAYLOAD_BYTES,
+        SCALE_BYTES,
+        BLOCK_ROWS,
+        BLOCK_FILL,
+        EXPAND,
+        HAS_SF,
+        PROFILE,
+        USE_CLOCK,
+    )
     if PROFILE:
         t_end = read_clock(trace_ptr, USE_CLOCK)
         write_trace(
@@ -1000,5 +1213,202 @@ def elastic_dispatch_epilogue(
             t_marked - t_copied,
             t_end - t_marked,
             0,
+            USE_CLOCK,
+        )
+
+
+@kernel("tritonep::elastic::dispatch_fused_impl", do_not_specialize=["timeout_us", "flags"])
+def elastic_dispatch_fused(
+    x_ptr,  # [N, ROW_WORDS] int32 words of the rows (BF16 or e4m3 bytes)
+    sf_ptr,  # [N, G] 4-byte scale packs, viewed as int32, any strides (HAS_SF)
+    sf_token_stride,  # strides of sf_ptr, in packs
+    sf_group_stride,
+    topk_ptr,  # [N, K] int64 expert ids, -1 for none
+    weights_ptr,  # [N, K] float32 (FLAG_WEIGHTS)
+    num_tokens,  # N: this rank's tokens
+    max_tokens,  # slots per source rank in a region (num_max_tokens_per_rank)
+    peer_ptrs,  # [R] int64 heap base of every rank
+    rank,  # this rank
+    header_offset,  # byte offset of the headers [2][R][HEADER_WORDS] int32
+    region_offset,  # byte offset of region 0 (region 1 follows at + region_bytes)
+    region_bytes,  # bytes of a region
+    state_ptr,  # [8] int64 mode state (elastic_exchange)
+    totals_ptr,  # [R + E] int32 scratch: the last token range's counts, for the headers
+    recv_counts_ptr,  # [R, 1 + E_LOCAL] int32 out: what each source sent here
+    stats_ptr,  # [E_LOCAL] int32, choices received added in (FLAG_STATS)
+    ids_copy_ptr,  # [N, K] int64 out: a copy of the ids (FLAG_COPY_IDS)
+    slots_ptr,  # [N, K] int32 out: each choice's slot on its destination (FLAG_SLOTS)
+    status_ptr,  # [STATUS_WORDS] int32 status record (kernels.status)
+    timeout_us,  # limit of a wait in microseconds (sync.timeout_us)
+    flags,  # the push's flags and the copy's (FLAG_ZERO_PAD | FLAG_META): distinct bits
+    alignment,  # expert_alignment
+    num_rows,  # rows of recv_src_metadata (and of the plain outputs)
+    num_out_rows,  # rows of recv_x (expanded: more than num_rows)
+    out_words,  # [rows, ROW_WORDS] int32 words of recv_x
+    out_sf,  # [rows, G] int32 view of the scale packs (HAS_SF), strides below
+    out_sf_token_stride,  # strides of out_sf, in packs
+    out_sf_group_stride,
+    out_ids,  # [rows, K] int64 local expert ids (plain)
+    out_weights,  # [rows, K] (plain) or [rows] (EXPAND) float32 (FLAG_WEIGHTS)
+    out_meta,  # [tokens, K + 2] int32 recv_src_metadata (FLAG_META)
+    out_slots,  # [tokens] int32 reduction slot of each received token (FLAG_META)
+    psum_rank_ptr,  # [R] int32 out (FLAG_META)
+    psum_expert_ptr,  # [E_LOCAL] int32 out (FLAG_META)
+    unaligned_ptr,  # [E_LOCAL] int32 out (FLAG_META)
+    trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE; kernels.trace), else unused
+    K: tl.constexpr,  # top-k: choices per token
+    BLOCK_K: tl.constexpr,  # K as a power of two (at least 2)
+    NUM_EXPERTS: tl.constexpr,  # experts in all
+    BLOCK_EXPERTS: tl.constexpr,  # NUM_EXPERTS as a power of two
+    E_LOCAL: tl.constexpr,  # experts per rank
+    BLOCK_COUNTS: tl.constexpr,  # next power of two of E_LOCAL + 1
+    NUM_RANKS: tl.constexpr,  # R: ranks of the group
+    BLOCK_RANKS: tl.constexpr,  # NUM_RANKS as a power of two (at least 2)
+    ROW_WORDS: tl.constexpr,  # int32 words of a row
+    BLOCK_WORDS: tl.constexpr,  # words moved per step
+    G: tl.constexpr,  # scale packs per row
+    BLOCK_GROUPS: tl.constexpr,  # G as a power of two (at least 2)
+    RECORD_BYTES: tl.constexpr,  # bytes of a record
+    PAYLOAD_BYTES: tl.constexpr,  # bytes of its payload (16-byte aligned)
+    SCALE_BYTES: tl.constexpr,  # bytes of its scale packs (16-byte aligned)
+    HEADER_WORDS: tl.constexpr,  # int32 words of a header
+    BLOCK_TOKENS: tl.constexpr,  # tokens per block
+    SCAN_BLOCK_TOKENS: tl.constexpr,  # tokens per block of the scan of the earlier tokens' ids
+    HAS_SF: tl.constexpr,  # the rows come with scale packs (FP8)
+    USE_CLOCK: tl.constexpr,  # waits read the GPU clock (not under the interpreter)
+    BLOCK_LOCAL_EXPERTS: tl.constexpr,  # E_LOCAL as a power of two (at least 2)
+    COPY_BLOCK_WORDS: tl.constexpr,  # words moved per step of the copy
+    BLOCK_ROWS: tl.constexpr,  # received tokens per block of the copy
+    BLOCK_FILL: tl.constexpr,  # rows per block of the unused rows' markers
+    EXPAND: tl.constexpr,  # expanded layout: a row per (token, local expert)
+    PROFILE: tl.constexpr = False,  # record a trace (push; exchange, launch wait, copy)
+):
+    """:func:`elastic_dispatch` and :func:`elastic_dispatch_epilogue` in one cooperative launch
+    (decode batches, outputs sized before the launch): every program pushes its tokens and
+    arrives; the last exchanges the headers and closes the exchange with a release; every
+    other program waits for that (bounded; one that gives up records it and leaves its share
+    of the outputs poisoned), then all copy their share of the received rows. Under the
+    interpreter programs run one after another, so none may wait for a later one: the last
+    program then does every program's share itself (the same shares, in turn)."""
+    t_start = tl.zeros((), tl.int64)
+    if PROFILE:
+        t_start = read_clock(trace_ptr, USE_CLOCK)
+    call, last, t_push_end, t_arrive, t_scan, t_stores, _, _ = dispatch_push(
+        x_ptr,
+        sf_ptr,
+        sf_token_stride,
+        sf_group_stride,
+        topk_ptr,
+        weights_ptr,
+        num_tokens,
+        max_tokens,
+        peer_ptrs,
+        rank,
+        header_offset,
+        region_offset,
+        region_bytes,
+        state_ptr,
+        totals_ptr,
+        recv_counts_ptr,
+        stats_ptr,
+        ids_copy_ptr,
+        slots_ptr,
+        status_ptr,
+        timeout_us,
+        flags,
+        trace_ptr,
+        K,
+        BLOCK_K,
+        NUM_EXPERTS,
+        BLOCK_EXPERTS,
+        E_LOCAL,
+        BLOCK_COUNTS,
+        NUM_RANKS,
+        BLOCK_RANKS,
+        ROW_WORDS,
+        BLOCK_WORDS,
+        G,
+        BLOCK_GROUPS,
+        RECORD_BYTES,
+        PAYLOAD_BYTES,
+        SCALE_BYTES,
+        HEADER_WORDS,
+        BLOCK_TOKENS,
+        SCAN_BLOCK_TOKENS,
+        HAS_SF,
+        USE_CLOCK,
+        True,
+        PROFILE,
+    )
+    t_exchanged = t_arrive
+    if PROFILE:
+        t_exchanged = read_clock(trace_ptr, USE_CLOCK)
+    num_programs = tl.num_programs(0)
+    first, shares = fused_shares(
+        last, call, rank, state_ptr, status_ptr, timeout_us, ELASTIC_DISPATCH_FUSED, USE_CLOCK
+    )
+    t_waited = t_exchanged
+    if PROFILE:
+        t_waited = read_clock(trace_ptr, USE_CLOCK)
+    for pid in range(first, first + shares):
+        copy_share(
+            call,
+            pid,
+            num_programs,
+            t_waited,
+            recv_counts_ptr,
+            peer_ptrs,
+            rank,
+            region_offset,
+            region_bytes,
+            max_tokens,
+            alignment,
+            num_rows,
+            num_out_rows,
+            out_words,
+            out_sf,
+            out_sf_token_stride,
+            out_sf_group_stride,
+            out_ids,
+            out_weights,
+            out_meta,
+            out_slots,
+            psum_rank_ptr,
+            psum_expert_ptr,
+            unaligned_ptr,
+            flags,
+            trace_ptr,
+            K,
+            BLOCK_K,
+            NUM_RANKS,
+            BLOCK_RANKS,
+            E_LOCAL,
+            BLOCK_LOCAL_EXPERTS,
+            ROW_WORDS,
+            COPY_BLOCK_WORDS,
+            G,
+            BLOCK_GROUPS,
+            RECORD_BYTES,
+            PAYLOAD_BYTES,
+            SCALE_BYTES,
+            BLOCK_ROWS,
+            BLOCK_FILL,
+            EXPAND,
+            HAS_SF,
+            PROFILE,
+            USE_CLOCK,
+        )
+    if PROFILE:
+        t_end = read_clock(trace_ptr, USE_CLOCK)
+        write_trace(
+            trace_ptr,
+            t_start,
+            t_push_end,
+            t_end,
+            t_scan,
+            t_stores,
+            t_exchanged - t_push_end,
+            t_waited - t_exchanged,
+            t_end - t_waited,
             USE_CLOCK,
         )
