@@ -1,6 +1,6 @@
 """Kernel traces as Chrome trace JSON (open in Perfetto or chrome://tracing).
 
-A mode built with ``profile=True`` hands every launch a fresh readings buffer
+A mode built with ``profile=True`` hands every launch a readings buffer of its own
 (:func:`TraceRecorder.buffer`) that the kernel fills (:mod:`tritonep.kernels.trace`). Nothing
 is read back until :meth:`TraceRecorder.dump`, so profiling adds no host synchronization to the
 calls themselves.
@@ -60,6 +60,10 @@ PHASES = {
 # fmt: on
 
 
+#: int64 words of a readings arena on GPUs (16 MiB: some hundred launches of every SM).
+ARENA_WORDS = 1 << 21
+
+
 def phases(kernel: str):
     """The phases of ``kernel``; normal-mode kernels of any label (``"rail dispatch"``, the
     internode legs) have those of ``"normal dispatch"``."""
@@ -87,6 +91,8 @@ class TraceRecorder:
         self.rank, self.device, self.scale_us = rank, device, scale_us
         self.launches: list[_Launch] = []
         self.calls: dict[str, int] = {}
+        self._arena: torch.Tensor | None = None
+        self._arena_used = 0
 
     @staticmethod
     def of(profile, rank: int, device: torch.device, on_gpu: bool) -> TraceRecorder | None:
@@ -100,11 +106,25 @@ class TraceRecorder:
         receive phase, kept for the dump."""
         if send or kernel not in self.calls:
             self.calls[kernel] = self.calls.get(kernel, -1) + 1
-        readings = torch.zeros(num_programs * SLOTS + 1, dtype=torch.int64, device=self.device)
-        if self.launches:
+        readings = self._zeroed(num_programs * SLOTS + 1)
+        if self.launches and self.device.type != "cuda":
             # The logical clock of the interpreter runs on from launch to launch.
             readings[-1:].copy_(self.launches[-1].readings[-1:])
         self.launches.append(_Launch(kernel, self.calls[kernel], readings, (send, receive)))
+        return readings
+
+    def _zeroed(self, words: int) -> torch.Tensor:
+        """``words`` zeroed int64 words. On GPUs a slice of an arena zeroed when made: a zeroing
+        kernel between two launches would stand between a push and its programmatic dependent
+        epilogue and show a gap that untraced calls do not have."""
+        if self.device.type != "cuda":
+            return torch.zeros(words, dtype=torch.int64, device=self.device)
+        if self._arena is None or self._arena_used + words > self._arena.numel():
+            size = max(words, ARENA_WORDS)
+            self._arena = torch.zeros(size, dtype=torch.int64, device=self.device)
+            self._arena_used = 0
+        readings = self._arena[self._arena_used : self._arena_used + words]
+        self._arena_used += -(-words // 16) * 16  # 128-byte aligned slices
         return readings
 
     def _tables(self, kernels):
