@@ -21,21 +21,20 @@ against the normal mode's (eager medians: both read a count on the host). With `
 it also prints, per decode call, each kernel's device time per call on rank 0 (the profiler
 over graph replays; it is started once before any timing, as its first start is slow).
 With ``--tune`` it times the elastic calls again under each given
-:class:`tritonep.modes.elastic.Tuning` (fields as ``name=value``, flags as 0 or 1,
-configurations separated by ``;``), after the defaults; with ``--trace`` too, it traces under
-each as well (``--tune fused_decode=1``: push and epilogue as one launch).
+:class:`tritonep.modes.elastic.Tuning` (fields as ``name=value``, configurations separated
+by ``;``), after the defaults; with ``--trace`` too, it traces under each as well.
 
 With ``--trace DIR`` it then traces, per batch size, the decode calls inside the kernels
 (:mod:`tritonep.kernels.trace`; profilers cannot split the elastic dispatch, whose copy
 epilogue is a programmatic dependent launch that starts early and waits): 5 calls of each of
 low-latency dispatch and combine, elastic FP8 dispatch and combine, captured in CUDA graphs
 and replayed (the readings are the last replay's; eager on CPU ranks). It writes each rank's
-Chrome trace to ``DIR/decode-<tokens>-rank<r>.json`` (Perfetto) and prints rank 0's phases:
-per kernel, each phase's span and its sub-phases (median|mean over programs and calls, in us;
-``(n)`` where fewer programs than all spent time in one, e.g. the exchange of the last
-program of an elastic push only), and each call's path (medians over calls, from its first
-program's start): each launch's first start, the end of its first phase in the last program
-to end it (the push of an elastic push; the wait of an epilogue), and its last end.
+Chrome trace to ``DIR/decode-<tokens>[-<tuning>]-rank<r>.json`` (Perfetto) and prints rank
+0's phases: per kernel, each phase's span and its sub-phases (median|mean over programs and
+calls, in us; ``(n)`` where fewer programs than all spent time in one, e.g. the exchange of
+the last program of an elastic push only), and each call's path (medians over calls, from its
+first program's start): each launch's first start, the end of its first phase in the last
+program to end it (the push of an elastic push; the wait of an epilogue), and its last end.
 """
 
 from __future__ import annotations
@@ -147,16 +146,11 @@ TRACED = {
     "elastic dispatch FP8": ("elastic dispatch", "elastic dispatch epilogue"),
     "elastic combine": ("elastic combine", "elastic combine epilogue"),
 }
-#: The same under ``fused_decode`` (one launch per call).
-FUSED = {
-    "elastic dispatch FP8": ("elastic dispatch fused",),
-    "elastic combine": ("elastic combine fused",),
-}
 
 
 def _tuning(config: str):
-    """The :class:`~tritonep.modes.elastic.Tuning` of ``name=value,...`` (integers; a flag
-    as 0 or 1)."""
+    """The :class:`~tritonep.modes.elastic.Tuning` of ``name=value,...`` (each value converted
+    to its field's type)."""
     import tritonep.modes.elastic as mode
 
     default = mode.Tuning()
@@ -226,21 +220,19 @@ def _phase_text(recorder, kernel):
 def _trace_lines(ctx, opts, elastic, legacy, T, most, recorder, config=""):
     """Trace each decode call of ``T`` tokens (under the current tuning, ``config``); dump
     this rank's Chrome trace; rank 0's phases and paths."""
-    import tritonep.modes.elastic as mode
     from tritonep.modes.trace import critical_path
 
-    traced = {**TRACED, **FUSED} if mode.TUNING.fused_decode else TRACED
     first = len(recorder.launches)
     calls = _decode_calls(ctx, opts, elastic, legacy, T, most)
     del recorder.launches[first:]  # the calls that made the inputs (and compiled)
-    graphs = [_traced(ctx, calls[name], recorder) for name in traced]
+    graphs = [_traced(ctx, calls[name], recorder) for name in TRACED]
     tag = "".join(c if c.isalnum() else "-" for c in config)
     path = f"{opts.trace}/decode-{T}{'-' + tag if tag else ''}-rank{ctx.rank}.json"
     recorder.dump(path)
     unit = "us" if ctx.device.type == "cuda" else "logical ticks"
     label = f" [{config}]" if config else ""
     lines = [f"{T:5d} tokens{label}, traced (rank 0, {unit}, median|mean over programs; {path}):"]
-    for name, kernels in traced.items():
+    for name, kernels in TRACED.items():
         lines.append(f"    {name}:")
         lines += [f"        {_phase_text(recorder, kernel)}" for kernel in kernels]
         for kernel, points in critical_path(recorder, kernels).items():

@@ -500,51 +500,6 @@ ELASTIC_KERNELS = [
 ]
 
 
-def _fused_kernel(push, epilogue, name, shown, first_arg, extra_meta):
-    """A fused kernel's entry: the push's arguments, the epilogue's from ``first_arg`` on (less
-    those the push has), the trace last; the push's constexprs and ``extra_meta``."""
-    _, _, push_sig, push_meta = push
-    _, _, epi_sig, _ = epilogue
-    names = list(epi_sig)
-    signature = {k: v for k, v in push_sig.items() if k != "trace_ptr"}
-    signature.update({k: epi_sig[k] for k in names[names.index(first_arg) :] if k not in push_sig})
-    signature["trace_ptr"] = "*i64"
-    return (name, shown, signature, {**push_meta, **extra_meta})
-
-
-ELASTIC_KERNELS += [
-    _fused_kernel(
-        ELASTIC_KERNELS[0],
-        ELASTIC_KERNELS[1],
-        "elastic_dispatch_fused",
-        "dispatch_fused_impl",
-        "alignment",
-        dict(
-            BLOCK_LOCAL_EXPERTS=64,
-            COPY_BLOCK_WORDS=512,
-            BLOCK_ROWS=16,
-            BLOCK_FILL=128,
-            EXPAND=True,
-        ),
-    ),
-    _fused_kernel(
-        ELASTIC_KERNELS[2],
-        ELASTIC_KERNELS[3],
-        "elastic_combine_fused",
-        "combine_fused_impl",
-        "topk_ptr",
-        dict(
-            NUM_EXPERTS=256,
-            E_LOCAL=64,
-            SLOTS=4,
-            RANK_SLOTS=True,
-            BLOCK_TOKENS=8,
-            REDUCE_CHANNELS=1024,
-        ),
-    ),
-]
-
-
 @pytest.mark.parametrize("kernel", ELASTIC_KERNELS, ids=[k[0] for k in ELASTIC_KERNELS])
 def test_elastic_kernels_compile_under_their_profiler_names(kernel):
     """Each kernel compiles for Hopper, and its symbol demangles to the name profilers show
@@ -558,7 +513,7 @@ def test_elastic_kernels_compile_under_their_profiler_names(kernel):
     assert torch._C._demangle(symbol) == f"tritonep::elastic::{kernel[1]}()"
 
 
-def _elastic_job(kernel, options=None, **extra) -> list:
+def _elastic_job(kernel, **extra) -> list:
     from tests.test_kernels_compile import _job
 
     name, _, signature, meta = kernel
@@ -571,7 +526,7 @@ def _elastic_job(kernel, options=None, **extra) -> list:
     )
     meta = {**meta, **extra}
     signature = {**signature, **dict.fromkeys(meta, "constexpr")}
-    return _job(module, name, signature, meta, {"num_warps": 8, **(options or {})})
+    return _job(module, name, signature, meta, {"num_warps": 8})
 
 
 @functools.cache
@@ -582,48 +537,17 @@ def _elastic_variants() -> dict[str, dict]:
 
     extras = ({}, {"PDL": True}, {"PROFILE": True, "USE_CLOCK": True})
     jobs = [_elastic_job(k, **e) for k in ELASTIC_KERNELS[:4] for e in extras]
-    jobs += [_elastic_job(k) for k in ELASTIC_KERNELS[4:]]
-    cooperative = {"launch_cooperative_grid": True}
-    fused = [k for k in ELASTIC_KERNELS if k[0].endswith("_fused")]
-    jobs += [_elastic_job(k, cooperative, **e) for k in fused for e in ({}, {"PROFILE": True})]
-    return _compile(jobs)
+    return _compile(jobs + [_elastic_job(k) for k in ELASTIC_KERNELS[4:]])
 
 
-def _elastic_ptx(kernel, options=None, **extra) -> str:
+def _elastic_ptx(kernel, **extra) -> str:
     from tests.test_kernels_compile import _compile
 
-    job = _elastic_job(kernel, options, **extra)
+    job = _elastic_job(kernel, **extra)
     key = json.dumps(job)
     result = _elastic_variants().get(key) or _compile([job])[key]
     assert "ptx" in result, result["error"][-3000:]
     return result["ptx"]
-
-
-@pytest.mark.parametrize("name", ["elastic_dispatch_fused", "elastic_combine_fused"])
-def test_elastic_fused_decode_kernels_compile(name):
-    """The fused decode kernels compile for sm_90 as cooperative launches; programs other than
-    the last poll the exchange number with volatile reads, then acquire it at GPU scope, which
-    the last program stores with a release; no programmatic dependent launch; ``PROFILE``
-    adds the clock reads of the trace. The mode asks for a cooperative launch on GPUs only
-    (the interpreter takes no such option)."""
-    from types import SimpleNamespace
-
-    from tritonep.modes.elastic import ElasticMode
-
-    pytest.importorskip("triton.backends.nvidia")
-    (kernel,) = [k for k in ELASTIC_KERNELS if k[0] == name]
-    cooperative = {"launch_cooperative_grid": True}
-    ptx = _elastic_ptx(kernel, cooperative)
-    body = ptx[ptx.index(".entry") :]
-    assert "atom.global.gpu.release.exch.b64" in body  # the last program closes the exchange
-    assert "ld.volatile.global.b64" in body  # the others poll it
-    assert "ld.global.gpu.acquire.b64" in body  # and acquire it once it came
-    assert "griddepcontrol" not in body
-    untraced = ptx.count("globaltimer")
-    assert _elastic_ptx(kernel, cooperative, PROFILE=True).count("globaltimer") > untraced
-    on_gpu = SimpleNamespace(device=torch.device("cuda", 0))
-    assert ElasticMode._cooperative(on_gpu) == {"launch_cooperative_grid": True}
-    assert ElasticMode._cooperative(SimpleNamespace(device=torch.device("cpu"))) == {}
 
 
 @pytest.mark.parametrize("push, epilogue", [(0, 1), (2, 3)], ids=["dispatch", "combine"])
@@ -867,22 +791,6 @@ def test_elastic_on_gpus(run_ranks):
         args = ([300, 40, 0, 200][:R], 2880, 8, 4, fp8, True, 1, 1, True)
         assert run_ranks(R, _elastic_body, *args, timeout=900) == [True] * R
     assert run_ranks(R, _graph_body, 128, 7168, 8, 8) == [True] * R
-    # Fused decode launches at decode sizes (a program per token, waits across programs),
-    # against two launches and in a CUDA graph.
-    for fp8 in (None, "ue8m0"):
-        run_ranks(R, _fused_body, [128, 1, 77, 128][:R], 7168, 8, 8, fp8, 64, True, timeout=900)
-    assert run_ranks(R, _fused_graph_body, 128, 7168, 8, 8) == [True] * R
-
-
-def _fused_graph_body(*args):
-    """:func:`_graph_body` with ``Tuning.fused_decode``."""
-    import tritonep.modes.elastic as mode
-
-    mode.TUNING = mode.Tuning(fused_decode=True)
-    try:
-        return _graph_body(*args)
-    finally:
-        mode.TUNING = mode.Tuning()
 
 
 @pytest.mark.parametrize("index", range(4), ids=[k[0] for k in ELASTIC_KERNELS[:4]])
@@ -897,126 +805,3 @@ def test_elastic_traces_are_compiled_in_only_when_asked(index):
     assert traced > untraced
     if "epilogue" in kernel[0]:
         assert untraced == 0
-
-
-def _fused_body(ctx, tokens, hidden, experts_per_rank, topk, fp8, alignment, reduce_per_rank):
-    """Every decode call twice on one buffer, with two launches and with ``fused_decode``:
-    the same bits in every output and handle tensor (poisoned rows included), the fused
-    kernels launched for the calls sized before the launch and not for the others, and an
-    exact-size dispatch after the fused calls (separate launches) unchanged."""
-    import tritonep.modes.elastic as mode
-    from tritonep.kernels import launcher
-
-    R, rank, dev = ctx.world_size, ctx.rank, ctx.device
-    num_experts = experts_per_rank * R
-    x, idx, weights = _inputs(rank, tokens, hidden, num_experts, topk, fp8, seed=11)
-    x, idx, weights = _to(x, dev), idx.to(dev), weights.to(dev)
-    buffer = deep_ep.ElasticBuffer(
-        dist.group.WORLD,
-        num_max_tokens_per_rank=max(tokens) + 1,
-        hidden=hidden,
-        num_topk=topk,
-        allow_multiple_reduction=reduce_per_rank,
-        explicitly_destroy=True,
-    )
-    bias = (_summands(tokens[rank], hidden, 5 + rank).to(dev),)
-
-    def calls():
-        digests = []
-        for expand in (False, True):
-            common = dict(do_expand=expand, use_tma_aligned_col_major_sf=expand)
-            recv_x, recv_idx, recv_w, handle, _ = buffer.dispatch(
-                x,
-                idx,
-                weights,
-                num_experts=num_experts,
-                expert_alignment=alignment,
-                do_cpu_sync=False,
-                do_zero_padding=expand,
-                **common,
-            )
-            cached = buffer.dispatch(x, topk_weights=weights, handle=handle, **common)
-            rows = handle.num_expanded_tokens if expand else handle.num_recv_tokens
-            y = _summands(rows, hidden, 30 + rank + 7 * expand).to(dev)
-            back = recv_w if reduce_per_rank or not expand else None
-            out, out_w, _ = buffer.combine(y, handle, back, bias=bias[0])
-            digests.append(
-                _digest(
-                    recv_x,
-                    recv_idx,
-                    recv_w,
-                    handle.psum_num_recv_tokens_per_scaleup_rank,
-                    handle.psum_num_recv_tokens_per_expert,
-                    handle.num_unaligned_recv_tokens_per_expert,
-                    handle.recv_src_metadata,
-                    handle.dst_buffer_slot_idx,
-                    handle.reduction_slot,
-                    *cached[:3],
-                    out,
-                    out_w,
-                )
-            )
-        exact = buffer.dispatch(x, idx, weights, num_experts=num_experts, do_cpu_sync=True)
-        digests.append(_digest(*exact[:3], exact[3].recv_src_metadata))
-        return digests
-
-    launched = []
-    plain_launch = launcher.launch
-
-    def spy(fn, grid, args, meta):
-        name = getattr(fn, "__name__", str(fn))
-        launched.append((name, grid[0]))
-        if name.endswith("fused"):  # every program resident: a cooperative launch on GPUs
-            assert meta.get("launch_cooperative_grid", False) == (dev.type == "cuda")
-        plain_launch(fn, grid, args, meta)
-
-    small = dict(dispatch_tokens=4, copy_rows=4, reduce_tokens=2)
-    launcher.launch = spy
-    try:
-        mode.TUNING = mode.Tuning(**small)
-        two = calls()
-        assert not any("fused" in name for name, _ in launched)
-        launched.clear()
-        mode.TUNING = mode.Tuning(**small, fused_decode=True)
-        one = calls()
-    finally:
-        launcher.launch = plain_launch
-        mode.TUNING = mode.Tuning()
-    assert one == two
-    names = [name for name, _ in launched]
-    # Per layout: dispatch and cached dispatch, combine; then the exact dispatch's two.
-    assert names.count("elastic_dispatch_fused") == 4
-    assert names.count("elastic_combine_fused") == 2
-    assert names.count("elastic_dispatch") == names.count("elastic_dispatch_epilogue") == 1
-    assert "elastic_combine" not in names and "elastic_combine_epilogue" not in names
-    grids = {name: {g for n, g in launched if n == name} for name in names if "fused" in name}
-    buffer.destroy()
-    return grids
-
-
-@pytest.mark.parametrize(
-    "tokens, fp8, alignment, reduce_per_rank",
-    [
-        ([1, 1], None, 1, True),
-        ([9, 0, 6], None, 4, False),
-        ([5, 7], "ue8m0", 2, True),
-    ],
-    ids=["bf16-1-token", "bf16-3ranks-unreduced", "fp8-ue8m0"],
-)
-def test_elastic_fused_decode_matches_two_launches(
-    run_ranks, tokens, fp8, alignment, reduce_per_rank
-):
-    """``Tuning.fused_decode``: push and epilogue in one launch give bit for bit what two
-    launches give, for dispatch (plain, expanded, cached; BF16 and FP8; weights) and combine
-    (with bias; reduced or not), over one program (a 1-token batch) and several. Under the
-    interpreter the last program does every program's share of the epilogue (programs run in
-    turn, so none may wait for a later one); the wait itself runs on GPUs only."""
-    hidden = 272 if fp8 else 136
-    R = len(tokens)
-    grids = run_ranks(R, _fused_body, tokens, hidden, 3, 4, fp8, alignment, reduce_per_rank)
-    dispatch_grids = set().union(*(g["elastic_dispatch_fused"] for g in grids))
-    if max(tokens) == 1:  # one program pushes the token and copies every received row
-        assert dispatch_grids == {1}
-    else:
-        assert max(dispatch_grids) > 1
-    assert max(set().union(*(g["elastic_combine_fused"] for g in grids))) > 1

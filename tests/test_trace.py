@@ -332,32 +332,3 @@ def test_elastic_traces_show_every_phase_in_order(run_ranks, num_ranks, tmp_path
             ends = [max(r[END] for r in t[call]) for t in order]
             starts = [min(r[START] for r in t[call]) for t in order]
             assert all(ends[i] < starts[i + 1] for i in range(3)), (ends, starts)
-
-
-FUSED = ("elastic dispatch fused", "elastic combine fused")
-
-
-def _fused_trace_body(ctx, tmp):
-    """:func:`_elastic_trace_body`'s calls with ``Tuning.fused_decode`` (the decode-shaped
-    ones fused)."""
-    import tritonep.modes.elastic as mode
-
-    mode.TUNING = mode.Tuning(fused_decode=True)
-    try:
-        same, slices, _ = _elastic_trace_body(ctx, tmp)
-    finally:
-        mode.TUNING = mode.Tuning()
-    return same, slices
-
-
-def test_elastic_fused_decode_traces(run_ranks, tmp_path):
-    """Fused decode launches are traced as one kernel each: the push, then the exchange, the
-    wait for the last program and the epilogue's work; traced calls return what untraced
-    ones do."""
-    for same, slices in run_ranks(2, _fused_trace_body, str(tmp_path)):
-        assert same and all(same), [i for i, s in enumerate(same) if not s]
-        for kernel in FUSED:
-            (send, _), (recv, subs) = PHASES[kernel]
-            assert subs[1] == "launch wait"
-            names = {s["name"] for s in slices if s["args"]["kernel"] == kernel}
-            assert {f"{kernel}: {send}", f"{kernel}: {recv}"} <= names, (kernel, names)

@@ -18,9 +18,7 @@ owner: for each token, float32 ``bias_0 + bias_1``, then each slot's row added i
 order of DeepEP V2's reference (``deep_ep/utils/refs.py``), so results match it bit for bit.
 Weight ``k`` comes from the row of the rank that holds expert ``k``.
 
-:func:`elastic_combine_fused` (``tritonep::elastic::combine_fused_impl``) is both in one
-cooperative launch, for decode batches (as :func:`.elastic_dispatch.elastic_dispatch_fused`),
-sharing their bodies (:func:`combine_push`, :func:`reduce_share`).
+:func:`combine_push` and :func:`reduce_share` are the two kernels' bodies.
 """
 
 from __future__ import annotations
@@ -34,13 +32,11 @@ from .elastic_exchange import (
     arrive,
     exchange_number,
     finish_exchange,
-    fused_shares,
-    publish_exchange,
     send_tags,
     wait_tags,
 )
 from .fp8 import from_bf16, to_bf16
-from .phases import ELASTIC_COMBINE, ELASTIC_COMBINE_FUSED
+from .phases import ELASTIC_COMBINE
 from .profiled import kernel
 from .sync import lane
 from .trace import read_clock, write_trace
@@ -165,14 +161,11 @@ def combine_push(
     EXPAND: tl.constexpr,
     MULTI: tl.constexpr,
     USE_CLOCK: tl.constexpr,
-    PUBLISH: tl.constexpr,
     PROFILE: tl.constexpr,
 ):
-    """The push of :func:`elastic_combine` (also the first part of a fused launch): this
-    program's rows, its arrival and, in the last program, the tags and the wait for the
-    peers', the exchange closed with a release when ``PUBLISH``. Returns the exchange number,
-    whether this program was the last, and its trace readings (rows start, push end,
-    arrival; tag and wait times)."""
+    """The body of :func:`elastic_combine`: this program's rows, its arrival and, in the last
+    program, the tags and the wait for the peers'. Returns its trace readings (rows start,
+    push end, arrival; tag and wait times)."""
     t_tag = tl.zeros((), tl.int64)
     t_wait = tl.zeros((), tl.int64)
     pid = tl.program_id(0)
@@ -274,11 +267,8 @@ def combine_push(
         if PROFILE:
             t_wait = read_clock(trace_ptr, USE_CLOCK) - t_tag
             t_tag = t_tag - t_arrive
-        if PUBLISH:
-            publish_exchange(state_ptr, call)
-        else:
-            finish_exchange(state_ptr, call)
-    return call, last, t_rows, t_push_end, t_arrive, t_tag, t_wait
+        finish_exchange(state_ptr, call)
+    return t_rows, t_push_end, t_arrive, t_tag, t_wait
 
 
 @kernel("tritonep::elastic::combine_impl", do_not_specialize=["timeout_us", "has_weights"])
@@ -322,7 +312,7 @@ def elastic_combine(
         # The epilogue may launch now (as in elastic_dispatch: every program of this grid is
         # resident by then, so none is held back; the epilogue waits for this grid's end).
         gdc_launch_dependents()
-    _, _, t_rows, t_push_end, t_arrive, t_tag, t_wait = combine_push(
+    t_rows, t_push_end, t_arrive, t_tag, t_wait = combine_push(
         x_ptr,
         weights_ptr,
         meta_ptr,
@@ -351,7 +341,6 @@ def elastic_combine(
         EXPAND,
         MULTI,
         USE_CLOCK,
-        False,
         PROFILE,
     )
     if PROFILE:
@@ -412,8 +401,8 @@ def reduce_share(
     EMULATE: tl.constexpr,
 ):
     """Program ``pid`` of ``num_programs``'s share of the reduce epilogue of exchange ``call``
-    (:func:`elastic_combine_epilogue`, and the second part of a fused launch): its work items
-    of this rank's tokens, summed in the fixed slot order."""
+    (the body of :func:`elastic_combine_epilogue`): its work items of this rank's tokens,
+    summed in the fixed slot order."""
     region = tl.load(peer_ptrs + rank) + region_offset + (call % 2) * region_bytes
     ks = tl.arange(0, BLOCK_K)
     hs = tl.arange(0, BLOCK_CHANNELS)
@@ -549,148 +538,3 @@ def elastic_combine_epilogue(
         zero = tl.zeros((), tl.int64)
         t_end = read_clock(trace_ptr, USE_CLOCK)
         write_trace(trace_ptr, t_start, t_waited, t_end, zero, zero, zero, zero, zero, USE_CLOCK)
-
-
-@kernel(
-    "tritonep::elastic::combine_fused_impl",
-    do_not_specialize=["timeout_us", "has_weights", "num_bias"],
-)
-def elastic_combine_fused(
-    x_ptr,  # [rows, H] bf16: one row per received token, or per expanded slot (EXPAND)
-    weights_ptr,  # [rows, K] (plain) or [rows] (EXPAND) float32 (has_weights)
-    meta_ptr,  # [tokens, K + 2] int32 recv_src_metadata of the dispatch
-    slots_ptr,  # [tokens] int32 each received token's reduction slot
-    psum_rank_ptr,  # [R] int32 rows received per source, inclusive (the last: all)
-    peer_ptrs,  # [R] int64 heap base of every rank
-    rank,  # this rank
-    header_offset,  # byte offset of the headers [2][R][HEADER_WORDS] int32
-    region_offset,  # byte offset of region 0 (region 1 follows at + region_bytes)
-    region_bytes,  # bytes of a region
-    max_tokens,  # slots per source rank in a region (num_max_tokens_per_rank)
-    state_ptr,  # [8] int64 mode state (elastic_exchange)
-    status_ptr,  # [STATUS_WORDS] int32 status record (kernels.status)
-    timeout_us,  # limit of a wait in microseconds (sync.timeout_us)
-    has_weights,  # 1: top-k weights go back with the rows (run-time: no variant of its own)
-    topk_ptr,  # [N, K] int64 the dispatch's ids (this rank's tokens)
-    bias0_ptr,  # [N, H] bf16 (num_bias >= 1)
-    bias1_ptr,  # [N, H] bf16 (num_bias == 2)
-    out_ptr,  # [N, H] bf16
-    out_weights_ptr,  # [N, K] float32 (has_weights)
-    num_tokens,  # N: this rank's tokens
-    num_bias,  # bias tensors, 0 to 2
-    trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE; kernels.trace), else unused
-    H: tl.constexpr,  # hidden size: channels of a row
-    K: tl.constexpr,  # top-k: choices per token
-    BLOCK_K: tl.constexpr,  # K as a power of two (at least 2)
-    NUM_RANKS: tl.constexpr,  # R: ranks of the group
-    BLOCK_RANKS: tl.constexpr,  # NUM_RANKS as a power of two (at least 2)
-    # bytes of a combine record: H bf16 values, then K float32 weights
-    COMBINE_RECORD_BYTES: tl.constexpr,
-    HEADER_WORDS: tl.constexpr,  # int32 words of a header
-    BLOCK_ROWS: tl.constexpr,  # rows per block
-    BLOCK_CHANNELS: tl.constexpr,  # channels moved per step
-    EXPAND: tl.constexpr,  # expanded layout: a row per (token, local expert)
-    MULTI: tl.constexpr,  # EXPAND: reduce a token's rows here before sending one
-    USE_CLOCK: tl.constexpr,  # waits read the GPU clock (not under the interpreter)
-    NUM_EXPERTS: tl.constexpr,  # experts in all
-    E_LOCAL: tl.constexpr,  # experts per rank
-    SLOTS: tl.constexpr,  # slots per token
-    RANK_SLOTS: tl.constexpr,  # a slot per destination rank (else per top-k column)
-    BLOCK_TOKENS: tl.constexpr,  # tokens per block of the reduce
-    REDUCE_CHANNELS: tl.constexpr,  # channels per work item of the reduce
-    PROFILE: tl.constexpr = False,  # record a trace (push; exchange, launch wait, reduce)
-):
-    """:func:`elastic_combine` and :func:`elastic_combine_epilogue` in one cooperative launch
-    (decode batches): every program pushes its rows and arrives; the last sends the tags,
-    waits for the peers' and closes the exchange with a release; every other program waits
-    for that (bounded; one that gives up records it and leaves its share of the output
-    poisoned), then all reduce their share of this rank's tokens. Under the interpreter the
-    last program does every program's share (:func:`.elastic_exchange.fused_shares`)."""
-    t_start = tl.zeros((), tl.int64)
-    if PROFILE:
-        t_start = read_clock(trace_ptr, USE_CLOCK)
-    call, last, t_rows, t_push_end, t_arrive, _, _ = combine_push(
-        x_ptr,
-        weights_ptr,
-        meta_ptr,
-        slots_ptr,
-        psum_rank_ptr,
-        peer_ptrs,
-        rank,
-        header_offset,
-        region_offset,
-        region_bytes,
-        max_tokens,
-        state_ptr,
-        status_ptr,
-        timeout_us,
-        has_weights,
-        trace_ptr,
-        H,
-        K,
-        BLOCK_K,
-        NUM_RANKS,
-        BLOCK_RANKS,
-        COMBINE_RECORD_BYTES,
-        HEADER_WORDS,
-        BLOCK_ROWS,
-        BLOCK_CHANNELS,
-        EXPAND,
-        MULTI,
-        USE_CLOCK,
-        True,
-        PROFILE,
-    )
-    t_exchanged = t_arrive
-    if PROFILE:
-        t_exchanged = read_clock(trace_ptr, USE_CLOCK)
-    first, shares = fused_shares(
-        last, call, rank, state_ptr, status_ptr, timeout_us, ELASTIC_COMBINE_FUSED, USE_CLOCK
-    )
-    t_waited = t_exchanged
-    if PROFILE:
-        t_waited = read_clock(trace_ptr, USE_CLOCK)
-    for pid in range(first, first + shares):
-        reduce_share(
-            call,
-            pid,
-            tl.num_programs(0),
-            topk_ptr,
-            bias0_ptr,
-            bias1_ptr,
-            out_ptr,
-            out_weights_ptr,
-            num_tokens,
-            peer_ptrs,
-            rank,
-            region_offset,
-            region_bytes,
-            max_tokens,
-            num_bias,
-            has_weights,
-            H,
-            K,
-            BLOCK_K,
-            NUM_EXPERTS,
-            E_LOCAL,
-            SLOTS,
-            RANK_SLOTS,
-            COMBINE_RECORD_BYTES,
-            BLOCK_TOKENS,
-            REDUCE_CHANNELS,
-            not USE_CLOCK,
-        )
-    if PROFILE:
-        t_end = read_clock(trace_ptr, USE_CLOCK)
-        write_trace(
-            trace_ptr,
-            t_start,
-            t_push_end,
-            t_end,
-            t_push_end - t_rows,
-            t_exchanged - t_push_end,
-            t_waited - t_exchanged,
-            t_end - t_waited,
-            0,
-            USE_CLOCK,
-        )

@@ -20,10 +20,7 @@ earlier sources) + the token's rank among its source's tokens of that expert``, 
 block padded to the alignment (zeroed on request). Rows therefore come in the same order on
 every call: deterministic by construction, cached or not.
 
-:func:`elastic_dispatch_fused` (``tritonep::elastic::dispatch_fused_impl``) is both in one
-cooperative launch, for decode batches: the push's programs copy too, once the last of them
-has closed the exchange (:mod:`.elastic_exchange`). The three kernels share their bodies
-(:func:`dispatch_push`, :func:`copy_share`).
+:func:`dispatch_push` and :func:`copy_share` are the two kernels' bodies.
 
 Why it is cheap: one store per (token, destination rank) crosses NVLink, no ring, no slot
 atomics and no receiver programs spinning on data; the copy into the caller's layout reads
@@ -40,13 +37,11 @@ from .elastic_exchange import (
     arrive,
     exchange_number,
     finish_exchange,
-    fused_shares,
     header_ptr,
-    publish_exchange,
     send_tags,
     wait_tags,
 )
-from .phases import ELASTIC_DISPATCH, ELASTIC_DISPATCH_FUSED
+from .phases import ELASTIC_DISPATCH
 from .profiled import kernel
 from .sync import aligned_ptr, lane, rows_before
 from .trace import read_clock, write_trace
@@ -312,14 +307,11 @@ def dispatch_push(
     SCAN_BLOCK_TOKENS: tl.constexpr,
     HAS_SF: tl.constexpr,
     USE_CLOCK: tl.constexpr,
-    PUBLISH: tl.constexpr,
     PROFILE: tl.constexpr,
 ):
-    """The push of :func:`elastic_dispatch` (also the first part of a fused launch): this
-    program's records, its arrival and, in the last program, the exchange of the headers,
-    closed with a release when ``PUBLISH`` (:func:`.elastic_exchange.publish_exchange`).
-    Returns the exchange number, whether this program was the last, and its trace readings
-    (push end, arrival; scan, stores, headers and wait times)."""
+    """The body of :func:`elastic_dispatch`: this program's records, its arrival and, in the
+    last program, the exchange of the headers. Returns its trace readings (push end, arrival;
+    scan, stores, headers and wait times)."""
     t_scan = tl.zeros((), tl.int64)
     t_stores = tl.zeros((), tl.int64)
     t_headers = tl.zeros((), tl.int64)
@@ -463,11 +455,8 @@ def dispatch_push(
             HEADER_WORDS,
             has_stats,
         )
-        if PUBLISH:
-            publish_exchange(state_ptr, call)
-        else:
-            finish_exchange(state_ptr, call)
-    return call, last, t_push_end, t_arrive, t_scan, t_stores, t_headers, t_wait
+        finish_exchange(state_ptr, call)
+    return t_push_end, t_arrive, t_scan, t_stores, t_headers, t_wait
 
 
 @kernel("tritonep::elastic::dispatch_impl", do_not_specialize=["timeout_us", "flags"])
@@ -532,7 +521,7 @@ def elastic_dispatch(
         # already resident (the last one, which waits for the peers' headers, included); the
         # epilogue's programs take only the room left on the SMs.
         gdc_launch_dependents()
-    _, _, t_push_end, t_arrive, t_scan, t_stores, t_headers, t_wait = dispatch_push(
+    t_push_end, t_arrive, t_scan, t_stores, t_headers, t_wait = dispatch_push(
         x_ptr,
         sf_ptr,
         sf_token_stride,
@@ -576,7 +565,6 @@ def elastic_dispatch(
         SCAN_BLOCK_TOKENS,
         HAS_SF,
         USE_CLOCK,
-        False,
         PROFILE,
     )
     if PROFILE:
@@ -976,10 +964,9 @@ def copy_share(
     USE_CLOCK: tl.constexpr,
 ):
     """Program ``pid`` of ``num_programs``'s share of the copy epilogue of exchange ``call``
-    (:func:`elastic_dispatch_epilogue`, and the second part of a fused launch): its blocks of
-    received rows, the markers of unused rows, the padding, and (``pid`` 0) the prefix sums.
-    Returns its trace readings after the layout, the rows and the markers (``t_waited``
-    untraced)."""
+    (the body of :func:`elastic_dispatch_epilogue`): its blocks of received rows, the markers
+    of unused rows, the padding, and (``pid`` 0) the prefix sums. Returns its trace readings
+    after the layout, the rows and the markers (``t_waited`` untraced)."""
     region = region_offset + (call % 2) * region_bytes
     my_base = tl.load(peer_ptrs + rank)
     ranks = tl.arange(0, BLOCK_RANKS)
@@ -1213,202 +1200,5 @@ def elastic_dispatch_epilogue(
             t_marked - t_copied,
             t_end - t_marked,
             0,
-            USE_CLOCK,
-        )
-
-
-@kernel("tritonep::elastic::dispatch_fused_impl", do_not_specialize=["timeout_us", "flags"])
-def elastic_dispatch_fused(
-    x_ptr,  # [N, ROW_WORDS] int32 words of the rows (BF16 or e4m3 bytes)
-    sf_ptr,  # [N, G] 4-byte scale packs, viewed as int32, any strides (HAS_SF)
-    sf_token_stride,  # strides of sf_ptr, in packs
-    sf_group_stride,
-    topk_ptr,  # [N, K] int64 expert ids, -1 for none
-    weights_ptr,  # [N, K] float32 (FLAG_WEIGHTS)
-    num_tokens,  # N: this rank's tokens
-    max_tokens,  # slots per source rank in a region (num_max_tokens_per_rank)
-    peer_ptrs,  # [R] int64 heap base of every rank
-    rank,  # this rank
-    header_offset,  # byte offset of the headers [2][R][HEADER_WORDS] int32
-    region_offset,  # byte offset of region 0 (region 1 follows at + region_bytes)
-    region_bytes,  # bytes of a region
-    state_ptr,  # [8] int64 mode state (elastic_exchange)
-    totals_ptr,  # [R + E] int32 scratch: the last token range's counts, for the headers
-    recv_counts_ptr,  # [R, 1 + E_LOCAL] int32 out: what each source sent here
-    stats_ptr,  # [E_LOCAL] int32, choices received added in (FLAG_STATS)
-    ids_copy_ptr,  # [N, K] int64 out: a copy of the ids (FLAG_COPY_IDS)
-    slots_ptr,  # [N, K] int32 out: each choice's slot on its destination (FLAG_SLOTS)
-    status_ptr,  # [STATUS_WORDS] int32 status record (kernels.status)
-    timeout_us,  # limit of a wait in microseconds (sync.timeout_us)
-    flags,  # the push's flags and the copy's (FLAG_ZERO_PAD | FLAG_META): distinct bits
-    alignment,  # expert_alignment
-    num_rows,  # rows of recv_src_metadata (and of the plain outputs)
-    num_out_rows,  # rows of recv_x (expanded: more than num_rows)
-    out_words,  # [rows, ROW_WORDS] int32 words of recv_x
-    out_sf,  # [rows, G] int32 view of the scale packs (HAS_SF), strides below
-    out_sf_token_stride,  # strides of out_sf, in packs
-    out_sf_group_stride,
-    out_ids,  # [rows, K] int64 local expert ids (plain)
-    out_weights,  # [rows, K] (plain) or [rows] (EXPAND) float32 (FLAG_WEIGHTS)
-    out_meta,  # [tokens, K + 2] int32 recv_src_metadata (FLAG_META)
-    out_slots,  # [tokens] int32 reduction slot of each received token (FLAG_META)
-    psum_rank_ptr,  # [R] int32 out (FLAG_META)
-    psum_expert_ptr,  # [E_LOCAL] int32 out (FLAG_META)
-    unaligned_ptr,  # [E_LOCAL] int32 out (FLAG_META)
-    trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE; kernels.trace), else unused
-    K: tl.constexpr,  # top-k: choices per token
-    BLOCK_K: tl.constexpr,  # K as a power of two (at least 2)
-    NUM_EXPERTS: tl.constexpr,  # experts in all
-    BLOCK_EXPERTS: tl.constexpr,  # NUM_EXPERTS as a power of two
-    E_LOCAL: tl.constexpr,  # experts per rank
-    BLOCK_COUNTS: tl.constexpr,  # next power of two of E_LOCAL + 1
-    NUM_RANKS: tl.constexpr,  # R: ranks of the group
-    BLOCK_RANKS: tl.constexpr,  # NUM_RANKS as a power of two (at least 2)
-    ROW_WORDS: tl.constexpr,  # int32 words of a row
-    BLOCK_WORDS: tl.constexpr,  # words moved per step
-    G: tl.constexpr,  # scale packs per row
-    BLOCK_GROUPS: tl.constexpr,  # G as a power of two (at least 2)
-    RECORD_BYTES: tl.constexpr,  # bytes of a record
-    PAYLOAD_BYTES: tl.constexpr,  # bytes of its payload (16-byte aligned)
-    SCALE_BYTES: tl.constexpr,  # bytes of its scale packs (16-byte aligned)
-    HEADER_WORDS: tl.constexpr,  # int32 words of a header
-    BLOCK_TOKENS: tl.constexpr,  # tokens per block
-    SCAN_BLOCK_TOKENS: tl.constexpr,  # tokens per block of the scan of the earlier tokens' ids
-    HAS_SF: tl.constexpr,  # the rows come with scale packs (FP8)
-    USE_CLOCK: tl.constexpr,  # waits read the GPU clock (not under the interpreter)
-    BLOCK_LOCAL_EXPERTS: tl.constexpr,  # E_LOCAL as a power of two (at least 2)
-    COPY_BLOCK_WORDS: tl.constexpr,  # words moved per step of the copy
-    BLOCK_ROWS: tl.constexpr,  # received tokens per block of the copy
-    BLOCK_FILL: tl.constexpr,  # rows per block of the unused rows' markers
-    EXPAND: tl.constexpr,  # expanded layout: a row per (token, local expert)
-    PROFILE: tl.constexpr = False,  # record a trace (push; exchange, launch wait, copy)
-):
-    """:func:`elastic_dispatch` and :func:`elastic_dispatch_epilogue` in one cooperative launch
-    (decode batches, outputs sized before the launch): every program pushes its tokens and
-    arrives; the last exchanges the headers and closes the exchange with a release; every
-    other program waits for that (bounded; one that gives up records it and leaves its share
-    of the outputs poisoned), then all copy their share of the received rows. Under the
-    interpreter programs run one after another, so none may wait for a later one: the last
-    program then does every program's share itself (the same shares, in turn)."""
-    t_start = tl.zeros((), tl.int64)
-    if PROFILE:
-        t_start = read_clock(trace_ptr, USE_CLOCK)
-    call, last, t_push_end, t_arrive, t_scan, t_stores, _, _ = dispatch_push(
-        x_ptr,
-        sf_ptr,
-        sf_token_stride,
-        sf_group_stride,
-        topk_ptr,
-        weights_ptr,
-        num_tokens,
-        max_tokens,
-        peer_ptrs,
-        rank,
-        header_offset,
-        region_offset,
-        region_bytes,
-        state_ptr,
-        totals_ptr,
-        recv_counts_ptr,
-        stats_ptr,
-        ids_copy_ptr,
-        slots_ptr,
-        status_ptr,
-        timeout_us,
-        flags,
-        trace_ptr,
-        K,
-        BLOCK_K,
-        NUM_EXPERTS,
-        BLOCK_EXPERTS,
-        E_LOCAL,
-        BLOCK_COUNTS,
-        NUM_RANKS,
-        BLOCK_RANKS,
-        ROW_WORDS,
-        BLOCK_WORDS,
-        G,
-        BLOCK_GROUPS,
-        RECORD_BYTES,
-        PAYLOAD_BYTES,
-        SCALE_BYTES,
-        HEADER_WORDS,
-        BLOCK_TOKENS,
-        SCAN_BLOCK_TOKENS,
-        HAS_SF,
-        USE_CLOCK,
-        True,
-        PROFILE,
-    )
-    t_exchanged = t_arrive
-    if PROFILE:
-        t_exchanged = read_clock(trace_ptr, USE_CLOCK)
-    num_programs = tl.num_programs(0)
-    first, shares = fused_shares(
-        last, call, rank, state_ptr, status_ptr, timeout_us, ELASTIC_DISPATCH_FUSED, USE_CLOCK
-    )
-    t_waited = t_exchanged
-    if PROFILE:
-        t_waited = read_clock(trace_ptr, USE_CLOCK)
-    for pid in range(first, first + shares):
-        copy_share(
-            call,
-            pid,
-            num_programs,
-            t_waited,
-            recv_counts_ptr,
-            peer_ptrs,
-            rank,
-            region_offset,
-            region_bytes,
-            max_tokens,
-            alignment,
-            num_rows,
-            num_out_rows,
-            out_words,
-            out_sf,
-            out_sf_token_stride,
-            out_sf_group_stride,
-            out_ids,
-            out_weights,
-            out_meta,
-            out_slots,
-            psum_rank_ptr,
-            psum_expert_ptr,
-            unaligned_ptr,
-            flags,
-            trace_ptr,
-            K,
-            BLOCK_K,
-            NUM_RANKS,
-            BLOCK_RANKS,
-            E_LOCAL,
-            BLOCK_LOCAL_EXPERTS,
-            ROW_WORDS,
-            COPY_BLOCK_WORDS,
-            G,
-            BLOCK_GROUPS,
-            RECORD_BYTES,
-            PAYLOAD_BYTES,
-            SCALE_BYTES,
-            BLOCK_ROWS,
-            BLOCK_FILL,
-            EXPAND,
-            HAS_SF,
-            PROFILE,
-            USE_CLOCK,
-        )
-    if PROFILE:
-        t_end = read_clock(trace_ptr, USE_CLOCK)
-        write_trace(
-            trace_ptr,
-            t_start,
-            t_push_end,
-            t_end,
-            t_scan,
-            t_stores,
-            t_exchanged - t_push_end,
-            t_waited - t_exchanged,
-            t_end - t_waited,
             USE_CLOCK,
         )

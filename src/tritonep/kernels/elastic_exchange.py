@@ -20,11 +20,6 @@ dispatches and combines.
 The last program of a launch to finish its stores (:func:`arrive`) sends the tags and waits
 (bounded) for the peers' tags; a wait that gives up records the peer in the status and the
 exchange ends anyway, so later launches do not wait again (:mod:`tritonep.kernels.sync`).
-
-A fused launch (push and epilogue in one cooperative grid, for decode batches) closes the
-exchange with :func:`publish_exchange` (a release) and every other program waits for it
-(:func:`wait_exchange`, an acquire) before its share of the epilogue's work: what the last
-program acquired from the peers (their tags, so their rows) reaches them through it.
 """
 
 from __future__ import annotations
@@ -34,7 +29,7 @@ import triton.language as tl
 
 from .phases import ELASTIC_BARRIER
 from .profiled import kernel
-from .sync import elapsed_ns, first_lane, limit_ns, record_timeout, start_clock, wait_all_at_least
+from .sync import first_lane, limit_ns, record_timeout, wait_all_at_least
 
 # int64 words of the mode's state tensor.
 EXCHANGES = tl.constexpr(0)  # exchanges completed
@@ -125,68 +120,6 @@ def finish_exchange(state_ptr, call):
     part in the next exchange."""
     tl.store(state_ptr + ARRIVALS, 0)
     tl.store(state_ptr + EXCHANGES, call + 1)
-
-
-@triton.jit
-def publish_exchange(state_ptr, call):
-    """:func:`finish_exchange` for a fused launch: the exchange number is stored with release
-    semantics after this program's stores (the decoded counts) and its acquire of the peers'
-    tags, so that the programs waiting in :func:`wait_exchange` see all of it."""
-    tl.store(state_ptr + ARRIVALS, 0)
-    tl.debug_barrier()
-    tl.atomic_xchg(state_ptr + EXCHANGES, call + 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def wait_exchange(state_ptr, call, rank, status_ptr, timeout_us, PHASE: tl.constexpr):
-    """In a fused launch (all programs resident, on a GPU), wait until the last program has
-    closed exchange ``call`` (:func:`publish_exchange`). Polled with plain volatile reads (many
-    programs poll one word), then one acquire read orders the epilogue's reads after the
-    release. The limit is twice the launch's: the last program's own wait for its peers is
-    bounded by one limit, so only a last program that never arrives runs this out. Returns
-    whether it came; a wait that gives up records this rank as its own peer, in ``PHASE``."""
-    limit = 2 * limit_ns(timeout_us, status_ptr)
-    target = call + 1
-    start = start_clock(True)
-    spins = tl.zeros((), tl.int64)
-    done = tl.load(state_ptr + EXCHANGES, volatile=True) >= target
-    while (not done) & (elapsed_ns(start, spins, True) < limit):
-        spins += 1
-        done = tl.load(state_ptr + EXCHANGES, volatile=True) >= target
-    if done:
-        done = tl.atomic_add(state_ptr + EXCHANGES, 0, sem="acquire", scope="gpu") >= target
-    else:
-        record_timeout(status_ptr, rank, PHASE, limit)
-    tl.debug_barrier()
-    return done
-
-
-@triton.jit
-def fused_shares(
-    last,
-    call,
-    rank,
-    state_ptr,
-    status_ptr,
-    timeout_us,
-    PHASE: tl.constexpr,
-    USE_CLOCK: tl.constexpr,
-):
-    """After a fused launch's push: the first of this program's shares of the epilogue's work
-    and how many it does. On a GPU every program does its own share, the last at once, every
-    other once :func:`wait_exchange` returns (none if it gave up: its outputs stay poisoned).
-    Under the interpreter programs run one after another, so none may wait for a later one:
-    the last does every program's share in turn, the others none."""
-    if USE_CLOCK:
-        first = tl.program_id(0)
-        ok = last
-        if not last:
-            ok = wait_exchange(state_ptr, call, rank, status_ptr, timeout_us, PHASE)
-        shares = ok.to(tl.int32)
-    else:
-        first = tl.program_id(0) * 0
-        shares = tl.where(last, tl.num_programs(0), 0)
-    return first, shares
 
 
 @kernel("tritonep::elastic::barrier", do_not_specialize=["timeout_us"])

@@ -34,9 +34,6 @@ DISPATCH_IDS = tl.constexpr(18)  # a bad id read by a dispatch
 ELASTIC_DISPATCH = tl.constexpr(20)
 ELASTIC_COMBINE = tl.constexpr(21)
 ELASTIC_BARRIER = tl.constexpr(22)
-# A fused decode launch: a program waits for its launch's last program to close the exchange.
-ELASTIC_DISPATCH_FUSED = tl.constexpr(23)
-ELASTIC_COMBINE_FUSED = tl.constexpr(24)
 
 #: Each code's name in error messages.
 NAMES: dict[int, str] = {
@@ -57,6 +54,4 @@ NAMES: dict[int, str] = {
     ELASTIC_DISPATCH.value: "elastic dispatch",
     ELASTIC_COMBINE.value: "elastic combine",
     ELASTIC_BARRIER.value: "elastic barrier",
-    ELASTIC_DISPATCH_FUSED.value: "elastic dispatch (fused: waiting for its own exchange)",
-    ELASTIC_COMBINE_FUSED.value: "elastic combine (fused: waiting for its own exchange)",
 }

@@ -19,16 +19,11 @@ experts in the expanded layout) into the owner's slot for it, then a reduce epil
 each token's rows in a fixed order. Call counters live on the device. On sm_90 and later each
 epilogue is a programmatic dependent launch of its push (launched while the push runs, it waits
 for the push's grid before reading), so that a call costs about one launch. Tile sizes and
-warps come from :data:`TUNING`. With ``Tuning.fused_decode`` a decode batch whose outputs are
-sized before the launch (no host read, or a cached handle) runs each push and its epilogue as
-one cooperative launch instead: the push's programs do the epilogue's work once the last of
-them has closed the exchange (:mod:`tritonep.kernels.elastic_exchange`), so no second
-launch's start lies between them.
+warps come from :data:`TUNING`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,9 +45,6 @@ from ..kernels.sync import (
 from ..validation import check_num_experts, check_ranks_agree, default_group
 from .outputs import empty_output
 from .trace import TraceRecorder
-
-#: The copy epilogue's constexprs that a fused dispatch takes besides the push's.
-_FUSED_COPY_META = ("BLOCK_LOCAL_EXPERTS", "BLOCK_ROWS", "BLOCK_FILL", "EXPAND")
 
 #: Local experts per rank that the headers have room for.
 MAX_LOCAL_EXPERTS = 1024
@@ -90,9 +82,6 @@ class Tuning:
     reduce_tokens: int = 8  # tokens per block of the reduce epilogue
     reduce_channels: int = 1024  # channels per work item of the reduce epilogue
     reduce_warps: int = 8
-    # decode batches whose outputs are sized before the launch: push and epilogue in one
-    # cooperative launch (no second launch's gap), the epilogue's work on the push's grid
-    fused_decode: bool = False
 
 
 TUNING = Tuning()
@@ -298,12 +287,6 @@ class ElasticMode:
         ``launch_pdl``)."""
         return dict(PDL=True, launch_pdl=True) if self._pdl else {}
 
-    def _cooperative(self) -> dict:
-        """A fused launch's options: every program resident at once (its programs wait for
-        each other), on GPUs; the interpreter takes no such option (and runs programs in
-        turn)."""
-        return dict(launch_cooperative_grid=True) if self.device.type == "cuda" else {}
-
     def _programs(self, wanted: int, work: int, block: int) -> int:
         """Programs of a launch: ``wanted`` (an SM budget), no more than blocks of work, fewer
         on CPU ranks (the interpreter runs programs one after another)."""
@@ -462,33 +445,35 @@ class ElasticMode:
             | (ed.FLAG_COPY_IDS.value if ids_copy is not None else 0)
             | (ed.FLAG_SLOTS.value if first_call else 0)
         )
-        push_args = (
-            x.view(torch.int32),
-            sf.view(torch.int32) if sf is not None else int32_dummy,
-            sf.stride(0) if sf is not None else 0,
-            sf.stride(1) if sf is not None else 0,
-            topk_idx,
-            topk_weights if topk_weights is not None else f32_dummy,
-            N,
-            num_max_tokens,
-            self.heap.peer_ptrs,
-            rank,
-            self.layout.header,
-            self.layout.region,
-            self.layout.region_bytes,
-            self.state,
-            totals,
-            recv_counts,
-            stats if stats is not None else int32_dummy,
-            ids_copy if ids_copy is not None else int64_dummy,
-            dst_slots if dst_slots is not None else int32_dummy,
-            self.status,
-            self._timeout_us,
-            flags,
-        )
-
-        def push_meta() -> dict:
-            return dict(
+        self._launch(
+            elastic_dispatch.elastic_dispatch,
+            self._programs(num_sms, N, BLOCK_TOKENS),
+            (
+                x.view(torch.int32),
+                sf.view(torch.int32) if sf is not None else int32_dummy,
+                sf.stride(0) if sf is not None else 0,
+                sf.stride(1) if sf is not None else 0,
+                topk_idx,
+                topk_weights if topk_weights is not None else f32_dummy,
+                N,
+                num_max_tokens,
+                self.heap.peer_ptrs,
+                rank,
+                self.layout.header,
+                self.layout.region,
+                self.layout.region_bytes,
+                self.state,
+                totals,
+                recv_counts,
+                stats if stats is not None else int32_dummy,
+                ids_copy if ids_copy is not None else int64_dummy,
+                dst_slots if dst_slots is not None else int32_dummy,
+                self.status,
+                self._timeout_us,
+                flags,
+            ),
+            key,
+            lambda: dict(
                 K=K,
                 BLOCK_K=BLOCK_K,
                 NUM_EXPERTS=num_experts,
@@ -509,28 +494,11 @@ class ElasticMode:
                 SCAN_BLOCK_TOKENS=SCAN_BLOCK_TOKENS,
                 HAS_SF=sf is not None,
                 USE_CLOCK=use_clock(device),
+                PDL=self._pdl,
                 num_warps=tuning.dispatch_warps,
-            )
-
-        programs = self._programs(num_sms, N, BLOCK_TOKENS)
-        # Decode batches whose outputs are sized before the launch may run push and copy as
-        # one launch (Tuning.fused_decode); a wait asked for between the two needs two.
-        fused = (
-            tuning.fused_decode
-            and N <= DECODE_TOKENS
-            and (cached is not None or not do_cpu_sync)
-            and before_epilogue is None
-            and programs <= self.num_device_sms  # a program per SM at most: all resident
+            ),
+            traced="elastic dispatch",
         )
-        if not fused:
-            self._launch(
-                elastic_dispatch.elastic_dispatch,
-                programs,
-                push_args,
-                key,
-                lambda: dict(push_meta(), PDL=self._pdl),
-                traced="elastic dispatch",
-            )
         if cached is not None:
             num_recv, num_expanded = cached.num_recv_tokens, cached.num_expanded_tokens
             per_expert = cached.num_recv_tokens_per_expert_list
@@ -557,7 +525,7 @@ class ElasticMode:
         out.num_recv_tokens_per_expert_list = per_expert
         out.dst_buffer_slot_idx = dst_slots
         out.topk_idx = ids_copy if ids_copy is not None else (topk_idx if first_call else None)
-        copy_args, copy_flags, copy_key, copy_meta, copy_rows = self._copy_plan(
+        self._epilogue(
             out,
             recv_counts,
             num_max_tokens,
@@ -569,44 +537,7 @@ class ElasticMode:
             do_expand,
             do_zero_padding,
             num_recv if do_cpu_sync or cached is not None else min(num_recv, R * max(N, 1)),
-            programs if fused else self.num_device_sms,
         )
-        if fused:
-            # One grid for both parts (the push's): its programs copy too, the last after
-            # the exchange, every other after waiting for the last. Every program must be
-            # resident (a cooperative launch); the interpreter runs them in turn instead.
-            self._launch(
-                elastic_dispatch.elastic_dispatch_fused,
-                programs,
-                (*push_args[:-1], flags | copy_flags, *copy_args),
-                (*key, *copy_key),
-                lambda: dict(
-                    push_meta(),
-                    **{k: copy_meta()[k] for k in _FUSED_COPY_META},
-                    COPY_BLOCK_WORDS=copy_meta()["BLOCK_WORDS"],
-                    **self._cooperative(),
-                ),
-                traced="elastic dispatch fused",
-            )
-        else:
-            self._launch(
-                elastic_dispatch.elastic_dispatch_epilogue,
-                self._programs(self.num_device_sms, max(out.num_recv_tokens, E_local), copy_rows),
-                (
-                    recv_counts,
-                    self.state,
-                    self.heap.peer_ptrs,
-                    self.rank,
-                    self.layout.region,
-                    self.layout.region_bytes,
-                    num_max_tokens,
-                    *copy_args,
-                    copy_flags,
-                ),
-                copy_key,
-                lambda: dict(copy_meta(), **self._dependent()),
-                traced="elastic dispatch epilogue",
-            )
         return out
 
     def _f32_dummy(self) -> torch.Tensor:
@@ -643,7 +574,7 @@ class ElasticMode:
             out.reduction_slot = empty_output(device, (num_recv,), torch.int32)
         return out
 
-    def _copy_plan(
+    def _epilogue(
         self,
         out: ElasticDispatchOutput,
         recv_counts,
@@ -656,13 +587,11 @@ class ElasticMode:
         do_expand,
         do_zero_padding,
         expected_rows,
-        programs,
-    ) -> tuple[tuple, int, tuple, Callable[[], dict], int]:
-        """The copy epilogue's part of a launch: its output arguments (``alignment`` to
-        ``unaligned_ptr``), flags, key, constexprs and block of rows. ``expected_rows``: the
-        received rows it plans for (the exact count, or without a host read this rank's
-        tokens times the ranks, as when the ranks decode equal batches) over ``programs``;
-        only the block size follows it, the loops run over the rows received."""
+    ) -> None:
+        """Launch the copy epilogue. ``expected_rows``: the received rows it plans for (the
+        exact count, or without a host read this rank's tokens times the ranks, as when the
+        ranks decode equal batches); only the block size follows it, the loops run over the
+        rows received."""
         R = self.num_ranks
         int32_dummy, int64_dummy, f32_dummy = self.status, self.state, self._f32_dummy()
         write_meta = out.recv_src_metadata is not None
@@ -670,7 +599,7 @@ class ElasticMode:
         has_sf, has_w = recv_sf is not None, out.recv_topk_weights is not None
         ROW_WORDS, BLOCK_K = row_bytes // 4, triton.next_power_of_2(max(K, 2))
         tuning = TUNING
-        BLOCK_ROWS = self._block(tuning.copy_rows, expected_rows, programs)
+        BLOCK_ROWS = self._block(tuning.copy_rows, expected_rows, self.num_device_sms)
         rows = out.recv_x.shape[0]
         key = (
             "epilogue",
@@ -688,25 +617,35 @@ class ElasticMode:
             | (ed.FLAG_ZERO_PAD.value if do_zero_padding else 0)
             | (ed.FLAG_META.value if write_meta else 0)
         )
-        args = (
-            expert_alignment,
-            out.num_recv_tokens,
-            rows,
-            out.recv_x.view(torch.int32),
-            recv_sf.view(torch.int32) if recv_sf is not None else int32_dummy,
-            recv_sf.stride(0) if recv_sf is not None else 0,
-            recv_sf.stride(1) if recv_sf is not None else 0,
-            out.recv_topk_idx if out.recv_topk_idx is not None else int64_dummy,
-            out.recv_topk_weights if has_w else f32_dummy,
-            out.recv_src_metadata if write_meta else int32_dummy,
-            out.reduction_slot if write_meta else int32_dummy,
-            out.psum_num_recv_tokens_per_scaleup_rank if write_meta else int32_dummy,
-            out.psum_num_recv_tokens_per_expert if write_meta else int32_dummy,
-            out.num_unaligned_recv_tokens_per_expert if write_meta else int32_dummy,
-        )
-
-        def meta() -> dict:
-            return dict(
+        self._launch(
+            elastic_dispatch.elastic_dispatch_epilogue,
+            self._programs(self.num_device_sms, max(out.num_recv_tokens, E_local), BLOCK_ROWS),
+            (
+                recv_counts,
+                self.state,
+                self.heap.peer_ptrs,
+                self.rank,
+                self.layout.region,
+                self.layout.region_bytes,
+                num_max_tokens,
+                expert_alignment,
+                out.num_recv_tokens,
+                rows,
+                out.recv_x.view(torch.int32),
+                recv_sf.view(torch.int32) if recv_sf is not None else int32_dummy,
+                recv_sf.stride(0) if recv_sf is not None else 0,
+                recv_sf.stride(1) if recv_sf is not None else 0,
+                out.recv_topk_idx if out.recv_topk_idx is not None else int64_dummy,
+                out.recv_topk_weights if has_w else f32_dummy,
+                out.recv_src_metadata if write_meta else int32_dummy,
+                out.reduction_slot if write_meta else int32_dummy,
+                out.psum_num_recv_tokens_per_scaleup_rank if write_meta else int32_dummy,
+                out.psum_num_recv_tokens_per_expert if write_meta else int32_dummy,
+                out.num_unaligned_recv_tokens_per_expert if write_meta else int32_dummy,
+                flags,
+            ),
+            key,
+            lambda: dict(
                 K=K,
                 BLOCK_K=BLOCK_K,
                 NUM_RANKS=R,
@@ -726,10 +665,11 @@ class ElasticMode:
                 BLOCK_FILL=128,
                 EXPAND=do_expand,
                 HAS_SF=has_sf,
+                **self._dependent(),
                 num_warps=tuning.copy_warps,
-            )
-
-        return args, flags, key, meta, BLOCK_ROWS
+            ),
+            traced="elastic dispatch epilogue",
+        )
 
     # ---------------------------------------------------------------------------- combine
     def combine(
@@ -790,27 +730,28 @@ class ElasticMode:
         rows = min(recv_src_metadata.shape[0], R * max(N, 1))
         most_rows = tuning.decode_combine_rows if decode else tuning.combine_rows
         BLOCK_ROWS = self._block(most_rows, rows * chunks, num_sms)
-        push_args = (
-            x,
-            topk_weights if has_w else f32_dummy,
-            recv_src_metadata,
-            reduction_slot,
-            psum_num_recv_tokens_per_scaleup_rank,
-            self.heap.peer_ptrs,
-            self.rank,
-            self.layout.header,
-            self.layout.region,
-            self.layout.region_bytes,
-            num_max_tokens,
-            self.state,
-            self.status,
-            self._timeout_us,
-            int(has_w),
-        )
-        push_key = ("combine", H, K, do_expand, multi, BLOCK_ROWS, tuning)
-
-        def push_meta() -> dict:
-            return dict(
+        self._launch(
+            elastic_combine.elastic_combine,
+            self._programs(num_sms, -(-recv_src_metadata.shape[0] // BLOCK_ROWS) * chunks, 1),
+            (
+                x,
+                topk_weights if has_w else f32_dummy,
+                recv_src_metadata,
+                reduction_slot,
+                psum_num_recv_tokens_per_scaleup_rank,
+                self.heap.peer_ptrs,
+                self.rank,
+                self.layout.header,
+                self.layout.region,
+                self.layout.region_bytes,
+                num_max_tokens,
+                self.state,
+                self.status,
+                self._timeout_us,
+                int(has_w),
+            ),
+            ("combine", H, K, do_expand, multi, BLOCK_ROWS, tuning),
+            lambda: dict(
                 H=H,
                 K=K,
                 BLOCK_K=BLOCK_K,
@@ -823,28 +764,12 @@ class ElasticMode:
                 EXPAND=do_expand,
                 MULTI=multi,
                 USE_CLOCK=use_clock(device),
+                PDL=self._pdl,
                 num_warps=tuning.combine_warps,
                 enable_fp_fusion=False,
-            )
-
-        programs = self._programs(num_sms, -(-recv_src_metadata.shape[0] // BLOCK_ROWS) * chunks, 1)
-        # Decode batches may run push and reduce as one launch (Tuning.fused_decode; see
-        # dispatch); a wait asked for between the two needs two.
-        fused = (
-            tuning.fused_decode
-            and decode
-            and before_epilogue is None
-            and programs <= self.num_device_sms
+            ),
+            traced="elastic combine",
         )
-        if not fused:
-            self._launch(
-                elastic_combine.elastic_combine,
-                programs,
-                push_args,
-                push_key,
-                lambda: dict(push_meta(), PDL=self._pdl),
-                traced="elastic combine",
-            )
         if before_epilogue is not None:
             before_epilogue()
         out = empty_output(device, (N, H), torch.bfloat16)
@@ -852,44 +777,7 @@ class ElasticMode:
         terms = tuple(bias) + (out,) * (2 - len(bias))  # unused pointers when fewer
         REDUCE_CHANNELS = min(widest, tuning.reduce_channels)
         chunks = -(-H // REDUCE_CHANNELS)
-        reduce_programs = programs if fused else self.num_device_sms
-        BLOCK_TOKENS = self._block(tuning.reduce_tokens, N * chunks, reduce_programs)
-        reduce_key = ("reduce", H, K, num_experts, slots, multi, BLOCK_TOKENS, tuning)
-
-        def reduce_meta() -> dict:
-            return dict(
-                NUM_EXPERTS=num_experts,
-                E_LOCAL=E_local,
-                SLOTS=slots,
-                RANK_SLOTS=multi,
-                BLOCK_TOKENS=BLOCK_TOKENS,
-            )
-
-        if fused:
-            # One grid for both parts, the push's (as the fused dispatch).
-            self._launch(
-                elastic_combine.elastic_combine_fused,
-                programs,
-                (
-                    *push_args,
-                    topk_idx,
-                    terms[0],
-                    terms[1],
-                    out,
-                    out_w if has_w else f32_dummy,
-                    N,
-                    len(bias),
-                ),
-                (*push_key, *reduce_key, REDUCE_CHANNELS),
-                lambda: dict(
-                    push_meta(),
-                    **reduce_meta(),
-                    REDUCE_CHANNELS=REDUCE_CHANNELS,
-                    **self._cooperative(),
-                ),
-                traced="elastic combine fused",
-            )
-            return out, out_w
+        BLOCK_TOKENS = self._block(tuning.reduce_tokens, N * chunks, self.num_device_sms)
         self._launch(
             elastic_combine.elastic_combine_epilogue,
             self._programs(self.num_device_sms, -(-N // BLOCK_TOKENS) * chunks, 1),
@@ -909,13 +797,17 @@ class ElasticMode:
                 len(bias),
                 int(has_w),
             ),
-            reduce_key,
+            ("reduce", H, K, num_experts, slots, multi, BLOCK_TOKENS, tuning),
             lambda: dict(
                 H=H,
                 K=K,
                 BLOCK_K=BLOCK_K,
-                **reduce_meta(),
+                NUM_EXPERTS=num_experts,
+                E_LOCAL=E_local,
+                SLOTS=slots,
+                RANK_SLOTS=multi,
                 COMBINE_RECORD_BYTES=crec,
+                BLOCK_TOKENS=BLOCK_TOKENS,
                 BLOCK_CHANNELS=REDUCE_CHANNELS,
                 USE_CLOCK=use_clock(device),
                 **self._dependent(),

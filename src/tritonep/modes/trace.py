@@ -36,9 +36,7 @@ SLOTS, START, SEND_END, END, FIRST_PHASE, SM = (
 #: into the time it waited (for ring space, rows or tails) and the rest. Elastic pushes: every
 #: program's push, then its exchange (the arrive; in the last program also the headers or
 #: tag, the wait for the peers' and, after the sub-phases, the decoding of the counts); their
-#: epilogues: the wait for the push's grid, then the work. Fused decode launches: the push,
-#: then the exchange (the arrive; the last program's exchange), the wait for the last program
-#: (every other program) and the epilogue's work.
+#: epilogues: the wait for the push's grid, then the work.
 # fmt: off
 PHASES = {
     "elastic dispatch": (("push", ("scan", "stores")),
@@ -46,10 +44,6 @@ PHASES = {
     "elastic dispatch epilogue": (("wait", ()), ("copy", ("layout", "rows", "marks", "padding"))),
     "elastic combine": (("push", ("rows",)), ("exchange", ("arrive", "tag", "wait"))),
     "elastic combine epilogue": (("wait", ()), ("reduce", ())),
-    "elastic dispatch fused": (("push", ("scan", "stores")),
-                               ("exchange and copy", ("exchange", "launch wait", "copy"))),
-    "elastic combine fused": (("push", ("rows",)),
-                              ("exchange and reduce", ("exchange", "launch wait", "reduce"))),
     "low-latency dispatch": (("send", ("quantize and send", "count send")),
                              ("receive", ("wait", "pack"))),
     "low-latency combine": (("send", ("send", "signal")), ("receive", ("wait", "reduce"))),
