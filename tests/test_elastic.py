@@ -285,8 +285,17 @@ def _elastic_body(
         ([6, 3], "f32", True, 4, 0, True),
         ([5, 0, 7], "ue8m0", False, 1, 1, True),
         ([7, 2, 5], None, True, 2, 2, False),
+        # two push programs of two blocks each: the counts before a program's range
+        ([37, 20], None, False, 2, 0, True),
     ],
-    ids=["bf16", "bf16-worst-align4-3ranks", "fp8", "fp8-ue8m0-worst-3ranks", "bf16-unreduced"],
+    ids=[
+        "bf16",
+        "bf16-worst-align4-3ranks",
+        "fp8",
+        "fp8-ue8m0-worst-3ranks",
+        "bf16-unreduced",
+        "bf16-two-programs",
+    ],
 )
 def test_elastic_dispatch_combine(
     run_ranks, tokens, fp8, exact, alignment, num_bias, reduce_per_rank

@@ -83,32 +83,49 @@ def owners(ids, valid, ranks, E_LOCAL: tl.constexpr):
 
 
 @triton.jit
-def counts_before(
+def ranks_before(
     topk_ptr,
     end,
     ranks,
     ks,
     K: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
-    BLOCK_EXPERTS: tl.constexpr,
     E_LOCAL: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Over tokens ``[0, end)``: ``[BLOCK_RANKS]`` tokens that go to each rank,
-    ``[BLOCK_EXPERTS]`` choices of each expert."""
+    """``[BLOCK_RANKS]``: tokens of ``[0, end)`` that go to each rank (a token's first slot on
+    each destination)."""
     sent = tl.zeros(ranks.shape, tl.int32)
-    chosen = tl.zeros((BLOCK_EXPERTS,), tl.int32)
     for first in range(0, end, BLOCK_TOKENS):
         tokens = first + tl.arange(0, BLOCK_TOKENS)
         _, ids, valid = load_choices(topk_ptr, tokens, tokens < end, ks, K, NUM_EXPERTS)
         _, hit = owners(ids, valid, ranks, E_LOCAL)
         sent += tl.sum(hit, 0)
+    return sent
+
+
+@triton.jit
+def experts_before(
+    topk_ptr,
+    end,
+    ks,
+    K: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_EXPERTS: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``[BLOCK_EXPERTS]``: choices of each expert among the tokens ``[0, end)``."""
+    chosen = tl.zeros((BLOCK_EXPERTS,), tl.int32)
+    for first in range(0, end, BLOCK_TOKENS):
+        tokens = first + tl.arange(0, BLOCK_TOKENS)
+        _, ids, valid = load_choices(topk_ptr, tokens, tokens < end, ks, K, NUM_EXPERTS)
         flat = tl.reshape(tl.where(valid, ids, 0), (BLOCK_TOKENS * BLOCK_K,))
         chosen += tl.histogram(
             flat, BLOCK_EXPERTS, mask=tl.reshape(valid, (BLOCK_TOKENS * BLOCK_K,))
         )
-    return sent, chosen
+    return chosen
 
 
 @triton.jit
@@ -331,9 +348,12 @@ def dispatch_push(
     t1 = tl.minimum(t0 + per, num_tokens)
     if PROFILE:
         t_scan = read_clock(trace_ptr, USE_CLOCK)
-    sent, chosen = counts_before(
-        topk_ptr, t0, ranks, ks, K, NUM_EXPERTS, BLOCK_EXPERTS, E_LOCAL, SCAN_BLOCK_TOKENS, BLOCK_K
+    # Only the earlier tokens' ranks come before the first rows (they give the slots); their
+    # experts are counted while those rows are in flight.
+    sent = ranks_before(
+        topk_ptr, t0, ranks, ks, K, NUM_EXPERTS, E_LOCAL, SCAN_BLOCK_TOKENS, BLOCK_K
     )
+    chosen = tl.zeros((BLOCK_EXPERTS,), tl.int32)
     if PROFILE:
         t_stores = read_clock(trace_ptr, USE_CLOCK)
         t_scan = t_stores - t_scan
@@ -344,38 +364,9 @@ def dispatch_push(
         owner, hit = owners(ids, valid, ranks, E_LOCAL)
         hit = hit * tmask[:, None].to(tl.int32)
         pos = sent[None, :] + rows_before(hit, BLOCK_TOKENS)  # [T, R] slot on each destination
-        ranked = expert_ranks(ids, valid, chosen, BLOCK_TOKENS, BLOCK_K)
-        slot, first_col = reduction_slots(owner, ranks, ks, BLOCK_K)
-        weights = tl.zeros((BLOCK_TOKENS, BLOCK_K), tl.float32)
-        at = tokens.to(tl.int64)[:, None] * K + ks[None, :]
-        kmask = tmask[:, None] & (ks < K)[None, :]
-        if has_weights:
-            weights = tl.load(weights_ptr + at, mask=kmask, other=0.0)
-        if (flags & FLAG_COPY_IDS) != 0:
-            tl.store(ids_copy_ptr + at, raw, mask=kmask)
-        if (flags & FLAG_SLOTS) != 0:
-            mine = owner[:, :, None] == ranks[None, None, :]
-            dst_slot = tl.sum(tl.where(mine, pos[:, None, :], 0), 2)
-            tl.store(slots_ptr + at, tl.where(owner >= 0, dst_slot, -1), mask=kmask)
         # [T, BLOCK_RANKS] each token's record on each destination.
         spots = (rank * max_tokens + pos).to(tl.int64)
         recs = peer_base[None, :] + region + spots * RECORD_BYTES
-        for d in range(NUM_RANKS):
-            go = lane(hit, ranks, d) > 0
-            if tl.max(go.to(tl.int32), 0) > 0:
-                store_meta(
-                    lane(recs, ranks, d) + PAYLOAD_BYTES + SCALE_BYTES,
-                    tokens,
-                    go,
-                    lane(first_col, ranks, d),
-                    lane(slot, ranks, d),
-                    tl.where(owner == d, ids - d * E_LOCAL, -1),
-                    ranked,
-                    weights,
-                    ks,
-                    K,
-                    has_weights,
-                )
         store_payloads(
             recs,
             hit,
@@ -394,10 +385,47 @@ def dispatch_push(
             PAYLOAD_BYTES,
             HAS_SF,
         )
+        if first == t0:
+            chosen += experts_before(
+                topk_ptr, t0, ks, K, NUM_EXPERTS, BLOCK_EXPERTS, SCAN_BLOCK_TOKENS, BLOCK_K
+            )
+        ranked = expert_ranks(ids, valid, chosen, BLOCK_TOKENS, BLOCK_K)
+        slot, first_col = reduction_slots(owner, ranks, ks, BLOCK_K)
+        weights = tl.zeros((BLOCK_TOKENS, BLOCK_K), tl.float32)
+        at = tokens.to(tl.int64)[:, None] * K + ks[None, :]
+        kmask = tmask[:, None] & (ks < K)[None, :]
+        if has_weights:
+            weights = tl.load(weights_ptr + at, mask=kmask, other=0.0)
+        if (flags & FLAG_COPY_IDS) != 0:
+            tl.store(ids_copy_ptr + at, raw, mask=kmask)
+        if (flags & FLAG_SLOTS) != 0:
+            mine = owner[:, :, None] == ranks[None, None, :]
+            dst_slot = tl.sum(tl.where(mine, pos[:, None, :], 0), 2)
+            tl.store(slots_ptr + at, tl.where(owner >= 0, dst_slot, -1), mask=kmask)
+        for d in range(NUM_RANKS):
+            go = lane(hit, ranks, d) > 0
+            if tl.max(go.to(tl.int32), 0) > 0:
+                store_meta(
+                    lane(recs, ranks, d) + PAYLOAD_BYTES + SCALE_BYTES,
+                    tokens,
+                    go,
+                    lane(first_col, ranks, d),
+                    lane(slot, ranks, d),
+                    tl.where(owner == d, ids - d * E_LOCAL, -1),
+                    ranked,
+                    weights,
+                    ks,
+                    K,
+                    has_weights,
+                )
         sent += tl.sum(hit, 0)
         flat = tl.reshape(tl.where(valid & tmask[:, None], ids, 0), (BLOCK_TOKENS * BLOCK_K,))
         fmask = tl.reshape(valid & tmask[:, None], (BLOCK_TOKENS * BLOCK_K,))
         chosen += tl.histogram(flat, BLOCK_EXPERTS, mask=fmask)
+    if t0 >= t1:  # no tokens of its own (the last program's counts are the totals)
+        chosen += experts_before(
+            topk_ptr, t0, ks, K, NUM_EXPERTS, BLOCK_EXPERTS, SCAN_BLOCK_TOKENS, BLOCK_K
+        )
     if PROFILE:
         t_stores = read_clock(trace_ptr, USE_CLOCK) - t_stores
     if pid == tl.num_programs(0) - 1:  # its range ends the tokens: its counts are the totals
