@@ -715,15 +715,16 @@ def copy_expanded(
 ):
     """Copy the payload and scale packs of records ``src`` ([B] int64) to each of their
     expanded rows ``dst`` ([B, BLOCK_K], ``-1`` none): each word is read once and written
-    up to ``K`` times, the writes unrolled so that they overlap."""
+    up to ``K`` times, the writes unrolled so that they overlap. The reads are masked by
+    ``live`` alone, not by ``dst``, so that they need not wait for the metadata loads that
+    give ``dst``."""
     words = tl.arange(0, BLOCK_WORDS)
     rec = aligned_ptr(src, tl.int32)
-    used = live & (tl.max(dst, 1) >= 0)
     for w0 in range(0, ROW_WORDS, BLOCK_WORDS):
         w = w0 + words
         wmask = w < ROW_WORDS
         v = tl.load(
-            rec[:, None] + w[None, :], mask=used[:, None] & wmask[None, :], cache_modifier=".cg"
+            rec[:, None] + w[None, :], mask=live[:, None] & wmask[None, :], cache_modifier=".cg"
         )
         for k in tl.static_range(K):
             rows = lane(dst, ks, k)
@@ -734,7 +735,7 @@ def copy_expanded(
         gmask = g < G
         v = tl.load(
             aligned_ptr(src + PAYLOAD_BYTES, tl.int32)[:, None] + g[None, :],
-            mask=used[:, None] & gmask[None, :],
+            mask=live[:, None] & gmask[None, :],
             cache_modifier=".cg",
         )
         for k in tl.static_range(K):
