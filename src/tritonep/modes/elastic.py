@@ -72,6 +72,7 @@ class Tuning:
     dispatch_warps: int = 8
     copy_rows: int = 16  # received rows per block of the copy epilogue
     copy_warps: int = 8
+    copy_programs_per_sm: int = 1  # programs of the copy epilogue per SM
     combine_rows: int = 8  # received tokens per block of the combine push
     combine_channels: int = 1024  # channels per work item of the combine push
     # the same for decode batches (at most DECODE_TOKENS tokens on this rank): narrow blocks
@@ -599,7 +600,8 @@ class ElasticMode:
         has_sf, has_w = recv_sf is not None, out.recv_topk_weights is not None
         ROW_WORDS, BLOCK_K = row_bytes // 4, triton.next_power_of_2(max(K, 2))
         tuning = TUNING
-        BLOCK_ROWS = self._block(tuning.copy_rows, expected_rows, self.num_device_sms)
+        copy_programs = self.num_device_sms * tuning.copy_programs_per_sm
+        BLOCK_ROWS = self._block(tuning.copy_rows, expected_rows, copy_programs)
         rows = out.recv_x.shape[0]
         key = (
             "epilogue",
@@ -619,7 +621,7 @@ class ElasticMode:
         )
         self._launch(
             elastic_dispatch.elastic_dispatch_epilogue,
-            self._programs(self.num_device_sms, max(out.num_recv_tokens, E_local), BLOCK_ROWS),
+            self._programs(copy_programs, max(out.num_recv_tokens, E_local), BLOCK_ROWS),
             (
                 recv_counts,
                 self.state,
