@@ -8,15 +8,18 @@ and :mod:`~tritonep.kernels.normal_combine` over one symmetric heap, which holds
   and heads ``[C][R]`` int64 on the sender;
 * combine rings ``[C][R expert ranks][ring][slot]`` with their tails and heads.
 
-A dispatch runs notify (one small launch) unless a handle is given (cached mode), then the
-dispatch launch (``C`` senders and ``C`` receivers, ``2 C`` programs: the SM budget). Output
-sizes come two ways:
+A dispatch exchanges the counts (notify) unless a handle is given (cached mode), then moves
+the rows in the dispatch launch (``C`` senders and ``C`` receivers, ``2 C`` programs: the SM
+budget). Output sizes come two ways:
 
-* exact (``num_worst_tokens=0``): the host reads the received count after notify (one
-  device-to-host copy and wait, the only host synchronization of the mode);
+* exact (``num_worst_tokens=0``): notify is a small launch of its own, after which the host
+  reads the received count (one device-to-host copy and wait, the only host synchronization
+  of the mode), then the dispatch launch;
 * worst case (``num_worst_tokens > 0``): outputs have that many rows, the rows past the
-  received ones carry top-k ids ``-1``; no wait for the count, so a CUDA graph can capture
-  dispatch and combine and replay them with new inputs of the same shapes.
+  received ones carry top-k ids ``-1``; no wait for the count, so one launch does both: its
+  senders exchange the counts first, and its receivers wait (bounded) for the layout (host
+  time: a launch costs the host 5 to 7 us). A CUDA graph can capture dispatch and combine and
+  replay them with new inputs of the same shapes.
 
 Call counters live on the device (graph-safe). Every rank must make the same sequence of
 calls. Under the Triton interpreter (CPU ranks) programs of a launch run one after another, so
@@ -103,6 +106,7 @@ PHASES = {
         phases.COMBINE_RELAY,
         phases.LAYOUT_IDS,
         phases.DISPATCH_IDS,
+        phases.DISPATCH_COUNTS,
     )
 }
 
@@ -158,6 +162,8 @@ COMBINE_RECV_TILE = 32768
 #: steps helped dispatch while its senders set the pace and made combine 2-7% slower; with
 #: own rows copied by the dispatch receivers, every 4 steps made both slower. So 1.
 SEND_RELEASE_STEPS = 1
+#: Tokens the count exchange reads at a time (notify, or the dispatch launch that runs it).
+COUNT_TOKENS = 256
 #: The launch constants above: what :func:`set_launch_constants` (and ``tritonep bench
 #: --launch``) may change, to compare launch shapes on a GPU without editing the code.
 LAUNCH_CONSTANTS = (
@@ -493,6 +499,7 @@ class DispatchOptions(NamedTuple):
     ranks_from_ids: bool
     publish: bool
     row_map: bool
+    exchange: bool = False  # the count exchange runs in the dispatch launch
 
 
 class CombineOptions(NamedTuple):
@@ -591,12 +598,13 @@ def _handle_calls(handle: NormalHandle) -> dict:
 
 
 class _RouteCall(NamedTuple):
-    """The two launches of a first dispatch (no relay, source tags or traces) of one shape
-    class: notify's and the dispatch's call bundles as lists in their fields' order, tensors
-    as addresses, the placeholder's where the variant reads nothing; each call sets the rest
-    (:meth:`NormalMode._routed_dispatch`)."""
+    """The launches of a first dispatch (no relay, source tags or traces) of one shape class:
+    notify's (None where the dispatch launch exchanges the counts itself: worst-case outputs,
+    no host read between the two) and the dispatch's, their call bundles as lists in their
+    fields' order, tensors as addresses, the placeholder's where the variant reads nothing;
+    each call sets the rest (:meth:`NormalMode._routed_dispatch`)."""
 
-    notify: KernelLaunch
+    notify: KernelLaunch | None
     notify_values: list
     dispatch: KernelLaunch
     dispatch_values: list
@@ -636,6 +644,8 @@ def _indices(fields: tuple, names: str) -> tuple[int, ...]:
     _D_RECV_COUNT,
     _D_RECV_START,
     _D_HOST_INFO,
+    _D_PER_EXPERT,
+    _D_ALIGNMENT,
     _D_OUT_X,
     _D_OUT_SCALES,
     _D_OUT_IDS,
@@ -645,8 +655,8 @@ def _indices(fields: tuple, names: str) -> tuple[int, ...]:
 ) = _indices(
     DispatchCall._fields,
     "x_ptr scales_ptr topk_idx_ptr topk_weights_ptr in_rank_ptr num_tokens recv_count_ptr "
-    "recv_start_ptr host_info_ptr out_x_ptr out_scales_ptr out_topk_idx_ptr out_weights_ptr "
-    "out_src_ptr max_rows",
+    "recv_start_ptr host_info_ptr per_expert_ptr alignment out_x_ptr out_scales_ptr "
+    "out_topk_idx_ptr out_weights_ptr out_src_ptr max_rows",
 )
 _C_X, _C_WEIGHTS, _C_BIAS0, _C_BIAS1, _C_OUT, _C_OUT_WEIGHTS = _indices(
     CombineCall._fields, "x_ptr weights_ptr bias0_ptr bias1_ptr out_ptr out_weights_ptr"
@@ -1093,7 +1103,7 @@ class NormalMode:
             COUNTS_GIVEN=options.counts_given,
             CHANNEL_MAJOR=options.channel_major,
             USE_CLOCK=use_clock(self.device),
-            BLOCK_TOKENS=256,
+            BLOCK_TOKENS=COUNT_TOKENS,
             BLOCK_CHANNELS=triton.next_power_of_2(C + 1),
             BLOCK_EXPERTS=triton.next_power_of_2(max(E_local, 2)),
             BLOCK_RANKS=triton.next_power_of_2(max(R, 2)),
@@ -1341,6 +1351,8 @@ class NormalMode:
             recv_count_ptr=handle.recv_count,
             recv_start_ptr=handle.recv_start,
             host_info_ptr=handle.host_info,
+            per_expert_ptr=None,
+            alignment=1,
             out_x_ptr=recv_x,
             out_scales_ptr=recv_scales,
             out_topk_idx_ptr=recv_topk_idx,
@@ -1444,31 +1456,27 @@ class NormalMode:
         counts = torch.empty(route.count_words, dtype=torch.int32, device=device)
         rank, info = in_rank.data_ptr(), counts.data_ptr()
         count, start = info + route.count_bytes, info + route.start_bytes
-        values = route.notify_values.copy()
-        values[_N_COUNTS] = rank
-        values[_N_TOKENS] = num_tokens
-        values[_N_PER_EXPERT] = a = per_expert_in.data_ptr()
-        values[_N_ALIGNMENT] = expert_alignment
-        values[_N_MAX_ROWS] = num_worst_tokens
-        values[_N_RECV_COUNT] = count
-        values[_N_RECV_START] = start
-        values[_N_HOST_INFO] = info
+        per_expert_at = per_expert_in.data_ptr()
         handles = rank | count | start | info
-        if not route.notify.launch_values(values, self._shared, handles | a | null):
-            host_info, recv_count, recv_start = count_views(
-                counts, self.num_local_experts, self.num_ranks, config.num_channels
+        if route.notify is not None:  # (else the dispatch launch exchanges the counts)
+            values = route.notify_values.copy()
+            values[_N_COUNTS] = rank
+            values[_N_TOKENS] = num_tokens
+            values[_N_PER_EXPERT] = per_expert_at
+            values[_N_ALIGNMENT] = expert_alignment
+            values[_N_MAX_ROWS] = num_worst_tokens
+            values[_N_RECV_COUNT] = count
+            values[_N_RECV_START] = start
+            values[_N_HOST_INFO] = info
+            self._launch_notify(
+                route,
+                values,
+                handles | per_expert_at | null,
+                counts,
+                in_rank,
+                per_expert_in,
+                config,
             )
-            call = NotifyCall._make(values)._replace(
-                counts_ptr=in_rank,
-                per_expert_ptr=per_expert_in,
-                extra_ptr=None,
-                recv_count_ptr=recv_count,
-                recv_start_ptr=recv_start,
-                host_info_ptr=host_info,
-                extra_out_ptr=None,
-                trace_ptr=None,
-            )
-            self._launch(route.notify, "notify", call)
         per_expert: list[int] | torch.Tensor
         if num_worst_tokens:
             num_recv, rows = -1, num_worst_tokens
@@ -1493,6 +1501,10 @@ class NormalMode:
         values[_D_RECV_COUNT] = count
         values[_D_RECV_START] = start
         values[_D_HOST_INFO] = info
+        if route.notify is None:
+            values[_D_PER_EXPERT] = per_expert_at
+            values[_D_ALIGNMENT] = expert_alignment
+            handles |= per_expert_at
         values[_D_OUT_X] = c = recv_x.data_ptr()
         values[_D_OUT_IDS] = d = recv_topk_idx.data_ptr()
         values[_D_OUT_SRC] = e = recv_src_idx.data_ptr()
@@ -1523,6 +1535,7 @@ class NormalMode:
                 recv_count_ptr=recv_count,
                 recv_start_ptr=recv_start,
                 host_info_ptr=host_info,
+                per_expert_ptr=per_expert_in if route.notify is None else None,
                 out_x_ptr=recv_x,
                 out_scales_ptr=recv_scales,
                 out_topk_idx_ptr=recv_topk_idx,
@@ -1549,11 +1562,38 @@ class NormalMode:
         out_x = recv_x if recv_scales is None else (recv_x, recv_scales)
         return NormalDispatchOutput(out_x, recv_topk_idx, recv_weights, per_expert, handle)
 
+    def _launch_notify(
+        self, route: _RouteCall, values: list, aligned: int, counts, in_rank, per_expert, config
+    ) -> None:
+        """Launch a first dispatch's notify from its template ``values`` (addresses), or by
+        name with the tensors where the template's launch declines."""
+        if route.notify.launch_values(values, self._shared, aligned):
+            return
+        host_info, recv_count, recv_start = count_views(
+            counts, self.num_local_experts, self.num_ranks, config.num_channels
+        )
+        call = NotifyCall._make(values)._replace(
+            counts_ptr=in_rank,
+            per_expert_ptr=per_expert,
+            extra_ptr=None,
+            recv_count_ptr=recv_count,
+            recv_start_ptr=recv_start,
+            host_info_ptr=host_info,
+            extra_out_ptr=None,
+            trace_ptr=None,
+        )
+        self._launch(route.notify, "notify", call)
+
     def _route_call(self, key: tuple) -> _RouteCall:
         """The :class:`_RouteCall` of ``key`` (config, scale words, top-k, weights given,
         worst-case outputs), made and kept."""
         config, scale_words, topk, has_weights, pad_rows = key
-        notify = self._plan(NotifyOptions(config, False, 0, False), self._notify_plan)
+        # Worst-case outputs need no host read between the count exchange and the rows: one
+        # launch does both (where rows are stored into peers directly).
+        exchange = pad_rows and self.transport.via == transport.VIA_STORE.value
+        notify = None
+        if not exchange:
+            notify = self._plan(NotifyOptions(config, False, 0, False), self._notify_plan)
         options = DispatchOptions(
             config=config,
             scale_words=scale_words,
@@ -1567,6 +1607,7 @@ class NormalMode:
             ranks_from_ids=False,
             publish=False,
             row_map=False,
+            exchange=exchange,
         )
         dispatch = self._plan(options, self._dispatch_plan)
         null = self._unused.data_ptr()
@@ -1597,6 +1638,8 @@ class NormalMode:
             recv_count_ptr=0,
             recv_start_ptr=0,
             host_info_ptr=0,
+            per_expert_ptr=0 if exchange else null,
+            alignment=1,
             out_x_ptr=0,
             out_scales_ptr=scales,
             out_topk_idx_ptr=0,
@@ -1739,6 +1782,14 @@ class NormalMode:
             BLOCK_RANKS=r_p2,
             BLOCK_K=options.block_k,
             BLOCK_SCALES=triton.next_power_of_2(max(G, 2)),
+            EXCHANGE=options.exchange,
+            NOTIFY_ROW_WORDS=layout.notify_row,
+            NOTIFY_SET_BYTES=layout.notify_set,
+            NOTIFY_OFFSET=layout.notify,
+            NOTIFY_STAGE_OFFSET=layout.stage_notify,
+            BLOCK_COUNT_TOKENS=COUNT_TOKENS,
+            BLOCK_CHANNELS=triton.next_power_of_2(config.num_channels + 1),
+            BLOCK_EXPERTS=triton.next_power_of_2(max(self.num_local_experts, 2)),
             PROFILE=self.trace is not None,
             VIA=self.transport.via,
         )
