@@ -404,6 +404,7 @@ NOTIFY_META = dict(
     EXTRA=0,
     COUNTS_GIVEN=False,
     CHANNEL_MAJOR=False,
+    HOST_COPY=False,
     USE_CLOCK=True,
     BLOCK_TOKENS=256,
     BLOCK_CHANNELS=16,
@@ -525,6 +526,8 @@ for module, name, sig, meta, options in [
         {**NORMAL_COMBINE_META, "PROFILE": True},
         COMBINE_OPTIONS,
     ),
+    # An exact-size first dispatch's notify: the count also goes to host memory
+    ("normal_notify", "notify_kernel", NOTIFY, {**NOTIFY_META, "HOST_COPY": True}, {}),
     # A worst-case first dispatch: the count exchange in the same launch
     (
         "normal_dispatch",
@@ -848,6 +851,7 @@ def _id(kernel):
     packed += "-h2880" if meta.get("ROW_WORDS") == 720 else ""
     packed += "-one-token" if meta.get("ONE_TOKEN") else ""
     packed += "-exchange" if meta.get("EXCHANGE") else ""
+    packed += "-host-copy" if meta.get("HOST_COPY") else ""
     packed += "-histograms" if meta.get("COUNT_BY_ADDS") is False else ""
     packed += "-tma" if meta.get("VIA_TMA") else ""
     packed += "-rotated-streaming" if meta.get("ROTATE") and meta.get("STREAM") else ""
@@ -916,6 +920,16 @@ def test_a_dispatch_that_exchanges_counts_waits_for_its_layout_at_gpu_scope():
     assert not release.search(plain) and not acquire.search(plain)
     # The count exchange's own waits: its peers' rows, read volatile and bounded by the clock.
     assert fused.count("%globaltimer") > plain.count("%globaltimer")
+
+
+def test_an_exact_size_notify_writes_the_count_to_the_host_flag_last():
+    """An exact-size notify stores the count into host memory, then (after a system-scope
+    fence) the flag the host polls; without ``HOST_COPY`` only the fences of the status
+    records are compiled in."""
+    notifies = [k for k in KERNELS if k[1] == "notify_kernel" and not k[3]["PROFILE"]]
+    host_copy = compile_ptx(*next(k for k in notifies if k[3]["HOST_COPY"]))
+    plain = compile_ptx(*notifies[0])
+    assert host_copy.count("fence.sc.sys") == plain.count("fence.sc.sys") + 1
 
 
 def _kernel(name):

@@ -39,23 +39,32 @@ from ll_host_proxy import per_call_us, stubbed_launches
 _LAUNCHER_ARGS = 13
 
 
-def _notify_stand_in(host_info: int, tokens: int):
+def _notify_stand_in(host_info: int, tokens: int, state: int):
     """A launcher for notify that writes the received count into ``host_info``: every token
-    (one rank)."""
+    (one rank); and, where the mode keeps host words for it (their address in the state's
+    last word), into them, then their flag."""
 
     def run(*args):
-        count = ctypes.c_int32.from_address(args[_LAUNCHER_ARGS + host_info])
-        count.value = args[_LAUNCHER_ARGS + tokens]
+        count = args[_LAUNCHER_ARGS + tokens]
+        ctypes.c_int32.from_address(args[_LAUNCHER_ARGS + host_info]).value = count
+        host = ctypes.c_int64.from_address(args[_LAUNCHER_ARGS + state] + 7 * 8).value
+        if host:
+            ctypes.c_int32.from_address(host + 4).value = count
+            ctypes.c_int32.from_address(host).value = 1
 
     return run
 
 
 def _stand_in(call_fields):
     """Each launch's stand-in: notify's writes its count, the others do nothing."""
+    from tritonep.kernels.normal_dispatch import NormalShared
     from tritonep.kernels.normal_notify import NotifyCall
 
     if tuple(call_fields) == NotifyCall._fields:
-        return _notify_stand_in(call_fields.index("host_info_ptr"), call_fields.index("num_tokens"))
+        state = len(call_fields) + NormalShared._fields.index("state_ptr")
+        return _notify_stand_in(
+            call_fields.index("host_info_ptr"), call_fields.index("num_tokens"), state
+        )
     return lambda *args: None
 
 

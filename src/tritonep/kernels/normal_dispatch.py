@@ -1534,6 +1534,7 @@ def exchange_counts(
             0,
             False,
             False,
+            False,
             USE_CLOCK,
             BLOCK_COUNT_TOKENS,
             BLOCK_CHANNELS,

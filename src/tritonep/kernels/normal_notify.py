@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .phases import NOTIFY
+from .status import fence_system
 from .sync import STATUS_OVERFLOW, elapsed_ns, limit_ns, record_timeout, start_clock
 from .trace import read_clock, trace_role
 from .transport import VIA_STORE, put_block
@@ -45,6 +46,9 @@ NOTIFY_ARRIVALS = tl.constexpr(1)
 #: The tag of the last count exchange whose layout is out, in a launch that waits for it
 #: (the dispatch's call number + 1: :func:`await_counts`).
 NOTIFY_READY = tl.constexpr(6)
+#: The host address of the words an exact-size notify writes for the host (``HOST_COPY``):
+#: ``[written flag, rows received, aligned tokens per local expert...]`` int32, page-locked.
+HOST_COUNTS = tl.constexpr(7)
 
 
 class NotifyCall(NamedTuple):
@@ -76,6 +80,7 @@ class NotifyVariant(NamedTuple):
     EXTRA: int
     COUNTS_GIVEN: bool
     CHANNEL_MAJOR: bool
+    HOST_COPY: bool
     USE_CLOCK: bool
     BLOCK_TOKENS: int
     BLOCK_CHANNELS: int
@@ -245,16 +250,19 @@ def lay_out_rows(
     alignment,  # round the entries per local expert up to a multiple of this
     max_rows,  # rows the outputs hold (worst-case mode), 0 = unlimited
     status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
+    state_ptr,  # [8] int64 device call counters (and the host words' address, HOST_COPY)
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
     E_LOCAL: tl.constexpr,
     CHANNEL_MAJOR: tl.constexpr,
+    HOST_COPY: tl.constexpr,
     BLOCK_CHANNELS: tl.constexpr,
     BLOCK_EXPERTS: tl.constexpr,
     BLOCK_RANKS: tl.constexpr,
 ):
     """The last program: the first output row of every (source, channel) stream, the total
-    and the aligned entries per local expert; an overflow of ``max_rows`` is recorded."""
+    and the aligned entries per local expert (with ``HOST_COPY`` also into host memory, then
+    a flag); an overflow of ``max_rows`` is recorded."""
     channels = tl.arange(0, BLOCK_CHANNELS)
     experts = tl.arange(0, BLOCK_EXPERTS)
     ranks = tl.arange(0, BLOCK_RANKS)
@@ -281,6 +289,12 @@ def lay_out_rows(
     tl.store(host_info_ptr + 1 + experts, per_expert, mask=experts < E_LOCAL)
     if (max_rows > 0) & (total > max_rows):
         record_timeout(status_ptr, -1, NOTIFY, 0, total, STATUS_OVERFLOW)
+    if HOST_COPY:  # the host waits for these words (exact size), flag last
+        host = tl.load(state_ptr + HOST_COUNTS).to(tl.pointer_type(tl.int32))
+        tl.store(host + 1, total)
+        tl.store(host + 2 + experts, per_expert, mask=experts < E_LOCAL)
+        fence_system()
+        tl.store(host, 1)
 
 
 @triton.jit
@@ -315,6 +329,7 @@ def count_exchange(
     EXTRA: tl.constexpr,
     COUNTS_GIVEN: tl.constexpr,
     CHANNEL_MAJOR: tl.constexpr,
+    HOST_COPY: tl.constexpr,
     USE_CLOCK: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
     BLOCK_CHANNELS: tl.constexpr,
@@ -395,10 +410,12 @@ def count_exchange(
                 alignment,
                 max_rows,
                 status_ptr,
+                state_ptr,
                 NUM_RANKS,
                 NUM_CHANNELS,
                 E_LOCAL,
                 CHANNEL_MAJOR,
+                HOST_COPY,
                 BLOCK_CHANNELS,
                 BLOCK_EXPERTS,
                 BLOCK_RANKS,
@@ -472,6 +489,7 @@ def notify_kernel(
     EXTRA: tl.constexpr,  # extra words per row (at NUM_CHANNELS + E_LOCAL)
     COUNTS_GIVEN: tl.constexpr,  # channel counts given (counts_ptr), not counted
     CHANNEL_MAJOR: tl.constexpr,  # received rows ordered by channel, then source
+    HOST_COPY: tl.constexpr,  # also write the count into host memory (exact size)
     USE_CLOCK: tl.constexpr,  # on a GPU (else the interpreter)
     BLOCK_TOKENS: tl.constexpr,  # tokens counted at a time
     BLOCK_CHANNELS: tl.constexpr,  # power of two > NUM_CHANNELS (a bin for other ranks)
@@ -516,6 +534,7 @@ def notify_kernel(
         EXTRA,
         COUNTS_GIVEN,
         CHANNEL_MAJOR,
+        HOST_COPY,
         USE_CLOCK,
         BLOCK_TOKENS,
         BLOCK_CHANNELS,

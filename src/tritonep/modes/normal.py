@@ -60,6 +60,7 @@ row and a mirror ring per destination) and moved with the tails and heads by
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import weakref
 from collections.abc import Callable
@@ -523,6 +524,7 @@ class NotifyOptions(NamedTuple):
     counts_given: bool
     extra: int
     channel_major: bool
+    host_copy: bool = False  # exact size: the count also goes to host memory
 
 
 class _HandleCall(NamedTuple):
@@ -783,6 +785,15 @@ class NormalMode:
         #: How peers are reached (:mod:`tritonep.kernels.transport`).
         self.transport = transport.PeerTransport(self.heap, staged, "staged")
         self.state = torch.zeros(8, dtype=torch.int64, device=self.device)
+        # An exact-size notify writes the count where the host reads it without a copy:
+        # [written flag, rows received, aligned tokens per local expert...] (HOST_COUNTS).
+        self._host_counts = torch.zeros(
+            2 + self.num_local_experts, dtype=torch.int32, pin_memory=on_gpu
+        )
+        self._host_view = (ctypes.c_int32 * (2 + self.num_local_experts)).from_address(
+            self._host_counts.data_ptr()
+        )
+        self.state[normal_notify.HOST_COUNTS.value] = self._host_counts.data_ptr()
         #: What went wrong, on the device and in host memory (:mod:`tritonep.kernels.status`).
         self.status = Status(self.device)
         self._decoded = torch.empty(
@@ -1038,10 +1049,13 @@ class NormalMode:
         counts = torch.empty(count_offsets(E_local, R, C)[2], dtype=torch.int32, device=device)
         host_info, recv_count, recv_start = count_views(counts, E_local, R, C)
         extra_out = torch.empty((R, X), dtype=torch.int32, device=device) if X else None
-        options = NotifyOptions(config, send_counts is not None, X, channel_major)
+        exact = not num_worst_tokens
+        options = NotifyOptions(config, send_counts is not None, X, channel_major, exact)
         plan = self._plans.get(options)
         if plan is None or self._plans_version != _launch_version:
             plan = self._plan(options, self._notify_plan)
+        if exact:
+            self._host_view[0] = 0  # (written by the launch)
         self._launch(
             plan,
             "notify",
@@ -1064,12 +1078,8 @@ class NormalMode:
             num_recv, rows = -1, num_worst_tokens
             per_expert = host_info[1:]
         else:
-            # The one host synchronization of exact mode: the received count.
-            info = host_info.tolist()
-            if self.status.recorded() == STATUS_TIMEOUT.value:
-                self.raise_recorded()  # the count is unknown: nothing can follow
-            num_recv = rows = info[0]
-            per_expert = info[1:]
+            num_recv = rows = self._received_count()
+            per_expert = self._host_view[2:]
         handle = NormalHandle(
             in_rank,
             counts,
@@ -1102,6 +1112,7 @@ class NormalMode:
             EXTRA=options.extra,
             COUNTS_GIVEN=options.counts_given,
             CHANNEL_MAJOR=options.channel_major,
+            HOST_COPY=options.host_copy,
             USE_CLOCK=use_clock(self.device),
             BLOCK_TOKENS=COUNT_TOKENS,
             BLOCK_CHANNELS=triton.next_power_of_2(C + 1),
@@ -1468,6 +1479,8 @@ class NormalMode:
             values[_N_RECV_COUNT] = count
             values[_N_RECV_START] = start
             values[_N_HOST_INFO] = info
+            if not num_worst_tokens:
+                self._host_view[0] = 0  # (written by the launch)
             self._launch_notify(
                 route,
                 values,
@@ -1482,13 +1495,8 @@ class NormalMode:
             num_recv, rows = -1, num_worst_tokens
             per_expert = counts[1 : 1 + self.num_local_experts]
         else:
-            # The one host synchronization of exact mode: the received count.
-            # (All of counts: a view first would cost more than the words it leaves out.)
-            read = counts.tolist()
-            if self.status.recorded() == STATUS_TIMEOUT.value:
-                self.raise_recorded()  # the count is unknown: nothing can follow
-            num_recv = rows = read[0]
-            per_expert = read[1 : 1 + self.num_local_experts]
+            num_recv = rows = self._received_count()
+            per_expert = self._host_view[2:]
         # The rows.
         recv_x = empty_output(device, (rows, self.hidden), payload.dtype)
         recv_topk_idx = empty_output(device, (rows, topk), torch.int64)
@@ -1562,6 +1570,33 @@ class NormalMode:
         out_x = recv_x if recv_scales is None else (recv_x, recv_scales)
         return NormalDispatchOutput(out_x, recv_topk_idx, recv_weights, per_expert, handle)
 
+    def _received_count(self) -> int:
+        """The rows this rank receives, once the exact-size notify just launched has written
+        them into host memory (the one wait of exact mode; the words it wrote stay in
+        ``self._host_view``). Raises what that notify recorded if one of its waits timed out
+        (the count is unknown: nothing can follow)."""
+        view = self._host_view
+        polls = 0
+        # Polled as DeepEP polls its mapped counter, while the stream runs: the count is
+        # read as soon as the kernel writes it, with no copy and no synchronization. The
+        # notify's own waits are bounded; now and then the poll asks whether the stream
+        # has run dry without the words (a failed launch), which would leave them unset.
+        while not view[0]:
+            polls += 1
+            if polls % 4096 == 0 and self._stream_idle() and not view[0]:
+                raise RuntimeError(
+                    f"rank {self._rank_names[self.rank]}: the notify launch ended without "
+                    "writing the received count"
+                )
+        if self.status.recorded() == STATUS_TIMEOUT.value:
+            self.raise_recorded()
+        return view[1]
+
+    def _stream_idle(self) -> bool:
+        """Whether every launch so far on the current stream has ended (the interpreter's
+        have, when they return)."""
+        return self._device_index < 0 or torch.cuda.current_stream(self.device).query()
+
     def _launch_notify(
         self, route: _RouteCall, values: list, aligned: int, counts, in_rank, per_expert, config
     ) -> None:
@@ -1593,7 +1628,8 @@ class NormalMode:
         exchange = pad_rows and self.transport.via == transport.VIA_STORE.value
         notify = None
         if not exchange:
-            notify = self._plan(NotifyOptions(config, False, 0, False), self._notify_plan)
+            options = NotifyOptions(config, False, 0, False, not pad_rows)
+            notify = self._plan(options, self._notify_plan)
         options = DispatchOptions(
             config=config,
             scale_words=scale_words,
