@@ -414,7 +414,9 @@ class NormalHandle:
 
     def _count_view(self, part: int) -> torch.Tensor:
         R = self.is_token_in_rank.shape[1]
-        return count_views(self.counts, self.num_experts // R, R, self.config.num_channels)[part]
+        views = count_views(self.counts, self.num_experts // R, R, self.config.num_channels)
+        self.__dict__.update(zip(("host_info", "recv_count", "recv_start"), views, strict=True))
+        return views[part]
 
 
 def count_offsets(num_local_experts: int, num_ranks: int, num_channels: int) -> tuple[int, ...]:
@@ -815,6 +817,7 @@ class NormalMode:
         self._unused = torch.zeros(4, dtype=torch.int64, device=self.device)
         self._plans: dict[tuple, KernelLaunch] = {}
         self._routes: dict[tuple, _RouteCall] = {}  # _routed_dispatch's templates
+        self._count_at: dict[int, tuple[int, int]] = {}  # channels -> count_offsets in bytes
         self._plans_version = _launch_version
         self._configs: set[Config] = set()  # configs found valid (_config)
         self._scale_shapes: set[tuple] = set()  # (words, dtype) of scales found valid
@@ -1412,12 +1415,14 @@ class NormalMode:
         """Launch a dispatch with the handle of an earlier one, no relay, row map or source
         tags (``payload`` and ``scales`` checked), into ``recv_x`` and ``recv_scales``, from
         the handle's :class:`_HandleCall`: only the payload's and the outputs' arguments are
-        new. False where there is no such template yet (the first such call, which
-        :meth:`_dispatch` makes by name and keeps) or the launch must take Triton's path."""
+        new. The first such call with a handle makes the template from its addresses
+        (:meth:`_dispatch_template`). False where the launch must take Triton's path (the
+        first of its variant, a launch hook): :meth:`_dispatch` then launches by name."""
+        key = _dispatch_key(payload, scales)
         calls = handle.__dict__.get("_calls")
-        entry = calls.get(_dispatch_key(payload, scales)) if calls is not None else None
+        entry = calls.get(key) if calls is not None else None
         if entry is None or not entry.stands(self, handle):
-            return False
+            entry = self._dispatch_template(handle, key, scales)
         values = entry.values.copy()
         x, out = payload.data_ptr(), recv_x.data_ptr()
         values[_D_X], values[_D_OUT_X] = x, out
@@ -1427,6 +1432,59 @@ class NormalMode:
             values[_D_SCALES], values[_D_OUT_SCALES] = s, out
             aligned |= s | out
         return entry.launch.launch_values(values, self._shared, aligned)
+
+    def _dispatch_template(self, handle: NormalHandle, key: tuple, scales) -> _HandleCall:
+        """The :class:`_HandleCall` of a cached dispatch without a relay, row map or source
+        tags (``key``: :func:`_dispatch_key`) with ``handle``, made from the addresses of its
+        tensors (the bundle :meth:`_dispatch` would launch by name, as :func:`_handle_call`
+        keeps it: a test compares the two), kept on the handle."""
+        options = DispatchOptions(
+            config=handle.config,
+            scale_words=0 if scales is None else scales.shape[1],
+            block_k=2,  # (top-k 1: no ids move)
+            has_topk=False,
+            has_weights=False,
+            has_tag=False,
+            pad_rows=handle.num_recv_tokens < 0,
+            bounds=handle.bounds is not None,
+            awaits=False,
+            ranks_from_ids=False,
+            publish=False,
+            row_map=False,
+        )
+        plan = self._plans.get(options)
+        if plan is None or self._plans_version != _launch_version:
+            plan = self._plan(options, self._dispatch_plan)
+        null = self._unused.data_ptr()
+        given = 0 if scales is not None else null
+        info, at_count, at_start = self._count_addresses(handle)
+        call = DispatchCall(
+            x_ptr=0,
+            scales_ptr=given,
+            topk_idx_ptr=null,
+            topk_weights_ptr=null,
+            in_rank_ptr=handle.is_token_in_rank.data_ptr(),
+            src_tag_ptr=null,
+            num_tokens=handle.num_tokens,
+            K=1,
+            recv_count_ptr=at_count,
+            recv_start_ptr=at_start,
+            host_info_ptr=info,
+            per_expert_ptr=null,
+            alignment=1,
+            out_x_ptr=0,
+            out_scales_ptr=given,
+            out_topk_idx_ptr=null,
+            out_weights_ptr=null,
+            out_src_ptr=handle.recv_src_idx.data_ptr(),
+            max_rows=handle.num_rows,
+            bounds_ptr=null if handle.bounds is None else handle.bounds.data_ptr(),
+            ready_ptr=null,
+            relay_call_ptr=null,
+            row_map_ptr=null,
+            trace_ptr=null,
+        )
+        return self._keep_template(handle, key, plan, call)
 
     def _routed_dispatch(
         self,
@@ -1972,13 +2030,15 @@ class NormalMode:
     ) -> bool:
         """Launch a combine without a relay or a row map (its tensors checked) into ``out``
         and ``out_weights`` from the handle's :class:`_HandleCall`: only the arguments of its
-        tensors and outputs are new. False where there is no such template yet (the first
-        such combine, which :meth:`_combine` makes by name and keeps) or the launch must take
-        Triton's path."""
+        tensors and outputs are new. The first such combine of a handle makes the template
+        from its addresses (:meth:`_combine_template`). False where the launch must take
+        Triton's path (the first of its variant, a launch hook): :meth:`_combine` then
+        launches by name."""
+        key = _combine_key(topk_weights, K, len(terms))
         calls = handle.__dict__.get("_calls")
-        entry = calls.get(_combine_key(topk_weights, K, len(terms))) if calls is not None else None
+        entry = calls.get(key) if calls is not None else None
         if entry is None or not entry.stands(self, handle):
-            return False
+            entry = self._combine_template(handle, key, K, len(terms))
         values = entry.values.copy()
         a, o = x.data_ptr(), out.data_ptr()
         values[_C_X], values[_C_OUT] = a, o
@@ -1994,6 +2054,72 @@ class NormalMode:
                 a = values[_C_BIAS1] = terms[1].data_ptr()
                 aligned |= a
         return entry.launch.launch_values(values, self._shared, aligned)
+
+    def _combine_template(self, handle: NormalHandle, key: tuple, K: int, num_bias: int):
+        """The :class:`_HandleCall` of a combine without a relay or a row map (``key``:
+        :func:`_combine_key`) with ``handle``, made from the addresses of its tensors (the
+        bundle :meth:`_combine` would launch by name, as :func:`_handle_call` keeps it: a
+        test compares the two), kept on the handle."""
+        has_weights = key[1] > 0
+        options = CombineOptions(
+            config=handle.config,
+            block_k=2 if K <= 2 else 1 << (K - 1).bit_length(),
+            has_weights=has_weights,
+            num_bias=num_bias,
+            bounds=handle.bounds is not None,
+            relay=False,
+            awaits=False,
+            publish=False,
+            row_map=False,
+        )
+        plan = self._plans.get(options)
+        if plan is None or self._plans_version != _launch_version:
+            plan = self._plan(options, self._combine_plan)
+        null = self._unused.data_ptr()
+        _, at_count, at_start = self._count_addresses(handle)
+        call = CombineCall(
+            x_ptr=0,
+            weights_ptr=0 if has_weights else null,
+            in_rank_ptr=handle.is_token_in_rank.data_ptr(),
+            num_tokens=handle.num_tokens,
+            num_rows=handle.num_rows,
+            K=K,
+            bias0_ptr=0 if num_bias else null,
+            bias1_ptr=0 if num_bias > 1 else null,
+            recv_count_ptr=at_count,
+            recv_start_ptr=at_start,
+            out_ptr=0,
+            out_weights_ptr=0 if has_weights else null,
+            bounds_ptr=null if handle.bounds is None else handle.bounds.data_ptr(),
+            ready_ptr=null,
+            relay_call_ptr=null,
+            row_map_ptr=null,
+            trace_ptr=null,
+        )
+        return self._keep_template(handle, key, plan, call)
+
+    def _count_addresses(self, handle: NormalHandle) -> tuple[int, int, int]:
+        """The addresses of ``handle``'s ``host_info``, ``recv_count`` and ``recv_start``
+        (:func:`count_offsets`), without making their views."""
+        base = handle.counts.data_ptr()
+        channels = handle.config.num_channels
+        at = self._count_at.get(channels)
+        if at is None:
+            offsets = count_offsets(self.num_local_experts, self.num_ranks, channels)
+            at = self._count_at[channels] = (4 * offsets[0], 4 * offsets[1])
+        return base, base + at[0], base + at[1]
+
+    def _keep_template(self, handle: NormalHandle, key: tuple, plan: KernelLaunch, call: tuple):
+        """Keep on ``handle`` under ``key`` the :class:`_HandleCall` of ``call`` (a bundle of
+        addresses and ints, 0 in the fields each call sets)."""
+        values = list(call)
+        aligned = 0
+        for i in plan.pointers:
+            aligned |= values[i]
+        tensors = (handle.is_token_in_rank, handle.counts, handle.recv_src_idx, handle.bounds)
+        entry = _HandleCall(plan, values, aligned, weakref.ref(self), _launch_version, tensors)
+        _handle_calls(handle)[key] = entry
+        return entry
 
     def _combine_plan(self, options: CombineOptions):
         config, R, H, layout = options.config, self.num_ranks, self.hidden, self.layout
