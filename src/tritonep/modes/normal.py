@@ -665,6 +665,12 @@ def _indices(fields: tuple, names: str) -> tuple[int, ...]:
 _C_X, _C_WEIGHTS, _C_BIAS0, _C_BIAS1, _C_OUT, _C_OUT_WEIGHTS = _indices(
     CombineCall._fields, "x_ptr weights_ptr bias0_ptr bias1_ptr out_ptr out_weights_ptr"
 )
+# The fields a handle sets in a combine's and a cached dispatch's template.
+_CH_IN_RANK, _CH_TOKENS, _CH_ROWS, _CH_RECV_COUNT, _CH_RECV_START, _CH_BOUNDS = _indices(
+    CombineCall._fields,
+    "in_rank_ptr num_tokens num_rows recv_count_ptr recv_start_ptr bounds_ptr",
+)
+_DH_SRC, _DH_BOUNDS = _indices(DispatchCall._fields, "out_src_ptr bounds_ptr")
 #: The fields a cached dispatch's and a combine's templates leave to each call.
 _D_GIVEN = (_D_X, _D_SCALES, _D_OUT_X, _D_OUT_SCALES)
 _C_GIVEN = (_C_X, _C_WEIGHTS, _C_BIAS0, _C_BIAS1, _C_OUT, _C_OUT_WEIGHTS)
@@ -818,6 +824,9 @@ class NormalMode:
         self._plans: dict[tuple, KernelLaunch] = {}
         self._routes: dict[tuple, _RouteCall] = {}  # _routed_dispatch's templates
         self._count_at: dict[int, tuple[int, int]] = {}  # channels -> count_offsets in bytes
+        # Templates of combines and cached dispatches, whose handle fields each handle sets
+        # (_combine_template, _dispatch_template).
+        self._templates: dict[tuple, tuple] = {}
         self._plans_version = _launch_version
         self._configs: set[Config] = set()  # configs found valid (_config)
         self._scale_shapes: set[tuple] = set()  # (words, dtype) of scales found valid
@@ -1436,55 +1445,80 @@ class NormalMode:
     def _dispatch_template(self, handle: NormalHandle, key: tuple, scales) -> _HandleCall:
         """The :class:`_HandleCall` of a cached dispatch without a relay, row map or source
         tags (``key``: :func:`_dispatch_key`) with ``handle``, made from the addresses of its
-        tensors (the bundle :meth:`_dispatch` would launch by name, as :func:`_handle_call`
-        keeps it: a test compares the two), kept on the handle."""
+        tensors set on the mode's template of such dispatches (the bundle :meth:`_dispatch`
+        would launch by name, as :func:`_handle_call` keeps it: a test compares the two),
+        kept on the handle."""
+        bounds = handle.bounds
+        config = handle.config
+        pad_rows = handle.num_recv_tokens < 0
+        base = self._templates.get((key, config, pad_rows, bounds is not None))
+        if base is None or base[3] != _launch_version:
+            base = self._dispatch_base(key, config, scales, pad_rows, bounds is not None)
+        plan, values, aligned, _ = base
+        values = values.copy()
+        info, at_count, at_start = self._count_addresses(handle)
+        values[_D_IN_RANK] = in_rank = handle.is_token_in_rank.data_ptr()
+        values[_D_TOKENS] = handle.num_tokens
+        values[_D_RECV_COUNT] = at_count
+        values[_D_RECV_START] = at_start
+        values[_D_HOST_INFO] = info
+        values[_DH_SRC] = src = handle.recv_src_idx.data_ptr()
+        values[_D_MAX_ROWS] = handle.num_rows
+        aligned |= in_rank | info | at_count | at_start | src
+        if bounds is not None:
+            values[_DH_BOUNDS] = at = bounds.data_ptr()
+            aligned |= at
+        return self._keep_template(handle, key, plan, values, aligned)
+
+    def _dispatch_base(self, key: tuple, config: Config, scales, pad_rows: bool, bounds: bool):
+        """The mode's template of a cached dispatch of ``key`` (:func:`_dispatch_key`),
+        ``config``, worst-case rows or not and channel ``bounds`` or not: ``(launch, values,
+        aligned, version)``, the values of the handle's fields and of each call's 0
+        (:meth:`_dispatch_template` sets the first)."""
         options = DispatchOptions(
-            config=handle.config,
+            config=config,
             scale_words=0 if scales is None else scales.shape[1],
             block_k=2,  # (top-k 1: no ids move)
             has_topk=False,
             has_weights=False,
             has_tag=False,
-            pad_rows=handle.num_recv_tokens < 0,
-            bounds=handle.bounds is not None,
+            pad_rows=pad_rows,
+            bounds=bounds,
             awaits=False,
             ranks_from_ids=False,
             publish=False,
             row_map=False,
         )
-        plan = self._plans.get(options)
-        if plan is None or self._plans_version != _launch_version:
-            plan = self._plan(options, self._dispatch_plan)
+        plan = self._plan(options, self._dispatch_plan)
         null = self._unused.data_ptr()
         given = 0 if scales is not None else null
-        info, at_count, at_start = self._count_addresses(handle)
         call = DispatchCall(
             x_ptr=0,
             scales_ptr=given,
             topk_idx_ptr=null,
             topk_weights_ptr=null,
-            in_rank_ptr=handle.is_token_in_rank.data_ptr(),
+            in_rank_ptr=0,
             src_tag_ptr=null,
-            num_tokens=handle.num_tokens,
+            num_tokens=0,
             K=1,
-            recv_count_ptr=at_count,
-            recv_start_ptr=at_start,
-            host_info_ptr=info,
+            recv_count_ptr=0,
+            recv_start_ptr=0,
+            host_info_ptr=0,
             per_expert_ptr=null,
             alignment=1,
             out_x_ptr=0,
             out_scales_ptr=given,
             out_topk_idx_ptr=null,
             out_weights_ptr=null,
-            out_src_ptr=handle.recv_src_idx.data_ptr(),
-            max_rows=handle.num_rows,
-            bounds_ptr=null if handle.bounds is None else handle.bounds.data_ptr(),
+            out_src_ptr=0,
+            max_rows=0,
+            bounds_ptr=0 if bounds else null,
             ready_ptr=null,
             relay_call_ptr=null,
             row_map_ptr=null,
             trace_ptr=null,
         )
-        return self._keep_template(handle, key, plan, call)
+        return self._keep_base((key, config, pad_rows, bounds), plan, call)
 
     def _routed_dispatch(
         self,
@@ -2057,46 +2091,67 @@ class NormalMode:
 
     def _combine_template(self, handle: NormalHandle, key: tuple, K: int, num_bias: int):
         """The :class:`_HandleCall` of a combine without a relay or a row map (``key``:
-        :func:`_combine_key`) with ``handle``, made from the addresses of its tensors (the
-        bundle :meth:`_combine` would launch by name, as :func:`_handle_call` keeps it: a
-        test compares the two), kept on the handle."""
+        :func:`_combine_key`) with ``handle``, made from the addresses of its tensors set on
+        the mode's template of such combines (the bundle :meth:`_combine` would launch by
+        name, as :func:`_handle_call` keeps it: a test compares the two), kept on the
+        handle."""
+        bounds = handle.bounds
+        config = handle.config
+        base = self._templates.get((key, config, bounds is not None))
+        if base is None or base[3] != _launch_version:
+            base = self._combine_base(key, config, K, num_bias, bounds is not None)
+        plan, values, aligned, _ = base
+        values = values.copy()
+        _, at_count, at_start = self._count_addresses(handle)
+        values[_CH_IN_RANK] = in_rank = handle.is_token_in_rank.data_ptr()
+        values[_CH_TOKENS] = handle.num_tokens
+        values[_CH_ROWS] = handle.num_rows
+        values[_CH_RECV_COUNT] = at_count
+        values[_CH_RECV_START] = at_start
+        aligned |= in_rank | at_count | at_start
+        if bounds is not None:
+            values[_CH_BOUNDS] = at = bounds.data_ptr()
+            aligned |= at
+        return self._keep_template(handle, key, plan, values, aligned)
+
+    def _combine_base(self, key: tuple, config: Config, K: int, num_bias: int, bounds: bool):
+        """The mode's template of a combine of ``key`` (:func:`_combine_key`), ``config`` and
+        channel ``bounds`` or not: ``(launch, values, aligned, version)``, the values of the
+        handle's fields and of each call's 0 (:meth:`_combine_template` sets the first)."""
         has_weights = key[1] > 0
         options = CombineOptions(
-            config=handle.config,
+            config=config,
             block_k=2 if K <= 2 else 1 << (K - 1).bit_length(),
             has_weights=has_weights,
             num_bias=num_bias,
-            bounds=handle.bounds is not None,
+            bounds=bounds,
             relay=False,
             awaits=False,
             publish=False,
             row_map=False,
         )
-        plan = self._plans.get(options)
-        if plan is None or self._plans_version != _launch_version:
-            plan = self._plan(options, self._combine_plan)
+        plan = self._plan(options, self._combine_plan)
         null = self._unused.data_ptr()
-        _, at_count, at_start = self._count_addresses(handle)
         call = CombineCall(
             x_ptr=0,
             weights_ptr=0 if has_weights else null,
-            in_rank_ptr=handle.is_token_in_rank.data_ptr(),
-            num_tokens=handle.num_tokens,
-            num_rows=handle.num_rows,
+            in_rank_ptr=0,
+            num_tokens=0,
+            num_rows=0,
             K=K,
             bias0_ptr=0 if num_bias else null,
             bias1_ptr=0 if num_bias > 1 else null,
-            recv_count_ptr=at_count,
-            recv_start_ptr=at_start,
+            recv_count_ptr=0,
+            recv_start_ptr=0,
             out_ptr=0,
             out_weights_ptr=0 if has_weights else null,
-            bounds_ptr=null if handle.bounds is None else handle.bounds.data_ptr(),
+            bounds_ptr=0 if bounds else null,
             ready_ptr=null,
             relay_call_ptr=null,
             row_map_ptr=null,
             trace_ptr=null,
         )
-        return self._keep_template(handle, key, plan, call)
+        return self._keep_base((key, config, bounds), plan, call)
 
     def _count_addresses(self, handle: NormalHandle) -> tuple[int, int, int]:
         """The addresses of ``handle``'s ``host_info``, ``recv_count`` and ``recv_start``
@@ -2109,13 +2164,21 @@ class NormalMode:
             at = self._count_at[channels] = (4 * offsets[0], 4 * offsets[1])
         return base, base + at[0], base + at[1]
 
-    def _keep_template(self, handle: NormalHandle, key: tuple, plan: KernelLaunch, call: tuple):
-        """Keep on ``handle`` under ``key`` the :class:`_HandleCall` of ``call`` (a bundle of
-        addresses and ints, 0 in the fields each call sets)."""
+    def _keep_base(self, key: tuple, plan: KernelLaunch, call: tuple) -> tuple:
+        """Keep under ``key`` the mode's template ``(plan, values, aligned, version)`` of
+        ``call`` (addresses and ints, 0 in the fields each handle and each call set)."""
         values = list(call)
         aligned = 0
         for i in plan.pointers:
             aligned |= values[i]
+        base = self._templates[key] = (plan, values, aligned, _launch_version)
+        return base
+
+    def _keep_template(
+        self, handle: NormalHandle, key: tuple, plan: KernelLaunch, values: list, aligned: int
+    ) -> _HandleCall:
+        """Keep on ``handle`` under ``key`` the :class:`_HandleCall` of ``values`` (addresses
+        and ints, 0 in the fields each call sets; ``aligned``: the or of the others)."""
         tensors = (handle.is_token_in_rank, handle.counts, handle.recv_src_idx, handle.bounds)
         entry = _HandleCall(plan, values, aligned, weakref.ref(self), _launch_version, tensors)
         _handle_calls(handle)[key] = entry
