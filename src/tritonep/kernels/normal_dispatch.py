@@ -1509,13 +1509,13 @@ def exchange_counts(
             in_rank_ptr,
             num_tokens,
             per_expert_ptr,
-            per_expert_ptr,
+            per_expert_ptr,  # extra_ptr: not read (no extra words)
             alignment,
             max_rows,
             recv_count_ptr,
             recv_start_ptr,
             host_info_ptr,
-            decoded_ptr,
+            decoded_ptr,  # extra_out_ptr: not written (no extra words)
             peer_ptrs,
             pe_ptr,
             rank,
@@ -1531,18 +1531,18 @@ def exchange_counts(
             NOTIFY_SET_BYTES,
             NOTIFY_OFFSET,
             NOTIFY_STAGE_OFFSET,
-            0,
-            False,
-            False,
-            False,
+            0,  # EXTRA
+            False,  # COUNTS_GIVEN
+            False,  # CHANNEL_MAJOR
+            False,  # HOST_COPY: no host read (worst-case outputs)
             USE_CLOCK,
             BLOCK_COUNT_TOKENS,
             BLOCK_CHANNELS,
             BLOCK_EXPERTS,
             BLOCK_RANKS,
-            2,
+            2,  # BLOCK_EXTRA
             VIA,
-            True,
+            True,  # READY: the receivers wait for the layout
         )
         limit = limit_ns(timeout_us, status_ptr)
     else:

@@ -20,6 +20,13 @@ before its rows arrive), and a row may carry ``EXTRA`` more words per peer (``ex
 ``CHANNEL_MAJOR`` lays the received rows out channel by channel (then by source), so that each
 channel's rows are one contiguous range.
 
+The exchange itself is :func:`count_exchange`, which a program runs for one peer or several:
+:func:`notify_kernel` runs it for one peer per program; a worst-case first dispatch (no host
+read between the counts and the rows) runs it in its senders, one launch fewer, and its
+receivers wait for the layout (:func:`await_counts`). An exact-size notify (``HOST_COPY``) also
+writes the total and the counts per local expert into page-locked host words, then a flag,
+which the host polls instead of copying the counts back.
+
 Why it is cheap: one small launch of ``R`` programs, a few hundred bytes per peer, no atomics
 on data. Rows alternate between two sets by call parity; a rank can only store into a set
 again after every peer has finished the call that last read it, so the zeroing never races.
@@ -523,7 +530,7 @@ def notify_kernel(
         status_ptr,
         timeout_ns,
         decoded_ptr,
-        0,
+        0,  # ready_tag: not stored (READY off)
         NUM_RANKS,
         NUM_CHANNELS,
         E_LOCAL,
@@ -542,7 +549,7 @@ def notify_kernel(
         BLOCK_RANKS,
         BLOCK_EXTRA,
         VIA,
-        False,
+        False,  # READY: no program of this launch waits for the layout
     )
     if PROFILE:
         trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), True, 0, USE_CLOCK)

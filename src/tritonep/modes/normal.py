@@ -1582,17 +1582,8 @@ class NormalMode:
                 per_expert_in,
                 config,
             )
-        per_expert: list[int] | torch.Tensor
-        if num_worst_tokens:
-            num_recv, rows = -1, num_worst_tokens
-            per_expert = counts[1 : 1 + self.num_local_experts]
-        else:
-            num_recv = rows = self._received_count()
-            per_expert = self._host_view[2:]
-        # The rows.
-        recv_x = empty_output(device, (rows, self.hidden), payload.dtype)
-        recv_topk_idx = empty_output(device, (rows, topk), torch.int64)
-        recv_src_idx = empty_output(device, (rows,), torch.int32)
+        # The rows: first what does not depend on their number (in exact mode, while the
+        # count is on its way).
         values = route.dispatch_values.copy()
         values[_D_X] = a = payload.data_ptr()
         values[_D_IDS] = b = topk_idx.data_ptr()
@@ -1601,26 +1592,41 @@ class NormalMode:
         values[_D_RECV_COUNT] = count
         values[_D_RECV_START] = start
         values[_D_HOST_INFO] = info
+        aligned = handles | a | b | null
         if route.notify is None:
             values[_D_PER_EXPERT] = per_expert_at
             values[_D_ALIGNMENT] = expert_alignment
-            handles |= per_expert_at
+            aligned |= per_expert_at
+        if scales is not None:
+            values[_D_SCALES] = a = scales.data_ptr()
+            aligned |= a
+        if has_weights:
+            values[_D_WEIGHTS] = a = topk_weights.data_ptr()
+            aligned |= a
+        per_expert: list[int] | torch.Tensor
+        if num_worst_tokens:
+            num_recv, rows = -1, num_worst_tokens
+            per_expert = counts[1 : 1 + self.num_local_experts]
+        else:
+            num_recv = rows = self._received_count()
+            per_expert = self._host_view[2:]
+        recv_x = empty_output(device, (rows, self.hidden), payload.dtype)
+        recv_topk_idx = empty_output(device, (rows, topk), torch.int64)
+        recv_src_idx = empty_output(device, (rows,), torch.int32)
         values[_D_OUT_X] = c = recv_x.data_ptr()
         values[_D_OUT_IDS] = d = recv_topk_idx.data_ptr()
         values[_D_OUT_SRC] = e = recv_src_idx.data_ptr()
         values[_D_MAX_ROWS] = rows
-        aligned = handles | a | b | c | d | e | null
+        aligned |= c | d | e
         recv_scales = recv_weights = None
         if scales is not None:
             recv_scales = empty_output(device, (rows, scales.shape[1]), scales.dtype)
-            values[_D_SCALES] = a = scales.data_ptr()
             values[_D_OUT_SCALES] = b = recv_scales.data_ptr()
-            aligned |= a | b
+            aligned |= b
         if has_weights:
             recv_weights = empty_output(device, (rows, topk), torch.float32)
-            values[_D_WEIGHTS] = a = topk_weights.data_ptr()
             values[_D_OUT_WEIGHTS] = b = recv_weights.data_ptr()
-            aligned |= a | b
+            aligned |= b
         if not route.dispatch.launch_values(values, self._shared, aligned):
             host_info, recv_count, recv_start = count_views(
                 counts, self.num_local_experts, self.num_ranks, config.num_channels
