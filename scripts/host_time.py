@@ -13,7 +13,8 @@ binding and cache key) instead of straight to the compiled kernel; that count sh
 Operations: low-latency dispatch (FP8, with ``cumulative_local_expert_recv_stats``) and
 combine, through ``tritonep.deep_ep.Buffer`` (what users call) and through
 ``LowLatencyMode`` (the mode alone); with ``--normal`` also the normal mode's cached dispatch,
-worst-case dispatch, combine and exact-size dispatch (whose host waits for the received count),
+worst-case dispatch, combine, a combine and a cached dispatch each with a handle it has not
+launched with (as a training step's), and exact-size dispatch (whose host waits for the count),
 through ``NormalMode`` and through ``tritonep.deep_ep.Buffer`` (its stream handling included).
 Each line also splits the time on GPUs into this project's Python (the same calls with the
 kernel launches left out) and the launches. The script also runs on a tree from before issue
@@ -78,9 +79,18 @@ def _launches_left_out():
     if values is not None:
         bundled.launch_values = lambda self, values, shared, aligned=None: True
     launcher.launch = lambda fn, grid, args, meta: None
+    # An exact-size normal dispatch waits for the count its notify writes to host memory:
+    # without the launch, it reads the count the last real one wrote (same inputs).
+    from tritonep.modes import normal
+
+    received = getattr(normal.NormalMode, "_received_count", None)
+    if received is not None:
+        normal.NormalMode._received_count = lambda self: self._host_view[1]
     try:
         yield
     finally:
+        if received is not None:
+            normal.NormalMode._received_count = received
         launcher.launch = launch
         if bundled is not None:
             bundled.__call__ = call
@@ -276,6 +286,7 @@ def _normal(ctx, args, group, lines, on_gpu):
     if on_gpu:  # its host waits for the count: the notify kernel must run
         ops.append(("NormalMode exact-size dispatch (waits for the count)",
                     lambda: mode.dispatch(x, idx, w, per_expert, in_rank)))  # fmt: skip
+    ops += _new_handle_ops(mode, args, x, idx, w, per_expert, in_rank, worst, on_gpu)
     buffer_ops, buffer = _deep_ep_normal_ops(ctx, group, x, idx, w, E, worst, on_gpu)
     ops += buffer_ops
     for name, fn in ops:  # the first call of each (its variants compiled or loaded)
@@ -292,9 +303,57 @@ def _normal(ctx, args, group, lines, on_gpu):
             for name, fn in ops:
                 label = f"{name} ({'with' if defaults else 'no'} defaults)"
                 _report(label, fn, args, device, group, on_gpu, lines, args.profile)
+    if on_gpu and hasattr(mode, "_received_count"):
+        exact = next(fn for name, fn in ops if name.startswith("NormalMode exact-size"))
+        whole, waited = _less_wait(mode, exact, args, device, group)
+        lines.append(
+            f"{'NormalMode exact-size dispatch, less its wait':58s} {whole - waited:7.1f} "
+            f"us/call (the wait for the count: {waited:5.1f} us)"
+        )
     mode.check()
     mode.destroy()
     buffer.destroy()
+
+
+def _new_handle_ops(mode, args, x, idx, w, per_expert, in_rank, worst, on_gpu):
+    """A combine and a cached dispatch each with a handle it has not launched with yet, as a
+    training step's calls find theirs (the other operations reuse one handle): handles of
+    worst-case dispatches made beforehand, one for each call the timing makes."""
+    uses = 2 * (2 * args.calls * args.repeats + args.calls * (1 + bool(args.profile))) + 1
+    with contextlib.nullcontext() if on_gpu else _launches_left_out():
+        fresh = [
+            mode.dispatch(x, idx, w, per_expert, in_rank, num_worst_tokens=worst).handle
+            for _ in range(2 * uses)
+        ]
+    y = torch.zeros(worst, x.shape[1], dtype=torch.bfloat16, device=x.device)
+    to_combine, to_dispatch = iter(fresh[::2]), iter(fresh[1::2])
+    return [
+        ("NormalMode combine, new handle", lambda: mode.combine(y, next(to_combine))),
+        (
+            "NormalMode cached dispatch, new handle",
+            lambda: mode.dispatch(x, handle=next(to_dispatch)),
+        ),
+    ]
+
+
+def _less_wait(mode, fn, args, device, group):
+    """Host microseconds per call of ``fn`` (an exact-size dispatch of ``mode``), and of
+    them the mean spent waiting for the count (``NormalMode._received_count``)."""
+    waits = []
+    received = mode._received_count
+
+    def timed():
+        start = time.perf_counter()
+        count = received()
+        waits.append(time.perf_counter() - start)
+        return count
+
+    mode._received_count = timed
+    try:
+        whole, _ = _per_call_us(fn, args.calls, args.repeats, device, group)
+    finally:
+        del mode._received_count
+    return whole, statistics.mean(waits) * 1e6
 
 
 def _deep_ep_normal_ops(ctx, group, x, idx, w, E, worst, on_gpu):

@@ -404,6 +404,7 @@ NOTIFY_META = dict(
     EXTRA=0,
     COUNTS_GIVEN=False,
     CHANNEL_MAJOR=False,
+    HOST_COPY=False,
     USE_CLOCK=True,
     BLOCK_TOKENS=256,
     BLOCK_CHANNELS=16,
@@ -449,6 +450,14 @@ NORMAL_DISPATCH_META = dict(
     BLOCK_RANKS=4,
     BLOCK_K=8,
     BLOCK_SCALES=64,
+    EXCHANGE=False,
+    NOTIFY_ROW_WORDS=_LAYOUT.notify_row,
+    NOTIFY_SET_BYTES=_LAYOUT.notify_set,
+    NOTIFY_OFFSET=_LAYOUT.notify,
+    NOTIFY_STAGE_OFFSET=_LAYOUT.stage_notify,
+    BLOCK_COUNT_TOKENS=256,
+    BLOCK_CHANNELS=16,
+    BLOCK_EXPERTS=64,
     PROFILE=False,
     VIA=0,
 )
@@ -516,6 +525,32 @@ for module, name, sig, meta, options in [
         NORMAL_COMBINE,
         {**NORMAL_COMBINE_META, "PROFILE": True},
         COMBINE_OPTIONS,
+    ),
+    # An exact-size first dispatch's notify: the count also goes to host memory
+    ("normal_notify", "notify_kernel", NOTIFY, {**NOTIFY_META, "HOST_COPY": True}, {}),
+    # A worst-case first dispatch: the count exchange in the same launch
+    (
+        "normal_dispatch",
+        "normal_dispatch_kernel",
+        NORMAL_DISPATCH,
+        {**NORMAL_DISPATCH_META, "EXCHANGE": True},
+        DISPATCH_OPTIONS,
+    ),
+    (
+        "normal_dispatch",
+        "normal_dispatch_kernel",
+        {**NORMAL_DISPATCH, **NORMAL_BF16},
+        {
+            **NORMAL_DISPATCH_META,
+            "EXCHANGE": True,
+            "PROFILE": True,
+            "ROW_WORDS": 3584,
+            "SCALE_WORDS": 0,
+            "HAS_SCALES": False,
+            "RECORD_WORD": 3584,
+            "BLOCK_SCALES": 2,
+        },
+        DISPATCH_OPTIONS,
     ),
     # BF16 payloads, cached (no ids), exact size
     (
@@ -815,6 +850,8 @@ def _id(kernel):
     packed += f"-h{meta['H']}" if meta.get("H", 7168) != 7168 else ""
     packed += "-h2880" if meta.get("ROW_WORDS") == 720 else ""
     packed += "-one-token" if meta.get("ONE_TOKEN") else ""
+    packed += "-exchange" if meta.get("EXCHANGE") else ""
+    packed += "-host-copy" if meta.get("HOST_COPY") else ""
     packed += "-histograms" if meta.get("COUNT_BY_ADDS") is False else ""
     packed += "-tma" if meta.get("VIA_TMA") else ""
     packed += "-rotated-streaming" if meta.get("ROTATE") and meta.get("STREAM") else ""
@@ -868,6 +905,31 @@ def test_flags_use_system_scope_release_and_acquire():
     ptx = compile_ptx(*KERNELS[1])
     assert "ld.global.sys.acquire.b32" in ptx  # atomic_add(p, 0, acquire) becomes an acquire load
     assert "%globaltimer" in ptx
+
+
+def test_a_dispatch_that_exchanges_counts_waits_for_its_layout_at_gpu_scope():
+    """The receivers of a worst-case first dispatch wait for the layout that its senders'
+    count exchange releases (GPU scope: the same launch); without the exchange neither the
+    release nor the wait is compiled in."""
+    variants = [k for k in KERNELS if k[1] == "normal_dispatch_kernel"]
+    fused = compile_ptx(*next(k for k in variants if k[3]["EXCHANGE"]))
+    plain = compile_ptx(*variants[0])
+    release = re.compile(r"atom\.global\.gpu\.release\.exch\.b64")
+    acquire = re.compile(r"(ld|atom)\.global\.gpu\.acquire(\.add)?\.[bu]64")
+    assert release.search(fused) and acquire.search(fused)
+    assert not release.search(plain) and not acquire.search(plain)
+    # The count exchange's own waits: its peers' rows, read volatile and bounded by the clock.
+    assert fused.count("%globaltimer") > plain.count("%globaltimer")
+
+
+def test_an_exact_size_notify_writes_the_count_to_the_host_flag_last():
+    """An exact-size notify stores the count into host memory, then (after a system-scope
+    fence) the flag the host polls; without ``HOST_COPY`` only the fences of the status
+    records are compiled in."""
+    notifies = [k for k in KERNELS if k[1] == "notify_kernel" and not k[3]["PROFILE"]]
+    host_copy = compile_ptx(*next(k for k in notifies if k[3]["HOST_COPY"]))
+    plain = compile_ptx(*notifies[0])
+    assert host_copy.count("fence.sc.sys") == plain.count("fence.sc.sys") + 1
 
 
 def _kernel(name):
@@ -1054,6 +1116,7 @@ def test_a_new_batch_size_compiles_nothing_in_low_latency_mode(name):
         ("notify_kernel", "alignment"),
         ("normal_dispatch_kernel", "num_tokens"),
         ("normal_dispatch_kernel", "max_rows"),
+        ("normal_dispatch_kernel", "alignment"),
         ("normal_combine_kernel", "num_tokens"),
         ("normal_combine_kernel", "num_rows"),
         ("dispatch_layout_kernel", "num_tokens"),

@@ -571,6 +571,19 @@ def _skip_body(ctx, phase):
     mode.timeout_s = 1.0
     if phase == "dispatch":
         return timeout_message(lambda: mode.dispatch(x, idx))
+    if phase == "worst-case dispatch":  # one launch: its senders exchange the counts
+        outs = []
+        message = timeout_message(
+            lambda: outs.append(mode.dispatch(x, idx, num_worst_tokens=8)), mode.check
+        )
+        # Rank 0's own rows (all 3 tokens) arrived, but a failed call returns nothing that
+        # passes for data.
+        out = outs[0]
+        assert (out.recv_topk_idx == -1).all(), out.recv_topk_idx
+        assert (out.handle.recv_src_idx == -1).all(), out.handle.recv_src_idx
+        received = int(out.handle.host_info[0])
+        assert received == 3 and out.recv_x[:received].isnan().all(), out.recv_x
+        return message
     return timeout_message(lambda: mode.combine(out.recv_x, out.handle), mode.check)
 
 
@@ -579,6 +592,11 @@ def _skip_body(ctx, phase):
     [
         (
             "dispatch",
+            "rank 0 timed out after 1 s in phase 'notify' waiting for peer 1; that "
+            "peer is stuck, crashed, or called with different arguments",
+        ),
+        (
+            "worst-case dispatch",
             "rank 0 timed out after 1 s in phase 'notify' waiting for peer 1; that "
             "peer is stuck, crashed, or called with different arguments",
         ),
@@ -596,6 +614,51 @@ def test_a_rank_that_skips_a_call_makes_the_others_raise(run_ranks, phase, messa
     raised, skipped = run_ranks(2, _skip_body, phase)
     assert re.fullmatch(message, raised), raised
     assert skipped == "skipped"
+
+
+def _launches_body(ctx):
+    """The kernels each first dispatch launches, in order, and whether its outputs match the
+    reference (3 ranks, 2 channels: a sender exchanges counts with two peers)."""
+    from tritonep.kernels import launcher
+
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    mode = nm.NormalMode(None, 128, 2 * R, max_topk=2, device=dev, max_sms=4, timeout_s=60)
+    launched = []
+    triton_path = launcher.KernelLaunch._triton_path
+
+    def counted(self, *args, **kwargs):
+        launched.append(getattr(self.fn, "__name__", None) or self.fn.fn.__name__)
+        return triton_path(self, *args, **kwargs)
+
+    launcher.KernelLaunch._triton_path = counted
+    kernels = {}
+    try:
+        for call, worst in enumerate((0, 24, 0, 24)):
+            case = tag_rows(make_case(call + 7, [5, 8, 3], 128, 2 * R, 2, "random"))
+            idx, weights = case.topk_idx[me].to(dev), case.topk_weights[me].to(dev)
+            _, per_expert, in_rank = mode.get_dispatch_layout(idx)
+            del launched[:]
+            x = case.x[me].to(dev)
+            out = mode.dispatch(x, idx, weights, per_expert, in_rank, num_worst_tokens=worst)
+            kernels[worst] = list(launched)
+            want = ref.normal_dispatch(case.x, case.topk_idx, case.topk_weights, 2 * R)[me]
+            _check_dispatch(me, out, want, False, worst, 1)
+    finally:
+        launcher.KernelLaunch._triton_path = triton_path
+    mode.check()
+    mode.destroy()
+    return kernels
+
+
+def test_a_worst_case_first_dispatch_is_one_launch(run_ranks):
+    """No host read between the count exchange and the rows: the dispatch launch's senders
+    exchange the counts first (one launch on the host); an exact-size dispatch reads the
+    count between its two launches."""
+    for kernels in run_ranks(3, _launches_body):
+        assert kernels == {
+            0: ["notify_kernel", "normal_dispatch_kernel"],
+            24: ["normal_dispatch_kernel"],
+        }
 
 
 def _stuck_destination_body(ctx):

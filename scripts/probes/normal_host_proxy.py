@@ -14,9 +14,11 @@ The outputs hold garbage; nothing reads them.
 
 One rank (gloo). For each operation it prints the least and the median, over ``--repeats``
 runs of ``--calls`` back-to-back calls, of the microseconds of this thread's CPU time per
-call. Operations: ``NormalMode`` cached dispatch (BF16, FP8), worst-case and exact-size first
-dispatches (layout given, as ``scripts/host_time.py --normal`` calls them), a worst-case
-dispatch that computes its layout, combine; then the same through ``tritonep.deep_ep.Buffer``
+call. Operations: ``NormalMode`` cached dispatch (BF16, FP8; with the same handle, and with a
+handle not launched with before, as a training step's calls find theirs), worst-case and
+exact-size first dispatches (layout given, as ``scripts/host_time.py --normal`` calls them), a
+worst-case dispatch that computes its layout, combine (also with a new handle each call); then
+the same through ``tritonep.deep_ep.Buffer``
 (DeepEP's V1 interface, on CPU without its stream handling). It runs on any tree with
 ``KernelLaunch.launch_values`` (``PYTHONPATH=other/src`` to compare); compare trees with
 interleaved runs, the least of each. ``--profile N``: the N functions with the most own time.
@@ -39,23 +41,32 @@ from ll_host_proxy import per_call_us, stubbed_launches
 _LAUNCHER_ARGS = 13
 
 
-def _notify_stand_in(host_info: int, tokens: int):
+def _notify_stand_in(host_info: int, tokens: int, state: int):
     """A launcher for notify that writes the received count into ``host_info``: every token
-    (one rank)."""
+    (one rank); and, where the mode keeps host words for it (their address in the state's
+    last word), into them, then their flag."""
 
     def run(*args):
-        count = ctypes.c_int32.from_address(args[_LAUNCHER_ARGS + host_info])
-        count.value = args[_LAUNCHER_ARGS + tokens]
+        count = args[_LAUNCHER_ARGS + tokens]
+        ctypes.c_int32.from_address(args[_LAUNCHER_ARGS + host_info]).value = count
+        host = ctypes.c_int64.from_address(args[_LAUNCHER_ARGS + state] + 7 * 8).value
+        if host:
+            ctypes.c_int32.from_address(host + 4).value = count
+            ctypes.c_int32.from_address(host).value = 1
 
     return run
 
 
 def _stand_in(call_fields):
     """Each launch's stand-in: notify's writes its count, the others do nothing."""
+    from tritonep.kernels.normal_dispatch import NormalShared
     from tritonep.kernels.normal_notify import NotifyCall
 
     if tuple(call_fields) == NotifyCall._fields:
-        return _notify_stand_in(call_fields.index("host_info_ptr"), call_fields.index("num_tokens"))
+        state = len(call_fields) + NormalShared._fields.index("state_ptr")
+        return _notify_stand_in(
+            call_fields.index("host_info_ptr"), call_fields.index("num_tokens"), state
+        )
     return lambda *args: None
 
 
@@ -76,11 +87,21 @@ def _ops(ctx, args):
     # 12 channels, as the GPU default (24 SMs): the same alignments of the count tensors.
     mode = NormalMode(ctx.group, H, E, max_topk=K, device=ctx.device, max_sms=24)
     _, per_expert, in_rank = mode.get_dispatch_layout(idx)
-    out = mode.dispatch(x, idx, w, per_expert, in_rank)
+    out = mode.dispatch(x, idx, w, per_expert, in_rank, num_worst_tokens=N * R)
     y = out.recv_x.clone()
     worst = N * R
+    # A training step uses each handle once or twice: a combine or a cached dispatch of a
+    # handle it has not launched with yet (each takes the next of these).
+    fresh = [
+        mode.dispatch(x, idx, w, per_expert, in_rank, num_worst_tokens=N * R).handle
+        for _ in range(2 * (args.calls * args.repeats + 1))
+    ]
+    to_combine, to_dispatch = iter(fresh[::2]), iter(fresh[1::2])
     ops = [
         ("NormalMode cached dispatch", lambda: mode.dispatch(x, handle=out.handle)),
+        ("NormalMode cached dispatch, a new handle",
+         lambda: mode.dispatch(x, handle=next(to_dispatch))),
+        ("NormalMode combine, a new handle", lambda: mode.combine(y, next(to_combine))),
         ("NormalMode cached dispatch FP8", lambda: mode.dispatch(x8, handle=out.handle)),
         ("NormalMode worst-case dispatch",
          lambda: mode.dispatch(x, idx, w, per_expert, in_rank, num_worst_tokens=worst)),

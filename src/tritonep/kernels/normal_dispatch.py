@@ -39,6 +39,13 @@ which the host raises on the next call. A receiver that finds a timeout recorded
 NaN payload, scales and weights, source ``-1`` and top-k ids ``-1``, so a failed call never
 returns rows that pass for data.
 
+With ``EXCHANGE`` (a worst-case first dispatch: the host reads no count between notify and
+the rows) the launch runs the count exchange of :mod:`.normal_notify` first: sender ``c``
+exchanges counts with ranks ``c, c + C, ...``, the last to finish lays out the received rows
+and releases a flag tagged with this launch's call number, for which the receivers wait
+(bounded). Under the interpreter the senders run first, so the flag is set when the
+receivers look.
+
 Why it is fast: senders and receivers run at once (one cooperative launch), a token's payload
 is read from memory once whatever its number of destinations, all destinations are fed in
 the same step (every NVLink peer busy), and the only host work is the launch. Token counts,
@@ -52,7 +59,8 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from .phases import DISPATCH_IDS, DISPATCH_RECV, DISPATCH_RELAY, DISPATCH_SEND
+from .normal_notify import await_counts, count_exchange
+from .phases import DISPATCH_COUNTS, DISPATCH_IDS, DISPATCH_RECV, DISPATCH_RELAY, DISPATCH_SEND
 from .status import STATUS_TIMEOUT, first_bad_id, record_bad_id
 from .sync import (
     aligned_ptr,
@@ -106,6 +114,8 @@ class DispatchCall(NamedTuple):
     recv_count_ptr: object
     recv_start_ptr: object
     host_info_ptr: object
+    per_expert_ptr: object
+    alignment: int
     out_x_ptr: object
     out_scales_ptr: object
     out_topk_idx_ptr: object
@@ -156,6 +166,14 @@ class DispatchVariant(NamedTuple):
     BLOCK_RANKS: int
     BLOCK_K: int
     BLOCK_SCALES: int
+    EXCHANGE: bool
+    NOTIFY_ROW_WORDS: int
+    NOTIFY_SET_BYTES: int
+    NOTIFY_OFFSET: int
+    NOTIFY_STAGE_OFFSET: int
+    BLOCK_COUNT_TOKENS: int
+    BLOCK_CHANNELS: int
+    BLOCK_EXPERTS: int
     PROFILE: bool
     VIA: int
 
@@ -1445,10 +1463,149 @@ def dispatch_receive(
     return waited
 
 
+@triton.jit
+def exchange_counts(
+    pid,  # this program
+    call,  # this launch's call number
+    in_rank_ptr,  # [N, R] int8 is_token_in_rank
+    num_tokens,  # N
+    per_expert_ptr,  # [E] int32 top-k entries per global expert on this rank
+    alignment,  # round the entries per local expert up to a multiple of this
+    max_rows,  # rows the outputs hold
+    recv_count_ptr,  # [R, C] int32 out: tokens each (source, channel) sends here
+    recv_start_ptr,  # [R, C] int32 out: first output row of each (source, channel)
+    host_info_ptr,  # [1 + E_LOCAL] int32 out: rows received, aligned tokens per local expert
+    peer_ptrs,  # [R] int64 heap base addresses
+    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
+    rank,  # this rank
+    state_ptr,  # [8] int64 device call counters
+    status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
+    timeout_us,  # NormalShared
+    timeout_ns,  # the launch's limit so far
+    decoded_ptr,  # [R, E_LOCAL] int32 workspace
+    E_LOCAL: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    NUM_CHANNELS: tl.constexpr,
+    NOTIFY_ROW_WORDS: tl.constexpr,
+    NOTIFY_SET_BYTES: tl.constexpr,
+    NOTIFY_OFFSET: tl.constexpr,
+    NOTIFY_STAGE_OFFSET: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    BLOCK_COUNT_TOKENS: tl.constexpr,
+    BLOCK_CHANNELS: tl.constexpr,
+    BLOCK_EXPERTS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    VIA: tl.constexpr,
+):
+    """The count exchange inside the dispatch launch (:mod:`.normal_notify`, one launch less
+    on the host): sender ``c`` exchanges counts with ranks ``c, c + C, ...``, the last to
+    finish lays out the rows; a receiver waits for that layout (bounded). Returns the limit
+    of the program's waits from here on (a wait of the exchange may have given up: then 0),
+    or -1 for a receiver whose wait for the layout gave up (recorded)."""
+    if pid < NUM_CHANNELS:
+        count_exchange(
+            pid,
+            NUM_CHANNELS,
+            in_rank_ptr,
+            num_tokens,
+            per_expert_ptr,
+            per_expert_ptr,  # extra_ptr: not read (no extra words)
+            alignment,
+            max_rows,
+            recv_count_ptr,
+            recv_start_ptr,
+            host_info_ptr,
+            decoded_ptr,  # extra_out_ptr: not written (no extra words)
+            peer_ptrs,
+            pe_ptr,
+            rank,
+            state_ptr,
+            status_ptr,
+            timeout_ns,
+            decoded_ptr,
+            call + 1,
+            NUM_RANKS,
+            NUM_CHANNELS,
+            E_LOCAL,
+            NOTIFY_ROW_WORDS,
+            NOTIFY_SET_BYTES,
+            NOTIFY_OFFSET,
+            NOTIFY_STAGE_OFFSET,
+            0,  # EXTRA
+            False,  # COUNTS_GIVEN
+            False,  # CHANNEL_MAJOR
+            False,  # HOST_COPY: no host read (worst-case outputs)
+            USE_CLOCK,
+            BLOCK_COUNT_TOKENS,
+            BLOCK_CHANNELS,
+            BLOCK_EXPERTS,
+            BLOCK_RANKS,
+            2,  # BLOCK_EXTRA
+            VIA,
+            True,  # READY: the receivers wait for the layout
+        )
+        limit = limit_ns(timeout_us, status_ptr)
+    else:
+        ok = await_counts(
+            call + 1, rank, state_ptr, status_ptr, timeout_ns, DISPATCH_COUNTS, USE_CLOCK
+        )
+        limit = tl.where(ok, limit_ns(timeout_us, status_ptr), -1)
+    return limit
+
+
+@triton.jit
+def poison_share(
+    channel,  # the channel this program receives
+    max_rows,  # rows the outputs hold
+    out_x_ptr,  # [max_rows, ROW_WORDS] int32 out: payload words
+    out_scales_ptr,  # [max_rows, SCALE_WORDS] int32 out (HAS_SCALES)
+    out_topk_idx_ptr,  # [max_rows, K] int64 out (HAS_TOPK)
+    out_weights_ptr,  # [max_rows, K] float32 out (HAS_WEIGHTS)
+    out_src_ptr,  # [max_rows] int32 out
+    row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
+    K,  # top-k columns
+    ROW_WORDS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
+    NUM_CHANNELS: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    HAS_TOPK: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    ROW_MAP: tl.constexpr,
+    BLOCK_RECV_WORDS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
+):
+    """This receiver's share of all ``max_rows`` output rows as poison: a receiver that never
+    learnt where its channel's rows go (a failed call)."""
+    for first in range(channel * BLOCK_FILL, max_rows, NUM_CHANNELS * BLOCK_FILL):
+        fill_rows(
+            first,
+            first + BLOCK_FILL,
+            max_rows,
+            out_x_ptr,
+            out_scales_ptr,
+            out_topk_idx_ptr,
+            out_weights_ptr,
+            out_src_ptr,
+            row_map_ptr,
+            K,
+            True,
+            ROW_WORDS,
+            SCALE_WORDS,
+            HAS_SCALES,
+            HAS_TOPK,
+            HAS_WEIGHTS,
+            ROW_MAP,
+            BLOCK_RECV_WORDS,
+            BLOCK_K,
+            BLOCK_SCALES,
+        )
+
+
 # ------------------------------------------------------------------------------------- entry
 
 
-@triton.jit(do_not_specialize=["num_tokens", "K", "max_rows", "timeout_us"])
+@triton.jit(do_not_specialize=["num_tokens", "K", "alignment", "max_rows", "timeout_us"])
 def normal_dispatch_kernel(
     # What changes from call to call (DispatchCall).
     x_ptr,  # [N, H] bf16 or e4m3 tokens, read as [N, ROW_WORDS] int32 words
@@ -1462,6 +1619,8 @@ def normal_dispatch_kernel(
     recv_count_ptr,  # [R, C] int32 tokens each (source, channel) sends here
     recv_start_ptr,  # [R, C] int32 first output row of each (source, channel)
     host_info_ptr,  # [1 + E_LOCAL] int32, [0] = rows received
+    per_expert_ptr,  # [E] int32 top-k entries per global expert on this rank (EXCHANGE)
+    alignment,  # round the entries per local expert up to a multiple of this (EXCHANGE)
     out_x_ptr,  # [max_rows, H] out, like x
     out_scales_ptr,  # [max_rows, SCALE_WORDS] out (HAS_SCALES)
     out_topk_idx_ptr,  # [max_rows, K] int64 out: local expert ids (HAS_TOPK)
@@ -1480,7 +1639,7 @@ def normal_dispatch_kernel(
     state_ptr,  # [8] int64 device call counters
     status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
     timeout_us,  # limit of every wait, in microseconds (sync.timeout_us)
-    decoded_ptr,  # (notify's workspace; unused here)
+    decoded_ptr,  # [R, E_LOCAL] int32 the count exchange's workspace (EXCHANGE)
     ROW_WORDS: tl.constexpr,  # int32 words of a token's payload
     SCALE_WORDS: tl.constexpr,  # scale words per token (HAS_SCALES)
     E_LOCAL: tl.constexpr,  # experts per rank
@@ -1516,6 +1675,14 @@ def normal_dispatch_kernel(
     BLOCK_RANKS: tl.constexpr,  # power of two >= max(NUM_RANKS, 2)
     BLOCK_K: tl.constexpr,  # power of two >= max(K, 2)
     BLOCK_SCALES: tl.constexpr,  # power of two >= max(SCALE_WORDS, 2)
+    EXCHANGE: tl.constexpr,  # the count exchange runs here first (normal_notify's, fused)
+    NOTIFY_ROW_WORDS: tl.constexpr,  # notify's ROW_WORDS (EXCHANGE)
+    NOTIFY_SET_BYTES: tl.constexpr,  # notify's SET_BYTES (EXCHANGE)
+    NOTIFY_OFFSET: tl.constexpr,  # heap byte offset of the notify rows (EXCHANGE)
+    NOTIFY_STAGE_OFFSET: tl.constexpr,  # heap byte offset of the staged notify rows (EXCHANGE)
+    BLOCK_COUNT_TOKENS: tl.constexpr,  # tokens counted at a time (EXCHANGE)
+    BLOCK_CHANNELS: tl.constexpr,  # power of two > NUM_CHANNELS (EXCHANGE)
+    BLOCK_EXPERTS: tl.constexpr,  # power of two >= max(E_LOCAL, 2) (EXCHANGE)
     PROFILE: tl.constexpr,  # record traces
     VIA: tl.constexpr,  # how rows reach peers (transport)
 ):
@@ -1534,6 +1701,40 @@ def normal_dispatch_kernel(
     out_scales_ptr = out_scales_ptr.to(tl.pointer_type(tl.int32))
     in_rank_ptr = in_rank_ptr.to(tl.pointer_type(tl.int8))
     sends = pid < NUM_CHANNELS
+    if EXCHANGE:  # the senders exchange the counts first; the receivers wait for the layout
+        timeout_ns = exchange_counts(
+            pid,
+            call,
+            in_rank_ptr,
+            num_tokens,
+            per_expert_ptr,
+            alignment,
+            max_rows,
+            recv_count_ptr,
+            recv_start_ptr,
+            host_info_ptr,
+            peer_ptrs,
+            pe_ptr,
+            rank,
+            state_ptr,
+            status_ptr,
+            timeout_us,
+            timeout_ns,
+            decoded_ptr,
+            E_LOCAL,
+            NUM_RANKS,
+            NUM_CHANNELS,
+            NOTIFY_ROW_WORDS,
+            NOTIFY_SET_BYTES,
+            NOTIFY_OFFSET,
+            NOTIFY_STAGE_OFFSET,
+            USE_CLOCK,
+            BLOCK_COUNT_TOKENS,
+            BLOCK_CHANNELS,
+            BLOCK_EXPERTS,
+            BLOCK_RANKS,
+            VIA,
+        )
     if sends:
         waited = dispatch_send(
             pid,
@@ -1584,6 +1785,29 @@ def normal_dispatch_kernel(
             BLOCK_SCALES,
             PROFILE,
             VIA,
+        )
+    elif timeout_ns < 0:  # the layout never came (exchange_counts): no row can be placed
+        waited = tl.zeros((), tl.int64)
+        poison_share(
+            pid - NUM_CHANNELS,
+            max_rows,
+            out_x_ptr,
+            out_scales_ptr,
+            out_topk_idx_ptr,
+            out_weights_ptr,
+            out_src_ptr,
+            row_map_ptr,
+            K,
+            ROW_WORDS,
+            SCALE_WORDS,
+            NUM_CHANNELS,
+            HAS_SCALES,
+            HAS_TOPK,
+            HAS_WEIGHTS,
+            ROW_MAP,
+            BLOCK_RECV_WORDS,
+            BLOCK_K,
+            BLOCK_SCALES,
         )
     else:
         waited = dispatch_receive(

@@ -20,6 +20,13 @@ before its rows arrive), and a row may carry ``EXTRA`` more words per peer (``ex
 ``CHANNEL_MAJOR`` lays the received rows out channel by channel (then by source), so that each
 channel's rows are one contiguous range.
 
+The exchange itself is :func:`count_exchange`, which a program runs for one peer or several:
+:func:`notify_kernel` runs it for one peer per program; a worst-case first dispatch (no host
+read between the counts and the rows) runs it in its senders, one launch fewer, and its
+receivers wait for the layout (:func:`await_counts`). An exact-size notify (``HOST_COPY``) also
+writes the total and the counts per local expert into page-locked host words, then a flag,
+which the host polls instead of copying the counts back.
+
 Why it is cheap: one small launch of ``R`` programs, a few hundred bytes per peer, no atomics
 on data. Rows alternate between two sets by call parity; a rank can only store into a set
 again after every peer has finished the call that last read it, so the zeroing never races.
@@ -35,6 +42,7 @@ import triton
 import triton.language as tl
 
 from .phases import NOTIFY
+from .status import fence_system
 from .sync import STATUS_OVERFLOW, elapsed_ns, limit_ns, record_timeout, start_clock
 from .trace import read_clock, trace_role
 from .transport import VIA_STORE, put_block
@@ -42,6 +50,12 @@ from .transport import VIA_STORE, put_block
 # Device state counters (int64) of the normal mode.
 NOTIFY_CALLS = tl.constexpr(0)
 NOTIFY_ARRIVALS = tl.constexpr(1)
+#: The tag of the last count exchange whose layout is out, in a launch that waits for it
+#: (the dispatch's call number + 1: :func:`await_counts`).
+NOTIFY_READY = tl.constexpr(6)
+#: The host address of the words an exact-size notify writes for the host (``HOST_COPY``):
+#: ``[written flag, rows received, aligned tokens per local expert...]`` int32, page-locked.
+HOST_COUNTS = tl.constexpr(7)
 
 
 class NotifyCall(NamedTuple):
@@ -73,6 +87,7 @@ class NotifyVariant(NamedTuple):
     EXTRA: int
     COUNTS_GIVEN: bool
     CHANNEL_MAJOR: bool
+    HOST_COPY: bool
     USE_CLOCK: bool
     BLOCK_TOKENS: int
     BLOCK_CHANNELS: int
@@ -242,16 +257,19 @@ def lay_out_rows(
     alignment,  # round the entries per local expert up to a multiple of this
     max_rows,  # rows the outputs hold (worst-case mode), 0 = unlimited
     status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
+    state_ptr,  # [8] int64 device call counters (and the host words' address, HOST_COPY)
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
     E_LOCAL: tl.constexpr,
     CHANNEL_MAJOR: tl.constexpr,
+    HOST_COPY: tl.constexpr,
     BLOCK_CHANNELS: tl.constexpr,
     BLOCK_EXPERTS: tl.constexpr,
     BLOCK_RANKS: tl.constexpr,
 ):
     """The last program: the first output row of every (source, channel) stream, the total
-    and the aligned entries per local expert; an overflow of ``max_rows`` is recorded."""
+    and the aligned entries per local expert (with ``HOST_COPY`` also into host memory, then
+    a flag); an overflow of ``max_rows`` is recorded."""
     channels = tl.arange(0, BLOCK_CHANNELS)
     experts = tl.arange(0, BLOCK_EXPERTS)
     ranks = tl.arange(0, BLOCK_RANKS)
@@ -278,6 +296,172 @@ def lay_out_rows(
     tl.store(host_info_ptr + 1 + experts, per_expert, mask=experts < E_LOCAL)
     if (max_rows > 0) & (total > max_rows):
         record_timeout(status_ptr, -1, NOTIFY, 0, total, STATUS_OVERFLOW)
+    if HOST_COPY:  # the host waits for these words (exact size), flag last
+        host = tl.load(state_ptr + HOST_COUNTS).to(tl.pointer_type(tl.int32))
+        tl.store(host + 1, total)
+        tl.store(host + 2 + experts, per_expert, mask=experts < E_LOCAL)
+        fence_system()
+        tl.store(host, 1)
+
+
+@triton.jit
+def count_exchange(
+    first,  # the first peer this program exchanges counts with
+    step,  # then every step-th peer after it
+    counts_ptr,  # [N, R] bool is_token_in_rank, or [R, C] int32 counts (COUNTS_GIVEN)
+    num_tokens,  # N
+    per_expert_ptr,  # [E] int32 top-k entries per global expert on this rank
+    extra_ptr,  # [R, EXTRA] int32 sent to each peer (EXTRA > 0)
+    alignment,  # round the entries per local expert up to a multiple of this
+    max_rows,  # rows the outputs hold (worst-case mode), 0 = unlimited
+    recv_count_ptr,  # [R, C] int32 out: tokens each (source, channel) sends here
+    recv_start_ptr,  # [R, C] int32 out: first output row of each (source, channel)
+    host_info_ptr,  # [1 + E_LOCAL] int32 out: total rows, aligned tokens per local expert
+    extra_out_ptr,  # [R, EXTRA] int32 out: the extra words of each source (EXTRA > 0)
+    peer_ptrs,  # [R] int64 heap base addresses
+    pe_ptr,  # [R] int32 NVSHMEM PE of each rank
+    rank,  # this rank
+    state_ptr,  # [8] int64 device call counters
+    status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
+    timeout_ns,  # int64 limit of every wait
+    decoded_ptr,  # [R, E_LOCAL] int32 workspace: expert entries from each source
+    ready_tag,  # stored into state[NOTIFY_READY] once the layout is out (READY)
+    NUM_RANKS: tl.constexpr,
+    NUM_CHANNELS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    ROW_WORDS: tl.constexpr,
+    SET_BYTES: tl.constexpr,
+    NOTIFY_OFFSET: tl.constexpr,
+    STAGE_OFFSET: tl.constexpr,
+    EXTRA: tl.constexpr,
+    COUNTS_GIVEN: tl.constexpr,
+    CHANNEL_MAJOR: tl.constexpr,
+    HOST_COPY: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+    BLOCK_CHANNELS: tl.constexpr,
+    BLOCK_EXPERTS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    BLOCK_EXTRA: tl.constexpr,
+    VIA: tl.constexpr,
+    READY: tl.constexpr,
+):
+    """This program's share of the count exchange (constexprs as :func:`notify_kernel`'s):
+    store its rows into peers ``first, first + step, ...``, then wait for theirs. The program
+    that finishes the last peer lays out the received rows and (``READY``: a launch whose
+    other programs wait for the layout, :func:`await_counts`) stores ``ready_tag`` into
+    ``state[NOTIFY_READY]``. All rows are stored before any is awaited, so a program that
+    serves several peers never waits for a peer that waits for it (the interpreter runs a
+    rank's programs one after another)."""
+    call = tl.load(state_ptr + NOTIFY_CALLS, volatile=True)
+    set_off = (call % 2) * SET_BYTES
+    for peer in range(first, NUM_RANKS, step):
+        counts = channel_counts(
+            counts_ptr,
+            num_tokens,
+            peer,
+            NUM_RANKS,
+            NUM_CHANNELS,
+            COUNTS_GIVEN,
+            BLOCK_TOKENS,
+            BLOCK_CHANNELS,
+        )
+        notify_send(
+            counts,
+            per_expert_ptr,
+            extra_ptr,
+            peer,
+            rank,
+            NOTIFY_OFFSET + set_off + rank * ROW_WORDS * 4,
+            peer_ptrs,
+            pe_ptr,
+            NUM_CHANNELS,
+            E_LOCAL,
+            ROW_WORDS,
+            STAGE_OFFSET,
+            EXTRA,
+            BLOCK_CHANNELS,
+            BLOCK_EXPERTS,
+            BLOCK_EXTRA,
+            VIA,
+        )
+    rows = tl.load(peer_ptrs + rank) + NOTIFY_OFFSET + set_off
+    for peer in range(first, NUM_RANKS, step):
+        notify_receive(
+            (rows + peer * ROW_WORDS * 4).to(tl.pointer_type(tl.int32)),
+            peer,
+            timeout_ns,
+            status_ptr,
+            recv_count_ptr,
+            decoded_ptr,
+            extra_out_ptr,
+            NUM_CHANNELS,
+            E_LOCAL,
+            EXTRA,
+            USE_CLOCK,
+            BLOCK_CHANNELS,
+            BLOCK_EXPERTS,
+            BLOCK_EXTRA,
+        )
+    # The program that finishes the last peer lays out the received rows.
+    served = tl.maximum(tl.cdiv(NUM_RANKS - first, step), 0)
+    if served > 0:
+        tl.debug_barrier()
+        done = tl.atomic_add(state_ptr + NOTIFY_ARRIVALS, served, sem="acq_rel", scope="gpu")
+        if done + served == NUM_RANKS:
+            lay_out_rows(
+                recv_count_ptr,
+                recv_start_ptr,
+                decoded_ptr,
+                host_info_ptr,
+                alignment,
+                max_rows,
+                status_ptr,
+                state_ptr,
+                NUM_RANKS,
+                NUM_CHANNELS,
+                E_LOCAL,
+                CHANNEL_MAJOR,
+                HOST_COPY,
+                BLOCK_CHANNELS,
+                BLOCK_EXPERTS,
+                BLOCK_RANKS,
+            )
+            tl.store(state_ptr + NOTIFY_ARRIVALS, 0)
+            tl.store(state_ptr + NOTIFY_CALLS, call + 1)
+            if READY:
+                tl.debug_barrier()
+                tl.atomic_xchg(state_ptr + NOTIFY_READY, ready_tag, sem="release", scope="gpu")
+
+
+@triton.jit
+def await_counts(
+    ready_tag,  # the value the count exchange of this launch stores when its layout is out
+    rank,  # this rank
+    state_ptr,  # [8] int64 device call counters
+    status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
+    timeout_ns,  # int64 limit of the exchange's own waits
+    PHASE: tl.constexpr,  # the phase a timeout names
+    USE_CLOCK: tl.constexpr,
+):
+    """Wait (bounded) until :func:`count_exchange` of this launch has laid out the received
+    rows; returns whether it has. The exchange's programs wait at most ``timeout_ns`` for
+    their peers, so this waits twice that; a wait that gives up is recorded as this rank's
+    own (peer ``rank``) in ``PHASE``. Under the interpreter the exchange's programs come
+    first: the flag is there at the first read."""
+    limit = 2 * timeout_ns
+    start = start_clock(USE_CLOCK)
+    spins = tl.zeros((), tl.int64)
+    done = tl.load(state_ptr + NOTIFY_READY, volatile=True) >= ready_tag
+    while (not done) & (elapsed_ns(start, spins, USE_CLOCK) < limit):
+        spins += 1
+        done = tl.load(state_ptr + NOTIFY_READY, volatile=True) >= ready_tag
+    if done:
+        done = tl.atomic_add(state_ptr + NOTIFY_READY, 0, sem="acquire", scope="gpu") >= ready_tag
+    else:
+        record_timeout(status_ptr, rank, PHASE, limit)
+    tl.debug_barrier()
+    return done
 
 
 @triton.jit(do_not_specialize=["num_tokens", "alignment", "max_rows", "timeout_us"])
@@ -312,6 +496,7 @@ def notify_kernel(
     EXTRA: tl.constexpr,  # extra words per row (at NUM_CHANNELS + E_LOCAL)
     COUNTS_GIVEN: tl.constexpr,  # channel counts given (counts_ptr), not counted
     CHANNEL_MAJOR: tl.constexpr,  # received rows ordered by channel, then source
+    HOST_COPY: tl.constexpr,  # also write the count into host memory (exact size)
     USE_CLOCK: tl.constexpr,  # on a GPU (else the interpreter)
     BLOCK_TOKENS: tl.constexpr,  # tokens counted at a time
     BLOCK_CHANNELS: tl.constexpr,  # power of two > NUM_CHANNELS (a bin for other ranks)
@@ -322,78 +507,49 @@ def notify_kernel(
     VIA: tl.constexpr,  # how rows reach peers (transport)
 ):
     timeout_ns = limit_ns(timeout_us, status_ptr)
-    peer = tl.program_id(0)
-    call = tl.load(state_ptr + NOTIFY_CALLS, volatile=True)
     if PROFILE:
         t_start = read_clock(trace_ptr, USE_CLOCK)
-    set_off = (call % 2) * SET_BYTES
-    counts = channel_counts(
+    # Program p exchanges counts with rank p.
+    count_exchange(
+        tl.program_id(0),
+        NUM_RANKS,
         counts_ptr,
         num_tokens,
-        peer,
-        NUM_RANKS,
-        NUM_CHANNELS,
-        COUNTS_GIVEN,
-        BLOCK_TOKENS,
-        BLOCK_CHANNELS,
-    )
-    notify_send(
-        counts,
         per_expert_ptr,
         extra_ptr,
-        peer,
-        rank,
-        NOTIFY_OFFSET + set_off + rank * ROW_WORDS * 4,
+        alignment,
+        max_rows,
+        recv_count_ptr,
+        recv_start_ptr,
+        host_info_ptr,
+        extra_out_ptr,
         peer_ptrs,
         pe_ptr,
+        rank,
+        state_ptr,
+        status_ptr,
+        timeout_ns,
+        decoded_ptr,
+        0,  # ready_tag: not stored (READY off)
+        NUM_RANKS,
         NUM_CHANNELS,
         E_LOCAL,
         ROW_WORDS,
+        SET_BYTES,
+        NOTIFY_OFFSET,
         STAGE_OFFSET,
         EXTRA,
+        COUNTS_GIVEN,
+        CHANNEL_MAJOR,
+        HOST_COPY,
+        USE_CLOCK,
+        BLOCK_TOKENS,
         BLOCK_CHANNELS,
         BLOCK_EXPERTS,
+        BLOCK_RANKS,
         BLOCK_EXTRA,
         VIA,
-    )
-    my_row = tl.load(peer_ptrs + rank) + NOTIFY_OFFSET + set_off + peer * ROW_WORDS * 4
-    notify_receive(
-        my_row.to(tl.pointer_type(tl.int32)),
-        peer,
-        timeout_ns,
-        status_ptr,
-        recv_count_ptr,
-        decoded_ptr,
-        extra_out_ptr,
-        NUM_CHANNELS,
-        E_LOCAL,
-        EXTRA,
-        USE_CLOCK,
-        BLOCK_CHANNELS,
-        BLOCK_EXPERTS,
-        BLOCK_EXTRA,
+        False,  # READY: no program of this launch waits for the layout
     )
     if PROFILE:
         trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), True, 0, USE_CLOCK)
-    # The last program lays out the received rows.
-    tl.debug_barrier()
-    done = tl.atomic_add(state_ptr + NOTIFY_ARRIVALS, 1, sem="acq_rel", scope="gpu")
-    if done == NUM_RANKS - 1:
-        lay_out_rows(
-            recv_count_ptr,
-            recv_start_ptr,
-            decoded_ptr,
-            host_info_ptr,
-            alignment,
-            max_rows,
-            status_ptr,
-            NUM_RANKS,
-            NUM_CHANNELS,
-            E_LOCAL,
-            CHANNEL_MAJOR,
-            BLOCK_CHANNELS,
-            BLOCK_EXPERTS,
-            BLOCK_RANKS,
-        )
-        tl.store(state_ptr + NOTIFY_ARRIVALS, 0)
-        tl.store(state_ptr + NOTIFY_CALLS, call + 1)

@@ -29,6 +29,8 @@ DISPATCH_RELAY = tl.constexpr(15)  # a forwarder waits for rows from the network
 COMBINE_RELAY = tl.constexpr(16)  # a forwarder waits for sums from the NVLink leg
 LAYOUT_IDS = tl.constexpr(17)  # a bad id read by get_dispatch_layout
 DISPATCH_IDS = tl.constexpr(18)  # a bad id read by a dispatch
+# A dispatch that runs the count exchange: a receiver waits for its launch's layout.
+DISPATCH_COUNTS = tl.constexpr(19)
 
 # Elastic mode (DeepEP V2's interface).
 ELASTIC_DISPATCH = tl.constexpr(20)
@@ -51,6 +53,7 @@ NAMES: dict[int, str] = {
     COMBINE_RELAY.value: "combine relay (sums from the NVLink leg)",
     LAYOUT_IDS.value: "get_dispatch_layout",
     DISPATCH_IDS.value: "dispatch",
+    DISPATCH_COUNTS.value: "dispatch (fused: waiting for its own count exchange)",
     ELASTIC_DISPATCH.value: "elastic dispatch",
     ELASTIC_COMBINE.value: "elastic combine",
     ELASTIC_BARRIER.value: "elastic barrier",

@@ -8,15 +8,18 @@ and :mod:`~tritonep.kernels.normal_combine` over one symmetric heap, which holds
   and heads ``[C][R]`` int64 on the sender;
 * combine rings ``[C][R expert ranks][ring][slot]`` with their tails and heads.
 
-A dispatch runs notify (one small launch) unless a handle is given (cached mode), then the
-dispatch launch (``C`` senders and ``C`` receivers, ``2 C`` programs: the SM budget). Output
-sizes come two ways:
+A dispatch exchanges the counts (notify) unless a handle is given (cached mode), then moves
+the rows in the dispatch launch (``C`` senders and ``C`` receivers, ``2 C`` programs: the SM
+budget). Output sizes come two ways:
 
-* exact (``num_worst_tokens=0``): the host reads the received count after notify (one
-  device-to-host copy and wait, the only host synchronization of the mode);
+* exact (``num_worst_tokens=0``): notify is a small launch of its own, after which the host
+  reads the received count (one device-to-host copy and wait, the only host synchronization
+  of the mode), then the dispatch launch;
 * worst case (``num_worst_tokens > 0``): outputs have that many rows, the rows past the
-  received ones carry top-k ids ``-1``; no wait for the count, so a CUDA graph can capture
-  dispatch and combine and replay them with new inputs of the same shapes.
+  received ones carry top-k ids ``-1``; no wait for the count, so one launch does both: its
+  senders exchange the counts first, and its receivers wait (bounded) for the layout (host
+  time: a launch costs the host 5 to 7 us). A CUDA graph can capture dispatch and combine and
+  replay them with new inputs of the same shapes.
 
 Call counters live on the device (graph-safe). Every rank must make the same sequence of
 calls. Under the Triton interpreter (CPU ranks) programs of a launch run one after another, so
@@ -57,6 +60,7 @@ row and a mirror ring per destination) and moved with the tails and heads by
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import weakref
 from collections.abc import Callable
@@ -103,6 +107,7 @@ PHASES = {
         phases.COMBINE_RELAY,
         phases.LAYOUT_IDS,
         phases.DISPATCH_IDS,
+        phases.DISPATCH_COUNTS,
     )
 }
 
@@ -158,6 +163,8 @@ COMBINE_RECV_TILE = 32768
 #: steps helped dispatch while its senders set the pace and made combine 2-7% slower; with
 #: own rows copied by the dispatch receivers, every 4 steps made both slower. So 1.
 SEND_RELEASE_STEPS = 1
+#: Tokens the count exchange reads at a time (notify, or the dispatch launch that runs it).
+COUNT_TOKENS = 256
 #: The launch constants above: what :func:`set_launch_constants` (and ``tritonep bench
 #: --launch``) may change, to compare launch shapes on a GPU without editing the code.
 LAUNCH_CONSTANTS = (
@@ -407,7 +414,9 @@ class NormalHandle:
 
     def _count_view(self, part: int) -> torch.Tensor:
         R = self.is_token_in_rank.shape[1]
-        return count_views(self.counts, self.num_experts // R, R, self.config.num_channels)[part]
+        views = count_views(self.counts, self.num_experts // R, R, self.config.num_channels)
+        self.__dict__.update(zip(("host_info", "recv_count", "recv_start"), views, strict=True))
+        return views[part]
 
 
 def count_offsets(num_local_experts: int, num_ranks: int, num_channels: int) -> tuple[int, ...]:
@@ -493,6 +502,7 @@ class DispatchOptions(NamedTuple):
     ranks_from_ids: bool
     publish: bool
     row_map: bool
+    exchange: bool = False  # the count exchange runs in the dispatch launch
 
 
 class CombineOptions(NamedTuple):
@@ -516,6 +526,7 @@ class NotifyOptions(NamedTuple):
     counts_given: bool
     extra: int
     channel_major: bool
+    host_copy: bool = False  # exact size: the count also goes to host memory
 
 
 class _HandleCall(NamedTuple):
@@ -591,12 +602,13 @@ def _handle_calls(handle: NormalHandle) -> dict:
 
 
 class _RouteCall(NamedTuple):
-    """The two launches of a first dispatch (no relay, source tags or traces) of one shape
-    class: notify's and the dispatch's call bundles as lists in their fields' order, tensors
-    as addresses, the placeholder's where the variant reads nothing; each call sets the rest
-    (:meth:`NormalMode._routed_dispatch`)."""
+    """The launches of a first dispatch (no relay, source tags or traces) of one shape class:
+    notify's (None where the dispatch launch exchanges the counts itself: worst-case outputs,
+    no host read between the two) and the dispatch's, their call bundles as lists in their
+    fields' order, tensors as addresses, the placeholder's where the variant reads nothing;
+    each call sets the rest (:meth:`NormalMode._routed_dispatch`)."""
 
-    notify: KernelLaunch
+    notify: KernelLaunch | None
     notify_values: list
     dispatch: KernelLaunch
     dispatch_values: list
@@ -636,6 +648,8 @@ def _indices(fields: tuple, names: str) -> tuple[int, ...]:
     _D_RECV_COUNT,
     _D_RECV_START,
     _D_HOST_INFO,
+    _D_PER_EXPERT,
+    _D_ALIGNMENT,
     _D_OUT_X,
     _D_OUT_SCALES,
     _D_OUT_IDS,
@@ -645,12 +659,18 @@ def _indices(fields: tuple, names: str) -> tuple[int, ...]:
 ) = _indices(
     DispatchCall._fields,
     "x_ptr scales_ptr topk_idx_ptr topk_weights_ptr in_rank_ptr num_tokens recv_count_ptr "
-    "recv_start_ptr host_info_ptr out_x_ptr out_scales_ptr out_topk_idx_ptr out_weights_ptr "
-    "out_src_ptr max_rows",
+    "recv_start_ptr host_info_ptr per_expert_ptr alignment out_x_ptr out_scales_ptr "
+    "out_topk_idx_ptr out_weights_ptr out_src_ptr max_rows",
 )
 _C_X, _C_WEIGHTS, _C_BIAS0, _C_BIAS1, _C_OUT, _C_OUT_WEIGHTS = _indices(
     CombineCall._fields, "x_ptr weights_ptr bias0_ptr bias1_ptr out_ptr out_weights_ptr"
 )
+# The fields a handle sets in a combine's and a cached dispatch's template.
+_CH_IN_RANK, _CH_TOKENS, _CH_ROWS, _CH_RECV_COUNT, _CH_RECV_START, _CH_BOUNDS = _indices(
+    CombineCall._fields,
+    "in_rank_ptr num_tokens num_rows recv_count_ptr recv_start_ptr bounds_ptr",
+)
+_DH_SRC, _DH_BOUNDS = _indices(DispatchCall._fields, "out_src_ptr bounds_ptr")
 #: The fields a cached dispatch's and a combine's templates leave to each call.
 _D_GIVEN = (_D_X, _D_SCALES, _D_OUT_X, _D_OUT_SCALES)
 _C_GIVEN = (_C_X, _C_WEIGHTS, _C_BIAS0, _C_BIAS1, _C_OUT, _C_OUT_WEIGHTS)
@@ -773,6 +793,15 @@ class NormalMode:
         #: How peers are reached (:mod:`tritonep.kernels.transport`).
         self.transport = transport.PeerTransport(self.heap, staged, "staged")
         self.state = torch.zeros(8, dtype=torch.int64, device=self.device)
+        # An exact-size notify writes the count where the host reads it without a copy:
+        # [written flag, rows received, aligned tokens per local expert...] (HOST_COUNTS).
+        self._host_counts = torch.zeros(
+            2 + self.num_local_experts, dtype=torch.int32, pin_memory=on_gpu
+        )
+        self._host_view = (ctypes.c_int32 * (2 + self.num_local_experts)).from_address(
+            self._host_counts.data_ptr()
+        )
+        self.state[normal_notify.HOST_COUNTS.value] = self._host_counts.data_ptr()
         #: What went wrong, on the device and in host memory (:mod:`tritonep.kernels.status`).
         self.status = Status(self.device)
         self._decoded = torch.empty(
@@ -794,6 +823,10 @@ class NormalMode:
         self._unused = torch.zeros(4, dtype=torch.int64, device=self.device)
         self._plans: dict[tuple, KernelLaunch] = {}
         self._routes: dict[tuple, _RouteCall] = {}  # _routed_dispatch's templates
+        self._count_at: dict[int, tuple[int, int]] = {}  # channels -> count_offsets in bytes
+        # Templates of combines and cached dispatches, whose handle fields each handle sets
+        # (_combine_template, _dispatch_template).
+        self._templates: dict[tuple, tuple] = {}
         self._plans_version = _launch_version
         self._configs: set[Config] = set()  # configs found valid (_config)
         self._scale_shapes: set[tuple] = set()  # (words, dtype) of scales found valid
@@ -1028,10 +1061,13 @@ class NormalMode:
         counts = torch.empty(count_offsets(E_local, R, C)[2], dtype=torch.int32, device=device)
         host_info, recv_count, recv_start = count_views(counts, E_local, R, C)
         extra_out = torch.empty((R, X), dtype=torch.int32, device=device) if X else None
-        options = NotifyOptions(config, send_counts is not None, X, channel_major)
+        exact = not num_worst_tokens
+        options = NotifyOptions(config, send_counts is not None, X, channel_major, exact)
         plan = self._plans.get(options)
         if plan is None or self._plans_version != _launch_version:
             plan = self._plan(options, self._notify_plan)
+        if exact:
+            self._host_view[0] = 0  # (written by the launch)
         self._launch(
             plan,
             "notify",
@@ -1054,12 +1090,8 @@ class NormalMode:
             num_recv, rows = -1, num_worst_tokens
             per_expert = host_info[1:]
         else:
-            # The one host synchronization of exact mode: the received count.
-            info = host_info.tolist()
-            if self.status.recorded() == STATUS_TIMEOUT.value:
-                self.raise_recorded()  # the count is unknown: nothing can follow
-            num_recv = rows = info[0]
-            per_expert = info[1:]
+            num_recv = rows = self._received_count()
+            per_expert = self._host_view[2:]
         handle = NormalHandle(
             in_rank,
             counts,
@@ -1092,8 +1124,9 @@ class NormalMode:
             EXTRA=options.extra,
             COUNTS_GIVEN=options.counts_given,
             CHANNEL_MAJOR=options.channel_major,
+            HOST_COPY=options.host_copy,
             USE_CLOCK=use_clock(self.device),
-            BLOCK_TOKENS=256,
+            BLOCK_TOKENS=COUNT_TOKENS,
             BLOCK_CHANNELS=triton.next_power_of_2(C + 1),
             BLOCK_EXPERTS=triton.next_power_of_2(max(E_local, 2)),
             BLOCK_RANKS=triton.next_power_of_2(max(R, 2)),
@@ -1341,6 +1374,8 @@ class NormalMode:
             recv_count_ptr=handle.recv_count,
             recv_start_ptr=handle.recv_start,
             host_info_ptr=handle.host_info,
+            per_expert_ptr=None,
+            alignment=1,
             out_x_ptr=recv_x,
             out_scales_ptr=recv_scales,
             out_topk_idx_ptr=recv_topk_idx,
@@ -1389,12 +1424,14 @@ class NormalMode:
         """Launch a dispatch with the handle of an earlier one, no relay, row map or source
         tags (``payload`` and ``scales`` checked), into ``recv_x`` and ``recv_scales``, from
         the handle's :class:`_HandleCall`: only the payload's and the outputs' arguments are
-        new. False where there is no such template yet (the first such call, which
-        :meth:`_dispatch` makes by name and keeps) or the launch must take Triton's path."""
+        new. The first such call with a handle makes the template from its addresses
+        (:meth:`_dispatch_template`). False where the launch must take Triton's path (the
+        first of its variant, a launch hook): :meth:`_dispatch` then launches by name."""
+        key = _dispatch_key(payload, scales)
         calls = handle.__dict__.get("_calls")
-        entry = calls.get(_dispatch_key(payload, scales)) if calls is not None else None
+        entry = calls.get(key) if calls is not None else None
         if entry is None or not entry.stands(self, handle):
-            return False
+            entry = self._dispatch_template(handle, key, scales)
         values = entry.values.copy()
         x, out = payload.data_ptr(), recv_x.data_ptr()
         values[_D_X], values[_D_OUT_X] = x, out
@@ -1404,6 +1441,84 @@ class NormalMode:
             values[_D_SCALES], values[_D_OUT_SCALES] = s, out
             aligned |= s | out
         return entry.launch.launch_values(values, self._shared, aligned)
+
+    def _dispatch_template(self, handle: NormalHandle, key: tuple, scales) -> _HandleCall:
+        """The :class:`_HandleCall` of a cached dispatch without a relay, row map or source
+        tags (``key``: :func:`_dispatch_key`) with ``handle``, made from the addresses of its
+        tensors set on the mode's template of such dispatches (the bundle :meth:`_dispatch`
+        would launch by name, as :func:`_handle_call` keeps it: a test compares the two),
+        kept on the handle."""
+        bounds = handle.bounds
+        config = handle.config
+        pad_rows = handle.num_recv_tokens < 0
+        base = self._templates.get((key, config, pad_rows, bounds is not None))
+        if base is None or base[3] != _launch_version:
+            base = self._dispatch_base(key, config, scales, pad_rows, bounds is not None)
+        plan, values, aligned, _ = base
+        values = values.copy()
+        info, at_count, at_start = self._count_addresses(handle)
+        values[_D_IN_RANK] = in_rank = handle.is_token_in_rank.data_ptr()
+        values[_D_TOKENS] = handle.num_tokens
+        values[_D_RECV_COUNT] = at_count
+        values[_D_RECV_START] = at_start
+        values[_D_HOST_INFO] = info
+        values[_DH_SRC] = src = handle.recv_src_idx.data_ptr()
+        values[_D_MAX_ROWS] = handle.num_rows
+        aligned |= in_rank | info | at_count | at_start | src
+        if bounds is not None:
+            values[_DH_BOUNDS] = at = bounds.data_ptr()
+            aligned |= at
+        return self._keep_template(handle, key, plan, values, aligned)
+
+    def _dispatch_base(self, key: tuple, config: Config, scales, pad_rows: bool, bounds: bool):
+        """The mode's template of a cached dispatch of ``key`` (:func:`_dispatch_key`),
+        ``config``, worst-case rows or not and channel ``bounds`` or not: ``(launch, values,
+        aligned, version)``, the values of the handle's fields and of each call's 0
+        (:meth:`_dispatch_template` sets the first)."""
+        options = DispatchOptions(
+            config=config,
+            scale_words=0 if scales is None else scales.shape[1],
+            block_k=2,  # (top-k 1: no ids move)
+            has_topk=False,
+            has_weights=False,
+            has_tag=False,
+            pad_rows=pad_rows,
+            bounds=bounds,
+            awaits=False,
+            ranks_from_ids=False,
+            publish=False,
+            row_map=False,
+        )
+        plan = self._plan(options, self._dispatch_plan)
+        null = self._unused.data_ptr()
+        given = 0 if scales is not None else null
+        call = DispatchCall(
+            x_ptr=0,
+            scales_ptr=given,
+            topk_idx_ptr=null,
+            topk_weights_ptr=null,
+            in_rank_ptr=0,
+            src_tag_ptr=null,
+            num_tokens=0,
+            K=1,
+            recv_count_ptr=0,
+            recv_start_ptr=0,
+            host_info_ptr=0,
+            per_expert_ptr=null,
+            alignment=1,
+            out_x_ptr=0,
+            out_scales_ptr=given,
+            out_topk_idx_ptr=null,
+            out_weights_ptr=null,
+            out_src_ptr=0,
+            max_rows=0,
+            bounds_ptr=0 if bounds else null,
+            ready_ptr=null,
+            relay_call_ptr=null,
+            row_map_ptr=null,
+            trace_ptr=null,
+        )
+        return self._keep_base((key, config, pad_rows, bounds), plan, call)
 
     def _routed_dispatch(
         self,
@@ -1444,47 +1559,31 @@ class NormalMode:
         counts = torch.empty(route.count_words, dtype=torch.int32, device=device)
         rank, info = in_rank.data_ptr(), counts.data_ptr()
         count, start = info + route.count_bytes, info + route.start_bytes
-        values = route.notify_values.copy()
-        values[_N_COUNTS] = rank
-        values[_N_TOKENS] = num_tokens
-        values[_N_PER_EXPERT] = a = per_expert_in.data_ptr()
-        values[_N_ALIGNMENT] = expert_alignment
-        values[_N_MAX_ROWS] = num_worst_tokens
-        values[_N_RECV_COUNT] = count
-        values[_N_RECV_START] = start
-        values[_N_HOST_INFO] = info
+        per_expert_at = per_expert_in.data_ptr()
         handles = rank | count | start | info
-        if not route.notify.launch_values(values, self._shared, handles | a | null):
-            host_info, recv_count, recv_start = count_views(
-                counts, self.num_local_experts, self.num_ranks, config.num_channels
+        if route.notify is not None:  # (else the dispatch launch exchanges the counts)
+            values = route.notify_values.copy()
+            values[_N_COUNTS] = rank
+            values[_N_TOKENS] = num_tokens
+            values[_N_PER_EXPERT] = per_expert_at
+            values[_N_ALIGNMENT] = expert_alignment
+            values[_N_MAX_ROWS] = num_worst_tokens
+            values[_N_RECV_COUNT] = count
+            values[_N_RECV_START] = start
+            values[_N_HOST_INFO] = info
+            if not num_worst_tokens:
+                self._host_view[0] = 0  # (written by the launch)
+            self._launch_notify(
+                route,
+                values,
+                handles | per_expert_at | null,
+                counts,
+                in_rank,
+                per_expert_in,
+                config,
             )
-            call = NotifyCall._make(values)._replace(
-                counts_ptr=in_rank,
-                per_expert_ptr=per_expert_in,
-                extra_ptr=None,
-                recv_count_ptr=recv_count,
-                recv_start_ptr=recv_start,
-                host_info_ptr=host_info,
-                extra_out_ptr=None,
-                trace_ptr=None,
-            )
-            self._launch(route.notify, "notify", call)
-        per_expert: list[int] | torch.Tensor
-        if num_worst_tokens:
-            num_recv, rows = -1, num_worst_tokens
-            per_expert = counts[1 : 1 + self.num_local_experts]
-        else:
-            # The one host synchronization of exact mode: the received count.
-            # (All of counts: a view first would cost more than the words it leaves out.)
-            read = counts.tolist()
-            if self.status.recorded() == STATUS_TIMEOUT.value:
-                self.raise_recorded()  # the count is unknown: nothing can follow
-            num_recv = rows = read[0]
-            per_expert = read[1 : 1 + self.num_local_experts]
-        # The rows.
-        recv_x = empty_output(device, (rows, self.hidden), payload.dtype)
-        recv_topk_idx = empty_output(device, (rows, topk), torch.int64)
-        recv_src_idx = empty_output(device, (rows,), torch.int32)
+        # The rows: first what does not depend on their number (in exact mode, while the
+        # count is on its way).
         values = route.dispatch_values.copy()
         values[_D_X] = a = payload.data_ptr()
         values[_D_IDS] = b = topk_idx.data_ptr()
@@ -1493,22 +1592,41 @@ class NormalMode:
         values[_D_RECV_COUNT] = count
         values[_D_RECV_START] = start
         values[_D_HOST_INFO] = info
+        aligned = handles | a | b | null
+        if route.notify is None:
+            values[_D_PER_EXPERT] = per_expert_at
+            values[_D_ALIGNMENT] = expert_alignment
+            aligned |= per_expert_at
+        if scales is not None:
+            values[_D_SCALES] = a = scales.data_ptr()
+            aligned |= a
+        if has_weights:
+            values[_D_WEIGHTS] = a = topk_weights.data_ptr()
+            aligned |= a
+        per_expert: list[int] | torch.Tensor
+        if num_worst_tokens:
+            num_recv, rows = -1, num_worst_tokens
+            per_expert = counts[1 : 1 + self.num_local_experts]
+        else:
+            num_recv = rows = self._received_count()
+            per_expert = self._host_view[2:]
+        recv_x = empty_output(device, (rows, self.hidden), payload.dtype)
+        recv_topk_idx = empty_output(device, (rows, topk), torch.int64)
+        recv_src_idx = empty_output(device, (rows,), torch.int32)
         values[_D_OUT_X] = c = recv_x.data_ptr()
         values[_D_OUT_IDS] = d = recv_topk_idx.data_ptr()
         values[_D_OUT_SRC] = e = recv_src_idx.data_ptr()
         values[_D_MAX_ROWS] = rows
-        aligned = handles | a | b | c | d | e | null
+        aligned |= c | d | e
         recv_scales = recv_weights = None
         if scales is not None:
             recv_scales = empty_output(device, (rows, scales.shape[1]), scales.dtype)
-            values[_D_SCALES] = a = scales.data_ptr()
             values[_D_OUT_SCALES] = b = recv_scales.data_ptr()
-            aligned |= a | b
+            aligned |= b
         if has_weights:
             recv_weights = empty_output(device, (rows, topk), torch.float32)
-            values[_D_WEIGHTS] = a = topk_weights.data_ptr()
             values[_D_OUT_WEIGHTS] = b = recv_weights.data_ptr()
-            aligned |= a | b
+            aligned |= b
         if not route.dispatch.launch_values(values, self._shared, aligned):
             host_info, recv_count, recv_start = count_views(
                 counts, self.num_local_experts, self.num_ranks, config.num_channels
@@ -1523,6 +1641,7 @@ class NormalMode:
                 recv_count_ptr=recv_count,
                 recv_start_ptr=recv_start,
                 host_info_ptr=host_info,
+                per_expert_ptr=per_expert_in if route.notify is None else None,
                 out_x_ptr=recv_x,
                 out_scales_ptr=recv_scales,
                 out_topk_idx_ptr=recv_topk_idx,
@@ -1549,11 +1668,66 @@ class NormalMode:
         out_x = recv_x if recv_scales is None else (recv_x, recv_scales)
         return NormalDispatchOutput(out_x, recv_topk_idx, recv_weights, per_expert, handle)
 
+    def _received_count(self) -> int:
+        """The rows this rank receives, once the exact-size notify just launched has written
+        them into host memory (the one wait of exact mode; the words it wrote stay in
+        ``self._host_view``). Raises what that notify recorded if one of its waits timed out
+        (the count is unknown: nothing can follow)."""
+        view = self._host_view
+        polls = 0
+        # Polled as DeepEP polls its mapped counter, while the stream runs: the count is
+        # read as soon as the kernel writes it, with no copy and no synchronization. The
+        # notify's own waits are bounded; now and then the poll asks whether the stream
+        # has run dry without the words (a failed launch), which would leave them unset.
+        while not view[0]:
+            polls += 1
+            if polls % 4096 == 0 and self._stream_idle() and not view[0]:
+                raise RuntimeError(
+                    f"rank {self._rank_names[self.rank]}: the notify launch ended without "
+                    "writing the received count"
+                )
+        if self.status.recorded() == STATUS_TIMEOUT.value:
+            self.raise_recorded()
+        return view[1]
+
+    def _stream_idle(self) -> bool:
+        """Whether every launch so far on the current stream has ended (the interpreter's
+        have, when they return)."""
+        return self._device_index < 0 or torch.cuda.current_stream(self.device).query()
+
+    def _launch_notify(
+        self, route: _RouteCall, values: list, aligned: int, counts, in_rank, per_expert, config
+    ) -> None:
+        """Launch a first dispatch's notify from its template ``values`` (addresses), or by
+        name with the tensors where the template's launch declines."""
+        if route.notify.launch_values(values, self._shared, aligned):
+            return
+        host_info, recv_count, recv_start = count_views(
+            counts, self.num_local_experts, self.num_ranks, config.num_channels
+        )
+        call = NotifyCall._make(values)._replace(
+            counts_ptr=in_rank,
+            per_expert_ptr=per_expert,
+            extra_ptr=None,
+            recv_count_ptr=recv_count,
+            recv_start_ptr=recv_start,
+            host_info_ptr=host_info,
+            extra_out_ptr=None,
+            trace_ptr=None,
+        )
+        self._launch(route.notify, "notify", call)
+
     def _route_call(self, key: tuple) -> _RouteCall:
         """The :class:`_RouteCall` of ``key`` (config, scale words, top-k, weights given,
         worst-case outputs), made and kept."""
         config, scale_words, topk, has_weights, pad_rows = key
-        notify = self._plan(NotifyOptions(config, False, 0, False), self._notify_plan)
+        # Worst-case outputs need no host read between the count exchange and the rows: one
+        # launch does both (where rows are stored into peers directly).
+        exchange = pad_rows and self.transport.via == transport.VIA_STORE.value
+        notify = None
+        if not exchange:
+            options = NotifyOptions(config, False, 0, False, not pad_rows)
+            notify = self._plan(options, self._notify_plan)
         options = DispatchOptions(
             config=config,
             scale_words=scale_words,
@@ -1567,6 +1741,7 @@ class NormalMode:
             ranks_from_ids=False,
             publish=False,
             row_map=False,
+            exchange=exchange,
         )
         dispatch = self._plan(options, self._dispatch_plan)
         null = self._unused.data_ptr()
@@ -1597,6 +1772,8 @@ class NormalMode:
             recv_count_ptr=0,
             recv_start_ptr=0,
             host_info_ptr=0,
+            per_expert_ptr=0 if exchange else null,
+            alignment=1,
             out_x_ptr=0,
             out_scales_ptr=scales,
             out_topk_idx_ptr=0,
@@ -1739,6 +1916,14 @@ class NormalMode:
             BLOCK_RANKS=r_p2,
             BLOCK_K=options.block_k,
             BLOCK_SCALES=triton.next_power_of_2(max(G, 2)),
+            EXCHANGE=options.exchange,
+            NOTIFY_ROW_WORDS=layout.notify_row,
+            NOTIFY_SET_BYTES=layout.notify_set,
+            NOTIFY_OFFSET=layout.notify,
+            NOTIFY_STAGE_OFFSET=layout.stage_notify,
+            BLOCK_COUNT_TOKENS=COUNT_TOKENS,
+            BLOCK_CHANNELS=triton.next_power_of_2(config.num_channels + 1),
+            BLOCK_EXPERTS=triton.next_power_of_2(max(self.num_local_experts, 2)),
             PROFILE=self.trace is not None,
             VIA=self.transport.via,
         )
@@ -1885,13 +2070,15 @@ class NormalMode:
     ) -> bool:
         """Launch a combine without a relay or a row map (its tensors checked) into ``out``
         and ``out_weights`` from the handle's :class:`_HandleCall`: only the arguments of its
-        tensors and outputs are new. False where there is no such template yet (the first
-        such combine, which :meth:`_combine` makes by name and keeps) or the launch must take
-        Triton's path."""
+        tensors and outputs are new. The first such combine of a handle makes the template
+        from its addresses (:meth:`_combine_template`). False where the launch must take
+        Triton's path (the first of its variant, a launch hook): :meth:`_combine` then
+        launches by name."""
+        key = _combine_key(topk_weights, K, len(terms))
         calls = handle.__dict__.get("_calls")
-        entry = calls.get(_combine_key(topk_weights, K, len(terms))) if calls is not None else None
+        entry = calls.get(key) if calls is not None else None
         if entry is None or not entry.stands(self, handle):
-            return False
+            entry = self._combine_template(handle, key, K, len(terms))
         values = entry.values.copy()
         a, o = x.data_ptr(), out.data_ptr()
         values[_C_X], values[_C_OUT] = a, o
@@ -1907,6 +2094,101 @@ class NormalMode:
                 a = values[_C_BIAS1] = terms[1].data_ptr()
                 aligned |= a
         return entry.launch.launch_values(values, self._shared, aligned)
+
+    def _combine_template(self, handle: NormalHandle, key: tuple, K: int, num_bias: int):
+        """The :class:`_HandleCall` of a combine without a relay or a row map (``key``:
+        :func:`_combine_key`) with ``handle``, made from the addresses of its tensors set on
+        the mode's template of such combines (the bundle :meth:`_combine` would launch by
+        name, as :func:`_handle_call` keeps it: a test compares the two), kept on the
+        handle."""
+        bounds = handle.bounds
+        config = handle.config
+        base = self._templates.get((key, config, bounds is not None))
+        if base is None or base[3] != _launch_version:
+            base = self._combine_base(key, config, K, num_bias, bounds is not None)
+        plan, values, aligned, _ = base
+        values = values.copy()
+        _, at_count, at_start = self._count_addresses(handle)
+        values[_CH_IN_RANK] = in_rank = handle.is_token_in_rank.data_ptr()
+        values[_CH_TOKENS] = handle.num_tokens
+        values[_CH_ROWS] = handle.num_rows
+        values[_CH_RECV_COUNT] = at_count
+        values[_CH_RECV_START] = at_start
+        aligned |= in_rank | at_count | at_start
+        if bounds is not None:
+            values[_CH_BOUNDS] = at = bounds.data_ptr()
+            aligned |= at
+        return self._keep_template(handle, key, plan, values, aligned)
+
+    def _combine_base(self, key: tuple, config: Config, K: int, num_bias: int, bounds: bool):
+        """The mode's template of a combine of ``key`` (:func:`_combine_key`), ``config`` and
+        channel ``bounds`` or not: ``(launch, values, aligned, version)``, the values of the
+        handle's fields and of each call's 0 (:meth:`_combine_template` sets the first)."""
+        has_weights = key[1] > 0
+        options = CombineOptions(
+            config=config,
+            block_k=2 if K <= 2 else 1 << (K - 1).bit_length(),
+            has_weights=has_weights,
+            num_bias=num_bias,
+            bounds=bounds,
+            relay=False,
+            awaits=False,
+            publish=False,
+            row_map=False,
+        )
+        plan = self._plan(options, self._combine_plan)
+        null = self._unused.data_ptr()
+        call = CombineCall(
+            x_ptr=0,
+            weights_ptr=0 if has_weights else null,
+            in_rank_ptr=0,
+            num_tokens=0,
+            num_rows=0,
+            K=K,
+            bias0_ptr=0 if num_bias else null,
+            bias1_ptr=0 if num_bias > 1 else null,
+            recv_count_ptr=0,
+            recv_start_ptr=0,
+            out_ptr=0,
+            out_weights_ptr=0 if has_weights else null,
+            bounds_ptr=0 if bounds else null,
+            ready_ptr=null,
+            relay_call_ptr=null,
+            row_map_ptr=null,
+            trace_ptr=null,
+        )
+        return self._keep_base((key, config, bounds), plan, call)
+
+    def _count_addresses(self, handle: NormalHandle) -> tuple[int, int, int]:
+        """The addresses of ``handle``'s ``host_info``, ``recv_count`` and ``recv_start``
+        (:func:`count_offsets`), without making their views."""
+        base = handle.counts.data_ptr()
+        channels = handle.config.num_channels
+        at = self._count_at.get(channels)
+        if at is None:
+            offsets = count_offsets(self.num_local_experts, self.num_ranks, channels)
+            at = self._count_at[channels] = (4 * offsets[0], 4 * offsets[1])
+        return base, base + at[0], base + at[1]
+
+    def _keep_base(self, key: tuple, plan: KernelLaunch, call: tuple) -> tuple:
+        """Keep under ``key`` the mode's template ``(plan, values, aligned, version)`` of
+        ``call`` (addresses and ints, 0 in the fields each handle and each call set)."""
+        values = list(call)
+        aligned = 0
+        for i in plan.pointers:
+            aligned |= values[i]
+        base = self._templates[key] = (plan, values, aligned, _launch_version)
+        return base
+
+    def _keep_template(
+        self, handle: NormalHandle, key: tuple, plan: KernelLaunch, values: list, aligned: int
+    ) -> _HandleCall:
+        """Keep on ``handle`` under ``key`` the :class:`_HandleCall` of ``values`` (addresses
+        and ints, 0 in the fields each call sets; ``aligned``: the or of the others)."""
+        tensors = (handle.is_token_in_rank, handle.counts, handle.recv_src_idx, handle.bounds)
+        entry = _HandleCall(plan, values, aligned, weakref.ref(self), _launch_version, tensors)
+        _handle_calls(handle)[key] = entry
+        return entry
 
     def _combine_plan(self, options: CombineOptions):
         config, R, H, layout = options.config, self.num_ranks, self.hidden, self.layout
