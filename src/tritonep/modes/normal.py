@@ -1462,6 +1462,7 @@ class NormalMode:
         values[_D_RECV_COUNT] = at_count
         values[_D_RECV_START] = at_start
         values[_D_HOST_INFO] = info
+        assert handle.recv_src_idx is not None  # a cached dispatch's handle came from a dispatch
         values[_DH_SRC] = src = handle.recv_src_idx.data_ptr()
         values[_D_MAX_ROWS] = handle.num_rows
         aligned |= in_rank | info | at_count | at_start | src
@@ -1700,6 +1701,7 @@ class NormalMode:
     ) -> None:
         """Launch a first dispatch's notify from its template ``values`` (addresses), or by
         name with the tensors where the template's launch declines."""
+        assert route.notify is not None  # routes without one fold notify into the dispatch
         if route.notify.launch_values(values, self._shared, aligned):
             return
         host_info, recv_count, recv_start = count_views(
@@ -1726,8 +1728,8 @@ class NormalMode:
         exchange = pad_rows and self.transport.via == transport.VIA_STORE.value
         notify = None
         if not exchange:
-            options = NotifyOptions(config, False, 0, False, not pad_rows)
-            notify = self._plan(options, self._notify_plan)
+            notify_options = NotifyOptions(config, False, 0, False, not pad_rows)
+            notify = self._plan(notify_options, self._notify_plan)
         options = DispatchOptions(
             config=config,
             scale_words=scale_words,
