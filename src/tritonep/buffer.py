@@ -8,8 +8,9 @@ buffer takes ``timeout_s``, ``check_ids``, ``device``, ``profile`` and ``gpus_pe
 :meth:`Buffer.check` and :meth:`Buffer.dump_trace`.
 
 What keeps it fast: each mode's memory is allocated once and reused by every call (flags are
-tagged with the call number, so nothing is reset between calls), normal-mode kernels run on a
-side stream that events join to the caller's, and no call synchronizes with the host but an
+tagged with the call number, so nothing is reset between calls), calls run on the caller's
+stream unless ``async_finish`` (or ``allocate_on_comm_stream``) asks for the communication
+stream and its events (:class:`CallStreams`), and no call synchronizes with the host but an
 exact-size normal dispatch without a handle, which waits for the received count (as DeepEP's),
 unless ``check_ids=True``. Ids out of range are dropped by the kernels and raised by the next
 call (:mod:`tritonep.kernels.status`). Every call runs its Python under
@@ -25,6 +26,7 @@ import os
 import warnings
 import weakref
 from collections.abc import Callable
+from dataclasses import is_dataclass
 from typing import Protocol
 
 import torch
@@ -183,6 +185,128 @@ def _tensors(*items) -> list[torch.Tensor]:
     return out
 
 
+def cuda_event(event) -> torch.cuda.Event | None:
+    """The CUDA event inside an :class:`EventOverlap`, an event handle, or the event itself;
+    None when there is none."""
+    while event is not None and not isinstance(event, torch.cuda.Event):
+        event = getattr(event, "event", None)
+    return event
+
+
+class CallStreams:
+    """The streams a buffer's kernels run on, and the order of its calls on the device.
+
+    A call without ``async_finish`` (V2: ``async_with_compute_stream``) and without
+    ``allocate_on_comm_stream`` runs on the caller's current stream (:meth:`on_current`): when
+    it returns, its outputs are ready in that stream's order and belong to it, which is all
+    DeepEP promises there (its kernels run on its communication stream between two stream
+    waits, an order the caller cannot tell apart), at no host cost for events, stream switches
+    or ``record_stream``. The other calls run on the communication stream (:meth:`on_comm`,
+    :meth:`finish`), joined to the caller's stream by events, as DeepEP's.
+
+    The buffer's memory serves every call, so each call's kernels must follow the previous
+    call's, whichever stream either came from: a call on another stream than the last call's
+    first makes its stream wait for that one (a host cost only when the stream changes). Under
+    CUDA-graph capture that wait is left out: a capture may not wait for work outside it, and
+    capture begins after the capturing stream's earlier work (``torch.cuda.graph``).
+    """
+
+    def __init__(self) -> None:
+        #: The communication stream, made by the first call that needs it.
+        self.comm: torch.cuda.Stream | None = None
+        self._last: torch.cuda.Stream | None = None  # where the last call's kernels ran
+        self._last_raw: int | None = None  # that stream's ``cudaStream_t``, compared per call
+
+    def comm_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The communication stream (made on ``device`` on first use)."""
+        if self.comm is None:
+            self.comm = torch.cuda.Stream(device)
+            # Reused for every fork and join: a wait takes the event's last record at the
+            # time of the wait, so recording it again later changes no earlier wait.
+            self._fork, self._join = torch.cuda.Event(), torch.cuda.Event()
+        return self.comm
+
+    def on_current(self, device: torch.device, previous_event) -> None:
+        """Order a call on the current stream (of CUDA ``device``) after the buffer's last call
+        and after ``previous_event`` (an event, an object holding one, or None)."""
+        raw = torch._C._cuda_getCurrentRawStream(device.index)
+        if raw != self._last_raw:
+            self._follow(torch.cuda.current_stream(device), raw)
+        if previous_event is not None:
+            event = cuda_event(previous_event)
+            if event is not None:
+                torch.cuda.current_stream(device).wait_event(event)
+
+    def on_comm(self, device: torch.device, previous_event, inputs: tuple, fn):
+        """Run ``fn`` on the communication stream after ``previous_event`` (else after the
+        current stream's work) and after the buffer's last call; returns ``(fn's result,
+        the caller's stream)``."""
+        compute = torch.cuda.current_stream(device)
+        comm = self.comm_stream(device)
+        event = cuda_event(previous_event)
+        joined = None  # the stream the communication stream now follows
+        if event is None:
+            event = self._fork
+            event.record(compute)
+            joined = compute.cuda_stream
+        comm.wait_event(event)
+        raw = comm.cuda_stream
+        if self._last_raw in (raw, joined):
+            self._last, self._last_raw = comm, raw
+        else:
+            self._follow(comm, raw)
+        # The inputs are in use on the communication stream from now on, also when ``fn``
+        # raises after its launches (an error an earlier call recorded).
+        for t in _tensors(*inputs):
+            t.record_stream(comm)
+        with torch.cuda.stream(comm):
+            return fn(), compute
+
+    def finish(self, compute: torch.cuda.Stream, async_finish: bool, outputs) -> EventOverlap:
+        """Hand the outputs of :meth:`on_comm` to the caller's stream: an event to wait on
+        (``async_finish``), or a wait now."""
+        tensors = _tensors(*outputs)
+        for t in tensors:
+            t.record_stream(compute)
+        comm = self.comm
+        assert comm is not None  # (on_comm made it)
+        if async_finish:
+            event = torch.cuda.Event()
+            event.record(comm)
+            return EventOverlap(event, tuple(tensors))
+        self._join.record(comm)
+        compute.wait_event(self._join)
+        return EventOverlap(None)
+
+    def join(self) -> None:
+        """Order the current stream after the buffer's last call (before reading what the
+        kernels recorded, or releasing their memory)."""
+        last = self._last
+        if last is not None:
+            current = torch.cuda.current_stream(last.device)
+            if current.cuda_stream != self._last_raw:
+                current.wait_stream(last)
+
+    def _follow(self, stream: torch.cuda.Stream, raw: int) -> None:
+        last = self._last
+        if last is not None and not torch.cuda.is_current_stream_capturing():
+            stream.wait_stream(last)
+        self._last, self._last_raw = stream, raw
+
+
+def _handle_tensors(handle) -> tuple:
+    """The tensors a normal-mode handle holds (its legs' too, across nodes): a call on the
+    communication stream reads them there, so they are recorded on it like its inputs."""
+    if handle is None:
+        return ()
+    return tuple(
+        t
+        for value in vars(handle).values()
+        for t in (_handle_tensors(value) if is_dataclass(value) else (value,))
+        if isinstance(t, torch.Tensor)
+    )
+
+
 def _bind_combine(
     mode: NormalMode | InternodeMode,
     handle: NormalHandle | InternodeHandle,
@@ -294,7 +418,7 @@ class Buffer:
         # which this buffer's next normal-mode dispatch or combine raises.
         self._layouts: dict[int, DispatchLayout] = {}
         self._layout_status: Status | None = None
-        self._comm_stream: torch.cuda.Stream | None = None
+        self._streams = CallStreams()  # where normal-mode calls run, in what order
         self._mode_configs: dict = {}  # config given -> (mode, its config there) (_mode_config)
         #: A number naming this buffer in operators (:mod:`tritonep.integrations.autograd`).
         self.key = next(_KEYS)
@@ -362,8 +486,9 @@ class Buffer:
             check_topk_idx(
                 "topk_idx", topk_idx, None, num_experts, check_range=bool(self.check_ids)
             )
-            if previous_event is not None:
-                previous_event.current_stream_wait()
+            waited = cuda_event(previous_event)
+            if waited is not None:
+                torch.cuda.current_stream(topk_idx.device).wait_event(waited)
             # Once the normal mode exists, its kernel and status: bad ids are then recorded
             # once, whether the layout kernel or the dispatch kernel meets them first.
             mode = self._normal
@@ -481,46 +606,6 @@ class Buffer:
         self._mode_configs[key] = (mode, made)
         return made
 
-    def _on_comm_stream(self, device, previous_event, inputs, fn):
-        """Run ``fn`` on the communication stream after ``previous_event`` (or the current
-        stream); returns ``(fn's result, compute stream)``."""
-        if device.type != "cuda":
-            return fn(), None
-        compute = torch.cuda.current_stream(device)
-        if self._comm_stream is None:
-            self._comm_stream = torch.cuda.Stream(device)
-            # Reused for every fork and join: a wait takes the event's last record at the
-            # time of the wait, so recording it again later changes no earlier wait.
-            self._fork_event, self._join_event = torch.cuda.Event(), torch.cuda.Event()
-        comm = self._comm_stream
-        event = previous_event.cuda_event() if previous_event is not None else None
-        if event is None:
-            event = self._fork_event
-            event.record(compute)
-        comm.wait_event(event)
-        # The inputs are in use on the communication stream from now on, also when ``fn``
-        # raises after its launches (an error an earlier call recorded).
-        for t in _tensors(*inputs):
-            t.record_stream(comm)
-        with torch.cuda.stream(comm):
-            result = fn()
-        return result, compute
-
-    def _finish(self, compute, async_finish, outputs) -> EventOverlap:
-        """Hand the outputs to the compute stream: an event to wait on, or a wait now."""
-        if compute is None:
-            return EventOverlap(None)
-        for t in _tensors(*outputs):
-            t.record_stream(compute)
-        comm = self._comm_stream
-        if async_finish:
-            event = torch.cuda.Event()
-            event.record(comm)
-            return EventOverlap(event, tuple(_tensors(*outputs)))
-        self._join_event.record(comm)
-        compute.wait_event(self._join_event)
-        return EventOverlap(None)
-
     def dispatch(
         self,
         x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -568,9 +653,13 @@ class Buffer:
             config: SM budget and ring use (default: :meth:`get_dispatch_config`). With
                 ``handle``, the handle's config is used, and ``expert_alignment`` and
                 ``num_worst_tokens`` are those of the handle's dispatch.
-            previous_event: an event the call must wait for (default: the current stream).
-            async_finish: return an event to wait on instead of making the current stream wait.
-            allocate_on_comm_stream: accepted (outputs always come from the comm stream).
+            previous_event: an event the call must wait for (besides the current stream's work
+                without ``async_finish`` and ``allocate_on_comm_stream``).
+            async_finish: run on the communication stream after ``previous_event`` (else after
+                the current stream's work) and return an event to wait on; otherwise the call
+                runs on the current stream (its outputs ready in that stream's order).
+            allocate_on_comm_stream: run on the communication stream (outputs allocated there
+                and recorded on the current stream), as with ``async_finish``.
         Returns:
             ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
             handle, event)``: ``recv_x`` ``[M, H]`` like ``x`` (or the FP8 tuple) ordered by
@@ -601,6 +690,7 @@ class Buffer:
                 config,
                 previous_event,
                 async_finish,
+                allocate_on_comm_stream,
             )
             if recorded:
                 self._raise_layout_record()
@@ -620,6 +710,7 @@ class Buffer:
         config,
         previous_event,
         async_finish,
+        allocate_on_comm_stream,
     ):
         if num_tokens_per_rdma_rank is not None and self.num_nodes == 1:
             raise ValueError("num_tokens_per_rdma_rank: must be None within one node")
@@ -679,7 +770,6 @@ class Buffer:
             )
         if handle is None:
             config = self._mode_config(mode, config)
-        inputs = (x, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert)
 
         def run():
             routed = handle
@@ -704,9 +794,24 @@ class Buffer:
                 config,
             )
 
-        out, compute = self._on_comm_stream(payload.device, previous_event, inputs, run)
-        outputs = (out.recv_x, out.recv_topk_idx, out.recv_topk_weights, out.handle.recv_src_idx)
-        event = self._finish(compute, async_finish, outputs)
+        device = payload.device
+        if device.type != "cuda":
+            out, event = run(), _NO_EVENT
+        elif not (async_finish or allocate_on_comm_stream):
+            self._streams.on_current(device, previous_event)
+            out, event = run(), _NO_EVENT
+        else:
+            # (A cached dispatch reads its handle there too.)
+            inputs = (x, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert)
+            inputs += _handle_tensors(handle)
+            out, compute = self._streams.on_comm(device, previous_event, inputs, run)
+            outputs = (
+                out.recv_x,
+                out.recv_topk_idx,
+                out.recv_topk_weights,
+                *_handle_tensors(out.handle),
+            )
+            event = self._streams.finish(compute, async_finish, outputs)
         return (
             out.recv_x,
             out.recv_topk_idx,
@@ -746,14 +851,19 @@ class Buffer:
                 raise TypeError(f"handle: expected a dispatch handle, got {type(handle).__name__}")
             recorded = self._layout_recorded()
             mode = self._normal_mode(handle.hidden, handle.num_experts)
-            device = x.device if isinstance(x, torch.Tensor) else mode.device
-            (out, out_weights), compute = self._on_comm_stream(
-                device,
-                previous_event,
-                (x, topk_weights, bias),
-                _bind_combine(mode, handle, x, topk_weights, bias),
-            )
-            event = self._finish(compute, async_finish, (out, out_weights))
+            run = _bind_combine(mode, handle, x, topk_weights, bias)
+            device = x.device if type(x) is torch.Tensor else mode.device
+            if device.type != "cuda":
+                (out, out_weights), event = run(), _NO_EVENT
+            elif not (async_finish or allocate_on_comm_stream):
+                self._streams.on_current(device, previous_event)
+                (out, out_weights), event = run(), _NO_EVENT
+            else:
+                inputs = (x, topk_weights, bias, *_handle_tensors(handle))
+                (out, out_weights), compute = self._streams.on_comm(
+                    device, previous_event, inputs, run
+                )
+                event = self._streams.finish(compute, async_finish, (out, out_weights))
             if recorded:
                 self._raise_layout_record()
             return out, out_weights, event
@@ -1055,7 +1165,7 @@ class Buffer:
         wait for the same peer) and every later ``check()`` raises the same error, naming the
         limit the failed wait had; destroy the buffer and build a new one. An overflow of
         worst-case outputs is raised once: the ranks stay in step and later calls work."""
-        self._join_comm_stream()
+        self._streams.join()
         for mode in (self._normal, self._ll):
             if mode is not None:
                 mode.check()
@@ -1064,20 +1174,11 @@ class Buffer:
             if status.synced_record()[0]:
                 self._raise_layout_record()
 
-    def _join_comm_stream(self) -> None:
-        """Order the current stream after the communication stream, so that reading the modes'
-        status there sees the normal-mode calls still in flight (``async_finish=True``). On
-        one H100 (torch 2.11) the status read waited for them anyway, on the default stream
-        and on a stream of the caller's (its pageable copy to the host waits for the device),
-        but nothing in CUDA promises that; stream order does."""
-        if self._comm_stream is not None:
-            torch.cuda.current_stream(self._comm_stream.device).wait_stream(self._comm_stream)
-
     def destroy(self) -> None:
         """Release the buffer's memory (collective). Every mode is released even if one of
         them reports a timeout (peers wait for each release); the first error is raised
         after that."""
-        self._join_comm_stream()
+        self._streams.join()
         modes = (self._normal, self._ll)
         self._normal = self._ll = None
         error = None

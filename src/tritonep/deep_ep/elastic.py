@@ -11,12 +11,11 @@ import functools
 import math
 import re
 import subprocess
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
-from ..buffer import ranks_per_node
+from ..buffer import CallStreams, cuda_event, ranks_per_node
 from ..modes.elastic import (
     DECODE_TOKENS,
     MAX_TOPK,
@@ -249,21 +248,21 @@ class ElasticBuffer:
         self.scaleout_rank_idx = self.rank_idx // self.num_scaleup_ranks
         self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
         self.num_rdma_ranks, self.num_nvlink_ranks = self.get_physical_domain_size()
-        self._comm_stream: torch.cuda.Stream | None = None
+        self._streams = CallStreams()  # where the calls run, in what order
         dist.barrier(group)
 
     # ------------------------------------------------------------------------ the buffer
     def destroy(self) -> None:
         """Release the buffer's memory (collective); raises if a kernel wait had timed out."""
         if self.runtime is not None:
-            self._join_comm_stream()
+            self._streams.join()
             runtime, self.runtime = self.runtime, None
             runtime.destroy()
 
     def check(self) -> None:
         """Wait for the device; raise :class:`~tritonep.errors.WaitTimeoutError` if a kernel
         wait gave up (tritonep's; DeepEP V2 traps the GPU instead)."""
-        self._join_comm_stream()
+        self._streams.join()
         self._require_runtime().check()
 
     @staticmethod
@@ -306,12 +305,11 @@ class ElasticBuffer:
         if with_cpu_sync and on_gpu:
             torch.cuda.synchronize(runtime.device)
         if use_comm_stream and on_gpu:
-            comm = self._cuda_comm_stream()
-            comm.wait_stream(torch.cuda.current_stream(runtime.device))
-            with torch.cuda.stream(comm):
-                runtime.barrier()
-            torch.cuda.current_stream(runtime.device).wait_stream(comm)
+            _, compute = self._streams.on_comm(runtime.device, None, (), runtime.barrier)
+            self._streams.finish(compute, False, ())
         else:
+            if on_gpu:
+                self._streams.on_current(runtime.device, None)
             runtime.barrier()
         if with_cpu_sync and on_gpu:
             torch.cuda.synchronize(runtime.device)
@@ -325,13 +323,7 @@ class ElasticBuffer:
         """The stream the kernels run on (None on CPU ranks)."""
         if self._require_runtime().device.type != "cuda":
             return None
-        return self._cuda_comm_stream()
-
-    def _cuda_comm_stream(self) -> torch.cuda.Stream:
-        """The communication stream of a CUDA rank, made on first use."""
-        if self._comm_stream is None:
-            self._comm_stream = torch.cuda.Stream(self._require_runtime().device)
-        return self._comm_stream
+        return self._streams.comm_stream(self._require_runtime().device)
 
     def get_physical_domain_size(self) -> tuple[int, int]:
         """``(RDMA ranks, NVLink ranks)``: ``(1, group size)`` here."""
@@ -393,51 +385,38 @@ class ElasticBuffer:
         return self.runtime
 
     # ------------------------------------------------------------------------ streams
-    def _join_comm_stream(self) -> None:
-        if self._comm_stream is not None:
-            torch.cuda.current_stream(self._comm_stream.device).wait_stream(self._comm_stream)
-
-    @contextmanager
-    def _on_comm_stream(self, previous_event, inputs: tuple):
-        """Run the block on the communication stream after ``previous_event`` (else after the
-        current stream's work); yields the compute stream (None on CPU ranks)."""
-        runtime = self._require_runtime()
-        if runtime.device.type != "cuda":
-            yield None
-            return
-        compute = torch.cuda.current_stream(runtime.device)
-        comm = self._cuda_comm_stream()
-        event = _cuda_event(previous_event)
-        if event is not None:
-            comm.wait_event(event)
-        else:
-            comm.wait_stream(compute)
-        with torch.cuda.stream(comm):
-            yield compute
-        for t in inputs:
-            if isinstance(t, torch.Tensor):
-                t.record_stream(comm)
-
-    def _before_epilogue(self, event):
-        """The wait for ``previous_event_before_epilogue`` (on the communication stream)."""
-        event = _cuda_event(event)
-        if event is None or self._comm_stream is None:
-            return None
-        return lambda: self._comm_stream.wait_event(event)
+    def _run(self, previous_event, before_epilogue, on_comm: bool, inputs: tuple, fn):
+        """``fn(wait)`` on the current stream, or with ``on_comm`` on the communication stream
+        (:class:`~tritonep.buffer.CallStreams`), after ``previous_event``; ``wait`` is None, or
+        makes the stream the call runs on wait for ``before_epilogue`` (an event, or an
+        object holding one) when called. Returns ``(fn's result, the caller's stream when the
+        call ran on the communication stream, else None)``."""
+        device = self._require_runtime().device
+        if device.type != "cuda":
+            return fn(None), None
+        event = cuda_event(before_epilogue)
+        if not on_comm:
+            self._streams.on_current(device, previous_event)
+            wait = None
+            if event is not None:
+                wait = functools.partial(torch.cuda.current_stream(device).wait_event, event)
+            return fn(wait), None
+        comm = self._streams.comm_stream(device)
+        wait = None if event is None else functools.partial(comm.wait_event, event)
+        return self._streams.on_comm(device, previous_event, inputs, lambda: fn(wait))
 
     def _finish(self, compute, async_with_compute_stream: bool, outputs: tuple) -> EventOverlap:
-        """Hand the outputs to the compute stream: an event to wait on, or a wait now."""
-        if compute is None:
-            return EventOverlap(None)
-        tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
+        """Hand the outputs of a call on the communication stream to the caller's stream
+        ``compute``: an event to wait on, or a wait now."""
+        if not async_with_compute_stream:
+            return self._streams.finish(compute, False, outputs)
+        # (V2's event type: an EventHandle recorded on the communication stream.)
+        tensors = tuple(t for t in outputs if isinstance(t, torch.Tensor))
         for t in tensors:
             t.record_stream(compute)
-        if async_with_compute_stream:
-            with torch.cuda.stream(self._comm_stream):
-                event = EventHandle()
-            return EventOverlap(event, tuple(tensors))
-        compute.wait_stream(self._comm_stream)
-        return EventOverlap(None)
+        with torch.cuda.stream(self._streams.comm):
+            event = EventHandle()
+        return EventOverlap(event, tensors)
 
     # ----------------------------------------------------------------------- dispatch
     def dispatch(
@@ -582,9 +561,9 @@ class ElasticBuffer:
                 handle.num_expanded_tokens,
                 handle.num_recv_tokens_per_expert_list,
             )
-        inputs = (payload, sf, topk_idx, topk_weights, stats)
-        with self._on_comm_stream(previous_event, inputs) as compute:
-            out = runtime.dispatch(
+
+        def run(before_epilogue):
+            return runtime.dispatch(
                 payload,
                 sf,
                 topk_idx,
@@ -600,8 +579,16 @@ class ElasticBuffer:
                 use_tma_aligned_col_major_sf,
                 stats,
                 do_handle_copy,
-                self._before_epilogue(previous_event_before_epilogue),
+                before_epilogue,
             )
+
+        out, compute = self._run(
+            previous_event,
+            previous_event_before_epilogue,
+            async_with_compute_stream or allocate_on_comm_stream,
+            (payload, sf, topk_idx, topk_weights, stats),
+            run,
+        )
         if handle is None:
             handle = EPHandle(
                 do_expand,
@@ -622,20 +609,22 @@ class ElasticBuffer:
                 None,
                 reduction_slot=out.reduction_slot,
             )
-        outputs = (
-            out.recv_x,
-            out.recv_sf,
-            out.recv_topk_idx,
-            out.recv_topk_weights,
-            out.recv_src_metadata,
-            out.reduction_slot,
-            out.topk_idx,
-            out.psum_num_recv_tokens_per_scaleup_rank,
-            out.psum_num_recv_tokens_per_expert,
-            out.num_unaligned_recv_tokens_per_expert,
-            out.dst_buffer_slot_idx,
-        )
-        event = self._finish(compute, async_with_compute_stream, outputs)
+        event = EventOverlap(None)  # (a new one: V2's callers may register hooks on it)
+        if compute is not None:
+            outputs = (
+                out.recv_x,
+                out.recv_sf,
+                out.recv_topk_idx,
+                out.recv_topk_weights,
+                out.recv_src_metadata,
+                out.reduction_slot,
+                out.topk_idx,
+                out.psum_num_recv_tokens_per_scaleup_rank,
+                out.psum_num_recv_tokens_per_expert,
+                out.num_unaligned_recv_tokens_per_expert,
+                out.dst_buffer_slot_idx,
+            )
+            event = self._finish(compute, async_with_compute_stream, outputs)
         recv_x = (out.recv_x, out.recv_sf) if sf is not None else out.recv_x
         return recv_x, out.recv_topk_idx, out.recv_topk_weights, handle, event
 
@@ -712,8 +701,9 @@ class ElasticBuffer:
             raise ValueError(
                 f"num_qps: at most num_allocated_qps={self.num_allocated_qps}, got {num_qps}"
             )
-        with self._on_comm_stream(previous_event, (x, topk_weights, *terms)) as compute:
-            out, out_w = runtime.combine(
+
+        def run(before_epilogue):
+            return runtime.combine(
                 x,
                 topk_weights,
                 terms,
@@ -726,9 +716,28 @@ class ElasticBuffer:
                 handle.do_expand,
                 self.allow_multiple_reduction,
                 push_sms or num_sms,
-                self._before_epilogue(previous_event_before_epilogue),
+                before_epilogue,
             )
-        event = self._finish(compute, async_with_compute_stream, (out, out_w))
+
+        inputs = (
+            x,
+            topk_weights,
+            *terms,
+            handle.recv_src_metadata,
+            reduction_slot,
+            handle.psum_num_recv_tokens_per_scaleup_rank,
+            handle.topk_idx,
+        )
+        (out, out_w), compute = self._run(
+            previous_event,
+            previous_event_before_epilogue,
+            async_with_compute_stream or allocate_on_comm_stream,
+            inputs,
+            run,
+        )
+        event = EventOverlap(None)  # (a new one: V2's callers may register hooks on it)
+        if compute is not None:
+            event = self._finish(compute, async_with_compute_stream, (out, out_w))
         return out, out_w, event
 
     # ------------------------------------------------------- experimental V2 features
@@ -799,13 +808,6 @@ def _made(t: torch.Tensor | None) -> torch.Tensor:
     """A handle tensor of a first (not cached) dispatch, which makes every one."""
     assert t is not None
     return t
-
-
-def _cuda_event(event) -> torch.cuda.Event | None:
-    """The CUDA event inside an :class:`EventHandle`, an :class:`EventOverlap` or an event."""
-    while event is not None and not isinstance(event, torch.cuda.Event):
-        event = getattr(event, "event", None)
-    return event
 
 
 def _check_x(payload: object, sf: object, device: torch.device) -> int:

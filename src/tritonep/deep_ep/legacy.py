@@ -250,11 +250,12 @@ class Buffer(_Buffer):
         return True
 
     def get_comm_stream(self):
-        """The ``torch.cuda.Stream`` normal-mode kernels run on (created here if no call has
-        created it yet, on the current device); None on CPU ranks."""
-        if self._comm_stream is None and torch.cuda.is_available():
-            self._comm_stream = torch.cuda.Stream(torch.cuda.current_device())
-        return self._comm_stream
+        """The ``torch.cuda.Stream`` normal-mode calls with ``async_finish`` or
+        ``allocate_on_comm_stream`` run on (created here if no call has created it yet, on the
+        current device); None on CPU ranks."""
+        if not torch.cuda.is_available():
+            return None
+        return self._streams.comm_stream(torch.device("cuda", torch.cuda.current_device()))
 
     def internode_dispatch(
         self,
