@@ -25,9 +25,8 @@ import itertools
 import os
 import warnings
 import weakref
-from collections.abc import Callable
 from dataclasses import is_dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -217,8 +216,8 @@ class CallStreams:
         self._last: torch.cuda.Stream | None = None  # where the last call's kernels ran
         self._last_raw: int | None = None  # that stream's ``cudaStream_t``, compared per call
 
-    def comm_stream(self, device: torch.device) -> torch.cuda.Stream:
-        """The communication stream (made on ``device`` on first use)."""
+    def comm_stream(self, device: int) -> torch.cuda.Stream:
+        """The communication stream (made on CUDA device ``device`` on first use)."""
         if self.comm is None:
             self.comm = torch.cuda.Stream(device)
             # Reused for every fork and join: a wait takes the event's last record at the
@@ -226,10 +225,10 @@ class CallStreams:
             self._fork, self._join = torch.cuda.Event(), torch.cuda.Event()
         return self.comm
 
-    def on_current(self, device: torch.device, previous_event) -> None:
-        """Order a call on the current stream (of CUDA ``device``) after the buffer's last call
-        and after ``previous_event`` (an event, an object holding one, or None)."""
-        raw = torch._C._cuda_getCurrentRawStream(device.index)
+    def on_current(self, device: int, previous_event) -> None:
+        """Order a call on the current stream (of CUDA device ``device``) after the buffer's
+        last call and after ``previous_event`` (an event, an object holding one, or None)."""
+        raw = torch._C._cuda_getCurrentRawStream(device)
         if raw != self._last_raw:
             self._follow(torch.cuda.current_stream(device), raw)
         if previous_event is not None:
@@ -237,7 +236,7 @@ class CallStreams:
             if event is not None:
                 torch.cuda.current_stream(device).wait_event(event)
 
-    def on_comm(self, device: torch.device, previous_event, inputs: tuple, fn):
+    def on_comm(self, device: int, previous_event, inputs: tuple, fn):
         """Run ``fn`` on the communication stream after ``previous_event`` (else after the
         current stream's work) and after the buffer's last call; returns ``(fn's result,
         the caller's stream)``."""
@@ -307,23 +306,23 @@ def _handle_tensors(handle) -> tuple:
     )
 
 
-def _bind_combine(
+def _combine(
     mode: NormalMode | InternodeMode,
     handle: NormalHandle | InternodeHandle,
     x: torch.Tensor,
     topk_weights: torch.Tensor | None,
     bias: torch.Tensor | tuple[torch.Tensor, ...] | None,
-) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None]]:
-    """``mode.combine`` bound to its arguments; ``TypeError`` (as the mode raises it) unless
-    ``handle`` is of the mode's kind: across nodes an ``InternodeHandle``, else a
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``mode.combine``; ``TypeError`` (as the mode raises it) before anything is launched
+    unless ``handle`` is of the mode's kind: across nodes an ``InternodeHandle``, else a
     ``NormalHandle``."""
     if isinstance(mode, InternodeMode):
         if isinstance(handle, InternodeHandle):
-            return functools.partial(mode.combine, x, handle, topk_weights, bias)
+            return mode.combine(x, handle, topk_weights, bias)
         expected = "an InternodeHandle"
     else:
         if isinstance(handle, NormalHandle):
-            return functools.partial(mode.combine, x, handle, topk_weights, bias)
+            return mode.combine(x, handle, topk_weights, bias)
         expected = "a NormalHandle"
     raise TypeError(f"handle: expected {expected}, got {type(handle).__name__}")
 
@@ -516,10 +515,6 @@ class Buffer:
         self._layouts[num_experts] = layout
         return layout
 
-    def _layout_recorded(self) -> bool:
-        """Whether a layout kernel recorded bad ids (the host copy: no synchronization)."""
-        return self._layout_status is not None and bool(self._layout_status.recorded())
-
     def _raise_layout_record(self) -> None:
         """Raise the bad ids a layout kernel recorded (once)."""
         status = self._layout_status
@@ -551,38 +546,40 @@ class Buffer:
         if mode is None:
             if num_experts is None:
                 raise ValueError("handle: no dispatch has run on this buffer yet")
-            max_sms = max(32, type(self).num_sms) if torch.cuda.is_available() else None
-            check_ids, profile = bool(self.check_ids), self._profile()
-            if self.num_nodes > 1:
-                mode = InternodeMode(
-                    self.group,
-                    hidden,
-                    num_experts,
-                    self.gpus_per_node,
-                    device=self.device,
-                    timeout_s=self.timeout_s,
-                    check_ids=check_ids,
-                    max_sms=max_sms,
-                    profile=profile,
-                )
-            else:
-                mode = NormalMode(
-                    self.group,
-                    hidden,
-                    num_experts,
-                    device=self.device,
-                    timeout_s=self.timeout_s,
-                    check_ids=check_ids,
-                    max_sms=max_sms,
-                    profile=profile,
-                )
-            self._normal = mode
+            mode = self._normal = self._new_normal_mode(hidden, num_experts)
         elif mode.hidden != hidden or (num_experts is not None and mode.num_experts != num_experts):
             raise ValueError(
                 f"hidden and num_experts must stay ({mode.hidden}, {mode.num_experts}) for this "
                 f"buffer; got ({hidden}, {num_experts})"
             )
         return mode
+
+    def _new_normal_mode(self, hidden: int, num_experts: int) -> NormalMode | InternodeMode:
+        """The normal mode of the first normal-mode call."""
+        max_sms = max(32, type(self).num_sms) if torch.cuda.is_available() else None
+        check_ids, profile = bool(self.check_ids), self._profile()
+        if self.num_nodes > 1:
+            return InternodeMode(
+                self.group,
+                hidden,
+                num_experts,
+                self.gpus_per_node,
+                device=self.device,
+                timeout_s=self.timeout_s,
+                check_ids=check_ids,
+                max_sms=max_sms,
+                profile=profile,
+            )
+        return NormalMode(
+            self.group,
+            hidden,
+            num_experts,
+            device=self.device,
+            timeout_s=self.timeout_s,
+            check_ids=check_ids,
+            max_sms=max_sms,
+            profile=profile,
+        )
 
     def _mode_config(self, mode: NormalMode | InternodeMode, config: Config | None) -> Config:
         """The config ``mode`` runs a dispatch with, for ``config`` (None: the class's
@@ -675,151 +672,127 @@ class Buffer:
             ``ValueError``/``TypeError`` naming the argument, before anything is launched;
             after its launches, what an earlier call recorded (bad ids, a timeout).
         """
+        # One function (host time): checks, then the mode's calls on the chosen stream.
         with torch._C.DisableTorchFunction():  # a function mode would see every tensor access
-            recorded = self._layout_recorded()
-            out = self._dispatch(
-                x,
-                handle,
-                num_tokens_per_rdma_rank,
-                is_token_in_rank,
-                num_tokens_per_expert,
-                topk_idx,
-                topk_weights,
-                expert_alignment,
-                num_worst_tokens,
-                config,
-                previous_event,
-                async_finish,
-                allocate_on_comm_stream,
-            )
-            if recorded:
-                self._raise_layout_record()
-            return out
-
-    def _dispatch(
-        self,
-        x,
-        handle,
-        num_tokens_per_rdma_rank,
-        is_token_in_rank,
-        num_tokens_per_expert,
-        topk_idx,
-        topk_weights,
-        expert_alignment,
-        num_worst_tokens,
-        config,
-        previous_event,
-        async_finish,
-        allocate_on_comm_stream,
-    ):
-        if num_tokens_per_rdma_rank is not None and self.num_nodes == 1:
-            raise ValueError("num_tokens_per_rdma_rank: must be None within one node")
-        if handle is not None:
-            # As DeepEP asserts: rows follow the handle's routing, so ids given here would
-            # be ignored, and ignoring them silently hides a caller's mistake.
-            for name, value in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
-                if value is not None:
-                    raise ValueError(
-                        f"{name}: must be None with a handle (cached mode moves "
-                        "rows along the handle's routing)"
-                    )
-        # Once the mode exists it checks x and the layout tensors in full before it launches;
-        # here only what picks the stream then (a payload tensor).
-        payload = x[0] if type(x) is tuple and len(x) == 2 else x
-        if self._normal is None or type(payload) is not torch.Tensor or payload.dim() != 2:
-            payload = check_dispatch_x("x", x)
-        # Without top-k (as DeepEP allows) the layout arguments alone route the rows: the
-        # count exchange runs first and the rows follow its handle.
-        notify_first = handle is None and topk_idx is None
-        notifier: NormalMode | None = None  # the mode that runs the count exchange first
-        if handle is not None:
-            mode = self._normal_mode(payload.shape[1], None)
-        else:
-            counts = num_tokens_per_expert
-            if self._normal is None or type(counts) is not torch.Tensor or counts.dim() != 1:
-                check_tensor(
-                    "num_tokens_per_expert",
-                    num_tokens_per_expert,
-                    dtype=torch.int32,
-                    shape=(None,),
-                )
-            mode = self._normal_mode(payload.shape[1], num_tokens_per_expert.shape[0])
-        if notify_first:
-            if topk_weights is not None:
-                raise ValueError("topk_weights: needs topk_idx")
-            if not isinstance(mode, NormalMode):
+            status = self._layout_status
+            recorded = status is not None and status.recorded()
+            if num_tokens_per_rdma_rank is not None and self.num_nodes == 1:
+                raise ValueError("num_tokens_per_rdma_rank: must be None within one node")
+            if handle is not None and (topk_idx is not None or topk_weights is not None):
+                # As DeepEP asserts: rows follow the handle's routing, so ids given here would
+                # be ignored, and ignoring them silently hides a caller's mistake.
+                name = "topk_idx" if topk_idx is not None else "topk_weights"
                 raise ValueError(
-                    "topk_idx: required for a group that spans nodes (a dispatch "
-                    "without top-k runs within one node)"
+                    f"{name}: must be None with a handle (cached mode moves rows along the "
+                    "handle's routing)"
                 )
-            notifier = mode
-            if is_token_in_rank is None:
-                raise ValueError("is_token_in_rank: required without topk_idx and handle")
-            check_tensor(
-                "is_token_in_rank",
-                is_token_in_rank,
-                dtype=torch.bool,
-                shape=(payload.shape[0], self.group_size),
-                device=mode.device,
-            )
-            check_tensor(
-                "num_tokens_per_expert",
-                num_tokens_per_expert,
-                dtype=torch.int32,
-                device=mode.device,
-            )
-        if handle is None:
-            config = self._mode_config(mode, config)
+            # Once the mode exists it checks x and the layout tensors in full before it
+            # launches; here only what picks the mode and the stream (a payload tensor).
+            payload = x[0] if type(x) is tuple and len(x) == 2 else x
+            mode = self._normal
+            if mode is None or type(payload) is not torch.Tensor or payload.dim() != 2:
+                payload = check_dispatch_x("x", x)
+            if handle is not None:
+                if mode is None or mode.hidden != payload.shape[1]:
+                    mode = self._normal_mode(payload.shape[1], None)
+            else:
+                counts: Any = num_tokens_per_expert
+                if mode is None or type(counts) is not torch.Tensor or counts.dim() != 1:
+                    check_tensor("num_tokens_per_expert", counts, dtype=torch.int32, shape=(None,))
+                if (
+                    mode is None
+                    or mode.hidden != payload.shape[1]
+                    or mode.num_experts != counts.shape[0]
+                ):
+                    mode = self._normal_mode(payload.shape[1], counts.shape[0])
+                config = self._mode_config(mode, config)
+            # Without top-k (as DeepEP allows) the layout arguments alone route the rows: the
+            # count exchange runs first and the rows follow its handle.
+            notifier = None
+            if handle is None and topk_idx is None:
+                notifier = self._notifier(
+                    mode, payload, is_token_in_rank, num_tokens_per_expert, topk_weights
+                )
 
-        def run():
-            routed = handle
-            if notifier is not None:
-                routed = notifier.notify(
-                    is_token_in_rank,
+            def run():
+                routed: Any = handle
+                if notifier is not None:
+                    routed = notifier.notify(
+                        is_token_in_rank,
+                        num_tokens_per_expert,
+                        payload.shape[0],
+                        expert_alignment,
+                        num_worst_tokens,
+                        config,
+                    )
+                return mode.dispatch(
+                    x,
+                    topk_idx,
+                    topk_weights,
                     num_tokens_per_expert,
-                    payload.shape[0],
+                    is_token_in_rank,
+                    routed,
                     expert_alignment,
                     num_worst_tokens,
                     config,
                 )
-            return mode.dispatch(
-                x,
-                topk_idx,
-                topk_weights,
-                num_tokens_per_expert,
-                is_token_in_rank,
-                routed,
-                expert_alignment,
-                num_worst_tokens,
-                config,
-            )
 
-        device = payload.device
-        if device.type != "cuda":
-            out, event = run(), _NO_EVENT
-        elif not (async_finish or allocate_on_comm_stream):
-            self._streams.on_current(device, previous_event)
-            out, event = run(), _NO_EVENT
-        else:
-            # (A cached dispatch reads its handle there too.)
-            inputs = (x, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert)
-            inputs += _handle_tensors(handle)
-            out, compute = self._streams.on_comm(device, previous_event, inputs, run)
-            outputs = (
+            event = _NO_EVENT
+            if not payload.is_cuda:
+                out = run()
+            elif not (async_finish or allocate_on_comm_stream):
+                self._streams.on_current(payload.get_device(), previous_event)
+                out = run()
+            else:
+                # (A cached dispatch reads its handle there too.)
+                inputs = (x, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert)
+                inputs += _handle_tensors(handle)
+                out, compute = self._streams.on_comm(
+                    payload.get_device(), previous_event, inputs, run
+                )
+                outputs = (
+                    out.recv_x,
+                    out.recv_topk_idx,
+                    out.recv_topk_weights,
+                    *_handle_tensors(out.handle),
+                )
+                event = self._streams.finish(compute, async_finish, outputs)
+            if recorded:
+                self._raise_layout_record()
+            return (
                 out.recv_x,
                 out.recv_topk_idx,
                 out.recv_topk_weights,
-                *_handle_tensors(out.handle),
+                out.num_recv_tokens_per_expert,
+                out.handle,
+                event,
             )
-            event = self._streams.finish(compute, async_finish, outputs)
-        return (
-            out.recv_x,
-            out.recv_topk_idx,
-            out.recv_topk_weights,
-            out.num_recv_tokens_per_expert,
-            out.handle,
-            event,
+
+    def _notifier(self, mode, payload, is_token_in_rank, num_tokens_per_expert, topk_weights):
+        """``mode``, checked to run a dispatch without top-k (its count exchange first)."""
+        if topk_weights is not None:
+            raise ValueError("topk_weights: needs topk_idx")
+        if not isinstance(mode, NormalMode):
+            raise ValueError(
+                "topk_idx: required for a group that spans nodes (a dispatch "
+                "without top-k runs within one node)"
+            )
+        if is_token_in_rank is None:
+            raise ValueError("is_token_in_rank: required without topk_idx and handle")
+        check_tensor(
+            "is_token_in_rank",
+            is_token_in_rank,
+            dtype=torch.bool,
+            shape=(payload.shape[0], self.group_size),
+            device=mode.device,
         )
+        check_tensor(
+            "num_tokens_per_expert",
+            num_tokens_per_expert,
+            dtype=torch.int32,
+            device=mode.device,
+        )
+        return mode
 
     def combine(
         self,
@@ -849,16 +822,25 @@ class Buffer:
         with torch._C.DisableTorchFunction():
             if not isinstance(handle, (NormalHandle, InternodeHandle)):
                 raise TypeError(f"handle: expected a dispatch handle, got {type(handle).__name__}")
-            recorded = self._layout_recorded()
-            mode = self._normal_mode(handle.hidden, handle.num_experts)
-            run = _bind_combine(mode, handle, x, topk_weights, bias)
-            device = x.device if type(x) is torch.Tensor else mode.device
-            if device.type != "cuda":
-                (out, out_weights), event = run(), _NO_EVENT
+            status = self._layout_status
+            recorded = status is not None and status.recorded()
+            mode = self._normal
+            if (
+                mode is None
+                or mode.hidden != handle.hidden
+                or mode.num_experts != handle.num_experts
+            ):
+                mode = self._normal_mode(handle.hidden, handle.num_experts)
+            event = _NO_EVENT
+            if type(x) is torch.Tensor and not x.is_cuda:
+                out, out_weights = _combine(mode, handle, x, topk_weights, bias)
             elif not (async_finish or allocate_on_comm_stream):
-                self._streams.on_current(device, previous_event)
-                (out, out_weights), event = run(), _NO_EVENT
+                if type(x) is torch.Tensor:  # (else the mode raises, before any stream work)
+                    self._streams.on_current(x.get_device(), previous_event)
+                out, out_weights = _combine(mode, handle, x, topk_weights, bias)
             else:
+                run = functools.partial(_combine, mode, handle, x, topk_weights, bias)
+                device = x.get_device() if type(x) is torch.Tensor else mode.device.index
                 inputs = (x, topk_weights, bias, *_handle_tensors(handle))
                 (out, out_weights), compute = self._streams.on_comm(
                     device, previous_event, inputs, run

@@ -249,6 +249,11 @@ class ElasticBuffer:
         self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
         self.num_rdma_ranks, self.num_nvlink_ranks = self.get_physical_domain_size()
         self._streams = CallStreams()  # where the calls run, in what order
+        device = self.runtime.device
+        #: The CUDA device index of the calls (-1 on CPU ranks).
+        self._device = -1 if device.type != "cuda" else device.index
+        if self._device is None:
+            self._device = torch.cuda.current_device()
         dist.barrier(group)
 
     # ------------------------------------------------------------------------ the buffer
@@ -305,11 +310,11 @@ class ElasticBuffer:
         if with_cpu_sync and on_gpu:
             torch.cuda.synchronize(runtime.device)
         if use_comm_stream and on_gpu:
-            _, compute = self._streams.on_comm(runtime.device, None, (), runtime.barrier)
+            _, compute = self._streams.on_comm(self._device, None, (), runtime.barrier)
             self._streams.finish(compute, False, ())
         else:
             if on_gpu:
-                self._streams.on_current(runtime.device, None)
+                self._streams.on_current(self._device, None)
             runtime.barrier()
         if with_cpu_sync and on_gpu:
             torch.cuda.synchronize(runtime.device)
@@ -323,7 +328,8 @@ class ElasticBuffer:
         """The stream the kernels run on (None on CPU ranks)."""
         if self._require_runtime().device.type != "cuda":
             return None
-        return self._streams.comm_stream(self._require_runtime().device)
+        self._require_runtime()
+        return self._streams.comm_stream(self._device)
 
     def get_physical_domain_size(self) -> tuple[int, int]:
         """``(RDMA ranks, NVLink ranks)``: ``(1, group size)`` here."""
@@ -391,8 +397,8 @@ class ElasticBuffer:
         makes the stream the call runs on wait for ``before_epilogue`` (an event, or an
         object holding one) when called. Returns ``(fn's result, the caller's stream when the
         call ran on the communication stream, else None)``."""
-        device = self._require_runtime().device
-        if device.type != "cuda":
+        device = self._device
+        if device < 0:
             return fn(None), None
         event = cuda_event(before_epilogue)
         if not on_comm:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ..buffer import Buffer as _Buffer
 from ..buffer import ranks_per_node
 from ..modes.normal import Config as _Config
-from ..modes.normal import NormalHandle
+from ..modes.normal import NormalHandle, NormalMode
 from .utils import EventOverlap
 
 __all__ = ["Buffer", "Config", "LegacyHandle"]
@@ -94,8 +94,17 @@ class LegacyHandle(NormalHandle):
       not sent.
     """
 
-    #: The rank that made the dispatch (set by :meth:`of`; not a dataclass field).
+    #: The rank that made the dispatch (set by :meth:`of`, or by :meth:`of_rank`'s class; not
+    #: a dataclass field).
     rank: int
+
+    @staticmethod
+    @functools.cache
+    def of_rank(rank: int) -> type[LegacyHandle]:
+        """The subclass whose handles belong to rank ``rank``: what a buffer's normal mode
+        makes its dispatches' handles of (``NormalMode.handle_type``), so that no handle is
+        copied into a :class:`LegacyHandle` per call."""
+        return type("LegacyHandle", (LegacyHandle,), {"rank": rank, "__module__": __name__})
 
     @classmethod
     def of(cls, handle: NormalHandle, rank: int) -> LegacyHandle:
@@ -237,12 +246,19 @@ class Buffer(_Buffer):
             async_finish,
             allocate_on_comm_stream,
         )
-        # (A cached dispatch returns the caller's handle, a LegacyHandle already: kept as is.)
-        if isinstance(out_handle, NormalHandle) and not isinstance(out_handle, LegacyHandle):
+        # (Within a node the mode makes LegacyHandles (_new_normal_mode); a cached dispatch
+        # returns the caller's handle, kept as it is.)
+        if type(out_handle) is NormalHandle:
             out_handle = LegacyHandle.of(out_handle, self.rank)
-        if isinstance(per_expert, torch.Tensor):
+        if type(per_expert) is torch.Tensor:
             per_expert = []
         return recv_x, recv_idx, recv_weights, per_expert, out_handle, event
+
+    def _new_normal_mode(self, hidden: int, num_experts: int):
+        mode = super()._new_normal_mode(hidden, num_experts)
+        if isinstance(mode, NormalMode):
+            mode.handle_type = LegacyHandle.of_rank(self.rank)
+        return mode
 
     @staticmethod
     def is_sm90_compiled() -> bool:
@@ -255,7 +271,7 @@ class Buffer(_Buffer):
         current device); None on CPU ranks."""
         if not torch.cuda.is_available():
             return None
-        return self._streams.comm_stream(torch.device("cuda", torch.cuda.current_device()))
+        return self._streams.comm_stream(torch.cuda.current_device())
 
     def internode_dispatch(
         self,
