@@ -325,10 +325,10 @@ class ElasticBuffer:
         return EventHandle()
 
     def get_comm_stream(self) -> torch.cuda.Stream | None:
-        """The stream the kernels run on (None on CPU ranks)."""
+        """The stream the calls with ``async_with_compute_stream`` or
+        ``allocate_on_comm_stream`` run on (None on CPU ranks)."""
         if self._require_runtime().device.type != "cuda":
             return None
-        self._require_runtime()
         return self._streams.comm_stream(self._device)
 
     def get_physical_domain_size(self) -> tuple[int, int]:
@@ -467,13 +467,15 @@ class ElasticBuffer:
                 for a decode batch (at most ``DECODE_TOKENS`` tokens, 256). The copy
                 epilogue uses every SM.
             num_qps: accepted (no RDMA); at most ``num_allocated_qps``.
-            previous_event: an event (:meth:`capture`) the kernels wait for (default: the
-                current stream's work).
+            previous_event: an event (:meth:`capture`) the kernels wait for (instead of the
+                current stream's work on the communication stream; besides it on the current
+                stream).
             previous_event_before_epilogue: an event the copy epilogue also waits for.
-            async_with_compute_stream: return an event to wait on instead of making the current
-                stream wait.
-            allocate_on_comm_stream: accepted (outputs are allocated on the communication
-                stream and handed to the current one either way).
+            async_with_compute_stream: run on the communication stream and return an event to
+                wait on; otherwise (and without ``allocate_on_comm_stream``) the call runs on the
+                current stream, its outputs ready in that stream's order.
+            allocate_on_comm_stream: run on the communication stream, outputs allocated there
+                and handed to the current stream.
             handle: an :class:`EPHandle` of an earlier dispatch: the same routing again, only
                 ``x`` (and ``topk_weights``) moves, no host read.
             do_handle_copy: keep a copy of ``topk_idx`` in the handle (else the tensor itself).
