@@ -249,6 +249,8 @@ class ElasticBuffer:
         self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
         self.num_rdma_ranks, self.num_nvlink_ranks = self.get_physical_domain_size()
         self._streams = CallStreams()  # where the calls run, in what order
+        #: get_theoretical_num_sms by (num_experts, top-k): the default of every dispatch.
+        self._default_sms: dict[tuple[int, int], int] = {}
         device = self.runtime.device
         #: The CUDA device index of the calls (-1 on CPU ranks).
         self._device = -1 if device.type != "cuda" else device.index
@@ -376,6 +378,14 @@ class ElasticBuffer:
         """DeepEP V2's queue-pair count for ``num_sms`` (accepted and unused: no RDMA)."""
         num_qps = num_sms * 16 + 1 if self.allow_hybrid_mode else min(num_sms, 9)
         return min(num_qps, self.num_allocated_qps)
+
+    def _check_qps(self, num_qps: int) -> None:
+        """``ValueError`` for more queue pairs than allocated (0, the default, takes
+        :meth:`get_theoretical_num_qps`, which never asks for more)."""
+        if num_qps > self.num_allocated_qps:
+            raise ValueError(
+                f"num_qps: at most num_allocated_qps={self.num_allocated_qps}, got {num_qps}"
+            )
 
     def _push_sms(self, num_sms: int, num_tokens: int) -> int:
         """Programs of a push the caller left to us (``num_sms`` 0) for a decode batch: every
@@ -556,12 +566,14 @@ class ElasticBuffer:
                 device=runtime.device,
             )
         push_sms = self._push_sms(num_sms, num_tokens)
-        num_sms = num_sms or self.get_theoretical_num_sms(num_experts, topk)
-        num_qps = num_qps or self.get_theoretical_num_qps(num_sms)
-        if num_qps > self.num_allocated_qps:
-            raise ValueError(
-                f"num_qps: at most num_allocated_qps={self.num_allocated_qps}, got {num_qps}"
-            )
+        if not num_sms:
+            sms = self._default_sms.get((num_experts, topk))
+            if sms is None:
+                sms = self._default_sms[num_experts, topk] = self.get_theoretical_num_sms(
+                    num_experts, topk
+                )
+            num_sms = sms
+        self._check_qps(num_qps)
         cached = None
         if handle is not None:
             cached = CachedLayout(
@@ -704,11 +716,7 @@ class ElasticBuffer:
             )
         push_sms = self._push_sms(num_sms, num_tokens)
         num_sms = num_sms or handle.num_sms
-        num_qps = num_qps or self.get_theoretical_num_qps(num_sms)
-        if num_qps > self.num_allocated_qps:
-            raise ValueError(
-                f"num_qps: at most num_allocated_qps={self.num_allocated_qps}, got {num_qps}"
-            )
+        self._check_qps(num_qps)
 
         def run(before_epilogue):
             return runtime.combine(
