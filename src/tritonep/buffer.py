@@ -425,6 +425,9 @@ class Buffer:
 
     #: SM budget of normal-mode calls (DeepEP's class-wide setting).
     num_sms: int = 24
+    #: Whether a worst-case dispatch returns its per-expert counts as an empty list (DeepEP's
+    #: interface) instead of the ``[E_local]`` int32 device tensor.
+    _empty_worst_counts = False
 
     @classmethod
     def set_num_sms(cls, new_num_sms: int) -> None:
@@ -759,11 +762,14 @@ class Buffer:
                 event = self._streams.finish(compute, async_finish, outputs)
             if recorded:
                 self._raise_layout_record()
+            per_expert = out.num_recv_tokens_per_expert
+            if self._empty_worst_counts and type(per_expert) is torch.Tensor:
+                per_expert = []
             return (
                 out.recv_x,
                 out.recv_topk_idx,
                 out.recv_topk_weights,
-                out.num_recv_tokens_per_expert,
+                per_expert,
                 out.handle,
                 event,
             )

@@ -178,11 +178,17 @@ class Buffer(_Buffer):
     ``get_low_latency_rdma_size_hint``, ``low_latency_update_mask_buffer``,
     ``low_latency_query_mask_buffer``, ``low_latency_clean_mask_buffer``, ``set_num_sms``,
     ``get_dispatch_config``, ``get_combine_config``, ``capture`` and ``destroy``, with
-    DeepEP's signatures.
+    DeepEP's signatures; and DeepEP's returns: within one node a dispatch's handle is a
+    :class:`LegacyHandle` (DeepEP's tuple), and with ``num_worst_tokens > 0`` its per-expert
+    counts are an empty list, as DeepEP returns them (they are on the device in the handle's
+    ``host_info[1:]``).
     """
 
     #: SM budget of normal-mode calls (DeepEP's default).
     num_sms: int = 20
+    #: A worst-case dispatch returns its per-expert counts as an empty list, as DeepEP does
+    #: (they are on the device in the handle's ``host_info[1:]``).
+    _empty_worst_counts = True
 
     def __init__(
         self,
@@ -208,51 +214,6 @@ class Buffer(_Buffer):
             gpus_per_node=ranks_per_node(group),
             enable_shrink=enable_shrink,
         )
-
-    def dispatch(
-        self,
-        x,
-        handle=None,
-        num_tokens_per_rank=None,
-        num_tokens_per_rdma_rank=None,
-        is_token_in_rank=None,
-        num_tokens_per_expert=None,
-        topk_idx=None,
-        topk_weights=None,
-        expert_alignment: int = 1,
-        num_worst_tokens: int = 0,
-        config: _Config | None = None,
-        previous_event: EventOverlap | None = None,
-        async_finish: bool = False,
-        allocate_on_comm_stream: bool = False,
-    ):
-        """:meth:`tritonep.Buffer.dispatch` with DeepEP's returns: within one node the
-        handle is a :class:`LegacyHandle` (DeepEP's tuple), and with ``num_worst_tokens > 0``
-        the per-expert counts are an empty list, as DeepEP returns them (the counts are in
-        the handle's ``host_info[1:]`` on the device)."""
-        recv_x, recv_idx, recv_weights, per_expert, out_handle, event = super().dispatch(
-            x,
-            handle,
-            num_tokens_per_rank,
-            num_tokens_per_rdma_rank,
-            is_token_in_rank,
-            num_tokens_per_expert,
-            topk_idx,
-            topk_weights,
-            expert_alignment,
-            num_worst_tokens,
-            config,
-            previous_event,
-            async_finish,
-            allocate_on_comm_stream,
-        )
-        # (Within a node the mode makes LegacyHandles (_new_normal_mode); a cached dispatch
-        # returns the caller's handle, kept as it is.)
-        if type(out_handle) is NormalHandle:
-            out_handle = LegacyHandle.of(out_handle, self.rank)
-        if type(per_expert) is torch.Tensor:
-            per_expert = []
-        return recv_x, recv_idx, recv_weights, per_expert, out_handle, event
 
     def _new_normal_mode(self, hidden: int, num_experts: int):
         mode = super()._new_normal_mode(hidden, num_experts)
