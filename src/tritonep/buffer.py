@@ -306,6 +306,44 @@ def _handle_tensors(handle) -> tuple:
     )
 
 
+def _dispatch(
+    mode,
+    notifier: NormalMode | None,
+    x,
+    topk_idx,
+    topk_weights,
+    num_tokens_per_expert,
+    is_token_in_rank,
+    handle,
+    expert_alignment: int,
+    num_worst_tokens: int,
+    config: Config | None,
+):
+    """``mode.dispatch``, after ``notifier``'s count exchange when given (a dispatch without
+    top-k: the rows follow the exchange's handle)."""
+    if notifier is not None:
+        payload = x[0] if type(x) is tuple else x
+        handle = notifier.notify(
+            is_token_in_rank,
+            num_tokens_per_expert,
+            payload.shape[0],
+            expert_alignment,
+            num_worst_tokens,
+            config,
+        )
+    return mode.dispatch(
+        x,
+        topk_idx,
+        topk_weights,
+        num_tokens_per_expert,
+        is_token_in_rank,
+        handle,
+        expert_alignment,
+        num_worst_tokens,
+        config,
+    )
+
+
 def _combine(
     mode: NormalMode | InternodeMode,
     handle: NormalHandle | InternodeHandle,
@@ -717,49 +755,54 @@ class Buffer:
                     mode, payload, is_token_in_rank, num_tokens_per_expert, topk_weights
                 )
 
-            def run():
-                routed: Any = handle
-                if notifier is not None:
-                    routed = notifier.notify(
-                        is_token_in_rank,
-                        num_tokens_per_expert,
-                        payload.shape[0],
-                        expert_alignment,
-                        num_worst_tokens,
-                        config,
-                    )
-                return mode.dispatch(
+            on_comm = payload.is_cuda and (async_finish or allocate_on_comm_stream)
+            if payload.is_cuda and not on_comm:
+                self._streams.on_current(payload.get_device(), previous_event)
+            event = _NO_EVENT
+            if notifier is None and not on_comm:  # the common call: straight to the mode
+                given: Any = handle  # (the mode raises TypeError for the other mode's kind)
+                out = mode.dispatch(
                     x,
                     topk_idx,
                     topk_weights,
                     num_tokens_per_expert,
                     is_token_in_rank,
-                    routed,
+                    given,
                     expert_alignment,
                     num_worst_tokens,
                     config,
                 )
-
-            event = _NO_EVENT
-            if not payload.is_cuda:
-                out = run()
-            elif not (async_finish or allocate_on_comm_stream):
-                self._streams.on_current(payload.get_device(), previous_event)
-                out = run()
             else:
-                # (A cached dispatch reads its handle there too.)
-                inputs = (x, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert)
-                inputs += _handle_tensors(handle)
-                out, compute = self._streams.on_comm(
-                    payload.get_device(), previous_event, inputs, run
+                run = functools.partial(
+                    _dispatch,
+                    mode,
+                    notifier,
+                    x,
+                    topk_idx,
+                    topk_weights,
+                    num_tokens_per_expert,
+                    is_token_in_rank,
+                    handle,
+                    expert_alignment,
+                    num_worst_tokens,
+                    config,
                 )
-                outputs = (
-                    out.recv_x,
-                    out.recv_topk_idx,
-                    out.recv_topk_weights,
-                    *_handle_tensors(out.handle),
-                )
-                event = self._streams.finish(compute, async_finish, outputs)
+                if not on_comm:
+                    out = run()
+                else:
+                    # (A cached dispatch reads its handle there too.)
+                    inputs = (x, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert)
+                    inputs += _handle_tensors(handle)
+                    out, compute = self._streams.on_comm(
+                        payload.get_device(), previous_event, inputs, run
+                    )
+                    outputs = (
+                        out.recv_x,
+                        out.recv_topk_idx,
+                        out.recv_topk_weights,
+                        *_handle_tensors(out.handle),
+                    )
+                    event = self._streams.finish(compute, async_finish, outputs)
             if recorded:
                 self._raise_layout_record()
             per_expert = out.num_recv_tokens_per_expert
