@@ -1078,7 +1078,9 @@ class Buffer:
             ``(combined_x [N, H] BF16, event, hook)``; the hook is None unless
             ``return_recv_hook``.
         """
-        mode = self._require_ll()
+        mode = self._ll
+        if mode is None:
+            mode = self._require_ll()  # (raises)
         if use_logfmt:
             _warn_logfmt_once()
         out, hook = mode.combine(
