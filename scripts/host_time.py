@@ -1,7 +1,7 @@
 """Host time of eager calls, with and without process-wide torch defaults.
 
     PYTHONPATH=src python scripts/host_time.py [--ranks 1] [--tokens 128] [--calls 300]
-        [--hidden 7168] [--experts 288] [--topk 8] [--normal] [--profile 12]
+        [--hidden 7168] [--experts 288] [--topk 8] [--normal] [--reverse] [--profile 12]
 
 Every rank makes the same calls. For each operation it prints the host time per call, the
 median over ``--repeats`` runs of ``--calls`` calls issued back to back (no synchronization
@@ -15,7 +15,10 @@ combine, through ``tritonep.deep_ep.Buffer`` (what users call) and through
 ``LowLatencyMode`` (the mode alone); with ``--normal`` also the normal mode's cached dispatch,
 worst-case dispatch, combine, a combine and a cached dispatch each with a handle it has not
 launched with (as a training step's), and exact-size dispatch (whose host waits for the count),
-through ``NormalMode`` and through ``tritonep.deep_ep.Buffer`` (its stream handling included).
+through ``NormalMode`` and through ``tritonep.deep_ep.Buffer`` (its stream handling included:
+calls without ``async_finish`` run on the current stream, and on GPUs a cached dispatch and a
+combine with ``async_finish=True`` time the communication stream and its events), and
+``tritonep.deep_ep.ElasticBuffer``'s worst-case and cached dispatch and combine.
 Each line also splits the time on GPUs into this project's Python (the same calls with the
 kernel launches left out) and the launches. The script also runs on a tree from before issue
 48 (``PYTHONPATH=prev/src``), whose modes check ids on the host by default (a synchronization
@@ -176,7 +179,8 @@ def _low_latency(ctx, args, group, lines, on_gpu):
     w = torch.rand(N, K, generator=gen).to(device)
     buffer = deep_ep.Buffer(group, 0, LowLatencyMode.size_hint(N, H, R, E), low_latency_mode=True)
     stats = torch.zeros(E // R, dtype=torch.int32, device=device)
-    mode = LowLatencyMode(group, N, H, E, max_topk=K, device=device)
+    # Built as the buffer builds its own (max_topk at its default): the same kernel variants.
+    mode = LowLatencyMode(group, N, H, E, device=device)
     new_tree = "recv_stats" in inspect.signature(mode.dispatch).parameters
     state = {}
 
@@ -216,7 +220,7 @@ def _low_latency(ctx, args, group, lines, on_gpu):
     _sync(device)
     for defaults in (False, True):
         with _defaults(device, defaults):
-            for name, fn in ops:
+            for name, fn in ops[::-1] if args.reverse else ops:
                 label = f"{name} ({'with' if defaults else 'no'} defaults)"
                 _report(label, fn, args, device, group, on_gpu, lines, args.profile)
     if R > 1 and on_gpu:
@@ -300,7 +304,7 @@ def _normal(ctx, args, group, lines, on_gpu):
     )
     for defaults in (False, True):
         with _defaults(device, defaults):
-            for name, fn in ops:
+            for name, fn in ops[::-1] if args.reverse else ops:
                 label = f"{name} ({'with' if defaults else 'no'} defaults)"
                 _report(label, fn, args, device, group, on_gpu, lines, args.profile)
     if on_gpu and hasattr(mode, "_received_count"):
@@ -313,6 +317,8 @@ def _normal(ctx, args, group, lines, on_gpu):
     mode.check()
     mode.destroy()
     buffer.destroy()
+    while _ELASTIC:
+        _ELASTIC.pop().destroy()
 
 
 def _new_handle_ops(mode, args, x, idx, w, per_expert, in_rank, worst, on_gpu):
@@ -375,7 +381,45 @@ def _deep_ep_normal_ops(ctx, group, x, idx, w, E, worst, on_gpu):
     if on_gpu:
         ops.append(("deep_ep.Buffer exact-size dispatch (waits for the count)",
                     lambda: buffer.dispatch(x, None, *layout)))  # fmt: skip
+        # On the communication stream, with its events (what async_finish asks for).
+        ops += [
+            ("deep_ep.Buffer cached dispatch, async_finish",
+             lambda: buffer.dispatch(x, handle, async_finish=True)),
+            ("deep_ep.Buffer combine, async_finish",
+             lambda: buffer.combine(y, handle, async_finish=True)),
+        ]  # fmt: skip
+    if hasattr(deep_ep, "ElasticBuffer"):
+        ops += _elastic_ops(group, x, idx, w, E, on_gpu)
     return ops, buffer
+
+
+def _elastic_ops(group, x, idx, w, E, on_gpu):
+    """(name, call) of ``deep_ep.ElasticBuffer``'s dispatch (worst-case sizes, no host read,
+    and cached) and combine, their first calls run."""
+    import tritonep.deep_ep as deep_ep
+
+    N, H = x.shape
+    elastic = deep_ep.ElasticBuffer(
+        group, num_max_tokens_per_rank=N, hidden=H, num_topk=idx.shape[1], explicitly_destroy=True
+    )
+    first = elastic.dispatch(x, idx, w, num_experts=E, do_cpu_sync=False)
+    handle, y = first[3], first[0].clone()
+    ops = [
+        ("deep_ep.ElasticBuffer worst-case dispatch",
+         lambda: elastic.dispatch(x, idx, w, num_experts=E, do_cpu_sync=False)),
+        ("deep_ep.ElasticBuffer cached dispatch", lambda: elastic.dispatch(x, handle=handle)),
+        ("deep_ep.ElasticBuffer combine", lambda: elastic.combine(y, handle)),
+    ]  # fmt: skip
+    if on_gpu:
+        ops.append(("deep_ep.ElasticBuffer combine, async",
+                    lambda: elastic.combine(y, handle, async_with_compute_stream=True,
+                                            allocate_on_comm_stream=True)))  # fmt: skip
+    _ELASTIC.append(elastic)
+    return ops
+
+
+#: ElasticBuffers to destroy after the timings.
+_ELASTIC: list = []
 
 
 def _rank(ctx, args):
@@ -405,6 +449,8 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=288)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--normal", action="store_true", help="also the normal mode's calls")
+    parser.add_argument("--reverse", action="store_true",
+                        help="time the operations in reverse order (the modes' first)")  # fmt: skip
     parser.add_argument("--profile", type=int, default=0,
                         help="print the N functions with the most own time per op")  # fmt: skip
     args = parser.parse_args()

@@ -8,8 +8,9 @@ buffer takes ``timeout_s``, ``check_ids``, ``device``, ``profile`` and ``gpus_pe
 :meth:`Buffer.check` and :meth:`Buffer.dump_trace`.
 
 What keeps it fast: each mode's memory is allocated once and reused by every call (flags are
-tagged with the call number, so nothing is reset between calls), normal-mode kernels run on a
-side stream that events join to the caller's, and no call synchronizes with the host but an
+tagged with the call number, so nothing is reset between calls), calls run on the caller's
+stream unless ``async_finish`` (or ``allocate_on_comm_stream``) asks for the communication
+stream and its events (:class:`CallStreams`), and no call synchronizes with the host but an
 exact-size normal dispatch without a handle, which waits for the received count (as DeepEP's),
 unless ``check_ids=True``. Ids out of range are dropped by the kernels and raised by the next
 call (:mod:`tritonep.kernels.status`). Every call runs its Python under
@@ -24,8 +25,8 @@ import itertools
 import os
 import warnings
 import weakref
-from collections.abc import Callable
-from typing import Protocol
+from dataclasses import is_dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -183,23 +184,183 @@ def _tensors(*items) -> list[torch.Tensor]:
     return out
 
 
-def _bind_combine(
+def cuda_event(event) -> torch.cuda.Event | None:
+    """The CUDA event inside an :class:`EventOverlap`, an event handle, or the event itself;
+    None when there is none."""
+    while event is not None and not isinstance(event, torch.cuda.Event):
+        event = getattr(event, "event", None)
+    return event
+
+
+class CallStreams:
+    """The streams a buffer's kernels run on, and the order of its calls on the device.
+
+    A call without ``async_finish`` (V2: ``async_with_compute_stream``) and without
+    ``allocate_on_comm_stream`` runs on the caller's current stream (:meth:`on_current`): when
+    it returns, its outputs are ready in that stream's order and belong to it, which is all
+    DeepEP promises there (its kernels run on its communication stream between two stream
+    waits, an order the caller cannot tell apart), at no host cost for events, stream switches
+    or ``record_stream``. The other calls run on the communication stream (:meth:`on_comm`,
+    :meth:`finish`), joined to the caller's stream by events, as DeepEP's.
+
+    The buffer's memory serves every call, so each call's kernels must follow the previous
+    call's, whichever stream either came from: a call on another stream than the last call's
+    first makes its stream wait for that one (a host cost only when the stream changes). Under
+    CUDA-graph capture that wait is left out: a capture may not wait for work outside it, and
+    capture begins after the capturing stream's earlier work (``torch.cuda.graph``).
+    """
+
+    def __init__(self) -> None:
+        #: The communication stream, made by the first call that needs it.
+        self.comm: torch.cuda.Stream | None = None
+        self._last: torch.cuda.Stream | None = None  # where the last call's kernels ran
+        self._last_raw: int | None = None  # that stream's ``cudaStream_t``, compared per call
+
+    def comm_stream(self, device: int) -> torch.cuda.Stream:
+        """The communication stream (made on CUDA device ``device`` on first use)."""
+        if self.comm is None:
+            self.comm = torch.cuda.Stream(device)
+            # Reused for every fork and join: a wait takes the event's last record at the
+            # time of the wait, so recording it again later changes no earlier wait.
+            self._fork, self._join = torch.cuda.Event(), torch.cuda.Event()
+        return self.comm
+
+    def on_current(self, device: int, previous_event) -> None:
+        """Order a call on the current stream (of CUDA device ``device``) after the buffer's
+        last call and after ``previous_event`` (an event, an object holding one, or None)."""
+        raw = torch._C._cuda_getCurrentRawStream(device)
+        if raw != self._last_raw:
+            self._follow(torch.cuda.current_stream(device), raw)
+        if previous_event is not None:
+            event = cuda_event(previous_event)
+            if event is not None:
+                torch.cuda.current_stream(device).wait_event(event)
+
+    def on_comm(self, device: int, previous_event, inputs: tuple, fn):
+        """Run ``fn`` on the communication stream after ``previous_event`` (else after the
+        current stream's work) and after the buffer's last call; returns ``(fn's result,
+        the caller's stream)``."""
+        compute = torch.cuda.current_stream(device)
+        comm = self.comm_stream(device)
+        event = cuda_event(previous_event)
+        joined = None  # the stream the communication stream now follows
+        if event is None:
+            event = self._fork
+            event.record(compute)
+            joined = compute.cuda_stream
+        comm.wait_event(event)
+        raw = comm.cuda_stream
+        if self._last_raw in (raw, joined):
+            self._last, self._last_raw = comm, raw
+        else:
+            self._follow(comm, raw)
+        # The inputs are in use on the communication stream from now on, also when ``fn``
+        # raises after its launches (an error an earlier call recorded).
+        for t in _tensors(*inputs):
+            t.record_stream(comm)
+        with torch.cuda.stream(comm):
+            return fn(), compute
+
+    def finish(self, compute: torch.cuda.Stream, async_finish: bool, outputs) -> EventOverlap:
+        """Hand the outputs of :meth:`on_comm` to the caller's stream: an event to wait on
+        (``async_finish``), or a wait now."""
+        tensors = _tensors(*outputs)
+        for t in tensors:
+            t.record_stream(compute)
+        comm = self.comm
+        assert comm is not None  # (on_comm made it)
+        if async_finish:
+            event = torch.cuda.Event()
+            event.record(comm)
+            return EventOverlap(event, tuple(tensors))
+        self._join.record(comm)
+        compute.wait_event(self._join)
+        return EventOverlap(None)
+
+    def join(self) -> None:
+        """Order the current stream after the buffer's last call (before reading what the
+        kernels recorded, or releasing their memory)."""
+        last = self._last
+        if last is not None:
+            current = torch.cuda.current_stream(last.device)
+            if current.cuda_stream != self._last_raw:
+                current.wait_stream(last)
+
+    def _follow(self, stream: torch.cuda.Stream, raw: int) -> None:
+        last = self._last
+        if last is not None and not torch.cuda.is_current_stream_capturing():
+            stream.wait_stream(last)
+        self._last, self._last_raw = stream, raw
+
+
+def _handle_tensors(handle) -> tuple:
+    """The tensors a normal-mode handle holds (its legs' too, across nodes): a call on the
+    communication stream reads them there, so they are recorded on it like its inputs."""
+    if handle is None:
+        return ()
+    return tuple(
+        t
+        for value in vars(handle).values()
+        for t in (_handle_tensors(value) if is_dataclass(value) else (value,))
+        if isinstance(t, torch.Tensor)
+    )
+
+
+def _dispatch(
+    mode,
+    notifier: NormalMode | None,
+    x,
+    topk_idx,
+    topk_weights,
+    num_tokens_per_expert,
+    is_token_in_rank,
+    handle,
+    expert_alignment: int,
+    num_worst_tokens: int,
+    config: Config | None,
+):
+    """``mode.dispatch``, after ``notifier``'s count exchange when given (a dispatch without
+    top-k: the rows follow the exchange's handle)."""
+    if notifier is not None:
+        payload = x[0] if type(x) is tuple else x
+        handle = notifier.notify(
+            is_token_in_rank,
+            num_tokens_per_expert,
+            payload.shape[0],
+            expert_alignment,
+            num_worst_tokens,
+            config,
+        )
+    return mode.dispatch(
+        x,
+        topk_idx,
+        topk_weights,
+        num_tokens_per_expert,
+        is_token_in_rank,
+        handle,
+        expert_alignment,
+        num_worst_tokens,
+        config,
+    )
+
+
+def _combine(
     mode: NormalMode | InternodeMode,
     handle: NormalHandle | InternodeHandle,
     x: torch.Tensor,
     topk_weights: torch.Tensor | None,
     bias: torch.Tensor | tuple[torch.Tensor, ...] | None,
-) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None]]:
-    """``mode.combine`` bound to its arguments; ``TypeError`` (as the mode raises it) unless
-    ``handle`` is of the mode's kind: across nodes an ``InternodeHandle``, else a
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``mode.combine``; ``TypeError`` (as the mode raises it) before anything is launched
+    unless ``handle`` is of the mode's kind: across nodes an ``InternodeHandle``, else a
     ``NormalHandle``."""
     if isinstance(mode, InternodeMode):
         if isinstance(handle, InternodeHandle):
-            return functools.partial(mode.combine, x, handle, topk_weights, bias)
+            return mode.combine(x, handle, topk_weights, bias)
         expected = "an InternodeHandle"
     else:
         if isinstance(handle, NormalHandle):
-            return functools.partial(mode.combine, x, handle, topk_weights, bias)
+            return mode.combine(x, handle, topk_weights, bias)
         expected = "a NormalHandle"
     raise TypeError(f"handle: expected {expected}, got {type(handle).__name__}")
 
@@ -294,7 +455,7 @@ class Buffer:
         # which this buffer's next normal-mode dispatch or combine raises.
         self._layouts: dict[int, DispatchLayout] = {}
         self._layout_status: Status | None = None
-        self._comm_stream: torch.cuda.Stream | None = None
+        self._streams = CallStreams()  # where normal-mode calls run, in what order
         self._mode_configs: dict = {}  # config given -> (mode, its config there) (_mode_config)
         #: A number naming this buffer in operators (:mod:`tritonep.integrations.autograd`).
         self.key = next(_KEYS)
@@ -302,6 +463,9 @@ class Buffer:
 
     #: SM budget of normal-mode calls (DeepEP's class-wide setting).
     num_sms: int = 24
+    #: Whether a worst-case dispatch returns its per-expert counts as an empty list (DeepEP's
+    #: interface) instead of the ``[E_local]`` int32 device tensor.
+    _empty_worst_counts = False
 
     @classmethod
     def set_num_sms(cls, new_num_sms: int) -> None:
@@ -362,8 +526,9 @@ class Buffer:
             check_topk_idx(
                 "topk_idx", topk_idx, None, num_experts, check_range=bool(self.check_ids)
             )
-            if previous_event is not None:
-                previous_event.current_stream_wait()
+            waited = cuda_event(previous_event)
+            if waited is not None:
+                torch.cuda.current_stream(topk_idx.device).wait_event(waited)
             # Once the normal mode exists, its kernel and status: bad ids are then recorded
             # once, whether the layout kernel or the dispatch kernel meets them first.
             mode = self._normal
@@ -390,10 +555,6 @@ class Buffer:
         )
         self._layouts[num_experts] = layout
         return layout
-
-    def _layout_recorded(self) -> bool:
-        """Whether a layout kernel recorded bad ids (the host copy: no synchronization)."""
-        return self._layout_status is not None and bool(self._layout_status.recorded())
 
     def _raise_layout_record(self) -> None:
         """Raise the bad ids a layout kernel recorded (once)."""
@@ -426,38 +587,40 @@ class Buffer:
         if mode is None:
             if num_experts is None:
                 raise ValueError("handle: no dispatch has run on this buffer yet")
-            max_sms = max(32, type(self).num_sms) if torch.cuda.is_available() else None
-            check_ids, profile = bool(self.check_ids), self._profile()
-            if self.num_nodes > 1:
-                mode = InternodeMode(
-                    self.group,
-                    hidden,
-                    num_experts,
-                    self.gpus_per_node,
-                    device=self.device,
-                    timeout_s=self.timeout_s,
-                    check_ids=check_ids,
-                    max_sms=max_sms,
-                    profile=profile,
-                )
-            else:
-                mode = NormalMode(
-                    self.group,
-                    hidden,
-                    num_experts,
-                    device=self.device,
-                    timeout_s=self.timeout_s,
-                    check_ids=check_ids,
-                    max_sms=max_sms,
-                    profile=profile,
-                )
-            self._normal = mode
+            mode = self._normal = self._new_normal_mode(hidden, num_experts)
         elif mode.hidden != hidden or (num_experts is not None and mode.num_experts != num_experts):
             raise ValueError(
                 f"hidden and num_experts must stay ({mode.hidden}, {mode.num_experts}) for this "
                 f"buffer; got ({hidden}, {num_experts})"
             )
         return mode
+
+    def _new_normal_mode(self, hidden: int, num_experts: int) -> NormalMode | InternodeMode:
+        """The normal mode of the first normal-mode call."""
+        max_sms = max(32, type(self).num_sms) if torch.cuda.is_available() else None
+        check_ids, profile = bool(self.check_ids), self._profile()
+        if self.num_nodes > 1:
+            return InternodeMode(
+                self.group,
+                hidden,
+                num_experts,
+                self.gpus_per_node,
+                device=self.device,
+                timeout_s=self.timeout_s,
+                check_ids=check_ids,
+                max_sms=max_sms,
+                profile=profile,
+            )
+        return NormalMode(
+            self.group,
+            hidden,
+            num_experts,
+            device=self.device,
+            timeout_s=self.timeout_s,
+            check_ids=check_ids,
+            max_sms=max_sms,
+            profile=profile,
+        )
 
     def _mode_config(self, mode: NormalMode | InternodeMode, config: Config | None) -> Config:
         """The config ``mode`` runs a dispatch with, for ``config`` (None: the class's
@@ -480,46 +643,6 @@ class Buffer:
         )
         self._mode_configs[key] = (mode, made)
         return made
-
-    def _on_comm_stream(self, device, previous_event, inputs, fn):
-        """Run ``fn`` on the communication stream after ``previous_event`` (or the current
-        stream); returns ``(fn's result, compute stream)``."""
-        if device.type != "cuda":
-            return fn(), None
-        compute = torch.cuda.current_stream(device)
-        if self._comm_stream is None:
-            self._comm_stream = torch.cuda.Stream(device)
-            # Reused for every fork and join: a wait takes the event's last record at the
-            # time of the wait, so recording it again later changes no earlier wait.
-            self._fork_event, self._join_event = torch.cuda.Event(), torch.cuda.Event()
-        comm = self._comm_stream
-        event = previous_event.cuda_event() if previous_event is not None else None
-        if event is None:
-            event = self._fork_event
-            event.record(compute)
-        comm.wait_event(event)
-        # The inputs are in use on the communication stream from now on, also when ``fn``
-        # raises after its launches (an error an earlier call recorded).
-        for t in _tensors(*inputs):
-            t.record_stream(comm)
-        with torch.cuda.stream(comm):
-            result = fn()
-        return result, compute
-
-    def _finish(self, compute, async_finish, outputs) -> EventOverlap:
-        """Hand the outputs to the compute stream: an event to wait on, or a wait now."""
-        if compute is None:
-            return EventOverlap(None)
-        for t in _tensors(*outputs):
-            t.record_stream(compute)
-        comm = self._comm_stream
-        if async_finish:
-            event = torch.cuda.Event()
-            event.record(comm)
-            return EventOverlap(event, tuple(_tensors(*outputs)))
-        self._join_event.record(comm)
-        compute.wait_event(self._join_event)
-        return EventOverlap(None)
 
     def dispatch(
         self,
@@ -568,9 +691,13 @@ class Buffer:
             config: SM budget and ring use (default: :meth:`get_dispatch_config`). With
                 ``handle``, the handle's config is used, and ``expert_alignment`` and
                 ``num_worst_tokens`` are those of the handle's dispatch.
-            previous_event: an event the call must wait for (default: the current stream).
-            async_finish: return an event to wait on instead of making the current stream wait.
-            allocate_on_comm_stream: accepted (outputs always come from the comm stream).
+            previous_event: an event the call must wait for (besides the current stream's work
+                without ``async_finish`` and ``allocate_on_comm_stream``).
+            async_finish: run on the communication stream after ``previous_event`` (else after
+                the current stream's work) and return an event to wait on; otherwise the call
+                runs on the current stream (its outputs ready in that stream's order).
+            allocate_on_comm_stream: run on the communication stream (outputs allocated there
+                and recorded on the current stream), as with ``async_finish``.
         Returns:
             ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
             handle, event)``: ``recv_x`` ``[M, H]`` like ``x`` (or the FP8 tuple) ordered by
@@ -586,135 +713,135 @@ class Buffer:
             ``ValueError``/``TypeError`` naming the argument, before anything is launched;
             after its launches, what an earlier call recorded (bad ids, a timeout).
         """
+        # One function (host time): checks, then the mode's calls on the chosen stream.
         with torch._C.DisableTorchFunction():  # a function mode would see every tensor access
-            recorded = self._layout_recorded()
-            out = self._dispatch(
-                x,
-                handle,
-                num_tokens_per_rdma_rank,
-                is_token_in_rank,
-                num_tokens_per_expert,
-                topk_idx,
-                topk_weights,
-                expert_alignment,
-                num_worst_tokens,
-                config,
-                previous_event,
-                async_finish,
-            )
-            if recorded:
-                self._raise_layout_record()
-            return out
-
-    def _dispatch(
-        self,
-        x,
-        handle,
-        num_tokens_per_rdma_rank,
-        is_token_in_rank,
-        num_tokens_per_expert,
-        topk_idx,
-        topk_weights,
-        expert_alignment,
-        num_worst_tokens,
-        config,
-        previous_event,
-        async_finish,
-    ):
-        if num_tokens_per_rdma_rank is not None and self.num_nodes == 1:
-            raise ValueError("num_tokens_per_rdma_rank: must be None within one node")
-        if handle is not None:
-            # As DeepEP asserts: rows follow the handle's routing, so ids given here would
-            # be ignored, and ignoring them silently hides a caller's mistake.
-            for name, value in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
-                if value is not None:
-                    raise ValueError(
-                        f"{name}: must be None with a handle (cached mode moves "
-                        "rows along the handle's routing)"
-                    )
-        # Once the mode exists it checks x and the layout tensors in full before it launches;
-        # here only what picks the stream then (a payload tensor).
-        payload = x[0] if type(x) is tuple and len(x) == 2 else x
-        if self._normal is None or type(payload) is not torch.Tensor or payload.dim() != 2:
-            payload = check_dispatch_x("x", x)
-        # Without top-k (as DeepEP allows) the layout arguments alone route the rows: the
-        # count exchange runs first and the rows follow its handle.
-        notify_first = handle is None and topk_idx is None
-        notifier: NormalMode | None = None  # the mode that runs the count exchange first
-        if handle is not None:
-            mode = self._normal_mode(payload.shape[1], None)
-        else:
-            counts = num_tokens_per_expert
-            if self._normal is None or type(counts) is not torch.Tensor or counts.dim() != 1:
-                check_tensor(
-                    "num_tokens_per_expert",
-                    num_tokens_per_expert,
-                    dtype=torch.int32,
-                    shape=(None,),
-                )
-            mode = self._normal_mode(payload.shape[1], num_tokens_per_expert.shape[0])
-        if notify_first:
-            if topk_weights is not None:
-                raise ValueError("topk_weights: needs topk_idx")
-            if not isinstance(mode, NormalMode):
+            status = self._layout_status
+            recorded = status is not None and status.recorded()
+            if num_tokens_per_rdma_rank is not None and self.num_nodes == 1:
+                raise ValueError("num_tokens_per_rdma_rank: must be None within one node")
+            if handle is not None and (topk_idx is not None or topk_weights is not None):
+                # As DeepEP asserts: rows follow the handle's routing, so ids given here would
+                # be ignored, and ignoring them silently hides a caller's mistake.
+                name = "topk_idx" if topk_idx is not None else "topk_weights"
                 raise ValueError(
-                    "topk_idx: required for a group that spans nodes (a dispatch "
-                    "without top-k runs within one node)"
+                    f"{name}: must be None with a handle (cached mode moves rows along the "
+                    "handle's routing)"
                 )
-            notifier = mode
-            if is_token_in_rank is None:
-                raise ValueError("is_token_in_rank: required without topk_idx and handle")
-            check_tensor(
-                "is_token_in_rank",
-                is_token_in_rank,
-                dtype=torch.bool,
-                shape=(payload.shape[0], self.group_size),
-                device=mode.device,
-            )
-            check_tensor(
-                "num_tokens_per_expert",
-                num_tokens_per_expert,
-                dtype=torch.int32,
-                device=mode.device,
-            )
-        if handle is None:
-            config = self._mode_config(mode, config)
-        inputs = (x, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert)
+            # Once the mode exists it checks x and the layout tensors in full before it
+            # launches; here only what picks the mode and the stream (a payload tensor).
+            payload = x[0] if type(x) is tuple and len(x) == 2 else x
+            mode = self._normal
+            if mode is None or type(payload) is not torch.Tensor or payload.dim() != 2:
+                payload = check_dispatch_x("x", x)
+            if handle is not None:
+                if mode is None or mode.hidden != payload.shape[1]:
+                    mode = self._normal_mode(payload.shape[1], None)
+            else:
+                counts: Any = num_tokens_per_expert
+                if mode is None or type(counts) is not torch.Tensor or counts.dim() != 1:
+                    check_tensor("num_tokens_per_expert", counts, dtype=torch.int32, shape=(None,))
+                if (
+                    mode is None
+                    or mode.hidden != payload.shape[1]
+                    or mode.num_experts != counts.shape[0]
+                ):
+                    mode = self._normal_mode(payload.shape[1], counts.shape[0])
+                config = self._mode_config(mode, config)
+            # Without top-k (as DeepEP allows) the layout arguments alone route the rows: the
+            # count exchange runs first and the rows follow its handle.
+            notifier = None
+            if handle is None and topk_idx is None:
+                notifier = self._notifier(
+                    mode, payload, is_token_in_rank, num_tokens_per_expert, topk_weights
+                )
 
-        def run():
-            routed = handle
-            if notifier is not None:
-                routed = notifier.notify(
-                    is_token_in_rank,
+            on_comm = payload.is_cuda and (async_finish or allocate_on_comm_stream)
+            if payload.is_cuda and not on_comm:
+                self._streams.on_current(payload.get_device(), previous_event)
+            event = _NO_EVENT
+            if notifier is None and not on_comm:  # the common call: straight to the mode
+                given: Any = handle  # (the mode raises TypeError for the other mode's kind)
+                out = mode.dispatch(
+                    x,
+                    topk_idx,
+                    topk_weights,
                     num_tokens_per_expert,
-                    payload.shape[0],
+                    is_token_in_rank,
+                    given,
                     expert_alignment,
                     num_worst_tokens,
                     config,
                 )
-            return mode.dispatch(
-                x,
-                topk_idx,
-                topk_weights,
-                num_tokens_per_expert,
-                is_token_in_rank,
-                routed,
-                expert_alignment,
-                num_worst_tokens,
-                config,
+            else:
+                run = functools.partial(
+                    _dispatch,
+                    mode,
+                    notifier,
+                    x,
+                    topk_idx,
+                    topk_weights,
+                    num_tokens_per_expert,
+                    is_token_in_rank,
+                    handle,
+                    expert_alignment,
+                    num_worst_tokens,
+                    config,
+                )
+                if not on_comm:
+                    out = run()
+                else:
+                    # (A cached dispatch reads its handle there too.)
+                    inputs = (x, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert)
+                    inputs += _handle_tensors(handle)
+                    out, compute = self._streams.on_comm(
+                        payload.get_device(), previous_event, inputs, run
+                    )
+                    outputs = (
+                        out.recv_x,
+                        out.recv_topk_idx,
+                        out.recv_topk_weights,
+                        *_handle_tensors(out.handle),
+                    )
+                    event = self._streams.finish(compute, async_finish, outputs)
+            if recorded:
+                self._raise_layout_record()
+            per_expert = out.num_recv_tokens_per_expert
+            if self._empty_worst_counts and type(per_expert) is torch.Tensor:
+                per_expert = []
+            return (
+                out.recv_x,
+                out.recv_topk_idx,
+                out.recv_topk_weights,
+                per_expert,
+                out.handle,
+                event,
             )
 
-        out, compute = self._on_comm_stream(payload.device, previous_event, inputs, run)
-        outputs = (out.recv_x, out.recv_topk_idx, out.recv_topk_weights, out.handle.recv_src_idx)
-        event = self._finish(compute, async_finish, outputs)
-        return (
-            out.recv_x,
-            out.recv_topk_idx,
-            out.recv_topk_weights,
-            out.num_recv_tokens_per_expert,
-            out.handle,
-            event,
+    def _notifier(self, mode, payload, is_token_in_rank, num_tokens_per_expert, topk_weights):
+        """``mode``, checked to run a dispatch without top-k (its count exchange first)."""
+        if topk_weights is not None:
+            raise ValueError("topk_weights: needs topk_idx")
+        if not isinstance(mode, NormalMode):
+            raise ValueError(
+                "topk_idx: required for a group that spans nodes (a dispatch "
+                "without top-k runs within one node)"
+            )
+        if is_token_in_rank is None:
+            raise ValueError("is_token_in_rank: required without topk_idx and handle")
+        check_tensor(
+            "is_token_in_rank",
+            is_token_in_rank,
+            dtype=torch.bool,
+            shape=(payload.shape[0], self.group_size),
+            device=mode.device,
         )
+        check_tensor(
+            "num_tokens_per_expert",
+            num_tokens_per_expert,
+            dtype=torch.int32,
+            device=mode.device,
+        )
+        return mode
 
     def combine(
         self,
@@ -744,16 +871,30 @@ class Buffer:
         with torch._C.DisableTorchFunction():
             if not isinstance(handle, (NormalHandle, InternodeHandle)):
                 raise TypeError(f"handle: expected a dispatch handle, got {type(handle).__name__}")
-            recorded = self._layout_recorded()
-            mode = self._normal_mode(handle.hidden, handle.num_experts)
-            device = x.device if isinstance(x, torch.Tensor) else mode.device
-            (out, out_weights), compute = self._on_comm_stream(
-                device,
-                previous_event,
-                (x, topk_weights, bias),
-                _bind_combine(mode, handle, x, topk_weights, bias),
-            )
-            event = self._finish(compute, async_finish, (out, out_weights))
+            status = self._layout_status
+            recorded = status is not None and status.recorded()
+            mode = self._normal
+            if (
+                mode is None
+                or mode.hidden != handle.hidden
+                or mode.num_experts != handle.num_experts
+            ):
+                mode = self._normal_mode(handle.hidden, handle.num_experts)
+            event = _NO_EVENT
+            if type(x) is torch.Tensor and not x.is_cuda:
+                out, out_weights = _combine(mode, handle, x, topk_weights, bias)
+            elif not (async_finish or allocate_on_comm_stream):
+                if type(x) is torch.Tensor:  # (else the mode raises, before any stream work)
+                    self._streams.on_current(x.get_device(), previous_event)
+                out, out_weights = _combine(mode, handle, x, topk_weights, bias)
+            else:
+                run = functools.partial(_combine, mode, handle, x, topk_weights, bias)
+                device = x.get_device() if type(x) is torch.Tensor else mode.device.index
+                inputs = (x, topk_weights, bias, *_handle_tensors(handle))
+                (out, out_weights), compute = self._streams.on_comm(
+                    device, previous_event, inputs, run
+                )
+                event = self._streams.finish(compute, async_finish, (out, out_weights))
             if recorded:
                 self._raise_layout_record()
             return out, out_weights, event
@@ -937,7 +1078,9 @@ class Buffer:
             ``(combined_x [N, H] BF16, event, hook)``; the hook is None unless
             ``return_recv_hook``.
         """
-        mode = self._require_ll()
+        mode = self._ll
+        if mode is None:
+            mode = self._require_ll()  # (raises)
         if use_logfmt:
             _warn_logfmt_once()
         out, hook = mode.combine(
@@ -1055,7 +1198,7 @@ class Buffer:
         wait for the same peer) and every later ``check()`` raises the same error, naming the
         limit the failed wait had; destroy the buffer and build a new one. An overflow of
         worst-case outputs is raised once: the ranks stay in step and later calls work."""
-        self._join_comm_stream()
+        self._streams.join()
         for mode in (self._normal, self._ll):
             if mode is not None:
                 mode.check()
@@ -1064,20 +1207,11 @@ class Buffer:
             if status.synced_record()[0]:
                 self._raise_layout_record()
 
-    def _join_comm_stream(self) -> None:
-        """Order the current stream after the communication stream, so that reading the modes'
-        status there sees the normal-mode calls still in flight (``async_finish=True``). On
-        one H100 (torch 2.11) the status read waited for them anyway, on the default stream
-        and on a stream of the caller's (its pageable copy to the host waits for the device),
-        but nothing in CUDA promises that; stream order does."""
-        if self._comm_stream is not None:
-            torch.cuda.current_stream(self._comm_stream.device).wait_stream(self._comm_stream)
-
     def destroy(self) -> None:
         """Release the buffer's memory (collective). Every mode is released even if one of
         them reports a timeout (peers wait for each release); the first error is raised
         after that."""
-        self._join_comm_stream()
+        self._streams.join()
         modes = (self._normal, self._ll)
         self._normal = self._ll = None
         error = None

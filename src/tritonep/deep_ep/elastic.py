@@ -11,12 +11,11 @@ import functools
 import math
 import re
 import subprocess
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
-from ..buffer import ranks_per_node
+from ..buffer import CallStreams, cuda_event, ranks_per_node
 from ..modes.elastic import (
     DECODE_TOKENS,
     MAX_TOPK,
@@ -249,21 +248,28 @@ class ElasticBuffer:
         self.scaleout_rank_idx = self.rank_idx // self.num_scaleup_ranks
         self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
         self.num_rdma_ranks, self.num_nvlink_ranks = self.get_physical_domain_size()
-        self._comm_stream: torch.cuda.Stream | None = None
+        self._streams = CallStreams()  # where the calls run, in what order
+        #: get_theoretical_num_sms by (num_experts, top-k): the default of every dispatch.
+        self._default_sms: dict[tuple[int, int], int] = {}
+        device = self.runtime.device
+        #: The CUDA device index of the calls (-1 on CPU ranks).
+        self._device = -1 if device.type != "cuda" else device.index
+        if self._device is None:
+            self._device = torch.cuda.current_device()
         dist.barrier(group)
 
     # ------------------------------------------------------------------------ the buffer
     def destroy(self) -> None:
         """Release the buffer's memory (collective); raises if a kernel wait had timed out."""
         if self.runtime is not None:
-            self._join_comm_stream()
+            self._streams.join()
             runtime, self.runtime = self.runtime, None
             runtime.destroy()
 
     def check(self) -> None:
         """Wait for the device; raise :class:`~tritonep.errors.WaitTimeoutError` if a kernel
         wait gave up (tritonep's; DeepEP V2 traps the GPU instead)."""
-        self._join_comm_stream()
+        self._streams.join()
         self._require_runtime().check()
 
     @staticmethod
@@ -306,12 +312,11 @@ class ElasticBuffer:
         if with_cpu_sync and on_gpu:
             torch.cuda.synchronize(runtime.device)
         if use_comm_stream and on_gpu:
-            comm = self._cuda_comm_stream()
-            comm.wait_stream(torch.cuda.current_stream(runtime.device))
-            with torch.cuda.stream(comm):
-                runtime.barrier()
-            torch.cuda.current_stream(runtime.device).wait_stream(comm)
+            _, compute = self._streams.on_comm(self._device, None, (), runtime.barrier)
+            self._streams.finish(compute, False, ())
         else:
+            if on_gpu:
+                self._streams.on_current(self._device, None)
             runtime.barrier()
         if with_cpu_sync and on_gpu:
             torch.cuda.synchronize(runtime.device)
@@ -322,16 +327,11 @@ class ElasticBuffer:
         return EventHandle()
 
     def get_comm_stream(self) -> torch.cuda.Stream | None:
-        """The stream the kernels run on (None on CPU ranks)."""
+        """The stream the calls with ``async_with_compute_stream`` or
+        ``allocate_on_comm_stream`` run on (None on CPU ranks)."""
         if self._require_runtime().device.type != "cuda":
             return None
-        return self._cuda_comm_stream()
-
-    def _cuda_comm_stream(self) -> torch.cuda.Stream:
-        """The communication stream of a CUDA rank, made on first use."""
-        if self._comm_stream is None:
-            self._comm_stream = torch.cuda.Stream(self._require_runtime().device)
-        return self._comm_stream
+        return self._streams.comm_stream(self._device)
 
     def get_physical_domain_size(self) -> tuple[int, int]:
         """``(RDMA ranks, NVLink ranks)``: ``(1, group size)`` here."""
@@ -379,6 +379,14 @@ class ElasticBuffer:
         num_qps = num_sms * 16 + 1 if self.allow_hybrid_mode else min(num_sms, 9)
         return min(num_qps, self.num_allocated_qps)
 
+    def _check_qps(self, num_qps: int) -> None:
+        """``ValueError`` for more queue pairs than allocated (0, the default, takes
+        :meth:`get_theoretical_num_qps`, which never asks for more)."""
+        if num_qps > self.num_allocated_qps:
+            raise ValueError(
+                f"num_qps: at most num_allocated_qps={self.num_allocated_qps}, got {num_qps}"
+            )
+
     def _push_sms(self, num_sms: int, num_tokens: int) -> int:
         """Programs of a push the caller left to us (``num_sms`` 0) for a decode batch: every
         SM, as the low-latency mode takes; at these sizes a push is bound by latency, not by
@@ -393,51 +401,38 @@ class ElasticBuffer:
         return self.runtime
 
     # ------------------------------------------------------------------------ streams
-    def _join_comm_stream(self) -> None:
-        if self._comm_stream is not None:
-            torch.cuda.current_stream(self._comm_stream.device).wait_stream(self._comm_stream)
-
-    @contextmanager
-    def _on_comm_stream(self, previous_event, inputs: tuple):
-        """Run the block on the communication stream after ``previous_event`` (else after the
-        current stream's work); yields the compute stream (None on CPU ranks)."""
-        runtime = self._require_runtime()
-        if runtime.device.type != "cuda":
-            yield None
-            return
-        compute = torch.cuda.current_stream(runtime.device)
-        comm = self._cuda_comm_stream()
-        event = _cuda_event(previous_event)
-        if event is not None:
-            comm.wait_event(event)
-        else:
-            comm.wait_stream(compute)
-        with torch.cuda.stream(comm):
-            yield compute
-        for t in inputs:
-            if isinstance(t, torch.Tensor):
-                t.record_stream(comm)
-
-    def _before_epilogue(self, event):
-        """The wait for ``previous_event_before_epilogue`` (on the communication stream)."""
-        event = _cuda_event(event)
-        if event is None or self._comm_stream is None:
-            return None
-        return lambda: self._comm_stream.wait_event(event)
+    def _run(self, previous_event, before_epilogue, on_comm: bool, inputs: tuple, fn):
+        """``fn(wait)`` on the current stream, or with ``on_comm`` on the communication stream
+        (:class:`~tritonep.buffer.CallStreams`), after ``previous_event``; ``wait`` is None, or
+        makes the stream the call runs on wait for ``before_epilogue`` (an event, or an
+        object holding one) when called. Returns ``(fn's result, the caller's stream when the
+        call ran on the communication stream, else None)``."""
+        device = self._device
+        if device < 0:
+            return fn(None), None
+        event = cuda_event(before_epilogue)
+        if not on_comm:
+            self._streams.on_current(device, previous_event)
+            wait = None
+            if event is not None:
+                wait = functools.partial(torch.cuda.current_stream(device).wait_event, event)
+            return fn(wait), None
+        comm = self._streams.comm_stream(device)
+        wait = None if event is None else functools.partial(comm.wait_event, event)
+        return self._streams.on_comm(device, previous_event, inputs, lambda: fn(wait))
 
     def _finish(self, compute, async_with_compute_stream: bool, outputs: tuple) -> EventOverlap:
-        """Hand the outputs to the compute stream: an event to wait on, or a wait now."""
-        if compute is None:
-            return EventOverlap(None)
-        tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
+        """Hand the outputs of a call on the communication stream to the caller's stream
+        ``compute``: an event to wait on, or a wait now."""
+        if not async_with_compute_stream:
+            return self._streams.finish(compute, False, outputs)
+        # (V2's event type: an EventHandle recorded on the communication stream.)
+        tensors = tuple(t for t in outputs if isinstance(t, torch.Tensor))
         for t in tensors:
             t.record_stream(compute)
-        if async_with_compute_stream:
-            with torch.cuda.stream(self._comm_stream):
-                event = EventHandle()
-            return EventOverlap(event, tuple(tensors))
-        compute.wait_stream(self._comm_stream)
-        return EventOverlap(None)
+        with torch.cuda.stream(self._streams.comm):
+            event = EventHandle()
+        return EventOverlap(event, tensors)
 
     # ----------------------------------------------------------------------- dispatch
     def dispatch(
@@ -482,13 +477,15 @@ class ElasticBuffer:
                 for a decode batch (at most ``DECODE_TOKENS`` tokens, 256). The copy
                 epilogue uses every SM.
             num_qps: accepted (no RDMA); at most ``num_allocated_qps``.
-            previous_event: an event (:meth:`capture`) the kernels wait for (default: the
-                current stream's work).
+            previous_event: an event (:meth:`capture`) the kernels wait for (instead of the
+                current stream's work on the communication stream; besides it on the current
+                stream).
             previous_event_before_epilogue: an event the copy epilogue also waits for.
-            async_with_compute_stream: return an event to wait on instead of making the current
-                stream wait.
-            allocate_on_comm_stream: accepted (outputs are allocated on the communication
-                stream and handed to the current one either way).
+            async_with_compute_stream: run on the communication stream and return an event to
+                wait on; otherwise (and without ``allocate_on_comm_stream``) the call runs on the
+                current stream, its outputs ready in that stream's order.
+            allocate_on_comm_stream: run on the communication stream, outputs allocated there
+                and handed to the current stream.
             handle: an :class:`EPHandle` of an earlier dispatch: the same routing again, only
                 ``x`` (and ``topk_weights``) moves, no host read.
             do_handle_copy: keep a copy of ``topk_idx`` in the handle (else the tensor itself).
@@ -569,12 +566,14 @@ class ElasticBuffer:
                 device=runtime.device,
             )
         push_sms = self._push_sms(num_sms, num_tokens)
-        num_sms = num_sms or self.get_theoretical_num_sms(num_experts, topk)
-        num_qps = num_qps or self.get_theoretical_num_qps(num_sms)
-        if num_qps > self.num_allocated_qps:
-            raise ValueError(
-                f"num_qps: at most num_allocated_qps={self.num_allocated_qps}, got {num_qps}"
-            )
+        if not num_sms:
+            sms = self._default_sms.get((num_experts, topk))
+            if sms is None:
+                sms = self._default_sms[num_experts, topk] = self.get_theoretical_num_sms(
+                    num_experts, topk
+                )
+            num_sms = sms
+        self._check_qps(num_qps)
         cached = None
         if handle is not None:
             cached = CachedLayout(
@@ -582,9 +581,9 @@ class ElasticBuffer:
                 handle.num_expanded_tokens,
                 handle.num_recv_tokens_per_expert_list,
             )
-        inputs = (payload, sf, topk_idx, topk_weights, stats)
-        with self._on_comm_stream(previous_event, inputs) as compute:
-            out = runtime.dispatch(
+
+        def run(before_epilogue):
+            return runtime.dispatch(
                 payload,
                 sf,
                 topk_idx,
@@ -600,8 +599,16 @@ class ElasticBuffer:
                 use_tma_aligned_col_major_sf,
                 stats,
                 do_handle_copy,
-                self._before_epilogue(previous_event_before_epilogue),
+                before_epilogue,
             )
+
+        out, compute = self._run(
+            previous_event,
+            previous_event_before_epilogue,
+            async_with_compute_stream or allocate_on_comm_stream,
+            (payload, sf, topk_idx, topk_weights, stats),
+            run,
+        )
         if handle is None:
             handle = EPHandle(
                 do_expand,
@@ -622,20 +629,22 @@ class ElasticBuffer:
                 None,
                 reduction_slot=out.reduction_slot,
             )
-        outputs = (
-            out.recv_x,
-            out.recv_sf,
-            out.recv_topk_idx,
-            out.recv_topk_weights,
-            out.recv_src_metadata,
-            out.reduction_slot,
-            out.topk_idx,
-            out.psum_num_recv_tokens_per_scaleup_rank,
-            out.psum_num_recv_tokens_per_expert,
-            out.num_unaligned_recv_tokens_per_expert,
-            out.dst_buffer_slot_idx,
-        )
-        event = self._finish(compute, async_with_compute_stream, outputs)
+        event = EventOverlap(None)  # (a new one: V2's callers may register hooks on it)
+        if compute is not None:
+            outputs = (
+                out.recv_x,
+                out.recv_sf,
+                out.recv_topk_idx,
+                out.recv_topk_weights,
+                out.recv_src_metadata,
+                out.reduction_slot,
+                out.topk_idx,
+                out.psum_num_recv_tokens_per_scaleup_rank,
+                out.psum_num_recv_tokens_per_expert,
+                out.num_unaligned_recv_tokens_per_expert,
+                out.dst_buffer_slot_idx,
+            )
+            event = self._finish(compute, async_with_compute_stream, outputs)
         recv_x = (out.recv_x, out.recv_sf) if sf is not None else out.recv_x
         return recv_x, out.recv_topk_idx, out.recv_topk_weights, handle, event
 
@@ -707,13 +716,10 @@ class ElasticBuffer:
             )
         push_sms = self._push_sms(num_sms, num_tokens)
         num_sms = num_sms or handle.num_sms
-        num_qps = num_qps or self.get_theoretical_num_qps(num_sms)
-        if num_qps > self.num_allocated_qps:
-            raise ValueError(
-                f"num_qps: at most num_allocated_qps={self.num_allocated_qps}, got {num_qps}"
-            )
-        with self._on_comm_stream(previous_event, (x, topk_weights, *terms)) as compute:
-            out, out_w = runtime.combine(
+        self._check_qps(num_qps)
+
+        def run(before_epilogue):
+            return runtime.combine(
                 x,
                 topk_weights,
                 terms,
@@ -726,9 +732,28 @@ class ElasticBuffer:
                 handle.do_expand,
                 self.allow_multiple_reduction,
                 push_sms or num_sms,
-                self._before_epilogue(previous_event_before_epilogue),
+                before_epilogue,
             )
-        event = self._finish(compute, async_with_compute_stream, (out, out_w))
+
+        inputs = (
+            x,
+            topk_weights,
+            *terms,
+            handle.recv_src_metadata,
+            reduction_slot,
+            handle.psum_num_recv_tokens_per_scaleup_rank,
+            handle.topk_idx,
+        )
+        (out, out_w), compute = self._run(
+            previous_event,
+            previous_event_before_epilogue,
+            async_with_compute_stream or allocate_on_comm_stream,
+            inputs,
+            run,
+        )
+        event = EventOverlap(None)  # (a new one: V2's callers may register hooks on it)
+        if compute is not None:
+            event = self._finish(compute, async_with_compute_stream, (out, out_w))
         return out, out_w, event
 
     # ------------------------------------------------------- experimental V2 features
@@ -799,13 +824,6 @@ def _made(t: torch.Tensor | None) -> torch.Tensor:
     """A handle tensor of a first (not cached) dispatch, which makes every one."""
     assert t is not None
     return t
-
-
-def _cuda_event(event) -> torch.cuda.Event | None:
-    """The CUDA event inside an :class:`EventHandle`, an :class:`EventOverlap` or an event."""
-    while event is not None and not isinstance(event, torch.cuda.Event):
-        event = getattr(event, "event", None)
-    return event
 
 
 def _check_x(payload: object, sf: object, device: torch.device) -> int:

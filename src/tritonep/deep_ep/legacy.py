@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ..buffer import Buffer as _Buffer
 from ..buffer import ranks_per_node
 from ..modes.normal import Config as _Config
-from ..modes.normal import NormalHandle
+from ..modes.normal import NormalHandle, NormalMode
 from .utils import EventOverlap
 
 __all__ = ["Buffer", "Config", "LegacyHandle"]
@@ -94,8 +94,17 @@ class LegacyHandle(NormalHandle):
       not sent.
     """
 
-    #: The rank that made the dispatch (set by :meth:`of`; not a dataclass field).
+    #: The rank that made the dispatch (set by :meth:`of`, or by :meth:`of_rank`'s class; not
+    #: a dataclass field).
     rank: int
+
+    @staticmethod
+    @functools.cache
+    def of_rank(rank: int) -> type[LegacyHandle]:
+        """The subclass whose handles belong to rank ``rank``: what a buffer's normal mode
+        makes its dispatches' handles of (``NormalMode.handle_type``), so that no handle is
+        copied into a :class:`LegacyHandle` per call."""
+        return type("LegacyHandle", (LegacyHandle,), {"rank": rank, "__module__": __name__})
 
     @classmethod
     def of(cls, handle: NormalHandle, rank: int) -> LegacyHandle:
@@ -169,11 +178,17 @@ class Buffer(_Buffer):
     ``get_low_latency_rdma_size_hint``, ``low_latency_update_mask_buffer``,
     ``low_latency_query_mask_buffer``, ``low_latency_clean_mask_buffer``, ``set_num_sms``,
     ``get_dispatch_config``, ``get_combine_config``, ``capture`` and ``destroy``, with
-    DeepEP's signatures.
+    DeepEP's signatures; and DeepEP's returns: within one node a dispatch's handle is a
+    :class:`LegacyHandle` (DeepEP's tuple), and with ``num_worst_tokens > 0`` its per-expert
+    counts are an empty list, as DeepEP returns them (they are on the device in the handle's
+    ``host_info[1:]``).
     """
 
     #: SM budget of normal-mode calls (DeepEP's default).
     num_sms: int = 20
+    #: A worst-case dispatch returns its per-expert counts as an empty list, as DeepEP does
+    #: (they are on the device in the handle's ``host_info[1:]``).
+    _empty_worst_counts = True
 
     def __init__(
         self,
@@ -200,49 +215,11 @@ class Buffer(_Buffer):
             enable_shrink=enable_shrink,
         )
 
-    def dispatch(
-        self,
-        x,
-        handle=None,
-        num_tokens_per_rank=None,
-        num_tokens_per_rdma_rank=None,
-        is_token_in_rank=None,
-        num_tokens_per_expert=None,
-        topk_idx=None,
-        topk_weights=None,
-        expert_alignment: int = 1,
-        num_worst_tokens: int = 0,
-        config: _Config | None = None,
-        previous_event: EventOverlap | None = None,
-        async_finish: bool = False,
-        allocate_on_comm_stream: bool = False,
-    ):
-        """:meth:`tritonep.Buffer.dispatch` with DeepEP's returns: within one node the
-        handle is a :class:`LegacyHandle` (DeepEP's tuple), and with ``num_worst_tokens > 0``
-        the per-expert counts are an empty list, as DeepEP returns them (the counts are in
-        the handle's ``host_info[1:]`` on the device)."""
-        recv_x, recv_idx, recv_weights, per_expert, out_handle, event = super().dispatch(
-            x,
-            handle,
-            num_tokens_per_rank,
-            num_tokens_per_rdma_rank,
-            is_token_in_rank,
-            num_tokens_per_expert,
-            topk_idx,
-            topk_weights,
-            expert_alignment,
-            num_worst_tokens,
-            config,
-            previous_event,
-            async_finish,
-            allocate_on_comm_stream,
-        )
-        # (A cached dispatch returns the caller's handle, a LegacyHandle already: kept as is.)
-        if isinstance(out_handle, NormalHandle) and not isinstance(out_handle, LegacyHandle):
-            out_handle = LegacyHandle.of(out_handle, self.rank)
-        if isinstance(per_expert, torch.Tensor):
-            per_expert = []
-        return recv_x, recv_idx, recv_weights, per_expert, out_handle, event
+    def _new_normal_mode(self, hidden: int, num_experts: int):
+        mode = super()._new_normal_mode(hidden, num_experts)
+        if isinstance(mode, NormalMode):
+            mode.handle_type = LegacyHandle.of_rank(self.rank)
+        return mode
 
     @staticmethod
     def is_sm90_compiled() -> bool:
@@ -250,11 +227,12 @@ class Buffer(_Buffer):
         return True
 
     def get_comm_stream(self):
-        """The ``torch.cuda.Stream`` normal-mode kernels run on (created here if no call has
-        created it yet, on the current device); None on CPU ranks."""
-        if self._comm_stream is None and torch.cuda.is_available():
-            self._comm_stream = torch.cuda.Stream(torch.cuda.current_device())
-        return self._comm_stream
+        """The ``torch.cuda.Stream`` normal-mode calls with ``async_finish`` or
+        ``allocate_on_comm_stream`` run on (created here if no call has created it yet, on the
+        current device); None on CPU ranks."""
+        if not torch.cuda.is_available():
+            return None
+        return self._streams.comm_stream(torch.cuda.current_device())
 
     def internode_dispatch(
         self,

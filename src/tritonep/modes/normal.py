@@ -718,6 +718,10 @@ class NormalMode:
             caller knows.
     """
 
+    #: The class of the handles dispatches return (a subclass's, such as DeepEP's tuple-like
+    #: handle, made here rather than copied from a NormalHandle on every dispatch).
+    handle_type: type[NormalHandle] = NormalHandle
+
     def __init__(
         self,
         group: dist.ProcessGroup | None = None,
@@ -1395,7 +1399,7 @@ class NormalMode:
                 key = _dispatch_key(payload, scales)
                 _keep_handle_call(self, handle, key, plan, call, _D_GIVEN)
             return NormalDispatchOutput(out_x, None, None, None, handle)
-        new_handle = NormalHandle(
+        new_handle = self.handle_type(
             handle.is_token_in_rank,
             handle.counts,
             recv_src_idx,
@@ -1655,7 +1659,7 @@ class NormalMode:
                 trace_ptr=None,
             )
             self._launch(route.dispatch, "dispatch", bundle)
-        handle = NormalHandle(
+        handle = self.handle_type(
             in_rank,
             counts,
             recv_src_idx,
