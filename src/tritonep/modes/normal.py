@@ -1687,6 +1687,8 @@ class NormalMode:
         while not view[0]:
             polls += 1
             if polls % 4096 == 0 and self._stream_idle() and not view[0]:
+                if self.status.recorded() == STATUS_TIMEOUT.value:
+                    self.raise_recorded()  # a wait that gave up names its peer and phase
                 raise RuntimeError(
                     f"rank {self._rank_names[self.rank]}: the notify launch ended without "
                     "writing the received count"
