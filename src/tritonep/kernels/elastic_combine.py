@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from .elastic_dispatch import load_choices
 from .elastic_exchange import (
@@ -33,6 +33,7 @@ from .elastic_exchange import (
     exchange_number,
     finish_exchange,
     send_tags,
+    wait_for_push,
     wait_tags,
 )
 from .fp8 import from_bf16, to_bf16
@@ -493,18 +494,9 @@ def elastic_combine_epilogue(
     PROFILE: tl.constexpr = False,  # record a trace (wait; reduce)
 ):
     EMULATE: tl.constexpr = not USE_CLOCK
-    # Trace: the wait phase is the wait for the push's grid (as in the copy epilogue), the
-    # reduce phase the rest.
-    t_start = tl.zeros((), tl.int64)
-    if PROFILE:
-        t_start = read_clock(trace_ptr, USE_CLOCK)
-    if PDL:
-        # Before any read: the push's grid (state, and the rows, which its last program saw
-        # every peer finish) is complete and its writes visible after this.
-        gdc_wait()
-    t_waited = t_start
-    if PROFILE:
-        t_waited = read_clock(trace_ptr, USE_CLOCK)
+    # The push's grid (state, and the rows, which its last program saw every peer finish)
+    # first; the reduce phase is the rest.
+    t_start, t_waited = wait_for_push(trace_ptr, PDL, PROFILE, USE_CLOCK)
     reduce_share(
         tl.load(state_ptr, volatile=True) - 1,
         tl.program_id(0),

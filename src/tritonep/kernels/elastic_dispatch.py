@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from .elastic_exchange import (
     arrive,
@@ -39,6 +39,7 @@ from .elastic_exchange import (
     finish_exchange,
     header_ptr,
     send_tags,
+    wait_for_push,
     wait_tags,
 )
 from .phases import ELASTIC_DISPATCH
@@ -1158,18 +1159,9 @@ def elastic_dispatch_epilogue(
     PROFILE: tl.constexpr = False,  # record a trace (wait; layout, rows, marks, padding)
     USE_CLOCK: tl.constexpr = False,  # traces read the GPU clock (not under the interpreter)
 ):
-    # Trace: the wait phase is the wait for the push's grid (started early under PDL, so it
-    # shows how long this launch sat ready); the copy phase its sub-phases after it.
-    t_start = tl.zeros((), tl.int64)
-    if PROFILE:
-        t_start = read_clock(trace_ptr, USE_CLOCK)
-    if PDL:
-        # Before any read: the push's grid (counts, state, and the records, which its last
-        # program saw every peer finish) is complete and its writes visible after this.
-        gdc_wait()
-    t_waited = t_start
-    if PROFILE:
-        t_waited = read_clock(trace_ptr, USE_CLOCK)
+    # The push's grid (counts, state, and the records, which its last program saw every peer
+    # finish) first; the copy phase is its sub-phases after it.
+    t_start, t_waited = wait_for_push(trace_ptr, PDL, PROFILE, USE_CLOCK)
     t_laid, t_copied, t_marked = copy_share(
         tl.load(state_ptr, volatile=True) - 1,
         tl.program_id(0),

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from .phases import ELASTIC_BARRIER
 from .profiled import kernel
 from .sync import first_lane, limit_ns, record_timeout, wait_all_at_least
+from .trace import read_clock
 
 # int64 words of the mode's state tensor.
 EXCHANGES = tl.constexpr(0)  # exchanges completed
@@ -112,6 +114,22 @@ def wait_tags(
         peer = first_lane(rmask & (values < targets), ranks)
         record_timeout(status_ptr, peer, PHASE, limit_ns(timeout_us, status_ptr))
     return ok
+
+
+@triton.jit
+def wait_for_push(trace_ptr, PDL: tl.constexpr, PROFILE: tl.constexpr, USE_CLOCK: tl.constexpr):
+    """An epilogue's start: under ``PDL`` wait for its push's grid (complete, its writes
+    visible) before any read. Returns the trace readings before and after the wait (the
+    wait phase: how long the launch, started early, sat ready)."""
+    t_start = tl.zeros((), tl.int64)
+    if PROFILE:
+        t_start = read_clock(trace_ptr, USE_CLOCK)
+    if PDL:
+        gdc_wait()
+    t_waited = t_start
+    if PROFILE:
+        t_waited = read_clock(trace_ptr, USE_CLOCK)
+    return t_start, t_waited
 
 
 @triton.jit

@@ -184,6 +184,11 @@ LAUNCH_CONSTANTS = (
 _launch_version = 0
 
 
+def _block_k(topk: int) -> int:
+    """The kernels' top-k block: ``topk`` as a power of two, at least 2."""
+    return max(2, 1 << (topk - 1).bit_length())
+
+
 def check_launch_constants(values: dict[str, int]) -> None:
     """Raise ``ValueError`` naming the first of ``values`` that is not a launch constant or not
     a power of two (rows, words and warps of a Triton launch; warps at most 32)."""
@@ -1342,7 +1347,7 @@ class NormalMode:
         options = DispatchOptions(
             config=handle.config,
             scale_words=scales.shape[1] if scales is not None else 0,
-            block_k=2 if topk <= 2 else 1 << (topk - 1).bit_length(),
+            block_k=_block_k(topk),
             has_topk=has_topk,
             has_weights=topk_weights is not None,
             has_tag=src_tag is not None,
@@ -1739,7 +1744,7 @@ class NormalMode:
         options = DispatchOptions(
             config=config,
             scale_words=scale_words,
-            block_k=2 if topk <= 2 else 1 << (topk - 1).bit_length(),
+            block_k=_block_k(topk),
             has_topk=True,
             has_weights=has_weights,
             has_tag=False,
@@ -2036,7 +2041,7 @@ class NormalMode:
             raise ValueError("relay: a combine that awaits rows needs the relay's limit")
         options = CombineOptions(
             config=config,
-            block_k=2 if K <= 2 else 1 << (K - 1).bit_length(),
+            block_k=_block_k(K),
             has_weights=topk_weights is not None,
             num_bias=len(terms),
             bounds=handle.bounds is not None,
@@ -2135,7 +2140,7 @@ class NormalMode:
         has_weights = key[1] > 0
         options = CombineOptions(
             config=config,
-            block_k=2 if K <= 2 else 1 << (K - 1).bit_length(),
+            block_k=_block_k(K),
             has_weights=has_weights,
             num_bias=num_bias,
             bounds=bounds,
