@@ -80,7 +80,7 @@ def _launches_left_out():
     if bundled is not None:
         bundled.__call__ = lambda self, *args: None
     if values is not None:
-        bundled.launch_values = lambda self, values, shared, aligned=None: True
+        bundled.launch_values = lambda self, values, shared, aligned=None, grid=None: True
     launcher.launch = lambda fn, grid, args, meta: None
     # An exact-size normal dispatch waits for the count its notify writes to host memory:
     # without the launch, it reads the count the last real one wrote (same inputs).

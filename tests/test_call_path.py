@@ -11,6 +11,9 @@ import torch
 
 from tests.test_low_latency import _expert_outputs, _verify_call
 from tritonep.kernels import (
+    elastic_combine,
+    elastic_dispatch,
+    elastic_exchange,
     launcher,
     layout,
     ll_combine,
@@ -24,6 +27,7 @@ from tritonep.testing import make_case
 
 LL_SHARED = ll_dispatch.LowLatencyShared
 NORMAL_SHARED = normal_dispatch.NormalShared
+ELASTIC_SHARED = elastic_exchange.ElasticShared
 KERNELS = {
     "ll-dispatch": (
         ll_dispatch.ll_dispatch_kernel,
@@ -60,6 +64,36 @@ KERNELS = {
         layout.LayoutCall,
         layout.LayoutShared,
         layout.LayoutVariant,
+    ),
+    "elastic-dispatch": (
+        elastic_dispatch.elastic_dispatch,
+        elastic_dispatch.DispatchCall,
+        ELASTIC_SHARED,
+        elastic_dispatch.DispatchVariant,
+    ),
+    "elastic-dispatch-epilogue": (
+        elastic_dispatch.elastic_dispatch_epilogue,
+        elastic_dispatch.EpilogueCall,
+        ELASTIC_SHARED,
+        elastic_dispatch.EpilogueVariant,
+    ),
+    "elastic-combine": (
+        elastic_combine.elastic_combine,
+        elastic_combine.CombineCall,
+        ELASTIC_SHARED,
+        elastic_combine.CombineVariant,
+    ),
+    "elastic-combine-epilogue": (
+        elastic_combine.elastic_combine_epilogue,
+        elastic_combine.ReduceCall,
+        ELASTIC_SHARED,
+        elastic_combine.ReduceVariant,
+    ),
+    "elastic-barrier": (
+        elastic_exchange.elastic_barrier,
+        elastic_exchange.BarrierCall,
+        ELASTIC_SHARED,
+        elastic_exchange.BarrierVariant,
     ),
 }
 

@@ -79,6 +79,36 @@ def _nvlink_gbs(device_index: int, factor: float = 0.9) -> float:
     return 18 * 26.5625 * factor
 
 
+_no_torch_function = torch._C.DisableTorchFunction
+_Tensor = torch.Tensor
+
+
+def _plain_torch(method):
+    """``method`` with torch function modes off: ``torch.set_default_device`` sets one, which
+    would see every tensor access of the call (the calls pass devices and dtypes)."""
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        with _no_torch_function():
+            return method(*args, **kwargs)
+
+    return call
+
+
+def _check(name: str, t: object, dtype: torch.dtype, shape: tuple, device: torch.device):
+    """:func:`check_tensor` with every size given, plain comparisons first (every call
+    checks its tensors)."""
+    if (
+        type(t) is _Tensor
+        and t.dtype is dtype
+        and t.shape == shape
+        and t.get_device() == (device.index if device.type == "cuda" else -1)
+        and t.is_contiguous()
+    ):
+        return t
+    return check_tensor(name, t, dtype=dtype, shape=shape, device=device)
+
+
 class EPHandle:
     """What a dispatch leaves for combine and for cached dispatches (DeepEP V2's ``EPHandle``).
 
@@ -435,6 +465,7 @@ class ElasticBuffer:
         return EventOverlap(event, tensors)
 
     # ----------------------------------------------------------------------- dispatch
+    @_plain_torch
     def dispatch(
         self,
         x,
@@ -533,9 +564,21 @@ class ElasticBuffer:
         if num_experts is None:
             raise ValueError("num_experts: required without a handle")
         e_local = check_num_experts(num_experts, self.num_ranks)
-        topk_idx = check_tensor(
-            "topk_idx", topk_idx, dtype=torch.int64, shape=(num_tokens, None), device=runtime.device
-        )
+        if not (
+            type(topk_idx) is _Tensor
+            and topk_idx.dtype is torch.int64
+            and topk_idx.dim() == 2
+            and topk_idx.shape[0] == num_tokens
+            and topk_idx.get_device() == self._device
+            and topk_idx.is_contiguous()
+        ):
+            topk_idx = check_tensor(
+                "topk_idx",
+                topk_idx,
+                dtype=torch.int64,
+                shape=(num_tokens, None),
+                device=runtime.device,
+            )
         topk = topk_idx.shape[1]
         if not 1 <= topk <= MAX_TOPK:
             raise ValueError(f"topk_idx: top-k must lie in [1, {MAX_TOPK}], got {topk}")
@@ -549,22 +592,11 @@ class ElasticBuffer:
         if do_zero_padding and not do_expand:
             raise ValueError("do_zero_padding: only with do_expand=True")
         if topk_weights is not None:
-            check_tensor(
-                "topk_weights",
-                topk_weights,
-                dtype=torch.float32,
-                shape=(num_tokens, topk),
-                device=runtime.device,
-            )
+            _check("topk_weights", topk_weights, torch.float32, (num_tokens, topk), runtime.device)
         stats = cumulative_local_expert_recv_stats
         if stats is not None:
-            check_tensor(
-                "cumulative_local_expert_recv_stats",
-                stats,
-                dtype=torch.int32,
-                shape=(e_local,),
-                device=runtime.device,
-            )
+            name = "cumulative_local_expert_recv_stats"
+            _check(name, stats, torch.int32, (e_local,), runtime.device)
         push_sms = self._push_sms(num_sms, num_tokens)
         if not num_sms:
             sms = self._default_sms.get((num_experts, topk))
@@ -649,6 +681,7 @@ class ElasticBuffer:
         return recv_x, out.recv_topk_idx, out.recv_topk_weights, handle, event
 
     # ------------------------------------------------------------------------ combine
+    @_plain_torch
     def combine(
         self,
         x: torch.Tensor,
@@ -692,12 +725,18 @@ class ElasticBuffer:
         device = runtime.device
         rows = handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens
         num_tokens, topk = handle.topk_idx.shape
-        check_tensor("x", x, dtype=torch.bfloat16, shape=(rows, None), device=device)
+        if not (
+            type(x) is _Tensor
+            and x.dtype is torch.bfloat16
+            and x.dim() == 2
+            and x.shape[0] == rows
+            and x.get_device() == self._device
+            and x.is_contiguous()
+        ):
+            check_tensor("x", x, dtype=torch.bfloat16, shape=(rows, None), device=device)
         if topk_weights is not None:
             shape = (rows,) if handle.do_expand else (rows, topk)
-            check_tensor(
-                "topk_weights", topk_weights, dtype=torch.float32, shape=shape, device=device
-            )
+            _check("topk_weights", topk_weights, torch.float32, shape, device)
             if handle.do_expand and not self.allow_multiple_reduction:
                 raise ValueError(
                     "topk_weights: an expanded combine takes weights only with "
@@ -828,9 +867,20 @@ def _made(t: torch.Tensor | None) -> torch.Tensor:
 
 def _check_x(payload: object, sf: object, device: torch.device) -> int:
     """Check a dispatch's ``x``; returns its token count."""
-    payload = check_tensor(
-        "x", payload, dtype=(torch.bfloat16, torch.float8_e4m3fn), shape=(None, None), device=device
-    )
+    if not (
+        type(payload) is _Tensor
+        and payload.dtype is torch.bfloat16
+        and payload.dim() == 2
+        and payload.get_device() == (device.index if device.type == "cuda" else -1)
+        and payload.is_contiguous()
+    ):
+        payload = check_tensor(
+            "x",
+            payload,
+            dtype=(torch.bfloat16, torch.float8_e4m3fn),
+            shape=(None, None),
+            device=device,
+        )
     num_tokens, hidden = payload.shape
     if hidden < 1 or hidden * payload.element_size() % 16:
         raise ValueError(

@@ -23,6 +23,8 @@ Weight ``k`` comes from the row of the rank that holds expert ``k``.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
@@ -41,6 +43,72 @@ from .phases import ELASTIC_COMBINE
 from .profiled import kernel
 from .sync import lane
 from .trace import read_clock, write_trace
+
+
+class CombineCall(NamedTuple):
+    """The leading runtime arguments of :func:`elastic_combine`, in its order: what changes
+    from call to call; :class:`~.elastic_exchange.ElasticShared` follows."""
+
+    x_ptr: object
+    weights_ptr: object
+    meta_ptr: object
+    slots_ptr: object
+    psum_rank_ptr: object
+    max_tokens: int
+    has_weights: int
+    trace_ptr: object
+
+
+class CombineVariant(NamedTuple):
+    """One compiled variant of :func:`elastic_combine`: its constexprs, in its order."""
+
+    H: int
+    K: int
+    BLOCK_K: int
+    NUM_RANKS: int
+    BLOCK_RANKS: int
+    COMBINE_RECORD_BYTES: int
+    HEADER_WORDS: int
+    BLOCK_ROWS: int
+    BLOCK_CHANNELS: int
+    EXPAND: bool
+    MULTI: bool
+    USE_CLOCK: bool
+    PDL: bool
+    PROFILE: bool
+
+
+class ReduceCall(NamedTuple):
+    """The leading runtime arguments of :func:`elastic_combine_epilogue`, in its order."""
+
+    topk_ptr: object
+    bias0_ptr: object
+    bias1_ptr: object
+    out_ptr: object
+    out_weights_ptr: object
+    num_tokens: int
+    max_tokens: int
+    num_bias: int
+    has_weights: int
+    trace_ptr: object
+
+
+class ReduceVariant(NamedTuple):
+    """One compiled variant of :func:`elastic_combine_epilogue`: its constexprs, in its order."""
+
+    H: int
+    K: int
+    BLOCK_K: int
+    NUM_EXPERTS: int
+    E_LOCAL: int
+    SLOTS: int
+    RANK_SLOTS: bool
+    COMBINE_RECORD_BYTES: int
+    BLOCK_TOKENS: int
+    BLOCK_CHANNELS: int
+    USE_CLOCK: bool
+    PDL: bool
+    PROFILE: bool
 
 
 @triton.jit
@@ -272,24 +340,30 @@ def combine_push(
     return t_rows, t_push_end, t_arrive, t_tag, t_wait
 
 
-@kernel("tritonep::elastic::combine_impl", do_not_specialize=["timeout_us", "has_weights"])
+@kernel(
+    "tritonep::elastic::combine_impl",
+    do_not_specialize=["max_tokens", "has_weights", "timeout_us"],
+)
 def elastic_combine(
+    # CombineCall: what changes from call to call
     x_ptr,  # [rows, H] bf16: one row per received token, or per expanded slot (EXPAND)
     weights_ptr,  # [rows, K] (plain) or [rows] (EXPAND) float32 (has_weights)
     meta_ptr,  # [tokens, K + 2] int32 recv_src_metadata of the dispatch
     slots_ptr,  # [tokens] int32 each received token's reduction slot
     psum_rank_ptr,  # [R] int32 rows received per source, inclusive (the last: all)
+    max_tokens,  # slots per source rank in a region (num_max_tokens_per_rank)
+    has_weights,  # 1: top-k weights go back with the rows (run-time: no variant of its own)
+    trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE; kernels.trace), else unused
+    # ElasticShared (elastic_exchange): the mode's, the same on every call
     peer_ptrs,  # [R] int64 heap base of every rank
     rank,  # this rank
     header_offset,  # byte offset of the headers [2][R][HEADER_WORDS] int32
+    barrier_offset,  # (unused)
     region_offset,  # byte offset of region 0 (region 1 follows at + region_bytes)
     region_bytes,  # bytes of a region
-    max_tokens,  # slots per source rank in a region (num_max_tokens_per_rank)
     state_ptr,  # [8] int64 mode state (elastic_exchange)
     status_ptr,  # [STATUS_WORDS] int32 status record (kernels.status)
     timeout_us,  # limit of a wait in microseconds (sync.timeout_us)
-    has_weights,  # 1: top-k weights go back with the rows (run-time: no variant of its own)
-    trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE; kernels.trace), else unused
     H: tl.constexpr,  # hidden size: channels of a row
     K: tl.constexpr,  # top-k: choices per token
     BLOCK_K: tl.constexpr,  # K as a power of two (at least 2)
@@ -461,24 +535,30 @@ def reduce_share(
 
 @kernel(
     "tritonep::elastic::combine_reduce_epilogue_impl",
-    do_not_specialize=["num_bias", "has_weights"],
+    do_not_specialize=["num_tokens", "max_tokens", "num_bias", "has_weights", "timeout_us"],
 )
 def elastic_combine_epilogue(
+    # ReduceCall: what changes from call to call
     topk_ptr,  # [N, K] int64 the dispatch's ids (this rank's tokens)
     bias0_ptr,  # [N, H] bf16 (num_bias >= 1)
     bias1_ptr,  # [N, H] bf16 (num_bias == 2)
     out_ptr,  # [N, H] bf16
     out_weights_ptr,  # [N, K] float32 (has_weights)
     num_tokens,  # N: this rank's tokens
-    peer_ptrs,  # [R] int64 heap base of every rank
-    rank,  # this rank
-    region_offset,  # byte offset of region 0 (region 1 follows at + region_bytes)
-    region_bytes,  # bytes of a region
     max_tokens,  # slots per source rank in a region (num_max_tokens_per_rank)
-    state_ptr,  # [8] int64 mode state (elastic_exchange)
     num_bias,  # bias tensors, 0 to 2 (run-time, as has_weights)
     has_weights,  # 1: weights come back too (run-time: no variant of its own)
     trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE; kernels.trace), else unused
+    # ElasticShared (elastic_exchange): the mode's, the same on every call
+    peer_ptrs,  # [R] int64 heap base of every rank
+    rank,  # this rank
+    header_offset,  # (unused)
+    barrier_offset,  # (unused)
+    region_offset,  # byte offset of region 0 (region 1 follows at + region_bytes)
+    region_bytes,  # bytes of a region
+    state_ptr,  # [8] int64 mode state (elastic_exchange)
+    status_ptr,  # (unused)
+    timeout_us,  # (unused)
     H: tl.constexpr,  # hidden size: channels of a row
     K: tl.constexpr,  # top-k: choices per token
     BLOCK_K: tl.constexpr,  # K as a power of two (at least 2)

@@ -29,6 +29,8 @@ local memory on every SM.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
@@ -63,6 +65,103 @@ FLAG_COPY_IDS = tl.constexpr(4)  # the push copies the ids for the handle
 FLAG_SLOTS = tl.constexpr(8)  # the push writes each choice's destination slot
 FLAG_ZERO_PAD = tl.constexpr(16)  # the epilogue zeroes the expanded layout's padding rows
 FLAG_META = tl.constexpr(32)  # the epilogue writes the handle (metadata, prefix sums)
+
+
+class DispatchCall(NamedTuple):
+    """The leading runtime arguments of :func:`elastic_dispatch`, in its order: what changes
+    from call to call (tensors, or their addresses); :class:`~.elastic_exchange.ElasticShared`
+    follows."""
+
+    x_ptr: object
+    sf_ptr: object
+    sf_token_stride: int
+    sf_group_stride: int
+    topk_ptr: object
+    weights_ptr: object
+    num_tokens: int
+    max_tokens: int
+    totals_ptr: object
+    recv_counts_ptr: object
+    stats_ptr: object
+    ids_copy_ptr: object
+    slots_ptr: object
+    flags: int
+    trace_ptr: object
+
+
+class DispatchVariant(NamedTuple):
+    """One compiled variant of :func:`elastic_dispatch`: its constexprs, in its order."""
+
+    K: int
+    BLOCK_K: int
+    NUM_EXPERTS: int
+    BLOCK_EXPERTS: int
+    E_LOCAL: int
+    BLOCK_COUNTS: int
+    NUM_RANKS: int
+    BLOCK_RANKS: int
+    ROW_WORDS: int
+    BLOCK_WORDS: int
+    G: int
+    BLOCK_GROUPS: int
+    RECORD_BYTES: int
+    PAYLOAD_BYTES: int
+    SCALE_BYTES: int
+    HEADER_WORDS: int
+    BLOCK_TOKENS: int
+    SCAN_BLOCK_TOKENS: int
+    HAS_SF: bool
+    USE_CLOCK: bool
+    PDL: bool
+    PROFILE: bool
+
+
+class EpilogueCall(NamedTuple):
+    """The leading runtime arguments of :func:`elastic_dispatch_epilogue`, in its order."""
+
+    recv_counts_ptr: object
+    max_tokens: int
+    alignment: int
+    num_rows: int
+    num_out_rows: int
+    out_words_ptr: object
+    out_sf_ptr: object
+    out_sf_token_stride: int
+    out_sf_group_stride: int
+    out_ids_ptr: object
+    out_weights_ptr: object
+    out_meta_ptr: object
+    out_slots_ptr: object
+    psum_rank_ptr: object
+    psum_expert_ptr: object
+    unaligned_ptr: object
+    flags: int
+    trace_ptr: object
+
+
+class EpilogueVariant(NamedTuple):
+    """One compiled variant of :func:`elastic_dispatch_epilogue`: its constexprs, in its order."""
+
+    K: int
+    BLOCK_K: int
+    NUM_RANKS: int
+    BLOCK_RANKS: int
+    E_LOCAL: int
+    BLOCK_LOCAL_EXPERTS: int
+    ROW_WORDS: int
+    BLOCK_WORDS: int
+    G: int
+    BLOCK_GROUPS: int
+    RECORD_BYTES: int
+    PAYLOAD_BYTES: int
+    SCALE_BYTES: int
+    BLOCK_ROWS: int
+    BLOCK_FILL: int
+    EXPAND: bool
+    HAS_SF: bool
+    PDL: bool
+    PROFILE: bool
+    USE_CLOCK: bool
 
 
 @triton.jit
@@ -488,8 +587,19 @@ def dispatch_push(
     return t_push_end, t_arrive, t_scan, t_stores, t_headers, t_wait
 
 
-@kernel("tritonep::elastic::dispatch_impl", do_not_specialize=["timeout_us", "flags"])
+@kernel(
+    "tritonep::elastic::dispatch_impl",
+    do_not_specialize=[
+        "sf_token_stride",
+        "sf_group_stride",
+        "num_tokens",
+        "max_tokens",
+        "flags",
+        "timeout_us",
+    ],
+)
 def elastic_dispatch(
+    # DispatchCall: what changes from call to call
     x_ptr,  # [N, ROW_WORDS] int32 words of the rows (BF16 or e4m3 bytes)
     sf_ptr,  # [N, G] 4-byte scale packs, viewed as int32, any strides (HAS_SF)
     sf_token_stride,  # strides of sf_ptr, in packs
@@ -498,21 +608,23 @@ def elastic_dispatch(
     weights_ptr,  # [N, K] float32 (FLAG_WEIGHTS)
     num_tokens,  # N: this rank's tokens
     max_tokens,  # slots per source rank in a region (num_max_tokens_per_rank)
-    peer_ptrs,  # [R] int64 heap base of every rank
-    rank,  # this rank
-    header_offset,  # byte offset of the headers [2][R][HEADER_WORDS] int32
-    region_offset,  # byte offset of region 0 (region 1 follows at + region_bytes)
-    region_bytes,  # bytes of a region
-    state_ptr,  # [8] int64 mode state (elastic_exchange)
     totals_ptr,  # [R + E] int32 scratch: the last token range's counts, for the headers
     recv_counts_ptr,  # [R, 1 + E_LOCAL] int32 out: what each source sent here
     stats_ptr,  # [E_LOCAL] int32, choices received added in (FLAG_STATS)
     ids_copy_ptr,  # [N, K] int64 out: a copy of the ids (FLAG_COPY_IDS)
     slots_ptr,  # [N, K] int32 out: each choice's slot on its destination (FLAG_SLOTS)
-    status_ptr,  # [STATUS_WORDS] int32 status record (kernels.status)
-    timeout_us,  # limit of a wait in microseconds (sync.timeout_us)
     flags,  # FLAG_WEIGHTS | FLAG_STATS | FLAG_COPY_IDS | FLAG_SLOTS
     trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE; kernels.trace), else unused
+    # ElasticShared (elastic_exchange): the mode's, the same on every call
+    peer_ptrs,  # [R] int64 heap base of every rank
+    rank,  # this rank
+    header_offset,  # byte offset of the headers [2][R][HEADER_WORDS] int32
+    barrier_offset,  # (unused)
+    region_offset,  # byte offset of region 0 (region 1 follows at + region_bytes)
+    region_bytes,  # bytes of a region
+    state_ptr,  # [8] int64 mode state (elastic_exchange)
+    status_ptr,  # [STATUS_WORDS] int32 status record (kernels.status)
+    timeout_us,  # limit of a wait in microseconds (sync.timeout_us)
     K: tl.constexpr,  # top-k: choices per token
     BLOCK_K: tl.constexpr,  # K as a power of two (at least 2)
     NUM_EXPERTS: tl.constexpr,  # experts in all
@@ -1113,31 +1225,49 @@ def copy_share(
     return t_laid, t_copied, t_marked
 
 
-@kernel("tritonep::elastic::dispatch_copy_epilogue_impl", do_not_specialize=["flags"])
+@kernel(
+    "tritonep::elastic::dispatch_copy_epilogue_impl",
+    do_not_specialize=[
+        "max_tokens",
+        "alignment",
+        "num_rows",
+        "num_out_rows",
+        "out_sf_token_stride",
+        "out_sf_group_stride",
+        "flags",
+        "timeout_us",
+    ],
+)
 def elastic_dispatch_epilogue(
+    # EpilogueCall: what changes from call to call
     recv_counts_ptr,  # [R, 1 + E_LOCAL] int32 from elastic_dispatch
-    state_ptr,  # [8] int64 mode state (the exchange is closed: its number is EXCHANGES - 1)
-    peer_ptrs,  # [R] int64 heap base of every rank
-    rank,  # this rank
-    region_offset,  # byte offset of region 0 (region 1 follows at + region_bytes)
-    region_bytes,  # bytes of a region
     max_tokens,  # slots per source rank in a region (num_max_tokens_per_rank)
     alignment,  # expert_alignment
     num_rows,  # rows of recv_src_metadata (and of the plain outputs)
     num_out_rows,  # rows of recv_x (expanded: more than num_rows)
-    out_words,  # [rows, ROW_WORDS] int32 words of recv_x
-    out_sf,  # [rows, G] int32 view of the scale packs (HAS_SF), strides below
-    out_sf_token_stride,  # strides of out_sf, in packs
+    out_words_ptr,  # [rows, ROW_WORDS] int32 words of recv_x
+    out_sf_ptr,  # [rows, G] int32 view of the scale packs (HAS_SF), strides below
+    out_sf_token_stride,  # strides of out_sf_ptr, in packs
     out_sf_group_stride,
-    out_ids,  # [rows, K] int64 local expert ids (plain)
-    out_weights,  # [rows, K] (plain) or [rows] (EXPAND) float32 (FLAG_WEIGHTS)
-    out_meta,  # [tokens, K + 2] int32 recv_src_metadata (FLAG_META)
-    out_slots,  # [tokens] int32 reduction slot of each received token (FLAG_META)
+    out_ids_ptr,  # [rows, K] int64 local expert ids (plain)
+    out_weights_ptr,  # [rows, K] (plain) or [rows] (EXPAND) float32 (FLAG_WEIGHTS)
+    out_meta_ptr,  # [tokens, K + 2] int32 recv_src_metadata (FLAG_META)
+    out_slots_ptr,  # [tokens] int32 reduction slot of each received token (FLAG_META)
     psum_rank_ptr,  # [R] int32 out (FLAG_META)
     psum_expert_ptr,  # [E_LOCAL] int32 out (FLAG_META)
     unaligned_ptr,  # [E_LOCAL] int32 out (FLAG_META)
     flags,  # FLAG_WEIGHTS | FLAG_ZERO_PAD | FLAG_META
     trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE; kernels.trace), else unused
+    # ElasticShared (elastic_exchange): the mode's, the same on every call
+    peer_ptrs,  # [R] int64 heap base of every rank
+    rank,  # this rank
+    header_offset,  # (unused)
+    barrier_offset,  # (unused)
+    region_offset,  # byte offset of region 0 (region 1 follows at + region_bytes)
+    region_bytes,  # bytes of a region
+    state_ptr,  # [8] int64 mode state (the exchange is closed: its number is EXCHANGES - 1)
+    status_ptr,  # (unused)
+    timeout_us,  # (unused)
     K: tl.constexpr,  # top-k: choices per token
     BLOCK_K: tl.constexpr,  # K as a power of two (at least 2)
     NUM_RANKS: tl.constexpr,  # R: ranks of the group
@@ -1176,14 +1306,14 @@ def elastic_dispatch_epilogue(
         alignment,
         num_rows,
         num_out_rows,
-        out_words,
-        out_sf,
+        out_words_ptr,
+        out_sf_ptr,
         out_sf_token_stride,
         out_sf_group_stride,
-        out_ids,
-        out_weights,
-        out_meta,
-        out_slots,
+        out_ids_ptr,
+        out_weights_ptr,
+        out_meta_ptr,
+        out_slots_ptr,
         psum_rank_ptr,
         psum_expert_ptr,
         unaligned_ptr,

@@ -24,6 +24,8 @@ exchange ends anyway, so later launches do not wait again (:mod:`tritonep.kernel
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
@@ -32,6 +34,34 @@ from .phases import ELASTIC_BARRIER
 from .profiled import kernel
 from .sync import first_lane, limit_ns, record_timeout, wait_all_at_least
 from .trace import read_clock
+
+
+class ElasticShared(NamedTuple):
+    """The trailing runtime arguments of every elastic kernel, in their order: what stays the
+    same from call to call of one mode (a kernel ignores those it does not need)."""
+
+    peer_ptrs: object  # [R] int64 heap base of every rank
+    rank: int  # this rank
+    header_offset: int  # byte offset of the headers [2][R][HEADER_WORDS] int32
+    barrier_offset: int  # byte offset of the [R] int32 barrier flags
+    region_offset: int  # byte offset of region 0 (region 1 follows at + region_bytes)
+    region_bytes: int  # bytes of a region
+    state_ptr: object  # [8] int64 mode state
+    status_ptr: object  # [STATUS_WORDS] int32 status record (kernels.status)
+    timeout_us: int  # limit of a wait in microseconds (sync.timeout_us)
+
+
+class BarrierCall(NamedTuple):
+    """The leading runtime arguments of :func:`elastic_barrier`: none."""
+
+
+class BarrierVariant(NamedTuple):
+    """One compiled variant of :func:`elastic_barrier`: its constexprs, in order."""
+
+    NUM_RANKS: int
+    BLOCK_RANKS: int
+    USE_CLOCK: bool
+
 
 # int64 words of the mode's state tensor.
 EXCHANGES = tl.constexpr(0)  # exchanges completed
@@ -142,9 +172,12 @@ def finish_exchange(state_ptr, call):
 
 @kernel("tritonep::elastic::barrier", do_not_specialize=["timeout_us"])
 def elastic_barrier(
-    peer_ptrs,  # [R] int64 heap base of every rank
+    peer_ptrs,  # ElasticShared: [R] int64 heap base of every rank
     rank,  # this rank
+    header_offset,  # (unused)
     barrier_offset,  # byte offset of the [R] int32 barrier flags
+    region_offset,  # (unused)
+    region_bytes,  # (unused)
     state_ptr,  # [8] int64 mode state
     status_ptr,  # [STATUS_WORDS] int32
     timeout_us,  # limit of the wait, in microseconds (sync.timeout_us)

@@ -28,11 +28,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import triton
 
 from ..heap import allocate, default_device
-from ..kernels import elastic_combine, elastic_dispatch, elastic_exchange, launcher, phases
+from ..kernels import elastic_combine as ec
+from ..kernels import elastic_dispatch, elastic_exchange, phases
 from ..kernels import elastic_dispatch as ed
+from ..kernels.elastic_exchange import BarrierCall, BarrierVariant, ElasticShared
+from ..kernels.launcher import KernelLaunch, Shared
 from ..kernels.sync import (
     DEFAULT_TIMEOUT_S,
     STATUS_WORDS,
@@ -54,6 +56,20 @@ HEADER_WORDS = (2 + MAX_LOCAL_EXPERTS + 3) // 4 * 4
 MAX_TOPK = 32
 #: Scale-factor packs per row are aligned to this in the TMA-aligned column-major layout.
 TMA_SF_ALIGN = 4
+#: Fields of the dispatch kernels' calls that the kernels read as int32 words (rows of any
+#: dtype, 4-byte scale packs): Triton's path gets them viewed so, a launch from addresses
+#: takes them as they are.
+_PUSH_WORDS = ("x_ptr", "sf_ptr")
+_COPY_WORDS = ("out_words_ptr", "out_sf_ptr")
+_no_torch_function = torch._C.DisableTorchFunction
+
+
+def _pow2(n: int) -> int:
+    """The least power of two at least ``n`` (1 for ``n <= 1``): ``triton.next_power_of_2``,
+    which is a constexpr function and costs microseconds per call on the host."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 #: Calls of at most this many tokens on a rank are decode batches: the DeepEP V2 layer runs
 #: their pushes on every SM unless the caller sets ``num_sms`` (at these sizes a push is
 #: bound by latency, not bandwidth, and few programs would each walk many rows in turn).
@@ -236,8 +252,14 @@ class ElasticMode:
         self.timeout_s = timeout_s
         self.state = torch.zeros(8, dtype=torch.int64, device=self.device)
         self.status = new_status(self.device)
-        self._totals: dict[int, torch.Tensor] = {}
-        self._metas: dict[tuple, dict] = {}
+        self._totals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._f32 = torch.zeros(4, dtype=torch.float32, device=self.device)  # unused pointers
+        #: Per call shape: the launches, their programs, the checks done (each plan keeps the
+        #: TUNING it was made with; a probe that swaps TUNING gets new plans).
+        self._dispatch_plans: dict[tuple, tuple] = {}
+        self._epilogue_plans: dict[tuple, tuple] = {}
+        self._combine_plans: dict[tuple, tuple] = {}
+        self._barrier: KernelLaunch | None = None
         on_gpu = self.device.type == "cuda"
         self.num_device_sms = (
             torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else 4
@@ -251,6 +273,7 @@ class ElasticMode:
         #: :meth:`TraceRecorder.dump` writes them. Each launch then gets a readings buffer of
         #: its own and is compiled with ``PROFILE``; without, the kernels read no clock.
         self.trace = TraceRecorder.of(profile, self.rank, self.device, on_gpu)
+        self._share()
 
     @property
     def timeout_s(self) -> float:
@@ -261,32 +284,61 @@ class ElasticMode:
     def timeout_s(self, value: float) -> None:
         self._timeout_us = timeout_us(value)
         self._timeout_s = value
+        if hasattr(self, "_shared"):
+            self._share()
 
     # ---------------------------------------------------------------------------- helpers
+    def _share(self) -> None:
+        """The kernels' trailing arguments (:class:`ElasticShared`), again after a change."""
+        layout = self.layout
+        self._shared = Shared.of(
+            ElasticShared(
+                peer_ptrs=self.heap.peer_ptrs,
+                rank=self.rank,
+                header_offset=layout.header,
+                barrier_offset=layout.barrier,
+                region_offset=layout.region,
+                region_bytes=layout.region_bytes,
+                state_ptr=self.state,
+                status_ptr=self.status,
+                timeout_us=self._timeout_us,
+            )
+        )
+
+    def _kernel_launch(self, kernel, call_type, variant, options: dict) -> KernelLaunch:
+        """One variant of ``kernel`` (``variant``: its constexprs; ``options``: warps and
+        launch options), launched from ``call_type`` bundles."""
+        if variant.PROFILE is False and self.trace is not None:
+            variant = variant._replace(PROFILE=True)
+        meta = {**variant._asdict(), **options}
+        pointers = tuple(i for i, name in enumerate(call_type._fields) if name.endswith("_ptr"))
+        return KernelLaunch(kernel, (1,), meta, call_type._fields, pointers)
+
     def _launch(
-        self, kernel, num_programs: int, args: tuple, key: tuple, build_meta, traced: str = ""
+        self, launch: KernelLaunch, programs: int, call: tuple, name: str, words: tuple = ()
     ) -> None:
-        """Launch ``kernel`` on ``num_programs`` programs; ``traced``: the kernel's name in
-        traces (the elastic kernels take a readings buffer last, unused when untraced)."""
-        programs = max(1, num_programs)
-        trace = self.trace if traced else None
-        profile = trace is not None
-        meta = self._metas.get((kernel, key, profile))
-        if meta is None:
-            meta = build_meta()
-            if profile:
-                meta.update(PROFILE=True, USE_CLOCK=use_clock(self.device))
-            self._metas[(kernel, key, profile)] = meta
-        if traced:
-            readings = trace.buffer(traced, programs, True, True) if trace else self.state
-            args = (*args, readings)
-        launcher.launch(kernel, (programs,), args, meta)
+        """Launch ``call`` (a call bundle of tensors and ints) on ``programs`` programs: from
+        its addresses when the variant is compiled (:meth:`KernelLaunch.launch_values`), else
+        through Triton, with the fields named in ``words`` viewed as int32. Traced (``name``
+        in the trace), the call gets a readings buffer of its own."""
+        grid = (programs,)
+        if self.trace is not None:
+            readings = self.trace.buffer(name, programs, True, True)
+            call = call._replace(trace_ptr=readings)
+        else:
+            values = list(call)
+            for i in launch.pointers:
+                values[i] = values[i].data_ptr()
+            if launch.launch_values(values, self._shared, None, grid):
+                return
+        views = {f: getattr(call, f).view(torch.int32) for f in words}
+        launch(call._replace(**views), self._shared, grid)
 
     def _dependent(self) -> dict:
         """An epilogue's launch options: a programmatic dependent launch on sm_90 and later
         (the kernel waits for its push first), else none (the interpreter takes no
         ``launch_pdl``)."""
-        return dict(PDL=True, launch_pdl=True) if self._pdl else {}
+        return dict(launch_pdl=True) if self._pdl else {}
 
     def _programs(self, wanted: int, work: int, block: int) -> int:
         """Programs of a launch: ``wanted`` (an SM budget), no more than blocks of work, fewer
@@ -300,7 +352,7 @@ class ElasticMode:
         budget idle; decode batches then spread over every SM (one variant per power of two)."""
         if self.device.type != "cuda":
             return most
-        return max(1, min(most, triton.next_power_of_2(max(1, -(-work // max(1, programs))))))
+        return max(1, min(most, _pow2(-(-work // max(1, programs)))))
 
     def check(self) -> None:
         """Wait for the device and raise :class:`~tritonep.errors.WaitTimeoutError` if a wait
@@ -310,25 +362,17 @@ class ElasticMode:
 
     def barrier(self) -> None:
         """Every rank's barrier kernel waits for every other's (on the current stream)."""
-        R = self.num_ranks
-        self._launch(
-            elastic_exchange.elastic_barrier,
-            1,
-            (
-                self.heap.peer_ptrs,
-                self.rank,
-                self.layout.barrier,
-                self.state,
-                self.status,
-                self._timeout_us,
-            ),
-            ("barrier",),
-            lambda: dict(
-                NUM_RANKS=R,
-                BLOCK_RANKS=triton.next_power_of_2(max(R, 2)),
-                USE_CLOCK=use_clock(self.device),
-            ),
-        )
+        launch = self._barrier
+        if launch is None:
+            R = self.num_ranks
+            variant = BarrierVariant(
+                NUM_RANKS=R, BLOCK_RANKS=_pow2(max(R, 2)), USE_CLOCK=use_clock(self.device)
+            )
+            launch = self._barrier = KernelLaunch(
+                elastic_exchange.elastic_barrier, (1,), variant._asdict(), (), ()
+            )
+        with _no_torch_function():
+            launch(BarrierCall(), self._shared)
 
     def capacity_error(
         self,
@@ -352,11 +396,17 @@ class ElasticMode:
             )
         return None
 
-    def _totals_for(self, words: int) -> torch.Tensor:
-        totals = self._totals.get(words)
-        if totals is None:
-            totals = self._totals[words] = torch.zeros(words, dtype=torch.int32, device=self.device)
-        return totals
+    def _scratch(self, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The push's scratch for ``num_experts``: ``[R + E]`` int32 totals and ``[R, 1 +
+        E_local]`` int32 received counts, which the epilogue of the same call reads (calls
+        are ordered on the device, and a host read comes before the next call)."""
+        scratch = self._totals.get(num_experts)
+        if scratch is None:
+            R, device = self.num_ranks, self.device
+            totals = torch.zeros(R + num_experts, dtype=torch.int32, device=device)
+            counts = torch.zeros(R, 1 + num_experts // R, dtype=torch.int32, device=device)
+            scratch = self._totals[num_experts] = (totals, counts)
+        return scratch
 
     # --------------------------------------------------------------------------- dispatch
     def dispatch(
@@ -398,154 +448,146 @@ class ElasticMode:
         Returns:
             an :class:`ElasticDispatchOutput`.
         """
-        R, rank = self.num_ranks, self.rank
+        with _no_torch_function():
+            N, H = x.shape
+            K = topk_idx.shape[1]
+            G = sf.shape[1] if sf is not None else 0
+            row_bytes = H * x.element_size()
+            key = (N, H, row_bytes, G, K, num_experts, num_max_tokens, num_sms, self.trace is None)
+            plan = self._dispatch_plans.get(key)
+            if plan is None or plan[0] is not TUNING:
+                plan = self._dispatch_plans[key] = self._dispatch_plan(*key[:-1])
+            _, push, programs, E_local, totals, recv_counts = plan
+            R, rank, device = self.num_ranks, self.rank, self.device
+            first_call = cached is None
+            ids_copy = torch.empty_like(topk_idx) if first_call and copy_ids else None
+            dst_slots = empty_output(device, (N, K), torch.int32) if first_call else None
+            int32_dummy = self.status
+            flags = (
+                (ed.FLAG_WEIGHTS.value if topk_weights is not None else 0)
+                | (ed.FLAG_STATS.value if stats is not None else 0)
+                | (ed.FLAG_COPY_IDS.value if ids_copy is not None else 0)
+                | (ed.FLAG_SLOTS.value if first_call else 0)
+            )
+            call = ed.DispatchCall(
+                x_ptr=x,
+                sf_ptr=sf if sf is not None else int32_dummy,
+                sf_token_stride=sf.stride(0) if sf is not None else 0,
+                sf_group_stride=sf.stride(1) if sf is not None else 0,
+                topk_ptr=topk_idx,
+                weights_ptr=topk_weights if topk_weights is not None else self._f32,
+                num_tokens=N,
+                max_tokens=num_max_tokens,
+                totals_ptr=totals,
+                recv_counts_ptr=recv_counts,
+                stats_ptr=stats if stats is not None else int32_dummy,
+                ids_copy_ptr=ids_copy if ids_copy is not None else self.state,
+                slots_ptr=dst_slots if dst_slots is not None else int32_dummy,
+                flags=flags,
+                trace_ptr=self.state,
+            )
+            self._launch(push, programs, call, "elastic dispatch", _PUSH_WORDS)
+            if cached is not None:
+                num_recv, num_expanded = cached.num_recv_tokens, cached.num_expanded_tokens
+                per_expert = cached.num_recv_tokens_per_expert_list
+            elif do_cpu_sync:
+                # The one host read of a dispatch: the counts every source sent here.
+                info = torch.cat([recv_counts.flatten(), self.status]).tolist()
+                check_status(info[-STATUS_WORDS:], rank, phases.NAMES)
+                counts = [info[s * (1 + E_local) : (s + 1) * (1 + E_local)] for s in range(R)]
+                num_recv = sum(c[0] for c in counts)
+                per_expert = [
+                    _align(sum(c[1 + e] for c in counts), expert_alignment) for e in range(E_local)
+                ]
+                num_expanded = sum(per_expert)
+            else:
+                num_recv = R * num_max_tokens
+                num_expanded = num_recv * min(K, E_local) + (expert_alignment - 1) * E_local
+                num_expanded = _align(num_expanded, expert_alignment)
+                per_expert = []
+            if before_epilogue is not None:
+                before_epilogue()
+            out = self._dispatch_outputs(
+                x,
+                sf,
+                topk_weights,
+                K,
+                E_local,
+                num_recv,
+                num_expanded,
+                do_expand,
+                tma_sf,
+                first_call,
+            )
+            out.num_recv_tokens_per_expert_list = per_expert
+            out.dst_buffer_slot_idx = dst_slots
+            out.topk_idx = ids_copy if ids_copy is not None else (topk_idx if first_call else None)
+            expected = (
+                num_recv if do_cpu_sync or cached is not None else min(num_recv, R * max(N, 1))
+            )
+            self._epilogue(
+                out,
+                recv_counts,
+                num_max_tokens,
+                expert_alignment,
+                row_bytes,
+                G,
+                K,
+                E_local,
+                do_expand,
+                do_zero_padding,
+                expected,
+            )
+            return out
+
+    def _dispatch_plan(self, N, H, row_bytes, G, K, num_experts, num_max_tokens, num_sms):
+        """``(TUNING, the push's launch, its programs, E_local, totals, recv_counts)`` for
+        dispatches of these sizes (:meth:`_scratch`); ``ValueError`` for sizes the mode cannot
+        take."""
+        R = self.num_ranks
         E_local = check_num_experts(num_experts, R)
         if E_local > MAX_LOCAL_EXPERTS:
             raise ValueError(
                 f"num_experts: at most {MAX_LOCAL_EXPERTS} experts per rank, got {E_local}"
             )
-        N, H = x.shape
-        K = topk_idx.shape[1]
-        G = sf.shape[1] if sf is not None else 0
-        row_bytes = H * x.element_size()
         error = self.capacity_error(num_max_tokens, H, K, row_bytes, G, min(R, K))
         if error:
             raise ValueError(error)
-        device = self.device
-        totals = self._totals_for(R + num_experts)
-        recv_counts = torch.empty(R, 1 + E_local, dtype=torch.int32, device=device)
-        first_call = cached is None
-        ids_copy = torch.empty_like(topk_idx) if first_call and copy_ids else None
-        dst_slots = empty_output(device, (N, K), torch.int32) if first_call else None
-        int32_dummy, int64_dummy = self.status, self.state
-        f32_dummy = self._f32_dummy()
-        ROW_WORDS, BLOCK_K = row_bytes // 4, triton.next_power_of_2(max(K, 2))
         tuning = TUNING
+        ROW_WORDS, BLOCK_K = row_bytes // 4, _pow2(max(K, 2))
         BLOCK_TOKENS = self._block(max(1, min(tuning.dispatch_tokens, 128 // BLOCK_K)), N, num_sms)
         # The scan of the earlier tokens' ids reads 1024 of them a step; a small batch no more
         # than it has, in powers of two from small_scan_tokens (its histogram costs per id
         # read, masked or not).
-        scan = max(tuning.small_scan_tokens, triton.next_power_of_2(max(N, 1)))
-        SCAN_BLOCK_TOKENS = max(BLOCK_TOKENS, min(1024 // BLOCK_K, scan))
-        rec = record_bytes(row_bytes, G, K)
-        pay, scl = _align(row_bytes, 16), _align(4 * G, 16)
-        key = (
-            "dispatch",
-            K,
-            num_experts,
-            ROW_WORDS,
-            G,
-            BLOCK_TOKENS,
-            SCAN_BLOCK_TOKENS,
-            sf is not None,
-            tuning,
+        scan = max(tuning.small_scan_tokens, _pow2(max(N, 1)))
+        variant = ed.DispatchVariant(
+            K=K,
+            BLOCK_K=BLOCK_K,
+            NUM_EXPERTS=num_experts,
+            BLOCK_EXPERTS=_pow2(max(num_experts, 2)),
+            E_LOCAL=E_local,
+            BLOCK_COUNTS=_pow2(E_local + 1),
+            NUM_RANKS=R,
+            BLOCK_RANKS=_pow2(max(R, 2)),
+            ROW_WORDS=ROW_WORDS,
+            BLOCK_WORDS=min(_pow2(ROW_WORDS), 8192 // BLOCK_TOKENS),
+            G=G,
+            BLOCK_GROUPS=_pow2(max(G, 2)),
+            RECORD_BYTES=record_bytes(row_bytes, G, K),
+            PAYLOAD_BYTES=_align(row_bytes, 16),
+            SCALE_BYTES=_align(4 * G, 16),
+            HEADER_WORDS=HEADER_WORDS,
+            BLOCK_TOKENS=BLOCK_TOKENS,
+            SCAN_BLOCK_TOKENS=max(BLOCK_TOKENS, min(1024 // BLOCK_K, scan)),
+            HAS_SF=G > 0,
+            USE_CLOCK=use_clock(self.device),
+            PDL=self._pdl,
+            PROFILE=self.trace is not None,
         )
-        flags = (
-            (ed.FLAG_WEIGHTS.value if topk_weights is not None else 0)
-            | (ed.FLAG_STATS.value if stats is not None else 0)
-            | (ed.FLAG_COPY_IDS.value if ids_copy is not None else 0)
-            | (ed.FLAG_SLOTS.value if first_call else 0)
-        )
-        self._launch(
-            elastic_dispatch.elastic_dispatch,
-            self._programs(num_sms, N, BLOCK_TOKENS),
-            (
-                x.view(torch.int32),
-                sf.view(torch.int32) if sf is not None else int32_dummy,
-                sf.stride(0) if sf is not None else 0,
-                sf.stride(1) if sf is not None else 0,
-                topk_idx,
-                topk_weights if topk_weights is not None else f32_dummy,
-                N,
-                num_max_tokens,
-                self.heap.peer_ptrs,
-                rank,
-                self.layout.header,
-                self.layout.region,
-                self.layout.region_bytes,
-                self.state,
-                totals,
-                recv_counts,
-                stats if stats is not None else int32_dummy,
-                ids_copy if ids_copy is not None else int64_dummy,
-                dst_slots if dst_slots is not None else int32_dummy,
-                self.status,
-                self._timeout_us,
-                flags,
-            ),
-            key,
-            lambda: dict(
-                K=K,
-                BLOCK_K=BLOCK_K,
-                NUM_EXPERTS=num_experts,
-                BLOCK_EXPERTS=triton.next_power_of_2(max(num_experts, 2)),
-                E_LOCAL=E_local,
-                BLOCK_COUNTS=triton.next_power_of_2(E_local + 1),
-                NUM_RANKS=R,
-                BLOCK_RANKS=triton.next_power_of_2(max(R, 2)),
-                ROW_WORDS=ROW_WORDS,
-                BLOCK_WORDS=min(triton.next_power_of_2(ROW_WORDS), 8192 // BLOCK_TOKENS),
-                G=G,
-                BLOCK_GROUPS=triton.next_power_of_2(max(G, 2)),
-                RECORD_BYTES=rec,
-                PAYLOAD_BYTES=pay,
-                SCALE_BYTES=scl,
-                HEADER_WORDS=HEADER_WORDS,
-                BLOCK_TOKENS=BLOCK_TOKENS,
-                SCAN_BLOCK_TOKENS=SCAN_BLOCK_TOKENS,
-                HAS_SF=sf is not None,
-                USE_CLOCK=use_clock(device),
-                PDL=self._pdl,
-                num_warps=tuning.dispatch_warps,
-            ),
-            traced="elastic dispatch",
-        )
-        if cached is not None:
-            num_recv, num_expanded = cached.num_recv_tokens, cached.num_expanded_tokens
-            per_expert = cached.num_recv_tokens_per_expert_list
-        elif do_cpu_sync:
-            # The one host read of a dispatch: the counts every source sent here.
-            info = torch.cat([recv_counts.flatten(), self.status]).tolist()
-            check_status(info[-STATUS_WORDS:], rank, phases.NAMES)
-            counts = [info[s * (1 + E_local) : (s + 1) * (1 + E_local)] for s in range(R)]
-            num_recv = sum(c[0] for c in counts)
-            per_expert = [
-                _align(sum(c[1 + e] for c in counts), expert_alignment) for e in range(E_local)
-            ]
-            num_expanded = sum(per_expert)
-        else:
-            num_recv = R * num_max_tokens
-            num_expanded = num_recv * min(K, E_local) + (expert_alignment - 1) * E_local
-            num_expanded = _align(num_expanded, expert_alignment)
-            per_expert = []
-        if before_epilogue is not None:
-            before_epilogue()
-        out = self._dispatch_outputs(
-            x, sf, topk_weights, K, E_local, num_recv, num_expanded, do_expand, tma_sf, first_call
-        )
-        out.num_recv_tokens_per_expert_list = per_expert
-        out.dst_buffer_slot_idx = dst_slots
-        out.topk_idx = ids_copy if ids_copy is not None else (topk_idx if first_call else None)
-        self._epilogue(
-            out,
-            recv_counts,
-            num_max_tokens,
-            expert_alignment,
-            row_bytes,
-            G,
-            K,
-            E_local,
-            do_expand,
-            do_zero_padding,
-            num_recv if do_cpu_sync or cached is not None else min(num_recv, R * max(N, 1)),
-        )
-        return out
-
-    def _f32_dummy(self) -> torch.Tensor:
-        dummy = getattr(self, "_f32", None)
-        if dummy is None:
-            dummy = self._f32 = torch.zeros(4, dtype=torch.float32, device=self.device)
-        return dummy
+        options = {"num_warps": tuning.dispatch_warps}
+        push = self._kernel_launch(ed.elastic_dispatch, ed.DispatchCall, variant, options)
+        programs = self._programs(num_sms, N, BLOCK_TOKENS)
+        return tuning, push, programs, E_local, *self._scratch(num_experts)
 
     def _dispatch_outputs(
         self, x, sf, topk_weights, K, E_local, num_recv, num_expanded, do_expand, tma_sf, first_call
@@ -593,85 +635,79 @@ class ElasticMode:
         exact count, or without a host read this rank's tokens times the ranks, as when the
         ranks decode equal batches); only the block size follows it, the loops run over the
         rows received."""
-        R = self.num_ranks
-        int32_dummy, int64_dummy, f32_dummy = self.status, self.state, self._f32_dummy()
-        write_meta = out.recv_src_metadata is not None
         recv_sf = out.recv_sf
-        has_sf, has_w = recv_sf is not None, out.recv_topk_weights is not None
-        ROW_WORDS, BLOCK_K = row_bytes // 4, triton.next_power_of_2(max(K, 2))
-        tuning = TUNING
-        copy_programs = self.num_device_sms * tuning.copy_programs_per_sm
-        BLOCK_ROWS = self._block(tuning.copy_rows, expected_rows, copy_programs)
+        has_sf = recv_sf is not None
         rows = out.recv_x.shape[0]
-        key = (
-            "epilogue",
-            K,
-            E_local,
-            ROW_WORDS,
-            G,
-            BLOCK_ROWS,
-            do_expand,
-            has_sf,
-            tuning,
-        )
+        num_recv = out.num_recv_tokens
+        key = (row_bytes, G, K, E_local, expected_rows, num_recv, do_expand, has_sf)
+        key += (self.trace is None,)
+        plan = self._epilogue_plans.get(key)
+        if plan is None or plan[0] is not TUNING:
+            plan = self._epilogue_plans[key] = self._epilogue_plan(*key[:-1])
+        _, copy, programs = plan
+        write_meta = out.recv_src_metadata is not None
+        has_w = out.recv_topk_weights is not None
+        int32_dummy = self.status
         flags = (
             (ed.FLAG_WEIGHTS.value if has_w else 0)
             | (ed.FLAG_ZERO_PAD.value if do_zero_padding else 0)
             | (ed.FLAG_META.value if write_meta else 0)
         )
-        self._launch(
-            elastic_dispatch.elastic_dispatch_epilogue,
-            self._programs(copy_programs, max(out.num_recv_tokens, E_local), BLOCK_ROWS),
-            (
-                recv_counts,
-                self.state,
-                self.heap.peer_ptrs,
-                self.rank,
-                self.layout.region,
-                self.layout.region_bytes,
-                num_max_tokens,
-                expert_alignment,
-                out.num_recv_tokens,
-                rows,
-                out.recv_x.view(torch.int32),
-                recv_sf.view(torch.int32) if recv_sf is not None else int32_dummy,
-                recv_sf.stride(0) if recv_sf is not None else 0,
-                recv_sf.stride(1) if recv_sf is not None else 0,
-                out.recv_topk_idx if out.recv_topk_idx is not None else int64_dummy,
-                out.recv_topk_weights if has_w else f32_dummy,
-                out.recv_src_metadata if write_meta else int32_dummy,
-                out.reduction_slot if write_meta else int32_dummy,
-                out.psum_num_recv_tokens_per_scaleup_rank if write_meta else int32_dummy,
-                out.psum_num_recv_tokens_per_expert if write_meta else int32_dummy,
-                out.num_unaligned_recv_tokens_per_expert if write_meta else int32_dummy,
-                flags,
-            ),
-            key,
-            lambda: dict(
-                K=K,
-                BLOCK_K=BLOCK_K,
-                NUM_RANKS=R,
-                BLOCK_RANKS=triton.next_power_of_2(max(R, 2)),
-                E_LOCAL=E_local,
-                BLOCK_LOCAL_EXPERTS=triton.next_power_of_2(max(E_local, 2)),
-                ROW_WORDS=ROW_WORDS,
-                # Tiles of 8192 words: a decode block of a row or two copies it in one step
-                # (each step waits for its load).
-                BLOCK_WORDS=min(triton.next_power_of_2(ROW_WORDS), 8192 // BLOCK_ROWS),
-                G=G,
-                BLOCK_GROUPS=triton.next_power_of_2(max(G, 2)),
-                RECORD_BYTES=record_bytes(row_bytes, G, K),
-                PAYLOAD_BYTES=_align(row_bytes, 16),
-                SCALE_BYTES=_align(4 * G, 16),
-                BLOCK_ROWS=BLOCK_ROWS,
-                BLOCK_FILL=128,
-                EXPAND=do_expand,
-                HAS_SF=has_sf,
-                **self._dependent(),
-                num_warps=tuning.copy_warps,
-            ),
-            traced="elastic dispatch epilogue",
+        call = ed.EpilogueCall(
+            recv_counts_ptr=recv_counts,
+            max_tokens=num_max_tokens,
+            alignment=expert_alignment,
+            num_rows=num_recv,
+            num_out_rows=rows,
+            out_words_ptr=out.recv_x,
+            out_sf_ptr=recv_sf if has_sf else int32_dummy,
+            out_sf_token_stride=recv_sf.stride(0) if has_sf else 0,
+            out_sf_group_stride=recv_sf.stride(1) if has_sf else 0,
+            out_ids_ptr=out.recv_topk_idx if out.recv_topk_idx is not None else self.state,
+            out_weights_ptr=out.recv_topk_weights if has_w else self._f32,
+            out_meta_ptr=out.recv_src_metadata if write_meta else int32_dummy,
+            out_slots_ptr=out.reduction_slot if write_meta else int32_dummy,
+            psum_rank_ptr=out.psum_num_recv_tokens_per_scaleup_rank if write_meta else int32_dummy,
+            psum_expert_ptr=out.psum_num_recv_tokens_per_expert if write_meta else int32_dummy,
+            unaligned_ptr=out.num_unaligned_recv_tokens_per_expert if write_meta else int32_dummy,
+            flags=flags,
+            trace_ptr=self.state,
         )
+        self._launch(copy, programs, call, "elastic dispatch epilogue", _COPY_WORDS)
+
+    def _epilogue_plan(self, row_bytes, G, K, E_local, expected_rows, num_recv, do_expand, has_sf):
+        """``(TUNING, the copy epilogue's launch, its programs)`` for these sizes."""
+        R, tuning = self.num_ranks, TUNING
+        copy_programs = self.num_device_sms * tuning.copy_programs_per_sm
+        BLOCK_ROWS = self._block(tuning.copy_rows, expected_rows, copy_programs)
+        ROW_WORDS = row_bytes // 4
+        variant = ed.EpilogueVariant(
+            K=K,
+            BLOCK_K=_pow2(max(K, 2)),
+            NUM_RANKS=R,
+            BLOCK_RANKS=_pow2(max(R, 2)),
+            E_LOCAL=E_local,
+            BLOCK_LOCAL_EXPERTS=_pow2(max(E_local, 2)),
+            ROW_WORDS=ROW_WORDS,
+            # Tiles of 8192 words: a decode block of a row or two copies it in one step (each
+            # step waits for its load).
+            BLOCK_WORDS=min(_pow2(ROW_WORDS), 8192 // BLOCK_ROWS),
+            G=G,
+            BLOCK_GROUPS=_pow2(max(G, 2)),
+            RECORD_BYTES=record_bytes(row_bytes, G, K),
+            PAYLOAD_BYTES=_align(row_bytes, 16),
+            SCALE_BYTES=_align(4 * G, 16),
+            BLOCK_ROWS=BLOCK_ROWS,
+            BLOCK_FILL=128,
+            EXPAND=do_expand,
+            HAS_SF=has_sf,
+            PDL=self._pdl,
+            PROFILE=self.trace is not None,
+            USE_CLOCK=self.trace is not None and use_clock(self.device),
+        )
+        options = {"num_warps": tuning.copy_warps, **self._dependent()}
+        copy = self._kernel_launch(ed.elastic_dispatch_epilogue, ed.EpilogueCall, variant, options)
+        return tuning, copy, self._programs(copy_programs, max(num_recv, E_local), BLOCK_ROWS)
 
     # ---------------------------------------------------------------------------- combine
     def combine(
@@ -707,118 +743,119 @@ class ElasticMode:
         Returns:
             ``(combined_x [N, H] BF16, combined_topk_weights [N, K] float32 or None)``.
         """
-        R, device = self.num_ranks, self.device
-        E_local = num_experts // R
-        N, K = topk_idx.shape
-        H = x.shape[1]
-        slots = combine_slots(R, K, do_expand, multiple_reduction)
+        with _no_torch_function():
+            N, K = topk_idx.shape
+            H = x.shape[1]
+            multi = multiple_reduction or not do_expand
+            tokens = recv_src_metadata.shape[0]
+            key = (N, H, K, tokens, num_experts, num_max_tokens, do_expand, multi, num_sms)
+            key += (self.trace is None,)
+            plan = self._combine_plans.get(key)
+            if plan is None or plan[0] is not TUNING:
+                plan = self._combine_plans[key] = self._combine_plan(*key[:-1])
+            _, push, push_programs, reduce, reduce_programs = plan
+            has_w = topk_weights is not None
+            call = ec.CombineCall(
+                x_ptr=x,
+                weights_ptr=topk_weights if has_w else self._f32,
+                meta_ptr=recv_src_metadata,
+                slots_ptr=reduction_slot,
+                psum_rank_ptr=psum_num_recv_tokens_per_scaleup_rank,
+                max_tokens=num_max_tokens,
+                has_weights=int(has_w),
+                trace_ptr=self.state,
+            )
+            self._launch(push, push_programs, call, "elastic combine")
+            if before_epilogue is not None:
+                before_epilogue()
+            device = self.device
+            out = empty_output(device, (N, H), torch.bfloat16)
+            out_w = empty_output(device, (N, K), torch.float32) if has_w else None
+            terms = tuple(bias) + (out,) * (2 - len(bias))  # unused pointers when fewer
+            call = ec.ReduceCall(
+                topk_ptr=topk_idx,
+                bias0_ptr=terms[0],
+                bias1_ptr=terms[1],
+                out_ptr=out,
+                out_weights_ptr=out_w if out_w is not None else self._f32,
+                num_tokens=N,
+                max_tokens=num_max_tokens,
+                num_bias=len(bias),
+                has_weights=int(has_w),
+                trace_ptr=self.state,
+            )
+            self._launch(reduce, reduce_programs, call, "elastic combine epilogue")
+            return out, out_w
+
+    def _combine_plan(
+        self, N, H, K, tokens, num_experts, num_max_tokens, do_expand, multi, num_sms
+    ):
+        """``(TUNING, the push's launch and programs, the reduce's launch and programs)`` for
+        combines of these sizes; ``ValueError`` for sizes the mode cannot take."""
+        R, device, tuning = self.num_ranks, self.device, TUNING
+        slots = combine_slots(R, K, do_expand, multi)
         error = self.capacity_error(num_max_tokens, H, K, 0, 0, slots)
         if error:
             raise ValueError(error)
-        has_w = topk_weights is not None
-        multi = multiple_reduction or not do_expand
-        f32_dummy, crec = self._f32_dummy(), combine_record_bytes(H, K)
-        BLOCK_K = triton.next_power_of_2(max(K, 2))
-        tuning = TUNING
+        crec, BLOCK_K = combine_record_bytes(H, K), _pow2(max(K, 2))
         decode = N <= DECODE_TOKENS
         # CPU ranks take narrow chunks, so that the tests cross chunk boundaries.
-        widest = triton.next_power_of_2(H) if device.type == "cuda" else 64
+        widest = _pow2(H) if device.type == "cuda" else 64
         BLOCK_CHANNELS = min(
             widest, tuning.decode_combine_channels if decode else tuning.combine_channels
         )
         chunks = -(-H // BLOCK_CHANNELS)
         # Received tokens: the handle's worst case, planned for as this rank's tokens times the
         # ranks (equal decode batches); only the block size follows the guess.
-        rows = min(recv_src_metadata.shape[0], R * max(N, 1))
+        rows = min(tokens, R * max(N, 1))
         most_rows = tuning.decode_combine_rows if decode else tuning.combine_rows
         BLOCK_ROWS = self._block(most_rows, rows * chunks, num_sms)
-        self._launch(
-            elastic_combine.elastic_combine,
-            self._programs(num_sms, -(-recv_src_metadata.shape[0] // BLOCK_ROWS) * chunks, 1),
-            (
-                x,
-                topk_weights if has_w else f32_dummy,
-                recv_src_metadata,
-                reduction_slot,
-                psum_num_recv_tokens_per_scaleup_rank,
-                self.heap.peer_ptrs,
-                self.rank,
-                self.layout.header,
-                self.layout.region,
-                self.layout.region_bytes,
-                num_max_tokens,
-                self.state,
-                self.status,
-                self._timeout_us,
-                int(has_w),
-            ),
-            ("combine", H, K, do_expand, multi, BLOCK_ROWS, tuning),
-            lambda: dict(
-                H=H,
-                K=K,
-                BLOCK_K=BLOCK_K,
-                NUM_RANKS=R,
-                BLOCK_RANKS=triton.next_power_of_2(max(R, 2)),
-                COMBINE_RECORD_BYTES=crec,
-                HEADER_WORDS=HEADER_WORDS,
-                BLOCK_ROWS=BLOCK_ROWS,
-                BLOCK_CHANNELS=BLOCK_CHANNELS,
-                EXPAND=do_expand,
-                MULTI=multi,
-                USE_CLOCK=use_clock(device),
-                PDL=self._pdl,
-                num_warps=tuning.combine_warps,
-                enable_fp_fusion=False,
-            ),
-            traced="elastic combine",
+        profile = self.trace is not None
+        variant = ec.CombineVariant(
+            H=H,
+            K=K,
+            BLOCK_K=BLOCK_K,
+            NUM_RANKS=R,
+            BLOCK_RANKS=_pow2(max(R, 2)),
+            COMBINE_RECORD_BYTES=crec,
+            HEADER_WORDS=HEADER_WORDS,
+            BLOCK_ROWS=BLOCK_ROWS,
+            BLOCK_CHANNELS=BLOCK_CHANNELS,
+            EXPAND=do_expand,
+            MULTI=multi,
+            USE_CLOCK=use_clock(device),
+            PDL=self._pdl,
+            PROFILE=profile,
         )
-        if before_epilogue is not None:
-            before_epilogue()
-        out = empty_output(device, (N, H), torch.bfloat16)
-        out_w = empty_output(device, (N, K), torch.float32) if has_w else None
-        terms = tuple(bias) + (out,) * (2 - len(bias))  # unused pointers when fewer
+        options = {"num_warps": tuning.combine_warps, "enable_fp_fusion": False}
+        push = self._kernel_launch(ec.elastic_combine, ec.CombineCall, variant, options)
+        push_programs = self._programs(num_sms, -(-tokens // BLOCK_ROWS) * chunks, 1)
         REDUCE_CHANNELS = min(widest, tuning.reduce_channels)
         chunks = -(-H // REDUCE_CHANNELS)
         BLOCK_TOKENS = self._block(tuning.reduce_tokens, N * chunks, self.num_device_sms)
-        self._launch(
-            elastic_combine.elastic_combine_epilogue,
-            self._programs(self.num_device_sms, -(-N // BLOCK_TOKENS) * chunks, 1),
-            (
-                topk_idx,
-                terms[0],
-                terms[1],
-                out,
-                out_w if has_w else f32_dummy,
-                N,
-                self.heap.peer_ptrs,
-                self.rank,
-                self.layout.region,
-                self.layout.region_bytes,
-                num_max_tokens,
-                self.state,
-                len(bias),
-                int(has_w),
-            ),
-            ("reduce", H, K, num_experts, slots, multi, BLOCK_TOKENS, tuning),
-            lambda: dict(
-                H=H,
-                K=K,
-                BLOCK_K=BLOCK_K,
-                NUM_EXPERTS=num_experts,
-                E_LOCAL=E_local,
-                SLOTS=slots,
-                RANK_SLOTS=multi,
-                COMBINE_RECORD_BYTES=crec,
-                BLOCK_TOKENS=BLOCK_TOKENS,
-                BLOCK_CHANNELS=REDUCE_CHANNELS,
-                USE_CLOCK=use_clock(device),
-                **self._dependent(),
-                num_warps=tuning.reduce_warps,
-                enable_fp_fusion=False,
-            ),
-            traced="elastic combine epilogue",
+        variant = ec.ReduceVariant(
+            H=H,
+            K=K,
+            BLOCK_K=BLOCK_K,
+            NUM_EXPERTS=num_experts,
+            E_LOCAL=num_experts // R,
+            SLOTS=slots,
+            RANK_SLOTS=multi,
+            COMBINE_RECORD_BYTES=crec,
+            BLOCK_TOKENS=BLOCK_TOKENS,
+            BLOCK_CHANNELS=REDUCE_CHANNELS,
+            USE_CLOCK=use_clock(device),
+            PDL=self._pdl,
+            PROFILE=profile,
         )
-        return out, out_w
+        options = {
+            "num_warps": tuning.reduce_warps,
+            "enable_fp_fusion": False,
+            **self._dependent(),
+        }
+        reduce = self._kernel_launch(ec.elastic_combine_epilogue, ec.ReduceCall, variant, options)
+        reduce_programs = self._programs(self.num_device_sms, -(-N // BLOCK_TOKENS) * chunks, 1)
+        return tuning, push, push_programs, reduce, reduce_programs
 
     def destroy(self) -> None:
         """Release the heap (collective); raises if a wait had timed out."""
