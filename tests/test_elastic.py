@@ -178,6 +178,30 @@ def _elastic_body(
     alignment=1,
     num_bias=1,
     reduce_per_rank=True,
+    defaults=False,
+):
+    try:
+        return _elastic_calls(
+            ctx, tokens, hidden, experts_per_rank, topk, fp8, exact, alignment, num_bias,
+            reduce_per_rank, defaults,
+        )  # fmt: skip
+    finally:
+        torch.set_default_device(None)
+        torch.set_default_dtype(torch.float32)
+
+
+def _elastic_calls(
+    ctx,
+    tokens,
+    hidden,
+    experts_per_rank,
+    topk,
+    fp8,
+    exact,
+    alignment,
+    num_bias,
+    reduce_per_rank,
+    defaults,
 ):
     R, rank, dev = ctx.world_size, ctx.rank, ctx.device
     group = dist.group.WORLD
@@ -190,6 +214,9 @@ def _elastic_body(
     refs = elastic_dispatch(all_x, all_idx, all_w, num_experts, M, alignment)
     ref = refs[rank]
     x, idx, weights = _to(all_x[rank], dev), all_idx[rank].to(dev), all_w[rank].to(dev)
+    if defaults:  # what DeepEP's test harness sets, process-wide: around every call below
+        torch.set_default_device(ctx.device)
+        torch.set_default_dtype(torch.bfloat16)
     buffer = deep_ep.ElasticBuffer(
         group,
         num_max_tokens_per_rank=M,
@@ -306,6 +333,14 @@ def test_elastic_dispatch_combine(
     R = len(tokens)
     args = (tokens, hidden, 3, 4, fp8, exact, alignment, num_bias, reduce_per_rank)
     assert run_ranks(R, _elastic_body, *args) == [True] * R
+
+
+def test_elastic_calls_under_a_process_wide_default_device_and_dtype(run_ranks):
+    """The same checks with ``torch.set_default_device`` and ``set_default_dtype(bfloat16)``
+    set around every call (DeepEP's harness sets them; the calls turn torch function modes
+    off and pass every device and dtype)."""
+    args = ([5, 0, 7], 272, 3, 4, "ue8m0", False, 1, 1, True, True)
+    assert run_ranks(3, _elastic_body, *args) == [True] * 3
 
 
 @pytest.mark.parametrize("fp8", ["quantized", "quantized-ue8m0"])

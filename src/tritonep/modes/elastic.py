@@ -25,6 +25,7 @@ warps come from :data:`TUNING`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -315,7 +316,7 @@ class ElasticMode:
         return KernelLaunch(kernel, (1,), meta, call_type._fields, pointers)
 
     def _launch(
-        self, launch: KernelLaunch, programs: int, call: tuple, name: str, words: tuple = ()
+        self, launch: KernelLaunch, programs: int, call: Any, name: str, words: tuple = ()
     ) -> None:
         """Launch ``call`` (a call bundle of tensors and ints) on ``programs`` programs: from
         its addresses when the variant is compiled (:meth:`KernelLaunch.launch_values`), else
@@ -453,7 +454,7 @@ class ElasticMode:
             K = topk_idx.shape[1]
             G = sf.shape[1] if sf is not None else 0
             row_bytes = H * x.element_size()
-            key = (N, H, row_bytes, G, K, num_experts, num_max_tokens, num_sms, self.trace is None)
+            key = (N, H, row_bytes, G, K, num_experts, num_max_tokens, num_sms, self.trace)
             plan = self._dispatch_plans.get(key)
             if plan is None or plan[0] is not TUNING:
                 plan = self._dispatch_plans[key] = self._dispatch_plan(*key[:-1])
@@ -639,11 +640,12 @@ class ElasticMode:
         has_sf = recv_sf is not None
         rows = out.recv_x.shape[0]
         num_recv = out.num_recv_tokens
-        key = (row_bytes, G, K, E_local, expected_rows, num_recv, do_expand, has_sf)
-        key += (self.trace is None,)
+        key = (row_bytes, G, K, E_local, expected_rows, num_recv, do_expand, has_sf, self.trace)
         plan = self._epilogue_plans.get(key)
         if plan is None or plan[0] is not TUNING:
-            plan = self._epilogue_plans[key] = self._epilogue_plan(*key[:-1])
+            plan = self._epilogue_plans[key] = self._epilogue_plan(
+                row_bytes, G, K, E_local, expected_rows, num_recv, do_expand, has_sf
+            )
         _, copy, programs = plan
         write_meta = out.recv_src_metadata is not None
         has_w = out.recv_topk_weights is not None
@@ -661,8 +663,8 @@ class ElasticMode:
             num_out_rows=rows,
             out_words_ptr=out.recv_x,
             out_sf_ptr=recv_sf if has_sf else int32_dummy,
-            out_sf_token_stride=recv_sf.stride(0) if has_sf else 0,
-            out_sf_group_stride=recv_sf.stride(1) if has_sf else 0,
+            out_sf_token_stride=recv_sf.stride(0) if recv_sf is not None else 0,
+            out_sf_group_stride=recv_sf.stride(1) if recv_sf is not None else 0,
             out_ids_ptr=out.recv_topk_idx if out.recv_topk_idx is not None else self.state,
             out_weights_ptr=out.recv_topk_weights if has_w else self._f32,
             out_meta_ptr=out.recv_src_metadata if write_meta else int32_dummy,
@@ -748,8 +750,18 @@ class ElasticMode:
             H = x.shape[1]
             multi = multiple_reduction or not do_expand
             tokens = recv_src_metadata.shape[0]
-            key = (N, H, K, tokens, num_experts, num_max_tokens, do_expand, multi, num_sms)
-            key += (self.trace is None,)
+            key = (
+                N,
+                H,
+                K,
+                tokens,
+                num_experts,
+                num_max_tokens,
+                do_expand,
+                multi,
+                num_sms,
+                self.trace,
+            )
             plan = self._combine_plans.get(key)
             if plan is None or plan[0] is not TUNING:
                 plan = self._combine_plans[key] = self._combine_plan(*key[:-1])
@@ -772,7 +784,7 @@ class ElasticMode:
             out = empty_output(device, (N, H), torch.bfloat16)
             out_w = empty_output(device, (N, K), torch.float32) if has_w else None
             terms = tuple(bias) + (out,) * (2 - len(bias))  # unused pointers when fewer
-            call = ec.ReduceCall(
+            reduce_call = ec.ReduceCall(
                 topk_ptr=topk_idx,
                 bias0_ptr=terms[0],
                 bias1_ptr=terms[1],
@@ -784,7 +796,7 @@ class ElasticMode:
                 has_weights=int(has_w),
                 trace_ptr=self.state,
             )
-            self._launch(reduce, reduce_programs, call, "elastic combine epilogue")
+            self._launch(reduce, reduce_programs, reduce_call, "elastic combine epilogue")
             return out, out_w
 
     def _combine_plan(
@@ -831,9 +843,9 @@ class ElasticMode:
         push = self._kernel_launch(ec.elastic_combine, ec.CombineCall, variant, options)
         push_programs = self._programs(num_sms, -(-tokens // BLOCK_ROWS) * chunks, 1)
         REDUCE_CHANNELS = min(widest, tuning.reduce_channels)
-        chunks = -(-H // REDUCE_CHANNELS)
-        BLOCK_TOKENS = self._block(tuning.reduce_tokens, N * chunks, self.num_device_sms)
-        variant = ec.ReduceVariant(
+        reduce_chunks = -(-H // REDUCE_CHANNELS)
+        BLOCK_TOKENS = self._block(tuning.reduce_tokens, N * reduce_chunks, self.num_device_sms)
+        reduce_variant = ec.ReduceVariant(
             H=H,
             K=K,
             BLOCK_K=BLOCK_K,
@@ -853,8 +865,12 @@ class ElasticMode:
             "enable_fp_fusion": False,
             **self._dependent(),
         }
-        reduce = self._kernel_launch(ec.elastic_combine_epilogue, ec.ReduceCall, variant, options)
-        reduce_programs = self._programs(self.num_device_sms, -(-N // BLOCK_TOKENS) * chunks, 1)
+        reduce = self._kernel_launch(
+            ec.elastic_combine_epilogue, ec.ReduceCall, reduce_variant, options
+        )
+        reduce_programs = self._programs(
+            self.num_device_sms, -(-N // BLOCK_TOKENS) * reduce_chunks, 1
+        )
         return tuning, push, push_programs, reduce, reduce_programs
 
     def destroy(self) -> None:
