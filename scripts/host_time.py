@@ -236,25 +236,19 @@ def _low_latency(ctx, args, group, lines, on_gpu):
 
 
 def _eager_loop(buffer, x, idx, w, y, N, E, stats, device, group, iters=50):
-    """Issue 48's loop: per iteration an L2 flush, an event, a dispatch, a combine, an event."""
-    import torch.distributed as dist
+    """Issue 48's loop (:func:`tritonep.bench.eager.eager_pair_us`, DeepEP's harness): per
+    iteration an L2 flush, an event, a dispatch, a combine, an event."""
+    from tritonep.bench.eager import eager_pair_us
 
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
-    times = []
-    for i in range(2 * iters):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        _, _, handle, _, _ = buffer.low_latency_dispatch(
+    def dispatch():
+        return buffer.low_latency_dispatch(
             x, idx, N, E, cumulative_local_expert_recv_stats=stats, use_fp8=True
-        )
-        buffer.low_latency_combine(y, idx, w, handle)
-        end.record()
-        end.synchronize()
-        if i >= iters:
-            times.append(start.elapsed_time(end) * 1e3)
-    dist.barrier(group)
-    return statistics.median(times)
+        )[2]
+
+    return eager_pair_us(
+        dispatch, lambda handle: buffer.low_latency_combine(y, idx, w, handle), device, group,
+        iters, iters,
+    )  # fmt: skip
 
 
 def _normal(ctx, args, group, lines, on_gpu):

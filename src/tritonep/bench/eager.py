@@ -1,8 +1,10 @@
 """Eager calls as users make them: issue 48's loop, host time per call, the kernels' own time.
 
 * :func:`eager_pair_us`: per iteration an L2 flush (a 256 MB memset), an event, a dispatch and
-  a combine, an event; the median over ``iters`` iterations after as many warm-ups, in
-  microseconds (DeepEP's harness makes the same loop).
+  a combine, an event, with no synchronization inside the loop; the median over ``iters``
+  iterations after as many warm-ups, in microseconds (DeepEP's harness, ``bench`` of its
+  ``utils/testing.py``, makes the same loop and averages). A call's host time shows in it
+  only where it exceeds the device time of an iteration (the flush's included).
 * :func:`host_us`: host time per call, calls issued back to back (no synchronization inside
   a run), the median over runs that start together on every rank.
 * :func:`kernel_us`: the device time of the kernels one call launches, from the profiler
@@ -48,23 +50,27 @@ def eager_pair_us(
     dispatch, combine, device: torch.device, group=None, iters: int = 50, warmups: int = 50
 ) -> float | None:
     """Median microseconds from an event before ``dispatch()`` to one after ``combine()``
-    (``combine`` takes what ``dispatch`` returned), each iteration after an L2 flush."""
+    (``combine`` takes what ``dispatch`` returned), each iteration after an L2 flush; the
+    host synchronizes after the last iteration only."""
     if device.type != "cuda":
         return None
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
-    times = []
-    for i in range(warmups + iters):
+    for _ in range(warmups):
+        combine(dispatch())
+    torch.cuda.synchronize(device)
+    dist.barrier(group)
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(iters)
+    ]
+    for start, end in events:
         flush.zero_()
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
         start.record()
         combine(dispatch())
         end.record()
-        end.synchronize()
-        if i >= warmups:
-            times.append(start.elapsed_time(end) * 1e3)
+    torch.cuda.synchronize(device)
     dist.barrier(group)
-    return statistics.median(times)
+    return statistics.median(start.elapsed_time(end) * 1e3 for start, end in events)
 
 
 def host_us(
@@ -98,14 +104,22 @@ def kernel_us(fn, device: torch.device, group=None, calls: int = 20) -> float | 
     torch.cuda.synchronize(device)
     dist.barrier(group)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        # The profiler starts at different times on the ranks, and a call's kernels wait for
+        # the peers': the ranks start the calls together (the barrier's kernels not counted).
+        torch.cuda.synchronize(device)
+        dist.barrier(group)
+        torch.cuda.synchronize(device)
         for _ in range(calls):
             fn()
         torch.cuda.synchronize(device)
     dist.barrier(group)
     total = 0.0
     for event in prof.events():
-        if getattr(event, "device_type", None) == torch.autograd.DeviceType.CUDA:
-            total += event.device_time_total if hasattr(event, "device_time_total") else 0.0
+        if getattr(event, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        if "nccl" in event.name.lower():
+            continue
+        total += event.device_time_total if hasattr(event, "device_time_total") else 0.0
     return total / calls
 
 
