@@ -16,8 +16,10 @@ Per batch size, the device time per call (CUDA-graph replays, mean over ranks) o
 The bytes differ in kind: the low-latency dispatch moves one FP8 row per (token, rank) and its
 combine one BF16 row per (token, expert); the elastic dispatch moves one row per (token,
 rank) too, its combine one BF16 row per (token, rank). With ``--prefill N`` it also times an
-exact-size (``do_cpu_sync=True``, plain layout) elastic dispatch and combine of N tokens
-against the normal mode's (eager medians: both read a count on the host). With ``--kernels``
+exact-size (``do_cpu_sync=True``, plain layout) elastic dispatch and combine of N tokens, and
+a combine in the expanded layout (the rows of a token's local experts summed before they go
+back: a training step's), against the normal mode's (eager medians: both read a count on the
+host), under each ``--tune`` configuration too. With ``--kernels``
 it also prints, per decode call, each kernel's device time per call on rank 0 (the profiler
 over graph replays; it is started once before any timing, as its first start is slow).
 With ``--tune`` it times the elastic calls again under each given
@@ -300,6 +302,7 @@ def _rank(ctx, opts):
         x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(ctx.device)
         idx = route(gen, T, E, K, "random").to(ctx.device)
         recv, _, _, handle, _ = elastic.dispatch(x, idx, num_experts=E)
+        expanded, _, _, expanded_handle, _ = elastic.dispatch(x, idx, num_experts=E, do_expand=True)
         per_rank, _, per_expert, in_rank, _ = legacy.get_dispatch_layout(idx, E)
         out = legacy.dispatch(
             x,
@@ -319,12 +322,16 @@ def _rank(ctx, opts):
             "normal combine": lambda: legacy.combine(out[0], out[4]),
             "elastic dispatch": lambda: elastic.dispatch(x, idx, num_experts=E),
             "elastic combine": lambda: elastic.combine(recv, handle),
+            "elastic expanded combine": lambda: elastic.combine(expanded, expanded_handle),
         }
-        times = mean_over_ranks([median_ms(fn, 10, 3) * 1e3 for fn in calls.values()])
-        lines.append(
-            f"{T:5d} tokens (exact sizes, eager): "
-            + ", ".join(f"{name} {t:.1f} us" for name, t in zip(calls, times, strict=True))
-        )
+        for config in ["", *filter(None, (opts.tune or "").split(";"))]:
+            mode.TUNING = _tuning(config)
+            times = mean_over_ranks([median_ms(fn, 10, 3) * 1e3 for fn in calls.values()])
+            lines.append(
+                f"{T:5d} tokens (exact sizes, eager{', ' + config if config else ''}): "
+                + ", ".join(f"{name} {t:.1f} us" for name, t in zip(calls, times, strict=True))
+            )
+        mode.TUNING = mode.Tuning()
     elastic.check()
     elastic.destroy()
     legacy.destroy()

@@ -201,6 +201,43 @@ def send_expanded(
 
 
 @triton.jit
+def item_meta(
+    item,
+    num_items,
+    total,
+    start,
+    meta_ptr,
+    slots_ptr,
+    ks,
+    K: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    EXPAND: tl.constexpr,
+    SLOTS: tl.constexpr,
+):
+    """The received tokens of work item ``item`` (none past ``num_items``): their indices
+    ``i`` (from ``start``, wrapping at ``total``), which are live, their ``src`` words, with
+    ``EXPAND`` the rows of their choices ``[B, BLOCK_K]`` (``-1`` elsewhere), and with
+    ``SLOTS`` their reduction slots."""
+    i = (item // NUM_CHUNKS) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    live = (i < total) & (item < num_items)
+    i = i + start
+    i = tl.where(i < total, i, i - total)
+    meta = meta_ptr + i.to(tl.int64) * (K + 2)
+    src = tl.load(meta, mask=live, other=0)
+    rows = tl.full((BLOCK_ROWS, BLOCK_K), -1, tl.int32)
+    if EXPAND:
+        rows = tl.load(
+            meta[:, None] + 2 + ks[None, :], mask=live[:, None] & (ks < K)[None, :], other=-1
+        )
+    slot = tl.zeros((BLOCK_ROWS,), tl.int32)
+    if SLOTS:
+        slot = tl.load(slots_ptr + i, mask=live, other=0)
+    return i, live, src, rows, slot
+
+
+@triton.jit
 def combine_push(
     x_ptr,
     weights_ptr,
@@ -258,40 +295,25 @@ def combine_push(
     t_rows = tl.zeros((), tl.int64)
     if PROFILE:
         t_rows = read_clock(trace_ptr, USE_CLOCK)
-    for item in range(pid, num_items, tl.num_programs(0)):
-        i = (item // NUM_CHUNKS) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    # Each item's metadata (source, slot and, expanded, the rows of its choices) is loaded
+    # one item ahead, while the item before it is summed and stored: the rows' loads then
+    # wait for one round trip of memory instead of two (the metadata's, then theirs).
+    SLOTS: tl.constexpr = (not EXPAND) or MULTI
+    P = tl.num_programs(0)
+    i, live, src, rows, slot = item_meta(
+        pid, num_items, total, start, meta_ptr, slots_ptr, ks, K, BLOCK_ROWS, BLOCK_K,
+        NUM_CHUNKS, EXPAND, SLOTS,
+    )  # fmt: skip
+    for item in range(pid, num_items, P):
         h0 = (item % NUM_CHUNKS) * BLOCK_CHANNELS
-        live = i < total
-        i = i + start
-        i = tl.where(i < total, i, i - total)
-        meta = meta_ptr + i.to(tl.int64) * (K + 2)
-        src = tl.load(meta, mask=live, other=0)
+        next_i, next_live, next_src, next_rows, next_slot = item_meta(
+            item + P, num_items, total, start, meta_ptr, slots_ptr, ks, K, BLOCK_ROWS,
+            BLOCK_K, NUM_CHUNKS, EXPAND, SLOTS,
+        )  # fmt: skip
         source = src // max_tokens
         token = src % max_tokens
         owner_base = tl.sum(tl.where(ranks[None, :] == source[:, None], peer_base[None, :], 0), 1)
-        rows = tl.full((BLOCK_ROWS, BLOCK_K), -1, tl.int32)
-        if EXPAND:
-            rows = tl.load(
-                meta[:, None] + 2 + ks[None, :], mask=live[:, None] & (ks < K)[None, :], other=-1
-            )
-        if EXPAND & (not MULTI):
-            send_expanded(
-                x_ptr,
-                rows,
-                live,
-                owner_base,
-                region,
-                token,
-                max_tokens,
-                h0,
-                ks,
-                H,
-                K,
-                BLOCK_CHANNELS,
-                COMBINE_RECORD_BYTES,
-            )
-        else:
-            slot = tl.load(slots_ptr + i, mask=live, other=0)
+        if SLOTS:
             dst = slot_rows(owner_base + region, slot, token, max_tokens, COMBINE_RECORD_BYTES)
             send_sums(
                 x_ptr,
@@ -309,6 +331,23 @@ def combine_push(
                 has_weights,
                 not USE_CLOCK,
             )
+        else:
+            send_expanded(
+                x_ptr,
+                rows,
+                live,
+                owner_base,
+                region,
+                token,
+                max_tokens,
+                h0,
+                ks,
+                H,
+                K,
+                BLOCK_CHANNELS,
+                COMBINE_RECORD_BYTES,
+            )
+        i, live, src, rows, slot = next_i, next_live, next_src, next_rows, next_slot
     t_push_end = tl.zeros((), tl.int64)
     if PROFILE:
         t_push_end = read_clock(trace_ptr, USE_CLOCK)
