@@ -73,6 +73,7 @@ class CombineVariant(NamedTuple):
     BLOCK_CHANNELS: int
     EXPAND: bool
     MULTI: bool
+    SUM_STEPS: int
     USE_CLOCK: bool
     PDL: bool
     PROFILE: bool
@@ -118,6 +119,22 @@ def slot_rows(region, slot, token, max_tokens, COMBINE_RECORD_BYTES: tl.constexp
 
 
 @triton.jit
+def add_choice(
+    x_ptr, rows, valid, place, count, j, h, hmask, acc, H: tl.constexpr, EMULATE: tl.constexpr
+):
+    """``acc`` plus, for each token with more than ``j`` rows, channels ``h`` of its row of
+    place ``j`` (float32)."""
+    r = tl.sum(tl.where(valid & (place == j), rows, 0), 1)
+    m = count > j
+    y = tl.load(
+        x_ptr + r.to(tl.int64)[:, None] * H + h[None, :],
+        mask=m[:, None] & hmask[None, :],
+        other=0.0,
+    )
+    return tl.where(m[:, None], acc + from_bf16(y, EMULATE), acc)
+
+
+@triton.jit
 def send_sums(
     x_ptr,
     weights_ptr,
@@ -131,27 +148,33 @@ def send_sums(
     K: tl.constexpr,
     BLOCK_CHANNELS: tl.constexpr,
     EXPAND: tl.constexpr,
+    STEPS: tl.constexpr,
     has_weights,
     EMULATE: tl.constexpr,
 ):
     """Store channels ``[h0, h0 + BLOCK_CHANNELS)`` of each token's row (the input row ``i``,
     or with ``EXPAND`` the float32 sum of its expanded rows ``rows`` in top-k order, rounded)
-    at ``dst`` ([B] int64), and with the first channels its weights. The top-k loop is
-    unrolled: its loads are independent and overlap; only the sum keeps the top-k order."""
+    at ``dst`` ([B] int64), and with the first channels its weights.
+
+    Expanded, a token has rows for its choices of this rank's experts only (a quarter of them
+    on 4 ranks): the rows are packed to the front in top-k order, and the first ``STEPS`` of
+    each token are summed in an unrolled loop (its loads independent, so they overlap), the
+    rest, which few blocks have, one after another. Every step costs its instructions on every
+    lane, masked or not: the push runs on few SMs and would be bound by them over all K."""
     h = h0 + tl.arange(0, BLOCK_CHANNELS)
     hmask = h < H
     out = dst.to(tl.pointer_type(tl.bfloat16))
     if EXPAND:
+        valid = rows >= 0
+        place = tl.cumsum(valid.to(tl.int32), 1) - 1  # a row's place among its token's
+        count = tl.sum(valid.to(tl.int32), 1)
+        count = tl.where(live, count, 0)
         acc = tl.zeros((i.shape[0], BLOCK_CHANNELS), tl.float32)
-        for k in tl.static_range(K):
-            r = lane(rows, ks, k)
-            m = live & (r >= 0)
-            y = tl.load(
-                x_ptr + tl.maximum(r, 0).to(tl.int64)[:, None] * H + h[None, :],
-                mask=m[:, None] & hmask[None, :],
-                other=0.0,
-            )
-            acc = tl.where(m[:, None], acc + from_bf16(y, EMULATE), acc)
+        for j in tl.static_range(STEPS):
+            acc = add_choice(x_ptr, rows, valid, place, count, j, h, hmask, acc, H, EMULATE)
+        if STEPS < K:
+            for j in range(STEPS, tl.max(count, 0)):
+                acc = add_choice(x_ptr, rows, valid, place, count, j, h, hmask, acc, H, EMULATE)
         y = to_bf16(acc, EMULATE)
     else:
         y = tl.load(
@@ -266,6 +289,7 @@ def combine_push(
     BLOCK_CHANNELS: tl.constexpr,
     EXPAND: tl.constexpr,
     MULTI: tl.constexpr,
+    SUM_STEPS: tl.constexpr,
     USE_CLOCK: tl.constexpr,
     PROFILE: tl.constexpr,
 ):
@@ -328,6 +352,7 @@ def combine_push(
                 K,
                 BLOCK_CHANNELS,
                 EXPAND,
+                SUM_STEPS,
                 has_weights,
                 not USE_CLOCK,
             )
@@ -415,6 +440,7 @@ def elastic_combine(
     BLOCK_CHANNELS: tl.constexpr,  # channels moved per step
     EXPAND: tl.constexpr,  # expanded layout: a row per (token, local expert)
     MULTI: tl.constexpr,  # EXPAND: reduce a token's rows here before sending one
+    SUM_STEPS: tl.constexpr,  # MULTI: a token's rows summed in an unrolled loop (send_sums)
     USE_CLOCK: tl.constexpr,  # waits read the GPU clock (not under the interpreter)
     PDL: tl.constexpr = False,  # the epilogue is a programmatic dependent launch (sm_90+)
     PROFILE: tl.constexpr = False,  # record a trace (push: rows; exchange: arrive, tag, wait)
@@ -454,6 +480,7 @@ def elastic_combine(
         BLOCK_CHANNELS,
         EXPAND,
         MULTI,
+        SUM_STEPS,
         USE_CLOCK,
         PROFILE,
     )
