@@ -179,15 +179,7 @@ def _elastic_body(
     num_bias=1,
     reduce_per_rank=True,
     defaults=False,
-    sum_steps=None,
 ):
-    import dataclasses
-
-    from tritonep.modes import elastic as elastic_mode
-
-    tuning = elastic_mode.TUNING
-    if sum_steps is not None:  # a token's expanded rows past the first sum_steps in a loop
-        elastic_mode.TUNING = dataclasses.replace(tuning, combine_sum_steps=sum_steps)
     try:
         return _elastic_calls(
             ctx, tokens, hidden, experts_per_rank, topk, fp8, exact, alignment, num_bias,
@@ -196,7 +188,6 @@ def _elastic_body(
     finally:
         torch.set_default_device(None)
         torch.set_default_dtype(torch.float32)
-        elastic_mode.TUNING = tuning
 
 
 def _elastic_calls(
@@ -342,16 +333,6 @@ def test_elastic_dispatch_combine(
     R = len(tokens)
     args = (tokens, hidden, 3, 4, fp8, exact, alignment, num_bias, reduce_per_rank)
     assert run_ranks(R, _elastic_body, *args) == [True] * R
-
-
-@pytest.mark.parametrize("sum_steps", [1, 2])
-def test_expanded_rows_past_the_unrolled_steps(run_ranks, sum_steps):
-    """An expanded combine sums a token's first ``combine_sum_steps`` rows unrolled and the
-    rest in a loop: with one or two unrolled steps, tokens with up to four rows here (top-4 of
-    six experts, three per rank) take the loop, in top-k order still (bitwise against the
-    reference)."""
-    args = ([9, 4], 136, 3, 4, None, True, 2, 1, True, False, sum_steps)
-    assert run_ranks(2, _elastic_body, *args) == [True, True]
 
 
 def test_elastic_calls_under_a_process_wide_default_device_and_dtype(run_ranks):
@@ -505,7 +486,6 @@ ELASTIC_KERNELS = [
             BLOCK_CHANNELS=1024,
             EXPAND=True,
             MULTI=True,
-            SUM_STEPS=4,
             USE_CLOCK=True,
         ),
     ),

@@ -73,7 +73,6 @@ class CombineVariant(NamedTuple):
     BLOCK_CHANNELS: int
     EXPAND: bool
     MULTI: bool
-    SUM_STEPS: int
     USE_CLOCK: bool
     PDL: bool
     PROFILE: bool
@@ -119,22 +118,6 @@ def slot_rows(region, slot, token, max_tokens, COMBINE_RECORD_BYTES: tl.constexp
 
 
 @triton.jit
-def add_choice(
-    x_ptr, rows, valid, place, count, j, h, hmask, acc, H: tl.constexpr, EMULATE: tl.constexpr
-):
-    """``acc`` plus, for each token with more than ``j`` rows, channels ``h`` of its row of
-    place ``j`` (float32)."""
-    r = tl.sum(tl.where(valid & (place == j), rows, 0), 1)
-    m = count > j
-    y = tl.load(
-        x_ptr + r.to(tl.int64)[:, None] * H + h[None, :],
-        mask=m[:, None] & hmask[None, :],
-        other=0.0,
-    )
-    return tl.where(m[:, None], acc + from_bf16(y, EMULATE), acc)
-
-
-@triton.jit
 def send_sums(
     x_ptr,
     weights_ptr,
@@ -148,33 +131,27 @@ def send_sums(
     K: tl.constexpr,
     BLOCK_CHANNELS: tl.constexpr,
     EXPAND: tl.constexpr,
-    STEPS: tl.constexpr,
     has_weights,
     EMULATE: tl.constexpr,
 ):
     """Store channels ``[h0, h0 + BLOCK_CHANNELS)`` of each token's row (the input row ``i``,
     or with ``EXPAND`` the float32 sum of its expanded rows ``rows`` in top-k order, rounded)
-    at ``dst`` ([B] int64), and with the first channels its weights.
-
-    Expanded, a token has rows for its choices of this rank's experts only (a quarter of them
-    on 4 ranks): the rows are packed to the front in top-k order, and the first ``STEPS`` of
-    each token are summed in an unrolled loop (its loads independent, so they overlap), the
-    rest, which few blocks have, one after another. Every step costs its instructions on every
-    lane, masked or not: the push runs on few SMs and would be bound by them over all K."""
+    at ``dst`` ([B] int64), and with the first channels its weights. The top-k loop is
+    unrolled: its loads are independent and overlap; only the sum keeps the top-k order."""
     h = h0 + tl.arange(0, BLOCK_CHANNELS)
     hmask = h < H
     out = dst.to(tl.pointer_type(tl.bfloat16))
     if EXPAND:
-        valid = rows >= 0
-        place = tl.cumsum(valid.to(tl.int32), 1) - 1  # a row's place among its token's
-        count = tl.sum(valid.to(tl.int32), 1)
-        count = tl.where(live, count, 0)
         acc = tl.zeros((i.shape[0], BLOCK_CHANNELS), tl.float32)
-        for j in tl.static_range(STEPS):
-            acc = add_choice(x_ptr, rows, valid, place, count, j, h, hmask, acc, H, EMULATE)
-        if STEPS < K:
-            for j in range(STEPS, tl.max(count, 0)):
-                acc = add_choice(x_ptr, rows, valid, place, count, j, h, hmask, acc, H, EMULATE)
+        for k in tl.static_range(K):
+            r = lane(rows, ks, k)
+            m = live & (r >= 0)
+            y = tl.load(
+                x_ptr + tl.maximum(r, 0).to(tl.int64)[:, None] * H + h[None, :],
+                mask=m[:, None] & hmask[None, :],
+                other=0.0,
+            )
+            acc = tl.where(m[:, None], acc + from_bf16(y, EMULATE), acc)
         y = to_bf16(acc, EMULATE)
     else:
         y = tl.load(
@@ -224,43 +201,6 @@ def send_expanded(
 
 
 @triton.jit
-def item_meta(
-    item,
-    num_items,
-    total,
-    start,
-    meta_ptr,
-    slots_ptr,
-    ks,
-    K: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    NUM_CHUNKS: tl.constexpr,
-    EXPAND: tl.constexpr,
-    SLOTS: tl.constexpr,
-):
-    """The received tokens of work item ``item`` (none past ``num_items``): their indices
-    ``i`` (from ``start``, wrapping at ``total``), which are live, their ``src`` words, with
-    ``EXPAND`` the rows of their choices ``[B, BLOCK_K]`` (``-1`` elsewhere), and with
-    ``SLOTS`` their reduction slots."""
-    i = (item // NUM_CHUNKS) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    live = (i < total) & (item < num_items)
-    i = i + start
-    i = tl.where(i < total, i, i - total)
-    meta = meta_ptr + i.to(tl.int64) * (K + 2)
-    src = tl.load(meta, mask=live, other=0)
-    rows = tl.full((BLOCK_ROWS, BLOCK_K), -1, tl.int32)
-    if EXPAND:
-        rows = tl.load(
-            meta[:, None] + 2 + ks[None, :], mask=live[:, None] & (ks < K)[None, :], other=-1
-        )
-    slot = tl.zeros((BLOCK_ROWS,), tl.int32)
-    if SLOTS:
-        slot = tl.load(slots_ptr + i, mask=live, other=0)
-    return i, live, src, rows, slot
-
-
-@triton.jit
 def combine_push(
     x_ptr,
     weights_ptr,
@@ -289,7 +229,6 @@ def combine_push(
     BLOCK_CHANNELS: tl.constexpr,
     EXPAND: tl.constexpr,
     MULTI: tl.constexpr,
-    SUM_STEPS: tl.constexpr,
     USE_CLOCK: tl.constexpr,
     PROFILE: tl.constexpr,
 ):
@@ -319,44 +258,23 @@ def combine_push(
     t_rows = tl.zeros((), tl.int64)
     if PROFILE:
         t_rows = read_clock(trace_ptr, USE_CLOCK)
-    # Each item's metadata (source, slot and, expanded, the rows of its choices) is loaded
-    # one item ahead, while the item before it is summed and stored: the rows' loads then
-    # wait for one round trip of memory instead of two (the metadata's, then theirs).
-    SLOTS: tl.constexpr = (not EXPAND) or MULTI
-    P = tl.num_programs(0)
-    i, live, src, rows, slot = item_meta(
-        pid, num_items, total, start, meta_ptr, slots_ptr, ks, K, BLOCK_ROWS, BLOCK_K,
-        NUM_CHUNKS, EXPAND, SLOTS,
-    )  # fmt: skip
-    for item in range(pid, num_items, P):
+    for item in range(pid, num_items, tl.num_programs(0)):
+        i = (item // NUM_CHUNKS) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         h0 = (item % NUM_CHUNKS) * BLOCK_CHANNELS
-        next_i, next_live, next_src, next_rows, next_slot = item_meta(
-            item + P, num_items, total, start, meta_ptr, slots_ptr, ks, K, BLOCK_ROWS,
-            BLOCK_K, NUM_CHUNKS, EXPAND, SLOTS,
-        )  # fmt: skip
+        live = i < total
+        i = i + start
+        i = tl.where(i < total, i, i - total)
+        meta = meta_ptr + i.to(tl.int64) * (K + 2)
+        src = tl.load(meta, mask=live, other=0)
         source = src // max_tokens
         token = src % max_tokens
         owner_base = tl.sum(tl.where(ranks[None, :] == source[:, None], peer_base[None, :], 0), 1)
-        if SLOTS:
-            dst = slot_rows(owner_base + region, slot, token, max_tokens, COMBINE_RECORD_BYTES)
-            send_sums(
-                x_ptr,
-                weights_ptr,
-                rows,
-                i,
-                live,
-                dst,
-                h0,
-                ks,
-                H,
-                K,
-                BLOCK_CHANNELS,
-                EXPAND,
-                SUM_STEPS,
-                has_weights,
-                not USE_CLOCK,
+        rows = tl.full((BLOCK_ROWS, BLOCK_K), -1, tl.int32)
+        if EXPAND:
+            rows = tl.load(
+                meta[:, None] + 2 + ks[None, :], mask=live[:, None] & (ks < K)[None, :], other=-1
             )
-        else:
+        if EXPAND & (not MULTI):
             send_expanded(
                 x_ptr,
                 rows,
@@ -372,7 +290,25 @@ def combine_push(
                 BLOCK_CHANNELS,
                 COMBINE_RECORD_BYTES,
             )
-        i, live, src, rows, slot = next_i, next_live, next_src, next_rows, next_slot
+        else:
+            slot = tl.load(slots_ptr + i, mask=live, other=0)
+            dst = slot_rows(owner_base + region, slot, token, max_tokens, COMBINE_RECORD_BYTES)
+            send_sums(
+                x_ptr,
+                weights_ptr,
+                rows,
+                i,
+                live,
+                dst,
+                h0,
+                ks,
+                H,
+                K,
+                BLOCK_CHANNELS,
+                EXPAND,
+                has_weights,
+                not USE_CLOCK,
+            )
     t_push_end = tl.zeros((), tl.int64)
     if PROFILE:
         t_push_end = read_clock(trace_ptr, USE_CLOCK)
@@ -440,7 +376,6 @@ def elastic_combine(
     BLOCK_CHANNELS: tl.constexpr,  # channels moved per step
     EXPAND: tl.constexpr,  # expanded layout: a row per (token, local expert)
     MULTI: tl.constexpr,  # EXPAND: reduce a token's rows here before sending one
-    SUM_STEPS: tl.constexpr,  # MULTI: a token's rows summed in an unrolled loop (send_sums)
     USE_CLOCK: tl.constexpr,  # waits read the GPU clock (not under the interpreter)
     PDL: tl.constexpr = False,  # the epilogue is a programmatic dependent launch (sm_90+)
     PROFILE: tl.constexpr = False,  # record a trace (push: rows; exchange: arrive, tag, wait)
@@ -480,7 +415,6 @@ def elastic_combine(
         BLOCK_CHANNELS,
         EXPAND,
         MULTI,
-        SUM_STEPS,
         USE_CLOCK,
         PROFILE,
     )

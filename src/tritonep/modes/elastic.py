@@ -97,7 +97,6 @@ class Tuning:
     decode_combine_rows: int = 2
     decode_combine_channels: int = 2048
     combine_warps: int = 8
-    combine_sum_steps: int = 4  # a token's expanded rows summed unrolled (the rest in a loop)
     reduce_tokens: int = 8  # tokens per block of the reduce epilogue
     reduce_channels: int = 1024  # channels per work item of the reduce epilogue
     reduce_warps: int = 8
@@ -836,7 +835,6 @@ class ElasticMode:
             BLOCK_CHANNELS=BLOCK_CHANNELS,
             EXPAND=do_expand,
             MULTI=multi,
-            SUM_STEPS=min(K, tuning.combine_sum_steps),
             USE_CLOCK=use_clock(device),
             PDL=self._pdl,
             PROFILE=profile,
