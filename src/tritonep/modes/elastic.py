@@ -309,8 +309,6 @@ class ElasticMode:
     def _kernel_launch(self, kernel, call_type, variant, options: dict) -> KernelLaunch:
         """One variant of ``kernel`` (``variant``: its constexprs; ``options``: warps and
         launch options), launched from ``call_type`` bundles."""
-        if variant.PROFILE is False and self.trace is not None:
-            variant = variant._replace(PROFILE=True)
         meta = {**variant._asdict(), **options}
         pointers = tuple(i for i, name in enumerate(call_type._fields) if name.endswith("_ptr"))
         return KernelLaunch(kernel, (1,), meta, call_type._fields, pointers)
