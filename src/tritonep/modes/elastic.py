@@ -115,6 +115,19 @@ def record_bytes(row_bytes: int, num_packs: int, topk: int) -> int:
     return _align(row_bytes, 16) + _align(4 * num_packs, 16) + _align(meta, 16)
 
 
+def record_layout(row_bytes: int, num_packs: int, topk: int) -> dict[str, int]:
+    """The constexprs of a dispatch record's layout (:func:`record_bytes`), on which the push
+    that stores records and the epilogue that reads them must agree."""
+    return dict(
+        ROW_WORDS=row_bytes // 4,
+        G=num_packs,
+        BLOCK_GROUPS=_pow2(max(num_packs, 2)),
+        RECORD_BYTES=record_bytes(row_bytes, num_packs, topk),
+        PAYLOAD_BYTES=_align(row_bytes, 16),
+        SCALE_BYTES=_align(4 * num_packs, 16),
+    )
+
+
 def combine_record_bytes(hidden: int, topk: int) -> int:
     """Bytes of a combine record: ``hidden`` BF16 values, then ``topk`` float32 weights."""
     return _align(2 * hidden + 4 * topk, 16)
@@ -568,13 +581,8 @@ class ElasticMode:
             BLOCK_COUNTS=_pow2(E_local + 1),
             NUM_RANKS=R,
             BLOCK_RANKS=_pow2(max(R, 2)),
-            ROW_WORDS=ROW_WORDS,
             BLOCK_WORDS=min(_pow2(ROW_WORDS), 8192 // BLOCK_TOKENS),
-            G=G,
-            BLOCK_GROUPS=_pow2(max(G, 2)),
-            RECORD_BYTES=record_bytes(row_bytes, G, K),
-            PAYLOAD_BYTES=_align(row_bytes, 16),
-            SCALE_BYTES=_align(4 * G, 16),
+            **record_layout(row_bytes, G, K),
             HEADER_WORDS=HEADER_WORDS,
             BLOCK_TOKENS=BLOCK_TOKENS,
             SCAN_BLOCK_TOKENS=max(BLOCK_TOKENS, min(1024 // BLOCK_K, scan)),
@@ -688,15 +696,10 @@ class ElasticMode:
             BLOCK_RANKS=_pow2(max(R, 2)),
             E_LOCAL=E_local,
             BLOCK_LOCAL_EXPERTS=_pow2(max(E_local, 2)),
-            ROW_WORDS=ROW_WORDS,
             # Tiles of 8192 words: a decode block of a row or two copies it in one step (each
             # step waits for its load).
             BLOCK_WORDS=min(_pow2(ROW_WORDS), 8192 // BLOCK_ROWS),
-            G=G,
-            BLOCK_GROUPS=_pow2(max(G, 2)),
-            RECORD_BYTES=record_bytes(row_bytes, G, K),
-            PAYLOAD_BYTES=_align(row_bytes, 16),
-            SCALE_BYTES=_align(4 * G, 16),
+            **record_layout(row_bytes, G, K),
             BLOCK_ROWS=BLOCK_ROWS,
             BLOCK_FILL=128,
             EXPAND=do_expand,
