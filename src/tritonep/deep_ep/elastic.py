@@ -11,6 +11,7 @@ import functools
 import math
 import re
 import subprocess
+from typing import TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -93,6 +94,22 @@ def _plain_torch(method):
             return method(*args, **kwargs)
 
     return call
+
+
+def _plain_rows(
+    t: object, dtype: torch.dtype, rows: int | None, device_index: int
+) -> TypeGuard[torch.Tensor]:
+    """Whether ``t`` is a contiguous 2-D tensor of ``dtype`` and ``rows`` rows (None: any) on
+    the device of index ``device_index`` (-1: the CPU): a call's check as plain comparisons,
+    before :func:`check_tensor` names what is wrong."""
+    return (
+        type(t) is _Tensor
+        and t.dtype is dtype
+        and t.dim() == 2
+        and (rows is None or t.shape[0] == rows)
+        and t.get_device() == device_index
+        and t.is_contiguous()
+    )
 
 
 def _check(name: str, t: object, dtype: torch.dtype, shape: tuple, device: torch.device):
@@ -564,14 +581,7 @@ class ElasticBuffer:
         if num_experts is None:
             raise ValueError("num_experts: required without a handle")
         e_local = check_num_experts(num_experts, self.num_ranks)
-        if not (
-            type(topk_idx) is _Tensor
-            and topk_idx.dtype is torch.int64
-            and topk_idx.dim() == 2
-            and topk_idx.shape[0] == num_tokens
-            and topk_idx.get_device() == self._device
-            and topk_idx.is_contiguous()
-        ):
+        if not _plain_rows(topk_idx, torch.int64, num_tokens, self._device):
             topk_idx = check_tensor(
                 "topk_idx",
                 topk_idx,
@@ -725,14 +735,7 @@ class ElasticBuffer:
         device = runtime.device
         rows = handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens
         num_tokens, topk = handle.topk_idx.shape
-        if not (
-            type(x) is _Tensor
-            and x.dtype is torch.bfloat16
-            and x.dim() == 2
-            and x.shape[0] == rows
-            and x.get_device() == self._device
-            and x.is_contiguous()
-        ):
+        if not _plain_rows(x, torch.bfloat16, rows, self._device):
             check_tensor("x", x, dtype=torch.bfloat16, shape=(rows, None), device=device)
         if topk_weights is not None:
             shape = (rows,) if handle.do_expand else (rows, topk)
@@ -867,13 +870,8 @@ def _made(t: torch.Tensor | None) -> torch.Tensor:
 
 def _check_x(payload: object, sf: object, device: torch.device) -> int:
     """Check a dispatch's ``x``; returns its token count."""
-    if not (
-        type(payload) is _Tensor
-        and payload.dtype is torch.bfloat16
-        and payload.dim() == 2
-        and payload.get_device() == (device.index if device.type == "cuda" else -1)
-        and payload.is_contiguous()
-    ):
+    index = device.index if device.type == "cuda" else -1
+    if not _plain_rows(payload, torch.bfloat16, None, index):
         payload = check_tensor(
             "x",
             payload,
