@@ -7,6 +7,7 @@ Type and dtype problems raise ``TypeError``; shapes, devices, layouts and values
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -188,7 +189,7 @@ def check_ranks_agree(group: dist.ProcessGroup, what: str, **config: object) -> 
         )
 
 
-def plain_tensor(t: object, dtype: torch.dtype, device_index: int) -> bool:
+def plain_tensor(t: object, dtype: torch.dtype, device_index: int) -> TypeGuard[torch.Tensor]:
     """Whether ``t`` is a contiguous tensor of ``dtype`` on the device of index
     ``device_index`` (-1: the CPU): a call's checks as plain comparisons, before
     :func:`check_tensor` names whatever is wrong."""

@@ -25,7 +25,7 @@ from ..modes.elastic import (
     ElasticMode,
     region_bytes,
 )
-from ..validation import check_num_experts, check_tensor
+from ..validation import check_num_experts, check_tensor, plain_tensor
 from .utils import EventHandle, EventOverlap
 
 __all__ = ["EPHandle", "ElasticBuffer", "get_logical_domain_size", "get_physical_domain_size"]
@@ -81,7 +81,6 @@ def _nvlink_gbs(device_index: int, factor: float = 0.9) -> float:
 
 
 _no_torch_function = torch._C.DisableTorchFunction
-_Tensor = torch.Tensor
 
 
 def _plain_torch(method):
@@ -99,29 +98,18 @@ def _plain_torch(method):
 def _plain_rows(
     t: object, dtype: torch.dtype, rows: int | None, device_index: int
 ) -> TypeGuard[torch.Tensor]:
-    """Whether ``t`` is a contiguous 2-D tensor of ``dtype`` and ``rows`` rows (None: any) on
-    the device of index ``device_index`` (-1: the CPU): a call's check as plain comparisons,
-    before :func:`check_tensor` names what is wrong."""
+    """:func:`plain_tensor`, 2-D with ``rows`` rows (None: any)."""
     return (
-        type(t) is _Tensor
-        and t.dtype is dtype
+        plain_tensor(t, dtype, device_index)
         and t.dim() == 2
         and (rows is None or t.shape[0] == rows)
-        and t.get_device() == device_index
-        and t.is_contiguous()
     )
 
 
 def _check(name: str, t: object, dtype: torch.dtype, shape: tuple, device: torch.device):
     """:func:`check_tensor` with every size given, plain comparisons first (every call
     checks its tensors)."""
-    if (
-        type(t) is _Tensor
-        and t.dtype is dtype
-        and t.shape == shape
-        and t.get_device() == (device.index if device.type == "cuda" else -1)
-        and t.is_contiguous()
-    ):
+    if plain_tensor(t, dtype, device.index if device.type == "cuda" else -1) and t.shape == shape:
         return t
     return check_tensor(name, t, dtype=dtype, shape=shape, device=device)
 

@@ -266,13 +266,15 @@ class ElasticMode:
         self.timeout_s = timeout_s
         self.state = torch.zeros(8, dtype=torch.int64, device=self.device)
         self.status = new_status(self.device)
-        self._totals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._scratches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._f32 = torch.zeros(4, dtype=torch.float32, device=self.device)  # unused pointers
-        #: Per call shape: the launches, their programs, the checks done (each plan keeps the
-        #: TUNING it was made with; a probe that swaps TUNING gets new plans).
+        #: Per call shape (sizes, and the block sizes they give): the launches, their programs,
+        #: the checks done (each plan keeps the TUNING it was made with; a probe that swaps
+        #: TUNING gets new plans). The launches themselves are kept per variant.
         self._dispatch_plans: dict[tuple, tuple] = {}
         self._epilogue_plans: dict[tuple, tuple] = {}
         self._combine_plans: dict[tuple, tuple] = {}
+        self._launches: dict[tuple, KernelLaunch] = {}
         self._barrier: KernelLaunch | None = None
         on_gpu = self.device.type == "cuda"
         self.num_device_sms = (
@@ -321,10 +323,16 @@ class ElasticMode:
 
     def _kernel_launch(self, kernel, call_type, variant, options: dict) -> KernelLaunch:
         """One variant of ``kernel`` (``variant``: its constexprs; ``options``: warps and
-        launch options), launched from ``call_type`` bundles."""
-        meta = {**variant._asdict(), **options}
-        pointers = tuple(i for i, name in enumerate(call_type._fields) if name.endswith("_ptr"))
-        return KernelLaunch(kernel, (1,), meta, call_type._fields, pointers)
+        launch options), launched from ``call_type`` bundles; one per variant, so that plans
+        of other sizes with the same variant launch its compiled kernel."""
+        key = (kernel, variant, tuple(options.items()))
+        launch = self._launches.get(key)
+        if launch is None:
+            meta = {**variant._asdict(), **options}
+            pointers = tuple(i for i, f in enumerate(call_type._fields) if f.endswith("_ptr"))
+            launch = KernelLaunch(kernel, (1,), meta, call_type._fields, pointers)
+            self._launches[key] = launch
+        return launch
 
     def _launch(
         self, launch: KernelLaunch, programs: int, call: Any, name: str, words: tuple = ()
@@ -412,12 +420,12 @@ class ElasticMode:
         """The push's scratch for ``num_experts``: ``[R + E]`` int32 totals and ``[R, 1 +
         E_local]`` int32 received counts, which the epilogue of the same call reads (calls
         are ordered on the device, and a host read comes before the next call)."""
-        scratch = self._totals.get(num_experts)
+        scratch = self._scratches.get(num_experts)
         if scratch is None:
             R, device = self.num_ranks, self.device
             totals = torch.zeros(R + num_experts, dtype=torch.int32, device=device)
             counts = torch.zeros(R, 1 + num_experts // R, dtype=torch.int32, device=device)
-            scratch = self._totals[num_experts] = (totals, counts)
+            scratch = self._scratches[num_experts] = (totals, counts)
         return scratch
 
     # --------------------------------------------------------------------------- dispatch
@@ -646,13 +654,15 @@ class ElasticMode:
         has_sf = recv_sf is not None
         rows = out.recv_x.shape[0]
         num_recv = out.num_recv_tokens
-        key = (row_bytes, G, K, E_local, expected_rows, num_recv, do_expand, has_sf, self.trace)
+        tuning = TUNING
+        copy_programs = self.num_device_sms * tuning.copy_programs_per_sm
+        BLOCK_ROWS = self._block(tuning.copy_rows, expected_rows, copy_programs)
+        key = (row_bytes, G, K, E_local, BLOCK_ROWS, do_expand, has_sf, self.trace)
         plan = self._epilogue_plans.get(key)
-        if plan is None or plan[0] is not TUNING:
-            plan = self._epilogue_plans[key] = self._epilogue_plan(
-                row_bytes, G, K, E_local, expected_rows, num_recv, do_expand, has_sf
-            )
-        _, copy, programs = plan
+        if plan is None or plan[0] is not tuning:
+            plan = self._epilogue_plans[key] = self._epilogue_plan(*key[:-1])
+        copy = plan[1]
+        programs = self._programs(copy_programs, max(num_recv, E_local), BLOCK_ROWS)
         write_meta = out.recv_src_metadata is not None
         has_w = out.recv_topk_weights is not None
         int32_dummy = self.status
@@ -683,11 +693,9 @@ class ElasticMode:
         )
         self._launch(copy, programs, call, "elastic dispatch epilogue", _COPY_WORDS)
 
-    def _epilogue_plan(self, row_bytes, G, K, E_local, expected_rows, num_recv, do_expand, has_sf):
-        """``(TUNING, the copy epilogue's launch, its programs)`` for these sizes."""
+    def _epilogue_plan(self, row_bytes, G, K, E_local, BLOCK_ROWS, do_expand, has_sf):
+        """``(TUNING, the copy epilogue's launch)`` for these sizes."""
         R, tuning = self.num_ranks, TUNING
-        copy_programs = self.num_device_sms * tuning.copy_programs_per_sm
-        BLOCK_ROWS = self._block(tuning.copy_rows, expected_rows, copy_programs)
         ROW_WORDS = row_bytes // 4
         variant = ed.EpilogueVariant(
             K=K,
@@ -710,7 +718,7 @@ class ElasticMode:
         )
         options = {"num_warps": tuning.copy_warps, **self._dependent()}
         copy = self._kernel_launch(ed.elastic_dispatch_epilogue, ed.EpilogueCall, variant, options)
-        return tuning, copy, self._programs(copy_programs, max(num_recv, E_local), BLOCK_ROWS)
+        return tuning, copy
 
     # ---------------------------------------------------------------------------- combine
     def combine(
@@ -751,22 +759,19 @@ class ElasticMode:
             H = x.shape[1]
             multi = multiple_reduction or not do_expand
             tokens = recv_src_metadata.shape[0]
-            key = (
-                N,
-                H,
-                K,
-                tokens,
-                num_experts,
-                num_max_tokens,
-                do_expand,
-                multi,
-                num_sms,
-                self.trace,
-            )
+            decode = N <= DECODE_TOKENS
+            blocks = self._combine_blocks(N, H, tokens, decode, num_sms)
+            channels, rows_block, reduce_channels, tokens_block = blocks
+            key = (H, K, num_experts, num_max_tokens, do_expand, multi, *blocks, self.trace)
             plan = self._combine_plans.get(key)
             if plan is None or plan[0] is not TUNING:
                 plan = self._combine_plans[key] = self._combine_plan(*key[:-1])
-            _, push, push_programs, reduce, reduce_programs = plan
+            _, push, reduce = plan
+            chunks, reduce_chunks = -(-H // channels), -(-H // reduce_channels)
+            push_programs = self._programs(num_sms, -(-tokens // rows_block) * chunks, 1)
+            reduce_programs = self._programs(
+                self.num_device_sms, -(-N // tokens_block) * reduce_chunks, 1
+            )
             has_w = topk_weights is not None
             call = ec.CombineCall(
                 x_ptr=x,
@@ -800,29 +805,50 @@ class ElasticMode:
             self._launch(reduce, reduce_programs, reduce_call, "elastic combine epilogue")
             return out, out_w
 
+    def _combine_blocks(self, N, H, tokens, decode, num_sms) -> tuple[int, int, int, int]:
+        """The tiles of a combine of ``N`` tokens here and ``tokens`` received ones:
+        ``(channels and received tokens per block of the push, channels and tokens per block
+        of the reduce)``."""
+        tuning = TUNING
+        # CPU ranks take narrow chunks, so that the tests cross chunk boundaries.
+        widest = _pow2(H) if self.device.type == "cuda" else 64
+        channels = min(
+            widest, tuning.decode_combine_channels if decode else tuning.combine_channels
+        )
+        # Received tokens: the handle's worst case, planned for as this rank's tokens times the
+        # ranks (equal decode batches); only the block size follows the guess.
+        rows = min(tokens, self.num_ranks * max(N, 1)) * -(-H // channels)
+        most_rows = tuning.decode_combine_rows if decode else tuning.combine_rows
+        reduce_channels = min(widest, tuning.reduce_channels)
+        reduce_work = N * -(-H // reduce_channels)
+        return (
+            channels,
+            self._block(most_rows, rows, num_sms),
+            reduce_channels,
+            self._block(tuning.reduce_tokens, reduce_work, self.num_device_sms),
+        )
+
     def _combine_plan(
-        self, N, H, K, tokens, num_experts, num_max_tokens, do_expand, multi, num_sms
+        self,
+        H,
+        K,
+        num_experts,
+        num_max_tokens,
+        do_expand,
+        multi,
+        BLOCK_CHANNELS,
+        BLOCK_ROWS,
+        REDUCE_CHANNELS,
+        BLOCK_TOKENS,
     ):
-        """``(TUNING, the push's launch and programs, the reduce's launch and programs)`` for
-        combines of these sizes; ``ValueError`` for sizes the mode cannot take."""
+        """``(TUNING, the push's launch, the reduce's launch)`` for combines of these sizes and
+        tiles (:meth:`_combine_blocks`); ``ValueError`` for sizes the mode cannot take."""
         R, device, tuning = self.num_ranks, self.device, TUNING
         slots = combine_slots(R, K, do_expand, multi)
         error = self.capacity_error(num_max_tokens, H, K, 0, 0, slots)
         if error:
             raise ValueError(error)
         crec, BLOCK_K = combine_record_bytes(H, K), _pow2(max(K, 2))
-        decode = N <= DECODE_TOKENS
-        # CPU ranks take narrow chunks, so that the tests cross chunk boundaries.
-        widest = _pow2(H) if device.type == "cuda" else 64
-        BLOCK_CHANNELS = min(
-            widest, tuning.decode_combine_channels if decode else tuning.combine_channels
-        )
-        chunks = -(-H // BLOCK_CHANNELS)
-        # Received tokens: the handle's worst case, planned for as this rank's tokens times the
-        # ranks (equal decode batches); only the block size follows the guess.
-        rows = min(tokens, R * max(N, 1))
-        most_rows = tuning.decode_combine_rows if decode else tuning.combine_rows
-        BLOCK_ROWS = self._block(most_rows, rows * chunks, num_sms)
         profile = self.trace is not None
         variant = ec.CombineVariant(
             H=H,
@@ -842,10 +868,6 @@ class ElasticMode:
         )
         options = {"num_warps": tuning.combine_warps, "enable_fp_fusion": False}
         push = self._kernel_launch(ec.elastic_combine, ec.CombineCall, variant, options)
-        push_programs = self._programs(num_sms, -(-tokens // BLOCK_ROWS) * chunks, 1)
-        REDUCE_CHANNELS = min(widest, tuning.reduce_channels)
-        reduce_chunks = -(-H // REDUCE_CHANNELS)
-        BLOCK_TOKENS = self._block(tuning.reduce_tokens, N * reduce_chunks, self.num_device_sms)
         reduce_variant = ec.ReduceVariant(
             H=H,
             K=K,
@@ -869,10 +891,7 @@ class ElasticMode:
         reduce = self._kernel_launch(
             ec.elastic_combine_epilogue, ec.ReduceCall, reduce_variant, options
         )
-        reduce_programs = self._programs(
-            self.num_device_sms, -(-N // BLOCK_TOKENS) * reduce_chunks, 1
-        )
-        return tuning, push, push_programs, reduce, reduce_programs
+        return tuning, push, reduce
 
     def destroy(self) -> None:
         """Release the heap (collective); raises if a wait had timed out."""
