@@ -335,6 +335,46 @@ def test_elastic_dispatch_combine(
     assert run_ranks(R, _elastic_body, *args) == [True] * R
 
 
+def _plans_body(ctx):
+    """Exact-size dispatches and combines whose received counts differ from call to call (as
+    a training step's do), checked against the reference; returns how many plans and
+    launches the mode keeps."""
+    R, rank, dev = ctx.world_size, ctx.rank, ctx.device
+    buffer = deep_ep.ElasticBuffer(
+        dist.group.WORLD, num_max_tokens_per_rank=6, hidden=64, num_topk=2, explicitly_destroy=True
+    )
+    received = set()
+    for seed in range(4):
+        inputs = _gather_inputs(ctx, [6] * R, 64, 4 * R, 2, None, seed=10 + seed)
+        refs = elastic_dispatch(*[[i[k] for i in inputs] for k in range(3)], 4 * R, 6, 1)
+        x, idx, w = (t.to(dev) for t in inputs[rank])
+        recv_x, _, _, handle, _ = buffer.dispatch(x, idx, w, num_experts=4 * R)
+        n = refs[rank].num_recv_tokens
+        assert handle.num_recv_tokens == n and torch.equal(
+            recv_x.cpu(), _bf16_rows(refs[rank].recv_x)
+        )
+        received.add(n)
+        out, _, _ = buffer.combine(recv_x, handle)
+        assert out.shape == (6, 64) and not bool(out.isnan().any())
+    mode = buffer.runtime
+    sizes = [
+        len(received),
+        len(mode._epilogue_plans),
+        len(mode._combine_plans),
+        len(mode._launches),
+    ]
+    buffer.destroy()
+    return sizes
+
+
+def test_plans_do_not_follow_the_received_count(run_ranks):
+    """A plan is per call shape and tile, not per received count: four exact-size calls with
+    different counts keep one copy-epilogue plan, one combine plan and four launches (push,
+    copy, combine push, reduce)."""
+    for received, *kept in run_ranks(2, _plans_body):
+        assert received > 1 and kept == [1, 1, 4]
+
+
 def test_elastic_calls_under_a_process_wide_default_device_and_dtype(run_ranks):
     """The same checks with ``torch.set_default_device`` and ``set_default_dtype(bfloat16)``
     set around every call (DeepEP's harness sets them; the calls turn torch function modes
