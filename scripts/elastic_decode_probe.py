@@ -248,6 +248,7 @@ def _trace_lines(ctx, opts, elastic, legacy, T, most, recorder, config=""):
 
 def _rank(ctx, opts):
     import tritonep.deep_ep as deep_ep
+    import tritonep.modes.elastic as mode
     from tritonep.bench.timing import mean_over_ranks, median_ms
     from tritonep.testing import route
 
@@ -269,8 +270,6 @@ def _rank(ctx, opts):
         line for T in opts.tokens for line in _decode_line(ctx, opts, elastic, legacy, T, most)
     ]
     for config in filter(None, (opts.tune or "").split(";")):
-        import tritonep.modes.elastic as mode
-
         mode.TUNING = _tuning(config)
         for T in opts.tokens:
             lines += _decode_line(ctx, opts, elastic, legacy, T, most, f" [{config}]")
@@ -287,8 +286,6 @@ def _rank(ctx, opts):
         traced_ll = deep_ep.Buffer(group, 0, rdma, low_latency_mode=True, explicitly_destroy=True)
         traced_ll.profile = recorder
         elastic.runtime.trace = recorder
-        import tritonep.modes.elastic as mode
-
         for config in ["", *filter(None, (opts.tune or "").split(";"))]:
             mode.TUNING = _tuning(config)
             for T in opts.tokens:
