@@ -375,6 +375,60 @@ def test_plans_do_not_follow_the_received_count(run_ranks):
         assert received > 1 and kept == [1, 1, 4]
 
 
+def _skipped_exact_body(ctx):
+    """Rank 1 skips an exact-size dispatch: rank 0's host, which waits for the counts its
+    push writes to host memory, raises the push's timeout, naming rank, peer and phase;
+    then a new buffer on both ranks dispatches exactly again."""
+    import contextlib
+    import time
+
+    from tritonep.errors import WaitTimeoutError
+
+    R, rank, dev = ctx.world_size, ctx.rank, ctx.device
+    limit = 1 if dev.type == "cuda" else 0.1
+    inputs = _gather_inputs(ctx, [6] * R, 64, 4 * R, 2, None, seed=21)
+    x, idx, w = (t.to(dev) for t in inputs[rank])
+
+    def build(seconds):
+        return deep_ep.ElasticBuffer(
+            dist.group.WORLD,
+            num_max_tokens_per_rank=6,
+            hidden=64,
+            num_topk=2,
+            num_gpu_timeout_secs=seconds,
+            explicitly_destroy=True,
+        )
+
+    buffer = build(limit)
+    error, took = None, 0.0
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            buffer.dispatch(x, idx, w, num_experts=4 * R)
+        except WaitTimeoutError as e:
+            error = str(e)
+        took = time.monotonic() - start
+    dist.barrier()
+    with contextlib.suppress(WaitTimeoutError):  # the same timeout, reported again
+        buffer.destroy()
+    buffer = build(100)
+    refs = elastic_dispatch(*[[i[k] for i in inputs] for k in range(3)], 4 * R, 6, 1)
+    recv_x, _, _, handle, _ = buffer.dispatch(x, idx, w, num_experts=4 * R)
+    n = refs[rank].num_recv_tokens
+    exact = handle.num_recv_tokens == n and torch.equal(recv_x.cpu(), _bf16_rows(refs[rank].recv_x))
+    buffer.destroy()
+    return error, took, exact
+
+
+def test_a_skipped_exact_size_dispatch_raises_a_named_timeout(run_ranks):
+    """The counts of an exact-size dispatch reach the host without a copy, and so does a
+    timeout of the push that was to send them: rank 0 raises within the limit."""
+    (error, took, exact0), (none, _, exact1) = run_ranks(2, _skipped_exact_body)
+    assert none is None and exact0 and exact1
+    assert error is not None and error.startswith("rank 0 timed out after"), error
+    assert "peer 1" in error and "elastic" in error and took < 30, (error, took)
+
+
 def test_elastic_calls_under_a_process_wide_default_device_and_dtype(run_ranks):
     """The same checks with ``torch.set_default_device`` and ``set_default_dtype(bfloat16)``
     set around every call (DeepEP's harness sets them; the calls turn torch function modes

@@ -36,6 +36,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from .elastic_exchange import (
+    HOST_COUNTS,
     arrive,
     exchange_number,
     finish_exchange,
@@ -46,6 +47,7 @@ from .elastic_exchange import (
 )
 from .phases import ELASTIC_DISPATCH
 from .profiled import kernel
+from .status import fence_system
 from .sync import aligned_ptr, lane, rows_before
 from .trace import read_clock, write_trace
 
@@ -65,6 +67,7 @@ FLAG_COPY_IDS = tl.constexpr(4)  # the push copies the ids for the handle
 FLAG_SLOTS = tl.constexpr(8)  # the push writes each choice's destination slot
 FLAG_ZERO_PAD = tl.constexpr(16)  # the epilogue zeroes the expanded layout's padding rows
 FLAG_META = tl.constexpr(32)  # the epilogue writes the handle (metadata, prefix sums)
+FLAG_HOST_COUNTS = tl.constexpr(64)  # the push also writes the counts to host memory
 
 
 class DispatchCall(NamedTuple):
@@ -362,16 +365,27 @@ def decode_headers(
     BLOCK_COUNTS: tl.constexpr,
     HEADER_WORDS: tl.constexpr,
     has_stats,
+    state_ptr,
+    to_host,
 ):
     """The last program, once every source's tag came: the counts of every source
-    (``recv_counts[s] = [tokens, choices of each local expert...]``)."""
+    (``recv_counts[s] = [tokens, choices of each local expert...]``), and with ``to_host``
+    the same into the host words at ``HOST_COUNTS``, their flag last: the host of an
+    exact-size call polls it instead of copying the counts once the launch has ended."""
     cols = tl.arange(0, BLOCK_COUNTS)
     grid = (ranks < NUM_RANKS)[:, None] & (cols < 1 + E_LOCAL)[None, :]
     mine = header_ptr(
         my_base, header_offset, call % 2, ranks[:, None], 1 + cols[None, :], HEADER_WORDS, NUM_RANKS
     )
     got = tl.load(mine, mask=grid, other=0, volatile=True)
-    tl.store(recv_counts_ptr + ranks[:, None] * (1 + E_LOCAL) + cols[None, :], got, mask=grid)
+    at = ranks[:, None] * (1 + E_LOCAL) + cols[None, :]
+    tl.store(recv_counts_ptr + at, got, mask=grid)
+    if to_host:
+        host = tl.load(state_ptr + HOST_COUNTS).to(tl.pointer_type(tl.int32))
+        tl.store(host + 1 + at, got, mask=grid)
+        tl.debug_barrier()  # every thread's words stored before any thread's fence and flag
+        fence_system()
+        tl.store(host, 1)
     if has_stats:
         experts = cols - 1
         emask = (cols >= 1) & (cols < 1 + E_LOCAL)
@@ -582,6 +596,8 @@ def dispatch_push(
             BLOCK_COUNTS,
             HEADER_WORDS,
             has_stats,
+            state_ptr,
+            (flags & FLAG_HOST_COUNTS) != 0,
         )
         finish_exchange(state_ptr, call)
     return t_push_end, t_arrive, t_scan, t_stores, t_headers, t_wait
@@ -613,7 +629,7 @@ def elastic_dispatch(
     stats_ptr,  # [E_LOCAL] int32, choices received added in (FLAG_STATS)
     ids_copy_ptr,  # [N, K] int64 out: a copy of the ids (FLAG_COPY_IDS)
     slots_ptr,  # [N, K] int32 out: each choice's slot on its destination (FLAG_SLOTS)
-    flags,  # FLAG_WEIGHTS | FLAG_STATS | FLAG_COPY_IDS | FLAG_SLOTS
+    flags,  # FLAG_WEIGHTS | FLAG_STATS | FLAG_COPY_IDS | FLAG_SLOTS | FLAG_HOST_COUNTS
     trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE; kernels.trace), else unused
     # ElasticShared (elastic_exchange): the mode's, the same on every call
     peer_ptrs,  # [R] int64 heap base of every rank

@@ -67,6 +67,9 @@ class BarrierVariant(NamedTuple):
 EXCHANGES = tl.constexpr(0)  # exchanges completed
 ARRIVALS = tl.constexpr(1)  # programs of the running launch done with their stores
 BARRIERS = tl.constexpr(2)  # barriers completed
+#: host address of ``[written flag, R x (1 + E_local) counts]`` int32 (page-locked), where a
+#: push with ``FLAG_HOST_COUNTS`` writes what each source sent here (an exact-size call's read)
+HOST_COUNTS = tl.constexpr(3)
 
 
 @triton.jit

@@ -168,9 +168,12 @@ class Status:
         #: ``int32 [STATUS_WORDS]`` on ``device``: the kernels' argument.
         self.words = new_status(device)
         #: ``int32 [RECORD_WORDS]`` in host memory the device writes (page-locked on GPUs).
-        self.host = torch.zeros(RECORD_WORDS, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.host = torch.zeros(
+            RECORD_WORDS, dtype=torch.int32, device="cpu", pin_memory=device.type == "cuda"
+        )
         self._view = (ctypes.c_int32 * RECORD_WORDS).from_address(self.host.data_ptr())
-        address = torch.tensor([self.host.data_ptr()], dtype=torch.int64).view(torch.int32)
+        address = torch.tensor([self.host.data_ptr()], dtype=torch.int64, device="cpu")
+        address = address.view(torch.int32)
         self.words[2 * MIRROR_INDEX.value :].copy_(address)
 
     def recorded(self) -> int:

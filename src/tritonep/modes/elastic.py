@@ -24,6 +24,7 @@ warps come from :data:`TUNING`.
 
 from __future__ import annotations
 
+import ctypes
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -37,11 +38,10 @@ from ..kernels import elastic_dispatch, elastic_exchange, phases
 from ..kernels import elastic_dispatch as ed
 from ..kernels.elastic_exchange import BarrierCall, BarrierVariant, ElasticShared
 from ..kernels.launcher import KernelLaunch, Shared
+from ..kernels.status import Status
 from ..kernels.sync import (
     DEFAULT_TIMEOUT_S,
-    STATUS_WORDS,
     check_status,
-    new_status,
     raise_on_timeout,
     timeout_us,
     use_clock,
@@ -266,8 +266,16 @@ class ElasticMode:
         self.device = self.heap.device
         self.timeout_s = timeout_s
         self.state = torch.zeros(8, dtype=torch.int64, device=self.device)
-        self.status = new_status(self.device)
+        # The kernels' status words; what they record is mirrored into host memory, which an
+        # exact-size dispatch reads with its counts, without a copy.
+        self._status = Status(self.device)
+        self.status = self._status.words
         self._scratches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # [written flag, R x (1 + E_local) counts] int32 in host memory (page-locked on GPUs),
+        # written by an exact-size push (elastic_exchange.HOST_COUNTS), grown to the most
+        # experts seen.
+        self._host_counts = torch.zeros(1, dtype=torch.int32, device="cpu")
+        self._host_view = (ctypes.c_int32 * 1).from_address(self._host_counts.data_ptr())
         self._f32 = torch.zeros(4, dtype=torch.float32, device=self.device)  # unused pointers
         #: Per call shape (sizes, and the block sizes they give): the launches, their programs,
         #: the checks done (each plan keeps the TUNING it was made with; a probe that swaps
@@ -479,10 +487,19 @@ class ElasticMode:
             if plan is None or plan[0] is not TUNING:
                 plan = self._dispatch_plans[key] = self._dispatch_plan(*key[:-1])
             _, push, programs, E_local, totals, recv_counts = plan
-            R, rank, device = self.num_ranks, self.rank, self.device
+            R, device = self.num_ranks, self.device
             first_call = cached is None
             ids_copy = torch.empty_like(topk_idx) if first_call and copy_ids else None
             dst_slots = empty_output(device, (N, K), torch.int32) if first_call else None
+            # The handle's count-sized tensors, allocated now: an exact-size call's host waits
+            # for the push next, and what it allocates after the read delays the epilogue.
+            handle_counts = None
+            if first_call:
+                handle_counts = (
+                    empty_output(device, (R,), torch.int32),
+                    empty_output(device, (E_local,), torch.int32),
+                    empty_output(device, (E_local,), torch.int32),
+                )
             int32_dummy = self.status
             flags = (
                 (ed.FLAG_WEIGHTS.value if topk_weights is not None else 0)
@@ -490,6 +507,11 @@ class ElasticMode:
                 | (ed.FLAG_COPY_IDS.value if ids_copy is not None else 0)
                 | (ed.FLAG_SLOTS.value if first_call else 0)
             )
+            count_words = R * (1 + E_local)
+            if first_call and do_cpu_sync:
+                host_view = self._host_words(count_words)
+                host_view[0] = 0  # (set by the push once the counts are written)
+                flags |= ed.FLAG_HOST_COUNTS.value
             call = ed.DispatchCall(
                 x_ptr=x,
                 sf_ptr=sf if sf is not None else int32_dummy,
@@ -513,8 +535,7 @@ class ElasticMode:
                 per_expert = cached.num_recv_tokens_per_expert_list
             elif do_cpu_sync:
                 # The one host read of a dispatch: the counts every source sent here.
-                info = torch.cat([recv_counts.flatten(), self.status]).tolist()
-                check_status(info[-STATUS_WORDS:], rank, phases.NAMES)
+                info = self._read_counts(host_view, count_words)
                 # [rows, rows per local expert] summed over the sources, element-wise in C
                 # (a Python loop over the experts took 40-80 us on the GPU hosts, while the
                 # device waits for the epilogue's launch).
@@ -544,7 +565,7 @@ class ElasticMode:
                 num_expanded,
                 do_expand,
                 tma_sf,
-                first_call,
+                handle_counts,
             )
             out.num_recv_tokens_per_expert_list = per_expert
             out.dst_buffer_slot_idx = dst_slots
@@ -611,10 +632,61 @@ class ElasticMode:
         programs = self._programs(num_sms, N, BLOCK_TOKENS)
         return tuning, push, programs, E_local, *self._scratch(num_experts)
 
+    def _host_words(self, count_words: int):
+        """The host words of an exact-size push's counts (``[flag, counts...]``, a ctypes
+        array), holding at least ``count_words`` counts."""
+        if len(self._host_view) < 1 + count_words:
+            on_gpu = self.device.type == "cuda"
+            words = torch.zeros(1 + count_words, dtype=torch.int32, device="cpu", pin_memory=on_gpu)
+            self._host_view = (ctypes.c_int32 * (1 + count_words)).from_address(words.data_ptr())
+            self._host_counts = words
+            # (in stream order, before the push that writes there; the push of any earlier
+            # exact-size call has written its words: that call waited for them)
+            self.state[elastic_exchange.HOST_COUNTS.value] = words.data_ptr()
+        return self._host_view
+
+    def _read_counts(self, view, count_words: int) -> list[int]:
+        """What each source sent here, ``[R x (1 + E_local)]``, once the push just launched has
+        written it to host memory (its flag, ``view[0]``); raises what a wait of that push
+        recorded (its status is mirrored into host memory too)."""
+        polls = 0
+        # Polled while the stream runs, as DeepEP polls its mapped counters: the counts are
+        # read when the push writes them, with no copy and no synchronization. The push's own
+        # waits are bounded; now and then the poll asks whether the stream has run dry without
+        # the words (a failed launch), which would leave them unset.
+        while not view[0]:
+            polls += 1
+            if polls % 4096 == 0 and self._stream_idle() and not view[0]:
+                check_status(self._status.record(), self.rank, phases.NAMES)
+                raise RuntimeError(
+                    f"rank {self.rank}: the elastic dispatch ended without writing the counts "
+                    "it received"
+                )
+        check_status(self._status.record(), self.rank, phases.NAMES)
+        return view[1 : 1 + count_words]
+
+    def _stream_idle(self) -> bool:
+        """Whether every launch so far on the current stream has ended (the interpreter's
+        have, when they return)."""
+        return self.device.type != "cuda" or torch.cuda.current_stream(self.device).query()
+
     def _dispatch_outputs(
-        self, x, sf, topk_weights, K, E_local, num_recv, num_expanded, do_expand, tma_sf, first_call
+        self,
+        x,
+        sf,
+        topk_weights,
+        K,
+        E_local,
+        num_recv,
+        num_expanded,
+        do_expand,
+        tma_sf,
+        handle_counts,
     ) -> ElasticDispatchOutput:
-        device, R = self.device, self.num_ranks
+        """The outputs of a dispatch of ``num_recv`` tokens (``num_expanded`` rows expanded);
+        ``handle_counts``: the handle's ``[R]``, ``[E_local]``, ``[E_local]`` int32 prefix sums and
+        counts of a first dispatch (None: a cached one, which makes no handle)."""
+        device = self.device
         rows = num_expanded if do_expand else num_recv
         recv_x = empty_output(device, (rows, x.shape[1]), x.dtype)
         recv_sf = None
@@ -631,10 +703,10 @@ class ElasticMode:
             shape = (rows,) if do_expand else (rows, K)
             recv_w = empty_output(device, shape, torch.float32)
         out = ElasticDispatchOutput(recv_x, recv_sf, recv_idx, recv_w, num_recv, num_expanded, [])
-        if first_call:
-            out.psum_num_recv_tokens_per_scaleup_rank = empty_output(device, (R,), torch.int32)
-            out.psum_num_recv_tokens_per_expert = empty_output(device, (E_local,), torch.int32)
-            out.num_unaligned_recv_tokens_per_expert = empty_output(device, (E_local,), torch.int32)
+        if handle_counts is not None:
+            out.psum_num_recv_tokens_per_scaleup_rank = handle_counts[0]
+            out.psum_num_recv_tokens_per_expert = handle_counts[1]
+            out.num_unaligned_recv_tokens_per_expert = handle_counts[2]
             out.recv_src_metadata = empty_output(device, (num_recv, K + 2), torch.int32)
             out.reduction_slot = empty_output(device, (num_recv,), torch.int32)
         return out

@@ -805,7 +805,7 @@ class NormalMode:
         # An exact-size notify writes the count where the host reads it without a copy:
         # [written flag, rows received, aligned tokens per local expert...] (HOST_COUNTS).
         self._host_counts = torch.zeros(
-            2 + self.num_local_experts, dtype=torch.int32, pin_memory=on_gpu
+            2 + self.num_local_experts, dtype=torch.int32, device="cpu", pin_memory=on_gpu
         )
         self._host_view = (ctypes.c_int32 * (2 + self.num_local_experts)).from_address(
             self._host_counts.data_ptr()
