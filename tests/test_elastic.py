@@ -889,6 +889,12 @@ def _graph_body(ctx, num_tokens, hidden, experts_per_rank, topk):
     )
     out_late[-1].current_stream_wait()
     assert torch.equal(out_sync[0], out_late[0]) and torch.equal(out_sync[1], out_late[1])
+    # An exact-size dispatch reads its counts on the host: under a capture it raises before
+    # it launches anything, and the buffer works on.
+    with pytest.raises(ValueError, match="do_cpu_sync"), torch.cuda.graph(torch.cuda.CUDAGraph()):
+        buffer.dispatch(x, idx, w, num_experts=num_experts)
+    again = buffer.dispatch(x, idx, w, num_experts=num_experts)
+    assert torch.equal(again[0], sync[0]) and torch.equal(again[1], sync[1])
     buffer.barrier()
     buffer.check()
     buffer.destroy()

@@ -489,6 +489,13 @@ class ElasticMode:
             _, push, programs, E_local, totals, recv_counts = plan
             R, device = self.num_ranks, self.device
             first_call = cached is None
+            if first_call and do_cpu_sync and device.type == "cuda":  # noqa: SIM102
+                if torch.cuda.is_current_stream_capturing():
+                    raise ValueError(
+                        "do_cpu_sync: an exact-size dispatch reads its counts on the host, "
+                        "which a CUDA graph capture cannot; pass do_cpu_sync=False (worst-case "
+                        "sizes) or a handle"
+                    )
             ids_copy = torch.empty_like(topk_idx) if first_call and copy_ids else None
             dst_slots = empty_output(device, (N, K), torch.int32) if first_call else None
             # The handle's count-sized tensors, allocated now: an exact-size call's host waits
