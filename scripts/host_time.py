@@ -18,7 +18,7 @@ launched with (as a training step's), and exact-size dispatch (whose host waits 
 through ``NormalMode`` and through ``tritonep.deep_ep.Buffer`` (its stream handling included:
 calls without ``async_finish`` run on the current stream, and on GPUs a cached dispatch and a
 combine with ``async_finish=True`` time the communication stream and its events), and
-``tritonep.deep_ep.ElasticBuffer``'s worst-case and cached dispatch and combine.
+``tritonep.deep_ep.ElasticBuffer``'s worst-case, exact-size and cached dispatch and combine.
 Each line also splits the time on GPUs into this project's Python (the same calls with the
 kernel launches left out) and the launches. The script also runs on a tree from before issue
 48 (``PYTHONPATH=prev/src``), whose modes check ids on the host by default (a synchronization
@@ -89,11 +89,20 @@ def _launches_left_out():
     received = getattr(normal.NormalMode, "_received_count", None)
     if received is not None:
         normal.NormalMode._received_count = lambda self: self._host_view[1]
+    # So does an exact-size ElasticBuffer dispatch, for the counts its push writes there.
+    elastic = None
+    with contextlib.suppress(ImportError):
+        from tritonep.modes import elastic
+    read = getattr(getattr(elastic, "ElasticMode", None), "_read_counts", None)
+    if read is not None:
+        elastic.ElasticMode._read_counts = lambda self, view, words: view[1 : 1 + words]
     try:
         yield
     finally:
         if received is not None:
             normal.NormalMode._received_count = received
+        if read is not None:
+            elastic.ElasticMode._read_counts = read
         launcher.launch = launch
         if bundled is not None:
             bundled.__call__ = call
@@ -398,9 +407,12 @@ def _elastic_ops(group, x, idx, w, E, on_gpu):
     )
     first = elastic.dispatch(x, idx, w, num_experts=E, do_cpu_sync=False)
     handle, y = first[3], first[0].clone()
+    elastic.dispatch(x, idx, w, num_experts=E)  # (the counts an exact-size call reads)
     ops = [
         ("deep_ep.ElasticBuffer worst-case dispatch",
          lambda: elastic.dispatch(x, idx, w, num_experts=E, do_cpu_sync=False)),
+        ("deep_ep.ElasticBuffer exact-size dispatch (waits for the count)",
+         lambda: elastic.dispatch(x, idx, w, num_experts=E)),
         ("deep_ep.ElasticBuffer cached dispatch", lambda: elastic.dispatch(x, handle=handle)),
         ("deep_ep.ElasticBuffer combine", lambda: elastic.combine(y, handle)),
     ]  # fmt: skip
