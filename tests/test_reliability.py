@@ -609,3 +609,18 @@ def test_a_timeout_without_a_single_peer_says_so():
     assert relay.startswith("rank 3 timed out after 2 s in phase 'dispatch relay")
     assert "no single peer" in relay and "peer -1" not in relay
     assert "waiting for peer 1; that peer is stuck" in str(WaitTimeoutError(0, 1, "notify", 1))
+
+
+def test_a_status_keeps_its_host_copy_on_the_host_under_a_default_device():
+    """The host copy of a mode's status is host memory whatever torch's default device is:
+    under ``torch.set_default_device('cuda')`` (DeepEP's test harness) a buffer made without
+    a device would land on the GPU, and pinning it fails. The meta device stands in here."""
+    from tritonep.kernels.status import RECORD_WORDS, Status
+
+    torch.set_default_device("meta")
+    try:
+        status = Status(torch.device("cpu"))
+    finally:
+        torch.set_default_device(None)
+    assert status.host.device.type == "cpu" and status.words.device.type == "cpu"
+    assert status.record() == [0] * RECORD_WORDS
