@@ -2,7 +2,8 @@
 
     PYTHONPATH=src python scripts/probes/elastic_exact_probe.py RANKS OUT [TOKENS HIDDEN EXPERTS]
     (TRITONEP_PROBE_PROFILE=1: also a torch profiler trace of 3 exact-size dispatches and
-    combines of rank 0, into OUT, with its tables)
+    combines of rank 0, into OUT, with its tables; TRITONEP_PROBE_MARKS=1: also host marks
+    inside 30 exact-size and 30 worst-case dispatches, medians of each step)
 
 Per call kind (exact-size dispatch, dispatch without the host read, cached dispatch, combine;
 top-8, random routing), the eager median of 10 calls and, after a synchronization, when one
@@ -11,6 +12,7 @@ call returns to the host and when its work is done. In a profiler trace the gap 
 host's work while the GPU idles.
 """
 
+import itertools
 import os
 import sys
 import time
@@ -22,6 +24,61 @@ import torch.distributed as dist
 def _sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def _marks(call_of, calls: int = 30) -> list[str]:
+    """Medians over ``calls`` calls of the host's steps inside an exact-size and a worst-case
+    dispatch (``call_of(exact)`` makes one), from marks taken around the mode's methods: what
+    the host does while the device waits for the copy epilogue's launch."""
+    import statistics
+
+    import tritonep.modes.elastic as mode
+
+    marks: dict[str, float] = {}
+    originals = {}
+
+    def around(name, before, after):
+        original = originals[name] = getattr(mode.ElasticMode, name)
+
+        def marked(self, *args):
+            if before:
+                marks[before if isinstance(before, str) else before(args)] = time.perf_counter()
+            result = original(self, *args)
+            if after:
+                marks[after if isinstance(after, str) else after(args)] = time.perf_counter()
+            return result
+
+        setattr(mode.ElasticMode, name, marked)
+
+    around("_read_counts", "read starts", "read")
+    around("_dispatch_outputs", "outputs", "outputs done")
+    around(
+        "_launch",
+        lambda a: "epilogue" if "epilogue" in a[3] else "push",
+        lambda a: "epilogue done" if "epilogue" in a[3] else "push done",
+    )
+    lines = []
+    try:
+        for exact in (True, False):
+            rows: dict[str, list[float]] = {}
+            for i in range(calls + 5):
+                start = time.perf_counter()
+                call_of(exact)()
+                end = time.perf_counter()
+                if i < 5:
+                    continue
+                steps = [("start", start), *sorted(marks.items(), key=lambda m: m[1])]
+                steps.append(("return", end))
+                for (a, t0), (b, t1) in itertools.pairwise(steps):
+                    rows.setdefault(f"{a} -> {b}", []).append((t1 - t0) * 1e6)
+                marks.clear()
+            kind = "exact-size" if exact else "worst-case"
+            for step, us in rows.items():
+                lines.append(f"{kind} dispatch, {step}: median {statistics.median(us):.1f} us")
+    finally:
+        for name, original in originals.items():
+            setattr(mode.ElasticMode, name, original)
+    return lines
 
 
 def _rank(ctx, T, H, E, K, out_dir):
@@ -57,6 +114,12 @@ def _rank(ctx, T, H, E, K, out_dir):
             f"{name}: eager median {ms * 1e3:.1f} us; one call: host returns after "
             f"{1e6 * (t1 - t0):.1f} us, done after {1e6 * (t2 - t0):.1f} us"
         )
+    if os.environ.get("TRITONEP_PROBE_MARKS"):
+
+        def call_of(exact):
+            return lambda: elastic.dispatch(x, idx, w, num_experts=E, do_cpu_sync=exact)
+
+        lines += _marks(call_of)
     if os.environ.get("TRITONEP_PROBE_PROFILE"):
         from torch.profiler import ProfilerActivity, profile
 
