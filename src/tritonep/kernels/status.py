@@ -207,6 +207,25 @@ class Status:
         raise_error(words)
 
 
+def wait_host_word(view, device: torch.device, stuck) -> None:
+    """Spin until ``view[0]`` (a ctypes word in host memory that a launch on the current
+    stream writes) is set, as DeepEP polls its mapped counters: the words are read as soon as
+    the kernel writes them, with no copy and no synchronization. The kernel's own waits are
+    bounded; now and then the poll asks whether the stream has run dry without the word (a
+    failed launch, which would leave it unset), and then calls ``stuck()``, which raises."""
+    polls = 0
+    while not view[0]:
+        polls += 1
+        if polls % 4096 == 0 and stream_idle(device) and not view[0]:
+            stuck()
+
+
+def stream_idle(device: torch.device) -> bool:
+    """Whether every launch so far on ``device``'s current stream has ended (the
+    interpreter's have, when they return)."""
+    return device.type != "cuda" or torch.cuda.current_stream(device).query()
+
+
 def raise_on_timeout(
     status: torch.Tensor, rank: int, phases: dict[int, str], detail: str = ""
 ) -> None:

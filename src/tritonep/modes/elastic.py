@@ -38,7 +38,7 @@ from ..kernels import elastic_dispatch, elastic_exchange, phases
 from ..kernels import elastic_dispatch as ed
 from ..kernels.elastic_exchange import BarrierCall, BarrierVariant, ElasticShared
 from ..kernels.launcher import KernelLaunch, Shared
-from ..kernels.status import Status
+from ..kernels.status import Status, wait_host_word
 from ..kernels.sync import (
     DEFAULT_TIMEOUT_S,
     check_status,
@@ -656,26 +656,17 @@ class ElasticMode:
         """What each source sent here, ``[R x (1 + E_local)]``, once the push just launched has
         written it to host memory (its flag, ``view[0]``); raises what a wait of that push
         recorded (its status is mirrored into host memory too)."""
-        polls = 0
-        # Polled while the stream runs, as DeepEP polls its mapped counters: the counts are
-        # read when the push writes them, with no copy and no synchronization. The push's own
-        # waits are bounded; now and then the poll asks whether the stream has run dry without
-        # the words (a failed launch), which would leave them unset.
-        while not view[0]:
-            polls += 1
-            if polls % 4096 == 0 and self._stream_idle() and not view[0]:
-                check_status(self._status.record(), self.rank, phases.NAMES)
-                raise RuntimeError(
-                    f"rank {self.rank}: the elastic dispatch ended without writing the counts "
-                    "it received"
-                )
+
+        def stuck():
+            check_status(self._status.record(), self.rank, phases.NAMES)
+            raise RuntimeError(
+                f"rank {self.rank}: the elastic dispatch ended without writing the counts it "
+                "received"
+            )
+
+        wait_host_word(view, self.device, stuck)
         check_status(self._status.record(), self.rank, phases.NAMES)
         return view[1 : 1 + count_words]
-
-    def _stream_idle(self) -> bool:
-        """Whether every launch so far on the current stream has ended (the interpreter's
-        have, when they return)."""
-        return self.device.type != "cuda" or torch.cuda.current_stream(self.device).query()
 
     def _dispatch_outputs(
         self,

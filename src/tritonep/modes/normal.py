@@ -78,7 +78,14 @@ from ..kernels.layout import DispatchLayout
 from ..kernels.normal_combine import CombineCall, CombineVariant
 from ..kernels.normal_dispatch import DispatchCall, DispatchVariant, NormalShared
 from ..kernels.normal_notify import NotifyCall, NotifyVariant
-from ..kernels.status import STATUS_BAD_ID, STATUS_TIMEOUT, Status, bad_id_error, check_status
+from ..kernels.status import (
+    STATUS_BAD_ID,
+    STATUS_TIMEOUT,
+    Status,
+    bad_id_error,
+    check_status,
+    wait_host_word,
+)
 from ..kernels.sync import DEFAULT_TIMEOUT_S, timeout_us, use_clock
 from ..validation import (
     check_dispatch_x,
@@ -1683,29 +1690,19 @@ class NormalMode:
         them into host memory (the one wait of exact mode; the words it wrote stay in
         ``self._host_view``). Raises what that notify recorded if one of its waits timed out
         (the count is unknown: nothing can follow)."""
-        view = self._host_view
-        polls = 0
-        # Polled as DeepEP polls its mapped counter, while the stream runs: the count is
-        # read as soon as the kernel writes it, with no copy and no synchronization. The
-        # notify's own waits are bounded; now and then the poll asks whether the stream
-        # has run dry without the words (a failed launch), which would leave them unset.
-        while not view[0]:
-            polls += 1
-            if polls % 4096 == 0 and self._stream_idle() and not view[0]:
-                if self.status.recorded() == STATUS_TIMEOUT.value:
-                    self.raise_recorded()  # a wait that gave up names its peer and phase
-                raise RuntimeError(
-                    f"rank {self._rank_names[self.rank]}: the notify launch ended without "
-                    "writing the received count"
-                )
+
+        def stuck():
+            if self.status.recorded() == STATUS_TIMEOUT.value:
+                self.raise_recorded()  # a wait that gave up names its peer and phase
+            raise RuntimeError(
+                f"rank {self._rank_names[self.rank]}: the notify launch ended without "
+                "writing the received count"
+            )
+
+        wait_host_word(self._host_view, self.device, stuck)
         if self.status.recorded() == STATUS_TIMEOUT.value:
             self.raise_recorded()
-        return view[1]
-
-    def _stream_idle(self) -> bool:
-        """Whether every launch so far on the current stream has ended (the interpreter's
-        have, when they return)."""
-        return self._device_index < 0 or torch.cuda.current_stream(self.device).query()
+        return self._host_view[1]
 
     def _launch_notify(
         self, route: _RouteCall, values: list, aligned: int, counts, in_rank, per_expert, config
