@@ -152,6 +152,14 @@ def first_bad_id(
     return token, column, bad_id
 
 
+def host_words(count: int, device: torch.device) -> tuple[torch.Tensor, ctypes.Array]:
+    """``count`` zeroed int32 words in host memory that kernels on ``device`` write (page-locked
+    on GPUs, whatever torch's default device is), and a ctypes view that reads them without a
+    torch call; the tensor keeps the memory alive."""
+    words = torch.zeros(count, dtype=torch.int32, device="cpu", pin_memory=device.type == "cuda")
+    return words, (ctypes.c_int32 * count).from_address(words.data_ptr())
+
+
 def new_status(device: torch.device) -> torch.Tensor:
     """A zeroed ``int32 [STATUS_WORDS]`` status without a host copy (see :class:`Status`)."""
     return torch.zeros(STATUS_WORDS, dtype=torch.int32, device=device)
@@ -168,10 +176,7 @@ class Status:
         #: ``int32 [STATUS_WORDS]`` on ``device``: the kernels' argument.
         self.words = new_status(device)
         #: ``int32 [RECORD_WORDS]`` in host memory the device writes (page-locked on GPUs).
-        self.host = torch.zeros(
-            RECORD_WORDS, dtype=torch.int32, device="cpu", pin_memory=device.type == "cuda"
-        )
-        self._view = (ctypes.c_int32 * RECORD_WORDS).from_address(self.host.data_ptr())
+        self.host, self._view = host_words(RECORD_WORDS, device)
         address = torch.tensor([self.host.data_ptr()], dtype=torch.int64, device="cpu")
         address = address.view(torch.int32)
         self.words[2 * MIRROR_INDEX.value :].copy_(address)

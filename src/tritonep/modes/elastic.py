@@ -24,7 +24,6 @@ warps come from :data:`TUNING`.
 
 from __future__ import annotations
 
-import ctypes
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +37,7 @@ from ..kernels import elastic_dispatch, elastic_exchange, phases
 from ..kernels import elastic_dispatch as ed
 from ..kernels.elastic_exchange import BarrierCall, BarrierVariant, ElasticShared
 from ..kernels.launcher import KernelLaunch, Shared
-from ..kernels.status import Status, wait_host_word
+from ..kernels.status import Status, host_words, wait_host_word
 from ..kernels.sync import (
     DEFAULT_TIMEOUT_S,
     check_status,
@@ -274,8 +273,7 @@ class ElasticMode:
         # [written flag, R x (1 + E_local) counts] int32 in host memory (page-locked on GPUs),
         # written by an exact-size push (elastic_exchange.HOST_COUNTS), grown to the most
         # experts seen.
-        self._host_counts = torch.zeros(1, dtype=torch.int32, device="cpu")
-        self._host_view = (ctypes.c_int32 * 1).from_address(self._host_counts.data_ptr())
+        self._host_counts, self._host_view = host_words(1, self.device)
         self._f32 = torch.zeros(4, dtype=torch.float32, device=self.device)  # unused pointers
         #: Per call shape (sizes, and the block sizes they give): the launches, their programs,
         #: the checks done (each plan keeps the TUNING it was made with; a probe that swaps
@@ -489,13 +487,13 @@ class ElasticMode:
             _, push, programs, E_local, totals, recv_counts = plan
             R, device = self.num_ranks, self.device
             first_call = cached is None
-            if first_call and do_cpu_sync and device.type == "cuda":  # noqa: SIM102
-                if torch.cuda.is_current_stream_capturing():
-                    raise ValueError(
-                        "do_cpu_sync: an exact-size dispatch reads its counts on the host, "
-                        "which a CUDA graph capture cannot; pass do_cpu_sync=False (worst-case "
-                        "sizes) or a handle"
-                    )
+            host_read = first_call and do_cpu_sync  # the counts read on the host: exact sizes
+            if host_read and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise ValueError(
+                    "do_cpu_sync: an exact-size dispatch reads its counts on the host, "
+                    "which a CUDA graph capture cannot; pass do_cpu_sync=False (worst-case "
+                    "sizes) or a handle"
+                )
             ids_copy = torch.empty_like(topk_idx) if first_call and copy_ids else None
             dst_slots = empty_output(device, (N, K), torch.int32) if first_call else None
             # The handle's count-sized tensors, allocated now: an exact-size call's host waits
@@ -515,7 +513,7 @@ class ElasticMode:
                 | (ed.FLAG_SLOTS.value if first_call else 0)
             )
             count_words = R * (1 + E_local)
-            if first_call and do_cpu_sync:
+            if host_read:
                 host_view = self._host_words(count_words)
                 host_view[0] = 0  # (set by the push once the counts are written)
                 flags |= ed.FLAG_HOST_COUNTS.value
@@ -543,9 +541,8 @@ class ElasticMode:
             elif do_cpu_sync:
                 # The one host read of a dispatch: the counts every source sent here.
                 info = self._read_counts(host_view, count_words)
-                # [rows, rows per local expert] summed over the sources, element-wise in C
-                # (a Python loop over the experts took 40-80 us on the GPU hosts, while the
-                # device waits for the epilogue's launch).
+                # [rows, rows per local expert] summed over the sources, element-wise in C:
+                # the device idles until the epilogue's launch.
                 words = 1 + E_local
                 sums = info[:words]
                 for s in range(1, R):
@@ -643,13 +640,10 @@ class ElasticMode:
         """The host words of an exact-size push's counts (``[flag, counts...]``, a ctypes
         array), holding at least ``count_words`` counts."""
         if len(self._host_view) < 1 + count_words:
-            on_gpu = self.device.type == "cuda"
-            words = torch.zeros(1 + count_words, dtype=torch.int32, device="cpu", pin_memory=on_gpu)
-            self._host_view = (ctypes.c_int32 * (1 + count_words)).from_address(words.data_ptr())
-            self._host_counts = words
+            self._host_counts, self._host_view = host_words(1 + count_words, self.device)
             # (in stream order, before the push that writes there; the push of any earlier
             # exact-size call has written its words: that call waited for them)
-            self.state[elastic_exchange.HOST_COUNTS.value] = words.data_ptr()
+            self.state[elastic_exchange.HOST_COUNTS.value] = self._host_counts.data_ptr()
         return self._host_view
 
     def _read_counts(self, view, count_words: int) -> list[int]:

@@ -60,7 +60,6 @@ row and a mirror ring per destination) and moved with the tails and heads by
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import weakref
 from collections.abc import Callable
@@ -84,6 +83,7 @@ from ..kernels.status import (
     Status,
     bad_id_error,
     check_status,
+    host_words,
     wait_host_word,
 )
 from ..kernels.sync import DEFAULT_TIMEOUT_S, timeout_us, use_clock
@@ -811,12 +811,7 @@ class NormalMode:
         self.state = torch.zeros(8, dtype=torch.int64, device=self.device)
         # An exact-size notify writes the count where the host reads it without a copy:
         # [written flag, rows received, aligned tokens per local expert...] (HOST_COUNTS).
-        self._host_counts = torch.zeros(
-            2 + self.num_local_experts, dtype=torch.int32, device="cpu", pin_memory=on_gpu
-        )
-        self._host_view = (ctypes.c_int32 * (2 + self.num_local_experts)).from_address(
-            self._host_counts.data_ptr()
-        )
+        self._host_counts, self._host_view = host_words(2 + self.num_local_experts, self.device)
         self.state[normal_notify.HOST_COUNTS.value] = self._host_counts.data_ptr()
         #: What went wrong, on the device and in host memory (:mod:`tritonep.kernels.status`).
         self.status = Status(self.device)
