@@ -5,11 +5,11 @@
     combines of rank 0, into OUT, with its tables; TRITONEP_PROBE_MARKS=1: also host marks
     inside 30 exact-size and 30 worst-case dispatches, medians of each step)
 
-Per call kind (exact-size dispatch, dispatch without the host read, cached dispatch, combine;
-top-8, random routing), the eager median of 10 calls and, after a synchronization, when one
-call returns to the host and when its work is done. In a profiler trace the gap between the
-``cudaStreamSynchronize`` of the count's read and the epilogue's ``cuLaunchKernelEx`` is the
-host's work while the GPU idles.
+Per call kind (exact-size dispatch, dispatch without the host read, cached dispatch, combine,
+combine of the expanded layout; top-8, random routing), the eager median of 10 calls and, after
+a synchronization, when one call returns to the host and when its work is done. In a profiler
+trace the gap between the ``cudaStreamSynchronize`` of the count's read and the epilogue's
+``cuLaunchKernelEx`` is the host's work while the GPU idles.
 """
 
 import itertools
@@ -94,11 +94,13 @@ def _rank(ctx, T, H, E, K, out_dir):
     idx = route(gen, T, E, K, "random").to(ctx.device)
     w = torch.rand(T, K, generator=gen).to(ctx.device)
     recv, _, _, handle, _ = elastic.dispatch(x, idx, w, num_experts=E)
+    expanded, _, _, expanded_handle, _ = elastic.dispatch(x, idx, num_experts=E, do_expand=True)
     calls = {
         "dispatch exact": lambda: elastic.dispatch(x, idx, w, num_experts=E),
         "dispatch worst": lambda: elastic.dispatch(x, idx, w, num_experts=E, do_cpu_sync=False),
         "dispatch cached": lambda: elastic.dispatch(x, handle=handle),
         "combine": lambda: elastic.combine(recv, handle),
+        "combine expanded": lambda: elastic.combine(expanded, expanded_handle),
     }
     lines = []
     for name, fn in calls.items():
@@ -123,7 +125,8 @@ def _rank(ctx, T, H, E, K, out_dir):
     if os.environ.get("TRITONEP_PROBE_PROFILE"):
         from torch.profiler import ProfilerActivity, profile
 
-        for name in ("dispatch exact", "combine"):
+        os.makedirs(out_dir, exist_ok=True)
+        for name in ("dispatch exact", "combine", "combine expanded"):
             _sync()
             dist.barrier()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -135,6 +138,8 @@ def _rank(ctx, T, H, E, K, out_dir):
                 prof.export_chrome_trace(os.path.join(out_dir, f"elastic-{stem}.json"))
                 table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
                 lines += [f"--- {name}: by self CPU time", table]
+                table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=8)
+                lines += [f"--- {name}: by device time", table]
     elastic.destroy()
     return lines
 

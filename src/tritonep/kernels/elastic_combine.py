@@ -41,7 +41,7 @@ from .elastic_exchange import (
 from .fp8 import from_bf16, to_bf16
 from .phases import ELASTIC_COMBINE
 from .profiled import kernel
-from .sync import lane
+from .sync import aligned_ptr, lane
 from .trace import read_clock, write_trace
 
 
@@ -113,7 +113,9 @@ class ReduceVariant(NamedTuple):
 
 @triton.jit
 def slot_rows(region, slot, token, max_tokens, COMBINE_RECORD_BYTES: tl.constexpr):
-    """Address of slot ``slot`` of token ``token`` in a combine region (vectors broadcast)."""
+    """Address of slot ``slot`` of token ``token`` in a combine region (vectors broadcast): a
+    multiple of 16 bytes (the regions and records are), which :func:`~.sync.aligned_ptr` tells
+    Triton so that the rows move in 16-byte vectors rather than one BF16 value at a time."""
     return region + (slot * max_tokens + token).to(tl.int64) * COMBINE_RECORD_BYTES
 
 
@@ -140,7 +142,7 @@ def send_sums(
     unrolled: its loads are independent and overlap; only the sum keeps the top-k order."""
     h = h0 + tl.arange(0, BLOCK_CHANNELS)
     hmask = h < H
-    out = dst.to(tl.pointer_type(tl.bfloat16))
+    out = aligned_ptr(dst, tl.bfloat16)
     if EXPAND:
         acc = tl.zeros((i.shape[0], BLOCK_CHANNELS), tl.float32)
         for k in tl.static_range(K):
@@ -195,7 +197,7 @@ def send_expanded(
         r = lane(rows, ks, k)
         m2 = (live & (r >= 0))[:, None] & hmask[None, :]
         out = slot_rows(owner_base + region, k, token, max_tokens, COMBINE_RECORD_BYTES)
-        out = out.to(tl.pointer_type(tl.bfloat16))
+        out = aligned_ptr(out, tl.bfloat16)
         y = tl.load(x_ptr + tl.maximum(r, 0).to(tl.int64)[:, None] * H + h[None, :], mask=m2)
         tl.store(out[:, None] + h[None, :], y, mask=m2)
 
@@ -507,8 +509,8 @@ def reduce_share(
                 used = tmask & (j < num_slots)
             else:
                 used = tmask & (lane(valid.to(tl.int32), ks, j) > 0)
-            src = slot_rows(region, j, tokens, max_tokens, COMBINE_RECORD_BYTES).to(
-                tl.pointer_type(tl.bfloat16)
+            src = aligned_ptr(
+                slot_rows(region, j, tokens, max_tokens, COMBINE_RECORD_BYTES), tl.bfloat16
             )
             y = tl.load(
                 src[:, None] + h[None, :],

@@ -90,16 +90,21 @@ class Tuning:
     copy_rows: int = 16  # received rows per block of the copy epilogue
     copy_warps: int = 8
     copy_programs_per_sm: int = 1  # programs of the copy epilogue per SM
-    combine_rows: int = 8  # received tokens per block of the combine push
+    # the combine push: each program waits for a block's loads before it stores the block, so
+    # wide blocks on many warps keep more rows in flight; expanded rows are summed K at a
+    # time, whose loads take the registers of more rows (BENCHMARKS.md, ElasticBuffer prefill)
+    combine_rows: int = 32  # received tokens per block of the combine push
+    expanded_combine_rows: int = 8  # the same for rows in the expanded layout
     combine_channels: int = 1024  # channels per work item of the combine push
+    combine_warps: int = 32
     # the same for decode batches (at most DECODE_TOKENS tokens on this rank): narrow blocks
     # of wide chunks keep every program's stores in flight (BENCHMARKS.md, ElasticBuffer decode)
     decode_combine_rows: int = 2
     decode_combine_channels: int = 2048
-    combine_warps: int = 8
+    decode_combine_warps: int = 8
     reduce_tokens: int = 8  # tokens per block of the reduce epilogue
     reduce_channels: int = 1024  # channels per work item of the reduce epilogue
-    reduce_warps: int = 8
+    reduce_warps: int = 16
 
 
 TUNING = Tuning()
@@ -831,8 +836,8 @@ class ElasticMode:
             multi = multiple_reduction or not do_expand
             tokens = recv_src_metadata.shape[0]
             decode = N <= DECODE_TOKENS
-            blocks = self._combine_blocks(N, H, tokens, decode, num_sms)
-            channels, rows_block, reduce_channels, tokens_block = blocks
+            blocks = self._combine_blocks(N, H, tokens, decode, do_expand, num_sms)
+            channels, rows_block, reduce_channels, tokens_block, _ = blocks
             key = (H, K, num_experts, num_max_tokens, do_expand, multi, *blocks, self.trace)
             plan = self._combine_plans.get(key)
             if plan is None or plan[0] is not TUNING:
@@ -876,10 +881,12 @@ class ElasticMode:
             self._launch(reduce, reduce_programs, reduce_call, "elastic combine epilogue")
             return out, out_w
 
-    def _combine_blocks(self, N, H, tokens, decode, num_sms) -> tuple[int, int, int, int]:
+    def _combine_blocks(
+        self, N, H, tokens, decode, expand, num_sms
+    ) -> tuple[int, int, int, int, int]:
         """The tiles of a combine of ``N`` tokens here and ``tokens`` received ones:
         ``(channels and received tokens per block of the push, channels and tokens per block
-        of the reduce)``."""
+        of the reduce, warps of the push)``."""
         tuning = TUNING
         # CPU ranks take narrow chunks, so that the tests cross chunk boundaries.
         widest = _pow2(H) if self.device.type == "cuda" else 64
@@ -889,7 +896,13 @@ class ElasticMode:
         # Received tokens: the handle's worst case, planned for as this rank's tokens times the
         # ranks (equal decode batches); only the block size follows the guess.
         rows = min(tokens, self.num_ranks * max(N, 1)) * -(-H // channels)
-        most_rows = tuning.decode_combine_rows if decode else tuning.combine_rows
+        most_rows = (
+            tuning.decode_combine_rows
+            if decode
+            else tuning.expanded_combine_rows
+            if expand
+            else tuning.combine_rows
+        )
         reduce_channels = min(widest, tuning.reduce_channels)
         reduce_work = N * -(-H // reduce_channels)
         return (
@@ -897,6 +910,7 @@ class ElasticMode:
             self._block(most_rows, rows, num_sms),
             reduce_channels,
             self._block(tuning.reduce_tokens, reduce_work, self.num_device_sms),
+            tuning.decode_combine_warps if decode else tuning.combine_warps,
         )
 
     def _combine_plan(
@@ -911,6 +925,7 @@ class ElasticMode:
         BLOCK_ROWS,
         REDUCE_CHANNELS,
         BLOCK_TOKENS,
+        PUSH_WARPS,
     ):
         """``(TUNING, the push's launch, the reduce's launch)`` for combines of these sizes and
         tiles (:meth:`_combine_blocks`); ``ValueError`` for sizes the mode cannot take."""
@@ -937,7 +952,7 @@ class ElasticMode:
             PDL=self._pdl,
             PROFILE=profile,
         )
-        options = {"num_warps": tuning.combine_warps, "enable_fp_fusion": False}
+        options = {"num_warps": PUSH_WARPS, "enable_fp_fusion": False}
         push = self._kernel_launch(ec.elastic_combine, ec.CombineCall, variant, options)
         reduce_variant = ec.ReduceVariant(
             H=H,
