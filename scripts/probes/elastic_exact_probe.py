@@ -3,7 +3,8 @@
     PYTHONPATH=src python scripts/probes/elastic_exact_probe.py RANKS OUT [TOKENS HIDDEN EXPERTS]
     (TRITONEP_PROBE_PROFILE=1: also a torch profiler trace of 3 exact-size dispatches and
     combines of rank 0, into OUT, with its tables; TRITONEP_PROBE_MARKS=1: also host marks
-    inside 30 exact-size and 30 worst-case dispatches, medians of each step)
+    inside 30 exact-size and 30 worst-case dispatches, medians of each step;
+    TRITONEP_PROBE_SMS=16,32: also both combines with their push on that many SMs)
 
 Per call kind (exact-size dispatch, dispatch without the host read, cached dispatch, combine,
 combine of the expanded layout; top-8, random routing), the eager median of 10 calls and, after
@@ -116,6 +117,15 @@ def _rank(ctx, T, H, E, K, out_dir):
             f"{name}: eager median {ms * 1e3:.1f} us; one call: host returns after "
             f"{1e6 * (t1 - t0):.1f} us, done after {1e6 * (t2 - t0):.1f} us"
         )
+    for sms in filter(None, os.environ.get("TRITONEP_PROBE_SMS", "").split(",")):
+        for name, (data, hdl) in (
+            ("combine", (recv, handle)),
+            ("combine expanded", (expanded, expanded_handle)),
+        ):
+            ms = median_ms(
+                lambda d=data, h=hdl, n=int(sms): elastic.combine(d, h, num_sms=n), 10, 3
+            )
+            lines.append(f"{name}, push on {sms} SMs: eager median {ms * 1e3:.1f} us")
     if os.environ.get("TRITONEP_PROBE_MARKS"):
 
         def call_of(exact):
