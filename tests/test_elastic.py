@@ -335,6 +335,33 @@ def test_elastic_dispatch_combine(
     assert run_ranks(R, _elastic_body, *args) == [True] * R
 
 
+def _sum_first_body(ctx, *args):
+    """:func:`_elastic_body` with every expanded combine summed on all SMs before its push
+    (:func:`~tritonep.kernels.elastic_combine.elastic_combine_sums`, what combines of more
+    than a decode batch's tokens take on GPUs)."""
+    import dataclasses
+
+    import tritonep.modes.elastic as mode
+
+    saved = mode.TUNING
+    mode.TUNING = dataclasses.replace(saved, sum_first_tokens=0)
+    try:
+        return _elastic_body(ctx, *args)
+    finally:
+        mode.TUNING = saved
+
+
+@pytest.mark.parametrize(
+    "tokens, exact", [([37, 20], False), ([7, 2, 5], True)], ids=["worst", "exact-3ranks"]
+)
+def test_expanded_rows_summed_before_the_push_match_the_reference(run_ranks, tokens, exact):
+    """The expanded combine of large batches, its rows summed per token on every SM before
+    a plain push, gives the reference's bits (rows, weights, biases), as the push's own sums."""
+    R = len(tokens)
+    args = (tokens, 136, 3, 4, None, exact, 2, 2, True)
+    assert run_ranks(R, _sum_first_body, *args) == [True] * R
+
+
 def _plans_body(ctx):
     """Exact-size dispatches and combines whose received counts differ from call to call (as
     a training step's do), checked against the reference; returns how many plans and
@@ -619,6 +646,24 @@ ELASTIC_KERNELS = [
         dict(SHARED_SIGNATURE),
         dict(NUM_RANKS=4, BLOCK_RANKS=4, USE_CLOCK=True),
     ),
+    (
+        "elastic_combine_sums",
+        "combine_sums_impl",
+        {
+            "x_ptr": "*bf16",
+            "weights_ptr": "*fp32",
+            "meta_ptr": "*i32",
+            "psum_rank_ptr": "*i32",
+            "sums_ptr": "*bf16",
+            "sum_weights_ptr": "*fp32",
+            "has_weights": "i32",
+            "trace_ptr": "*i64",
+            **SHARED_SIGNATURE,
+        },
+        dict(
+            H=7168, K=8, BLOCK_K=8, NUM_RANKS=4, BLOCK_ROWS=8, BLOCK_CHANNELS=1024, USE_CLOCK=True
+        ),
+    ),
 ]
 
 
@@ -698,6 +743,8 @@ def test_elastic_rows_move_in_16_byte_vectors():
     pytest.importorskip("triton.backends.nvidia")
     dispatch, copy, combine, reduce = (_elastic_ptx(k) for k in ELASTIC_KERNELS[:4])
     plain = _elastic_ptx(ELASTIC_KERNELS[2], EXPAND=False)  # one row per received token
+    sums = _elastic_ptx(ELASTIC_KERNELS[5])
+    assert "st.global.v4.b32" in sums and "ld.global.v4.b32" in sums
     assert "st.global.v4.b32" in dispatch  # rows into the peers' records
     assert "st.global.v4.b32" in copy  # records into the outputs
     for push in (combine, plain):

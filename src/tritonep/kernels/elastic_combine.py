@@ -12,6 +12,11 @@ the order in which the owner sums the token's rows (``reduction_slots`` of
 row goes back alone, to slot ``k`` of its top-k column. The last program sends the tags and
 waits for every rank's.
 
+:func:`elastic_combine_sums` (``tritonep::elastic::combine_sums_impl``), before the push of a
+large combine of expanded rows (``MULTI``): the same per-token sums, on every SM, into a
+``[tokens, H]`` scratch that the push then sends as a plain layout, bit for bit the rows it
+would have summed itself.
+
 :func:`elastic_combine_epilogue` (``tritonep::elastic::combine_reduce_epilogue_impl``), on the
 owner: for each token, float32 ``bias_0 + bias_1``, then each slot's row added in slot order
 (the ranks by the column of their last choice, or the top-k columns), rounded to BF16 once: the
@@ -78,6 +83,32 @@ class CombineVariant(NamedTuple):
     PROFILE: bool
 
 
+class SumsCall(NamedTuple):
+    """The runtime arguments of :func:`elastic_combine_sums`, in its order."""
+
+    x_ptr: object
+    weights_ptr: object
+    meta_ptr: object
+    psum_rank_ptr: object
+    sums_ptr: object
+    sum_weights_ptr: object
+    has_weights: int
+    trace_ptr: object
+
+
+class SumsVariant(NamedTuple):
+    """One compiled variant of :func:`elastic_combine_sums`: its constexprs, in its order."""
+
+    H: int
+    K: int
+    BLOCK_K: int
+    NUM_RANKS: int
+    BLOCK_ROWS: int
+    BLOCK_CHANNELS: int
+    USE_CLOCK: bool
+    PROFILE: bool
+
+
 class ReduceCall(NamedTuple):
     """The leading runtime arguments of :func:`elastic_combine_epilogue`, in its order."""
 
@@ -120,6 +151,57 @@ def slot_rows(region, slot, token, max_tokens, COMBINE_RECORD_BYTES: tl.constexp
 
 
 @triton.jit
+def row_values(
+    x_ptr,
+    rows,
+    i,
+    live,
+    h,
+    hmask,
+    ks,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    EXPAND: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    """Channels ``h`` of each token's row: the input row ``i``, or with ``EXPAND`` the float32
+    sum of its expanded rows ``rows`` in top-k order, rounded to BF16. The top-k loop is
+    unrolled: its loads are independent and overlap; only the sum keeps the top-k order."""
+    if EXPAND:
+        acc = tl.zeros((i.shape[0], h.shape[0]), tl.float32)
+        for k in tl.static_range(K):
+            r = lane(rows, ks, k)
+            m = live & (r >= 0)
+            y = tl.load(
+                x_ptr + tl.maximum(r, 0).to(tl.int64)[:, None] * H + h[None, :],
+                mask=m[:, None] & hmask[None, :],
+                other=0.0,
+            )
+            acc = tl.where(m[:, None], acc + from_bf16(y, EMULATE), acc)
+        y = to_bf16(acc, EMULATE)
+    else:
+        y = tl.load(
+            x_ptr + i.to(tl.int64)[:, None] * H + h[None, :],
+            mask=live[:, None] & hmask[None, :],
+        )
+    return y
+
+
+@triton.jit
+def row_weights(weights_ptr, rows, i, live, ks, K: tl.constexpr, EXPAND: tl.constexpr):
+    """``[B, BLOCK_K]`` top-k weights of each token: row ``i`` of ``[rows, K]`` weights, or
+    with ``EXPAND`` each choice's expanded row's weight (0 where the choice is elsewhere)."""
+    kmask = live[:, None] & (ks < K)[None, :]
+    if EXPAND:
+        w = tl.load(
+            weights_ptr + tl.maximum(rows, 0).to(tl.int64), mask=kmask & (rows >= 0), other=0.0
+        )
+    else:
+        w = tl.load(weights_ptr + i.to(tl.int64)[:, None] * K + ks[None, :], mask=kmask)
+    return w
+
+
+@triton.jit
 def send_sums(
     x_ptr,
     weights_ptr,
@@ -136,41 +218,17 @@ def send_sums(
     has_weights,
     EMULATE: tl.constexpr,
 ):
-    """Store channels ``[h0, h0 + BLOCK_CHANNELS)`` of each token's row (the input row ``i``,
-    or with ``EXPAND`` the float32 sum of its expanded rows ``rows`` in top-k order, rounded)
-    at ``dst`` ([B] int64), and with the first channels its weights. The top-k loop is
-    unrolled: its loads are independent and overlap; only the sum keeps the top-k order."""
+    """Store channels ``[h0, h0 + BLOCK_CHANNELS)`` of each token's row (:func:`row_values`)
+    at ``dst`` ([B] int64), and with the first channels its weights."""
     h = h0 + tl.arange(0, BLOCK_CHANNELS)
     hmask = h < H
+    y = row_values(x_ptr, rows, i, live, h, hmask, ks, H, K, EXPAND, EMULATE)
     out = aligned_ptr(dst, tl.bfloat16)
-    if EXPAND:
-        acc = tl.zeros((i.shape[0], BLOCK_CHANNELS), tl.float32)
-        for k in tl.static_range(K):
-            r = lane(rows, ks, k)
-            m = live & (r >= 0)
-            y = tl.load(
-                x_ptr + tl.maximum(r, 0).to(tl.int64)[:, None] * H + h[None, :],
-                mask=m[:, None] & hmask[None, :],
-                other=0.0,
-            )
-            acc = tl.where(m[:, None], acc + from_bf16(y, EMULATE), acc)
-        y = to_bf16(acc, EMULATE)
-    else:
-        y = tl.load(
-            x_ptr + i.to(tl.int64)[:, None] * H + h[None, :],
-            mask=live[:, None] & hmask[None, :],
-        )
     tl.store(out[:, None] + h[None, :], y, mask=live[:, None] & hmask[None, :])
     if (has_weights != 0) & (h0 == 0):
-        kmask = live[:, None] & (ks < K)[None, :]
-        if EXPAND:
-            w = tl.load(
-                weights_ptr + tl.maximum(rows, 0).to(tl.int64), mask=kmask & (rows >= 0), other=0.0
-            )
-        else:
-            w = tl.load(weights_ptr + i.to(tl.int64)[:, None] * K + ks[None, :], mask=kmask)
+        w = row_weights(weights_ptr, rows, i, live, ks, K, EXPAND)
         wp = (dst + 2 * H).to(tl.pointer_type(tl.float32))
-        tl.store(wp[:, None] + ks[None, :], w, mask=kmask)
+        tl.store(wp[:, None] + ks[None, :], w, mask=live[:, None] & (ks < K)[None, :])
 
 
 @triton.jit
@@ -433,6 +491,67 @@ def elastic_combine(
             0,
             USE_CLOCK,
         )
+
+
+@kernel("tritonep::elastic::combine_sums_impl", do_not_specialize=["has_weights", "timeout_us"])
+def elastic_combine_sums(
+    x_ptr,  # [rows, H] bf16: the expanded rows
+    weights_ptr,  # [rows] float32 each expanded row's weight (has_weights)
+    meta_ptr,  # [tokens, K + 2] int32 recv_src_metadata of the dispatch
+    psum_rank_ptr,  # [R] int32 rows received per source, inclusive (the last: all)
+    sums_ptr,  # [tokens, H] bf16 out: each received token's sum
+    sum_weights_ptr,  # [tokens, K] float32 out: its weights, 0 for choices elsewhere
+    has_weights,  # 1: weights too (run-time: no variant of its own)
+    trace_ptr,  # [P * SLOTS + 1] int64 readings (PROFILE; kernels.trace), else unused
+    # ElasticShared (elastic_exchange), as every elastic launch takes it: unused here
+    peer_ptrs,
+    rank,
+    header_offset,
+    barrier_offset,
+    region_offset,
+    region_bytes,
+    state_ptr,
+    status_ptr,
+    timeout_us,
+    H: tl.constexpr,  # hidden size: channels of a row
+    K: tl.constexpr,  # top-k: choices per token
+    BLOCK_K: tl.constexpr,  # K as a power of two (at least 2)
+    NUM_RANKS: tl.constexpr,  # R: ranks of the group
+    BLOCK_ROWS: tl.constexpr,  # received tokens per block
+    BLOCK_CHANNELS: tl.constexpr,  # channels per work item
+    USE_CLOCK: tl.constexpr,  # read the GPU clock (not under the interpreter)
+    PROFILE: tl.constexpr = False,  # record a trace (sums)
+):
+    """The local half of a combine of expanded rows, on every SM before the push: each
+    received token's rows summed in top-k order (float32, rounded to BF16 once, as the push
+    would), so that the push, on few SMs, only moves one row per token: summing there, those
+    SMs would wait on K loads for every row they store."""
+    t_start = tl.zeros((), tl.int64)
+    if PROFILE:
+        t_start = read_clock(trace_ptr, USE_CLOCK)
+    ks = tl.arange(0, BLOCK_K)
+    total = tl.load(psum_rank_ptr + NUM_RANKS - 1)
+    NUM_CHUNKS: tl.constexpr = (H + BLOCK_CHANNELS - 1) // BLOCK_CHANNELS
+    num_items = tl.cdiv(total, BLOCK_ROWS) * NUM_CHUNKS
+    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        i = (item // NUM_CHUNKS) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        h0 = (item % NUM_CHUNKS) * BLOCK_CHANNELS
+        h = h0 + tl.arange(0, BLOCK_CHANNELS)
+        live = i < total
+        hmask = h < H
+        kmask = live[:, None] & (ks < K)[None, :]
+        meta = meta_ptr + i.to(tl.int64) * (K + 2)
+        rows = tl.load(meta[:, None] + 2 + ks[None, :], mask=kmask, other=-1)
+        y = row_values(x_ptr, rows, i, live, h, hmask, ks, H, K, True, not USE_CLOCK)
+        m2 = live[:, None] & hmask[None, :]
+        tl.store(sums_ptr + i.to(tl.int64)[:, None] * H + h[None, :], y, mask=m2)
+        if (has_weights != 0) & (h0 == 0):
+            w = row_weights(weights_ptr, rows, i, live, ks, K, True)
+            tl.store(sum_weights_ptr + i.to(tl.int64)[:, None] * K + ks[None, :], w, mask=kmask)
+    if PROFILE:
+        zero = tl.zeros((), tl.int64)
+        t_end = read_clock(trace_ptr, USE_CLOCK)
+        write_trace(trace_ptr, t_start, t_start, t_end, zero, zero, zero, zero, zero, USE_CLOCK)
 
 
 @triton.jit

@@ -102,6 +102,13 @@ class Tuning:
     decode_combine_rows: int = 2
     decode_combine_channels: int = 2048
     decode_combine_warps: int = 8
+    # combines of expanded rows with more tokens than this on a rank sum each token's rows on
+    # every SM first (elastic_combine_sums), then push them as a plain layout; smaller ones sum
+    # inside the push, one launch fewer (BENCHMARKS.md, ElasticBuffer prefill)
+    sum_first_tokens: int = DECODE_TOKENS
+    sums_rows: int = 8  # received tokens per block of those sums
+    sums_channels: int = 1024  # channels per work item of those sums
+    sums_warps: int = 16
     reduce_tokens: int = 8  # tokens per block of the reduce epilogue
     reduce_channels: int = 1024  # channels per work item of the reduce epilogue
     reduce_warps: int = 16
@@ -836,6 +843,13 @@ class ElasticMode:
             multi = multiple_reduction or not do_expand
             tokens = recv_src_metadata.shape[0]
             decode = N <= DECODE_TOKENS
+            has_w = topk_weights is not None
+            if do_expand and multi and TUNING.sum_first_tokens < N:
+                # Each token's rows summed on every SM; the push sends the sums as plain rows.
+                x, topk_weights = self._sum_expanded(
+                    x, topk_weights, recv_src_metadata, psum_num_recv_tokens_per_scaleup_rank, K
+                )
+                do_expand = False
             blocks = self._combine_blocks(N, H, tokens, decode, do_expand, num_sms)
             channels, rows_block, reduce_channels, tokens_block, _ = blocks
             key = (H, K, num_experts, num_max_tokens, do_expand, multi, *blocks, self.trace)
@@ -848,7 +862,6 @@ class ElasticMode:
             reduce_programs = self._programs(
                 self.num_device_sms, -(-N // tokens_block) * reduce_chunks, 1
             )
-            has_w = topk_weights is not None
             call = ec.CombineCall(
                 x_ptr=x,
                 weights_ptr=topk_weights if has_w else self._f32,
@@ -880,6 +893,45 @@ class ElasticMode:
             )
             self._launch(reduce, reduce_programs, reduce_call, "elastic combine epilogue")
             return out, out_w
+
+    def _sum_expanded(self, x, weights, meta, psum_rank, K):
+        """``(sums [tokens, H] BF16, weights [tokens, K] float32 or None)``: each received
+        token's expanded rows ``x`` summed in top-k order on every SM, with its weights (0 for
+        choices elsewhere), for a plain push; ``tokens`` as in ``meta``."""
+        tokens, H = meta.shape[0], x.shape[1]
+        tuning, device = TUNING, self.device
+        widest = _pow2(H) if device.type == "cuda" else 64
+        variant = ec.SumsVariant(
+            H=H,
+            K=K,
+            BLOCK_K=_pow2(max(K, 2)),
+            NUM_RANKS=self.num_ranks,
+            BLOCK_ROWS=tuning.sums_rows,
+            BLOCK_CHANNELS=min(widest, tuning.sums_channels),
+            USE_CLOCK=use_clock(device),
+            PROFILE=self.trace is not None,
+        )
+        options = {"num_warps": tuning.sums_warps, "enable_fp_fusion": False}
+        launch = self._kernel_launch(ec.elastic_combine_sums, ec.SumsCall, variant, options)
+        sums = empty_output(device, (tokens, H), torch.bfloat16)
+        sum_weights = (
+            empty_output(device, (tokens, K), torch.float32) if weights is not None else None
+        )
+        call = ec.SumsCall(
+            x_ptr=x,
+            weights_ptr=weights if weights is not None else self._f32,
+            meta_ptr=meta,
+            psum_rank_ptr=psum_rank,
+            sums_ptr=sums,
+            sum_weights_ptr=sum_weights if sum_weights is not None else self._f32,
+            has_weights=int(weights is not None),
+            trace_ptr=self.state,
+        )
+        work = -(-tokens // tuning.sums_rows) * -(-H // variant.BLOCK_CHANNELS)
+        self._launch(
+            launch, self._programs(self.num_device_sms, work, 1), call, "elastic combine sums"
+        )
+        return sums, sum_weights
 
     def _combine_blocks(
         self, N, H, tokens, decode, expand, num_sms

@@ -43,6 +43,7 @@ PHASES = {
                          ("exchange", ("arrive", "headers", "wait"))),
     "elastic dispatch epilogue": (("wait", ()), ("copy", ("layout", "rows", "marks", "padding"))),
     "elastic combine": (("push", ("rows",)), ("exchange", ("arrive", "tag", "wait"))),
+    "elastic combine sums": (("wait", ()), ("sums", ())),
     "elastic combine epilogue": (("wait", ()), ("reduce", ())),
     "low-latency dispatch": (("send", ("quantize and send", "count send")),
                              ("receive", ("wait", "pack"))),
