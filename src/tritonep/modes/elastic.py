@@ -293,6 +293,7 @@ class ElasticMode:
         self._dispatch_plans: dict[tuple, tuple] = {}
         self._epilogue_plans: dict[tuple, tuple] = {}
         self._combine_plans: dict[tuple, tuple] = {}
+        self._sums_plans: dict[tuple, tuple] = {}
         self._launches: dict[tuple, KernelLaunch] = {}
         self._barrier: KernelLaunch | None = None
         on_gpu = self.device.type == "cuda"
@@ -899,20 +900,11 @@ class ElasticMode:
         token's expanded rows ``x`` summed in top-k order on every SM, with its weights (0 for
         choices elsewhere), for a plain push; ``tokens`` as in ``meta``."""
         tokens, H = meta.shape[0], x.shape[1]
-        tuning, device = TUNING, self.device
-        widest = _pow2(H) if device.type == "cuda" else 64
-        variant = ec.SumsVariant(
-            H=H,
-            K=K,
-            BLOCK_K=_pow2(max(K, 2)),
-            NUM_RANKS=self.num_ranks,
-            BLOCK_ROWS=tuning.sums_rows,
-            BLOCK_CHANNELS=min(widest, tuning.sums_channels),
-            USE_CLOCK=use_clock(device),
-            PROFILE=self.trace is not None,
-        )
-        options = {"num_warps": tuning.sums_warps, "enable_fp_fusion": False}
-        launch = self._kernel_launch(ec.elastic_combine_sums, ec.SumsCall, variant, options)
+        device = self.device
+        plan = self._sums_plans.get((H, K, self.trace))
+        if plan is None or plan[0] is not TUNING:
+            plan = self._sums_plans[H, K, self.trace] = self._sums_plan(H, K)
+        _, launch, rows_block, channels = plan
         sums = empty_output(device, (tokens, H), torch.bfloat16)
         sum_weights = (
             empty_output(device, (tokens, K), torch.float32) if weights is not None else None
@@ -927,11 +919,29 @@ class ElasticMode:
             has_weights=int(weights is not None),
             trace_ptr=self.state,
         )
-        work = -(-tokens // tuning.sums_rows) * -(-H // variant.BLOCK_CHANNELS)
+        work = -(-tokens // rows_block) * -(-H // channels)
         self._launch(
             launch, self._programs(self.num_device_sms, work, 1), call, "elastic combine sums"
         )
         return sums, sum_weights
+
+    def _sums_plan(self, H, K):
+        """``(TUNING, the launch of elastic_combine_sums, its rows and channels per block)``."""
+        tuning, device = TUNING, self.device
+        widest = _pow2(H) if device.type == "cuda" else 64
+        variant = ec.SumsVariant(
+            H=H,
+            K=K,
+            BLOCK_K=_pow2(max(K, 2)),
+            NUM_RANKS=self.num_ranks,
+            BLOCK_ROWS=tuning.sums_rows,
+            BLOCK_CHANNELS=min(widest, tuning.sums_channels),
+            USE_CLOCK=use_clock(device),
+            PROFILE=self.trace is not None,
+        )
+        options = {"num_warps": tuning.sums_warps, "enable_fp_fusion": False}
+        launch = self._kernel_launch(ec.elastic_combine_sums, ec.SumsCall, variant, options)
+        return tuning, launch, variant.BLOCK_ROWS, variant.BLOCK_CHANNELS
 
     def _combine_blocks(
         self, N, H, tokens, decode, expand, num_sms
