@@ -335,16 +335,14 @@ def test_elastic_dispatch_combine(
     assert run_ranks(R, _elastic_body, *args) == [True] * R
 
 
-def _sum_first_body(ctx, *args):
-    """:func:`_elastic_body` with every expanded combine summed on all SMs before its push
-    (:func:`~tritonep.kernels.elastic_combine.elastic_combine_sums`, what combines of more
-    than a decode batch's tokens take on GPUs)."""
+def _tuned_body(ctx, fields, *args):
+    """:func:`_elastic_body` under the elastic mode's ``Tuning`` with ``fields`` changed."""
     import dataclasses
 
     import tritonep.modes.elastic as mode
 
     saved = mode.TUNING
-    mode.TUNING = dataclasses.replace(saved, sum_first_tokens=0)
+    mode.TUNING = dataclasses.replace(saved, **fields)
     try:
         return _elastic_body(ctx, *args)
     finally:
@@ -356,10 +354,21 @@ def _sum_first_body(ctx, *args):
 )
 def test_expanded_rows_summed_before_the_push_match_the_reference(run_ranks, tokens, exact):
     """The expanded combine of large batches, its rows summed per token on every SM before
-    a plain push, gives the reference's bits (rows, weights, biases), as the push's own sums."""
+    a plain push (:func:`~tritonep.kernels.elastic_combine.elastic_combine_sums`, what
+    combines of more than a decode batch's tokens take on GPUs), gives the reference's bits
+    (rows, weights, biases), as the push's own sums."""
     R = len(tokens)
     args = (tokens, 136, 3, 4, None, exact, 2, 2, True)
-    assert run_ranks(R, _sum_first_body, *args) == [True] * R
+    assert run_ranks(R, _tuned_body, {"sum_first_tokens": 0}, *args) == [True] * R
+
+
+def test_a_pipelined_push_matches_the_reference(run_ranks):
+    """The combine push that loads its next block of plain rows before it stores this one
+    (``Tuning.combine_prefetch``) gives the reference's bits, for plain rows and for sums of
+    expanded ones; its programs take several blocks each and end on a partial one."""
+    args = ([37, 20], 136, 3, 4, None, False, 2, 2, True)
+    fields = {"combine_prefetch": True, "sum_first_tokens": 0}
+    assert run_ranks(2, _tuned_body, fields, *args) == [True] * 2
 
 
 def _plans_body(ctx):
@@ -743,11 +752,12 @@ def test_elastic_rows_move_in_16_byte_vectors():
     pytest.importorskip("triton.backends.nvidia")
     dispatch, copy, combine, reduce = (_elastic_ptx(k) for k in ELASTIC_KERNELS[:4])
     plain = _elastic_ptx(ELASTIC_KERNELS[2], EXPAND=False)  # one row per received token
+    pipelined = _elastic_ptx(ELASTIC_KERNELS[2], EXPAND=False, PREFETCH=True)
     sums = _elastic_ptx(ELASTIC_KERNELS[5])
     assert "st.global.v4.b32" in sums and "ld.global.v4.b32" in sums
     assert "st.global.v4.b32" in dispatch  # rows into the peers' records
     assert "st.global.v4.b32" in copy  # records into the outputs
-    for push in (combine, plain):
+    for push in (combine, plain, pipelined):
         assert "st.global.v4.b32" in push and "st.global.b16" not in push
     assert "ld.global.cg.v4.b32" in reduce and "ld.global.cg.b16" not in reduce
 

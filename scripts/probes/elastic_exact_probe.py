@@ -4,7 +4,9 @@
     (TRITONEP_PROBE_PROFILE=1: also a torch profiler trace of 3 exact-size dispatches and
     combines of rank 0, into OUT, with its tables; TRITONEP_PROBE_MARKS=1: also host marks
     inside 30 exact-size and 30 worst-case dispatches, medians of each step;
-    TRITONEP_PROBE_SMS=16,32: also both combines with their push on that many SMs)
+    TRITONEP_PROBE_SMS=16,32: also both combines with their push on that many SMs;
+    TRITONEP_PROBE_TUNE="combine_warps=16;...": also both combines under each Tuning, then
+    under the default again)
 
 Per call kind (exact-size dispatch, dispatch without the host read, cached dispatch, combine,
 combine of the expanded layout; top-8, random routing), the eager median of 10 calls and, after
@@ -117,6 +119,23 @@ def _rank(ctx, T, H, E, K, out_dir):
             f"{name}: eager median {ms * 1e3:.1f} us; one call: host returns after "
             f"{1e6 * (t1 - t0):.1f} us, done after {1e6 * (t2 - t0):.1f} us"
         )
+    for config in filter(None, os.environ.get("TRITONEP_PROBE_TUNE", "").split(";")):
+        import dataclasses
+
+        import tritonep.modes.elastic as mode
+
+        default = mode.TUNING
+        fields = dict(item.split("=") for item in config.split(","))
+        mode.TUNING = dataclasses.replace(
+            default, **{k: type(getattr(default, k))(int(v)) for k, v in fields.items()}
+        )
+        for name in ("combine", "combine expanded"):
+            ms = median_ms(calls[name], 10, 3)
+            lines.append(f"{name} [{config}]: eager median {ms * 1e3:.1f} us")
+        mode.TUNING = default
+        for name in ("combine", "combine expanded"):
+            ms = median_ms(calls[name], 10, 3)
+            lines.append(f"{name} [default, again]: eager median {ms * 1e3:.1f} us")
     for sms in filter(None, os.environ.get("TRITONEP_PROBE_SMS", "").split(",")):
         for name, (data, hdl) in (
             ("combine", (recv, handle)),

@@ -81,6 +81,7 @@ class CombineVariant(NamedTuple):
     USE_CLOCK: bool
     PDL: bool
     PROFILE: bool
+    PREFETCH: bool
 
 
 class SumsCall(NamedTuple):
@@ -261,63 +262,143 @@ def send_expanded(
 
 
 @triton.jit
-def combine_push(
+def plain_item(
+    item,
+    start,
+    total,
+    meta_ptr,
+    slots_ptr,
+    ranks,
+    peer_base,
+    region,
+    max_tokens,
+    K: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_CHANNELS: tl.constexpr,
+    COMBINE_RECORD_BYTES: tl.constexpr,
+):
+    """Work item ``item`` of a push of plain rows: ``(i, live, h0, dst)``, its ``[B]`` received
+    tokens (rotated to start at ``start``), which of them exist (none past the last item), its
+    first channel, and ``[B]`` int64 the addresses of their records at their owners."""
+    i = (item // NUM_CHUNKS) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    h0 = (item % NUM_CHUNKS) * BLOCK_CHANNELS
+    live = i < total
+    i = i + start
+    i = tl.where(i < total, i, i - total)
+    src = tl.load(meta_ptr + i.to(tl.int64) * (K + 2), mask=live, other=0)
+    source = src // max_tokens
+    owner_base = tl.sum(tl.where(ranks[None, :] == source[:, None], peer_base[None, :], 0), 1)
+    slot = tl.load(slots_ptr + i, mask=live, other=0)
+    dst = slot_rows(owner_base + region, slot, src % max_tokens, max_tokens, COMBINE_RECORD_BYTES)
+    return i, live, h0, dst
+
+
+@triton.jit
+def push_plain_rows(
     x_ptr,
     weights_ptr,
     meta_ptr,
     slots_ptr,
-    psum_rank_ptr,
-    peer_ptrs,
-    rank,
-    header_offset,
-    region_offset,
-    region_bytes,
+    start,
+    total,
+    num_items,
+    ranks,
+    peer_base,
+    region,
     max_tokens,
-    state_ptr,
-    status_ptr,
-    timeout_us,
+    ks,
     has_weights,
-    trace_ptr,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_CHANNELS: tl.constexpr,
+    COMBINE_RECORD_BYTES: tl.constexpr,
+):
+    """This program's work items of a push of plain rows, software-pipelined: each step loads
+    the next item's rows before it stores this item's, so a program's stores go out while its
+    next loads are in flight (a program that loads, then stores, waits on every load)."""
+    pid = tl.program_id(0)
+    step = tl.num_programs(0)
+    hs = tl.arange(0, BLOCK_CHANNELS)
+    i, live, h0, dst = plain_item(
+        pid,
+        start,
+        total,
+        meta_ptr,
+        slots_ptr,
+        ranks,
+        peer_base,
+        region,
+        max_tokens,
+        K,
+        NUM_CHUNKS,
+        BLOCK_ROWS,
+        BLOCK_CHANNELS,
+        COMBINE_RECORD_BYTES,
+    )
+    y = row_values(x_ptr, i, i, live, h0 + hs, h0 + hs < H, ks, H, K, False, False)
+    for item in range(pid, num_items, step):
+        i_next, live_next, h0_next, dst_next = plain_item(
+            item + step,
+            start,
+            total,
+            meta_ptr,
+            slots_ptr,
+            ranks,
+            peer_base,
+            region,
+            max_tokens,
+            K,
+            NUM_CHUNKS,
+            BLOCK_ROWS,
+            BLOCK_CHANNELS,
+            COMBINE_RECORD_BYTES,
+        )
+        h_next = h0_next + hs
+        y_next = row_values(
+            x_ptr, i_next, i_next, live_next, h_next, h_next < H, ks, H, K, False, False
+        )
+        h = h0 + hs
+        out = aligned_ptr(dst, tl.bfloat16)
+        tl.store(out[:, None] + h[None, :], y, mask=live[:, None] & (h < H)[None, :])
+        if (has_weights != 0) & (h0 == 0):
+            w = row_weights(weights_ptr, i, i, live, ks, K, False)
+            wp = (dst + 2 * H).to(tl.pointer_type(tl.float32))
+            tl.store(wp[:, None] + ks[None, :], w, mask=live[:, None] & (ks < K)[None, :])
+        i, live, h0, dst, y = i_next, live_next, h0_next, dst_next, y_next
+
+
+@triton.jit
+def push_rows(
+    x_ptr,
+    weights_ptr,
+    meta_ptr,
+    slots_ptr,
+    start,
+    total,
+    num_items,
+    ranks,
+    peer_base,
+    region,
+    max_tokens,
+    ks,
+    has_weights,
     H: tl.constexpr,
     K: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    NUM_RANKS: tl.constexpr,
-    BLOCK_RANKS: tl.constexpr,
-    COMBINE_RECORD_BYTES: tl.constexpr,
-    HEADER_WORDS: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_CHANNELS: tl.constexpr,
+    COMBINE_RECORD_BYTES: tl.constexpr,
     EXPAND: tl.constexpr,
     MULTI: tl.constexpr,
-    USE_CLOCK: tl.constexpr,
-    PROFILE: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
-    """The body of :func:`elastic_combine`: this program's rows, its arrival and, in the last
-    program, the tags and the wait for the peers'. Returns its trace readings (rows start,
-    push end, arrival; tag and wait times)."""
-    t_tag = tl.zeros((), tl.int64)
-    t_wait = tl.zeros((), tl.int64)
+    """This program's work items, each loaded, then stored: plain rows, per-token sums of
+    expanded rows (``MULTI``), or every expanded row alone."""
     pid = tl.program_id(0)
-    call = exchange_number(state_ptr)
-    region = region_offset + (call % 2) * region_bytes
-    ranks = tl.arange(0, BLOCK_RANKS)
-    ks = tl.arange(0, BLOCK_K)
-    peer_base = tl.load(peer_ptrs + ranks, mask=ranks < NUM_RANKS, other=0)
-    total = tl.load(psum_rank_ptr + NUM_RANKS - 1)
-    # The received tokens are in source order, and every rank walks them together: in that
-    # order all ranks would push to source 0 first, then to source 1, each receiver taking
-    # every sender's rows at once while other links idle. Each rank starts instead with the
-    # tokens of the next rank (its own come last), so that at any moment the ranks push to
-    # different owners.
-    start = tl.load(psum_rank_ptr + rank)
-    start = tl.where(start < total, start, 0)
-    # Work items: (block of BLOCK_ROWS received tokens, chunk of BLOCK_CHANNELS channels), so
-    # that a decode batch of a few tokens still spreads over every program.
-    NUM_CHUNKS: tl.constexpr = (H + BLOCK_CHANNELS - 1) // BLOCK_CHANNELS
-    num_items = tl.cdiv(total, BLOCK_ROWS) * NUM_CHUNKS
-    t_rows = tl.zeros((), tl.int64)
-    if PROFILE:
-        t_rows = read_clock(trace_ptr, USE_CLOCK)
     for item in range(pid, num_items, tl.num_programs(0)):
         i = (item // NUM_CHUNKS) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         h0 = (item % NUM_CHUNKS) * BLOCK_CHANNELS
@@ -332,7 +413,9 @@ def combine_push(
         rows = tl.full((BLOCK_ROWS, BLOCK_K), -1, tl.int32)
         if EXPAND:
             rows = tl.load(
-                meta[:, None] + 2 + ks[None, :], mask=live[:, None] & (ks < K)[None, :], other=-1
+                meta[:, None] + 2 + ks[None, :],
+                mask=live[:, None] & (ks < K)[None, :],
+                other=-1,
             )
         if EXPAND & (not MULTI):
             send_expanded(
@@ -367,8 +450,116 @@ def combine_push(
                 BLOCK_CHANNELS,
                 EXPAND,
                 has_weights,
-                not USE_CLOCK,
+                EMULATE,
             )
+
+
+@triton.jit
+def combine_push(
+    x_ptr,
+    weights_ptr,
+    meta_ptr,
+    slots_ptr,
+    psum_rank_ptr,
+    peer_ptrs,
+    rank,
+    header_offset,
+    region_offset,
+    region_bytes,
+    max_tokens,
+    state_ptr,
+    status_ptr,
+    timeout_us,
+    has_weights,
+    trace_ptr,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    COMBINE_RECORD_BYTES: tl.constexpr,
+    HEADER_WORDS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_CHANNELS: tl.constexpr,
+    EXPAND: tl.constexpr,
+    MULTI: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    PROFILE: tl.constexpr,
+):
+    """The body of :func:`elastic_combine`: this program's rows, its arrival and, in the last
+    program, the tags and the wait for the peers'. Returns its trace readings (rows start,
+    push end, arrival; tag and wait times)."""
+    t_tag = tl.zeros((), tl.int64)
+    t_wait = tl.zeros((), tl.int64)
+    call = exchange_number(state_ptr)
+    region = region_offset + (call % 2) * region_bytes
+    ranks = tl.arange(0, BLOCK_RANKS)
+    ks = tl.arange(0, BLOCK_K)
+    peer_base = tl.load(peer_ptrs + ranks, mask=ranks < NUM_RANKS, other=0)
+    total = tl.load(psum_rank_ptr + NUM_RANKS - 1)
+    # The received tokens are in source order, and every rank walks them together: in that
+    # order all ranks would push to source 0 first, then to source 1, each receiver taking
+    # every sender's rows at once while other links idle. Each rank starts instead with the
+    # tokens of the next rank (its own come last), so that at any moment the ranks push to
+    # different owners.
+    start = tl.load(psum_rank_ptr + rank)
+    start = tl.where(start < total, start, 0)
+    # Work items: (block of BLOCK_ROWS received tokens, chunk of BLOCK_CHANNELS channels), so
+    # that a decode batch of a few tokens still spreads over every program.
+    NUM_CHUNKS: tl.constexpr = (H + BLOCK_CHANNELS - 1) // BLOCK_CHANNELS
+    num_items = tl.cdiv(total, BLOCK_ROWS) * NUM_CHUNKS
+    t_rows = tl.zeros((), tl.int64)
+    if PROFILE:
+        t_rows = read_clock(trace_ptr, USE_CLOCK)
+    if PREFETCH and not EXPAND:
+        push_plain_rows(
+            x_ptr,
+            weights_ptr,
+            meta_ptr,
+            slots_ptr,
+            start,
+            total,
+            num_items,
+            ranks,
+            peer_base,
+            region,
+            max_tokens,
+            ks,
+            has_weights,
+            H,
+            K,
+            NUM_CHUNKS,
+            BLOCK_ROWS,
+            BLOCK_CHANNELS,
+            COMBINE_RECORD_BYTES,
+        )
+    else:
+        push_rows(
+            x_ptr,
+            weights_ptr,
+            meta_ptr,
+            slots_ptr,
+            start,
+            total,
+            num_items,
+            ranks,
+            peer_base,
+            region,
+            max_tokens,
+            ks,
+            has_weights,
+            H,
+            K,
+            BLOCK_K,
+            NUM_CHUNKS,
+            BLOCK_ROWS,
+            BLOCK_CHANNELS,
+            COMBINE_RECORD_BYTES,
+            EXPAND,
+            MULTI,
+            not USE_CLOCK,
+        )
     t_push_end = tl.zeros((), tl.int64)
     if PROFILE:
         t_push_end = read_clock(trace_ptr, USE_CLOCK)
@@ -439,6 +630,7 @@ def elastic_combine(
     USE_CLOCK: tl.constexpr,  # waits read the GPU clock (not under the interpreter)
     PDL: tl.constexpr = False,  # the epilogue is a programmatic dependent launch (sm_90+)
     PROFILE: tl.constexpr = False,  # record a trace (push: rows; exchange: arrive, tag, wait)
+    PREFETCH: tl.constexpr = False,  # plain rows: load the next item's before storing these
 ):
     t_start = tl.zeros((), tl.int64)
     if PROFILE:
@@ -475,6 +667,7 @@ def elastic_combine(
         BLOCK_CHANNELS,
         EXPAND,
         MULTI,
+        PREFETCH,
         USE_CLOCK,
         PROFILE,
     )
