@@ -866,6 +866,13 @@ def test_compiles_for_sm90(kernel):
 def test_low_latency_payload_moves_in_16_byte_vectors():
     dispatch, combine = compile_ptx(*KERNELS[2]), compile_ptx(*KERNELS[3])
     assert "st.global.v4.b32" in dispatch  # FP8 payload stores into the peer
+    # ... and none a byte at a time: the payload's address is a message's plus a constant,
+    # whose alignment only holds through Triton's rewrites as sync.aligned_ptr states it
+    assert "st.global.b8" not in dispatch
+    bf16 = compile_ptx(
+        *next(k for k in KERNELS if k[1] == "ll_dispatch_kernel" and k[3].get("USE_FP8") is False)
+    )
+    assert "st.global.v4.b32" in bf16 and "st.global.b16" not in bf16
     assert "cvt.rn.satfinite.e4m3x2.f32" in dispatch  # hardware e4m3 conversion on GPUs
     assert "div.rn.f32" in dispatch  # IEEE division for the scales, as the reference
     assert "st.global.v4.b32" in combine and "ld.global.cg.v4.b32" in combine
