@@ -317,7 +317,7 @@ def store_payloads(
         )
         for d in range(NUM_RANKS):
             go = lane(hit, ranks, d) > 0
-            dst = aligned_ptr(lane(recs, ranks, d) + PAYLOAD_BYTES, tl.int32)
+            dst = aligned_ptr(lane(recs, ranks, d), tl.int32) + PAYLOAD_BYTES // 4
             tl.store(dst[:, None] + g[None, :], packs, mask=m & go[:, None])
 
 
@@ -816,7 +816,7 @@ def copy_rows(
         g = tl.arange(0, BLOCK_GROUPS)
         m = live[:, None] & (g < G)[None, :]
         v = tl.load(
-            aligned_ptr(src + PAYLOAD_BYTES, tl.int32)[:, None] + g[None, :],
+            (aligned_ptr(src, tl.int32) + PAYLOAD_BYTES // 4)[:, None] + g[None, :],
             mask=m,
             cache_modifier=".cg",
         )
@@ -863,7 +863,7 @@ def copy_expanded(
         g = tl.arange(0, BLOCK_GROUPS)
         gmask = g < G
         v = tl.load(
-            aligned_ptr(src + PAYLOAD_BYTES, tl.int32)[:, None] + g[None, :],
+            (aligned_ptr(src, tl.int32) + PAYLOAD_BYTES // 4)[:, None] + g[None, :],
             mask=live[:, None] & gmask[None, :],
             cache_modifier=".cg",
         )
@@ -1003,7 +1003,7 @@ def copy_received_block(
     pos = i - tl.sum(tl.where(ranks[None, :] == source[:, None], src_start[None, :], 0), 1)
     spot = (source * max_tokens + pos).to(tl.int64)
     rec = rec_base + spot * RECORD_BYTES
-    meta = aligned_ptr(rec + PAYLOAD_BYTES + SCALE_BYTES, tl.int32)
+    meta = aligned_ptr(rec, tl.int32) + (PAYLOAD_BYTES + SCALE_BYTES) // 4
     m2 = live[:, None] & kmask[None, :]
     local = tl.load(meta[:, None] + 3 + ks[None, :], mask=m2, other=-1, cache_modifier=".cg")
     weights = tl.load(

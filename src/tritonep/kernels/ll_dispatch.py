@@ -789,12 +789,15 @@ def _send_tokens(
                 tl.store(header + 2, tl.where(ref >= 0, ref, -ref - 1))
             if (msg != 0) & (ref >= 0):
                 if USE_FP8:
-                    q_ptr = aligned_ptr(msg + HEADER_BYTES, tl.uint8)
+                    # (the message's address hinted, then the field's offset added: Triton's
+                    # rewrites drop a hint on `message + offset`, and the payload would go
+                    # into the peer one byte per store)
+                    q_ptr = aligned_ptr(msg, tl.uint8) + HEADER_BYTES
                     tl.store(q_ptr + row_offs, q, mask=row_mask)
-                    scale_ptr = aligned_ptr(msg + SCALES_AT, tl.float32)
+                    scale_ptr = aligned_ptr(msg, tl.float32) + SCALES_AT // 4
                     tl.store(scale_ptr + groups, scale, mask=gmask)
                 else:
-                    x_dst = aligned_ptr(msg + HEADER_BYTES, tl.bfloat16)
+                    x_dst = aligned_ptr(msg, tl.bfloat16) + HEADER_BYTES // 2
                     tl.store(x_dst + row_offs, x, mask=row_mask)
         tl.debug_barrier()
 
@@ -1224,14 +1227,14 @@ def _pack_group(
         # The message that carries the payload (this one, or the first message of the same
         # token to this rank, for another expert).
         ref = tl.load(header + 2, mask=mmask, other=0, cache_modifier=".cg")
-        payload = set_base + ref.to(tl.int64) * MSG_BYTES + HEADER_BYTES
+        message = set_base + ref.to(tl.int64) * MSG_BYTES
         tl.store(out_src_ptr + rows, source_token, mask=mmask)
         tl.store(out_slot_ptr + rows, column, mask=mmask)
         mask2 = mmask[:, None] & flat_mask[None, :]
         dst = rows[:, None] * H + flat[None, :]
         if USE_FP8:
             # Bytes move as bytes (out_x_ptr is the e4m3 output).
-            q_ptr = aligned_ptr(payload, tl.uint8)
+            q_ptr = aligned_ptr(message, tl.uint8) + HEADER_BYTES
             q = tl.load(q_ptr[:, None] + flat[None, :], mask=mask2, cache_modifier=".cg")
             tl.store(out_x_ptr.to(tl.pointer_type(tl.uint8)) + dst, q, mask=mask2)
             # Scales go column-major per expert (the row index fastest), the layout TMA-based
@@ -1246,9 +1249,11 @@ def _pack_group(
             )
             s_header = aligned_ptr(set_base + s_index.to(tl.int64) * MSG_BYTES, tl.int32)
             s_ref = tl.load(s_header + 2, mask=s_mask, other=0, cache_modifier=".cg")
-            s_src = set_base + s_ref.to(tl.int64) * MSG_BYTES + SCALES_AT
+            s_src = set_base + s_ref.to(tl.int64) * MSG_BYTES
             scale = tl.load(
-                aligned_ptr(s_src, tl.float32) + s_group, mask=s_mask, cache_modifier=".cg"
+                aligned_ptr(s_src, tl.float32) + SCALES_AT // 4 + s_group,
+                mask=s_mask,
+                cache_modifier=".cg",
             )
             row = s_row.to(tl.int64)
             if PACK_UE8M0:
@@ -1264,7 +1269,7 @@ def _pack_group(
                     out_scales_ptr + s_column * (NUM_RANKS * MAX_TOKENS) + row, scale, mask=s_mask
                 )
         else:
-            x_src = aligned_ptr(payload, tl.bfloat16)[:, None] + flat[None, :]
+            x_src = (aligned_ptr(message, tl.bfloat16) + HEADER_BYTES // 2)[:, None] + flat[None, :]
             x = tl.load(x_src, mask=mask2, cache_modifier=".cg")
             tl.store(out_x_ptr + dst, x, mask=mask2)
 

@@ -572,9 +572,12 @@ def sum_step(
         acc = tl.zeros((BLOCK_TOKENS, 2 * BLOCK_WORDS), tl.float32)
         for d in tl.static_range(NUM_RANKS):
             from_d = lane(ready, ranks, d) > 0
-            p = aligned_ptr(lane(src, ranks, d), tl.bfloat16)
+            at_d = lane(src, ranks, d)
             if LOCAL:
-                p = tl.where(rank == d, x_ptr + own_row * H, p)
+                # (the choice made on addresses, then hinted: a choice between two pointers
+                # loses their alignment, and the rows would load one value at a time)
+                at_d = tl.where(rank == d, (x_ptr + own_row * H).to(tl.int64), at_d)
+            p = aligned_ptr(at_d, tl.bfloat16)
             y = tl.load(
                 p[:, None] + e[None, :],
                 mask=from_d[:, None] & em[None, :],

@@ -71,13 +71,9 @@ def aligned_ptr(addr, DTYPE: tl.constexpr):
     """A typed pointer from an int64 heap address that is a multiple of 16 bytes.
 
     Saying so lets Triton move data in 16-byte vectors: it cannot see the alignment of an
-    address loaded from memory (the peer base addresses) by itself. The address's low four
-    bits are cleared first (a no-op for the addresses this takes), which carries the
-    alignment through Triton's rewrites: a hint on the cast alone is lost where Triton turns
-    the cast of ``address + constant`` (a record's field) into pointer arithmetic, and the
-    field then moves one element per instruction.
+    address loaded from memory (the peer base addresses) by itself.
     """
-    return tl.multiple_of(((addr >> 4) << 4).to(tl.pointer_type(DTYPE)), 16)
+    return tl.multiple_of(addr.to(tl.pointer_type(DTYPE)), 16)
 
 
 @triton.jit
