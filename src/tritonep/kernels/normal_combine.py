@@ -571,19 +571,27 @@ def sum_step(
         em = e < H
         acc = tl.zeros((BLOCK_TOKENS, 2 * BLOCK_WORDS), tl.float32)
         for d in tl.static_range(NUM_RANKS):
-            from_d = lane(ready, ranks, d) > 0
-            at_d = lane(src, ranks, d)
-            if LOCAL:
-                # (the choice made on addresses, then hinted: a choice between two pointers
-                # loses their alignment, and the rows would load one value at a time)
-                at_d = tl.where(rank == d, (x_ptr + own_row * H).to(tl.int64), at_d)
-            p = aligned_ptr(at_d, tl.bfloat16)
+            ready_d = lane(ready, ranks, d)
+            from_d = ready_d > 0
+            if LOCAL:  # this rank's own rows come from the input, the others' from slots
+                mine = from_d & ((ready_d * 0 + rank) == d)
+                from_d = from_d & ((ready_d * 0 + rank) != d)
+            # Two masked loads, not one from a choice of pointers: such a choice loses the
+            # alignment of both, and the rows would load one value at a time.
+            p = aligned_ptr(lane(src, ranks, d), tl.bfloat16)
             y = tl.load(
                 p[:, None] + e[None, :],
                 mask=from_d[:, None] & em[None, :],
                 other=0.0,
                 cache_modifier=".cg",
             )
+            if LOCAL:
+                y_own = tl.load(
+                    x_ptr + own_row[:, None] * H + e[None, :],
+                    mask=mine[:, None] & em[None, :],
+                    other=0.0,
+                )
+                y = tl.where(mine[:, None], y_own, y)
             acc += from_bf16(y, not USE_CLOCK)
         m2 = tmask[:, None] & em[None, :]
         at = tokens64[:, None] * H + e[None, :]
