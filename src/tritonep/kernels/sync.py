@@ -71,7 +71,11 @@ def aligned_ptr(addr, DTYPE: tl.constexpr):
     """A typed pointer from an int64 heap address that is a multiple of 16 bytes.
 
     Saying so lets Triton move data in 16-byte vectors: it cannot see the alignment of an
-    address loaded from memory (the peer base addresses) by itself.
+    address loaded from memory (the peer base addresses) by itself. Give it a record's
+    address and add a field's offset to the pointer it returns: Triton rewrites the cast of
+    ``address + constant`` into pointer arithmetic and drops the hint with it (the field then
+    moves one element per instruction; the PTX tests of tests/test_kernels_compile.py and
+    tests/test_elastic.py look for that).
     """
     return tl.multiple_of(addr.to(tl.pointer_type(DTYPE)), 16)
 
