@@ -150,19 +150,6 @@ TRACED = {
 }
 
 
-def _tuning(config: str):
-    """The :class:`~tritonep.modes.elastic.Tuning` of ``name=value,...`` (each value converted
-    to its field's type)."""
-    import tritonep.modes.elastic as mode
-
-    default = mode.Tuning()
-    fields = {}
-    for item in filter(None, config.split(",")):
-        name, value = (part.strip() for part in item.split("="))
-        fields[name] = type(getattr(default, name))(int(value))
-    return mode.Tuning(**fields)
-
-
 def _traced(ctx, fn, recorder, calls=5, replays=5):
     """``calls`` traced calls of ``fn`` after a warm-up call (whose launches are dropped):
     captured in one CUDA graph and replayed ``replays`` times on GPUs (the readings buffers
@@ -270,7 +257,7 @@ def _rank(ctx, opts):
         line for T in opts.tokens for line in _decode_line(ctx, opts, elastic, legacy, T, most)
     ]
     for config in filter(None, (opts.tune or "").split(";")):
-        mode.TUNING = _tuning(config)
+        mode.TUNING = mode.Tuning.of(config)
         for T in opts.tokens:
             lines += _decode_line(ctx, opts, elastic, legacy, T, most, f" [{config}]")
         mode.TUNING = mode.Tuning()
@@ -287,7 +274,7 @@ def _rank(ctx, opts):
         traced_ll.profile = recorder
         elastic.runtime.trace = recorder
         for config in ["", *filter(None, (opts.tune or "").split(";"))]:
-            mode.TUNING = _tuning(config)
+            mode.TUNING = mode.Tuning.of(config)
             for T in opts.tokens:
                 lines += _trace_lines(ctx, opts, elastic, traced_ll, T, most, recorder, config)
         mode.TUNING = mode.Tuning()
@@ -322,7 +309,7 @@ def _rank(ctx, opts):
             "elastic expanded combine": lambda: elastic.combine(expanded, expanded_handle),
         }
         for config in ["", *filter(None, (opts.tune or "").split(";"))]:
-            mode.TUNING = _tuning(config)
+            mode.TUNING = mode.Tuning.of(config)
             times = mean_over_ranks([median_ms(fn, 10, 3) * 1e3 for fn in calls.values()])
             lines.append(
                 f"{T:5d} tokens (exact sizes, eager{', ' + config if config else ''}): "

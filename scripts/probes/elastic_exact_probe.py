@@ -119,16 +119,11 @@ def _rank(ctx, T, H, E, K, out_dir):
             f"{name}: eager median {ms * 1e3:.1f} us; one call: host returns after "
             f"{1e6 * (t1 - t0):.1f} us, done after {1e6 * (t2 - t0):.1f} us"
         )
+    import tritonep.modes.elastic as mode
+
     for config in filter(None, os.environ.get("TRITONEP_PROBE_TUNE", "").split(";")):
-        import dataclasses
-
-        import tritonep.modes.elastic as mode
-
         default = mode.TUNING
-        fields = dict(item.split("=") for item in config.split(","))
-        mode.TUNING = dataclasses.replace(
-            default, **{k: type(getattr(default, k))(int(v)) for k, v in fields.items()}
-        )
+        mode.TUNING = mode.Tuning.of(config)
         for name in ("combine", "combine expanded"):
             ms = median_ms(calls[name], 10, 3)
             lines.append(f"{name} [{config}]: eager median {ms * 1e3:.1f} us")

@@ -222,10 +222,31 @@ def send_sums(
     """Store channels ``[h0, h0 + BLOCK_CHANNELS)`` of each token's row (:func:`row_values`)
     at ``dst`` ([B] int64), and with the first channels its weights."""
     h = h0 + tl.arange(0, BLOCK_CHANNELS)
-    hmask = h < H
-    y = row_values(x_ptr, rows, i, live, h, hmask, ks, H, K, EXPAND, EMULATE)
+    y = row_values(x_ptr, rows, i, live, h, h < H, ks, H, K, EXPAND, EMULATE)
+    store_record(y, weights_ptr, rows, i, live, dst, h0, h, ks, H, K, EXPAND, has_weights)
+
+
+@triton.jit
+def store_record(
+    y,
+    weights_ptr,
+    rows,
+    i,
+    live,
+    dst,
+    h0,
+    h,
+    ks,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    EXPAND: tl.constexpr,
+    has_weights,
+):
+    """Store ``y``, channels ``h`` (from ``h0``) of each token's row, into its record at
+    ``dst`` ([B] int64), and with the first channels the token's weights
+    (:func:`row_weights`)."""
     out = aligned_ptr(dst, tl.bfloat16)
-    tl.store(out[:, None] + h[None, :], y, mask=live[:, None] & hmask[None, :])
+    tl.store(out[:, None] + h[None, :], y, mask=live[:, None] & (h < H)[None, :])
     if (has_weights != 0) & (h0 == 0):
         w = row_weights(weights_ptr, rows, i, live, ks, K, EXPAND)
         wp = (dst + 2 * H).to(tl.pointer_type(tl.float32))
@@ -262,6 +283,34 @@ def send_expanded(
 
 
 @triton.jit
+def item_tokens(
+    item,
+    start,
+    total,
+    meta_ptr,
+    ranks,
+    peer_base,
+    max_tokens,
+    K: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_CHANNELS: tl.constexpr,
+):
+    """Work item ``item`` of a push: ``(i, live, h0, owner_base, token)``, its ``[B]`` received
+    tokens (rotated to start at ``start``), which of them exist (none past the last item), its
+    first channel, and per token the heap base of its owner and its index there."""
+    i = (item // NUM_CHUNKS) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    h0 = (item % NUM_CHUNKS) * BLOCK_CHANNELS
+    live = i < total
+    i = i + start
+    i = tl.where(i < total, i, i - total)
+    src = tl.load(meta_ptr + i.to(tl.int64) * (K + 2), mask=live, other=0)
+    source = src // max_tokens
+    owner_base = tl.sum(tl.where(ranks[None, :] == source[:, None], peer_base[None, :], 0), 1)
+    return i, live, h0, owner_base, src % max_tokens
+
+
+@triton.jit
 def plain_item(
     item,
     start,
@@ -278,19 +327,23 @@ def plain_item(
     BLOCK_CHANNELS: tl.constexpr,
     COMBINE_RECORD_BYTES: tl.constexpr,
 ):
-    """Work item ``item`` of a push of plain rows: ``(i, live, h0, dst)``, its ``[B]`` received
-    tokens (rotated to start at ``start``), which of them exist (none past the last item), its
-    first channel, and ``[B]`` int64 the addresses of their records at their owners."""
-    i = (item // NUM_CHUNKS) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    h0 = (item % NUM_CHUNKS) * BLOCK_CHANNELS
-    live = i < total
-    i = i + start
-    i = tl.where(i < total, i, i - total)
-    src = tl.load(meta_ptr + i.to(tl.int64) * (K + 2), mask=live, other=0)
-    source = src // max_tokens
-    owner_base = tl.sum(tl.where(ranks[None, :] == source[:, None], peer_base[None, :], 0), 1)
+    """Work item ``item`` of a push of plain rows (:func:`item_tokens`): ``(i, live, h0,
+    dst)``, with ``[B]`` int64 the addresses of the tokens' records at their owners."""
+    i, live, h0, owner_base, token = item_tokens(
+        item,
+        start,
+        total,
+        meta_ptr,
+        ranks,
+        peer_base,
+        max_tokens,
+        K,
+        NUM_CHUNKS,
+        BLOCK_ROWS,
+        BLOCK_CHANNELS,
+    )
     slot = tl.load(slots_ptr + i, mask=live, other=0)
-    dst = slot_rows(owner_base + region, slot, src % max_tokens, max_tokens, COMBINE_RECORD_BYTES)
+    dst = slot_rows(owner_base + region, slot, token, max_tokens, COMBINE_RECORD_BYTES)
     return i, live, h0, dst
 
 
@@ -360,13 +413,7 @@ def push_plain_rows(
         y_next = row_values(
             x_ptr, i_next, i_next, live_next, h_next, h_next < H, ks, H, K, False, False
         )
-        h = h0 + hs
-        out = aligned_ptr(dst, tl.bfloat16)
-        tl.store(out[:, None] + h[None, :], y, mask=live[:, None] & (h < H)[None, :])
-        if (has_weights != 0) & (h0 == 0):
-            w = row_weights(weights_ptr, i, i, live, ks, K, False)
-            wp = (dst + 2 * H).to(tl.pointer_type(tl.float32))
-            tl.store(wp[:, None] + ks[None, :], w, mask=live[:, None] & (ks < K)[None, :])
+        store_record(y, weights_ptr, i, i, live, dst, h0, h0 + hs, ks, H, K, False, has_weights)
         i, live, h0, dst, y = i_next, live_next, h0_next, dst_next, y_next
 
 
@@ -400,18 +447,22 @@ def push_rows(
     expanded rows (``MULTI``), or every expanded row alone."""
     pid = tl.program_id(0)
     for item in range(pid, num_items, tl.num_programs(0)):
-        i = (item // NUM_CHUNKS) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        h0 = (item % NUM_CHUNKS) * BLOCK_CHANNELS
-        live = i < total
-        i = i + start
-        i = tl.where(i < total, i, i - total)
-        meta = meta_ptr + i.to(tl.int64) * (K + 2)
-        src = tl.load(meta, mask=live, other=0)
-        source = src // max_tokens
-        token = src % max_tokens
-        owner_base = tl.sum(tl.where(ranks[None, :] == source[:, None], peer_base[None, :], 0), 1)
+        i, live, h0, owner_base, token = item_tokens(
+            item,
+            start,
+            total,
+            meta_ptr,
+            ranks,
+            peer_base,
+            max_tokens,
+            K,
+            NUM_CHUNKS,
+            BLOCK_ROWS,
+            BLOCK_CHANNELS,
+        )
         rows = tl.full((BLOCK_ROWS, BLOCK_K), -1, tl.int32)
         if EXPAND:
+            meta = meta_ptr + i.to(tl.int64) * (K + 2)
             rows = tl.load(
                 meta[:, None] + 2 + ks[None, :],
                 mask=live[:, None] & (ks < K)[None, :],

@@ -116,6 +116,16 @@ class Tuning:
     reduce_channels: int = 1024  # channels per work item of the reduce epilogue
     reduce_warps: int = 16
 
+    @classmethod
+    def of(cls, config: str) -> Tuning:
+        """The tuning ``config`` names (``"combine_rows=16,combine_warps=8"``: each value an
+        integer, converted to its field's type), the defaults elsewhere."""
+        fields = dict(item.split("=") for item in filter(None, config.split(",")))
+        default = cls()
+        return cls(
+            **{k.strip(): type(getattr(default, k.strip()))(int(v)) for k, v in fields.items()}
+        )
+
 
 TUNING = Tuning()
 
