@@ -879,18 +879,6 @@ def test_low_latency_payload_moves_in_16_byte_vectors():
     assert "fma.rn.f32" not in combine  # no fused multiply-add: bit-exact with the reference
 
 
-def test_normal_combine_reads_every_rank_s_rows_in_16_byte_vectors():
-    """The reduce reads each rank's rows, its own from the input, in 16-byte vectors (a choice
-    between the input's address and a ring slot's made on pointers would lose their
-    alignment)."""
-    import re
-
-    for kernel in (k for k in KERNELS if k[1] == "normal_combine_kernel"):
-        body = compile_ptx(*kernel)
-        assert "ld.global.cg.v4.b32" in body, _id(kernel)
-        assert not re.search(r"ld\.global(\.\w+)*\.b16\b", body), _id(kernel)
-
-
 def test_a_partial_group_keeps_16_byte_vectors():
     """At gpt-oss's 2880 channels (FP8 rows of 180 x 16 bytes, BF16 rows of 360) the rows
     still move in 16-byte vectors: the channel masks of a partial last group hold over every

@@ -571,27 +571,16 @@ def sum_step(
         em = e < H
         acc = tl.zeros((BLOCK_TOKENS, 2 * BLOCK_WORDS), tl.float32)
         for d in tl.static_range(NUM_RANKS):
-            ready_d = lane(ready, ranks, d)
-            from_d = ready_d > 0
-            if LOCAL:  # this rank's own rows come from the input, the others' from slots
-                mine = from_d & ((ready_d * 0 + rank) == d)
-                from_d = from_d & ((ready_d * 0 + rank) != d)
-            # Two masked loads, not one from a choice of pointers: such a choice loses the
-            # alignment of both, and the rows would load one value at a time.
+            from_d = lane(ready, ranks, d) > 0
             p = aligned_ptr(lane(src, ranks, d), tl.bfloat16)
+            if LOCAL:
+                p = tl.where(rank == d, x_ptr + own_row * H, p)
             y = tl.load(
                 p[:, None] + e[None, :],
                 mask=from_d[:, None] & em[None, :],
                 other=0.0,
                 cache_modifier=".cg",
             )
-            if LOCAL:
-                y_own = tl.load(
-                    x_ptr + own_row[:, None] * H + e[None, :],
-                    mask=mine[:, None] & em[None, :],
-                    other=0.0,
-                )
-                y = tl.where(mine[:, None], y_own, y)
             acc += from_bf16(y, not USE_CLOCK)
         m2 = tmask[:, None] & em[None, :]
         at = tokens64[:, None] * H + e[None, :]
