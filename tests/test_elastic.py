@@ -362,15 +362,6 @@ def test_expanded_rows_summed_before_the_push_match_the_reference(run_ranks, tok
     assert run_ranks(R, _tuned_body, {"sum_first_tokens": 0}, *args) == [True] * R
 
 
-def test_a_pipelined_push_matches_the_reference(run_ranks):
-    """The combine push that loads its next block of plain rows before it stores this one
-    (``Tuning.combine_prefetch``) gives the reference's bits, for plain rows and for sums of
-    expanded ones; its programs take several blocks each and end on a partial one."""
-    args = ([37, 20], 136, 3, 4, None, False, 2, 2, True)
-    fields = {"combine_prefetch": True, "sum_first_tokens": 0}
-    assert run_ranks(2, _tuned_body, fields, *args) == [True] * 2
-
-
 def _plans_body(ctx):
     """Exact-size dispatches and combines whose received counts differ from call to call (as
     a training step's do), checked against the reference; returns how many plans and
@@ -752,12 +743,11 @@ def test_elastic_rows_move_in_16_byte_vectors():
     pytest.importorskip("triton.backends.nvidia")
     dispatch, copy, combine, reduce = (_elastic_ptx(k) for k in ELASTIC_KERNELS[:4])
     plain = _elastic_ptx(ELASTIC_KERNELS[2], EXPAND=False)  # one row per received token
-    pipelined = _elastic_ptx(ELASTIC_KERNELS[2], EXPAND=False, PREFETCH=True)
     sums = _elastic_ptx(ELASTIC_KERNELS[5])
     assert "st.global.v4.b32" in sums and "ld.global.v4.b32" in sums
     assert "st.global.v4.b32" in dispatch  # rows into the peers' records
     assert "st.global.v4.b32" in copy  # records into the outputs
-    for push in (combine, plain, pipelined):
+    for push in (combine, plain):
         assert "st.global.v4.b32" in push and "st.global.b16" not in push
     assert "ld.global.cg.v4.b32" in reduce and "ld.global.cg.b16" not in reduce
 

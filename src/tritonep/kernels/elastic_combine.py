@@ -81,7 +81,6 @@ class CombineVariant(NamedTuple):
     USE_CLOCK: bool
     PDL: bool
     PROFILE: bool
-    PREFETCH: bool
 
 
 class SumsCall(NamedTuple):
@@ -311,113 +310,6 @@ def item_tokens(
 
 
 @triton.jit
-def plain_item(
-    item,
-    start,
-    total,
-    meta_ptr,
-    slots_ptr,
-    ranks,
-    peer_base,
-    region,
-    max_tokens,
-    K: tl.constexpr,
-    NUM_CHUNKS: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_CHANNELS: tl.constexpr,
-    COMBINE_RECORD_BYTES: tl.constexpr,
-):
-    """Work item ``item`` of a push of plain rows (:func:`item_tokens`): ``(i, live, h0,
-    dst)``, with ``[B]`` int64 the addresses of the tokens' records at their owners."""
-    i, live, h0, owner_base, token = item_tokens(
-        item,
-        start,
-        total,
-        meta_ptr,
-        ranks,
-        peer_base,
-        max_tokens,
-        K,
-        NUM_CHUNKS,
-        BLOCK_ROWS,
-        BLOCK_CHANNELS,
-    )
-    slot = tl.load(slots_ptr + i, mask=live, other=0)
-    dst = slot_rows(owner_base + region, slot, token, max_tokens, COMBINE_RECORD_BYTES)
-    return i, live, h0, dst
-
-
-@triton.jit
-def push_plain_rows(
-    x_ptr,
-    weights_ptr,
-    meta_ptr,
-    slots_ptr,
-    start,
-    total,
-    num_items,
-    ranks,
-    peer_base,
-    region,
-    max_tokens,
-    ks,
-    has_weights,
-    H: tl.constexpr,
-    K: tl.constexpr,
-    NUM_CHUNKS: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_CHANNELS: tl.constexpr,
-    COMBINE_RECORD_BYTES: tl.constexpr,
-):
-    """This program's work items of a push of plain rows, software-pipelined: each step loads
-    the next item's rows before it stores this item's, so a program's stores go out while its
-    next loads are in flight (a program that loads, then stores, waits on every load)."""
-    pid = tl.program_id(0)
-    step = tl.num_programs(0)
-    hs = tl.arange(0, BLOCK_CHANNELS)
-    i, live, h0, dst = plain_item(
-        pid,
-        start,
-        total,
-        meta_ptr,
-        slots_ptr,
-        ranks,
-        peer_base,
-        region,
-        max_tokens,
-        K,
-        NUM_CHUNKS,
-        BLOCK_ROWS,
-        BLOCK_CHANNELS,
-        COMBINE_RECORD_BYTES,
-    )
-    y = row_values(x_ptr, i, i, live, h0 + hs, h0 + hs < H, ks, H, K, False, False)
-    for item in range(pid, num_items, step):
-        i_next, live_next, h0_next, dst_next = plain_item(
-            item + step,
-            start,
-            total,
-            meta_ptr,
-            slots_ptr,
-            ranks,
-            peer_base,
-            region,
-            max_tokens,
-            K,
-            NUM_CHUNKS,
-            BLOCK_ROWS,
-            BLOCK_CHANNELS,
-            COMBINE_RECORD_BYTES,
-        )
-        h_next = h0_next + hs
-        y_next = row_values(
-            x_ptr, i_next, i_next, live_next, h_next, h_next < H, ks, H, K, False, False
-        )
-        store_record(y, weights_ptr, i, i, live, dst, h0, h0 + hs, ks, H, K, False, has_weights)
-        i, live, h0, dst, y = i_next, live_next, h0_next, dst_next, y_next
-
-
-@triton.jit
 def push_rows(
     x_ptr,
     weights_ptr,
@@ -534,8 +426,8 @@ def combine_push(
     BLOCK_CHANNELS: tl.constexpr,
     EXPAND: tl.constexpr,
     MULTI: tl.constexpr,
-    PREFETCH: tl.constexpr,
     USE_CLOCK: tl.constexpr,
+    PDL: tl.constexpr,
     PROFILE: tl.constexpr,
 ):
     """The body of :func:`elastic_combine`: this program's rows, its arrival and, in the last
@@ -563,58 +455,42 @@ def combine_push(
     t_rows = tl.zeros((), tl.int64)
     if PROFILE:
         t_rows = read_clock(trace_ptr, USE_CLOCK)
-    if PREFETCH and not EXPAND:
-        push_plain_rows(
-            x_ptr,
-            weights_ptr,
-            meta_ptr,
-            slots_ptr,
-            start,
-            total,
-            num_items,
-            ranks,
-            peer_base,
-            region,
-            max_tokens,
-            ks,
-            has_weights,
-            H,
-            K,
-            NUM_CHUNKS,
-            BLOCK_ROWS,
-            BLOCK_CHANNELS,
-            COMBINE_RECORD_BYTES,
-        )
-    else:
-        push_rows(
-            x_ptr,
-            weights_ptr,
-            meta_ptr,
-            slots_ptr,
-            start,
-            total,
-            num_items,
-            ranks,
-            peer_base,
-            region,
-            max_tokens,
-            ks,
-            has_weights,
-            H,
-            K,
-            BLOCK_K,
-            NUM_CHUNKS,
-            BLOCK_ROWS,
-            BLOCK_CHANNELS,
-            COMBINE_RECORD_BYTES,
-            EXPAND,
-            MULTI,
-            not USE_CLOCK,
-        )
+    push_rows(
+        x_ptr,
+        weights_ptr,
+        meta_ptr,
+        slots_ptr,
+        start,
+        total,
+        num_items,
+        ranks,
+        peer_base,
+        region,
+        max_tokens,
+        ks,
+        has_weights,
+        H,
+        K,
+        BLOCK_K,
+        NUM_CHUNKS,
+        BLOCK_ROWS,
+        BLOCK_CHANNELS,
+        COMBINE_RECORD_BYTES,
+        EXPAND,
+        MULTI,
+        not USE_CLOCK,
+    )
     t_push_end = tl.zeros((), tl.int64)
     if PROFILE:
         t_push_end = read_clock(trace_ptr, USE_CLOCK)
     last = arrive(state_ptr)
+    if PDL:
+        # This program's rows are out: the epilogue's grid may launch once every program
+        # has come here, its launch overlapping the last program's wait for the peers (the
+        # epilogue waits, gdc_wait, for this grid to complete before it reads anything).
+        # Not earlier: an epilogue launched at the start would hold every SM, spinning,
+        # for the whole push, and keep a GEMM on another stream off them.
+        gdc_launch_dependents()
     t_arrive = t_push_end
     if PROFILE:
         t_arrive = read_clock(trace_ptr, USE_CLOCK)
@@ -681,15 +557,10 @@ def elastic_combine(
     USE_CLOCK: tl.constexpr,  # waits read the GPU clock (not under the interpreter)
     PDL: tl.constexpr = False,  # the epilogue is a programmatic dependent launch (sm_90+)
     PROFILE: tl.constexpr = False,  # record a trace (push: rows; exchange: arrive, tag, wait)
-    PREFETCH: tl.constexpr = False,  # plain rows: load the next item's before storing these
 ):
     t_start = tl.zeros((), tl.int64)
     if PROFILE:
         t_start = read_clock(trace_ptr, USE_CLOCK)
-    if PDL:
-        # The epilogue may launch now (as in elastic_dispatch: every program of this grid is
-        # resident by then, so none is held back; the epilogue waits for this grid's end).
-        gdc_launch_dependents()
     t_rows, t_push_end, t_arrive, t_tag, t_wait = combine_push(
         x_ptr,
         weights_ptr,
@@ -718,8 +589,8 @@ def elastic_combine(
         BLOCK_CHANNELS,
         EXPAND,
         MULTI,
-        PREFETCH,
         USE_CLOCK,
+        PDL,
         PROFILE,
     )
     if PROFILE:

@@ -438,6 +438,7 @@ def dispatch_push(
     SCAN_BLOCK_TOKENS: tl.constexpr,
     HAS_SF: tl.constexpr,
     USE_CLOCK: tl.constexpr,
+    PDL: tl.constexpr,
     PROFILE: tl.constexpr,
 ):
     """The body of :func:`elastic_dispatch`: this program's records, its arrival and, in the
@@ -550,6 +551,13 @@ def dispatch_push(
     if PROFILE:
         t_push_end = read_clock(trace_ptr, USE_CLOCK)
     last = arrive(state_ptr)
+    if PDL:
+        # This program's rows are out: the epilogue's grid may launch once every program
+        # has come here, its launch overlapping the last program's wait for the peers (the
+        # epilogue waits, gdc_wait, for this grid to complete before it reads anything).
+        # Not earlier: an epilogue launched at the start would hold every SM, spinning,
+        # for the whole push, and keep a GEMM on another stream off them.
+        gdc_launch_dependents()
     t_arrive = t_push_end
     if PROFILE:
         t_arrive = read_clock(trace_ptr, USE_CLOCK)
@@ -670,14 +678,6 @@ def elastic_dispatch(
     t_start = tl.zeros((), tl.int64)
     if PROFILE:
         t_start = read_clock(trace_ptr, USE_CLOCK)
-    if PDL:
-        # Let the epilogue's grid launch now, so that its launch and its programs' start
-        # overlap this push; they wait (gdc_wait) for this grid to complete before reading
-        # anything. This cannot hold a push program back: the epilogue launches only once
-        # every program of this grid has run this line or exited, i.e. all of them are
-        # already resident (the last one, which waits for the peers' headers, included); the
-        # epilogue's programs take only the room left on the SMs.
-        gdc_launch_dependents()
     t_push_end, t_arrive, t_scan, t_stores, t_headers, t_wait = dispatch_push(
         x_ptr,
         sf_ptr,
@@ -722,6 +722,7 @@ def elastic_dispatch(
         SCAN_BLOCK_TOKENS,
         HAS_SF,
         USE_CLOCK,
+        PDL,
         PROFILE,
     )
     if PROFILE:

@@ -97,9 +97,6 @@ class Tuning:
     expanded_combine_rows: int = 8  # the same for rows in the expanded layout
     combine_channels: int = 1024  # channels per work item of the combine push
     combine_warps: int = 32
-    # plain rows: each step of the push loads the next block before it stores this one; off
-    # until timed on GPUs (elastic_exact_probe.py with TRITONEP_PROBE_TUNE=combine_prefetch=1)
-    combine_prefetch: bool = False
     # the same for decode batches (at most DECODE_TOKENS tokens on this rank): narrow blocks
     # of wide chunks keep every program's stores in flight (BENCHMARKS.md, ElasticBuffer decode)
     decode_combine_rows: int = 2
@@ -1026,7 +1023,6 @@ class ElasticMode:
             USE_CLOCK=use_clock(device),
             PDL=self._pdl,
             PROFILE=profile,
-            PREFETCH=tuning.combine_prefetch,
         )
         options = {"num_warps": PUSH_WARPS, "enable_fp_fusion": False}
         push = self._kernel_launch(ec.elastic_combine, ec.CombineCall, variant, options)
