@@ -142,6 +142,30 @@ def test_internode_legs(tmp_path):
     assert row["model_dispatch_us"] > 25  # the fixed cost plus the bytes
 
 
+def test_overlap_rows_cover_every_path_operation_priority_and_order(tmp_path):
+    """``bench overlap``: a row per path, operation, stream priority and start order, whose
+    derived columns follow from the measured ones (on CPU ranks the two sides run one after
+    the other, so the one launched second ends after the other)."""
+    rows = _run(tmp_path, "overlap", "--tokens", "8")
+    combos = {(r["path"], r["op"], r["priority"], r["order"]) for r in rows}
+    assert len(rows) == len(combos) == 16
+    assert {c[0] for c in combos} == {"rings", "slots"}
+    assert {c[1] for c in combos} == {"dispatch", "combine"}
+    for row in rows:
+        assert row["mode"] == "overlap" and row["gemm"] == 64 and row["sms"] > 0
+        for key in ("gemm_alone_us", "comm_alone_us", "gemm_us", "comm_us"):
+            assert row[key] > 0, key
+        assert row["both_us"] == max(row["gemm_us"], row["comm_us"])
+        assert row["serial_us"] == pytest.approx(row["gemm_alone_us"] + row["comm_alone_us"])
+        assert row["gemm_slowdown"] == pytest.approx(row["gemm_us"] / row["gemm_alone_us"])
+        assert row["finish_ratio"] == pytest.approx(row["both_us"] / row["gemm_alone_us"])
+        if row["device"] == report.INTERPRETER:
+            first, second = (
+                ("comm_us", "gemm_us") if row["order"] == "comm-first" else ("gemm_us", "comm_us")
+            )
+            assert row[second] > row[first]
+
+
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
     rows = [

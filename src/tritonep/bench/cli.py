@@ -11,6 +11,7 @@
     tritonep bench low-latency --ranks 4 --trace trace-{rank}.json
     tritonep bench low-latency --ranks 4 --eager  # + eager loop, with/without torch defaults
     tritonep bench trace-summary trace-*.json   # time per kernel and phase, over programs
+    tritonep bench overlap --ranks 4    # dispatch / combine beside a GEMM on another stream
 
 Every option that takes a value takes a comma-separated list; the sweep is their product (one
 spawn of ranks per rank count). Each row goes to the CSV as soon as its point is measured, so
@@ -40,6 +41,7 @@ SWEEPS = {
     "normal": ([128, 256, 512, 1024, 2048, 4096, 8192, 16384], [4, 8, 16, 32]),
     "low-latency": ([1, 8, 32, 64, 128, 256], [1, 2, 4, 8]),
     "internode": ([128, 256, 512, 1024, 2048, 4096, 8192, 16384], [4, 8, 16, 32]),
+    "overlap": ([512, 1024, 2048, 4096, 8192], [4, 8, 16]),
 }
 
 # Defaults of the sweep options, as on the command line: (on GPUs, on CPU ranks).
@@ -58,10 +60,16 @@ DEFAULTS: dict[str, dict[str, tuple[str, str]]] = {
     },
 }
 DEFAULTS["internode"] = DEFAULTS["normal"]
+DEFAULTS["overlap"] = DEFAULTS["normal"]
 #: Timed iterations: (on GPUs, on CPU ranks).
-DEFAULT_ITERS = {"normal": (30, 2), "low-latency": (50, 2), "internode": (30, 2)}
-#: Normal-mode configuration defaults: (on GPUs, on CPU ranks).
-CONFIG_DEFAULTS = {"sms": ("24", "4"), "ring": ("128", "64")}
+DEFAULT_ITERS = {
+    "normal": (30, 2),
+    "low-latency": (50, 2),
+    "internode": (30, 2),
+    "overlap": (20, 1),
+}
+#: Normal-mode configuration defaults: (on GPUs, on CPU ranks); ``gemm``: the overlap's GEMM.
+CONFIG_DEFAULTS = {"sms": ("24", "4"), "ring": ("128", "64"), "gemm": ("8192", "64")}
 
 #: The all-to-all ceiling of 4x H200 (remote GB/s per rank), the plot's reference line.
 NVLINK_CEILING_GBPS = 370.0
@@ -72,7 +80,10 @@ def _ints(text: str) -> list[int]:
 
 
 #: Columns that name a point in a progress line.
-POINT_COLUMNS = ("ranks", "tokens", "hidden", "topk", "experts", "sms", "chunk", "ring")
+POINT_COLUMNS = (
+    *("ranks", "tokens", "hidden", "topk", "experts", "sms", "chunk", "ring"),
+    *("path", "op", "priority", "order"),
+)
 
 
 class _Progress:
@@ -110,10 +121,13 @@ def _rank_main(ctx, mode: str, opts: types.SimpleNamespace) -> list[dict]:
     from .internode import internode_rank
     from .low_latency import low_latency_rank
     from .normal import normal_rank
+    from .overlap import ORDERS, PRIORITIES, overlap_rank
 
     points = len(opts.tokens) * len(opts.hidden) * len(opts.topk) * len(opts.experts)
     if mode == "normal":
         points *= len(opts.sms) * len(opts.chunk) * len(opts.ring)
+    elif mode == "overlap":  # rows: 2 paths x 2 operations x priorities x orders
+        points *= 4 * len(PRIORITIES) * len(ORDERS)
     from ..modes import normal as normal_mode
 
     launch = getattr(opts, "launch", {})
@@ -128,13 +142,16 @@ def _rank_main(ctx, mode: str, opts: types.SimpleNamespace) -> list[dict]:
     me = ctx.rank == 0
     progress = _Progress(points, me and not opts.quiet, opts.csv if me else None, tags)
     try:
-        run = {"normal": normal_rank, "low-latency": low_latency_rank, "internode": internode_rank}[
-            mode
-        ]
+        run = {
+            "normal": normal_rank,
+            "low-latency": low_latency_rank,
+            "internode": internode_rank,
+            "overlap": overlap_rank,
+        }[mode]
         rows = run(ctx, opts, progress)
     finally:
         progress.close()
-    if opts.trace and mode != "internode":  # (internode traces: Buffer(profile=True))
+    if opts.trace and mode in ("normal", "low-latency"):  # (internode traces: Buffer(profile=True))
         from .traced import trace_calls
 
         written = trace_calls(ctx, mode, opts, opts.trace)
@@ -239,6 +256,26 @@ def _parser() -> argparse.ArgumentParser:
                 help="NVSHMEM heaps: NVSHMEM puts to other nodes (as on a cluster) "
                 "instead of staged copies",
             )
+    o = sub.add_parser(
+        "overlap",
+        help="time dispatch and combine beside a GEMM",
+        description="Cached dispatch and combine on a communication stream beside a BF16\n"
+        "GEMM on the compute stream, started together, for the channel rings and the fixed\n"
+        "slots (tritonep.bench.overlap). Options take comma-separated lists.",
+        formatter_class=HelpFormatter,
+    )
+    o.add_argument("--ranks", default="4", help="rank counts, e.g. 2,4")
+    o.add_argument("--tokens", help=f"tokens per rank {_by_device('overlap', 'tokens')}")
+    o.add_argument("--hidden", help=f"hidden sizes {_by_device('overlap', 'hidden')}")
+    o.add_argument("--topk", help=f"experts per token {_by_device('overlap', 'topk')}")
+    o.add_argument("--experts", help=f"experts in all {_by_device('overlap', 'experts')}")
+    o.add_argument("--iters", type=int, help=f"timed runs {_by_device('overlap', 'iters')}")
+    o.add_argument("--sms", type=int, help=f"SMs of the rings {_by_device('overlap', 'sms')}")
+    o.add_argument("--gemm", type=int, help=f"the GEMM's M = N = K {_by_device('overlap', 'gemm')}")
+    o.add_argument(
+        "--csv", help="write every row here, each as soon as it is measured (default: none)"
+    )
+    o.add_argument("--quiet", action="store_true", help="no progress output")
     r = sub.add_parser(
         "report",
         help="CSV -> table, markdown section, plot",
@@ -306,9 +343,9 @@ def _options(args: argparse.Namespace, on_gpu: bool) -> types.SimpleNamespace:
         topk=_ints(args.topk or defaults["topk"][pick]),
         experts=_ints(args.experts or defaults["experts"][pick]),
         iters=args.iters or DEFAULT_ITERS[args.mode][pick],
-        compare=args.compare,
+        compare=getattr(args, "compare", None),
         quiet=args.quiet,
-        trace=args.trace,
+        trace=getattr(args, "trace", None),
         csv=args.csv,
         eager=getattr(args, "eager", False),
     )
@@ -321,6 +358,10 @@ def _options(args: argparse.Namespace, on_gpu: bool) -> types.SimpleNamespace:
     elif args.mode == "low-latency":
         opts.bf16 = args.bf16
         opts.logfmt = args.logfmt
+    elif args.mode == "overlap":
+        opts.sms = args.sms or int(CONFIG_DEFAULTS["sms"][pick])
+        opts.gemm = args.gemm or int(CONFIG_DEFAULTS["gemm"][pick])
+        opts.ring = int(CONFIG_DEFAULTS["ring"][pick])
     if args.mode in ("low-latency", "internode"):
         opts.gpus_per_node = args.gpus_per_node
         opts.nvshmem = args.nvshmem
@@ -369,6 +410,6 @@ def main(argv: list[str] | None = None) -> int:
     report.print_table(rows)
     if args.csv:
         report.write_csv(rows, args.csv)  # the same rows, under every column any of them has
-    if args.plot:
+    if getattr(args, "plot", None):
         report.plot(rows, args.plot, args.ceiling)
     return 0

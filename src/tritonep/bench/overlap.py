@@ -1,0 +1,199 @@
+"""Communication beside a GEMM: what a kernel on fewer SMs leaves to compute.
+
+Training overlaps dispatch and combine with expert GEMMs, so a dispatch that holds 24 SMs
+slows the GEMM beside it, and one that waits for SMs the GEMM holds finishes late. Per point
+(tokens, hidden, top-k, experts), per path, per operation and per start order, the ranks time:
+
+* ``path``: ``rings`` (:class:`~tritonep.modes.normal.NormalMode`, channel rings on ``--sms``
+  SMs) or ``slots`` (:class:`~tritonep.deep_ep.ElasticBuffer`: fixed receive slots, its
+  push on its default SMs, a copy or reduce epilogue on every SM);
+* ``op``: a cached dispatch (BF16, the layout of an earlier call) or a combine;
+* ``priority``: the communication stream at the default priority or at the highest (DeepEP
+  makes its communication stream high-priority; tritonep's stays at the default, which
+  measured as well or better here: BENCHMARKS.md, "Beside a GEMM");
+* ``order``: communication launched first, then the GEMM, or the other way round.
+
+Each iteration the ranks meet (a barrier, then a device synchronization), the compute stream
+records a start event, the communication stream waits for it, and both kinds of work are
+launched in ``order``: a BF16 GEMM ``[G, G] @ [G, G]`` on the compute stream, the operation on
+the communication stream, each followed by an event. Columns (medians over ``iters``, mean over
+ranks, microseconds from the start event): ``gemm_us`` and ``comm_us`` (each side's end),
+``both_us`` (the later end); ``gemm_alone_us`` and ``comm_alone_us`` (each timed alone the
+same way); ``gemm_slowdown`` (``gemm_us / gemm_alone_us``), ``finish_ratio`` (``both_us /
+gemm_alone_us``: 1.0 is communication hidden entirely) and ``serial_us`` (the sum of the two
+alone).
+
+On CPU ranks there are no streams: the two run one after the other under the host clock, and
+the times, of interpreted kernels, say nothing about GPUs (the rows say so).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..testing import route
+from .timing import mean_over_ranks
+
+#: The communication stream's priorities, by name: torch maps -1 to the highest it has.
+PRIORITIES = {"default": 0, "high": -1}
+ORDERS = ("comm-first", "gemm-first")
+
+
+def _sides_ms(ctx, gemm, comm, stream, order: str, iters: int) -> tuple[float, float]:
+    """Median ms from a common start to the end of ``gemm()`` (compute stream) and of
+    ``comm()`` (on ``stream``), launched in ``order``; a side given as None is left out
+    (its time NaN)."""
+    on_gpu = ctx.device.type == "cuda"
+    sides = [s for s in ((gemm, None), (comm, stream)) if s[0] is not None]
+    if order == "comm-first":
+        sides.reverse()
+    ends: dict[int, list[float]] = {id(fn): [] for fn, _ in sides}
+    for _ in range(iters + 2):  # two warm-ups
+        dist.barrier()
+        if not on_gpu:
+            began = time.perf_counter()
+            for fn, _ in sides:
+                fn()
+                ends[id(fn)].append((time.perf_counter() - began) * 1e3)
+            continue
+        torch.cuda.synchronize(ctx.device)
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        marks = []
+        for fn, on in sides:
+            end = torch.cuda.Event(enable_timing=True)
+            if on is None:
+                fn()
+                end.record()
+            else:
+                on.wait_event(start)
+                with torch.cuda.stream(on):
+                    fn()
+                    end.record()
+            marks.append((fn, end))
+        torch.cuda.synchronize(ctx.device)
+        for fn, end in marks:
+            ends[id(fn)].append(start.elapsed_time(end))
+    medians = {k: statistics.median(v[2:]) for k, v in ends.items()}
+    nan = float("nan")
+    return (
+        medians.get(id(gemm), nan) if gemm is not None else nan,
+        medians.get(id(comm), nan) if comm is not None else nan,
+    )
+
+
+def _paths(ctx, opts, x, idx, w, E, K):
+    """``{path: (dispatch, combine, sms, release)}``: each path's cached dispatch and combine
+    of ``x`` (after one full dispatch made their layout), its SM count and its teardown."""
+    from ..deep_ep import ElasticBuffer
+    from ..modes.normal import Config, NormalMode
+
+    T, H = x.shape
+    rings = NormalMode(
+        None,
+        H,
+        E,
+        max_topk=max(K, 2),
+        device=ctx.device,
+        check_ids=False,
+        max_sms=opts.sms,
+        ring_tokens=opts.ring,
+    )
+    config = Config(num_sms=opts.sms, nvl_recv_buffer_tokens=opts.ring)
+    _, per_expert, in_rank = rings.get_dispatch_layout(idx)
+    handle = rings.dispatch(x, idx, w, per_expert, in_rank, config=config).handle
+    y = torch.randn(handle.num_rows, H, device=ctx.device).to(torch.bfloat16)
+    slots = ElasticBuffer(
+        ctx.group, num_max_tokens_per_rank=T, hidden=H, num_topk=K, explicitly_destroy=True
+    )
+    recv, _, _, slot_handle, _ = slots.dispatch(x, idx, w, num_experts=E)
+    return {
+        "rings": (
+            lambda: rings.dispatch(x, handle=handle),
+            lambda: rings.combine(y, handle),
+            opts.sms,
+            rings.destroy,
+        ),
+        "slots": (
+            lambda: slots.dispatch(x, handle=slot_handle),
+            lambda: slots.combine(recv, slot_handle),
+            slot_handle.num_sms,
+            slots.destroy,
+        ),
+    }
+
+
+def _point(ctx, opts, T, H, E, K) -> list[dict]:
+    gen = torch.Generator().manual_seed(3000 + ctx.rank)
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(ctx.device)
+    idx = route(gen, T, E, K, "random").to(ctx.device)
+    w = torch.rand(T, K, generator=gen).to(ctx.device)
+    G = opts.gemm
+    a = torch.randn(G, G, generator=gen).to(torch.bfloat16).to(ctx.device)
+    b = torch.randn(G, G, generator=gen).to(torch.bfloat16).to(ctx.device)
+    c = torch.empty(G, G, dtype=torch.bfloat16, device=ctx.device)
+
+    def gemm():
+        torch.mm(a, b, out=c)
+
+    on_gpu = ctx.device.type == "cuda"
+    streams = {
+        name: torch.cuda.Stream(ctx.device, priority=p) if on_gpu else None
+        for name, p in PRIORITIES.items()
+    }
+    gemm_alone, _ = _sides_ms(ctx, gemm, None, None, "gemm-first", opts.iters)
+    rows = []
+    paths = _paths(ctx, opts, x, idx, w, E, K)
+    try:
+        for path, (dispatch, combine, sms, _) in paths.items():
+            for op, fn in (("dispatch", dispatch), ("combine", combine)):
+                for priority, order in itertools.product(PRIORITIES, ORDERS):
+                    stream = streams[priority]
+                    _, alone = _sides_ms(ctx, None, fn, stream, order, opts.iters)
+                    g, m = _sides_ms(ctx, gemm, fn, stream, order, opts.iters)
+                    vals = mean_over_ranks([gemm_alone, alone, g, m])
+                    g_alone, alone, g, m = (v * 1e3 for v in vals)
+                    rows.append(
+                        {
+                            "mode": "overlap",
+                            "tokens": T,
+                            "hidden": H,
+                            "topk": K,
+                            "experts": E,
+                            "ranks": ctx.world_size,
+                            "gemm": G,
+                            "path": path,
+                            "sms": sms,
+                            "op": op,
+                            "priority": priority,
+                            "order": order,
+                            "gemm_alone_us": g_alone,
+                            "comm_alone_us": alone,
+                            "gemm_us": g,
+                            "comm_us": m,
+                            "both_us": max(g, m),
+                            "serial_us": g_alone + alone,
+                            "gemm_slowdown": g / g_alone,
+                            "finish_ratio": max(g, m) / g_alone,
+                        }
+                    )
+    finally:
+        for *_, release in paths.values():
+            release()
+    return rows
+
+
+def overlap_rank(ctx, opts, progress) -> list[dict]:
+    """Every point of the sweep on this rank: a list of rows (rank-averaged)."""
+    rows = []
+    for T, H, K, E in itertools.product(opts.tokens, opts.hidden, opts.topk, opts.experts):
+        point = _point(ctx, opts, T, H, E, K)
+        for row in point:
+            progress(row)
+        rows += point
+    return rows
