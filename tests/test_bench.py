@@ -143,13 +143,13 @@ def test_internode_legs(tmp_path):
 
 
 def test_overlap_rows_cover_every_path_operation_priority_and_order(tmp_path):
-    """``bench overlap``: a row per path, operation, stream priority and start order, whose
-    derived columns follow from the measured ones (on CPU ranks the two sides run one after
-    the other, so the one launched second ends after the other)."""
-    rows = _run(tmp_path, "overlap", "--tokens", "8")
+    """``bench overlap``: a row per path (``--tune`` adds one), operation, stream priority and
+    start order, whose derived columns follow from the measured ones (on CPU ranks the two
+    sides run one after the other, so the one launched second ends after the other)."""
+    rows = _run(tmp_path, "overlap", "--tokens", "8", "--tune", "epilogue_sms=1")
     combos = {(r["path"], r["op"], r["priority"], r["order"]) for r in rows}
-    assert len(rows) == len(combos) == 16
-    assert {c[0] for c in combos} == {"rings", "slots"}
+    assert len(rows) == len(combos) == 24
+    assert {c[0] for c in combos} == {"rings", "slots", "slots[epilogue_sms=1]"}
     assert {c[1] for c in combos} == {"dispatch", "combine"}
     for row in rows:
         assert row["mode"] == "overlap" and row["gemm"] == 64 and row["sms"] > 0

@@ -362,6 +362,14 @@ def test_expanded_rows_summed_before_the_push_match_the_reference(run_ranks, tok
     assert run_ranks(R, _tuned_body, {"sum_first_tokens": 0}, *args) == [True] * R
 
 
+def test_epilogues_on_one_sm_match_the_reference(run_ranks):
+    """With ``Tuning.epilogue_sms`` the copy and reduce epilogues run on that many programs
+    (what a caller beside a persistent GEMM may want): one program walks every block of the
+    received rows and of the tokens, and gives the reference's bits."""
+    args = ([37, 20], 136, 3, 4, None, False, 2, 2, True)
+    assert run_ranks(2, _tuned_body, {"epilogue_sms": 1}, *args) == [True] * 2
+
+
 def _plans_body(ctx):
     """Exact-size dispatches and combines whose received counts differ from call to call (as
     a training step's do), checked against the reference; returns how many plans and

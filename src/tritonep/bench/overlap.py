@@ -6,7 +6,9 @@ slows the GEMM beside it, and one that waits for SMs the GEMM holds finishes lat
 
 * ``path``: ``rings`` (:class:`~tritonep.modes.normal.NormalMode`, channel rings on ``--sms``
   SMs) or ``slots`` (:class:`~tritonep.deep_ep.ElasticBuffer`: fixed receive slots, its
-  push on its default SMs, a copy or reduce epilogue on every SM);
+  push on its default SMs, a copy or reduce epilogue on every SM); with ``--tune CONFIG``
+  also ``slots[CONFIG]``, the same calls under :meth:`~tritonep.modes.elastic.Tuning.of`
+  ``(CONFIG)`` (``epilogue_sms=16``: the epilogues on the push's SMs);
 * ``op``: a cached dispatch (BF16, the layout of an earlier call) or a combine;
 * ``priority``: the communication stream at the default priority or at the highest (DeepEP
   makes its communication stream high-priority; tritonep's stays at the default, which
@@ -88,9 +90,11 @@ def _sides_ms(ctx, gemm, comm, stream, order: str, iters: int) -> tuple[float, f
 
 
 def _paths(ctx, opts, x, idx, w, E, K):
-    """``{path: (dispatch, combine, sms, release)}``: each path's cached dispatch and combine
-    of ``x`` (after one full dispatch made their layout), its SM count and its teardown."""
+    """``({path: (dispatch, combine, sms, tuning)}, teardowns)``: each path's cached dispatch
+    and combine of ``x`` (after one full dispatch made their layout), its SM count and the
+    elastic ``Tuning`` its calls take (None: the default); then what releases the buffers."""
     from ..deep_ep import ElasticBuffer
+    from ..modes.elastic import Tuning
     from ..modes.normal import Config, NormalMode
 
     T, H = x.shape
@@ -112,20 +116,22 @@ def _paths(ctx, opts, x, idx, w, E, K):
         ctx.group, num_max_tokens_per_rank=T, hidden=H, num_topk=K, explicitly_destroy=True
     )
     recv, _, _, slot_handle, _ = slots.dispatch(x, idx, w, num_experts=E)
-    return {
+    paths: dict[str, tuple] = {
         "rings": (
             lambda: rings.dispatch(x, handle=handle),
             lambda: rings.combine(y, handle),
             opts.sms,
-            rings.destroy,
-        ),
-        "slots": (
+            None,
+        )
+    }
+    for tune in ["", *opts.tune]:
+        paths[f"slots[{tune}]" if tune else "slots"] = (
             lambda: slots.dispatch(x, handle=slot_handle),
             lambda: slots.combine(recv, slot_handle),
             slot_handle.num_sms,
-            slots.destroy,
-        ),
-    }
+            Tuning.of(tune) if tune else None,
+        )
+    return paths, (rings.destroy, slots.destroy)
 
 
 def _point(ctx, opts, T, H, E, K) -> list[dict]:
@@ -148,9 +154,13 @@ def _point(ctx, opts, T, H, E, K) -> list[dict]:
     }
     gemm_alone, _ = _sides_ms(ctx, gemm, None, None, "gemm-first", opts.iters)
     rows = []
-    paths = _paths(ctx, opts, x, idx, w, E, K)
+    paths, teardowns = _paths(ctx, opts, x, idx, w, E, K)
+    from ..modes import elastic
+
+    default = elastic.TUNING
     try:
-        for path, (dispatch, combine, sms, _) in paths.items():
+        for path, (dispatch, combine, sms, tuning) in paths.items():
+            elastic.TUNING = tuning or default  # read by every call; swapped between paths
             for op, fn in (("dispatch", dispatch), ("combine", combine)):
                 for priority, order in itertools.product(PRIORITIES, ORDERS):
                     stream = streams[priority]
@@ -183,7 +193,8 @@ def _point(ctx, opts, T, H, E, K) -> list[dict]:
                         }
                     )
     finally:
-        for *_, release in paths.values():
+        elastic.TUNING = default
+        for release in teardowns:
             release()
     return rows
 

@@ -72,16 +72,21 @@ def interpreted(rows: list[dict]) -> bool:
     return any(row.get("device") == INTERPRETER for row in rows)
 
 
-def _cell(value) -> str:
+#: Columns of ratios near 1, printed to two decimals (the rest to one).
+RATIO_SUFFIXES = ("_ratio", "_slowdown")
+
+
+def _cell(value, column: str = "") -> str:
     if isinstance(value, float):
-        return "-" if math.isnan(value) else f"{value:.1f}"
+        digits = 2 if column.endswith(RATIO_SUFFIXES) else 1
+        return "-" if math.isnan(value) else f"{value:.{digits}f}"
     return str(value)
 
 
 def print_table(rows: list[dict]) -> None:
     """Every column of ``rows``, aligned, on the terminal."""
     cols = list(dict.fromkeys(c for row in rows for c in row))
-    cells = [[_cell(row.get(c, "")) for c in cols] for row in rows]
+    cells = [[_cell(row.get(c, ""), c) for c in cols] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
     print("  ".join(f"{c:>{w}}" for c, w in zip(cols, widths, strict=True)))
     for r in cells:
@@ -136,7 +141,7 @@ def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
         "| " + " | ".join(TABLE_COLUMNS.get(c, c) for c in cols) + " |",
         "|" + "---|" * len(cols),
     ]
-    lines += ["| " + " | ".join(_cell(row.get(c, "")) for c in cols) + " |" for row in rows]
+    lines += ["| " + " | ".join(_cell(row.get(c, ""), c) for c in cols) + " |" for row in rows]
     if interpreted(rows):
         lines.append(f"\nDevice {INTERPRETER}: {INTERPRETER_NOTE}.")
     return "\n".join(lines)
