@@ -394,6 +394,148 @@ def decode_headers(
 
 
 @triton.jit
+def store_block_meta(
+    recs,
+    hit,
+    owner,
+    pos,
+    raw,
+    ids,
+    valid,
+    chosen,
+    tokens,
+    tmask,
+    ranks,
+    ks,
+    weights_ptr,
+    ids_copy_ptr,
+    slots_ptr,
+    flags,
+    has_weights,
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+    PAYLOAD_BYTES: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+):
+    """A block's metadata: into each destination's records (``recs``, after the payload and
+    scales) the token's first top-k column there, its reduction slot, its local expert ids
+    with their ranks among the earlier tokens' (``chosen``: the experts counted so far) and
+    its weights; here, the copy of the ids and each choice's slot on its destination
+    (``pos``), as ``flags`` ask."""
+    ranked = expert_ranks(ids, valid, chosen, BLOCK_TOKENS, BLOCK_K)
+    slot, first_col = reduction_slots(owner, ranks, ks, BLOCK_K)
+    weights = tl.zeros((BLOCK_TOKENS, BLOCK_K), tl.float32)
+    at = tokens.to(tl.int64)[:, None] * K + ks[None, :]
+    kmask = tmask[:, None] & (ks < K)[None, :]
+    if has_weights:
+        weights = tl.load(weights_ptr + at, mask=kmask, other=0.0)
+    if (flags & FLAG_COPY_IDS) != 0:
+        tl.store(ids_copy_ptr + at, raw, mask=kmask)
+    if (flags & FLAG_SLOTS) != 0:
+        mine = owner[:, :, None] == ranks[None, None, :]
+        dst_slot = tl.sum(tl.where(mine, pos[:, None, :], 0), 2)
+        tl.store(slots_ptr + at, tl.where(owner >= 0, dst_slot, -1), mask=kmask)
+    for d in range(NUM_RANKS):
+        go = lane(hit, ranks, d) > 0
+        if tl.max(go.to(tl.int32), 0) > 0:
+            store_meta(
+                lane(recs, ranks, d) + PAYLOAD_BYTES + SCALE_BYTES,
+                tokens,
+                go,
+                lane(first_col, ranks, d),
+                lane(slot, ranks, d),
+                tl.where(owner == d, ids - d * E_LOCAL, -1),
+                ranked,
+                weights,
+                ks,
+                K,
+                has_weights,
+            )
+
+
+@triton.jit
+def exchange_headers(
+    call,
+    peer_ptrs,
+    peer_base,
+    rank,
+    ranks,
+    header_offset,
+    totals_ptr,
+    recv_counts_ptr,
+    stats_ptr,
+    has_stats,
+    state_ptr,
+    status_ptr,
+    timeout_us,
+    flags,
+    trace_ptr,
+    t_arrive,
+    NUM_RANKS: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    BLOCK_COUNTS: tl.constexpr,
+    HEADER_WORDS: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    PROFILE: tl.constexpr,
+):
+    """The last program's exchange: this rank's totals into every peer's header, the bounded
+    wait for every peer's, then their counts decoded here. Returns its trace readings (the
+    headers' time after the arrival, the wait's)."""
+    t_headers = tl.zeros((), tl.int64)
+    t_wait = tl.zeros((), tl.int64)
+    my_base = tl.load(peer_ptrs + rank)
+    send_headers(
+        call,
+        peer_base,
+        rank,
+        ranks,
+        header_offset,
+        totals_ptr,
+        NUM_RANKS,
+        E_LOCAL,
+        BLOCK_COUNTS,
+        HEADER_WORDS,
+    )
+    if PROFILE:
+        t_headers = read_clock(trace_ptr, USE_CLOCK)
+    wait_tags(
+        call,
+        my_base,
+        ranks,
+        header_offset,
+        status_ptr,
+        timeout_us,
+        ELASTIC_DISPATCH,
+        HEADER_WORDS,
+        NUM_RANKS,
+        USE_CLOCK,
+    )
+    if PROFILE:
+        t_wait = read_clock(trace_ptr, USE_CLOCK) - t_headers
+        t_headers = t_headers - t_arrive
+    decode_headers(
+        call,
+        my_base,
+        ranks,
+        header_offset,
+        recv_counts_ptr,
+        stats_ptr,
+        NUM_RANKS,
+        E_LOCAL,
+        BLOCK_COUNTS,
+        HEADER_WORDS,
+        has_stats,
+        state_ptr,
+        (flags & FLAG_HOST_COUNTS) != 0,
+    )
+    finish_exchange(state_ptr, call)
+    return t_headers, t_wait
+
+
+@triton.jit
 def dispatch_push(
     x_ptr,
     sf_ptr,
@@ -504,35 +646,32 @@ def dispatch_push(
             chosen += experts_before(
                 topk_ptr, t0, ks, K, NUM_EXPERTS, BLOCK_EXPERTS, SCAN_BLOCK_TOKENS, BLOCK_K
             )
-        ranked = expert_ranks(ids, valid, chosen, BLOCK_TOKENS, BLOCK_K)
-        slot, first_col = reduction_slots(owner, ranks, ks, BLOCK_K)
-        weights = tl.zeros((BLOCK_TOKENS, BLOCK_K), tl.float32)
-        at = tokens.to(tl.int64)[:, None] * K + ks[None, :]
-        kmask = tmask[:, None] & (ks < K)[None, :]
-        if has_weights:
-            weights = tl.load(weights_ptr + at, mask=kmask, other=0.0)
-        if (flags & FLAG_COPY_IDS) != 0:
-            tl.store(ids_copy_ptr + at, raw, mask=kmask)
-        if (flags & FLAG_SLOTS) != 0:
-            mine = owner[:, :, None] == ranks[None, None, :]
-            dst_slot = tl.sum(tl.where(mine, pos[:, None, :], 0), 2)
-            tl.store(slots_ptr + at, tl.where(owner >= 0, dst_slot, -1), mask=kmask)
-        for d in range(NUM_RANKS):
-            go = lane(hit, ranks, d) > 0
-            if tl.max(go.to(tl.int32), 0) > 0:
-                store_meta(
-                    lane(recs, ranks, d) + PAYLOAD_BYTES + SCALE_BYTES,
-                    tokens,
-                    go,
-                    lane(first_col, ranks, d),
-                    lane(slot, ranks, d),
-                    tl.where(owner == d, ids - d * E_LOCAL, -1),
-                    ranked,
-                    weights,
-                    ks,
-                    K,
-                    has_weights,
-                )
+        store_block_meta(
+            recs,
+            hit,
+            owner,
+            pos,
+            raw,
+            ids,
+            valid,
+            chosen,
+            tokens,
+            tmask,
+            ranks,
+            ks,
+            weights_ptr,
+            ids_copy_ptr,
+            slots_ptr,
+            flags,
+            has_weights,
+            K,
+            BLOCK_K,
+            E_LOCAL,
+            NUM_RANKS,
+            BLOCK_TOKENS,
+            PAYLOAD_BYTES,
+            SCALE_BYTES,
+        )
         sent += tl.sum(hit, 0)
         flat = tl.reshape(tl.where(valid & tmask[:, None], ids, 0), (BLOCK_TOKENS * BLOCK_K,))
         fmask = tl.reshape(valid & tmask[:, None], (BLOCK_TOKENS * BLOCK_K,))
@@ -562,52 +701,30 @@ def dispatch_push(
     if PROFILE:
         t_arrive = read_clock(trace_ptr, USE_CLOCK)
     if last:
-        my_base = tl.load(peer_ptrs + rank)
-        send_headers(
+        t_headers, t_wait = exchange_headers(
             call,
+            peer_ptrs,
             peer_base,
             rank,
             ranks,
             header_offset,
             totals_ptr,
-            NUM_RANKS,
-            E_LOCAL,
-            BLOCK_COUNTS,
-            HEADER_WORDS,
-        )
-        if PROFILE:
-            t_headers = read_clock(trace_ptr, USE_CLOCK)
-        wait_tags(
-            call,
-            my_base,
-            ranks,
-            header_offset,
-            status_ptr,
-            timeout_us,
-            ELASTIC_DISPATCH,
-            HEADER_WORDS,
-            NUM_RANKS,
-            USE_CLOCK,
-        )
-        if PROFILE:
-            t_wait = read_clock(trace_ptr, USE_CLOCK) - t_headers
-            t_headers = t_headers - t_arrive
-        decode_headers(
-            call,
-            my_base,
-            ranks,
-            header_offset,
             recv_counts_ptr,
             stats_ptr,
+            has_stats,
+            state_ptr,
+            status_ptr,
+            timeout_us,
+            flags,
+            trace_ptr,
+            t_arrive,
             NUM_RANKS,
             E_LOCAL,
             BLOCK_COUNTS,
             HEADER_WORDS,
-            has_stats,
-            state_ptr,
-            (flags & FLAG_HOST_COUNTS) != 0,
+            USE_CLOCK,
+            PROFILE,
         )
-        finish_exchange(state_ptr, call)
     return t_push_end, t_arrive, t_scan, t_stores, t_headers, t_wait
 
 
