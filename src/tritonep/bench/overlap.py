@@ -1,4 +1,4 @@
-"""Communication beside a GEMM: what a kernel on fewer SMs leaves to compute.
+"""Communication beside a GEMM: how much of it the GEMM hides, and what it costs the GEMM.
 
 Training overlaps dispatch and combine with expert GEMMs, so a dispatch that holds 24 SMs
 slows the GEMM beside it, and one that waits for SMs the GEMM holds finishes late. Per point
@@ -44,49 +44,46 @@ from .timing import mean_over_ranks
 #: The communication stream's priorities, by name: torch maps -1 to the highest it has.
 PRIORITIES = {"default": 0, "high": -1}
 ORDERS = ("comm-first", "gemm-first")
+WARMUPS = 2  # iterations before the timed ones
 
 
 def _sides_ms(ctx, gemm, comm, stream, order: str, iters: int) -> tuple[float, float]:
     """Median ms from a common start to the end of ``gemm()`` (compute stream) and of
     ``comm()`` (on ``stream``), launched in ``order``; a side given as None is left out
     (its time NaN)."""
-    on_gpu = ctx.device.type == "cuda"
-    sides = [s for s in ((gemm, None), (comm, stream)) if s[0] is not None]
-    if order == "comm-first":
-        sides.reverse()
-    ends: dict[int, list[float]] = {id(fn): [] for fn, _ in sides}
-    for _ in range(iters + 2):  # two warm-ups
+    sides = {"comm": (comm, stream), "gemm": (gemm, None)}
+    names = [name for name, (fn, _) in sides.items() if fn is not None]
+    if order == "gemm-first":
+        names.reverse()
+    ends: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(iters + WARMUPS):
         dist.barrier()
-        if not on_gpu:
+        if ctx.device.type != "cuda":
             began = time.perf_counter()
-            for fn, _ in sides:
-                fn()
-                ends[id(fn)].append((time.perf_counter() - began) * 1e3)
+            for name in names:
+                sides[name][0]()
+                ends[name].append((time.perf_counter() - began) * 1e3)
             continue
         torch.cuda.synchronize(ctx.device)
         start = torch.cuda.Event(enable_timing=True)
         start.record()
-        marks = []
-        for fn, on in sides:
-            end = torch.cuda.Event(enable_timing=True)
+        marks = {}
+        for name in names:
+            fn, on = sides[name]
+            marks[name] = torch.cuda.Event(enable_timing=True)
             if on is None:
                 fn()
-                end.record()
+                marks[name].record()
             else:
                 on.wait_event(start)
                 with torch.cuda.stream(on):
                     fn()
-                    end.record()
-            marks.append((fn, end))
+                    marks[name].record()
         torch.cuda.synchronize(ctx.device)
-        for fn, end in marks:
-            ends[id(fn)].append(start.elapsed_time(end))
-    medians = {k: statistics.median(v[2:]) for k, v in ends.items()}
-    nan = float("nan")
-    return (
-        medians.get(id(gemm), nan) if gemm is not None else nan,
-        medians.get(id(comm), nan) if comm is not None else nan,
-    )
+        for name, end in marks.items():
+            ends[name].append(start.elapsed_time(end))
+    medians = {name: statistics.median(t[WARMUPS:]) for name, t in ends.items()}
+    return medians.get("gemm", float("nan")), medians.get("comm", float("nan"))
 
 
 def _paths(ctx, opts, x, idx, w, E, K):
@@ -135,6 +132,8 @@ def _paths(ctx, opts, x, idx, w, E, K):
 
 
 def _point(ctx, opts, T, H, E, K) -> list[dict]:
+    from ..modes import elastic
+
     gen = torch.Generator().manual_seed(3000 + ctx.rank)
     x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(ctx.device)
     idx = route(gen, T, E, K, "random").to(ctx.device)
@@ -155,8 +154,6 @@ def _point(ctx, opts, T, H, E, K) -> list[dict]:
     gemm_alone, _ = _sides_ms(ctx, gemm, None, None, "gemm-first", opts.iters)
     rows = []
     paths, teardowns = _paths(ctx, opts, x, idx, w, E, K)
-    from ..modes import elastic
-
     default = elastic.TUNING
     try:
         for path, (dispatch, combine, sms, tuning) in paths.items():
