@@ -90,9 +90,8 @@ class Tuning:
     copy_rows: int = 16  # received rows per block of the copy epilogue
     copy_warps: int = 8
     copy_programs_per_sm: int = 1  # programs of the copy epilogue per SM
-    # SMs of the copy and reduce epilogues, 0: every SM. Beside a GEMM that holds its SMs to
-    # the end (a persistent one), an epilogue gets only the SMs its push frees
-    # (BENCHMARKS.md, "Beside a GEMM")
+    # SMs of the copy and reduce epilogues, 0: every SM (fewer measured worse beside a GEMM
+    # on another stream as well as alone: BENCHMARKS.md, "Beside a GEMM")
     epilogue_sms: int = 0
     # the combine push: each program waits for a block's loads before it stores the block, so
     # wide blocks on many warps keep more rows in flight; expanded rows are summed K at a
@@ -393,6 +392,10 @@ class ElasticMode:
         (the kernel waits for its push first), else none (the interpreter takes no
         ``launch_pdl``)."""
         return dict(launch_pdl=True) if self._pdl else {}
+
+    def _epilogue_sms(self, tuning: Tuning) -> int:
+        """The SMs of the copy and reduce epilogues under ``tuning``."""
+        return tuning.epilogue_sms or self.num_device_sms
 
     def _programs(self, wanted: int, work: int, block: int) -> int:
         """Programs of a launch: ``wanted`` (an SM budget), no more than blocks of work, fewer
@@ -753,7 +756,7 @@ class ElasticMode:
         rows = out.recv_x.shape[0]
         num_recv = out.num_recv_tokens
         tuning = TUNING
-        copy_programs = (tuning.epilogue_sms or self.num_device_sms) * tuning.copy_programs_per_sm
+        copy_programs = self._epilogue_sms(tuning) * tuning.copy_programs_per_sm
         BLOCK_ROWS = self._block(tuning.copy_rows, expected_rows, copy_programs)
         key = (row_bytes, G, K, E_local, BLOCK_ROWS, do_expand, has_sf, self.trace)
         plan = self._epilogue_plans.get(key)
@@ -875,7 +878,7 @@ class ElasticMode:
             chunks, reduce_chunks = -(-H // channels), -(-H // reduce_channels)
             push_programs = self._programs(num_sms, -(-tokens // rows_block) * chunks, 1)
             reduce_programs = self._programs(
-                TUNING.epilogue_sms or self.num_device_sms, -(-N // tokens_block) * reduce_chunks, 1
+                self._epilogue_sms(TUNING), -(-N // tokens_block) * reduce_chunks, 1
             )
             call = ec.CombineCall(
                 x_ptr=x,
@@ -985,9 +988,7 @@ class ElasticMode:
             channels,
             self._block(most_rows, rows, num_sms),
             reduce_channels,
-            self._block(
-                tuning.reduce_tokens, reduce_work, tuning.epilogue_sms or self.num_device_sms
-            ),
+            self._block(tuning.reduce_tokens, reduce_work, self._epilogue_sms(tuning)),
             tuning.decode_combine_warps if decode else tuning.combine_warps,
         )
 
