@@ -485,11 +485,8 @@ def combine_push(
         t_push_end = read_clock(trace_ptr, USE_CLOCK)
     last = arrive(state_ptr)
     if PDL:
-        # This program's rows are out: the epilogue's grid may launch once every program
-        # has come here, its launch overlapping the last program's wait for the peers (the
-        # epilogue waits, gdc_wait, for this grid to complete before it reads anything).
-        # Not earlier: an epilogue launched at the start would hold every SM, spinning,
-        # for the whole push, and keep a GEMM on another stream off them.
+        # This program's rows are out: the reduce epilogue may launch (as in the dispatch's
+        # push, elastic_dispatch.dispatch_push: not earlier, or it would hold every SM).
         gdc_launch_dependents()
     t_arrive = t_push_end
     if PROFILE:
