@@ -146,13 +146,14 @@ def test_overlap_rows_cover_every_path_operation_priority_and_order(tmp_path):
     """``bench overlap``: a row per path (``--tune`` adds one), operation, stream priority and
     start order, whose derived columns follow from the measured ones (on CPU ranks the two
     sides run one after the other, so the one launched second ends after the other)."""
-    rows = _run(tmp_path, "overlap", "--tokens", "8", "--tune", "epilogue_sms=1")
+    rows = _run(tmp_path, "overlap", "--tokens", "8", "--tune", "epilogue_sms=1", "--carveout", "8")
     combos = {(r["path"], r["op"], r["priority"], r["order"]) for r in rows}
     assert len(rows) == len(combos) == 24
     assert {c[0] for c in combos} == {"rings", "slots", "slots[epilogue_sms=1]"}
     assert {c[1] for c in combos} == {"dispatch", "combine"}
     for row in rows:
         assert row["mode"] == "overlap" and row["gemm"] == 64 and row["sms"] > 0
+        assert row["carveout"] == 8
         for key in ("gemm_alone_us", "comm_alone_us", "gemm_us", "comm_us"):
             assert row[key] > 0, key
         assert row["both_us"] == max(row["gemm_us"], row["comm_us"])
@@ -164,6 +165,22 @@ def test_overlap_rows_cover_every_path_operation_priority_and_order(tmp_path):
                 ("comm_us", "gemm_us") if row["order"] == "comm-first" else ("gemm_us", "comm_us")
             )
             assert row[second] > row[first]
+
+
+def test_the_gemm_carveout_holds_within_and_is_restored():
+    """``--carveout``: torch's SM carveout for matmuls is set within and put back after, also
+    when the body raises; 0 leaves it alone."""
+    import torch
+
+    from tritonep.bench.overlap import gemm_carveout
+
+    before = torch._C._get_sm_carveout_experimental()
+    with gemm_carveout(0):
+        assert torch._C._get_sm_carveout_experimental() == before
+    with pytest.raises(KeyError), gemm_carveout(24):
+        assert torch._C._get_sm_carveout_experimental() == 24
+        raise KeyError
+    assert torch._C._get_sm_carveout_experimental() == before
 
 
 def test_plot(tmp_path):

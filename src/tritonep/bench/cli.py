@@ -126,8 +126,8 @@ def _rank_main(ctx, mode: str, opts: types.SimpleNamespace) -> list[dict]:
     points = len(opts.tokens) * len(opts.hidden) * len(opts.topk) * len(opts.experts)
     if mode == "normal":
         points *= len(opts.sms) * len(opts.chunk) * len(opts.ring)
-    elif mode == "overlap":  # rows: paths x 2 operations x priorities x orders
-        points *= (2 + len(opts.tune)) * 2 * len(PRIORITIES) * len(ORDERS)
+    elif mode == "overlap":  # rows: carveouts x paths x 2 operations x priorities x orders
+        points *= len(opts.carveout) * (2 + len(opts.tune)) * 2 * len(PRIORITIES) * len(ORDERS)
     from ..modes import normal as normal_mode
 
     launch = getattr(opts, "launch", {})
@@ -283,6 +283,11 @@ def _parser() -> argparse.ArgumentParser:
         help="also time the slots under this elastic Tuning, e.g. epilogue_sms=16 "
         "(repeatable; default: none)",
     )
+    o.add_argument(
+        "--carveout",
+        default="0",
+        help="SMs the GEMM leaves free (torch's experimental cuBLAS SM carveout; 0: none)",
+    )
     o.add_argument("--quiet", action="store_true", help="no progress output")
     r = sub.add_parser(
         "report",
@@ -371,6 +376,7 @@ def _options(args: argparse.Namespace, on_gpu: bool) -> types.SimpleNamespace:
         opts.gemm = args.gemm or int(CONFIG_DEFAULTS["gemm"][pick])
         opts.ring = int(CONFIG_DEFAULTS["ring"][pick])
         opts.tune = args.tune
+        opts.carveout = _ints(args.carveout)
     if args.mode in ("low-latency", "internode"):
         opts.gpus_per_node = args.gpus_per_node
         opts.nvshmem = args.nvshmem

@@ -13,7 +13,10 @@ slows the GEMM beside it, and one that waits for SMs the GEMM holds finishes lat
 * ``priority``: the communication stream at the default priority or at the highest (DeepEP
   makes its communication stream high-priority; tritonep's stays at the default, which
   measured as well or better here: BENCHMARKS.md, "Beside a GEMM");
-* ``order``: communication launched first, then the GEMM, or the other way round.
+* ``order``: communication launched first, then the GEMM, or the other way round;
+* ``carveout`` (``--carveout``): SMs the GEMM leaves free (torch's experimental cuBLAS SM
+  carveout, :func:`gemm_carveout`), as frameworks that overlap communication with their GEMMs
+  limit the GEMMs' SMs; whether cuBLAS honoured it shows in ``gemm_alone_us``.
 
 Each iteration the ranks meet (a barrier, then a device synchronization), the compute stream
 records a start event, the communication stream waits for it, and both kinds of work are
@@ -31,9 +34,11 @@ the times, of interpreted kernels, say nothing about GPUs (the rows say so).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import statistics
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -45,6 +50,26 @@ from .timing import mean_over_ranks
 PRIORITIES = {"default": 0, "high": -1}
 ORDERS = ("comm-first", "gemm-first")
 WARMUPS = 2  # iterations before the timed ones
+
+
+@contextlib.contextmanager
+def gemm_carveout(sms: int):
+    """Within: cuBLAS matmuls leave ``sms`` SMs free (torch's experimental SM carveout, as a
+    framework that overlaps communication with its GEMMs sets it); 0: no change."""
+    if not sms:
+        yield
+        return
+    setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    if setter is None:
+        raise RuntimeError("--carveout: this torch has no SM carveout for matmuls")
+    before = torch._C._get_sm_carveout_experimental()
+    with warnings.catch_warnings():  # (torch warns that the setting is experimental)
+        warnings.simplefilter("ignore")
+        setter(sms)
+    try:
+        yield
+    finally:
+        setter(before)
 
 
 def _sides_ms(ctx, gemm, comm, stream, order: str, iters: int) -> tuple[float, float]:
@@ -151,18 +176,22 @@ def _point(ctx, opts, T, H, E, K) -> list[dict]:
         name: torch.cuda.Stream(ctx.device, priority=p) if on_gpu else None
         for name, p in PRIORITIES.items()
     }
-    gemm_alone, _ = _sides_ms(ctx, gemm, None, None, "gemm-first", opts.iters)
     rows = []
     paths, teardowns = _paths(ctx, opts, x, idx, w, E, K)
     default = elastic.TUNING
     try:
-        for path, (dispatch, combine, sms, tuning) in paths.items():
+        for carveout, (path, (dispatch, combine, sms, tuning)) in itertools.product(
+            opts.carveout, paths.items()
+        ):
             elastic.TUNING = tuning or default  # read by every call; swapped between paths
+            with gemm_carveout(carveout):
+                gemm_alone, _ = _sides_ms(ctx, gemm, None, None, "gemm-first", opts.iters)
             for op, fn in (("dispatch", dispatch), ("combine", combine)):
                 for priority, order in itertools.product(PRIORITIES, ORDERS):
                     stream = streams[priority]
                     _, alone = _sides_ms(ctx, None, fn, stream, order, opts.iters)
-                    g, m = _sides_ms(ctx, gemm, fn, stream, order, opts.iters)
+                    with gemm_carveout(carveout):
+                        g, m = _sides_ms(ctx, gemm, fn, stream, order, opts.iters)
                     vals = mean_over_ranks([gemm_alone, alone, g, m])
                     g_alone, alone, g, m = (v * 1e3 for v in vals)
                     rows.append(
@@ -174,6 +203,7 @@ def _point(ctx, opts, T, H, E, K) -> list[dict]:
                             "experts": E,
                             "ranks": ctx.world_size,
                             "gemm": G,
+                            "carveout": carveout,
                             "path": path,
                             "sms": sms,
                             "op": op,
