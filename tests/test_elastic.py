@@ -727,14 +727,20 @@ def _elastic_ptx(kernel, **extra) -> str:
 
 @pytest.mark.parametrize("push, epilogue", [(0, 1), (2, 3)], ids=["dispatch", "combine"])
 def test_elastic_epilogue_is_a_programmatic_dependent_of_its_push(push, epilogue):
-    """On sm_90 the push lets its epilogue launch (griddepcontrol.launch_dependents) and the
-    epilogue waits for the push's grid (griddepcontrol.wait) before anything else; the
-    default variants (the interpreter's, or GPUs before sm_90) carry neither."""
+    """On sm_90 the push lets its epilogue launch (griddepcontrol.launch_dependents) once its
+    rows are stored and the epilogue waits for the push's grid (griddepcontrol.wait) before
+    anything else; the default variants (the interpreter's, or GPUs before sm_90) carry
+    neither."""
     pytest.importorskip("triton.backends.nvidia")
     push_ptx = _elastic_ptx(ELASTIC_KERNELS[push], PDL=True)
     epilogue_ptx = _elastic_ptx(ELASTIC_KERNELS[epilogue], PDL=True)
     assert "griddepcontrol.launch_dependents" in push_ptx
     assert "griddepcontrol.wait" not in push_ptx
+    # The push releases its epilogue after its rows' stores, not before: a released epilogue
+    # holds every SM until the push ends (beside a GEMM, the GEMM would wait for both).
+    push_body = push_ptx[push_ptx.index(".entry") :]
+    release = push_body.index("griddepcontrol.launch_dependents")
+    assert release > push_body.rindex("st.global.v4.b32")
     assert "griddepcontrol.wait" in epilogue_ptx
     # The wait comes before the epilogue's first load from memory.
     body = epilogue_ptx[epilogue_ptx.index(".entry") :]
