@@ -144,12 +144,16 @@ def test_internode_legs(tmp_path):
 
 def test_overlap_rows_cover_every_path_operation_priority_and_order(tmp_path):
     """``bench overlap``: a row per path (``--tune`` adds one), operation, stream priority and
-    start order, whose derived columns follow from the measured ones (on CPU ranks the two
-    sides run one after the other, so the one launched second ends after the other)."""
+    start order (the slots' epilogue also deferred past the GEMM), whose derived columns
+    follow from the measured ones (on CPU ranks the two sides run one after the other, so the
+    one launched second ends after the other)."""
     rows = _run(tmp_path, "overlap", "--tokens", "8", "--tune", "epilogue_sms=1", "--carveout", "8")
     combos = {(r["path"], r["op"], r["priority"], r["order"]) for r in rows}
-    assert len(rows) == len(combos) == 24
+    # 2 operations x 2 priorities x orders: the rings' 2, each slots path's 3
+    assert len(rows) == len(combos) == 4 * (2 + 3 + 3)
     assert {c[0] for c in combos} == {"rings", "slots", "slots[epilogue_sms=1]"}
+    deferred = {c[0] for c in combos if c[3] == "gemm-first-deferred"}
+    assert deferred == {"slots", "slots[epilogue_sms=1]"}  # (the rings have no epilogue)
     assert {c[1] for c in combos} == {"dispatch", "combine"}
     for row in rows:
         assert row["mode"] == "overlap" and row["gemm"] == 64 and row["sms"] > 0

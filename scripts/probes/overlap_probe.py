@@ -61,8 +61,8 @@ def _rank(ctx, T, G):
     recv, _, _, handle, _ = buffer.dispatch(x, idx, w, num_experts=E)
     mode = buffer.runtime
     ops = {
-        "dispatch": lambda: buffer.dispatch(x, handle=handle),
-        "combine": lambda: buffer.combine(recv, handle),
+        "dispatch": lambda after=None: buffer.dispatch(x, handle=handle),
+        "combine": lambda after=None: buffer.combine(recv, handle),
     }
     alone, _ = _sides_ms(ctx, gemm, None, None, "gemm-first", 10)
     lines = [f"GEMM alone {alone * 1e3:.1f} us"]

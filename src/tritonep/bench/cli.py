@@ -127,7 +127,8 @@ def _rank_main(ctx, mode: str, opts: types.SimpleNamespace) -> list[dict]:
     if mode == "normal":
         points *= len(opts.sms) * len(opts.chunk) * len(opts.ring)
     elif mode == "overlap":  # rows: carveouts x paths x 2 operations x priorities x orders
-        points *= len(opts.carveout) * (2 + len(opts.tune)) * 2 * len(PRIORITIES) * len(ORDERS)
+        orders = len(ORDERS) + (1 + len(opts.tune)) * (len(ORDERS) + 1)  # (slots: deferred)
+        points *= len(opts.carveout) * 2 * len(PRIORITIES) * orders
     from ..modes import normal as normal_mode
 
     launch = getattr(opts, "launch", {})

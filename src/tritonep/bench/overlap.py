@@ -13,7 +13,10 @@ slows the GEMM beside it, and one that waits for SMs the GEMM holds finishes lat
 * ``priority``: the communication stream at the default priority or at the highest (DeepEP
   makes its communication stream high-priority; tritonep's stays at the default, which
   measured as well or better here: BENCHMARKS.md, "Beside a GEMM");
-* ``order``: communication launched first, then the GEMM, or the other way round;
+* ``order``: communication launched first, then the GEMM, or the other way round; for the
+  slots also ``gemm-first-deferred``: the GEMM first, then the call, whose epilogue waits for
+  the GEMM (``previous_event_before_epilogue``), so that with a carveout the push runs on the
+  SMs the GEMM leaves and the epilogue on every SM after it (DeepEP V2's way to overlap);
 * ``carveout`` (``--carveout``): SMs the GEMM leaves free (torch's experimental cuBLAS SM
   carveout, :func:`gemm_carveout`), as frameworks that overlap communication with their GEMMs
   limit the GEMMs' SMs; whether cuBLAS honoured it shows in ``gemm_alone_us``.
@@ -49,6 +52,8 @@ from .timing import mean_over_ranks
 #: The communication stream's priorities, by name: torch maps -1 to the highest it has.
 PRIORITIES = {"default": 0, "high": -1}
 ORDERS = ("comm-first", "gemm-first")
+#: The slots' third order: the GEMM first, then the call, its epilogue after the GEMM.
+DEFERRED = "gemm-first-deferred"
 WARMUPS = 2  # iterations before the timed ones
 
 
@@ -74,11 +79,11 @@ def gemm_carveout(sms: int):
 
 def _sides_ms(ctx, gemm, comm, stream, order: str, iters: int) -> tuple[float, float]:
     """Median ms from a common start to the end of ``gemm()`` (compute stream) and of
-    ``comm()`` (on ``stream``), launched in ``order``; a side given as None is left out
-    (its time NaN)."""
-    sides = {"comm": (comm, stream), "gemm": (gemm, None)}
-    names = [name for name, (fn, _) in sides.items() if fn is not None]
-    if order == "gemm-first":
+    ``comm(after)`` (on ``stream``), launched in ``order``; ``after`` is the event that ends
+    the GEMM in the order :data:`DEFERRED` (on GPUs), else None. A side given as None is left
+    out (its time NaN)."""
+    names = [name for name, fn in (("comm", comm), ("gemm", gemm)) if fn is not None]
+    if order != "comm-first":
         names.reverse()
     ends: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(iters + WARMUPS):
@@ -86,7 +91,10 @@ def _sides_ms(ctx, gemm, comm, stream, order: str, iters: int) -> tuple[float, f
         if ctx.device.type != "cuda":
             began = time.perf_counter()
             for name in names:
-                sides[name][0]()
+                if name == "gemm":
+                    gemm()
+                else:
+                    comm(None)
                 ends[name].append((time.perf_counter() - began) * 1e3)
             continue
         torch.cuda.synchronize(ctx.device)
@@ -94,15 +102,14 @@ def _sides_ms(ctx, gemm, comm, stream, order: str, iters: int) -> tuple[float, f
         start.record()
         marks = {}
         for name in names:
-            fn, on = sides[name]
             marks[name] = torch.cuda.Event(enable_timing=True)
-            if on is None:
-                fn()
+            if name == "gemm":
+                gemm()
                 marks[name].record()
             else:
-                on.wait_event(start)
-                with torch.cuda.stream(on):
-                    fn()
+                stream.wait_event(start)
+                with torch.cuda.stream(stream):
+                    comm(marks.get("gemm") if order == DEFERRED else None)
                     marks[name].record()
         torch.cuda.synchronize(ctx.device)
         for name, end in marks.items():
@@ -113,8 +120,9 @@ def _sides_ms(ctx, gemm, comm, stream, order: str, iters: int) -> tuple[float, f
 
 def _paths(ctx, opts, x, idx, w, E, K):
     """``({path: (dispatch, combine, sms, tuning)}, teardowns)``: each path's cached dispatch
-    and combine of ``x`` (after one full dispatch made their layout), its SM count and the
-    elastic ``Tuning`` its calls take (None: the default); then what releases the buffers."""
+    and combine of ``x`` (after one full dispatch made their layout; each takes ``after``, an
+    event its epilogue waits for, or None), its SM count and the elastic ``Tuning`` its calls
+    take (None: the default); then what releases the buffers."""
     from ..deep_ep import ElasticBuffer
     from ..modes.elastic import Tuning
     from ..modes.normal import Config, NormalMode
@@ -139,17 +147,19 @@ def _paths(ctx, opts, x, idx, w, E, K):
     )
     recv, _, _, slot_handle, _ = slots.dispatch(x, idx, w, num_experts=E)
     paths: dict[str, tuple] = {
-        "rings": (
-            lambda: rings.dispatch(x, handle=handle),
-            lambda: rings.combine(y, handle),
+        "rings": (  # (no epilogue to defer)
+            lambda after: rings.dispatch(x, handle=handle),
+            lambda after: rings.combine(y, handle),
             opts.sms,
             None,
         )
     }
     for tune in ["", *opts.tune]:
         paths[f"slots[{tune}]" if tune else "slots"] = (
-            lambda: slots.dispatch(x, handle=slot_handle),
-            lambda: slots.combine(recv, slot_handle),
+            lambda after: slots.dispatch(
+                x, handle=slot_handle, previous_event_before_epilogue=after
+            ),
+            lambda after: slots.combine(recv, slot_handle, previous_event_before_epilogue=after),
             slot_handle.num_sms,
             Tuning.of(tune) if tune else None,
         )
@@ -187,7 +197,8 @@ def _point(ctx, opts, T, H, E, K) -> list[dict]:
             with gemm_carveout(carveout):
                 gemm_alone, _ = _sides_ms(ctx, gemm, None, None, "gemm-first", opts.iters)
             for op, fn in (("dispatch", dispatch), ("combine", combine)):
-                for priority, order in itertools.product(PRIORITIES, ORDERS):
+                orders = ORDERS if path == "rings" else (*ORDERS, DEFERRED)
+                for priority, order in itertools.product(PRIORITIES, orders):
                     stream = streams[priority]
                     _, alone = _sides_ms(ctx, None, fn, stream, order, opts.iters)
                     with gemm_carveout(carveout):
