@@ -59,3 +59,19 @@ def test_a2a_probe_runs_on_cpu_ranks(extra):
     assert "3 ranks, 5 rows x 64 words to each peer" in log, log
     # One peer per program needs a multiple of the 2 peers: both counts run.
     assert "  2 programs:" in log and "  4 programs:" in log, log
+
+
+@CPU_ONLY
+def test_overlap_probe_runs_on_cpu_ranks():
+    """The overlap probe's every variant runs (epilogue launch kind, stream priority,
+    operation), each line with its times."""
+    probe = ROOT / "scripts" / "probes" / "overlap_probe.py"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TRITON_INTERPRET="1")
+    log = _run([sys.executable, str(probe), "2", "4", "32", "256", "16", "4"], env).stdout
+    assert "2 ranks, 4 tokens, hidden 256, top-4 of 16 experts" in log, log
+    for pdl in ("True", "False"):
+        for priority in ("0", "-1"):
+            for op in ("dispatch", "combine"):
+                start = f"{op}, PDL {pdl}, priority {priority}: alone "
+                (line,) = [line for line in log.splitlines() if line.startswith(start)]
+                assert "beside the GEMM: GEMM" in line and "communication" in line, line

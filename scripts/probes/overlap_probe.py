@@ -1,6 +1,7 @@
 """When each kernel runs while an ElasticBuffer call shares the GPU with a GEMM.
 
-    PYTHONPATH=src python scripts/probes/overlap_probe.py [RANKS] [TOKENS] [GEMM]
+    PYTHONPATH=src python scripts/probes/overlap_probe.py [RANKS] [TOKENS] [GEMM] [HIDDEN]
+        [EXPERTS] [TOPK]
 
 ``tritonep bench overlap`` gives each side's end; this probe shows why. Per variant (the
 epilogue as a programmatic dependent launch or a plain one; the communication stream at the
@@ -8,7 +9,9 @@ default or the highest priority) and operation (cached dispatch, combine), commu
 launched first, then a BF16 ``[G, G] @ [G, G]`` on the compute stream: the medians of 10
 iterations as the benchmark times them, then one iteration under ``torch.profiler`` on rank 0,
 printed as a timeline: each kernel's start and end in microseconds from the first kernel's
-start. 4096 tokens, hidden 7168, top-8 of 256 experts, random routing, by default.
+start. 4096 tokens, hidden 7168, top-8 of 256 experts, random routing, by default. On CPU
+ranks (the interpreter, small shapes) every step runs, with no streams and no timeline: a
+check that the probe works, not a measurement.
 """
 
 import sys
@@ -34,7 +37,7 @@ def _timeline(prof) -> list[str]:
     return lines
 
 
-def _rank(ctx, T, G):
+def _rank(ctx, T, G, H, E, K):
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
@@ -43,7 +46,6 @@ def _rank(ctx, T, G):
     from tritonep.bench.overlap import _sides_ms
     from tritonep.testing import route
 
-    H, E, K = 7168, 256, 8
     gen = torch.Generator().manual_seed(5 + ctx.rank)
     x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(ctx.device)
     idx = route(gen, T, E, K, "random").to(ctx.device)
@@ -66,12 +68,13 @@ def _rank(ctx, T, G):
     }
     alone, _ = _sides_ms(ctx, gemm, None, None, "gemm-first", 10)
     lines = [f"GEMM alone {alone * 1e3:.1f} us"]
+    on_gpu = ctx.device.type == "cuda"
     default = elastic.TUNING
     for pdl in (True, False):
-        mode._pdl = pdl and ctx.device.type == "cuda"
+        mode._pdl = pdl and on_gpu
         elastic.TUNING = elastic.Tuning()  # a new object: every plan is made again
         for priority in (0, -1):
-            stream = torch.cuda.Stream(ctx.device, priority=priority)
+            stream = torch.cuda.Stream(ctx.device, priority=priority) if on_gpu else None
             for name, fn in ops.items():
                 _, comm_alone = _sides_ms(ctx, None, fn, stream, "comm-first", 10)
                 g, m = _sides_ms(ctx, gemm, fn, stream, "comm-first", 10)
@@ -79,6 +82,8 @@ def _rank(ctx, T, G):
                     f"{name}, PDL {pdl}, priority {priority}: alone {comm_alone * 1e3:.1f} us; "
                     f"beside the GEMM: GEMM {g * 1e3:.1f} us, communication {m * 1e3:.1f} us"
                 )
+                if not on_gpu:
+                    continue
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     dist.barrier()
                     torch.cuda.synchronize()
@@ -97,9 +102,9 @@ def _rank(ctx, T, G):
 if __name__ == "__main__":
     from tritonep.launch import spawn
 
-    ranks = int(sys.argv[1]) if len(sys.argv) > 1 else 4
-    T = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
-    G = int(sys.argv[3]) if len(sys.argv) > 3 else 8192
-    print(f"{ranks} ranks, {T} tokens, GEMM {G}^3 BF16; communication launched first")
-    for line in spawn(_rank, ranks, T, G, timeout=500)[0]:
+    defaults = (4, 4096, 8192, 7168, 256, 8)
+    given = [int(v) for v in sys.argv[1:7]]
+    ranks, T, G, H, E, K = (*given, *defaults[len(given) :])
+    print(f"{ranks} ranks, {T} tokens, hidden {H}, top-{K} of {E} experts, GEMM {G}^3 BF16")
+    for line in spawn(_rank, ranks, T, G, H, E, K, timeout=500)[0]:
         print(line)
