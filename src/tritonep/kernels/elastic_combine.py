@@ -219,31 +219,9 @@ def send_sums(
     EMULATE: tl.constexpr,
 ):
     """Store channels ``[h0, h0 + BLOCK_CHANNELS)`` of each token's row (:func:`row_values`)
-    at ``dst`` ([B] int64), and with the first channels its weights."""
+    at ``dst`` ([B] int64), and with the first channels its weights (:func:`row_weights`)."""
     h = h0 + tl.arange(0, BLOCK_CHANNELS)
     y = row_values(x_ptr, rows, i, live, h, h < H, ks, H, K, EXPAND, EMULATE)
-    store_record(y, weights_ptr, rows, i, live, dst, h0, h, ks, H, K, EXPAND, has_weights)
-
-
-@triton.jit
-def store_record(
-    y,
-    weights_ptr,
-    rows,
-    i,
-    live,
-    dst,
-    h0,
-    h,
-    ks,
-    H: tl.constexpr,
-    K: tl.constexpr,
-    EXPAND: tl.constexpr,
-    has_weights,
-):
-    """Store ``y``, channels ``h`` (from ``h0``) of each token's row, into its record at
-    ``dst`` ([B] int64), and with the first channels the token's weights
-    (:func:`row_weights`)."""
     out = aligned_ptr(dst, tl.bfloat16)
     tl.store(out[:, None] + h[None, :], y, mask=live[:, None] & (h < H)[None, :])
     if (has_weights != 0) & (h0 == 0):
@@ -282,34 +260,6 @@ def send_expanded(
 
 
 @triton.jit
-def item_tokens(
-    item,
-    start,
-    total,
-    meta_ptr,
-    ranks,
-    peer_base,
-    max_tokens,
-    K: tl.constexpr,
-    NUM_CHUNKS: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_CHANNELS: tl.constexpr,
-):
-    """Work item ``item`` of a push: ``(i, live, h0, owner_base, token)``, its ``[B]`` received
-    tokens (rotated to start at ``start``), which of them exist (none past the last item), its
-    first channel, and per token the heap base of its owner and its index there."""
-    i = (item // NUM_CHUNKS) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    h0 = (item % NUM_CHUNKS) * BLOCK_CHANNELS
-    live = i < total
-    i = i + start
-    i = tl.where(i < total, i, i - total)
-    src = tl.load(meta_ptr + i.to(tl.int64) * (K + 2), mask=live, other=0)
-    source = src // max_tokens
-    owner_base = tl.sum(tl.where(ranks[None, :] == source[:, None], peer_base[None, :], 0), 1)
-    return i, live, h0, owner_base, src % max_tokens
-
-
-@triton.jit
 def push_rows(
     x_ptr,
     weights_ptr,
@@ -339,19 +289,17 @@ def push_rows(
     expanded rows (``MULTI``), or every expanded row alone."""
     pid = tl.program_id(0)
     for item in range(pid, num_items, tl.num_programs(0)):
-        i, live, h0, owner_base, token = item_tokens(
-            item,
-            start,
-            total,
-            meta_ptr,
-            ranks,
-            peer_base,
-            max_tokens,
-            K,
-            NUM_CHUNKS,
-            BLOCK_ROWS,
-            BLOCK_CHANNELS,
-        )
+        # Its [B] received tokens, rotated to start at ``start`` (none past the last item),
+        # its first channel, and per token the heap base of its owner and its index there.
+        i = (item // NUM_CHUNKS) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        h0 = (item % NUM_CHUNKS) * BLOCK_CHANNELS
+        live = i < total
+        i = i + start
+        i = tl.where(i < total, i, i - total)
+        src = tl.load(meta_ptr + i.to(tl.int64) * (K + 2), mask=live, other=0)
+        source = src // max_tokens
+        owner_base = tl.sum(tl.where(ranks[None, :] == source[:, None], peer_base[None, :], 0), 1)
+        token = src % max_tokens
         rows = tl.full((BLOCK_ROWS, BLOCK_K), -1, tl.int32)
         if EXPAND:
             meta = meta_ptr + i.to(tl.int64) * (K + 2)
