@@ -789,9 +789,7 @@ def _send_tokens(
                 tl.store(header + 2, tl.where(ref >= 0, ref, -ref - 1))
             if (msg != 0) & (ref >= 0):
                 if USE_FP8:
-                    # (the message's address hinted, then the field's offset added: Triton's
-                    # rewrites drop a hint on `message + offset`, and the payload would go
-                    # into the peer one byte per store)
+                    # (fields at offsets from the hinted message address: sync.aligned_ptr)
                     q_ptr = aligned_ptr(msg, tl.uint8) + HEADER_BYTES
                     tl.store(q_ptr + row_offs, q, mask=row_mask)
                     scale_ptr = aligned_ptr(msg, tl.float32) + SCALES_AT // 4
