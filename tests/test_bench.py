@@ -147,10 +147,14 @@ def test_overlap_rows_cover_every_path_operation_priority_and_order(tmp_path):
     start order (the slots' epilogue also deferred past the GEMM), whose derived columns
     follow from the measured ones (on CPU ranks the two sides run one after the other, so the
     one launched second ends after the other)."""
-    rows = _run(tmp_path, "overlap", "--tokens", "8", "--tune", "epilogue_sms=1", "--carveout", "8")
+    rows = _run(
+        tmp_path, "overlap", "--tokens", "8", "--tune", "epilogue_sms=1", "--carveout", "8",
+        "--start", "queued",
+    )  # fmt: skip
     combos = {(r["path"], r["op"], r["priority"], r["order"]) for r in rows}
     # 2 operations x 2 priorities x orders: the rings' 2, each slots path's 3
     assert len(rows) == len(combos) == 4 * (2 + 3 + 3)
+    assert {r["start"] for r in rows} == {"queued"}  # (the device-side wait: on GPUs only)
     assert {c[0] for c in combos} == {"rings", "slots", "slots[epilogue_sms=1]"}
     deferred = {c[0] for c in combos if c[3] == "gemm-first-deferred"}
     assert deferred == {"slots", "slots[epilogue_sms=1]"}  # (the rings have no epilogue)
@@ -343,3 +347,9 @@ def test_a_missing_plotting_extra_stops_the_run_before_it_starts(monkeypatch, ca
     monkeypatch.setattr(cli, "spawn", no_run)
     assert cli.main(["normal", "--ranks", "2", "--plot", "normal.png"]) == 2
     assert "--plot needs matplotlib: pip install matplotlib" in capfd.readouterr().err
+
+
+def test_overlap_start_must_be_known():
+    """``--start`` takes host and queued only, refused before any rank starts."""
+    with pytest.raises(SystemExit, match="--start: later"):
+        cli.main(["overlap", "--ranks", "2", "--start", "host,later"])

@@ -75,3 +75,19 @@ def test_overlap_probe_runs_on_cpu_ranks():
                 start = f"{op}, PDL {pdl}, priority {priority}: alone "
                 (line,) = [line for line in log.splitlines() if line.startswith(start)]
                 assert "beside the GEMM: GEMM" in line and "communication" in line, line
+
+
+@CPU_ONLY
+def test_copy_engine_probe_checks_every_call_on_cpu_ranks():
+    """The copy-engine probe runs each call and checks its rows (the reduce's sums too)
+    before printing its line; a failed check prints FAILED instead."""
+    probe = ROOT / "scripts" / "probes" / "copy_engine_probe.py"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TRITON_INTERPRET="1")
+    log = _run([sys.executable, str(probe), "--cpu"], env).stdout
+    assert "3 ranks on cpu, 12 tokens x 64 BF16" in log, log
+    assert "FAILED" not in log, log
+    for call in (
+        "dispatch copies", "dispatch gather", "dispatch pipelined", "combine copies",
+        "combine reduce",
+    ):  # fmt: skip
+        assert sum(line.startswith(call + " ") for line in log.splitlines()) == 1, (call, log)

@@ -126,9 +126,9 @@ def _rank_main(ctx, mode: str, opts: types.SimpleNamespace) -> list[dict]:
     points = len(opts.tokens) * len(opts.hidden) * len(opts.topk) * len(opts.experts)
     if mode == "normal":
         points *= len(opts.sms) * len(opts.chunk) * len(opts.ring)
-    elif mode == "overlap":  # rows: carveouts x paths x 2 operations x priorities x orders
+    elif mode == "overlap":  # rows: starts x carveouts x paths x 2 operations x ... x orders
         orders = len(ORDERS) + (1 + len(opts.tune)) * (len(ORDERS) + 1)  # (slots: deferred)
-        points *= len(opts.carveout) * 2 * len(PRIORITIES) * orders
+        points *= len(opts.start) * len(opts.carveout) * 2 * len(PRIORITIES) * orders
     from ..modes import normal as normal_mode
 
     launch = getattr(opts, "launch", {})
@@ -289,6 +289,12 @@ def _parser() -> argparse.ArgumentParser:
         default="0",
         help="SMs the GEMM leaves free (torch's experimental cuBLAS SM carveout; 0: none)",
     )
+    o.add_argument(
+        "--start",
+        default="host",
+        help="host: timed from the first launch (its host time counts); queued: both sides "
+        "queued behind a device-side wait first (device time only); e.g. host,queued",
+    )
     o.add_argument("--quiet", action="store_true", help="no progress output")
     r = sub.add_parser(
         "report",
@@ -378,6 +384,12 @@ def _options(args: argparse.Namespace, on_gpu: bool) -> types.SimpleNamespace:
         opts.ring = int(CONFIG_DEFAULTS["ring"][pick])
         opts.tune = args.tune
         opts.carveout = _ints(args.carveout)
+        from .overlap import STARTS
+
+        opts.start = args.start.split(",")
+        unknown = sorted(set(opts.start) - set(STARTS))
+        if unknown:
+            raise SystemExit(f"--start: {', '.join(unknown)}: expected {' or '.join(STARTS)}")
     if args.mode in ("low-latency", "internode"):
         opts.gpus_per_node = args.gpus_per_node
         opts.nvshmem = args.nvshmem

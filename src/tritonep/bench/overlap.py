@@ -19,7 +19,12 @@ slows the GEMM beside it, and one that waits for SMs the GEMM holds finishes lat
   SMs the GEMM leaves and the epilogue on every SM after it (DeepEP V2's way to overlap);
 * ``carveout`` (``--carveout``): SMs the GEMM leaves free (torch's experimental cuBLAS SM
   carveout, :func:`gemm_carveout`), as frameworks that overlap communication with their GEMMs
-  limit the GEMMs' SMs; whether cuBLAS honoured it shows in ``gemm_alone_us``.
+  limit the GEMMs' SMs; whether cuBLAS honoured it shows in ``gemm_alone_us``;
+* ``start`` (``--start``): ``host``, the start event recorded just before the first launch,
+  so that the host time of the launches launched first counts (the GEMM starts only once the
+  host has launched the communication before it); or ``queued``, both sides queued behind a
+  device-side wait (about a millisecond of ``torch.cuda._sleep`` on the compute stream before
+  the start event), as in a training step whose host runs ahead of its GPU: device time only.
 
 Each iteration the ranks meet (a barrier, then a device synchronization), the compute stream
 records a start event, the communication stream waits for it, and both kinds of work are
@@ -55,6 +60,10 @@ ORDERS = ("comm-first", "gemm-first")
 #: The slots' third order: the GEMM first, then the call, its epilogue after the GEMM.
 DEFERRED = "gemm-first-deferred"
 WARMUPS = 2  # iterations before the timed ones
+STARTS = ("host", "queued")
+#: Cycles of the device-side wait before a ``queued`` start: about a millisecond, longer than
+#: the host takes to launch either side.
+QUEUE_CYCLES = 2_000_000
 
 
 @contextlib.contextmanager
@@ -77,11 +86,13 @@ def gemm_carveout(sms: int):
         setter(before)
 
 
-def _sides_ms(ctx, gemm, comm, stream, order: str, iters: int) -> tuple[float, float]:
+def _sides_ms(
+    ctx, gemm, comm, stream, order: str, iters: int, start_at: str = "host"
+) -> tuple[float, float]:
     """Median ms from a common start to the end of ``gemm()`` (compute stream) and of
     ``comm(after)`` (on ``stream``), launched in ``order``; ``after`` is the event that ends
     the GEMM in the order :data:`DEFERRED` (on GPUs), else None. A side given as None is left
-    out (its time NaN)."""
+    out (its time NaN). ``start_at``: one of :data:`STARTS`."""
     names = [name for name, fn in (("comm", comm), ("gemm", gemm)) if fn is not None]
     if order != "comm-first":
         names.reverse()
@@ -98,6 +109,8 @@ def _sides_ms(ctx, gemm, comm, stream, order: str, iters: int) -> tuple[float, f
                 ends[name].append((time.perf_counter() - began) * 1e3)
             continue
         torch.cuda.synchronize(ctx.device)
+        if start_at == "queued":
+            torch.cuda._sleep(QUEUE_CYCLES)
         start = torch.cuda.Event(enable_timing=True)
         start.record()
         marks = {}
@@ -190,19 +203,19 @@ def _point(ctx, opts, T, H, E, K) -> list[dict]:
     paths, teardowns = _paths(ctx, opts, x, idx, w, E, K)
     default = elastic.TUNING
     try:
-        for carveout, (path, (dispatch, combine, sms, tuning)) in itertools.product(
-            opts.carveout, paths.items()
+        for start_at, carveout, (path, (dispatch, combine, sms, tuning)) in itertools.product(
+            opts.start, opts.carveout, paths.items()
         ):
             elastic.TUNING = tuning or default  # read by every call; swapped between paths
             with gemm_carveout(carveout):
-                gemm_alone, _ = _sides_ms(ctx, gemm, None, None, "gemm-first", opts.iters)
+                gemm_alone, _ = _sides_ms(ctx, gemm, None, None, "gemm-first", opts.iters, start_at)
             for op, fn in (("dispatch", dispatch), ("combine", combine)):
                 orders = ORDERS if path == "rings" else (*ORDERS, DEFERRED)
                 for priority, order in itertools.product(PRIORITIES, orders):
                     stream = streams[priority]
-                    _, alone = _sides_ms(ctx, None, fn, stream, order, opts.iters)
+                    _, alone = _sides_ms(ctx, None, fn, stream, order, opts.iters, start_at)
                     with gemm_carveout(carveout):
-                        g, m = _sides_ms(ctx, gemm, fn, stream, order, opts.iters)
+                        g, m = _sides_ms(ctx, gemm, fn, stream, order, opts.iters, start_at)
                     vals = mean_over_ranks([gemm_alone, alone, g, m])
                     g_alone, alone, g, m = (v * 1e3 for v in vals)
                     rows.append(
@@ -215,6 +228,7 @@ def _point(ctx, opts, T, H, E, K) -> list[dict]:
                             "ranks": ctx.world_size,
                             "gemm": G,
                             "carveout": carveout,
+                            "start": start_at,
                             "path": path,
                             "sms": sms,
                             "op": op,
