@@ -88,6 +88,6 @@ def test_copy_engine_probe_checks_every_call_on_cpu_ranks():
     assert "FAILED" not in log, log
     for call in (
         "dispatch copies", "dispatch gather", "dispatch pipelined", "combine copies",
-        "combine reduce",
+        "combine reduce", "combine own direct", "combine split",
     ):  # fmt: skip
         assert sum(line.startswith(call + " ") for line in log.splitlines()) == 1, (call, log)

@@ -22,6 +22,10 @@ hands out). Per rank:
   then the device barrier.
 * ``combine reduce``: that, then the source sums each token's rows from every rank (a Triton
   kernel on all SMs, FP32 sums in rank order): a whole combine.
+* ``combine own direct``: the same, this rank's own rows not copied (a local copy also takes
+  a copy engine): the reduce reads them where they are.
+* ``combine split``: that, each peer's rows in two copies on two streams (more copies in
+  flight at once).
 
 Each is checked first (receive regions poisoned; the rows against a direct gather, the sums
 against a PyTorch sum), then timed: ``alone`` (CUDA events after a barrier, the slowest
@@ -50,6 +54,12 @@ combine copies       475       445    1.01
 combine reduce       550       385    1.06
 ===================  ========  =====  ==================
 
+Second round, written after the first measurements (graph: dispatch copies 545-631 us, combine
+copies 480-546, combine reduce 513-570; queued beside the GEMM 1.03-1.06): the local copy of
+the combine's own rows (53 MB) shares the copy engines with the peers' copies; left to the
+reduce, the call should take about 490 us, and two copies per peer about 470 (the 450 GB/s
+target: 472 us).
+
 On CPU ranks (``--cpu``, or fewer GPUs than ranks) the copies are plain ``copy_`` into peers'
 shared memory, the reduce runs under the Triton interpreter, with tiny shapes; the checks are
 what counts there.
@@ -70,22 +80,26 @@ from tritonep.kernels.fp8 import to_bf16
 GPU_SHAPE = dict(tokens=4096, hidden=7168, experts=256, topk=8)
 CPU_SHAPE = dict(tokens=12, hidden=64, experts=24, topk=4)
 POISON = -1  # int16 0xFFFF: a BF16 NaN, so an unwritten row never compares equal
-PREDICTED = {  # call -> (alone us, finish beside the GEMM)
+PREDICTED = {  # call -> (us, finish beside the GEMM)
     "dispatch copies": (475, 1.01),
     "dispatch gather": (610, 1.10),
     "dispatch pipelined": (540, 1.10),
     "combine copies": (475, 1.01),
     "combine reduce": (550, 1.06),
+    "combine own direct": (490, 1.06),
+    "combine split": (470, 1.06),
 }
 
 
 @triton.jit
 def reduce_kernel(
     rows_ptr,  # [max_rows, HIDDEN] bf16: this rank's combine region, rows by expert rank
+    own_ptr,  # [rows, HIDDEN] bf16: this rank's own expert outputs (OWN >= 0)
     index_ptr,  # [tokens, NUM_RANKS] int32: each token's row from each rank, -1 if none
     out_ptr,  # [tokens, HIDDEN] bf16: each token's sum over ranks
     HIDDEN: tl.constexpr,  # row width in elements
     NUM_RANKS: tl.constexpr,  # ranks summed, in order
+    OWN: tl.constexpr,  # this rank, whose rows are read from own_ptr; -1: all from rows_ptr
     BLOCK_H: tl.constexpr,  # columns per program
     EMULATE: tl.constexpr,  # under the interpreter: round to BF16 on the bits, as GPUs do
 ):
@@ -96,9 +110,8 @@ def reduce_kernel(
         row = tl.load(index_ptr + token * NUM_RANKS + rank)
         # A token that went to no expert of ``rank`` adds nothing (row -1 reads nothing).
         mask = (cols < HIDDEN) & (tl.zeros_like(cols) + row >= 0)
-        acc += tl.load(rows_ptr + row.to(tl.int64) * HIDDEN + cols, mask=mask, other=0.0).to(
-            tl.float32
-        )
+        base = own_ptr if rank == OWN else rows_ptr
+        acc += tl.load(base + row.to(tl.int64) * HIDDEN + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * HIDDEN + cols, to_bf16(acc, EMULATE), mask=cols < HIDDEN)
 
 
@@ -161,10 +174,16 @@ class CopyEngineA2A:
             index[to[me][d], d] = self.combine_base[me][d] + torch.arange(
                 c[me][d], dtype=torch.int32
             )
-        self.index = index.to(dev)
+        self.index = index.clone().to(dev)
+        # The same, this rank's own rows as rows of y (the reduce reads them there).
+        own = self.dispatch_base[me][me] + torch.arange(c[me][me], dtype=torch.int32)
+        index[to[me][me], me] = own
+        self.index_own = index.to(dev)
         self.out = torch.empty(opts.tokens, H, dtype=torch.bfloat16, device=dev)
         gpu = dev.type == "cuda"
         self.streams = {d: torch.cuda.Stream(dev) for d in self.peers} if gpu else {}
+        self.more_streams = {d: torch.cuda.Stream(dev) for d in self.peers} if gpu else {}
+        self.used: set = set()  # the streams of the call under way
         handle = getattr(self.heap, "_keepalive", None)
         self.device_barrier = handle.barrier if gpu and hasattr(handle, "barrier") else None
         # What a direct gather gives: the rows each source sends here, and the rows each
@@ -184,9 +203,10 @@ class CopyEngineA2A:
 
     # ---- the calls ------------------------------------------------------------------------
 
-    def _copy(self, d, dst: torch.Tensor, src: torch.Tensor, after=None):
-        """``dst.copy_(src)`` on peer ``d``'s stream, after ``after`` (an event) if given."""
-        stream = self.streams.get(d)
+    def _copy(self, d, dst: torch.Tensor, src: torch.Tensor, after=None, stream=None):
+        """``dst.copy_(src)`` on peer ``d``'s stream (or ``stream``), after ``after`` (an
+        event) if given."""
+        stream = stream or self.streams.get(d)
         if stream is None:
             dst.copy_(src)
             return
@@ -194,6 +214,7 @@ class CopyEngineA2A:
             stream.wait_event(after)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
+        self.used.add(stream)
 
     def _start(self):
         """An event on the current stream that the peers' streams wait for (GPU), else None."""
@@ -204,10 +225,13 @@ class CopyEngineA2A:
         return start
 
     def _finish(self):
-        """The current stream waits for every peer's copies, then for every rank's."""
+        """The current stream waits for this call's copies (only the streams it used: under
+        graph capture, waiting for a stream outside the capture fails), then for every
+        rank's."""
         current = torch.cuda.current_stream(self.dev) if self.streams else None
-        for stream in self.streams.values():
+        for stream in self.used:
             current.wait_stream(stream)
+        self.used = set()
         if self.device_barrier is not None:
             self.device_barrier(channel=0)
         else:
@@ -231,24 +255,32 @@ class CopyEngineA2A:
         torch.index_select(self.x, 0, self.to[me], out=self.recv[me][base : base + c[me][me]])
         self._finish()
 
-    def combine(self, reduce: bool):
+    def combine(self, reduce: bool, own_direct: bool = False, split: int = 1):
+        """Each expert rank's rows back to their sources, then (``reduce``) the sums. With
+        ``own_direct`` this rank's own rows stay where they are and the reduce reads them
+        there; ``split`` copies per peer, each on a stream of its own (1 or 2)."""
         me, c, H = self.me, self.counts, self.H
         start = self._start()
-        for d in [*self.peers, me]:
+        for d in self.peers:
             at, n = self.dispatch_base[d][me], c[d][me]
             base = self.combine_base[d][me]
-            dst = self.back[d][base : base + n]
-            if d == me:
-                dst.copy_(self.y[at : at + n])
-            else:
-                self._copy(d, dst, self.y[at : at + n], start)
+            half = n // 2 if split == 2 else n
+            self._copy(d, self.back[d][base : base + half], self.y[at : at + half], start)
+            if half < n:
+                dst, src = self.back[d][base + half : base + n], self.y[at + half : at + n]
+                self._copy(d, dst, src, start, self.more_streams.get(d))
+        if not own_direct:
+            at, n, base = self.dispatch_base[me][me], c[me][me], self.combine_base[me][me]
+            self.back[me][base : base + n].copy_(self.y[at : at + n])
         self._finish()
         if reduce:
             gpu = self.dev.type == "cuda"
             block = 1024 if gpu else 64
             grid = (self.opts.tokens, triton.cdiv(H, block))
-            reduce_kernel[grid](self.back[me], self.index, self.out, HIDDEN=H, NUM_RANKS=self.R,
-                                BLOCK_H=block, EMULATE=not gpu, num_warps=4)  # fmt: skip
+            index = self.index_own if own_direct else self.index
+            reduce_kernel[grid](self.back[me], self.y, index, self.out, HIDDEN=H,
+                                NUM_RANKS=self.R, OWN=me if own_direct else -1, BLOCK_H=block,
+                                EMULATE=not gpu, num_warps=4)  # fmt: skip
 
     # ---- checks ---------------------------------------------------------------------------
 
@@ -262,10 +294,16 @@ class CopyEngineA2A:
         ):
             raise AssertionError(f"rank {self.me}: {what}: rows past {n} were written")
 
-    def check_combine(self, what: str, reduced: bool):
-        sent = sum(self.counts[self.me])
-        if not torch.equal(self.back[self.me][:sent], self.expected_back):
-            raise AssertionError(f"rank {self.me}: {what}: rows sent back differ")
+    def check_combine(self, what: str, reduced: bool, own_direct: bool = False):
+        me, sent = self.me, sum(self.counts[self.me])
+        got, expected = self.back[me][:sent], self.expected_back
+        if own_direct:  # this rank's own rows were not copied: the peers' only
+            mine = slice(self.combine_base[me][me], self.combine_base[me][me] + self.counts[me][me])
+            keep = torch.ones(sent, dtype=torch.bool, device=self.dev)
+            keep[mine] = False
+            got, expected = got[keep], expected[keep]
+        if not torch.equal(got, expected):
+            raise AssertionError(f"rank {me}: {what}: rows sent back differ")
         if reduced:
             rows = torch.cat([self.expected_back.float(), torch.zeros(1, self.H, device=self.dev)])
             index = self.index.long().clone()
@@ -291,6 +329,16 @@ def _calls(a2a: CopyEngineA2A):
         ("dispatch pipelined", lambda: a2a.dispatch("pipelined"), a2a.check),
         ("combine copies", lambda: a2a.combine(False), lambda w: a2a.check_combine(w, False)),
         ("combine reduce", lambda: a2a.combine(True), lambda w: a2a.check_combine(w, True)),
+        (
+            "combine own direct",
+            lambda: a2a.combine(True, own_direct=True),
+            lambda w: a2a.check_combine(w, True, own_direct=True),
+        ),
+        (
+            "combine split",
+            lambda: a2a.combine(True, own_direct=True, split=2),
+            lambda w: a2a.check_combine(w, True, own_direct=True),
+        ),
     ]
 
 
@@ -446,27 +494,44 @@ def _rank(ctx, opts):
     lines = []
     # The copies-only dispatch sends the send buffer as it stands: pack it once.
     torch.index_select(a2a.x, 0, a2a.order, out=a2a.send)
-    for name, fn, check in _calls(a2a):
+
+    def agreed(name, step, *args) -> object:
+        """``step(*args)`` on every rank; its result, or None on every rank once any rank failed
+        (each failure printed by rank 0), so that all ranks stop together."""
         try:
-            if check is not None:
-                a2a.poison()
-                fn()
-                a2a.heap.barrier()
-                check(name)
-            t = (_alone_us(a2a, fn, opts.iters), _graph_us(a2a, fn, opts.iters),
-                 *_beside_gemm(ctx, a2a, fn, opts.iters))  # fmt: skip
-            if check is not None:
-                a2a.heap.barrier()
-                check(name + ", after timing")
-        except Exception as e:  # told to every rank, so that all stop together
-            t = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            result = step(*args)
+        except Exception as e:
+            result = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
         per_rank = [None] * R
-        dist.all_gather_object(per_rank, (t, recv_bytes, remote_bytes))
-        failed = [(r, res[0]) for r, res in enumerate(per_rank) if isinstance(res[0], str)]
-        if failed:
-            if me == 0:
-                for r, error in failed:
-                    print(f"{name:20s} FAILED on rank {r}: {error}", flush=True)
+        dist.all_gather_object(per_rank, result)
+        failed = [(r, res) for r, res in enumerate(per_rank) if isinstance(res, str)]
+        if me == 0:
+            for r, error in failed:
+                print(f"{name:20s} FAILED on rank {r}: {error}", flush=True)
+        return None if failed else per_rank
+
+    def checked(name, fn, check):
+        a2a.poison()
+        fn()
+        a2a.heap.barrier()
+        check(name)
+        return True
+
+    def timed(name, fn, check):
+        t = (_alone_us(a2a, fn, opts.iters), _graph_us(a2a, fn, opts.iters),
+             *_beside_gemm(ctx, a2a, fn, opts.iters))  # fmt: skip
+        a2a.heap.barrier()
+        check(name + ", after timing")
+        return t, recv_bytes, remote_bytes
+
+    for name, fn, check in _calls(a2a):
+        # The rows first, on every rank, then the timing: a rank whose check fails stops
+        # all of them before any waits in a barrier that the others will not reach.
+        if agreed(name, checked, name, fn, check) is None:
+            opts.clocks = 0
+            break
+        per_rank = agreed(name, timed, name, fn, check)
+        if per_rank is None:
             opts.clocks = 0
             break
         if me == 0:
