@@ -149,7 +149,7 @@ def test_overlap_rows_cover_every_path_operation_priority_and_order(tmp_path):
     one launched second ends after the other)."""
     rows = _run(
         tmp_path, "overlap", "--tokens", "8", "--tune", "epilogue_sms=1", "--carveout", "8",
-        "--start", "queued",
+        "--start", "queued", "--blas", "cublaslt",
     )  # fmt: skip
     combos = {(r["path"], r["op"], r["priority"], r["order"]) for r in rows}
     # 2 operations x 2 priorities x orders: the rings' 2, each slots path's 3
@@ -161,13 +161,14 @@ def test_overlap_rows_cover_every_path_operation_priority_and_order(tmp_path):
     assert {c[1] for c in combos} == {"dispatch", "combine"}
     for row in rows:
         assert row["mode"] == "overlap" and row["gemm"] == 64 and row["sms"] > 0
-        assert row["carveout"] == 8
-        for key in ("gemm_alone_us", "comm_alone_us", "gemm_us", "comm_us"):
+        assert row["carveout"] == 8 and row["blas"] == "cublaslt"
+        for key in ("gemm_full_us", "gemm_alone_us", "comm_alone_us", "gemm_us", "comm_us"):
             assert row[key] > 0, key
         assert row["both_us"] == max(row["gemm_us"], row["comm_us"])
         assert row["serial_us"] == pytest.approx(row["gemm_alone_us"] + row["comm_alone_us"])
         assert row["gemm_slowdown"] == pytest.approx(row["gemm_us"] / row["gemm_alone_us"])
         assert row["finish_ratio"] == pytest.approx(row["both_us"] / row["gemm_alone_us"])
+        assert row["full_finish_ratio"] == pytest.approx(row["both_us"] / row["gemm_full_us"])
         if row["device"] == report.INTERPRETER:
             first, second = (
                 ("comm_us", "gemm_us") if row["order"] == "comm-first" else ("gemm_us", "comm_us")

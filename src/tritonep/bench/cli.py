@@ -290,6 +290,12 @@ def _parser() -> argparse.ArgumentParser:
         help="SMs the GEMM leaves free (torch's experimental cuBLAS SM carveout; 0: none)",
     )
     o.add_argument(
+        "--blas",
+        default="default",
+        choices=("default", "cublaslt"),
+        help="the library of torch's matmuls (cublaslt honours --carveout)",
+    )
+    o.add_argument(
         "--start",
         default="host",
         help="host: timed from the first launch (its host time counts); queued: both sides "
@@ -386,6 +392,7 @@ def _options(args: argparse.Namespace, on_gpu: bool) -> types.SimpleNamespace:
         opts.carveout = _ints(args.carveout)
         from .overlap import STARTS
 
+        opts.blas = args.blas
         opts.start = args.start.split(",")
         unknown = sorted(set(opts.start) - set(STARTS))
         if unknown:

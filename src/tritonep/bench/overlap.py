@@ -20,6 +20,9 @@ slows the GEMM beside it, and one that waits for SMs the GEMM holds finishes lat
 * ``carveout`` (``--carveout``): SMs the GEMM leaves free (torch's experimental cuBLAS SM
   carveout, :func:`gemm_carveout`), as frameworks that overlap communication with their GEMMs
   limit the GEMMs' SMs; whether cuBLAS honoured it shows in ``gemm_alone_us``;
+* ``blas`` (``--blas``): the library of torch's matmuls, ``default`` or ``cublaslt``
+  (:func:`blas_library`); on the 4x H200 measured, cuBLAS ignored the carveout and cuBLASLt
+  honoured it;
 * ``start`` (``--start``): ``host``, the start event recorded just before the first launch,
   so that the host time of the launches launched first counts (the GEMM starts only once the
   host has launched the communication before it); or ``queued``, both sides queued behind a
@@ -32,8 +35,10 @@ launched in ``order``: a BF16 GEMM ``[G, G] @ [G, G]`` on the compute stream, th
 the communication stream, each followed by an event. Columns (medians over ``iters``, mean over
 ranks, microseconds from the start event): ``gemm_us`` and ``comm_us`` (each side's end),
 ``both_us`` (the later end); ``gemm_alone_us`` and ``comm_alone_us`` (each timed alone the
-same way); ``gemm_slowdown`` (``gemm_us / gemm_alone_us``), ``finish_ratio`` (``both_us /
-gemm_alone_us``: 1.0 is communication hidden entirely) and ``serial_us`` (the sum of the two
+same way, the GEMM under the row's carveout), ``gemm_full_us`` (the GEMM alone on every SM);
+``gemm_slowdown`` (``gemm_us / gemm_alone_us``), ``finish_ratio`` (``both_us /
+gemm_alone_us``: 1.0 is communication hidden entirely), ``full_finish_ratio`` (``both_us /
+gemm_full_us``: what the carveout costs counted too) and ``serial_us`` (the sum of the two
 alone).
 
 On CPU ranks there are no streams: the two run one after the other under the host clock, and
@@ -203,6 +208,10 @@ def _point(ctx, opts, T, H, E, K) -> list[dict]:
     paths, teardowns = _paths(ctx, opts, x, idx, w, E, K)
     default = elastic.TUNING
     try:
+        gemm_full = {
+            start_at: _sides_ms(ctx, gemm, None, None, "gemm-first", opts.iters, start_at)[0]
+            for start_at in opts.start
+        }  # the GEMM alone on every SM: what a carveout costs it shows against this
         for start_at, carveout, (path, (dispatch, combine, sms, tuning)) in itertools.product(
             opts.start, opts.carveout, paths.items()
         ):
@@ -216,8 +225,8 @@ def _point(ctx, opts, T, H, E, K) -> list[dict]:
                     _, alone = _sides_ms(ctx, None, fn, stream, order, opts.iters, start_at)
                     with gemm_carveout(carveout):
                         g, m = _sides_ms(ctx, gemm, fn, stream, order, opts.iters, start_at)
-                    vals = mean_over_ranks([gemm_alone, alone, g, m])
-                    g_alone, alone, g, m = (v * 1e3 for v in vals)
+                    vals = mean_over_ranks([gemm_full[start_at], gemm_alone, alone, g, m])
+                    g_full, g_alone, alone, g, m = (v * 1e3 for v in vals)
                     rows.append(
                         {
                             "mode": "overlap",
@@ -227,6 +236,7 @@ def _point(ctx, opts, T, H, E, K) -> list[dict]:
                             "experts": E,
                             "ranks": ctx.world_size,
                             "gemm": G,
+                            "blas": opts.blas,
                             "carveout": carveout,
                             "start": start_at,
                             "path": path,
@@ -234,6 +244,7 @@ def _point(ctx, opts, T, H, E, K) -> list[dict]:
                             "op": op,
                             "priority": priority,
                             "order": order,
+                            "gemm_full_us": g_full,
                             "gemm_alone_us": g_alone,
                             "comm_alone_us": alone,
                             "gemm_us": g,
@@ -242,6 +253,7 @@ def _point(ctx, opts, T, H, E, K) -> list[dict]:
                             "serial_us": g_alone + alone,
                             "gemm_slowdown": g / g_alone,
                             "finish_ratio": max(g, m) / g_alone,
+                            "full_finish_ratio": max(g, m) / g_full,
                         }
                     )
     finally:
@@ -251,12 +263,30 @@ def _point(ctx, opts, T, H, E, K) -> list[dict]:
     return rows
 
 
+@contextlib.contextmanager
+def blas_library(name: str, device: torch.device):
+    """Within: torch's matmuls on GPUs through ``name`` (``default``: as torch picks;
+    ``cublaslt``: cuBLASLt, the library that honours the SM carveout)."""
+    if name == "default" or device.type != "cuda":
+        yield
+        return
+    before = torch.backends.cuda.preferred_blas_library()
+    with warnings.catch_warnings():  # (torch warns that the setting is experimental)
+        warnings.simplefilter("ignore")
+        torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
 def overlap_rank(ctx, opts, progress) -> list[dict]:
     """Every point of the sweep on this rank: a list of rows (rank-averaged)."""
     rows = []
-    for T, H, K, E in itertools.product(opts.tokens, opts.hidden, opts.topk, opts.experts):
-        point = _point(ctx, opts, T, H, E, K)
-        for row in point:
-            progress(row)
-        rows += point
+    with blas_library(opts.blas, ctx.device):
+        for T, H, K, E in itertools.product(opts.tokens, opts.hidden, opts.topk, opts.experts):
+            point = _point(ctx, opts, T, H, E, K)
+            for row in point:
+                progress(row)
+            rows += point
     return rows
