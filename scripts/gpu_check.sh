@@ -7,10 +7,10 @@
 #   tests-gpu  only the tests marked gpu (large shapes, CUDA graphs, NVSHMEM legs)
 #   demo       the MoE demo on N ranks, checked against a dense layer
 #   bench      the benchmarks of BENCHMARKS.md: normal mode ($NORMAL_TOKENS), low-latency mode
-#              ($LL_TOKENS), dispatch and combine beside a GEMM ($OVERLAP_CARVEOUT: the SMs
-#              the GEMM leaves, default 0; both launched from the host and both queued) and,
-#              for an even N, both modes across 2 emulated nodes; CSVs, plots and kernel
-#              traces, then each kernel's time per phase
+#              ($LL_TOKENS), dispatch and combine beside a GEMM (launched from the host and
+#              queued; then queued, the GEMM through cuBLASLt leaving $OVERLAP_CARVEOUT SMs,
+#              default 16,24) and, for an even N, both modes across 2 emulated nodes; CSVs,
+#              plots and kernel traces, then each kernel's time per phase
 #   soak       randomized calls checked against the reference ($SOAK_ARGS: e.g. --calls 2000
 #              --modes normal,low_latency,internode,low_latency_internode)
 #   all        tests, demo and bench
@@ -62,7 +62,8 @@ elif wants bench; then
     --plot "$out/normal.png" --trace "$out/trace-normal-{rank}.json"
   bench ll low-latency --tokens "${LL_TOKENS:-128,1,32,256}" --iters 30 \
     --plot "$out/ll.png" --trace "$out/trace-ll-{rank}.json"
-  bench overlap overlap --carveout "${OVERLAP_CARVEOUT:-0}" --start host,queued
+  bench overlap overlap --start host,queued
+  bench overlap-carveout overlap --start queued --blas cublaslt --carveout "${OVERLAP_CARVEOUT:-16,24}"
   if [ $((ranks % 2)) -eq 0 ]; then  # 2 emulated nodes of N/2 GPUs
     nodes="--gpus-per-node $((ranks / 2))"
     bench internode internode $nodes --tokens 4096 --iters 20
