@@ -27,7 +27,9 @@ slows the GEMM beside it, and one that waits for SMs the GEMM holds finishes lat
   so that the host time of the launches launched first counts (the GEMM starts only once the
   host has launched the communication before it); or ``queued``, both sides queued behind a
   device-side wait (about a millisecond of ``torch.cuda._sleep`` on the compute stream before
-  the start event), as in a training step whose host runs ahead of its GPU: device time only.
+  the start event), as in a training step whose host runs ahead of its GPU: device time only
+  (a run in which some host launched after the wait ended is run again; more such runs than
+  timed ones raise).
 
 Each iteration the ranks meet (a barrier, then a device synchronization), the compute stream
 records a start event, the communication stream waits for it, and both kinds of work are
@@ -102,7 +104,8 @@ def _sides_ms(
     if order != "comm-first":
         names.reverse()
     ends: dict[str, list[float]] = {name: [] for name in names}
-    for _ in range(iters + WARMUPS):
+    late = 0  # queued runs whose device-side wait ended before every host had launched
+    while len(ends[names[0]]) < iters + WARMUPS:
         dist.barrier()
         if ctx.device.type != "cuda":
             began = time.perf_counter()
@@ -129,11 +132,29 @@ def _sides_ms(
                 with torch.cuda.stream(stream):
                     comm(marks.get("gemm") if order == DEFERRED else None)
                     marks[name].record()
+        started = start_at == "queued" and start.query()  # (the wait is over: launched late)
         torch.cuda.synchronize(ctx.device)
+        if start_at == "queued" and _any_rank(started, ctx.device):
+            # Not a queued start on some rank (its host was slower than the wait): the run
+            # does not count, on every rank alike.
+            late += 1
+            if late > iters:
+                raise RuntimeError(
+                    f"--start queued: in {late} runs a host launched after the device-side "
+                    f"wait of {QUEUE_CYCLES} cycles ended; the start was not queued"
+                )
+            continue
         for name, end in marks.items():
             ends[name].append(start.elapsed_time(end))
     medians = {name: statistics.median(t[WARMUPS:]) for name, t in ends.items()}
     return medians.get("gemm", float("nan")), medians.get("comm", float("nan"))
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` is set on any rank (a collective)."""
+    value = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def _paths(ctx, opts, x, idx, w, E, K):
