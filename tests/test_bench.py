@@ -192,6 +192,33 @@ def test_the_gemm_carveout_holds_within_and_is_restored():
     assert torch._C._get_sm_carveout_experimental() == before
 
 
+def test_the_blas_library_is_left_alone_on_cpu_ranks():
+    """``--blas cublaslt`` on a CPU rank changes nothing (torch's CPU builds have no cuBLASLt)."""
+    import torch
+
+    from tritonep.bench.overlap import blas_library
+
+    before = torch.backends.cuda.preferred_blas_library()
+    with blas_library("cublaslt", torch.device("cpu")):
+        assert torch.backends.cuda.preferred_blas_library() == before
+    assert torch.backends.cuda.preferred_blas_library() == before
+
+
+@pytest.mark.gpu
+def test_the_blas_library_holds_within_and_is_restored():
+    """``--blas cublaslt``: torch's matmuls go through cuBLASLt within, and the library of
+    before comes back after, also when the body raises."""
+    import torch
+
+    from tritonep.bench.overlap import blas_library
+
+    before = torch.backends.cuda.preferred_blas_library()
+    with pytest.raises(KeyError), blas_library("cublaslt", torch.device("cuda")):
+        assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
+        raise KeyError
+    assert torch.backends.cuda.preferred_blas_library() == before
+
+
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
     rows = [
