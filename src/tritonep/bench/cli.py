@@ -287,7 +287,8 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument(
         "--carveout",
         default="0",
-        help="SMs the GEMM leaves free (torch's experimental cuBLAS SM carveout; 0: none)",
+        help="SMs the GEMM leaves free (torch's experimental SM carveout, which cuBLASLt "
+        "honours: see --blas; 0: none)",
     )
     o.add_argument(
         "--blas",

@@ -17,9 +17,9 @@ slows the GEMM beside it, and one that waits for SMs the GEMM holds finishes lat
   slots also ``gemm-first-deferred``: the GEMM first, then the call, whose epilogue waits for
   the GEMM (``previous_event_before_epilogue``), so that with a carveout the push runs on the
   SMs the GEMM leaves and the epilogue on every SM after it (DeepEP V2's way to overlap);
-* ``carveout`` (``--carveout``): SMs the GEMM leaves free (torch's experimental cuBLAS SM
-  carveout, :func:`gemm_carveout`), as frameworks that overlap communication with their GEMMs
-  limit the GEMMs' SMs; whether cuBLAS honoured it shows in ``gemm_alone_us``;
+* ``carveout`` (``--carveout``): SMs the GEMM leaves free (torch's experimental SM carveout,
+  :func:`gemm_carveout`), as frameworks that overlap communication with their GEMMs limit the
+  GEMMs' SMs; whether the BLAS library honoured it shows in ``gemm_alone_us``;
 * ``blas`` (``--blas``): the library of torch's matmuls, ``default`` or ``cublaslt``
   (:func:`blas_library`); on the 4x H200 measured, cuBLAS ignored the carveout and cuBLASLt
   honoured it;
@@ -75,8 +75,9 @@ QUEUE_CYCLES = 2_000_000
 
 @contextlib.contextmanager
 def gemm_carveout(sms: int):
-    """Within: cuBLAS matmuls leave ``sms`` SMs free (torch's experimental SM carveout, as a
-    framework that overlaps communication with its GEMMs sets it); 0: no change."""
+    """Within: torch's matmuls leave ``sms`` SMs free (its experimental SM carveout, as a
+    framework that overlaps communication with its GEMMs sets it; cuBLASLt honours it, cuBLAS
+    did not on the GPUs measured: :func:`blas_library`); 0: no change."""
     if not sms:
         yield
         return
