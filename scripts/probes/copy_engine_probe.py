@@ -184,6 +184,7 @@ class CopyEngineA2A:
         self.streams = {d: torch.cuda.Stream(dev) for d in self.peers} if gpu else {}
         self.more_streams = {d: torch.cuda.Stream(dev) for d in self.peers} if gpu else {}
         self.used: set = set()  # the streams of the call under way
+        self._gemm = None
         handle = getattr(self.heap, "_keepalive", None)
         self.device_barrier = handle.barrier if gpu and hasattr(handle, "barrier") else None
         # What a direct gather gives: the rows each source sends here, and the rows each
@@ -200,6 +201,16 @@ class CopyEngineA2A:
             ]
         )
         self.heap.barrier()
+
+    def gemm(self):
+        """The BF16 ``[G, G] @ [G, G]`` that communication is timed beside (made once)."""
+        if self._gemm is None:
+            G = self.opts.gemm
+            a = torch.randn(G, G, device=self.dev, dtype=torch.bfloat16)
+            b = torch.randn(G, G, device=self.dev, dtype=torch.bfloat16)
+            c = torch.empty(G, G, device=self.dev, dtype=torch.bfloat16)
+            self._gemm = lambda: torch.mm(a, b, out=c)
+        return self._gemm
 
     # ---- the calls ------------------------------------------------------------------------
 
@@ -383,14 +394,7 @@ def _beside_gemm(ctx, a2a: CopyEngineA2A, fn, iters: int) -> list[float]:
 
     if a2a.dev.type != "cuda" or not a2a.opts.gemm:
         return [float("nan")] * (1 + 2 * len(STARTS))
-    G = a2a.opts.gemm
-    a = torch.randn(G, G, device=a2a.dev, dtype=torch.bfloat16)
-    b = torch.randn(G, G, device=a2a.dev, dtype=torch.bfloat16)
-    c = torch.empty(G, G, device=a2a.dev, dtype=torch.bfloat16)
-
-    def gemm():
-        torch.mm(a, b, out=c)
-
+    gemm = a2a.gemm()
     stream = torch.cuda.Stream(a2a.dev)
     alone, _ = _sides_ms(ctx, gemm, None, stream, "comm-first", iters, "queued")
     ends = [alone * 1e3]
@@ -409,10 +413,7 @@ def _clocks(ctx, a2a: CopyEngineA2A, iters: int) -> None:
 
     import torch.distributed as dist
 
-    G = a2a.opts.gemm
-    a = torch.randn(G, G, device=a2a.dev, dtype=torch.bfloat16)
-    b = torch.randn(G, G, device=a2a.dev, dtype=torch.bfloat16)
-    c = torch.empty(G, G, device=a2a.dev, dtype=torch.bfloat16)
+    gemm = a2a.gemm()
     side = torch.cuda.Stream(a2a.dev)
     fields = "clocks.sm,power.draw,power.limit,temperature.gpu"
     for phase in ("gemm", "copies", "gemm + copies"):
@@ -432,7 +433,7 @@ def _clocks(ctx, a2a: CopyEngineA2A, iters: int) -> None:
                 with torch.cuda.stream(side):
                     a2a.dispatch("copies")
             if phase != "copies":
-                torch.mm(a, b, out=c)
+                gemm()
             if i % 16 == 15:  # a bounded queue: the sampler sees steady work
                 torch.cuda.synchronize()
         torch.cuda.synchronize()
