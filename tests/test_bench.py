@@ -23,7 +23,9 @@ def _run(tmp_path, mode, *extra):
 
 
 def test_normal_sweep_with_comparison(tmp_path, capfd):
-    rows = _run(tmp_path, "normal", "--tokens", "4,12", "--compare", "tritonep.deep_ep")
+    rows = _run(
+        tmp_path, "normal", "--tokens", "4,12", "--compare", "tritonep.deep_ep", "--copy-combine"
+    )
     assert [r["tokens"] for r in rows] == [4, 12]
     on_cpu = rows[0]["device"] == report.INTERPRETER
     assert {r["device"] for r in rows} == {report.INTERPRETER if on_cpu else "cuda"}
@@ -37,9 +39,11 @@ def test_normal_sweep_with_comparison(tmp_path, capfd):
             "torch_combine_us",
             "deep_ep_dispatch_us",
             "deep_ep_combine_us",
+            "copy_combine_us",
         ):
             assert row[key] > 0, key
-        assert math.isnan(row["graph_dispatch_us"])  # no CUDA graphs on CPU ranks
+        if on_cpu:  # no CUDA graphs on CPU ranks
+            assert math.isnan(row["graph_dispatch_us"]) and math.isnan(row["graph_copy_combine_us"])
         # DeepEP's accounting counts the local rank too, so it bounds the remote figure.
         assert row["dispatch_GBps"] >= row["dispatch_remote_GBps"] >= 0
     table = capfd.readouterr().out  # the terminal table, marked when interpreted
@@ -152,15 +156,18 @@ def test_overlap_rows_cover_every_path_operation_priority_and_order(tmp_path):
         "--start", "queued", "--blas", "cublaslt",
     )  # fmt: skip
     combos = {(r["path"], r["op"], r["priority"], r["order"]) for r in rows}
-    # 2 operations x 2 priorities x orders: the rings' 2, each slots path's 3
-    assert len(rows) == len(combos) == 4 * (2 + 3 + 3)
+    # 2 operations x 2 priorities x orders: the rings' 2, each slots path's 3; the copies'
+    # combine only, in 2 orders
+    assert len(rows) == len(combos) == 4 * (2 + 3 + 3) + 2 * 2
     assert {r["start"] for r in rows} == {"queued"}  # (the device-side wait: on GPUs only)
-    assert {c[0] for c in combos} == {"rings", "slots", "slots[epilogue_sms=1]"}
+    assert {c[0] for c in combos} == {"rings", "copies", "slots", "slots[epilogue_sms=1]"}
+    assert {c[1] for c in combos if c[0] == "copies"} == {"combine"}
     deferred = {c[0] for c in combos if c[3] == "gemm-first-deferred"}
     assert deferred == {"slots", "slots[epilogue_sms=1]"}  # (the rings have no epilogue)
     assert {c[1] for c in combos} == {"dispatch", "combine"}
     for row in rows:
-        assert row["mode"] == "overlap" and row["gemm"] == 64 and row["sms"] > 0
+        assert row["mode"] == "overlap" and row["gemm"] == 64
+        assert (row["sms"] == 0) == (row["path"] == "copies")  # (copy engines: no SM moves)
         assert row["carveout"] == 8 and row["blas"] == "cublaslt"
         for key in ("gemm_full_us", "gemm_alone_us", "comm_alone_us", "gemm_us", "comm_us"):
             assert row[key] > 0, key

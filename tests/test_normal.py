@@ -90,12 +90,24 @@ def _combine_input(out, rank):
     return torch.where(torch.isnan(y), 0, y)  # poisoned padding rows
 
 
-def _normal_body(ctx, calls, tokens, hidden, experts, topk, routing, use_fp8, worst, config):
+def _normal_body(
+    ctx, calls, tokens, hidden, experts, topk, routing, use_fp8, worst, config, copy_tokens=0
+):
     R, me = ctx.world_size, ctx.rank
     experts *= R
     mode = nm.NormalMode(
-        None, hidden, experts, max_topk=max(topk, 2), device=ctx.device, timeout_s=60
+        None,
+        hidden,
+        experts,
+        max_topk=max(topk, 2),
+        device=ctx.device,
+        timeout_s=60,
+        copy_combine_tokens=copy_tokens,
     )
+    if copy_tokens:  # rows and weights of the copy-engine combine's region: NaN until copied
+        region = mode.copy_combine
+        region.heap.local[region.layout.rows :].fill_(255)
+        region.heap.barrier()
     alignment = 4
     for call in range(calls):  # calls use fresh inputs; flags are tagged by call
         case = tag_rows(make_case(100 * call + 11, tokens[:R], hidden, experts, topk, routing))
@@ -127,6 +139,8 @@ def _normal_body(ctx, calls, tokens, hidden, experts, topk, routing, use_fp8, wo
         assert again.recv_topk_idx is None and again.num_recv_tokens_per_expert is None
         want = ref.normal_dispatch(new_xs, case.topk_idx, None, experts)[me]
         ref.assert_rows_equal(again.recv_x, want.recv_x, want.num_recv_tokens, "cached x")
+    if copy_tokens:  # exact-size handles take the copy engines, worst-case ones the rings
+        assert int(mode.copy_combine.state[0]) == (0 if worst else calls)
     mode.check()
     mode.destroy()
     return True
@@ -157,6 +171,16 @@ def test_normal_matches_reference(run_ranks, num_ranks, name):
         num_ranks, _normal_body, calls, tokens, hidden, experts, topk, routing, fp8, worst, None
     )
     assert results == [True] * num_ranks
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3])
+@pytest.mark.parametrize("name", ["bf16-random", "fp8-dropped", "empty", "bf16-skewed-worst"])
+def test_copy_engine_combine_matches_reference(run_ranks, num_ranks, name):
+    # Two calls: the second's rows replace the first's in every region (stale rows would
+    # show); a worst-case handle (no counts on the host) takes the rings instead.
+    tokens, hidden, experts, topk, routing, fp8, worst = CASES[name]
+    args = (2, tokens, hidden, experts, topk, routing, fp8, worst, None, 16)
+    assert run_ranks(num_ranks, _normal_body, *args) == [True] * num_ranks
 
 
 @pytest.mark.parametrize("name", ["bf16-random", "bf16-skewed-worst"])
@@ -552,6 +576,62 @@ def _graph_body(ctx, replays):
     return replays
 
 
+def _copy_graph_body(ctx, replays):
+    """An exact-size dispatch, then a cached dispatch -> experts -> copy-engine combine along its
+    handle captured in one CUDA graph, replayed with new rows on the same routing; every
+    replay's sums checked against the reference (the flags of each replay are its own)."""
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    N, H, E, K = 256, 1024, 8 * R, 4
+    mode = nm.NormalMode(None, H, E, max_topk=K, device=dev, timeout_s=60, copy_combine_tokens=N)
+    x, idx, w = static_inputs(N, H, K, dev)
+    case = tag_rows(make_case(0, [N] * R, H, E, K, "random")).copy_to(me, x, idx, w)
+    first = mode.dispatch(x, idx, w)
+
+    def step():
+        out = mode.dispatch(x, handle=first.handle)
+        return mode.combine(_combine_input(out, me), first.handle, first.recv_topk_weights)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            combined, combined_w = step()
+    torch.cuda.synchronize()
+    for replay in range(replays):
+        new = tag_rows(make_case(1 + replay, [N] * R, H, E, K, "random"))
+        x.copy_(new.x[me])
+        graph.replay()
+        torch.cuda.synchronize()
+        mode.check()
+        wants = ref.normal_dispatch(new.x, case.topk_idx, case.topk_weights, E)
+        ys = [_expert_rows(want.recv_x, d) for d, want in enumerate(wants)]
+        weights = [want.recv_topk_weights for want in wants]
+        expected, expected_w = ref.normal_combine(ys, wants, [N] * R, weights)[me]
+        ref.assert_bitwise_equal(combined.cpu(), expected, f"rank {me} replay {replay}")
+        ref.assert_bitwise_equal(combined_w.cpu(), expected_w, f"rank {me} replay {replay} w")
+    assert int(mode.copy_combine.state[0]) == replays + 1
+    mode.destroy()
+    return replays
+
+
+@pytest.mark.gpu(n=2)
+@pytest.mark.parametrize("name", ["bf16-4096-h7168-top8", "bf16-uneven-h4096-skewed"])
+def test_copy_engine_combine_on_gpus(run_ranks, name):
+    tokens, hidden, experts, topk, routing, fp8, worst, _ = GPU_CASES[name]
+    R = gpu_ranks()
+    args = (2, tokens, hidden, experts * 4 // R, topk, routing, fp8, worst, None, 8192)
+    assert run_ranks(R, _normal_body, *args, timeout=240) == [True] * R
+
+
+@pytest.mark.gpu(n=2)
+def test_copy_engine_combine_cuda_graph_replayed_with_new_rows(run_ranks):
+    replays = 5 if shared_gpu() else 30
+    assert run_ranks(gpu_ranks(), _copy_graph_body, replays, timeout=240) == [replays] * gpu_ranks()
+
+
 @pytest.mark.gpu(n=2)
 def test_worst_case_cuda_graph_replayed_with_new_inputs(run_ranks):
     # 50 replays; 5 where the ranks share one GPU (they take turns on it: ~8 s a replay).
@@ -561,10 +641,13 @@ def test_worst_case_cuda_graph_replayed_with_new_inputs(run_ranks):
 
 def _skip_body(ctx, phase):
     """Rank 1 skips ``phase`` (dispatch, or combine after a dispatch); rank 0 must raise."""
-    mode = nm.NormalMode(None, 128, 2 * ctx.world_size, device=ctx.device, timeout_s=30.0)
+    copies = 8 if phase == "copy combine" else 0
+    mode = nm.NormalMode(
+        None, 128, 2 * ctx.world_size, device=ctx.device, timeout_s=30.0, copy_combine_tokens=copies
+    )
     x = torch.randn(3, 128, device=ctx.device).to(torch.bfloat16)
     idx = torch.tensor([[0, 1], [1, 2], [3, 0]], device=ctx.device)
-    if phase == "combine":
+    if phase in ("combine", "copy combine"):
         out = mode.dispatch(x, idx)
     if ctx.rank == 1:
         return "skipped"
@@ -583,6 +666,13 @@ def _skip_body(ctx, phase):
         assert (out.handle.recv_src_idx == -1).all(), out.handle.recv_src_idx
         received = int(out.handle.host_info[0])
         assert received == 3 and out.recv_x[:received].isnan().all(), out.recv_x
+        return message
+    if copies:  # tokens 1 and 2 have a row from rank 1, which never came: they sum to NaN
+        sums = []
+        message = timeout_message(
+            lambda: sums.append(mode.combine(out.recv_x, out.handle)[0]), mode.check
+        )
+        assert not sums[0][0].isnan().any() and sums[0][1:].isnan().all(), sums[0]
         return message
     return timeout_message(lambda: mode.combine(out.recv_x, out.handle), mode.check)
 
@@ -607,6 +697,11 @@ def _skip_body(ctx, phase):
             r"rank 0 timed out after 1 s in phase 'combine receive, channel \d+' "
             r"waiting for peer 1; that peer is stuck, crashed, or called with "
             r"different arguments",
+        ),
+        (
+            "copy combine",
+            "rank 0 timed out after 1 s in phase 'copy combine receive' waiting for peer 1; "
+            "that peer is stuck, crashed, or called with different arguments",
         ),
     ],
 )

@@ -240,6 +240,11 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--sms", help=f"SM budgets {_by_device(mode, 'sms')}")
             p.add_argument("--chunk", default="16", help="tokens per sender step")
             p.add_argument("--ring", help=f"ring slots per channel {_by_device(mode, 'ring')}")
+            p.add_argument(
+                "--copy-combine",
+                action="store_true",
+                help="also time the combine over copy engines (NormalMode copy_combine_tokens)",
+            )
         elif mode == "low-latency":
             p.add_argument("--bf16", action="store_true", help="dispatch BF16 instead of FP8")
             p.add_argument(
@@ -382,6 +387,7 @@ def _options(args: argparse.Namespace, on_gpu: bool) -> types.SimpleNamespace:
         opts.sms = _ints(args.sms or CONFIG_DEFAULTS["sms"][pick])
         opts.chunk = _ints(args.chunk)
         opts.ring = _ints(args.ring or CONFIG_DEFAULTS["ring"][pick])
+        opts.copy_combine = args.copy_combine
     elif args.mode == "low-latency":
         opts.bf16 = args.bf16
         opts.logfmt = args.logfmt

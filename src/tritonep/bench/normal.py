@@ -5,7 +5,8 @@ ranks), after warm-up:
 
 * dispatch in cached mode (the layout of an earlier call: what DeepEP's tests time), BF16 and
   FP8; and the full dispatch (notify, the host read of the received count, and the payload);
-* combine of the BF16 rows;
+* combine of the BF16 rows (with ``--copy-combine`` also over copy engines: ``copy_combine_us``,
+  ``graph_copy_combine_us``);
 * cached dispatch and combine replayed from a CUDA graph (device time, no launch overhead);
 * the ``torch`` backend (NCCL ``all_to_all_single`` with its permutes and host sync), same
   inputs, same run;
@@ -18,6 +19,7 @@ remote bytes (received from other ranks) over time.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import torch
@@ -43,7 +45,8 @@ def _point(ctx, mode, baseline, rival, opts, num_tokens, topk, config):
         state["out"] = mode.dispatch(x, idx, w, per_expert, in_rank, config=config)
 
     full_dispatch()
-    handle = state["out"].handle
+    copied = state["out"].handle
+    handle = dataclasses.replace(copied, source_rows=None)  # (without: the rings combine)
     y = torch.randn(handle.num_rows, H, device=ctx.device).to(torch.bfloat16)
     t_full = median_ms(full_dispatch, opts.iters, 3)
     t_bf16 = median_ms(lambda: mode.dispatch(x, handle=handle), opts.iters, 3)
@@ -101,6 +104,14 @@ def _point(ctx, mode, baseline, rival, opts, num_tokens, topk, config):
         "torch_dispatch_us": t_bdisp * 1e3,
         "torch_combine_us": t_bcomb * 1e3,
     }
+    if mode.copy_combine is not None:  # the same combine over copy engines
+        t_copy = median_ms(lambda: mode.combine(y, copied), opts.iters, 3)
+        g_copy = time_graph(lambda: mode.combine(y, copied), 5, 10)
+        mode.check()
+        t_copy, g_copy = mean_over_ranks([t_copy, g_copy])
+        row["copy_combine_us"] = t_copy * 1e3
+        row["copy_combine_GBps"] = gbps(recv, bf16_bytes, t_copy)
+        row["graph_copy_combine_us"] = g_copy * 1e3
     if getattr(opts, "eager", False):
         columns = eager_columns(
             lambda: mode.dispatch(x, handle=handle), lambda _: mode.combine(y, handle), ctx.device
@@ -130,6 +141,7 @@ def normal_rank(ctx, opts, progress):
             check_ids=False,
             max_sms=max(opts.sms),
             ring_tokens=max(opts.ring),
+            copy_combine_tokens=max(opts.tokens) if getattr(opts, "copy_combine", False) else 0,
         )
         for tokens, sms, chunk, ring in itertools.product(
             opts.tokens, opts.sms, opts.chunk, opts.ring

@@ -6,7 +6,9 @@ slows the GEMM beside it, and one that waits for SMs the GEMM holds finishes lat
 
 * ``path``: ``rings`` (:class:`~tritonep.modes.normal.NormalMode`, channel rings on ``--sms``
   SMs) or ``slots`` (:class:`~tritonep.deep_ep.ElasticBuffer`: fixed receive slots, its
-  push on its default SMs, a copy or reduce epilogue on every SM); with ``--tune CONFIG``
+  push on its default SMs, a copy or reduce epilogue on every SM), and for the combine
+  ``copies`` (the rings' mode combining over copy engines: ``copy_combine_tokens``, no SM
+  moving rows, the sums on every SM); with ``--tune CONFIG``
   also ``slots[CONFIG]``, the same calls under :meth:`~tritonep.modes.elastic.Tuning.of`
   ``(CONFIG)`` (``epilogue_sms=16``: the epilogues on the push's SMs);
 * ``op``: a cached dispatch (BF16, the layout of an earlier call) or a combine;
@@ -50,6 +52,7 @@ the times, of interpreted kernels, say nothing about GPUs (the rows say so).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import statistics
 import time
@@ -177,10 +180,12 @@ def _paths(ctx, opts, x, idx, w, E, K):
         check_ids=False,
         max_sms=opts.sms,
         ring_tokens=opts.ring,
+        copy_combine_tokens=T,
     )
     config = Config(num_sms=opts.sms, nvl_recv_buffer_tokens=opts.ring)
     _, per_expert, in_rank = rings.get_dispatch_layout(idx)
-    handle = rings.dispatch(x, idx, w, per_expert, in_rank, config=config).handle
+    copied = rings.dispatch(x, idx, w, per_expert, in_rank, config=config).handle
+    handle = dataclasses.replace(copied, source_rows=None)  # (without: the rings combine)
     y = torch.randn(handle.num_rows, H, device=ctx.device).to(torch.bfloat16)
     slots = ElasticBuffer(
         ctx.group, num_max_tokens_per_rank=T, hidden=H, num_topk=K, explicitly_destroy=True
@@ -192,7 +197,8 @@ def _paths(ctx, opts, x, idx, w, E, K):
             lambda after: rings.combine(y, handle),
             opts.sms,
             None,
-        )
+        ),
+        "copies": (None, lambda after: rings.combine(y, copied), 0, None),  # (combine only)
     }
     for tune in ["", *opts.tune]:
         paths[f"slots[{tune}]" if tune else "slots"] = (
@@ -241,7 +247,9 @@ def _point(ctx, opts, T, H, E, K) -> list[dict]:
             with gemm_carveout(carveout):
                 gemm_alone, _ = _sides_ms(ctx, gemm, None, None, "gemm-first", opts.iters, start_at)
             for op, fn in (("dispatch", dispatch), ("combine", combine)):
-                orders = ORDERS if path == "rings" else (*ORDERS, DEFERRED)
+                if fn is None:
+                    continue
+                orders = (*ORDERS, DEFERRED) if path.startswith("slots") else ORDERS
                 for priority, order in itertools.product(PRIORITIES, orders):
                     stream = streams[priority]
                     _, alone = _sides_ms(ctx, None, fn, stream, order, opts.iters, start_at)

@@ -532,7 +532,8 @@ def combine_send(
 
 @triton.jit
 def sum_step(
-    src,  # [BLOCK_TOKENS, BLOCK_RANKS] int64 ring slot of each token's row from each rank
+    src,  # [BLOCK_TOKENS, BLOCK_RANKS] int64 address of each token's row from each rank
+    wsrc,  # [BLOCK_TOKENS, BLOCK_RANKS] int64 address of that row's weights (HAS_WEIGHTS)
     ready,  # [BLOCK_TOKENS, BLOCK_RANKS] int32 1 where that row is to be summed
     tokens,  # [BLOCK_TOKENS] int32 the step's tokens
     tmask,  # [BLOCK_TOKENS] bool the step's tokens that exist (and have arrived)
@@ -556,11 +557,10 @@ def sum_step(
     BLOCK_RANKS: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Sum a step's tokens: for each, the rows of every rank ``ready`` says (``src``: ring
-    slot addresses ``[BLOCK_TOKENS, BLOCK_RANKS]``; this rank's row from ``x_ptr`` at
-    ``own_row`` with ``LOCAL``) in float32, in rank order, plus the bias; stores BF16 sums and
-    the summed weights."""
-    ROW_WORDS: tl.constexpr = H // 2
+    """Sum a step's tokens: for each, the rows of every rank ``ready`` says (``src``: their
+    addresses ``[BLOCK_TOKENS, BLOCK_RANKS]``, ring slots or the copy-engine combine's
+    region; this rank's row from ``x_ptr`` at ``own_row`` with ``LOCAL``) in float32, in rank
+    order, plus the bias; stores BF16 sums and the summed weights."""
     ranks = tl.arange(0, BLOCK_RANKS)
     ks = tl.arange(0, BLOCK_K)
     kmask = ks < K
@@ -593,7 +593,7 @@ def sum_step(
         wacc = tl.zeros((BLOCK_TOKENS, BLOCK_K), tl.float32)
         for d in tl.static_range(NUM_RANKS):
             from_d = lane(ready, ranks, d) > 0
-            wp = lane(src, ranks, d).to(tl.pointer_type(tl.float32)) + ROW_WORDS
+            wp = lane(wsrc, ranks, d).to(tl.pointer_type(tl.float32))
             if LOCAL:
                 wp = tl.where(rank == d, weights_ptr + own_row * K, wp)
             wacc += tl.load(
@@ -760,6 +760,7 @@ def combine_receive(
             own_row = tl.minimum(own_first + lane(nth, ranks, rank), last_row).to(tl.int64)
         sum_step(
             src,
+            src + 2 * H,  # a ring slot's weights follow its row
             ready,
             tokens,
             tmask,

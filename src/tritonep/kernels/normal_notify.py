@@ -24,8 +24,8 @@ The exchange itself is :func:`count_exchange`, which a program runs for one peer
 :func:`notify_kernel` runs it for one peer per program; a worst-case first dispatch (no host
 read between the counts and the rows) runs it in its senders, one launch fewer, and its
 receivers wait for the layout (:func:`await_counts`). An exact-size notify (``HOST_COPY``) also
-writes the total and the counts per local expert into page-locked host words, then a flag,
-which the host polls instead of copying the counts back.
+writes the total, the counts per local expert and the rows from each source into page-locked
+host words, then a flag, which the host polls instead of copying the counts back.
 
 Why it is cheap: one small launch of ``R`` programs, a few hundred bytes per peer, no atomics
 on data. Rows alternate between two sets by call parity; a rank can only store into a set
@@ -54,7 +54,8 @@ NOTIFY_ARRIVALS = tl.constexpr(1)
 #: (the dispatch's call number + 1: :func:`await_counts`).
 NOTIFY_READY = tl.constexpr(6)
 #: The host address of the words an exact-size notify writes for the host (``HOST_COPY``):
-#: ``[written flag, rows received, aligned tokens per local expert...]`` int32, page-locked.
+#: ``[written flag, rows received, aligned tokens per local expert..., rows from each
+#: source...]`` int32, page-locked.
 HOST_COUNTS = tl.constexpr(7)
 
 
@@ -300,6 +301,8 @@ def lay_out_rows(
         host = tl.load(state_ptr + HOST_COUNTS).to(tl.pointer_type(tl.int32))
         tl.store(host + 1, total)
         tl.store(host + 2 + experts, per_expert, mask=experts < E_LOCAL)
+        # Then the rows from each source (the copy-engine combine sizes its copies by them).
+        tl.store(host + 2 + E_LOCAL + ranks, tl.sum(n, 1), mask=ranks < NUM_RANKS)
         fence_system()
         tl.store(host, 1)
 

@@ -61,6 +61,7 @@ row and a mirror ring per destination) and moved with the tails and heads by
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -99,6 +100,7 @@ from ..validation import (
 from ..validation import (
     plain_tensor as _plain,
 )
+from .copy_combine import CopyCombine
 from .outputs import empty_output
 from .trace import TraceRecorder
 
@@ -115,6 +117,8 @@ PHASES = {
         phases.LAYOUT_IDS,
         phases.DISPATCH_IDS,
         phases.DISPATCH_COUNTS,
+        phases.COPY_COMBINE_FREE,
+        phases.COPY_COMBINE_RECV,
     )
 }
 
@@ -395,6 +399,10 @@ class NormalHandle:
         ranks_from_ids: whether the next dispatch with this handle computes
             ``is_token_in_rank`` from the ids it moves (a handle from :meth:`NormalMode.notify`
             with ``send_counts``).
+        source_rows: ``R`` ints, the rows received from each source, on the host (exact
+            mode: its count exchange wrote them where the host reads them), else None. Rows
+            from one source are contiguous, in source order: what the copy-engine combine
+            (:mod:`tritonep.modes.copy_combine`) copies back, one range per peer.
     """
 
     is_token_in_rank: torch.Tensor
@@ -410,6 +418,7 @@ class NormalHandle:
     extra: torch.Tensor | None = None
     bounds: torch.Tensor | None = None
     ranks_from_ids: bool = False
+    source_rows: list[int] | None = None
 
     # Views of ``counts``, made when first read: a call's launches take its addresses.
     @functools.cached_property
@@ -728,6 +737,10 @@ class NormalMode:
         rank_names: the number by which errors name each rank of ``group`` (default: its rank
             in ``group``); a leg of a larger mode passes the ranks' numbers in the group its
             caller knows.
+        copy_combine_tokens: if > 0, combines of exact-size dispatches hand the rows back by
+            copy engines (:mod:`tritonep.modes.copy_combine`: no SM moves a row), and no
+            dispatch may carry more tokens than this; reserves ``(R - 1) *
+            copy_combine_tokens * (2 * hidden + 4 * max_topk)`` bytes of symmetric memory.
     """
 
     #: The class of the handles dispatches return (a subclass's, such as DeepEP's tuple-like
@@ -750,6 +763,7 @@ class NormalMode:
         staged: bool = False,
         notify_extra: int = 0,
         rank_names: list[int] | None = None,
+        copy_combine_tokens: int = 0,
     ):
         self.group = default_group(group)
         self.label = label
@@ -763,6 +777,7 @@ class NormalMode:
             ring_tokens=ring_tokens,
             staged=staged,
             notify_extra=notify_extra,
+            copy_combine_tokens=copy_combine_tokens,
             device_type=torch.device(device).type if device is not None else None,
         )
         self.rank = dist.get_rank(self.group)
@@ -810,8 +825,11 @@ class NormalMode:
         self.transport = transport.PeerTransport(self.heap, staged, "staged")
         self.state = torch.zeros(8, dtype=torch.int64, device=self.device)
         # An exact-size notify writes the count where the host reads it without a copy:
-        # [written flag, rows received, aligned tokens per local expert...] (HOST_COUNTS).
-        self._host_counts, self._host_view = host_words(2 + self.num_local_experts, self.device)
+        # [written flag, rows received, aligned tokens per local expert..., rows from each
+        # source...] (HOST_COUNTS).
+        self._host_counts, self._host_view = host_words(
+            2 + self.num_local_experts + self.num_ranks, self.device
+        )
         self.state[normal_notify.HOST_COUNTS.value] = self._host_counts.data_ptr()
         #: What went wrong, on the device and in host memory (:mod:`tritonep.kernels.status`).
         self.status = Status(self.device)
@@ -842,7 +860,25 @@ class NormalMode:
         self._configs: set[Config] = set()  # configs found valid (_config)
         self._scale_shapes: set[tuple] = set()  # (words, dtype) of scales found valid
         self._device_index = self.device.index if on_gpu else -1
+        if type(copy_combine_tokens) is not int or copy_combine_tokens < 0:
+            raise ValueError(
+                f"copy_combine_tokens: expected an int >= 0, got {copy_combine_tokens!r}"
+            )
+        #: The copy-engine combine (``copy_combine_tokens``), or None.
+        self.copy_combine: CopyCombine | None = None
+        #: The most tokens a dispatch may carry.
+        self._max_tokens = copy_combine_tokens or sys.maxsize
         self.timeout_s = timeout_s  # also sets the kernels' limit (property below)
+        if copy_combine_tokens:
+            self.copy_combine = CopyCombine(
+                self.group,
+                hidden,
+                max_topk,
+                copy_combine_tokens,
+                self.device,
+                self.status,
+                self._timeout_us,
+            )
         #: Kernel traces (``profile=True``): :meth:`TraceRecorder.dump` writes them.
         self.trace = TraceRecorder.of(profile, self.rank, self.device, on_gpu)
 
@@ -932,6 +968,8 @@ class NormalMode:
                 decoded_ptr=self._decoded,
             )
         )
+        if self.copy_combine is not None:
+            self.copy_combine.timeout_us = self._timeout_us
 
     # ----------------------------------------------------------------------------- errors
     def check(self) -> None:
@@ -1097,12 +1135,13 @@ class NormalMode:
             ),
         )
         per_expert: list[int] | torch.Tensor
+        source_rows = None
         if num_worst_tokens:
             num_recv, rows = -1, num_worst_tokens
             per_expert = host_info[1:]
         else:
             num_recv = rows = self._received_count()
-            per_expert = self._host_view[2:]
+            per_expert, source_rows = self._host_counts_read()
         handle = NormalHandle(
             in_rank,
             counts,
@@ -1117,6 +1156,7 @@ class NormalMode:
             extra_out,
             bounds,
             send_counts is not None,
+            source_rows,
         )
         handle.__dict__.update(host_info=host_info, recv_count=recv_count, recv_start=recv_start)
         return handle
@@ -1272,6 +1312,10 @@ class NormalMode:
     ) -> NormalDispatchOutput[NormalHandle]:
         payload, scales = self._check_x(x)
         num_tokens, device = payload.shape[0], self.device
+        if num_tokens > self._max_tokens:
+            raise ValueError(
+                f"x: {num_tokens} tokens exceed copy_combine_tokens={self._max_tokens}"
+            )
         if type(expert_alignment) is not int or expert_alignment < 1:
             raise ValueError(f"expert_alignment: expected a positive int, got {expert_alignment}")
         if type(num_worst_tokens) is not int or num_worst_tokens < 0:
@@ -1418,6 +1462,7 @@ class NormalMode:
             handle.config,
             bounds=handle.bounds,
             extra=handle.extra,
+            source_rows=handle.source_rows,
         )
         # Set on a handle from notify (a first dispatch, with or without top-k).
         per_expert = handle.num_recv_tokens_per_expert
@@ -1616,12 +1661,13 @@ class NormalMode:
             values[_D_WEIGHTS] = a = topk_weights.data_ptr()
             aligned |= a
         per_expert: list[int] | torch.Tensor
+        source_rows = None
         if num_worst_tokens:
             num_recv, rows = -1, num_worst_tokens
             per_expert = counts[1 : 1 + self.num_local_experts]
         else:
             num_recv = rows = self._received_count()
-            per_expert = self._host_view[2:]
+            per_expert, source_rows = self._host_counts_read()
         recv_x = empty_output(device, (rows, self.hidden), payload.dtype)
         recv_topk_idx = empty_output(device, (rows, topk), torch.int64)
         recv_src_idx = empty_output(device, (rows,), torch.int32)
@@ -1676,9 +1722,16 @@ class NormalMode:
             self.hidden,
             self.num_experts,
             config,
+            source_rows=source_rows,
         )
         out_x = recv_x if recv_scales is None else (recv_x, recv_scales)
         return NormalDispatchOutput(out_x, recv_topk_idx, recv_weights, per_expert, handle)
+
+    def _host_counts_read(self) -> tuple[list[int], list[int]]:
+        """``(aligned tokens per local expert, rows from each source)``: what the exact-size
+        notify wrote into host memory besides the count (read after :meth:`_received_count`)."""
+        E, words = self.num_local_experts, self._host_view
+        return words[2 : 2 + E], words[2 + E : 2 + E + self.num_ranks]
 
     def _received_count(self) -> int:
         """The rows this rank receives, once the exact-size notify just launched has written
@@ -2022,6 +2075,9 @@ class NormalMode:
         if topk_weights is not None:
             out_weights = empty_output(device, (N, K), torch.float32)
         plain = relay is None and row_map is None and self.trace is None
+        if plain and handle.source_rows is not None and self.copy_combine is not None:
+            self.copy_combine(x, handle, topk_weights, terms, K, _block_k(K), out, out_weights)
+            return out, out_weights
         if plain and self._fast_combine(x, handle, topk_weights, terms, K, out, out_weights):
             return out, out_weights
         config = handle.config
@@ -2250,4 +2306,6 @@ class NormalMode:
     def destroy(self) -> None:
         """Release the heap (collective: every rank calls it); raises if a wait had timed out
         (with the release's own failure, if a peer never arrived, as its cause)."""
+        if self.copy_combine is not None:
+            self.copy_combine.destroy()
         self.heap.close_checked(self.check)

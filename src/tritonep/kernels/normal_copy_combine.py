@@ -1,0 +1,309 @@
+"""The normal mode's combine over copy engines: rows handed back by peer copies, summed by SMs.
+
+After an exact-size dispatch each rank's host knows how many rows it received from every source
+(:attr:`~tritonep.modes.normal.NormalHandle.source_rows`), and those rows are contiguous in the
+combine's input, in token order. So the rows for source ``s`` go back in one copy into ``s``'s
+region for this rank (:mod:`tritonep.modes.copy_combine` issues them: copy engines, no SM),
+and ``s`` sums each of its tokens from those regions and its own rows in place, in rank order,
+as the ring combine does. Two small kernels bracket the copies:
+
+* :func:`copy_combine_free` (one program), before the copies: waits until every peer has summed
+  what this rank copied it in the previous call (its region is free again). Each region holds
+  one call's rows, so the copies of a call must not start before that.
+* :func:`copy_combine_sum`, after them (stream order): program 0 tells every peer that this
+  rank's rows are there; every program waits for the peers' rows, then sums a block of tokens
+  (the row of token ``t`` in the region of rank ``r`` is ``t``'s position among the tokens that
+  went to ``r``: a scan of ``is_token_in_rank``); the last program to finish tells every peer
+  that its region is free and closes the call.
+
+Call numbers live on the device (``state_ptr``), so a CUDA graph of a combine replays with the
+flags of each new call. Every wait is bounded; one that gives up records the peer and the phase,
+and the tokens whose rows it did not see sum to NaN.
+
+Region of each rank (byte offsets in its heap of :func:`region_layout`): ``[R]`` int64 flags
+set by each source when its rows arrived, ``[R]`` int64 flags set by each peer once it has read
+this rank's rows, then the rows ``[R - 1, CAPACITY, H]`` bf16 and the weights
+``[R - 1, CAPACITY * MAX_TOPK]`` float32 (``K`` columns a row in a call of top-k ``K``), a slot
+per source: source ``r``'s is ``(r - rank - 1) mod R``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import triton
+import triton.language as tl
+
+from .normal_combine import poison_lost, sum_step
+from .phases import COPY_COMBINE_FREE, COPY_COMBINE_RECV
+from .profiled import kernel
+from .status import STATUS_TIMEOUT, fence_system, record_timeout
+from .sync import first_lane, lane, limit_ns, rows_before, wait_all_at_least
+
+#: Words of the state (``state_ptr``, int64): the last call finished, and the programs of the
+#: running one that are done.
+CALLS = tl.constexpr(0)
+ARRIVALS = tl.constexpr(1)
+STATE_WORDS = 2
+
+
+class RegionLayout(NamedTuple):
+    """Byte offsets in each rank's region heap, and its size."""
+
+    done: int  # [R] int64: peer r has summed the rows this rank copied it, up to call ...
+    rows: int  # [R - 1, capacity, H] bf16
+    weights: int  # [R - 1, capacity * max_topk] float32
+    total: int
+
+
+def region_layout(num_ranks: int, capacity: int, hidden: int, max_topk: int) -> RegionLayout:
+    """Where a rank's region keeps its flags, rows and weights (each part 256-byte aligned)."""
+
+    def up(n: int) -> int:
+        return (n + 255) // 256 * 256
+
+    done = num_ranks * 8
+    rows = up(done + num_ranks * 8)
+    weights = up(rows + (num_ranks - 1) * capacity * hidden * 2)
+    total = up(weights + (num_ranks - 1) * capacity * max_topk * 4)
+    return RegionLayout(done, rows, weights, total)
+
+
+class FreeCall(NamedTuple):
+    """The runtime arguments of :func:`copy_combine_free` (nothing changes between calls)."""
+
+    peer_ptrs: object
+    state_ptr: object
+    status_ptr: object
+    rank: int
+    timeout_us: int
+
+
+class FreeVariant(NamedTuple):
+    DONE_OFFSET: int
+    NUM_RANKS: int
+    BLOCK_RANKS: int
+    USE_CLOCK: bool
+
+
+@kernel("tritonep::normal::copy_combine_free", do_not_specialize=["timeout_us"])
+def copy_combine_free(
+    peer_ptrs,  # [R] int64 base address of every rank's region heap
+    state_ptr,  # [STATE_WORDS] int64 this rank's call counter (CALLS) and arrivals
+    status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
+    rank,  # this rank
+    timeout_us,  # limit of the wait, in microseconds (sync.timeout_us)
+    DONE_OFFSET: tl.constexpr,  # byte offset of the [R] int64 read flags in a region
+    NUM_RANKS: tl.constexpr,  # R: ranks of the group
+    BLOCK_RANKS: tl.constexpr,  # NUM_RANKS as a power of two (at least 2)
+    USE_CLOCK: tl.constexpr,  # waits read the GPU clock (not under the interpreter)
+):
+    """Wait until every peer has read what this rank copied it in the previous call."""
+    ranks = tl.arange(0, BLOCK_RANKS)
+    peers = (ranks < NUM_RANKS) & (ranks != rank)
+    previous = tl.load(state_ptr + CALLS, volatile=True)
+    mine = tl.load(peer_ptrs + rank) + DONE_OFFSET + ranks * 8
+    limit = limit_ns(timeout_us, status_ptr)
+    targets = previous + tl.zeros((BLOCK_RANKS,), tl.int64)
+    values, ok = wait_all_at_least(
+        mine.to(tl.pointer_type(tl.int64)), targets, peers, limit, USE_CLOCK
+    )
+    if not ok:
+        peer = first_lane(peers & (values < targets), ranks)
+        record_timeout(status_ptr, peer, COPY_COMBINE_FREE, limit)
+
+
+class SumCall(NamedTuple):
+    """The leading runtime arguments of :func:`copy_combine_sum`: what changes per call;
+    :class:`SumShared` follows."""
+
+    x_ptr: object
+    weights_ptr: object
+    in_rank_ptr: object
+    own_start: int
+    num_tokens: int
+    K: int
+    bias0_ptr: object
+    bias1_ptr: object
+    out_ptr: object
+    out_weights_ptr: object
+
+
+class SumShared(NamedTuple):
+    """The trailing runtime arguments of :func:`copy_combine_sum`: its owner's."""
+
+    peer_ptrs: object
+    state_ptr: object
+    status_ptr: object
+    rank: int
+    timeout_us: int
+
+
+class SumVariant(NamedTuple):
+    """One compiled variant of :func:`copy_combine_sum`: its constexprs, in order."""
+
+    H: int
+    NUM_RANKS: int
+    CAPACITY: int
+    MAX_TOPK: int
+    DONE_OFFSET: int
+    ROWS_OFFSET: int
+    WEIGHTS_OFFSET: int
+    HAS_WEIGHTS: bool
+    NUM_BIAS: int
+    USE_CLOCK: bool
+    BLOCK_TOKENS: int
+    BLOCK_WORDS: int
+    BLOCK_RANKS: int
+    BLOCK_K: int
+    SCAN_TOKENS: int
+
+
+@triton.jit
+def tokens_before(in_rank_ptr, first, ranks, NUM_RANKS: tl.constexpr, SCAN_TOKENS: tl.constexpr):
+    """``[BLOCK_RANKS]`` int32: how many of the tokens before ``first`` went to each rank."""
+    before = tl.zeros(ranks.shape, tl.int32)
+    for start in range(0, first, SCAN_TOKENS):
+        rows = start + tl.arange(0, SCAN_TOKENS)
+        hit = tl.load(
+            in_rank_ptr + rows[:, None].to(tl.int64) * NUM_RANKS + ranks[None, :],
+            mask=(rows < first)[:, None] & (ranks < NUM_RANKS)[None, :],
+            other=0,
+        )
+        before += tl.sum(hit.to(tl.int32), 0)
+    return before
+
+
+@kernel(
+    "tritonep::normal::copy_combine_sum",
+    do_not_specialize=["own_start", "num_tokens", "K", "rank", "timeout_us"],
+)
+def copy_combine_sum(
+    x_ptr,  # [M, H] bf16 the combine's input: this rank's own rows are read here
+    weights_ptr,  # [M, K] float32 their weights (HAS_WEIGHTS)
+    in_rank_ptr,  # [N, R] bool is_token_in_rank of the dispatch
+    own_start,  # the first row of x from this rank's own tokens
+    num_tokens,  # N, this rank's tokens
+    K,  # top-k columns of the weights
+    bias0_ptr,  # [N, H] bf16 (NUM_BIAS >= 1)
+    bias1_ptr,  # [N, H] bf16 (NUM_BIAS >= 2)
+    out_ptr,  # [N, H] bf16 out: the sums
+    out_weights_ptr,  # [N, K] float32 out: the summed weights (HAS_WEIGHTS)
+    peer_ptrs,  # [R] int64 base address of every rank's region heap
+    state_ptr,  # [STATE_WORDS] int64 this rank's call counter (CALLS) and arrivals
+    status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
+    rank,  # this rank
+    timeout_us,  # limit of the waits, in microseconds (sync.timeout_us)
+    H: tl.constexpr,  # hidden size
+    NUM_RANKS: tl.constexpr,  # R: ranks of the group
+    CAPACITY: tl.constexpr,  # rows of a source's slot in a region
+    MAX_TOPK: tl.constexpr,  # weights a slot row has room for
+    DONE_OFFSET: tl.constexpr,  # byte offsets in a region (RegionLayout)
+    ROWS_OFFSET: tl.constexpr,
+    WEIGHTS_OFFSET: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,  # sum weights too
+    NUM_BIAS: tl.constexpr,  # bias tensors added (0 to 2)
+    USE_CLOCK: tl.constexpr,  # waits read the GPU clock; else the interpreter's rounding
+    BLOCK_TOKENS: tl.constexpr,  # tokens a program sums
+    BLOCK_WORDS: tl.constexpr,  # int32 words of a row summed at a time
+    BLOCK_RANKS: tl.constexpr,  # NUM_RANKS as a power of two (at least 2)
+    BLOCK_K: tl.constexpr,  # power of two >= max(K, 2)
+    SCAN_TOKENS: tl.constexpr,  # tokens of is_token_in_rank read at a time by the scan
+):
+    pid = tl.program_id(0)
+    ranks = tl.arange(0, BLOCK_RANKS)
+    peers = (ranks < NUM_RANKS) & (ranks != rank)
+    call = tl.load(state_ptr + CALLS, volatile=True) + 1
+    base = tl.load(peer_ptrs + rank)
+    if pid == 0:  # this rank's copies are done (they precede this launch): say so to each peer
+        fence_system()
+        theirs = tl.load(peer_ptrs + ranks, mask=peers, other=0) + rank * 8
+        tl.atomic_xchg(
+            theirs.to(tl.pointer_type(tl.int64)),
+            call + tl.zeros((BLOCK_RANKS,), tl.int64),
+            mask=peers,
+            sem="release",
+            scope="sys",
+        )
+    # After a wait that gave up (this call's free wait, say) nothing copied can be trusted.
+    trusted = tl.load(status_ptr, volatile=True) != STATUS_TIMEOUT
+    limit = limit_ns(timeout_us, status_ptr)
+    targets = call + tl.zeros((BLOCK_RANKS,), tl.int64)
+    arrived, ok = wait_all_at_least(
+        (base + ranks * 8).to(tl.pointer_type(tl.int64)), targets, peers, limit, USE_CLOCK
+    )
+    if not ok:
+        peer = first_lane(peers & (arrived < targets), ranks)
+        record_timeout(status_ptr, peer, COPY_COMBINE_RECV, limit)
+    came = (ranks == rank) | ((arrived >= targets) & trusted)
+
+    first = pid * BLOCK_TOKENS
+    tokens = first + tl.arange(0, BLOCK_TOKENS)
+    tmask = tokens < num_tokens
+    hit = tl.load(
+        in_rank_ptr + tokens[:, None].to(tl.int64) * NUM_RANKS + ranks[None, :],
+        mask=tmask[:, None] & (ranks < NUM_RANKS)[None, :],
+        other=0,
+    ).to(tl.int32)
+    # Each token's row among those that went to each rank: where that rank's copy put it.
+    pos = tokens_before(in_rank_ptr, first, ranks, NUM_RANKS, SCAN_TOKENS)[None, :]
+    pos = (pos + rows_before(hit, BLOCK_TOKENS)).to(tl.int64)
+    slot = ((ranks - rank - 1 + NUM_RANKS) % NUM_RANKS).to(tl.int64)[None, :] * CAPACITY
+    src = base + ROWS_OFFSET + (slot + pos) * (2 * H)
+    wsrc = base + WEIGHTS_OFFSET + (slot * MAX_TOPK + pos * K) * 4
+    own_row = own_start + lane(pos, ranks, rank)
+    ready = hit * came.to(tl.int32)[None, :]
+    sum_step(
+        src,
+        wsrc,
+        ready,
+        tokens,
+        tmask,
+        own_row,
+        x_ptr,
+        weights_ptr,
+        bias0_ptr,
+        bias1_ptr,
+        out_ptr,
+        out_weights_ptr,
+        rank,
+        K,
+        H,
+        NUM_RANKS,
+        HAS_WEIGHTS,
+        NUM_BIAS,
+        True,
+        USE_CLOCK,
+        BLOCK_TOKENS,
+        BLOCK_WORDS,
+        BLOCK_RANKS,
+        BLOCK_K,
+    )
+    if not (ok & trusted):  # a row never came: its token's sum is NaN
+        poison_lost(
+            hit,
+            ready,
+            tokens,
+            tmask,
+            out_ptr,
+            out_weights_ptr,
+            K,
+            H,
+            HAS_WEIGHTS,
+            BLOCK_TOKENS,
+            BLOCK_WORDS,
+            BLOCK_K,
+        )
+    # The last program: every peer may copy its next call's rows here; the call is closed.
+    tl.debug_barrier()
+    if tl.atomic_add(state_ptr + ARRIVALS, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        theirs = tl.load(peer_ptrs + ranks, mask=peers, other=0) + DONE_OFFSET + rank * 8
+        tl.atomic_xchg(
+            theirs.to(tl.pointer_type(tl.int64)),
+            call + tl.zeros((BLOCK_RANKS,), tl.int64),
+            mask=peers,
+            sem="release",
+            scope="sys",
+        )
+        tl.store(state_ptr + ARRIVALS, 0)
+        tl.store(state_ptr + CALLS, call)
