@@ -138,15 +138,16 @@ def test_buffer_dispatch_layout(run_ranks):
     assert run_ranks(2, _layout_body) == [True, True]
 
 
-def _buffer_normal_body(ctx, num_tokens, use_fp8, async_finish):
+def _buffer_normal_body(ctx, num_tokens, use_fp8, async_finish, copy_combine_tokens=0):
     """DeepEP's intranode checks through Buffer: rows carry their source; counts per rank and
-    per expert match an all-gathered expectation; combine(dispatch(x)) / ranks reached == x."""
+    per expert match an all-gathered expectation; combine(dispatch(x)) / ranks reached == x
+    (over the rings, or over copy engines with ``copy_combine_tokens``)."""
     from tritonep import reference as ref
     from tritonep.testing import tag_rows
 
     R, me = ctx.world_size, ctx.rank
     H, E, K = 256, 8 * R, 4
-    buffer = Buffer(None, device=ctx.device)
+    buffer = Buffer(None, device=ctx.device, copy_combine_tokens=copy_combine_tokens)
     case = tag_rows(make_case(77, [num_tokens] * R, H, E, K, "dropped"))
     x, idx = case.x[me].to(ctx.device), case.topk_idx[me].to(ctx.device)
     w = case.topk_weights[me].to(ctx.device)
@@ -202,6 +203,8 @@ def _buffer_normal_body(ctx, num_tokens, use_fp8, async_finish):
     assert float(diff) < 5e-6, float(diff)
     # Weights come back summed: each weight arrives on exactly one rank.
     assert torch.equal(combined_w, torch.where(idx >= 0, w, torch.zeros_like(w)))
+    copies = buffer._normal.copy_combine
+    assert (copies is not None and int(copies.state[0]) == 1) == bool(copy_combine_tokens)
     # Cached mode moves only x: new rows (every rank's columns reversed) along the same routing.
     new_xs = [t.flip(1) for t in case.x]
     if use_fp8:
@@ -217,6 +220,10 @@ def _buffer_normal_body(ctx, num_tokens, use_fp8, async_finish):
 @pytest.mark.parametrize("use_fp8", [False, True])
 def test_buffer_normal_deep_ep_checks(run_ranks, use_fp8):
     assert run_ranks(2, _buffer_normal_body, 37, use_fp8, False) == [True, True]
+
+
+def test_buffer_normal_deep_ep_checks_with_copy_engine_combine(run_ranks):
+    assert run_ranks(3, _buffer_normal_body, 37, False, False, 40) == [True] * 3
 
 
 @pytest.mark.gpu(n=2)

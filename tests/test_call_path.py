@@ -19,6 +19,7 @@ from tritonep.kernels import (
     ll_combine,
     ll_dispatch,
     normal_combine,
+    normal_copy_combine,
     normal_dispatch,
     normal_notify,
 )
@@ -88,6 +89,12 @@ KERNELS = {
         elastic_combine.ReduceCall,
         ELASTIC_SHARED,
         elastic_combine.ReduceVariant,
+    ),
+    "copy-combine-sum": (
+        normal_copy_combine.copy_combine_sum,
+        normal_copy_combine.SumCall,
+        normal_copy_combine.SumShared,
+        normal_copy_combine.SumVariant,
     ),
     "elastic-barrier": (
         elastic_exchange.elastic_barrier,

@@ -16,7 +16,13 @@ import pytest
 import triton
 import triton.language as tl
 
-from tritonep.kernels import layout, normal_combine, normal_dispatch, normal_notify
+from tritonep.kernels import (
+    layout,
+    normal_combine,
+    normal_copy_combine,
+    normal_dispatch,
+    normal_notify,
+)
 from tritonep.kernels.nvshmem import _DEVICE_STATE
 from tritonep.kernels.transport import copy_bytes
 from tritonep.modes.normal import COMBINE_WARPS, DISPATCH_WARPS, NormalLayout
@@ -245,6 +251,7 @@ TYPES = {
     "counts_ptr": "*i1",
     "num_tokens": "i32",
     "num_rows": "i32",
+    "own_start": "i32",
     "max_rows": "i32",
     "K": "i32",
     "alignment": "i32",
@@ -297,6 +304,40 @@ KERNELS.append(
             BLOCK_EXPERTS=256,
             BLOCK_PROGRAMS=16,
         ),
+    )
+)
+
+# The copy-engine combine's sums (4 ranks, 4096 tokens a rank at most, both biases, weights).
+KERNELS.append(
+    (
+        "tritonep.kernels.normal_copy_combine",
+        "copy_combine_sum",
+        {
+            **_signature(
+                normal_copy_combine.SumCall,
+                normal_copy_combine.SumShared,
+                x_ptr="*bf16",
+            ),
+            **{k: "constexpr" for k in normal_copy_combine.SumVariant._fields},
+        },
+        dict(
+            H=7168,
+            NUM_RANKS=4,
+            CAPACITY=4096,
+            MAX_TOPK=16,
+            DONE_OFFSET=32,
+            ROWS_OFFSET=256,
+            WEIGHTS_OFFSET=176160768 + 256,
+            HAS_WEIGHTS=True,
+            NUM_BIAS=2,
+            USE_CLOCK=True,
+            BLOCK_TOKENS=4,
+            BLOCK_WORDS=512,
+            BLOCK_RANKS=4,
+            BLOCK_K=8,
+            SCAN_TOKENS=1024,
+        ),
+        {"num_warps": 4, "enable_fp_fusion": False},
     )
 )
 

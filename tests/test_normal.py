@@ -183,6 +183,25 @@ def test_copy_engine_combine_matches_reference(run_ranks, num_ranks, name):
     assert run_ranks(num_ranks, _normal_body, *args) == [True] * num_ranks
 
 
+def _copy_limits_body(ctx):
+    """A dispatch of more tokens than ``copy_combine_tokens`` raises before any launch (the
+    regions of the copy-engine combine hold that many rows per source); so does a bad value."""
+    with pytest.raises(ValueError, match="copy_combine_tokens: expected an int >= 0"):
+        nm.NormalMode(None, 128, 2 * ctx.world_size, device=ctx.device, copy_combine_tokens=-1)
+    mode = nm.NormalMode(None, 128, 2 * ctx.world_size, device=ctx.device, copy_combine_tokens=4)
+    x = torch.zeros(5, 128, dtype=torch.bfloat16, device=ctx.device)
+    idx = torch.zeros(5, 2, dtype=torch.int64, device=ctx.device)
+    with pytest.raises(ValueError, match="x: 5 tokens exceed copy_combine_tokens=4"):
+        mode.dispatch(x, idx)
+    mode.check()
+    mode.destroy()
+    return True
+
+
+def test_copy_engine_combine_limits_its_tokens(run_ranks):
+    assert run_ranks(2, _copy_limits_body) == [True, True]
+
+
 @pytest.mark.parametrize("name", ["bf16-random", "bf16-skewed-worst"])
 def test_one_rank_matches_reference(run_ranks, name):
     # A group of one rank: every row stays local (the rank lanes of a step are half masked).

@@ -400,6 +400,11 @@ class Buffer:
             A masked rank is neither sent to nor waited for, and the top-k choices of its
             experts are dropped (as if their ids were ``-1``). Every rank must pass the same
             value. The normal mode is not affected.
+        copy_combine_tokens: if > 0 (one node only), normal-mode combines of exact-size
+            dispatches (no ``num_worst_tokens``) hand the rows back by copy engines, no SM
+            moving them (:mod:`tritonep.modes.copy_combine`), and no dispatch may carry more
+            tokens than this; reserves ``(R - 1) * copy_combine_tokens * (2 * hidden + 64)``
+            bytes of symmetric memory, made at the first normal-mode call.
     """
 
     def __init__(
@@ -416,6 +421,7 @@ class Buffer:
         profile: bool = False,
         gpus_per_node: int | None = None,
         enable_shrink: bool = False,
+        copy_combine_tokens: int = 0,
     ):
         self.group = default_group(group)
         self.rank = dist.get_rank(self.group)
@@ -439,6 +445,7 @@ class Buffer:
             num_rdma_bytes=num_rdma_bytes,
             gpus_per_node=gpus_per_node,
             enable_shrink=self.enable_shrink,
+            copy_combine_tokens=copy_combine_tokens,
             profile=bool(profile),
             device_type=torch.device(device).type
             if device is not None
@@ -451,6 +458,13 @@ class Buffer:
             )
         self.gpus_per_node = gpus_per_node or self.group_size
         self.num_nodes = self.group_size // self.gpus_per_node
+        if type(copy_combine_tokens) is not int or copy_combine_tokens < 0:
+            raise ValueError(
+                f"copy_combine_tokens: expected an int >= 0, got {copy_combine_tokens!r}"
+            )
+        if copy_combine_tokens and self.num_nodes > 1:
+            raise ValueError("copy_combine_tokens: within one node only (the group spans nodes)")
+        self.copy_combine_tokens = copy_combine_tokens
         # get_dispatch_layout's kernels (per number of experts) and where they record bad ids,
         # which this buffer's next normal-mode dispatch or combine raises.
         self._layouts: dict[int, DispatchLayout] = {}
@@ -620,6 +634,7 @@ class Buffer:
             check_ids=check_ids,
             max_sms=max_sms,
             profile=profile,
+            copy_combine_tokens=self.copy_combine_tokens,
         )
 
     def _mode_config(self, mode: NormalMode | InternodeMode, config: Config | None) -> Config:

@@ -5,16 +5,14 @@ After an exact-size dispatch each rank's host knows how many rows it received fr
 combine's input, in token order. So the rows for source ``s`` go back in one copy into ``s``'s
 region for this rank (:mod:`tritonep.modes.copy_combine` issues them: copy engines, no SM),
 and ``s`` sums each of its tokens from those regions and its own rows in place, in rank order,
-as the ring combine does. Two small kernels bracket the copies:
-
-* :func:`copy_combine_free` (one program), before the copies: waits until every peer has summed
-  what this rank copied it in the previous call (its region is free again). Each region holds
-  one call's rows, so the copies of a call must not start before that.
-* :func:`copy_combine_sum`, after them (stream order): program 0 tells every peer that this
-  rank's rows are there; every program waits for the peers' rows, then sums a block of tokens
-  (the row of token ``t`` in the region of rank ``r`` is ``t``'s position among the tokens that
-  went to ``r``: a scan of ``is_token_in_rank``); the last program to finish tells every peer
-  that its region is free and closes the call.
+as the ring combine does, in :func:`copy_combine_sum`, launched after the copies (stream
+order): program 0 tells every peer that this rank's rows are there; every program waits for the
+peers' rows, then sums a block of tokens (the row of token ``t`` in the region of rank ``r`` is
+``t``'s position among the tokens that went to ``r``: a scan of ``is_token_in_rank``); the last
+program to finish tells every peer it has read their rows, then waits until every peer has read
+this rank's. Each region holds one call's rows, and that wait at the end of a call is what lets
+the next call's copies start with no kernel before them (beside a GEMM that holds every SM,
+they run at once; only the sums wait for SMs).
 
 Call numbers live on the device (``state_ptr``), so a CUDA graph of a combine replays with the
 flags of each new call. Every wait is bounded; one that gives up records the peer and the phase,
@@ -35,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .normal_combine import poison_lost, sum_step
-from .phases import COPY_COMBINE_FREE, COPY_COMBINE_RECV
+from .phases import COPY_COMBINE_DONE, COPY_COMBINE_RECV
 from .profiled import kernel
 from .status import STATUS_TIMEOUT, fence_system, record_timeout
 from .sync import first_lane, lane, limit_ns, rows_before, wait_all_at_least
@@ -67,50 +65,6 @@ def region_layout(num_ranks: int, capacity: int, hidden: int, max_topk: int) -> 
     weights = up(rows + (num_ranks - 1) * capacity * hidden * 2)
     total = up(weights + (num_ranks - 1) * capacity * max_topk * 4)
     return RegionLayout(done, rows, weights, total)
-
-
-class FreeCall(NamedTuple):
-    """The runtime arguments of :func:`copy_combine_free` (nothing changes between calls)."""
-
-    peer_ptrs: object
-    state_ptr: object
-    status_ptr: object
-    rank: int
-    timeout_us: int
-
-
-class FreeVariant(NamedTuple):
-    DONE_OFFSET: int
-    NUM_RANKS: int
-    BLOCK_RANKS: int
-    USE_CLOCK: bool
-
-
-@kernel("tritonep::normal::copy_combine_free", do_not_specialize=["timeout_us"])
-def copy_combine_free(
-    peer_ptrs,  # [R] int64 base address of every rank's region heap
-    state_ptr,  # [STATE_WORDS] int64 this rank's call counter (CALLS) and arrivals
-    status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
-    rank,  # this rank
-    timeout_us,  # limit of the wait, in microseconds (sync.timeout_us)
-    DONE_OFFSET: tl.constexpr,  # byte offset of the [R] int64 read flags in a region
-    NUM_RANKS: tl.constexpr,  # R: ranks of the group
-    BLOCK_RANKS: tl.constexpr,  # NUM_RANKS as a power of two (at least 2)
-    USE_CLOCK: tl.constexpr,  # waits read the GPU clock (not under the interpreter)
-):
-    """Wait until every peer has read what this rank copied it in the previous call."""
-    ranks = tl.arange(0, BLOCK_RANKS)
-    peers = (ranks < NUM_RANKS) & (ranks != rank)
-    previous = tl.load(state_ptr + CALLS, volatile=True)
-    mine = tl.load(peer_ptrs + rank) + DONE_OFFSET + ranks * 8
-    limit = limit_ns(timeout_us, status_ptr)
-    targets = previous + tl.zeros((BLOCK_RANKS,), tl.int64)
-    values, ok = wait_all_at_least(
-        mine.to(tl.pointer_type(tl.int64)), targets, peers, limit, USE_CLOCK
-    )
-    if not ok:
-        peer = first_lane(peers & (values < targets), ranks)
-        record_timeout(status_ptr, peer, COPY_COMBINE_FREE, limit)
 
 
 class SumCall(NamedTuple):
@@ -225,7 +179,7 @@ def copy_combine_sum(
             sem="release",
             scope="sys",
         )
-    # After a wait that gave up (this call's free wait, say) nothing copied can be trusted.
+    # After a wait that gave up (the last call's, say) nothing copied can be trusted.
     trusted = tl.load(status_ptr, volatile=True) != STATUS_TIMEOUT
     limit = limit_ns(timeout_us, status_ptr)
     targets = call + tl.zeros((BLOCK_RANKS,), tl.int64)
@@ -294,16 +248,25 @@ def copy_combine_sum(
             BLOCK_WORDS,
             BLOCK_K,
         )
-    # The last program: every peer may copy its next call's rows here; the call is closed.
+    # The last program: every peer may copy its next call's rows here; then, before the call
+    # closes, it waits until every peer has read this rank's rows too, so that this rank's
+    # next copies (queued after this launch) find every region free: the copies need no
+    # kernel before them, and run beside work that holds every SM.
     tl.debug_barrier()
     if tl.atomic_add(state_ptr + ARRIVALS, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
         theirs = tl.load(peer_ptrs + ranks, mask=peers, other=0) + DONE_OFFSET + rank * 8
         tl.atomic_xchg(
             theirs.to(tl.pointer_type(tl.int64)),
-            call + tl.zeros((BLOCK_RANKS,), tl.int64),
+            targets,
             mask=peers,
             sem="release",
             scope="sys",
         )
+        mine = (base + DONE_OFFSET + ranks * 8).to(tl.pointer_type(tl.int64))
+        limit = limit_ns(timeout_us, status_ptr)
+        done, ok = wait_all_at_least(mine, targets, peers, limit, USE_CLOCK)
+        if not ok:
+            peer = first_lane(peers & (done < targets), ranks)
+            record_timeout(status_ptr, peer, COPY_COMBINE_DONE, limit)
         tl.store(state_ptr + ARRIVALS, 0)
         tl.store(state_ptr + CALLS, call)

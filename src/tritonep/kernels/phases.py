@@ -38,7 +38,7 @@ ELASTIC_COMBINE = tl.constexpr(21)
 ELASTIC_BARRIER = tl.constexpr(22)
 
 # The normal mode's copy-engine combine.
-COPY_COMBINE_FREE = tl.constexpr(23)  # a rank waits for a peer to have read its last rows
+COPY_COMBINE_DONE = tl.constexpr(23)  # a rank waits for a peer to have read its rows
 COPY_COMBINE_RECV = tl.constexpr(24)  # a summing program waits for a peer's copied rows
 
 #: Each code's name in error messages.
@@ -61,6 +61,6 @@ NAMES: dict[int, str] = {
     ELASTIC_DISPATCH.value: "elastic dispatch",
     ELASTIC_COMBINE.value: "elastic combine",
     ELASTIC_BARRIER.value: "elastic barrier",
-    COPY_COMBINE_FREE.value: "copy combine (waiting for the peer to free its rows)",
+    COPY_COMBINE_DONE.value: "copy combine (waiting for the peer to read its rows)",
     COPY_COMBINE_RECV.value: "copy combine receive",
 }

@@ -4,12 +4,10 @@
 exact-size dispatches (their host knows the rows received from every source) when the mode was
 made with ``copy_combine_tokens``. Per call, on the caller's stream:
 
-1. :func:`~tritonep.kernels.normal_copy_combine.copy_combine_free` waits until every peer has
-   read this rank's previous rows;
-2. one ``copy_`` per peer, each on a stream of its own (the copy engines run them at once):
-   the rows this rank received from that peer (contiguous in ``x``, in token order), and their
-   weights, into this rank's slot of the peer's region;
-3. :func:`~tritonep.kernels.normal_copy_combine.copy_combine_sum` after them: the peers' rows
+1. one copy per peer, in turn (copy engines): the rows this rank received from that peer
+   (contiguous in ``x``, in token order), and their weights, into this rank's slot of the
+   peer's region (free: the previous call's sums ended only once every peer had read it);
+2. :func:`~tritonep.kernels.normal_copy_combine.copy_combine_sum` after them: the peers' rows
    and this rank's own (read in place), summed per token in rank order, plus the bias.
 
 No SM moves a row: beside a GEMM that holds every SM the copies still run, and only the sums
@@ -59,8 +57,12 @@ class CopyCombine:
         self.device = self.heap.device
         self.state = torch.zeros(ncc.STATE_WORDS, dtype=torch.int64, device=self.device)
         self.status = status
+        # The peers in the order this rank copies to them, one at a time, starting with the one
+        # after it: while the ranks keep pace, each step's copies form a permutation, every
+        # destination receiving one (4x H200: one copy alone moves 375 GB/s, while three at
+        # once on three streams took 617-734 us for what three in turn move in about 420).
+        self.peers = [(me + k) % R for k in range(1, R)]
         # Where this rank's rows and weights for each peer go: its slot in the peer's region.
-        self.peers = [s for s in range(R) if s != me]
         self._rows_to, self._weights_to = {}, {}
         for s in self.peers:
             slot = (me - s - 1) % R
@@ -79,28 +81,10 @@ class CopyCombine:
         gpu = self.device.type == "cuda"
         self._gpu = gpu
         self._device_index = self.device.index if gpu else -1
-        self._streams = {s: torch.cuda.Stream(self.device) for s in self.peers} if gpu else {}
-        self._side = {s: stream.cuda_stream for s, stream in self._streams.items()}
         self._rows_at = {s: view.data_ptr() for s, view in self._rows_to.items()}
         self._weights_at = {s: view.data_ptr() for s, view in self._weights_to.items()}
         self._driver = _Driver.load() if gpu else None
-        if self._driver is not None:
-            with torch.cuda.device(self.device):
-                self._fork = self._driver.event()
-                self._join = {s: self._driver.event() for s in self.peers}
         self._lanes = triton.next_power_of_2(max(R, 2))
-        self._free = KernelLaunch(
-            ncc.copy_combine_free,
-            (1,),
-            ncc.FreeVariant(
-                DONE_OFFSET=self.layout.done,
-                NUM_RANKS=R,
-                BLOCK_RANKS=self._lanes,
-                USE_CLOCK=use_clock(self.device),
-            )._asdict(),
-            (),
-            (),
-        )
         self._sums: dict[tuple, KernelLaunch] = {}
         self.timeout_us = timeout_us
 
@@ -134,7 +118,7 @@ class CopyCombine:
             BLOCK_K=block_k,
             SCAN_TOKENS=_SCAN_TOKENS[gpu],
         )
-        meta = {**variant._asdict(), "num_warps": 4}
+        meta = {**variant._asdict(), "num_warps": 4, "enable_fp_fusion": False}  # (the rings')
         fields = ncc.SumCall._fields
         pointers = tuple(i for i, name in enumerate(fields) if name.endswith("_ptr"))
         plan = KernelLaunch(ncc.copy_combine_sum, (1,), meta, fields, pointers, self.state)
@@ -154,8 +138,6 @@ class CopyCombine:
                 f"handle: {max(rows)} rows from one source exceed copy_combine_tokens="
                 f"{self.capacity}"
             )
-        shared = self._shared  # (the free kernel takes the same arguments, and no others)
-        self._free((), shared)
         starts = [0] * self.num_ranks
         for s in range(1, self.num_ranks):
             starts[s] = starts[s - 1] + rows[s - 1]
@@ -174,12 +156,12 @@ class CopyCombine:
             out_ptr=out,
             out_weights_ptr=out_w,
         )
-        plan(call, shared, (max(1, triton.cdiv(handle.num_tokens, _BLOCK_TOKENS)),))
+        plan(call, self._shared, (max(1, triton.cdiv(handle.num_tokens, _BLOCK_TOKENS)),))
 
     def _copy(self, x, topk_weights, K: int, rows, starts) -> None:
-        """Each peer's rows (and weights) into this rank's slot of its region: a copy per
-        peer, each on a stream of its own that forks from the caller's and joins it again
-        (straight through the driver, :class:`_Driver`); on CPU ranks plain copies."""
+        """Each peer's rows (and weights) into this rank's slot of its region: one copy per
+        peer on the caller's stream, in turn (:attr:`peers`' order), straight through the
+        driver (:class:`_Driver`); on CPU ranks plain copies."""
         driver = self._driver
         if driver is None:
             for s in self.peers:
@@ -189,23 +171,15 @@ class CopyCombine:
                     if topk_weights is not None:
                         self._weights_to[s][: n * K].copy_(topk_weights[a : a + n].view(n * K))
             return
-        used = [s for s in self.peers if rows[s]]
-        if not used:
-            return
-        current = torch._C._cuda_getCurrentRawStream(self._device_index)
+        stream = torch._C._cuda_getCurrentRawStream(self._device_index)
         row_bytes, x_at = 2 * self.hidden, x.data_ptr()
         w_at = topk_weights.data_ptr() if topk_weights is not None else 0
-        driver.record(self._fork, current)
-        for s in used:
-            driver.wait(self._side[s], self._fork)
-        for s in used:
-            side, a, n = self._side[s], starts[s], rows[s]
-            driver.copy(self._rows_at[s], x_at + a * row_bytes, n * row_bytes, side)
-            if w_at:
-                driver.copy(self._weights_at[s], w_at + a * K * 4, n * K * 4, side)
-        for s in used:
-            driver.record(self._join[s], self._side[s])
-            driver.wait(current, self._join[s])
+        for s in self.peers:
+            n, a = rows[s], starts[s]
+            if n:
+                driver.copy(self._rows_at[s], x_at + a * row_bytes, n * row_bytes, stream)
+                if w_at:
+                    driver.copy(self._weights_at[s], w_at + a * K * 4, n * K * 4, stream)
 
     def destroy(self) -> None:
         """Release the region (collective)."""
@@ -213,25 +187,17 @@ class CopyCombine:
 
 
 class _Driver:
-    """The CUDA driver calls of a copy-engine combine's copies, through ctypes: a peer copy,
-    an event record and a stream wait cost 1-3 us of host time each this way (measured on an
-    H200 host: ``cuMemcpyDtoDAsync`` 3.0 us), against 6-9 us for ``Tensor.copy_`` and about 10
-    us to enter ``torch.cuda.stream``. Stream capture records them as it records torch's own.
-    Every call's result is checked: a failure raises ``RuntimeError`` naming the call."""
+    """The peer copy of a copy-engine combine, through the CUDA driver (ctypes): 3.0 us of host
+    time on an H200 host, against 6-9 us for ``Tensor.copy_`` (whose stream bookkeeping a
+    copy between addresses does not need). Stream capture records it as it records torch's
+    own copies. A failure raises ``RuntimeError`` naming the call."""
 
     _loaded: _Driver | None = None
 
     def __init__(self, lib):
         self._memcpy = lib.cuMemcpyDtoDAsync_v2
         self._memcpy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
-        self._record = lib.cuEventRecord
-        self._record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        self._wait = lib.cuStreamWaitEvent
-        self._wait.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
-        self._create = lib.cuEventCreate
-        self._create.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
-        for fn in (self._memcpy, self._record, self._wait, self._create):
-            fn.restype = ctypes.c_int
+        self._memcpy.restype = ctypes.c_int
 
     @classmethod
     def load(cls) -> _Driver:
@@ -239,24 +205,11 @@ class _Driver:
             cls._loaded = cls(ctypes.CDLL("libcuda.so.1"))
         return cls._loaded
 
-    @staticmethod
-    def _check(result: int, what: str) -> None:
+    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """``nbytes`` from ``src`` to ``dst`` (device addresses; a peer's, mapped here) on
+        ``stream``, after the work queued there."""
+        result = self._memcpy(dst, src, nbytes, stream)
         if result:
             raise RuntimeError(
-                f"copy-engine combine: {what} failed with CUDA driver error {result}"
+                f"copy-engine combine: cuMemcpyDtoDAsync failed: CUDA error {result}"
             )
-
-    def event(self) -> int:
-        """A new event without timing, on the current device's context."""
-        handle = ctypes.c_void_p()
-        self._check(self._create(ctypes.byref(handle), 2), "cuEventCreate")  # DISABLE_TIMING
-        return handle.value or 0
-
-    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        self._check(self._memcpy(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
-
-    def record(self, event: int, stream: int) -> None:
-        self._check(self._record(event, stream), "cuEventRecord")
-
-    def wait(self, stream: int, event: int) -> None:
-        self._check(self._wait(stream, event, 0), "cuStreamWaitEvent")

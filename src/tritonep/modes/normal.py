@@ -117,7 +117,7 @@ PHASES = {
         phases.LAYOUT_IDS,
         phases.DISPATCH_IDS,
         phases.DISPATCH_COUNTS,
-        phases.COPY_COMBINE_FREE,
+        phases.COPY_COMBINE_DONE,
         phases.COPY_COMBINE_RECV,
     )
 }
