@@ -58,7 +58,7 @@ elif wants bench; then
     shift
     run "bench-$name" python3 -m tritonep.bench "$@" --ranks "$ranks" --csv "$out/$name.csv"
   }
-  bench normal normal --tokens "${NORMAL_TOKENS:-4096,128}" --iters 20 \
+  bench normal normal --tokens "${NORMAL_TOKENS:-4096,128}" --iters 20 --copy-combine \
     --plot "$out/normal.png" --trace "$out/trace-normal-{rank}.json"
   bench ll low-latency --tokens "${LL_TOKENS:-128,1,32,256}" --iters 30 \
     --plot "$out/ll.png" --trace "$out/trace-ll-{rank}.json"
