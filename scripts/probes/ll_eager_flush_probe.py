@@ -39,13 +39,16 @@ def _rank(ctx, tokens_list: list[int], flushes_mb: list[int]) -> list[tuple[int,
             w = torch.rand(T, K, generator=gen).to(ctx.device)
             shape = (mode.num_local_experts, mode.num_ranks * most, H)
             y = (torch.randn(shape, device=ctx.device) * 0.1).to(torch.bfloat16)
+
+            def dispatch(x=x, idx=idx):
+                return mode.dispatch(x, idx, use_fp8=True)
+
+            def combine(out, y=y, idx=idx, w=w):
+                return mode.combine(y, idx, w, out[2])
+
             for mb in flushes_mb:
                 eager.FLUSH_BYTES = mb << 20 if mb else 16
-                us = eager.eager_pair_us(
-                    lambda: mode.dispatch(x, idx, use_fp8=True),
-                    lambda out: mode.combine(y, idx, w, out[2]),
-                    ctx.device,
-                )
+                us = eager.eager_pair_us(dispatch, combine, ctx.device)
                 mean = torch.tensor([us or 0.0], device=ctx.device)
                 dist.all_reduce(mean)
                 rows.append((T, mb, mean.item() / ctx.world_size))
