@@ -10,7 +10,7 @@ is its kernels' unless a host is slower than the flush. This probe times the pai
 ``tritonep bench low-latency --eager`` does (:func:`tritonep.bench.eager.eager_pair_us`: FP8
 dispatch, BF16 combine, hidden 7168, top-8 of 256 experts, random routing, the median of 50
 after 50) with other flush sizes (0: none, the host the limit), and prints the mean over ranks
-per token count and flush.
+per token count and flush (NaN on CPU ranks, which have no CUDA events).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _rank(ctx, tokens_list: list[int], flushes_mb: list[int]) -> list[tuple[int,
             for mb in flushes_mb:
                 eager.FLUSH_BYTES = mb << 20 if mb else 16
                 us = eager.eager_pair_us(dispatch, combine, ctx.device)
-                mean = torch.tensor([us or 0.0], device=ctx.device)
+                mean = torch.tensor([float("nan") if us is None else us], device=ctx.device)
                 dist.all_reduce(mean)
                 rows.append((T, mb, mean.item() / ctx.world_size))
     finally:
