@@ -1142,6 +1142,8 @@ class NormalMode:
         else:
             num_recv = rows = self._received_count()
             per_expert, source_rows = self._host_counts_read()
+            if channel_major:  # (a source's rows are not one range: no copy-engine combine)
+                source_rows = None
         handle = NormalHandle(
             in_rank,
             counts,
