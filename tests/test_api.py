@@ -227,10 +227,13 @@ def test_buffer_normal_deep_ep_checks_with_copy_engine_combine(run_ranks):
 
 
 @pytest.mark.gpu(n=2)
+@pytest.mark.parametrize("copy_combine_tokens", [0, 3000], ids=["rings", "copy-engines"])
 @pytest.mark.parametrize("async_finish", [False, True])
-def test_buffer_normal_deep_ep_checks_on_gpus(run_ranks, async_finish):
+def test_buffer_normal_deep_ep_checks_on_gpus(run_ranks, async_finish, copy_combine_tokens):
+    # (with async_finish the calls run on the buffer's communication stream, the copies too)
     n = gpu_ranks()
-    assert run_ranks(n, _buffer_normal_body, 3000, False, async_finish) == [True] * n
+    args = (3000, False, async_finish, copy_combine_tokens)
+    assert run_ranks(n, _buffer_normal_body, *args) == [True] * n
 
 
 def _buffer_graph_body(ctx, replays):
