@@ -46,9 +46,10 @@ STATE_WORDS = 2
 
 
 class RegionLayout(NamedTuple):
-    """Byte offsets in each rank's region heap, and its size."""
+    """Byte offsets in each rank's region heap, and its size (the arrival flags at 0: ``[R]``
+    int64, the last call whose rows source ``r`` has copied here)."""
 
-    done: int  # [R] int64: peer r has summed the rows this rank copied it, up to call ...
+    done: int  # [R] int64: the last call whose rows from this rank peer r has read
     rows: int  # [R - 1, capacity, H] bf16
     weights: int  # [R - 1, capacity * max_topk] float32
     total: int
