@@ -80,8 +80,9 @@ def per_token_cast_back(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def _intranode_body(
     ctx, tokens, hidden, experts_per_rank, topk, gpus_per_node=None, variant="bf16"
 ):
-    """DeepEP's intranode test; ``variant``: "bf16", "fp8" (a tuple of e4m3 rows and scales)
-    or "worst" (``num_worst_tokens``: padded outputs, no host synchronization)."""
+    """DeepEP's intranode test; ``variant``: "bf16", "fp8" (a tuple of e4m3 rows and scales),
+    "worst" (``num_worst_tokens``: padded outputs, no host synchronization) or "copies" (BF16,
+    the combines of exact-size handles over copy engines: ``copy_combine_tokens``)."""
     R, rank, dev = ctx.world_size, ctx.rank, ctx.device
     group = dist.group.WORLD
     num_experts = experts_per_rank * R
@@ -106,7 +107,8 @@ def _intranode_body(
     if gpus_per_node:  # as torchrun sets it on a cluster: the group then spans nodes
         os.environ["LOCAL_WORLD_SIZE"] = str(gpus_per_node)
     try:
-        buffer = deep_ep.Buffer(group, int(1e9), int(1e9))
+        copies = max(tokens) if variant == "copies" else 0
+        buffer = deep_ep.Buffer(group, int(1e9), int(1e9), copy_combine_tokens=copies)
     finally:
         if saved is not None:
             os.environ["LOCAL_WORLD_SIZE"] = saved
@@ -236,6 +238,8 @@ def _intranode_body(
     # Ids next to a handle would be ignored: rejected, as DeepEP asserts.
     with pytest.raises(ValueError, match="topk_idx: must be None with a handle"):
         buffer.dispatch(x, handle=handle, topk_idx=topk_idx)
+    if variant == "copies":  # every combine of the test went over the copy engines
+        assert int(buffer._normal.copy_combine.state[0]) == len(configs) + 1
     buffer.destroy()
     return True
 
@@ -447,7 +451,7 @@ def deep_ep_dequant(recv_x):
 # Three ranks cover what two did (rank 1 has no tokens, ranks 0 and 2 some); DeepEP's tests run
 # at any group size, and 2 ranks of each mode are tested in the modes' own files.
 @pytest.mark.parametrize("num_ranks", [3])
-@pytest.mark.parametrize("variant", ["bf16", "fp8", "worst"])
+@pytest.mark.parametrize("variant", ["bf16", "fp8", "worst", "copies"])
 def test_intranode_like_deep_ep(run_ranks, num_ranks, variant):
     results = run_ranks(num_ranks, _intranode_body, [13, 0, 9], 256, 2, 3, None, variant)
     assert results == [True] * num_ranks

@@ -171,6 +171,9 @@ class Buffer(_Buffer):
             comm: accepted, no effect.
         enable_shrink: low-latency shrink mode (see :class:`tritonep.Buffer`).
         explicitly_destroy: accepted; :meth:`destroy` releases the memory either way.
+        copy_combine_tokens: tritonep's own (default 0: off): combines of exact-size
+            dispatches over copy engines, at most that many tokens a dispatch (see
+            :class:`tritonep.Buffer`).
 
     Every method is that of :class:`tritonep.Buffer`: ``get_dispatch_layout``,
     ``dispatch``, ``combine``, ``low_latency_dispatch``, ``low_latency_combine``,
@@ -203,6 +206,7 @@ class Buffer(_Buffer):
         explicitly_destroy: bool = False,
         enable_shrink: bool = False,
         comm: object = None,
+        copy_combine_tokens: int = 0,
     ):
         super().__init__(
             group,
@@ -213,6 +217,7 @@ class Buffer(_Buffer):
             explicitly_destroy,
             gpus_per_node=ranks_per_node(group),
             enable_shrink=enable_shrink,
+            copy_combine_tokens=copy_combine_tokens,
         )
 
     def _new_normal_mode(self, hidden: int, num_experts: int):
