@@ -25,6 +25,7 @@ from tritonep.kernels import (
 )
 from tritonep.kernels.nvshmem import _DEVICE_STATE
 from tritonep.kernels.transport import copy_bytes
+from tritonep.modes import copy_combine
 from tritonep.modes.normal import COMBINE_WARPS, DISPATCH_WARPS, NormalLayout
 
 pytest.importorskip("triton.backends.nvidia")
@@ -331,13 +332,13 @@ KERNELS.append(
             HAS_WEIGHTS=True,
             NUM_BIAS=2,
             USE_CLOCK=True,
-            BLOCK_TOKENS=4,
-            BLOCK_WORDS=512,
+            BLOCK_TOKENS=copy_combine._BLOCK_TOKENS[True],  # (the GPU's configuration)
+            BLOCK_WORDS=copy_combine._BLOCK_ELEMS[True] // 2,
             BLOCK_RANKS=4,
             BLOCK_K=8,
-            SCAN_TOKENS=1024,
+            SCAN_TOKENS=copy_combine._SCAN_TOKENS[True],
         ),
-        {"num_warps": 4, "enable_fp_fusion": False},
+        {"num_warps": copy_combine._NUM_WARPS, "enable_fp_fusion": False},
     )
 )
 
