@@ -255,6 +255,7 @@ TYPES = {
     "own_start": "i32",
     "max_rows": "i32",
     "K": "i32",
+    "chunk": "i32",
     "alignment": "i32",
     "per_expert_ptr": "*i32",
     "per_rank_ptr": "*i32",
@@ -331,6 +332,7 @@ KERNELS.append(
             WEIGHTS_OFFSET=176160768 + 256,
             HAS_WEIGHTS=True,
             NUM_BIAS=2,
+            CHUNKS=copy_combine.CHUNKS,
             USE_CLOCK=True,
             BLOCK_TOKENS=copy_combine._BLOCK_TOKENS[True],  # (the GPU's configuration)
             BLOCK_WORDS=copy_combine._BLOCK_ELEMS[True] // 2,

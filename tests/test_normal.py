@@ -15,11 +15,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from tests.conftest import gpu_ranks
 from tritonep import reference as ref
 from tritonep.errors import WaitTimeoutError
 from tritonep.heap import shared_gpu
+from tritonep.kernels.normal_copy_combine import chunk_start, row_chunk
+from tritonep.modes import copy_combine
 from tritonep.modes import normal as nm
 from tritonep.testing import make_case, static_inputs, tag_rows, timeout_message
 
@@ -91,10 +95,23 @@ def _combine_input(out, rank):
 
 
 def _normal_body(
-    ctx, calls, tokens, hidden, experts, topk, routing, use_fp8, worst, config, copy_tokens=0
+    ctx,
+    calls,
+    tokens,
+    hidden,
+    experts,
+    topk,
+    routing,
+    use_fp8,
+    worst,
+    config,
+    copy_tokens=0,
+    copy_chunks=None,
 ):
     R, me = ctx.world_size, ctx.rank
     experts *= R
+    if copy_chunks is not None:  # (this rank's process only)
+        copy_combine.CHUNKS = copy_chunks
     mode = nm.NormalMode(
         None,
         hidden,
@@ -181,6 +198,37 @@ def test_copy_engine_combine_matches_reference(run_ranks, num_ranks, name):
     tokens, hidden, experts, topk, routing, fp8, worst = CASES[name]
     args = (2, tokens, hidden, experts, topk, routing, fp8, worst, None, 16)
     assert run_ranks(num_ranks, _normal_body, *args) == [True] * num_ranks
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_copy_engine_combine_in_chunks_matches_reference(run_ranks, chunks):
+    # One copy per peer and call, or three: more chunks than some sources have rows (empty
+    # chunks), tokens summed by the launch after their last row's chunk.
+    tokens, hidden, experts, topk, routing, fp8, worst = CASES["bf16-random"]
+    args = (2, tokens, hidden, experts, topk, routing, fp8, worst, None, 16, chunks)
+    assert run_ranks(3, _normal_body, *args) == [True] * 3
+
+
+@triton.jit
+def _row_chunks(out_ptr, rows, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+    pos = tl.arange(0, BLOCK)
+    chunk = row_chunk(pos, rows + tl.zeros_like(pos), CHUNKS)
+    tl.store(out_ptr + pos, chunk, mask=pos < rows)
+
+
+def test_the_sums_find_each_row_in_the_chunk_its_copy_carried():
+    # The device's row_chunk against the host's split (chunk_start), empty chunks included.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for chunks in (1, 2, 3, 4):
+        for n in (1, 2, 3, 5, 8, 13, 40):
+            got = torch.full((64,), -1, dtype=torch.int32, device=device)
+            _row_chunks[(1,)](got, n, CHUNKS=chunks, BLOCK=64)
+            expected = [
+                c
+                for c in range(chunks)
+                for _ in range(chunk_start(n, c, chunks), chunk_start(n, c + 1, chunks))
+            ]
+            assert got[:n].tolist() == expected, (chunks, n)
 
 
 def _copy_limits_body(ctx):

@@ -5,12 +5,16 @@ After an exact-size dispatch each rank's host knows how many rows it received fr
 combine's input, in token order. So the rows for source ``s`` go back in one copy into ``s``'s
 region for this rank (:mod:`tritonep.modes.copy_combine` issues them: copy engines, no SM),
 and ``s`` sums each of its tokens from those regions and its own rows in place, in rank order,
-as the ring combine does, in :func:`copy_combine_sum`, launched after the copies (stream
-order): program 0 tells every peer that this rank's rows are there; every program waits for the
-peers' rows, then sums a block of tokens (the row of token ``t`` in the region of rank ``r`` is
-``t``'s position among the tokens that went to ``r``: a scan of ``is_token_in_rank``); the last
-program to finish tells every peer it has read their rows, then waits until every peer has read
-this rank's. Each region holds one call's rows, and that wait at the end of a call is what lets
+as the ring combine does, in :func:`copy_combine_sum`. The rows for each peer go in ``CHUNKS``
+copies (row ``r`` of ``n`` in chunk ``c`` where ``n * c // CHUNKS <= r < n * (c + 1) //
+CHUNKS``), and one launch of the sums follows each chunk's copies (stream order): so the sums of
+the tokens whose rows have all come run while the next chunk's copies move. In a launch,
+program 0 tells every peer that this rank's rows of the chunk are there; every program waits for
+the peers' rows of the chunk, then sums those of its block of tokens whose last row came in it
+(the row of token ``t`` in the region of rank ``r`` is ``t``'s position among the tokens that
+went to ``r``: a scan of ``is_token_in_rank``); in the last chunk's launch, the last program to
+finish tells every peer it has read their rows, then waits until every peer has read this
+rank's. Each region holds one call's rows, and that wait at the end of a call is what lets
 the next call's copies start with no kernel before them (beside a GEMM that holds every SM,
 they run at once; only the sums wait for SMs).
 
@@ -18,9 +22,9 @@ Call numbers live on the device (``state_ptr``), so a CUDA graph of a combine re
 flags of each new call. Every wait is bounded; one that gives up records the peer and the phase,
 and the tokens whose rows it did not see sum to NaN.
 
-Region of each rank (byte offsets in its heap of :func:`region_layout`): ``[R]`` int64 flags
-set by each source when its rows arrived, ``[R]`` int64 flags set by each peer once it has read
-this rank's rows, then the rows ``[R - 1, CAPACITY, H]`` bf16 and the weights
+Region of each rank (byte offsets in its heap of :func:`region_layout`): ``[CHUNKS, R]`` int64
+flags set by each source when a chunk of its rows arrived, ``[R]`` int64 flags set by each peer
+once it has read this rank's rows, then the rows ``[R - 1, CAPACITY, H]`` bf16 and the weights
 ``[R - 1, CAPACITY * MAX_TOPK]`` float32 (``K`` columns a row in a call of top-k ``K``), a slot
 per source: source ``r``'s is ``(r - rank - 1) mod R``.
 """
@@ -46,8 +50,9 @@ STATE_WORDS = 2
 
 
 class RegionLayout(NamedTuple):
-    """Byte offsets in each rank's region heap, and its size (the arrival flags at 0: ``[R]``
-    int64, the last call whose rows source ``r`` has copied here)."""
+    """Byte offsets in each rank's region heap, and its size (the arrival flags at 0:
+    ``[CHUNKS, R]`` int64, the last call whose chunk ``c`` of rows source ``r`` has copied
+    here)."""
 
     done: int  # [R] int64: the last call whose rows from this rank peer r has read
     rows: int  # [R - 1, capacity, H] bf16
@@ -55,17 +60,25 @@ class RegionLayout(NamedTuple):
     total: int
 
 
-def region_layout(num_ranks: int, capacity: int, hidden: int, max_topk: int) -> RegionLayout:
+def region_layout(
+    num_ranks: int, capacity: int, hidden: int, max_topk: int, chunks: int = 1
+) -> RegionLayout:
     """Where a rank's region keeps its flags, rows and weights (each part 256-byte aligned)."""
 
     def up(n: int) -> int:
         return (n + 255) // 256 * 256
 
-    done = num_ranks * 8
+    done = chunks * num_ranks * 8
     rows = up(done + num_ranks * 8)
     weights = up(rows + (num_ranks - 1) * capacity * hidden * 2)
     total = up(weights + (num_ranks - 1) * capacity * max_topk * 4)
     return RegionLayout(done, rows, weights, total)
+
+
+def chunk_start(rows: int, chunk: int, chunks: int) -> int:
+    """The first of ``rows`` rows in ``chunk`` of ``chunks`` (the last chunk ends at ``rows``);
+    :func:`row_chunk` is its inverse on the device."""
+    return rows * chunk // chunks
 
 
 class SumCall(NamedTuple):
@@ -78,6 +91,7 @@ class SumCall(NamedTuple):
     own_start: int
     num_tokens: int
     K: int
+    chunk: int
     bias0_ptr: object
     bias1_ptr: object
     out_ptr: object
@@ -106,6 +120,7 @@ class SumVariant(NamedTuple):
     WEIGHTS_OFFSET: int
     HAS_WEIGHTS: bool
     NUM_BIAS: int
+    CHUNKS: int
     USE_CLOCK: bool
     BLOCK_TOKENS: int
     BLOCK_WORDS: int
@@ -129,9 +144,16 @@ def tokens_before(in_rank_ptr, first, ranks, NUM_RANKS: tl.constexpr, SCAN_TOKEN
     return before
 
 
+@triton.jit
+def row_chunk(pos, rows, CHUNKS: tl.constexpr):
+    """The chunk that carries row ``pos`` of ``rows`` (:func:`chunk_start`'s inverse: the
+    largest ``c`` with ``rows * c // CHUNKS <= pos``)."""
+    return ((pos + 1) * CHUNKS + rows - 1) // tl.maximum(rows, 1) - 1
+
+
 @kernel(
     "tritonep::normal::copy_combine_sum",
-    do_not_specialize=["own_start", "num_tokens", "K", "rank", "timeout_us"],
+    do_not_specialize=["own_start", "num_tokens", "K", "chunk", "rank", "timeout_us"],
 )
 def copy_combine_sum(
     x_ptr,  # [M, H] bf16 the combine's input: this rank's own rows are read here
@@ -140,6 +162,7 @@ def copy_combine_sum(
     own_start,  # the first row of x from this rank's own tokens
     num_tokens,  # N, this rank's tokens
     K,  # top-k columns of the weights
+    chunk,  # the chunk of rows whose copies precede this launch (0 to CHUNKS - 1)
     bias0_ptr,  # [N, H] bf16 (NUM_BIAS >= 1)
     bias1_ptr,  # [N, H] bf16 (NUM_BIAS >= 2)
     out_ptr,  # [N, H] bf16 out: the sums
@@ -158,6 +181,7 @@ def copy_combine_sum(
     WEIGHTS_OFFSET: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,  # sum weights too
     NUM_BIAS: tl.constexpr,  # bias tensors added (0 to 2)
+    CHUNKS: tl.constexpr,  # copies (and launches of this kernel) per peer and call
     USE_CLOCK: tl.constexpr,  # waits read the GPU clock; else the interpreter's rounding
     BLOCK_TOKENS: tl.constexpr,  # tokens a program sums
     BLOCK_WORDS: tl.constexpr,  # int32 words of a row summed at a time
@@ -170,9 +194,10 @@ def copy_combine_sum(
     peers = (ranks < NUM_RANKS) & (ranks != rank)
     call = tl.load(state_ptr + CALLS, volatile=True) + 1
     base = tl.load(peer_ptrs + rank)
-    if pid == 0:  # this rank's copies are done (they precede this launch): say so to each peer
+    arrivals = chunk * NUM_RANKS * 8  # byte offset of this chunk's arrival flags
+    if pid == 0:  # this rank's copies of the chunk precede this launch: say so to each peer
         fence_system()
-        theirs = tl.load(peer_ptrs + ranks, mask=peers, other=0) + rank * 8
+        theirs = tl.load(peer_ptrs + ranks, mask=peers, other=0) + arrivals + rank * 8
         tl.atomic_xchg(
             theirs.to(tl.pointer_type(tl.int64)),
             call + tl.zeros((BLOCK_RANKS,), tl.int64),
@@ -185,7 +210,11 @@ def copy_combine_sum(
     limit = limit_ns(timeout_us, status_ptr)
     targets = call + tl.zeros((BLOCK_RANKS,), tl.int64)
     arrived, ok = wait_all_at_least(
-        (base + ranks * 8).to(tl.pointer_type(tl.int64)), targets, peers, limit, USE_CLOCK
+        (base + arrivals + ranks * 8).to(tl.pointer_type(tl.int64)),
+        targets,
+        peers,
+        limit,
+        USE_CLOCK,
     )
     if not ok:
         peer = first_lane(peers & (arrived < targets), ranks)
@@ -202,72 +231,82 @@ def copy_combine_sum(
     ).to(tl.int32)
     # Each token's row among those that went to each rank: where that rank's copy put it.
     pos = tokens_before(in_rank_ptr, first, ranks, NUM_RANKS, SCAN_TOKENS)[None, :]
-    pos = (pos + rows_before(hit, BLOCK_TOKENS)).to(tl.int64)
+    pos = pos + rows_before(hit, BLOCK_TOKENS)
+    if CHUNKS > 1:  # this launch sums the tokens whose last row came in its chunk
+        sent = tokens_before(in_rank_ptr, num_tokens, ranks, NUM_RANKS, SCAN_TOKENS)[None, :]
+        from_peer = (hit > 0) & (ranks != rank)[None, :]
+        last = tl.max(tl.where(from_peer, row_chunk(pos, sent, CHUNKS), 0), 1)
+        tmask = tmask & (last == chunk)
+        hit = hit * tmask.to(tl.int32)[:, None]
+    pos = pos.to(tl.int64)
     slot = ((ranks - rank - 1 + NUM_RANKS) % NUM_RANKS).to(tl.int64)[None, :] * CAPACITY
     src = base + ROWS_OFFSET + (slot + pos) * (2 * H)
     wsrc = base + WEIGHTS_OFFSET + (slot * MAX_TOPK + pos * K) * 4
     own_row = own_start + lane(pos, ranks, rank)
     ready = hit * came.to(tl.int32)[None, :]
-    sum_step(
-        src,
-        wsrc,
-        ready,
-        tokens,
-        tmask,
-        own_row,
-        x_ptr,
-        weights_ptr,
-        bias0_ptr,
-        bias1_ptr,
-        out_ptr,
-        out_weights_ptr,
-        rank,
-        K,
-        H,
-        NUM_RANKS,
-        HAS_WEIGHTS,
-        NUM_BIAS,
-        True,
-        USE_CLOCK,
-        BLOCK_TOKENS,
-        BLOCK_WORDS,
-        BLOCK_RANKS,
-        BLOCK_K,
-    )
-    if not (ok & trusted):  # a row never came: its token's sum is NaN
-        poison_lost(
-            hit,
+    if tl.max(tmask.to(tl.int32), 0) > 0:  # (a block with no token of this chunk skips)
+        sum_step(
+            src,
+            wsrc,
             ready,
             tokens,
             tmask,
+            own_row,
+            x_ptr,
+            weights_ptr,
+            bias0_ptr,
+            bias1_ptr,
             out_ptr,
             out_weights_ptr,
+            rank,
             K,
             H,
+            NUM_RANKS,
             HAS_WEIGHTS,
+            NUM_BIAS,
+            True,
+            USE_CLOCK,
             BLOCK_TOKENS,
             BLOCK_WORDS,
+            BLOCK_RANKS,
             BLOCK_K,
         )
-    # The last program: every peer may copy its next call's rows here; then, before the call
-    # closes, it waits until every peer has read this rank's rows too, so that this rank's
-    # next copies (queued after this launch) find every region free: the copies need no
-    # kernel before them, and run beside work that holds every SM.
+        if not (ok & trusted):  # a row never came: its token's sum is NaN
+            poison_lost(
+                hit,
+                ready,
+                tokens,
+                tmask,
+                out_ptr,
+                out_weights_ptr,
+                K,
+                H,
+                HAS_WEIGHTS,
+                BLOCK_TOKENS,
+                BLOCK_WORDS,
+                BLOCK_K,
+            )
+    # The last program of the last chunk: every peer may copy its next call's rows here; then,
+    # before the call closes, it waits until every peer has read this rank's rows too, so that
+    # this rank's next copies (queued after this launch) find every region free: the copies
+    # need no kernel before them, and run beside work that holds every SM.
     tl.debug_barrier()
-    if tl.atomic_add(state_ptr + ARRIVALS, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        theirs = tl.load(peer_ptrs + ranks, mask=peers, other=0) + DONE_OFFSET + rank * 8
-        tl.atomic_xchg(
-            theirs.to(tl.pointer_type(tl.int64)),
-            targets,
-            mask=peers,
-            sem="release",
-            scope="sys",
-        )
-        mine = (base + DONE_OFFSET + ranks * 8).to(tl.pointer_type(tl.int64))
-        limit = limit_ns(timeout_us, status_ptr)
-        done, ok = wait_all_at_least(mine, targets, peers, limit, USE_CLOCK)
-        if not ok:
-            peer = first_lane(peers & (done < targets), ranks)
-            record_timeout(status_ptr, peer, COPY_COMBINE_DONE, limit)
-        tl.store(state_ptr + ARRIVALS, 0)
-        tl.store(state_ptr + CALLS, call)
+    if chunk == CHUNKS - 1:
+        finished = tl.atomic_add(state_ptr + ARRIVALS, 1, sem="acq_rel", scope="gpu")
+        if finished == tl.num_programs(0) - 1:
+            theirs = tl.load(peer_ptrs + ranks, mask=peers, other=0) + DONE_OFFSET + rank * 8
+            tl.atomic_xchg(
+                theirs.to(tl.pointer_type(tl.int64)),
+                targets,
+                mask=peers,
+                sem="release",
+                scope="sys",
+            )
+            mine = (base + DONE_OFFSET + ranks * 8).to(tl.pointer_type(tl.int64))
+            limit = limit_ns(timeout_us, status_ptr)
+            done, ok = wait_all_at_least(mine, targets, peers, limit, USE_CLOCK)
+            if not ok:
+                peer = first_lane(peers & (done < targets), ranks)
+                record_timeout(status_ptr, peer, COPY_COMBINE_DONE, limit)
+            tl.store(state_ptr + ARRIVALS, 0)
+            tl.store(state_ptr + CALLS, call)

@@ -2,13 +2,18 @@
 
 :class:`CopyCombine` serves :meth:`~tritonep.modes.normal.NormalMode.combine` for handles of
 exact-size dispatches (their host knows the rows received from every source) when the mode was
-made with ``copy_combine_tokens``. Per call, on the caller's stream:
+made with ``copy_combine_tokens``. Per call:
 
-1. one copy per peer, in turn (copy engines): the rows this rank received from that peer
-   (contiguous in ``x``, in token order), and their weights, into this rank's slot of the
-   peer's region (free: the previous call's sums ended only once every peer had read it);
-2. :func:`~tritonep.kernels.normal_copy_combine.copy_combine_sum` after them: the peers' rows
-   and this rank's own (read in place), summed per token in rank order, plus the bias.
+1. for each of :data:`CHUNKS` chunks, one copy per peer, in turn (copy engines): that chunk of
+   the rows this rank received from the peer (contiguous in ``x``, in token order; with the
+   first chunk, their weights), into this rank's slot of the peer's region (free: the previous
+   call's sums ended only once every peer had read it); the first chunk's on the caller's
+   stream, the others on a stream of their own after them;
+2. on the caller's stream, after each chunk's copies,
+   :func:`~tritonep.kernels.normal_copy_combine.copy_combine_sum`: the tokens whose rows have
+   all come with that chunk, the peers' rows and this rank's own (read in place) summed in rank
+   order, plus the bias. So the sums of one chunk run while the next chunk's rows move, and the
+   call ends a chunk's sums after its last copy.
 
 No SM moves a row: beside a GEMM that holds every SM the copies still run, and only the sums
 wait for SMs. The region costs ``(R - 1) * copy_combine_tokens * (2 H + 4 max_topk)`` bytes of
@@ -37,6 +42,8 @@ _BLOCK_ELEMS = {True: 512, False: 64}
 _SCAN_TOKENS = {True: 1024, False: 16}
 #: Warps of a program of the sum kernel.
 _NUM_WARPS = 4
+#: Copies per peer and call, each followed by a launch of the sums (the same on every rank).
+CHUNKS = 2
 
 
 class CopyCombine:
@@ -50,13 +57,25 @@ class CopyCombine:
         device: the mode's device.
         status: the mode's :class:`~tritonep.kernels.status.Status` (its waits record there).
         timeout_us: limit of every wait (:func:`~tritonep.kernels.sync.timeout_us`).
+        chunks: copies per peer and call (:data:`CHUNKS`; the same on every rank).
     """
 
-    def __init__(self, group, hidden, max_topk, capacity, device, status, timeout_us: int):
+    def __init__(
+        self,
+        group,
+        hidden,
+        max_topk,
+        capacity,
+        device,
+        status,
+        timeout_us: int,
+        chunks: int | None = None,
+    ):
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
         self.hidden, self.max_topk, self.capacity = hidden, max_topk, capacity
+        self.chunks = CHUNKS if chunks is None else chunks
         R, me = self.num_ranks, self.rank
-        self.layout = ncc.region_layout(R, capacity, hidden, max_topk)
+        self.layout = ncc.region_layout(R, capacity, hidden, max_topk, self.chunks)
         self.heap = allocate(self.layout.total, group, device)
         self.device = self.heap.device
         self.state = torch.zeros(ncc.STATE_WORDS, dtype=torch.int64, device=self.device)
@@ -88,6 +107,12 @@ class CopyCombine:
         self._rows_at = {s: view.data_ptr() for s, view in self._rows_to.items()}
         self._weights_at = {s: view.data_ptr() for s, view in self._weights_to.items()}
         self._driver = _Driver.load() if gpu else None
+        self._events: list[int] = []
+        if self._driver is not None and self.chunks > 1:
+            # The copies' own stream, and the events that order it with the caller's: one after
+            # each chunk's copies.
+            self._copy_stream = torch.cuda.Stream(self.device)
+            self._events = [self._driver.event() for _ in range(self.chunks)]
         self._lanes = triton.next_power_of_2(max(R, 2))
         self._sums: dict[tuple, KernelLaunch] = {}
         self.timeout_us = timeout_us
@@ -115,6 +140,7 @@ class CopyCombine:
             WEIGHTS_OFFSET=self.layout.weights,
             HAS_WEIGHTS=has_weights,
             NUM_BIAS=num_bias,
+            CHUNKS=self.chunks,
             USE_CLOCK=use_clock(self.device),
             BLOCK_TOKENS=_BLOCK_TOKENS[gpu],
             BLOCK_WORDS=_BLOCK_ELEMS[gpu] // 2,
@@ -146,7 +172,6 @@ class CopyCombine:
         starts = [0] * self.num_ranks
         for s in range(1, self.num_ranks):
             starts[s] = starts[s - 1] + rows[s - 1]
-        self._copy(x, topk_weights, K, rows, starts)
         key = (topk_weights is not None, len(terms), block_k)
         plan = self._sums.get(key) or self._sum_plan(*key)
         call = ncc.SumCall(
@@ -156,40 +181,74 @@ class CopyCombine:
             own_start=starts[self.rank],
             num_tokens=handle.num_tokens,
             K=K,
+            chunk=0,
             bias0_ptr=terms[0] if terms else None,
             bias1_ptr=terms[1] if len(terms) > 1 else None,
             out_ptr=out,
             out_weights_ptr=out_w,
         )
-        plan(
-            call, self._shared, (max(1, triton.cdiv(handle.num_tokens, _BLOCK_TOKENS[self._gpu])),)
-        )
-
-    def _copy(self, x, topk_weights, K: int, rows, starts) -> None:
-        """Each peer's rows (and weights) into this rank's slot of its region: one copy per
-        peer on the caller's stream, in turn (:attr:`peers`' order), straight through the
-        driver (:class:`_Driver`); on CPU ranks plain copies."""
+        grid = (max(1, triton.cdiv(handle.num_tokens, _BLOCK_TOKENS[self._gpu])),)
         driver = self._driver
+        if driver is None or self.chunks == 1:
+            # Each chunk's copies then its sums, on the caller's stream (CPU ranks: plain
+            # copies, done when they return).
+            for c in range(self.chunks):
+                self._copy(x, topk_weights, K, rows, starts, c, None)
+                plan(call if c == 0 else call._replace(chunk=c), self._shared, grid)
+            return
+        # The first chunk's copies on the caller's stream, the others on the copies' own
+        # stream after them; each chunk's sums on the caller's stream after its copies.
+        stream = torch._C._cuda_getCurrentRawStream(self._device_index)
+        copies, events = self._copy_stream.cuda_stream, self._events
+        self._copy(x, topk_weights, K, rows, starts, 0, stream)
+        driver.record(events[0], stream)
+        driver.wait(copies, events[0])
+        for c in range(1, self.chunks):
+            self._copy(x, topk_weights, K, rows, starts, c, copies)
+            driver.record(events[c], copies)
+        plan(call, self._shared, grid)
+        for c in range(1, self.chunks):
+            driver.wait(stream, events[c])
+            plan(call._replace(chunk=c), self._shared, grid)
+
+    def _copy(self, x, topk_weights, K: int, rows, starts, chunk: int, stream) -> None:
+        """Chunk ``chunk`` of each peer's rows (with the first, all their weights) into this
+        rank's slot of its region: one copy per peer on ``stream`` (None: the caller's), in
+        turn (:attr:`peers`' order), straight through the driver (:class:`_Driver`); on CPU
+        ranks plain copies."""
+        driver, chunks = self._driver, self.chunks
         if driver is None:
             for s in self.peers:
                 n, a = rows[s], starts[s]
-                if n:
-                    self._rows_to[s][:n].copy_(x[a : a + n])
-                    if topk_weights is not None:
-                        self._weights_to[s][: n * K].copy_(topk_weights[a : a + n].view(n * K))
+                lo, hi = ncc.chunk_start(n, chunk, chunks), ncc.chunk_start(n, chunk + 1, chunks)
+                if hi > lo:
+                    self._rows_to[s][lo:hi].copy_(x[a + lo : a + hi])
+                if chunk == 0 and n and topk_weights is not None:
+                    self._weights_to[s][: n * K].copy_(topk_weights[a : a + n].view(n * K))
             return
-        stream = torch._C._cuda_getCurrentRawStream(self._device_index)
+        if stream is None:
+            stream = torch._C._cuda_getCurrentRawStream(self._device_index)
         row_bytes, x_at = 2 * self.hidden, x.data_ptr()
-        w_at = topk_weights.data_ptr() if topk_weights is not None else 0
+        w_at = topk_weights.data_ptr() if topk_weights is not None and chunk == 0 else 0
         for s in self.peers:
             n, a = rows[s], starts[s]
-            if n:
-                driver.copy(self._rows_at[s], x_at + a * row_bytes, n * row_bytes, stream)
-                if w_at:
-                    driver.copy(self._weights_at[s], w_at + a * K * 4, n * K * 4, stream)
+            lo, hi = ncc.chunk_start(n, chunk, chunks), ncc.chunk_start(n, chunk + 1, chunks)
+            if hi > lo:
+                driver.copy(
+                    self._rows_at[s] + lo * row_bytes,
+                    x_at + (a + lo) * row_bytes,
+                    (hi - lo) * row_bytes,
+                    stream,
+                )
+            if w_at and n:
+                driver.copy(self._weights_at[s], w_at + a * K * 4, n * K * 4, stream)
 
     def destroy(self) -> None:
         """Release the region (collective)."""
+        if self._driver is not None:
+            for event in self._events:
+                self._driver.destroy_event(event)
+        self._events = []
         self.heap.close()
 
 
@@ -204,7 +263,16 @@ class _Driver:
     def __init__(self, lib):
         self._memcpy = lib.cuMemcpyDtoDAsync_v2
         self._memcpy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
-        self._memcpy.restype = ctypes.c_int
+        self._create = lib.cuEventCreate
+        self._create.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        self._record = lib.cuEventRecord
+        self._record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self._wait = lib.cuStreamWaitEvent
+        self._wait.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+        self._destroy = lib.cuEventDestroy_v2
+        self._destroy.argtypes = [ctypes.c_void_p]
+        for f in (self._memcpy, self._create, self._record, self._wait, self._destroy):
+            f.restype = ctypes.c_int
 
     @classmethod
     def load(cls) -> _Driver:
@@ -215,8 +283,27 @@ class _Driver:
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """``nbytes`` from ``src`` to ``dst`` (device addresses; a peer's, mapped here) on
         ``stream``, after the work queued there."""
-        result = self._memcpy(dst, src, nbytes, stream)
+        self._check(self._memcpy(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
+
+    def event(self) -> int:
+        """A new event of the current context (no timing: the cheapest to record and wait)."""
+        event = ctypes.c_void_p()
+        self._check(self._create(ctypes.byref(event), 0x2), "cuEventCreate")  # DISABLE_TIMING
+        return event.value or 0
+
+    def record(self, event: int, stream: int) -> None:
+        """Record ``event`` on ``stream`` (after the work queued there)."""
+        self._check(self._record(event, stream), "cuEventRecord")
+
+    def wait(self, stream: int, event: int) -> None:
+        """Make the work queued next on ``stream`` wait for ``event``'s (stream capture
+        follows it, forking and joining streams as torch's own waits do)."""
+        self._check(self._wait(stream, event, 0), "cuStreamWaitEvent")
+
+    def destroy_event(self, event: int) -> None:
+        self._check(self._destroy(event), "cuEventDestroy")
+
+    @staticmethod
+    def _check(result: int, name: str) -> None:
         if result:
-            raise RuntimeError(
-                f"copy-engine combine: cuMemcpyDtoDAsync failed: CUDA error {result}"
-            )
+            raise RuntimeError(f"copy-engine combine: {name} failed: CUDA error {result}")
