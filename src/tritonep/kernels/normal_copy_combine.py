@@ -2,31 +2,36 @@
 
 After an exact-size dispatch each rank's host knows how many rows it received from every source
 (:attr:`~tritonep.modes.normal.NormalHandle.source_rows`), and those rows are contiguous in the
-combine's input, in token order. So the rows for source ``s`` go back in one copy into ``s``'s
-region for this rank (:mod:`tritonep.modes.copy_combine` issues them: copy engines, no SM),
-and ``s`` sums each of its tokens from those regions and its own rows in place, in rank order,
-as the ring combine does, in :func:`copy_combine_sum`. The rows for each peer go in ``CHUNKS``
-copies (row ``r`` of ``n`` in chunk ``c`` where ``n * c // CHUNKS <= r < n * (c + 1) //
-CHUNKS``), and one launch of the sums follows each chunk's copies (stream order): so the sums of
-the tokens whose rows have all come run while the next chunk's copies move. In a launch,
-program 0 tells every peer that this rank's rows of the chunk are there; every program waits for
-the peers' rows of the chunk, then sums those of its block of tokens whose last row came in it
-(the row of token ``t`` in the region of rank ``r`` is ``t``'s position among the tokens that
-went to ``r``: a scan of ``is_token_in_rank``); in the last chunk's launch, the last program to
-finish tells every peer it has read their rows, then waits until every peer has read this
-rank's. Each region holds one call's rows, and that wait at the end of a call is what lets
-the next call's copies start with no kernel before them (beside a GEMM that holds every SM,
-they run at once; only the sums wait for SMs).
+combine's input, in token order. So the rows for source ``s`` go back in peer copies into
+``s``'s region for this rank (:mod:`tritonep.modes.copy_combine` issues them: copy engines, no
+SM), and ``s`` sums each of its tokens from those regions and its own rows in place, in rank
+order, as the ring combine does, in :func:`copy_combine_sum`.
 
-Call numbers live on the device (``state_ptr``), so a CUDA graph of a combine replays with the
-flags of each new call. Every wait is bounded; one that gives up records the peer and the phase,
-and the tokens whose rows it did not see sum to NaN.
+The rows for each peer go in ``CHUNKS`` copies (row ``r`` of ``n`` in chunk ``c`` where
+``n * c // CHUNKS <= r < n * (c + 1) // CHUNKS``), and one launch of the sums follows each
+chunk's copies (stream order), so the sums of the tokens whose rows have all come run while the
+next chunk's copies move. After a chunk's copies the same stream sets this rank's arrival flag
+of the chunk at each peer to 1 (a stream memory operation: no SM, so a launch that waits for SMs
+beside a GEMM finds the flags there whatever the peers' SMs are doing). In a launch every
+program waits for the peers' flags of its chunk, then sums those of its block of tokens whose
+last row came in it (the row of token ``t`` in the region of rank ``r`` is ``t``'s position
+among the tokens that went to ``r``: a scan of ``is_token_in_rank``). In the last chunk's
+launch the last program to finish clears this rank's arrival flags, tells every peer it has
+read their rows, then waits until every peer has read this rank's. Each region holds one call's
+rows, and that wait at the end of a call is what lets the next call's copies start with no
+kernel before them (beside a GEMM that holds every SM, they run at once; only the sums wait for
+SMs).
+
+Call numbers live on the device (``state_ptr``) and the arrival flags are cleared by the call
+that read them, so a CUDA graph of a combine replays with the flags of each new call. Every
+wait is bounded; one that gives up records the peer and the phase, and the tokens whose rows it
+did not see sum to NaN.
 
 Region of each rank (byte offsets in its heap of :func:`region_layout`): ``[CHUNKS, R]`` int64
-flags set by each source when a chunk of its rows arrived, ``[R]`` int64 flags set by each peer
-once it has read this rank's rows, then the rows ``[R - 1, CAPACITY, H]`` bf16 and the weights
-``[R - 1, CAPACITY * MAX_TOPK]`` float32 (``K`` columns a row in a call of top-k ``K``), a slot
-per source: source ``r``'s is ``(r - rank - 1) mod R``.
+flags set to 1 by each source when a chunk of its rows arrived, ``[R]`` int64 flags set by each
+peer once it has read this rank's rows, then the rows ``[R - 1, CAPACITY, H]`` bf16 and the
+weights ``[R - 1, CAPACITY * MAX_TOPK]`` float32 (``K`` columns a row in a call of top-k
+``K``), a slot per source: source ``r``'s is ``(r - rank - 1) mod R``.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import triton.language as tl
 from .normal_combine import poison_lost, sum_step
 from .phases import COPY_COMBINE_DONE, COPY_COMBINE_RECV
 from .profiled import kernel
-from .status import STATUS_TIMEOUT, fence_system, record_timeout
+from .status import STATUS_TIMEOUT, record_timeout
 from .sync import first_lane, lane, limit_ns, rows_before, wait_all_at_least
 
 #: Words of the state (``state_ptr``, int64): the last call finished, and the programs of the
@@ -51,8 +56,7 @@ STATE_WORDS = 2
 
 class RegionLayout(NamedTuple):
     """Byte offsets in each rank's region heap, and its size (the arrival flags at 0:
-    ``[CHUNKS, R]`` int64, the last call whose chunk ``c`` of rows source ``r`` has copied
-    here)."""
+    ``[CHUNKS, R]`` int64, 1 once source ``r`` has copied its chunk ``c`` of rows here)."""
 
     done: int  # [R] int64: the last call whose rows from this rank peer r has read
     rows: int  # [R - 1, capacity, H] bf16
@@ -194,32 +198,18 @@ def copy_combine_sum(
     peers = (ranks < NUM_RANKS) & (ranks != rank)
     call = tl.load(state_ptr + CALLS, volatile=True) + 1
     base = tl.load(peer_ptrs + rank)
-    arrivals = chunk * NUM_RANKS * 8  # byte offset of this chunk's arrival flags
-    if pid == 0:  # this rank's copies of the chunk precede this launch: say so to each peer
-        fence_system()
-        theirs = tl.load(peer_ptrs + ranks, mask=peers, other=0) + arrivals + rank * 8
-        tl.atomic_xchg(
-            theirs.to(tl.pointer_type(tl.int64)),
-            call + tl.zeros((BLOCK_RANKS,), tl.int64),
-            mask=peers,
-            sem="release",
-            scope="sys",
-        )
+    # Each peer's copy stream sets this chunk's flag of it to 1 after its copies (no SM: the
+    # flags are there while this launch waits for SMs, whatever the peers' SMs are doing).
+    arrivals = (base + chunk * NUM_RANKS * 8 + ranks * 8).to(tl.pointer_type(tl.int64))
     # After a wait that gave up (the last call's, say) nothing copied can be trusted.
     trusted = tl.load(status_ptr, volatile=True) != STATUS_TIMEOUT
     limit = limit_ns(timeout_us, status_ptr)
-    targets = call + tl.zeros((BLOCK_RANKS,), tl.int64)
-    arrived, ok = wait_all_at_least(
-        (base + arrivals + ranks * 8).to(tl.pointer_type(tl.int64)),
-        targets,
-        peers,
-        limit,
-        USE_CLOCK,
-    )
+    ones = tl.full((BLOCK_RANKS,), 1, tl.int64)
+    arrived, ok = wait_all_at_least(arrivals, ones, peers, limit, USE_CLOCK)
     if not ok:
-        peer = first_lane(peers & (arrived < targets), ranks)
+        peer = first_lane(peers & (arrived < ones), ranks)
         record_timeout(status_ptr, peer, COPY_COMBINE_RECV, limit)
-    came = (ranks == rank) | ((arrived >= targets) & trusted)
+    came = (ranks == rank) | ((arrived >= ones) & trusted)
 
     first = pid * BLOCK_TOKENS
     tokens = first + tl.arange(0, BLOCK_TOKENS)
@@ -294,6 +284,12 @@ def copy_combine_sum(
     if chunk == CHUNKS - 1:
         finished = tl.atomic_add(state_ptr + ARRIVALS, 1, sem="acq_rel", scope="gpu")
         if finished == tl.num_programs(0) - 1:
+            # Every launch of the call has read the arrival flags: clear them for the next
+            # call's (whose copies come only once this rank's done flag below is seen).
+            for c in tl.static_range(CHUNKS):
+                cleared = (base + (c * NUM_RANKS + ranks) * 8).to(tl.pointer_type(tl.int64))
+                tl.store(cleared, tl.zeros((BLOCK_RANKS,), tl.int64), mask=peers)
+            targets = call + tl.zeros((BLOCK_RANKS,), tl.int64)
             theirs = tl.load(peer_ptrs + ranks, mask=peers, other=0) + DONE_OFFSET + rank * 8
             tl.atomic_xchg(
                 theirs.to(tl.pointer_type(tl.int64)),

@@ -7,8 +7,9 @@ made with ``copy_combine_tokens``. Per call:
 1. for each of :data:`CHUNKS` chunks, one copy per peer, in turn (copy engines): that chunk of
    the rows this rank received from the peer (contiguous in ``x``, in token order; with the
    first chunk, their weights), into this rank's slot of the peer's region (free: the previous
-   call's sums ended only once every peer had read it); the first chunk's on the caller's
-   stream, the others on a stream of their own after them;
+   call's sums ended only once every peer had read it), then this rank's arrival flag of the
+   chunk at every peer (a stream memory operation); the first chunk's on the caller's stream,
+   the others on a stream of their own after them;
 2. on the caller's stream, after each chunk's copies,
    :func:`~tritonep.kernels.normal_copy_combine.copy_combine_sum`: the tokens whose rows have
    all come with that chunk, the peers' rows and this rank's own (read in place) summed in rank
@@ -101,6 +102,11 @@ class CopyCombine:
                 (capacity * max_topk,),
                 self.layout.weights + slot * capacity * max_topk * 4,
             )
+        # This rank's arrival flag of each chunk at each peer: set to 1 after the chunk's copies.
+        self._arrived = {
+            s: [self.heap.view(s, torch.int64, (1,), (c * R + me) * 8) for c in range(self.chunks)]
+            for s in self.peers
+        }
         gpu = self.device.type == "cuda"
         self._gpu = gpu
         self._device_index = self.device.index if gpu else -1
@@ -108,6 +114,12 @@ class CopyCombine:
         self._weights_at = {s: view.data_ptr() for s, view in self._weights_to.items()}
         self._driver = _Driver.load() if gpu else None
         self._events: list[int] = []
+        if self._driver is not None:
+            # Each chunk's flag writes, made once: one driver call per chunk and call.
+            self._signals = [
+                self._driver.writes([self._arrived[s][c].data_ptr() for s in self.peers], 1)
+                for c in range(self.chunks)
+            ]
         if self._driver is not None and self.chunks > 1:
             # The copies' own stream, and the events that order it with the caller's: one after
             # each chunk's copies.
@@ -214,8 +226,9 @@ class CopyCombine:
     def _copy(self, x, topk_weights, K: int, rows, starts, chunk: int, stream) -> None:
         """Chunk ``chunk`` of each peer's rows (with the first, all their weights) into this
         rank's slot of its region: one copy per peer on ``stream`` (None: the caller's), in
-        turn (:attr:`peers`' order), straight through the driver (:class:`_Driver`); on CPU
-        ranks plain copies."""
+        turn (:attr:`peers`' order), straight through the driver (:class:`_Driver`), then this
+        rank's arrival flag of the chunk at every peer; on CPU ranks plain copies and
+        stores."""
         driver, chunks = self._driver, self.chunks
         if driver is None:
             for s in self.peers:
@@ -225,6 +238,8 @@ class CopyCombine:
                     self._rows_to[s][lo:hi].copy_(x[a + lo : a + hi])
                 if chunk == 0 and n and topk_weights is not None:
                     self._weights_to[s][: n * K].copy_(topk_weights[a : a + n].view(n * K))
+            for s in self.peers:
+                self._arrived[s][chunk].fill_(1)
             return
         if stream is None:
             stream = torch._C._cuda_getCurrentRawStream(self._device_index)
@@ -242,6 +257,8 @@ class CopyCombine:
                 )
             if w_at and n:
                 driver.copy(self._weights_at[s], w_at + a * K * 4, n * K * 4, stream)
+        if self.peers:
+            driver.signal(stream, self._signals[chunk])
 
     def destroy(self) -> None:
         """Release the region (collective)."""
@@ -250,6 +267,23 @@ class CopyCombine:
                 self._driver.destroy_event(event)
         self._events = []
         self.heap.close()
+
+
+#: ``CU_STREAM_MEM_OP_WRITE_VALUE_32``.
+_WRITE_VALUE_32 = 2
+
+
+class _MemOp(ctypes.Structure):
+    """``CUstreamBatchMemOpParams`` as a write of a value (48 bytes, as the union is)."""
+
+    _fields_ = [
+        ("operation", ctypes.c_uint32),
+        ("address", ctypes.c_uint64),
+        ("value", ctypes.c_uint64),
+        ("flags", ctypes.c_uint32),
+        ("alias", ctypes.c_uint64),
+        ("pad", ctypes.c_uint64),
+    ]
 
 
 class _Driver:
@@ -271,7 +305,9 @@ class _Driver:
         self._wait.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
         self._destroy = lib.cuEventDestroy_v2
         self._destroy.argtypes = [ctypes.c_void_p]
-        for f in (self._memcpy, self._create, self._record, self._wait, self._destroy):
+        self._batch = lib.cuStreamBatchMemOp_v2
+        self._batch.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p, ctypes.c_uint]
+        for f in (self._memcpy, self._create, self._record, self._wait, self._destroy, self._batch):
             f.restype = ctypes.c_int
 
     @classmethod
@@ -299,6 +335,20 @@ class _Driver:
         """Make the work queued next on ``stream`` wait for ``event``'s (stream capture
         follows it, forking and joining streams as torch's own waits do)."""
         self._check(self._wait(stream, event, 0), "cuStreamWaitEvent")
+
+    @staticmethod
+    def writes(addresses: list[int], value: int):
+        """Stream memory operations that store the 32-bit ``value`` at each address (the low
+        word of an int64 flag), each after the work before it on the stream is done and
+        visible (the driver's default: a system-wide fence first); :meth:`signal` issues them."""
+        ops = (_MemOp * len(addresses))()
+        for op, address in zip(ops, addresses, strict=True):
+            op.operation, op.address, op.value = _WRITE_VALUE_32, address, value
+        return ops
+
+    def signal(self, stream: int, ops) -> None:
+        """Issue ``ops`` (:meth:`writes`) on ``stream``, in one driver call."""
+        self._check(self._batch(stream, len(ops), ops, 0), "cuStreamBatchMemOp")
 
     def destroy_event(self, event: int) -> None:
         self._check(self._destroy(event), "cuEventDestroy")
