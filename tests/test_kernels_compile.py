@@ -339,6 +339,7 @@ KERNELS.append(
             BLOCK_RANKS=4,
             BLOCK_K=8,
             SCAN_TOKENS=copy_combine._SCAN_TOKENS[True],
+            X_ALIGNED=True,
         ),
         {"num_warps": copy_combine._NUM_WARPS, "enable_fp_fusion": False},
     )
@@ -905,6 +906,16 @@ def _id(kernel):
 @pytest.mark.parametrize("kernel", KERNELS, ids=[_id(k) for k in KERNELS])
 def test_compiles_for_sm90(kernel):
     assert ".target sm_90" in compile_ptx(*kernel)
+
+
+def test_copy_engine_sums_read_rows_in_16_byte_vectors():
+    """The sums of the combine over copy engines load every row, the peers' in the region and
+    this rank's own in x, 16 bytes an instruction (not a BF16 value: the own rows' pointer once
+    chosen by ``tl.where`` beside the region's hid the alignment of both)."""
+    ptx = compile_ptx(*next(k for k in KERNELS if k[1] == "copy_combine_sum"))
+    assert "ld.global.cg.v4.b32" in ptx
+    assert not re.search(r"ld\.global[.\w]*\.b16", ptx)
+    assert "fma.rn.f32" not in ptx  # sums only, as the reference adds
 
 
 def test_low_latency_payload_moves_in_16_byte_vectors():

@@ -107,6 +107,7 @@ def _normal_body(
     config,
     copy_tokens=0,
     copy_chunks=None,
+    misaligned_x=False,
 ):
     R, me = ctx.world_size, ctx.rank
     experts *= R
@@ -146,6 +147,8 @@ def _normal_body(
         # Combine: every rank hands back a known function of what it received.
         bias = (case.x[me] * 0.5).to(torch.bfloat16).to(ctx.device)
         y = _combine_input(out, me)
+        if misaligned_x:  # the same values 2 bytes past a 16-byte boundary
+            y = torch.empty(y.numel() + 1, dtype=y.dtype, device=y.device)[1:].view_as(y).copy_(y)
         combined, combined_w = mode.combine(y, out.handle, out.recv_topk_weights, bias)
         _verify(ctx, case, xs, out, combined, combined_w, experts, alignment, worst, True)
 
@@ -158,6 +161,8 @@ def _normal_body(
         ref.assert_rows_equal(again.recv_x, want.recv_x, want.num_recv_tokens, "cached x")
     if copy_tokens:  # exact-size handles take the copy engines, worst-case ones the rings
         assert int(mode.copy_combine.state[0]) == (0 if worst else calls)
+        # (the sums' variants, by the input's alignment: the last field of their keys)
+        assert [key[-1] for key in mode.copy_combine._sums] == [not misaligned_x] * (not worst)
     mode.check()
     mode.destroy()
     return True
@@ -200,12 +205,13 @@ def test_copy_engine_combine_matches_reference(run_ranks, num_ranks, name):
     assert run_ranks(num_ranks, _normal_body, *args) == [True] * num_ranks
 
 
-@pytest.mark.parametrize("chunks", [1, 3])
-def test_copy_engine_combine_in_chunks_matches_reference(run_ranks, chunks):
+@pytest.mark.parametrize("chunks, misaligned", [(1, True), (3, False)])
+def test_copy_engine_combine_in_chunks_matches_reference(run_ranks, chunks, misaligned):
     # One copy per peer and call, or three: more chunks than some sources have rows (empty
-    # chunks), tokens summed by the launch after their last row's chunk.
+    # chunks), tokens summed by the launch after their last row's chunk. An input off a
+    # 16-byte boundary takes the sums' other way to this rank's own rows.
     tokens, hidden, experts, topk, routing, fp8, worst = CASES["bf16-random"]
-    args = (2, tokens, hidden, experts, topk, routing, fp8, worst, None, 16, chunks)
+    args = (2, tokens, hidden, experts, topk, routing, fp8, worst, None, 16, chunks, misaligned)
     assert run_ranks(3, _normal_body, *args) == [True] * 3
 
 

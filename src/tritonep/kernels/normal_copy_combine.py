@@ -131,6 +131,7 @@ class SumVariant(NamedTuple):
     BLOCK_RANKS: int
     BLOCK_K: int
     SCAN_TOKENS: int
+    X_ALIGNED: bool
 
 
 @triton.jit
@@ -192,6 +193,7 @@ def copy_combine_sum(
     BLOCK_RANKS: tl.constexpr,  # NUM_RANKS as a power of two (at least 2)
     BLOCK_K: tl.constexpr,  # power of two >= max(K, 2)
     SCAN_TOKENS: tl.constexpr,  # tokens of is_token_in_rank read at a time by the scan
+    X_ALIGNED: tl.constexpr,  # x's rows start at 16-byte boundaries
 ):
     pid = tl.program_id(0)
     ranks = tl.arange(0, BLOCK_RANKS)
@@ -233,6 +235,14 @@ def copy_combine_sum(
     src = base + ROWS_OFFSET + (slot + pos) * (2 * H)
     wsrc = base + WEIGHTS_OFFSET + (slot * MAX_TOPK + pos * K) * 4
     own_row = own_start + lane(pos, ranks, rank)
+    if X_ALIGNED:
+        # This rank's rows (in x) and weights join the peers' as addresses in the same
+        # tensors, which the sums take as 16-byte aligned: a pointer chosen between x and the
+        # region would leave Triton unsure of either's alignment, and the loads of every row
+        # one BF16 value an instruction.
+        own = (ranks == rank)[None, :]
+        src = tl.where(own, (x_ptr.to(tl.int64) + own_row * (2 * H))[:, None], src)
+        wsrc = tl.where(own, (weights_ptr.to(tl.int64) + own_row * K * 4)[:, None], wsrc)
     ready = hit * came.to(tl.int32)[None, :]
     if tl.max(tmask.to(tl.int32), 0) > 0:  # (a block with no token of this chunk skips)
         sum_step(
@@ -254,7 +264,7 @@ def copy_combine_sum(
             NUM_RANKS,
             HAS_WEIGHTS,
             NUM_BIAS,
-            True,
+            not X_ALIGNED,  # LOCAL: own rows from x_ptr, where their addresses are not in src
             USE_CLOCK,
             BLOCK_TOKENS,
             BLOCK_WORDS,

@@ -143,7 +143,9 @@ class CopyCombine:
             ncc.SumShared(self.heap.peer_ptrs, self.state, self.status.words, self.rank, value)
         )
 
-    def _sum_plan(self, has_weights: bool, num_bias: int, block_k: int) -> KernelLaunch:
+    def _sum_plan(
+        self, has_weights: bool, num_bias: int, block_k: int, x_aligned: bool
+    ) -> KernelLaunch:
         gpu = self._gpu
         variant = ncc.SumVariant(
             H=self.hidden,
@@ -162,13 +164,14 @@ class CopyCombine:
             BLOCK_RANKS=self._lanes,
             BLOCK_K=block_k,
             SCAN_TOKENS=_SCAN_TOKENS[gpu],
+            X_ALIGNED=x_aligned,
         )
         # (No fused multiply-adds, as in the rings' sums: the kernel only adds.)
         meta = {**variant._asdict(), "num_warps": _NUM_WARPS, "enable_fp_fusion": False}
         fields = ncc.SumCall._fields
         pointers = tuple(i for i, name in enumerate(fields) if name.endswith("_ptr"))
         plan = KernelLaunch(ncc.copy_combine_sum, (1,), meta, fields, pointers, self.state)
-        self._sums[(has_weights, num_bias, block_k)] = plan
+        self._sums[(has_weights, num_bias, block_k, x_aligned)] = plan
         return plan
 
     def __call__(self, x, handle, topk_weights, terms: tuple, K: int, block_k: int, out, out_w):
@@ -187,7 +190,9 @@ class CopyCombine:
         starts = [0] * self.num_ranks
         for s in range(1, self.num_ranks):
             starts[s] = starts[s - 1] + rows[s - 1]
-        key = (topk_weights is not None, len(terms), block_k)
+        # Rows of x at 16-byte boundaries (as a fresh tensor's are) are read 16 bytes a load.
+        x_aligned = x.data_ptr() % 16 == 0 and self.hidden % 8 == 0
+        key = (topk_weights is not None, len(terms), block_k, x_aligned)
         plan = self._sums.get(key) or self._sum_plan(*key)
         call = ncc.SumCall(
             x_ptr=x,
