@@ -24,9 +24,17 @@ def _run(tmp_path, mode, *extra):
 
 def test_normal_sweep_with_comparison(tmp_path, capfd):
     rows = _run(
-        tmp_path, "normal", "--tokens", "4,12", "--compare", "tritonep.deep_ep", "--copy-combine"
+        tmp_path,
+        "normal",
+        "--tokens",
+        "4,12",
+        "--compare",
+        "tritonep.deep_ep",
+        "--copy-chunks",
+        "1,3",
     )
-    assert [r["tokens"] for r in rows] == [4, 12]
+    assert [r["tokens"] for r in rows] == [4, 12, 4, 12]
+    assert [r["copy_chunks"] for r in rows] == [1, 1, 3, 3]
     on_cpu = rows[0]["device"] == report.INTERPRETER
     assert {r["device"] for r in rows} == {report.INTERPRETER if on_cpu else "cuda"}
     for row in rows:
@@ -153,21 +161,22 @@ def test_overlap_rows_cover_every_path_operation_priority_and_order(tmp_path):
     one launched second ends after the other)."""
     rows = _run(
         tmp_path, "overlap", "--tokens", "8", "--tune", "epilogue_sms=1", "--carveout", "8",
-        "--start", "queued", "--blas", "cublaslt",
+        "--start", "queued", "--blas", "cublaslt", "--copy-chunks", "1,2",
     )  # fmt: skip
     combos = {(r["path"], r["op"], r["priority"], r["order"]) for r in rows}
-    # 2 operations x 2 priorities x orders: the rings' 2, each slots path's 3; the copies'
-    # combine only, in 2 orders
-    assert len(rows) == len(combos) == 4 * (2 + 3 + 3) + 2 * 2
+    # 2 operations x 2 priorities x orders: the rings' 2, each slots path's 3; each copies
+    # path's (one a chunk count) combine only, in 2 orders
+    assert len(rows) == len(combos) == 4 * (2 + 3 + 3) + 2 * (2 * 2)
     assert {r["start"] for r in rows} == {"queued"}  # (the device-side wait: on GPUs only)
-    assert {c[0] for c in combos} == {"rings", "copies", "slots", "slots[epilogue_sms=1]"}
-    assert {c[1] for c in combos if c[0] == "copies"} == {"combine"}
+    paths = {"rings", "copies[1]", "copies[2]", "slots", "slots[epilogue_sms=1]"}
+    assert {c[0] for c in combos} == paths
+    assert {c[1] for c in combos if c[0].startswith("copies")} == {"combine"}
     deferred = {c[0] for c in combos if c[3] == "gemm-first-deferred"}
     assert deferred == {"slots", "slots[epilogue_sms=1]"}  # (the rings have no epilogue)
     assert {c[1] for c in combos} == {"dispatch", "combine"}
     for row in rows:
         assert row["mode"] == "overlap" and row["gemm"] == 64
-        assert (row["sms"] == 0) == (row["path"] == "copies")  # (copy engines: no SM moves)
+        assert (row["sms"] == 0) == row["path"].startswith("copies")  # (no SM moves rows)
         assert row["carveout"] == 8 and row["blas"] == "cublaslt"
         for key in ("gemm_full_us", "gemm_alone_us", "comm_alone_us", "gemm_us", "comm_us"):
             assert row[key] > 0, key

@@ -245,6 +245,12 @@ def _parser() -> argparse.ArgumentParser:
                 action="store_true",
                 help="also time the combine over copy engines (NormalMode copy_combine_tokens)",
             )
+            p.add_argument(
+                "--copy-chunks",
+                help="chunks of the combine over copy engines to time, e.g. 1,2 (each a mode "
+                "of its own: tritonep.modes.copy_combine.CHUNKS; implies --copy-combine; "
+                "default: the module's)",
+            )
         elif mode == "low-latency":
             p.add_argument("--bf16", action="store_true", help="dispatch BF16 instead of FP8")
             p.add_argument(
@@ -288,6 +294,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="CONFIG",
         help="also time the slots under this elastic Tuning, e.g. epilogue_sms=16 "
         "(repeatable; default: none)",
+    )
+    o.add_argument(
+        "--copy-chunks",
+        help="chunk counts of the combine over copy engines, e.g. 1,2: a path copies[C] each "
+        "(tritonep.modes.copy_combine.CHUNKS; default: one path, copies, of the module's)",
     )
     o.add_argument(
         "--carveout",
@@ -387,7 +398,8 @@ def _options(args: argparse.Namespace, on_gpu: bool) -> types.SimpleNamespace:
         opts.sms = _ints(args.sms or CONFIG_DEFAULTS["sms"][pick])
         opts.chunk = _ints(args.chunk)
         opts.ring = _ints(args.ring or CONFIG_DEFAULTS["ring"][pick])
-        opts.copy_combine = args.copy_combine
+        opts.copy_combine = args.copy_combine or bool(args.copy_chunks)
+        opts.copy_chunks = _ints(args.copy_chunks) if args.copy_chunks else [None]
     elif args.mode == "low-latency":
         opts.bf16 = args.bf16
         opts.logfmt = args.logfmt
@@ -396,6 +408,7 @@ def _options(args: argparse.Namespace, on_gpu: bool) -> types.SimpleNamespace:
         opts.gemm = args.gemm or int(CONFIG_DEFAULTS["gemm"][pick])
         opts.ring = int(CONFIG_DEFAULTS["ring"][pick])
         opts.tune = args.tune
+        opts.copy_chunks = _ints(args.copy_chunks) if args.copy_chunks else []
         opts.carveout = _ints(args.carveout)
         from .overlap import STARTS
 

@@ -6,7 +6,8 @@ ranks), after warm-up:
 * dispatch in cached mode (the layout of an earlier call: what DeepEP's tests time), BF16 and
   FP8; and the full dispatch (notify, the host read of the received count, and the payload);
 * combine of the BF16 rows (with ``--copy-combine`` also over copy engines: ``copy_combine_us``,
-  ``graph_copy_combine_us``);
+  ``graph_copy_combine_us``, and its ``copy_chunks``; ``--copy-chunks 1,2`` makes a mode per
+  chunk count);
 * cached dispatch and combine replayed from a CUDA graph (device time, no launch overhead);
 * the ``torch`` backend (NCCL ``all_to_all_single`` with its permutes and host sync), same
   inputs, same run;
@@ -19,6 +20,7 @@ remote bytes (received from other ranks) over time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 
@@ -125,31 +127,58 @@ def _point(ctx, mode, baseline, rival, opts, num_tokens, topk, config):
 
 def normal_rank(ctx, opts, progress):
     """Every point of the sweep on this rank: a list of rows (rank-averaged)."""
-    from ..modes.normal import Config, NormalMode
+    from ..modes.normal import Config
     from ..torch_backend import TorchBackend
 
     baseline = TorchBackend()
     rival = compare.load(opts.compare, ctx.rank)
     rows = []
-    for hidden, experts, topk in itertools.product(opts.hidden, opts.experts, opts.topk):
-        mode = NormalMode(
-            None,
-            hidden,
-            experts,
-            max_topk=max(topk, 2),
-            device=ctx.device,
-            check_ids=False,
-            max_sms=max(opts.sms),
-            ring_tokens=max(opts.ring),
-            copy_combine_tokens=max(opts.tokens) if getattr(opts, "copy_combine", False) else 0,
-        )
+    sweep = itertools.product(
+        getattr(opts, "copy_chunks", [None]), opts.hidden, opts.experts, opts.topk
+    )
+    for copy_chunks, hidden, experts, topk in sweep:
+        with _copy_chunks(copy_chunks):  # (read when the mode is made)
+            mode = _mode(ctx, opts, hidden, experts, topk)
         for tokens, sms, chunk, ring in itertools.product(
             opts.tokens, opts.sms, opts.chunk, opts.ring
         ):
             config = Config(num_sms=sms, nvl_send_chunk=chunk, nvl_recv_buffer_tokens=ring)
             row = _point(ctx, mode, baseline, rival, opts, tokens, topk, config)
             row.update(chunk=chunk, ring=ring)
+            if mode.copy_combine is not None:
+                row["copy_chunks"] = mode.copy_combine.chunks
             rows.append(row)
             progress(row)
         mode.destroy()
     return rows
+
+
+@contextlib.contextmanager
+def _copy_chunks(chunks: int | None):
+    """:data:`tritonep.modes.copy_combine.CHUNKS` set to ``chunks`` (None: left as it is)."""
+    from ..modes import copy_combine
+
+    saved = copy_combine.CHUNKS
+    if chunks is not None:
+        copy_combine.CHUNKS = chunks
+    try:
+        yield
+    finally:
+        copy_combine.CHUNKS = saved
+
+
+def _mode(ctx, opts, hidden: int, experts: int, topk: int):
+    """The sweep's mode for one (hidden, experts, top-k)."""
+    from ..modes.normal import NormalMode
+
+    return NormalMode(
+        None,
+        hidden,
+        experts,
+        max_topk=max(topk, 2),
+        device=ctx.device,
+        check_ids=False,
+        max_sms=max(opts.sms),
+        ring_tokens=max(opts.ring),
+        copy_combine_tokens=max(opts.tokens) if getattr(opts, "copy_combine", False) else 0,
+    )

@@ -8,7 +8,8 @@ slows the GEMM beside it, and one that waits for SMs the GEMM holds finishes lat
   SMs) or ``slots`` (:class:`~tritonep.deep_ep.ElasticBuffer`: fixed receive slots, its
   push on its default SMs, a copy or reduce epilogue on every SM), and for the combine
   ``copies`` (the rings' mode combining over copy engines: ``copy_combine_tokens``, no SM
-  moving rows, the sums on every SM); with ``--tune CONFIG``
+  moving rows, the sums on every SM; with ``--copy-chunks 1,2`` a path ``copies[C]`` per chunk
+  count instead); with ``--tune CONFIG``
   also ``slots[CONFIG]``, the same calls under :meth:`~tritonep.modes.elastic.Tuning.of`
   ``(CONFIG)`` (``epilogue_sms=16``: the epilogues on the push's SMs);
 * ``op``: a cached dispatch (BF16, the layout of an earlier call) or a combine;
@@ -167,6 +168,7 @@ def _paths(ctx, opts, x, idx, w, E, K):
     event its epilogue waits for, or None), its SM count and the elastic ``Tuning`` its calls
     take (None: the default); then what releases the buffers."""
     from ..deep_ep import ElasticBuffer
+    from ..modes.copy_combine import CopyCombine
     from ..modes.elastic import Tuning
     from ..modes.normal import Config, NormalMode
 
@@ -198,8 +200,26 @@ def _paths(ctx, opts, x, idx, w, E, K):
             opts.sms,
             None,
         ),
-        "copies": (None, lambda after: rings.combine(y, copied), 0, None),  # (combine only)
     }
+    # The combine over copy engines (no dispatch path): the mode's own, or one per chunk
+    # count asked for, each swapped into the mode for its calls.
+    copy_combines = {"copies": rings.copy_combine}
+    for chunks in getattr(opts, "copy_chunks", []):
+        copy_combines[f"copies[{chunks}]"] = CopyCombine(
+            rings.group, H, max(K, 2), T, rings.device, rings.status, rings._timeout_us, chunks
+        )
+    if len(copy_combines) > 1:
+        del copy_combines["copies"]
+
+    def combine_over(copy_combine):
+        def call(after):
+            rings.copy_combine = copy_combine
+            return rings.combine(y, copied)
+
+        return call
+
+    for name, copy_combine in copy_combines.items():
+        paths[name] = (None, combine_over(copy_combine), 0, None)
     for tune in ["", *opts.tune]:
         paths[f"slots[{tune}]" if tune else "slots"] = (
             lambda after: slots.dispatch(
@@ -209,7 +229,16 @@ def _paths(ctx, opts, x, idx, w, E, K):
             slot_handle.num_sms,
             Tuning.of(tune) if tune else None,
         )
-    return paths, (rings.destroy, slots.destroy)
+    own = rings.copy_combine
+
+    def teardown():
+        for copy_combine in copy_combines.values():
+            if copy_combine is not own and copy_combine is not None:
+                copy_combine.destroy()
+        rings.copy_combine = own
+        rings.destroy()
+
+    return paths, (teardown, slots.destroy)
 
 
 def _point(ctx, opts, T, H, E, K) -> list[dict]:
