@@ -23,7 +23,6 @@ from tritonep import reference as ref
 from tritonep.errors import WaitTimeoutError
 from tritonep.heap import shared_gpu
 from tritonep.kernels.normal_copy_combine import chunk_start, row_chunk
-from tritonep.modes import copy_combine
 from tritonep.modes import normal as nm
 from tritonep.testing import make_case, static_inputs, tag_rows, timeout_message
 
@@ -111,8 +110,6 @@ def _normal_body(
 ):
     R, me = ctx.world_size, ctx.rank
     experts *= R
-    if copy_chunks is not None:  # (this rank's process only)
-        copy_combine.CHUNKS = copy_chunks
     mode = nm.NormalMode(
         None,
         hidden,
@@ -121,6 +118,7 @@ def _normal_body(
         device=ctx.device,
         timeout_s=60,
         copy_combine_tokens=copy_tokens,
+        copy_combine_chunks=copy_chunks,
     )
     if copy_tokens:  # rows and weights of the copy-engine combine's region: NaN until copied
         region = mode.copy_combine
@@ -242,6 +240,11 @@ def _copy_limits_body(ctx):
     regions of the copy-engine combine hold that many rows per source); so does a bad value."""
     with pytest.raises(ValueError, match="copy_combine_tokens: expected an int >= 0"):
         nm.NormalMode(None, 128, 2 * ctx.world_size, device=ctx.device, copy_combine_tokens=-1)
+    with pytest.raises(ValueError, match="copy_combine_chunks: expected an int >= 1, got 0"):
+        nm.NormalMode(
+            None, 128, 2 * ctx.world_size, device=ctx.device, copy_combine_tokens=4,
+            copy_combine_chunks=0,
+        )  # fmt: skip
     mode = nm.NormalMode(None, 128, 2 * ctx.world_size, device=ctx.device, copy_combine_tokens=4)
     x = torch.zeros(5, 128, dtype=torch.bfloat16, device=ctx.device)
     idx = torch.zeros(5, 2, dtype=torch.int64, device=ctx.device)

@@ -20,7 +20,6 @@ remote bytes (received from other ranks) over time.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 
@@ -137,8 +136,7 @@ def normal_rank(ctx, opts, progress):
         getattr(opts, "copy_chunks", [None]), opts.hidden, opts.experts, opts.topk
     )
     for copy_chunks, hidden, experts, topk in sweep:
-        with _copy_chunks(copy_chunks):  # (read when the mode is made)
-            mode = _mode(ctx, opts, hidden, experts, topk)
+        mode = _mode(ctx, opts, hidden, experts, topk, copy_chunks)
         for tokens, sms, chunk, ring in itertools.product(
             opts.tokens, opts.sms, opts.chunk, opts.ring
         ):
@@ -153,22 +151,8 @@ def normal_rank(ctx, opts, progress):
     return rows
 
 
-@contextlib.contextmanager
-def _copy_chunks(chunks: int | None):
-    """:data:`tritonep.modes.copy_combine.CHUNKS` set to ``chunks`` (None: left as it is)."""
-    from ..modes import copy_combine
-
-    saved = copy_combine.CHUNKS
-    if chunks is not None:
-        copy_combine.CHUNKS = chunks
-    try:
-        yield
-    finally:
-        copy_combine.CHUNKS = saved
-
-
-def _mode(ctx, opts, hidden: int, experts: int, topk: int):
-    """The sweep's mode for one (hidden, experts, top-k)."""
+def _mode(ctx, opts, hidden: int, experts: int, topk: int, copy_chunks: int | None):
+    """The sweep's mode for one (hidden, experts, top-k, chunks of the copy-engine combine)."""
     from ..modes.normal import NormalMode
 
     return NormalMode(
@@ -181,4 +165,5 @@ def _mode(ctx, opts, hidden: int, experts: int, topk: int):
         max_sms=max(opts.sms),
         ring_tokens=max(opts.ring),
         copy_combine_tokens=max(opts.tokens) if getattr(opts, "copy_combine", False) else 0,
+        copy_combine_chunks=copy_chunks,
     )

@@ -168,6 +168,7 @@ def _paths(ctx, opts, x, idx, w, E, K):
     event its epilogue waits for, or None), its SM count and the elastic ``Tuning`` its calls
     take (None: the default); then what releases the buffers."""
     from ..deep_ep import ElasticBuffer
+    from ..kernels.sync import timeout_us
     from ..modes.copy_combine import CopyCombine
     from ..modes.elastic import Tuning
     from ..modes.normal import Config, NormalMode
@@ -204,9 +205,10 @@ def _paths(ctx, opts, x, idx, w, E, K):
     # The combine over copy engines (no dispatch path): the mode's own, or one per chunk
     # count asked for, each swapped into the mode for its calls.
     copy_combines = {"copies": rings.copy_combine}
+    limit_us = timeout_us(rings.timeout_s)
     for chunks in getattr(opts, "copy_chunks", []):
         copy_combines[f"copies[{chunks}]"] = CopyCombine(
-            rings.group, H, max(K, 2), T, rings.device, rings.status, rings._timeout_us, chunks
+            rings.group, H, max(K, 2), T, rings.device, rings.status, limit_us, chunks
         )
     if len(copy_combines) > 1:
         del copy_combines["copies"]

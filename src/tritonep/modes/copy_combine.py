@@ -43,10 +43,10 @@ _BLOCK_ELEMS = {True: 512, False: 64}
 _SCAN_TOKENS = {True: 1024, False: 16}
 #: Warps of a program of the sum kernel.
 _NUM_WARPS = 4
-#: Copies per peer and call, each followed by a launch of the sums (the same on every rank;
-#: read when a mode is made). On 2x H200 two took 216-218 us a combine against 222 for one,
-#: but about 65 us more host time a call: from a host start beside a GEMM one did better
-#: (1.13-1.16x the GEMM alone against 1.19-1.21x).
+#: Copies per peer and call, each followed by a launch of the sums: the default of
+#: ``NormalMode(copy_combine_chunks=...)``, read when a mode is made. On 2x H200 two took
+#: 216-218 us a combine against 222 for one, but about 65 us more host time a call: from a
+#: host start beside a GEMM one did better (1.13-1.16x the GEMM alone against 1.19-1.21x).
 CHUNKS = 2
 
 

@@ -100,6 +100,7 @@ from ..validation import (
 from ..validation import (
     plain_tensor as _plain,
 )
+from . import copy_combine
 from .copy_combine import CopyCombine
 from .outputs import empty_output
 from .trace import TraceRecorder
@@ -741,6 +742,9 @@ class NormalMode:
             copy engines (:mod:`tritonep.modes.copy_combine`: no SM moves a row), and no
             dispatch may carry more tokens than this; reserves ``(R - 1) *
             copy_combine_tokens * (2 * hidden + 4 * max_topk)`` bytes of symmetric memory.
+        copy_combine_chunks: copies per peer and call of that combine, each followed by a
+            launch of its sums (default: :data:`tritonep.modes.copy_combine.CHUNKS`; the same
+            on every rank).
     """
 
     #: The class of the handles dispatches return (a subclass's, such as DeepEP's tuple-like
@@ -764,9 +768,12 @@ class NormalMode:
         notify_extra: int = 0,
         rank_names: list[int] | None = None,
         copy_combine_tokens: int = 0,
+        copy_combine_chunks: int | None = None,
     ):
         self.group = default_group(group)
         self.label = label
+        if copy_combine_chunks is None:  # (resolved here: the ranks must agree on the value)
+            copy_combine_chunks = copy_combine.CHUNKS
         check_ranks_agree(
             self.group,
             "NormalMode",
@@ -778,6 +785,7 @@ class NormalMode:
             staged=staged,
             notify_extra=notify_extra,
             copy_combine_tokens=copy_combine_tokens,
+            copy_combine_chunks=copy_combine_chunks,
             device_type=torch.device(device).type if device is not None else None,
         )
         self.rank = dist.get_rank(self.group)
@@ -864,6 +872,12 @@ class NormalMode:
             raise ValueError(
                 f"copy_combine_tokens: expected an int >= 0, got {copy_combine_tokens!r}"
             )
+        if copy_combine_chunks is not None and (
+            type(copy_combine_chunks) is not int or copy_combine_chunks < 1
+        ):
+            raise ValueError(
+                f"copy_combine_chunks: expected an int >= 1, got {copy_combine_chunks!r}"
+            )
         #: The copy-engine combine (``copy_combine_tokens``), or None.
         self.copy_combine: CopyCombine | None = None
         #: The most tokens a dispatch may carry.
@@ -878,6 +892,7 @@ class NormalMode:
                 self.device,
                 self.status,
                 self._timeout_us,
+                copy_combine_chunks,
             )
         #: Kernel traces (``profile=True``): :meth:`TraceRecorder.dump` writes them.
         self.trace = TraceRecorder.of(profile, self.rank, self.device, on_gpu)
