@@ -525,6 +525,7 @@ NORMAL_COMBINE_META = dict(
     AWAIT=False,
     PUBLISH=False,
     LOCAL=True,
+    X_ALIGNED=True,
     ROW_MAP=False,
     RELEASE_STEPS=1,
     USE_CLOCK=True,
@@ -614,6 +615,14 @@ for module, name, sig, meta, options in [
             "BLOCK_SCALES": 2,
         },
         DISPATCH_OPTIONS,
+    ),
+    # A combine input off a 16-byte boundary: own rows read from x by pointer
+    (
+        "normal_combine",
+        "normal_combine_kernel",
+        NORMAL_COMBINE,
+        {**NORMAL_COMBINE_META, "X_ALIGNED": False},
+        COMBINE_OPTIONS,
     ),
     # The staged transport of the internode rail leg (copies from the mirror rings)
     ("normal_notify", "notify_kernel", NOTIFY, {**NOTIFY_META, "VIA": 1}, {}),
@@ -896,6 +905,7 @@ def _id(kernel):
     packed += "-h2880" if meta.get("ROW_WORDS") == 720 else ""
     packed += "-one-token" if meta.get("ONE_TOKEN") else ""
     packed += "-exchange" if meta.get("EXCHANGE") else ""
+    packed += "-unaligned-x" if meta.get("X_ALIGNED") is False else ""
     packed += "-host-copy" if meta.get("HOST_COPY") else ""
     packed += "-histograms" if meta.get("COUNT_BY_ADDS") is False else ""
     packed += "-tma" if meta.get("VIA_TMA") else ""
@@ -908,11 +918,13 @@ def test_compiles_for_sm90(kernel):
     assert ".target sm_90" in compile_ptx(*kernel)
 
 
-def test_copy_engine_sums_read_rows_in_16_byte_vectors():
-    """The sums of the combine over copy engines load every row, the peers' in the region and
-    this rank's own in x, 16 bytes an instruction (not a BF16 value: the own rows' pointer once
-    chosen by ``tl.where`` beside the region's hid the alignment of both)."""
-    ptx = compile_ptx(*next(k for k in KERNELS if k[1] == "copy_combine_sum"))
+@pytest.mark.parametrize("name", ["normal_combine_kernel", "copy_combine_sum"])
+def test_combine_sums_read_rows_in_16_byte_vectors(name):
+    """The sums of the combine (the rings' receivers and the copy engines') load every row,
+    the peers' and this rank's own in x, 16 bytes an instruction (not a BF16 value: the own
+    rows' pointer once chosen by ``tl.where`` beside the ring slot's or the region's hid the
+    alignment of both)."""
+    ptx = compile_ptx(*next(k for k in KERNELS if k[1] == name and k[3].get("LOCAL", True)))
     assert "ld.global.cg.v4.b32" in ptx
     assert not re.search(r"ld\.global[.\w]*\.b16", ptx)
     assert "fma.rn.f32" not in ptx  # sums only, as the reference adds

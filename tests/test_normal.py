@@ -157,6 +157,9 @@ def _normal_body(
         assert again.recv_topk_idx is None and again.num_recv_tokens_per_expert is None
         want = ref.normal_dispatch(new_xs, case.topk_idx, None, experts)[me]
         ref.assert_rows_equal(again.recv_x, want.recv_x, want.num_recv_tokens, "cached x")
+    rings = [o for o in mode._plans if isinstance(o, nm.CombineOptions)]
+    if not copy_tokens:  # the rings' variants: one for an input off 16 bytes, if one came
+        assert rings and any(not o.x_aligned for o in rings) == misaligned_x
     if copy_tokens:  # exact-size handles take the copy engines, worst-case ones the rings
         assert int(mode.copy_combine.state[0]) == (0 if worst else calls)
         # (the sums' variants, by the input's alignment: the last field of their keys)
@@ -210,6 +213,15 @@ def test_copy_engine_combine_in_chunks_matches_reference(run_ranks, chunks, misa
     # 16-byte boundary takes the sums' other way to this rank's own rows.
     tokens, hidden, experts, topk, routing, fp8, worst = CASES["bf16-random"]
     args = (2, tokens, hidden, experts, topk, routing, fp8, worst, None, 16, chunks, misaligned)
+    assert run_ranks(3, _normal_body, *args) == [True] * 3
+
+
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_rings_combine_reads_own_rows_aligned_or_not(run_ranks, misaligned):
+    # This rank's own rows join the ring slots' as addresses when the input is 16-byte aligned,
+    # and are read from x by pointer when it is not: both sum as the reference does.
+    tokens, hidden, experts, topk, routing, fp8, worst = CASES["bf16-random"]
+    args = (2, tokens, hidden, experts, topk, routing, fp8, worst, None, 0, None, misaligned)
     assert run_ranks(3, _normal_body, *args) == [True] * 3
 
 

@@ -106,6 +106,7 @@ class CombineVariant(NamedTuple):
     AWAIT: bool
     PUBLISH: bool
     LOCAL: bool
+    X_ALIGNED: bool
     ROW_MAP: bool
     RELEASE_STEPS: int
     USE_CLOCK: bool
@@ -684,6 +685,7 @@ def combine_receive(
     BOUNDS: tl.constexpr,
     PUBLISH: tl.constexpr,
     LOCAL: tl.constexpr,
+    X_ALIGNED: tl.constexpr,
     USE_CLOCK: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
     BLOCK_WORDS: tl.constexpr,
@@ -753,14 +755,23 @@ def combine_receive(
         ready = hit * ((arrived >= target) | own).to(tl.int32)[None, :]
         nth = taken[None, :] + rows_before(hit, BLOCK_TOKENS)  # position in each ring
         src = ring[None, :] + (nth % RING).to(tl.int64) * SLOT_BYTES  # [BLOCK_TOKENS, lanes]
+        wsrc = src + 2 * H  # a ring slot's weights follow its row
         own_row = tl.zeros((BLOCK_TOKENS,), tl.int64)
         if LOCAL:
             # Rows past the input (worst-case outputs that overflowed) read as the last row,
             # as the sender would have sent them.
             own_row = tl.minimum(own_first + lane(nth, ranks, rank), last_row).to(tl.int64)
+            if X_ALIGNED:
+                # This rank's rows and weights join the ring slots' as addresses, which the
+                # sums take as 16-byte aligned: a pointer chosen between x and a slot would
+                # leave Triton unsure of either's alignment, and every row would load one
+                # BF16 value an instruction.
+                src = tl.where(own[None, :], (x_ptr.to(tl.int64) + own_row * (2 * H))[:, None], src)
+                own_weights = weights_ptr.to(tl.int64) + own_row * K * 4
+                wsrc = tl.where(own[None, :], own_weights[:, None], wsrc)
         sum_step(
             src,
-            src + 2 * H,  # a ring slot's weights follow its row
+            wsrc,
             ready,
             tokens,
             tmask,
@@ -777,7 +788,7 @@ def combine_receive(
             NUM_RANKS,
             HAS_WEIGHTS,
             NUM_BIAS,
-            LOCAL,
+            LOCAL and not X_ALIGNED,  # own rows from x_ptr where src lacks them
             USE_CLOCK,
             BLOCK_TOKENS,
             BLOCK_WORDS,
@@ -885,6 +896,7 @@ def normal_combine_kernel(
     AWAIT: tl.constexpr,  # wait for each input row's flag (call + 1) before sending it
     PUBLISH: tl.constexpr,  # flag each output token once summed
     LOCAL: tl.constexpr,  # receivers read this rank's own rows from x (off with AWAIT)
+    X_ALIGNED: tl.constexpr,  # x's rows start at 16-byte boundaries (LOCAL)
     ROW_MAP: tl.constexpr,  # received row r is row row_map[r] of x (senders only)
     RELEASE_STEPS: tl.constexpr,  # sender steps per tail release
     USE_CLOCK: tl.constexpr,  # on a GPU (else the interpreter)
@@ -987,6 +999,7 @@ def normal_combine_kernel(
             BOUNDS,
             PUBLISH,
             LOCAL,
+            X_ALIGNED,
             USE_CLOCK,
             BLOCK_TOKENS,
             BLOCK_WORDS,

@@ -539,6 +539,7 @@ class CombineOptions(NamedTuple):
     awaits: bool
     publish: bool
     row_map: bool
+    x_aligned: bool = True  # x's rows start at 16-byte boundaries (all rows load as vectors)
 
 
 class NotifyOptions(NamedTuple):
@@ -2114,6 +2115,7 @@ class NormalMode:
             awaits=awaits,
             publish=publish,
             row_map=row_map is not None,
+            x_aligned=x.data_ptr() % 16 == 0,
         )
         plan = self._plans.get(options)
         if plan is None or self._plans_version != _launch_version:
@@ -2138,7 +2140,7 @@ class NormalMode:
             trace_ptr=None,
         )
         self._launch(plan, "combine", call)
-        if plain:
+        if plain and options.x_aligned:  # (the fast path launches aligned inputs only)
             key = _combine_key(topk_weights, K, len(terms))
             _keep_handle_call(self, handle, key, plan, call, _C_GIVEN)
         return out, out_weights
@@ -2296,6 +2298,7 @@ class NormalMode:
             PUBLISH=options.publish,
             # A relay's own rows go through the ring (not timed on GPUs without it).
             LOCAL=not options.relay,
+            X_ALIGNED=options.x_aligned,
             ROW_MAP=options.row_map,
             RELEASE_STEPS=SEND_RELEASE_STEPS,
             USE_CLOCK=use_clock(self.device),
