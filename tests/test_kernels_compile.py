@@ -332,7 +332,7 @@ KERNELS.append(
             WEIGHTS_OFFSET=176160768 + 256,
             HAS_WEIGHTS=True,
             NUM_BIAS=2,
-            CHUNKS=copy_combine.CHUNKS,
+            CHUNKS=2,  # (the chunked path: the default of one has no chunk scan)
             USE_CLOCK=True,
             BLOCK_TOKENS=copy_combine._BLOCK_TOKENS[True],  # (the GPU's configuration)
             BLOCK_WORDS=copy_combine._BLOCK_ELEMS[True] // 2,

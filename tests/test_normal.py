@@ -206,9 +206,9 @@ def test_copy_engine_combine_matches_reference(run_ranks, num_ranks, name):
     assert run_ranks(num_ranks, _normal_body, *args) == [True] * num_ranks
 
 
-@pytest.mark.parametrize("chunks, misaligned", [(1, True), (3, False)])
+@pytest.mark.parametrize("chunks, misaligned", [(2, True), (3, False)])
 def test_copy_engine_combine_in_chunks_matches_reference(run_ranks, chunks, misaligned):
-    # One copy per peer and call, or three: more chunks than some sources have rows (empty
+    # Two copies per peer and call, or three: more chunks than some sources have rows (empty
     # chunks), tokens summed by the launch after their last row's chunk. An input off a
     # 16-byte boundary takes the sums' other way to this rank's own rows.
     tokens, hidden, experts, topk, routing, fp8, worst = CASES["bf16-random"]

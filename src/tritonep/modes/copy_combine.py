@@ -41,13 +41,16 @@ _BLOCK_TOKENS = {True: 8, False: 4}
 _BLOCK_ELEMS = {True: 512, False: 64}
 #: Tokens of ``is_token_in_rank`` the sum kernel's scan reads at a time.
 _SCAN_TOKENS = {True: 1024, False: 16}
-#: Warps of a program of the sum kernel.
-_NUM_WARPS = 4
+#: Warps of a program of the sum kernel: on 4x H200 the sums of 8 tokens of 512 values took
+#: 85-86 us with 8 warps against 121 with 4 (on 2x H200 57-61 us either way).
+_NUM_WARPS = 8
 #: Copies per peer and call, each followed by a launch of the sums: the default of
-#: ``NormalMode(copy_combine_chunks=...)``, read when a mode is made. On 2x H200 two took
-#: 216-218 us a combine against 222 for one, but about 65 us more host time a call: from a
-#: host start beside a GEMM one did better (1.13-1.16x the GEMM alone against 1.19-1.21x).
-CHUNKS = 2
+#: ``NormalMode(copy_combine_chunks=...)``, read when a mode is made. More chunks let the sums
+#: of one run while the next moves, but each copy more costs about 5 us and a flag write, and
+#: the last chunk's sums take most of the time of all of them: on 4x H200 (4096 tokens) one,
+#: two and three chunks took 525 / 527 / 540 us a combine replayed from a graph, and beside a
+#: GEMM from a host start one did best (1.27x the GEMM alone, two 1.36x; queued 1.05 / 1.09).
+CHUNKS = 1
 
 
 class CopyCombine:
