@@ -84,6 +84,11 @@ PREDICTED = {  # call -> (us, finish beside the GEMM)
     "dispatch copies": (475, 1.01),
     "dispatch gather": (610, 1.10),
     "dispatch pipelined": (540, 1.10),
+    "dispatch turn": (430, 1.01),
+    "dispatch turn gathered": (460, 1.06),
+    "dispatch turn + copy out": (560, 1.10),
+    "dispatch pull": (440, 1.01),
+    "dispatch pull gathered": (515, 1.06),
     "combine copies": (475, 1.01),
     "combine reduce": (550, 1.06),
     "combine own direct": (490, 1.06),
@@ -152,7 +157,7 @@ class CopyEngineA2A:
         self.received = sum(c[s][me] for s in range(R))
         self.max_rows = R * opts.tokens
         region = self.max_rows * H * 2
-        self.heap = heaps.allocate(2 * region, ctx.group, dev)
+        self.heap = heaps.allocate(3 * region, ctx.group, dev)
         self.recv = [self.heap.view(d, torch.bfloat16, (self.max_rows, H), 0) for d in range(R)]
         self.back = [
             self.heap.view(d, torch.bfloat16, (self.max_rows, H), region) for d in range(R)
@@ -167,6 +172,20 @@ class CopyEngineA2A:
         for d in self.peers:
             self.send_at[d] = at
             at += c[me][d]
+        # The send buffer in the heap, that peers pull from: rank s packs its rows for each
+        # peer in its own order of peers, so the rows for d start at ``send_from[s][d]``.
+        self.send_heap = [self.heap.view(d, torch.bfloat16, (self.max_rows, H), 2 * region)
+                          for d in range(R)]  # fmt: skip
+        self.send_from = []
+        for s in range(R):
+            at, starts = 0, {}
+            for k in range(1, R):
+                starts[(s + k) % R] = at
+                at += c[s][(s + k) % R]
+            self.send_from.append(starts)
+        # Where pulled rows land (a plain tensor: the call's output), and a copy out of the
+        # receive region (the push design's epilogue).
+        self.pulled = torch.empty(self.max_rows, H, dtype=torch.bfloat16, device=dev)
         # Combine input: this rank's expert outputs, one row per received (token, source).
         self.y = _rows(3000 + me, self.received, H, dev)
         index = torch.full((opts.tokens, R), -1, dtype=torch.int32)
@@ -183,6 +202,8 @@ class CopyEngineA2A:
         gpu = dev.type == "cuda"
         self.streams = {d: torch.cuda.Stream(dev) for d in self.peers} if gpu else {}
         self.more_streams = {d: torch.cuda.Stream(dev) for d in self.peers} if gpu else {}
+        # Copies in turn: one stream for all of them, peers in this rank's rotated order.
+        self.turn_stream = torch.cuda.Stream(dev) if gpu else None
         self.used: set = set()  # the streams of the call under way
         self._gemm = None
         handle = getattr(self.heap, "_keepalive", None)
@@ -266,6 +287,52 @@ class CopyEngineA2A:
         torch.index_select(self.x, 0, self.to[me], out=self.recv[me][base : base + c[me][me]])
         self._finish()
 
+    def dispatch_turn(self, gather: bool, copy_out: bool = False):
+        """Pushes in turn on one stream, peers in rotated order (while ranks keep pace each
+        step's copies form a permutation); with ``gather`` the rows of each peer are packed
+        (SMs, caller's stream) just before its copy, the next gather beside the copy; with
+        ``copy_out`` the received rows then go from the region to a plain tensor (the
+        output a call hands out)."""
+        me, c = self.me, self.counts
+        start = self._start()
+        for d in self.peers:
+            at, n = self.send_at[d], c[me][d]
+            src = self.send[at : at + n]
+            if gather:
+                torch.index_select(self.x, 0, self.to[d], out=src)
+                start = self._start()
+            base = self.dispatch_base[me][d]
+            self._copy(d, self.recv[d][base : base + n], src, start, self.turn_stream)
+        base = self.dispatch_base[me][me]
+        torch.index_select(self.x, 0, self.to[me], out=self.recv[me][base : base + c[me][me]])
+        self._finish()
+        if copy_out:
+            self.pulled[: self.received].copy_(self.recv[me][: self.received])
+
+    def dispatch_pull(self, gather: bool):
+        """Each rank packs its rows for every peer into its heap (once, or with ``gather`` in
+        the call), then, after a device barrier, copies from each peer in turn (its peers in
+        rotated order: each step a permutation) straight into the plain output tensor."""
+        me, c = self.me, self.counts
+        if gather:
+            torch.index_select(self.x, 0, self.order, out=self.send_heap[me][: len(self.order)])
+            self._barrier()
+        start = self._start()
+        for s in self.peers:
+            at, n = self.send_from[s][me], c[s][me]
+            base = self.dispatch_base[s][me]
+            src = self.send_heap[s][at : at + n]
+            self._copy(s, self.pulled[base : base + n], src, start, self.turn_stream)
+        base = self.dispatch_base[me][me]
+        torch.index_select(self.x, 0, self.to[me], out=self.pulled[base : base + c[me][me]])
+        self._finish()
+
+    def _barrier(self):
+        if self.device_barrier is not None:
+            self.device_barrier(channel=0)
+        else:
+            self.heap.barrier()
+
     def combine(self, reduce: bool, own_direct: bool = False, split: int = 1):
         """Each expert rank's rows back to their sources, then (``reduce``) the sums. With
         ``own_direct`` this rank's own rows stay where they are and the reduce reads them
@@ -305,6 +372,11 @@ class CopyEngineA2A:
         ):
             raise AssertionError(f"rank {self.me}: {what}: rows past {n} were written")
 
+    def check_pulled(self, what: str):
+        n = self.received
+        if not torch.equal(self.pulled[:n], self.expected_recv):
+            raise AssertionError(f"rank {self.me}: {what}: received rows differ")
+
     def check_combine(self, what: str, reduced: bool, own_direct: bool = False):
         me, sent = self.me, sum(self.counts[self.me])
         got, expected = self.back[me][:sent], self.expected_back
@@ -329,6 +401,7 @@ class CopyEngineA2A:
         self.recv[self.me].view(torch.int16).fill_(POISON)
         self.back[self.me].view(torch.int16).fill_(POISON)
         self.out.view(torch.int16).fill_(POISON)
+        self.pulled.view(torch.int16).fill_(POISON)
         self.heap.barrier()
 
 
@@ -338,6 +411,11 @@ def _calls(a2a: CopyEngineA2A):
         ("dispatch copies", lambda: a2a.dispatch("copies"), a2a.check),
         ("dispatch gather", lambda: a2a.dispatch("gather"), a2a.check),
         ("dispatch pipelined", lambda: a2a.dispatch("pipelined"), a2a.check),
+        ("dispatch turn", lambda: a2a.dispatch_turn(False), a2a.check),
+        ("dispatch turn gathered", lambda: a2a.dispatch_turn(True), a2a.check),
+        ("dispatch turn + copy out", lambda: a2a.dispatch_turn(True, True), a2a.check_pulled),
+        ("dispatch pull", lambda: a2a.dispatch_pull(False), a2a.check_pulled),
+        ("dispatch pull gathered", lambda: a2a.dispatch_pull(True), a2a.check_pulled),
         ("combine copies", lambda: a2a.combine(False), lambda w: a2a.check_combine(w, False)),
         ("combine reduce", lambda: a2a.combine(True), lambda w: a2a.check_combine(w, True)),
         (
@@ -487,7 +565,7 @@ def _rank(ctx, opts):
             flush=True,
         )
         head = (
-            f"{'call':20s} {'alone':>7s} {'graph':>7s} | {'logical':>7s} {'remote':>6s} | "
+            f"{'call':24s} {'alone':>7s} {'graph':>7s} | {'logical':>7s} {'remote':>6s} | "
             f"{'gemm alone':>10s} | {'gemm':>7s} {'comm':>7s} {'finish':>6s} | "
             f"{'q gemm':>7s} {'q comm':>7s} {'q fin':>6s} | predicted"
         )
@@ -495,6 +573,8 @@ def _rank(ctx, opts):
     lines = []
     # The copies-only dispatch sends the send buffer as it stands: pack it once.
     torch.index_select(a2a.x, 0, a2a.order, out=a2a.send)
+    torch.index_select(a2a.x, 0, a2a.order, out=a2a.send_heap[me][: len(a2a.order)])
+    a2a.heap.barrier()
 
     def agreed(name, step, *args) -> object:
         """``step(*args)`` on every rank; its result, or None on every rank once any rank failed
@@ -508,7 +588,7 @@ def _rank(ctx, opts):
         failed = [(r, res) for r, res in enumerate(per_rank) if isinstance(res, str)]
         if me == 0:
             for r, error in failed:
-                print(f"{name:20s} FAILED on rank {r}: {error}", flush=True)
+                print(f"{name:24s} FAILED on rank {r}: {error}", flush=True)
         return None if failed else per_rank
 
     def checked(name, fn, check):
@@ -526,6 +606,8 @@ def _rank(ctx, opts):
         return t, recv_bytes, remote_bytes
 
     for name, fn, check in _calls(a2a):
+        if opts.only and not any(name.startswith(w) for w in opts.only.split(",")):
+            continue
         # The rows first, on every rank, then the timing: a rank whose check fails stops
         # all of them before any waits in a barrier that the others will not reach.
         if agreed(name, checked, name, fn, check) is None:
@@ -543,7 +625,7 @@ def _rank(ctx, opts):
             finish = max(gemm, comm) / gemm_alone
             q_finish = max(q_gemm, q_comm) / gemm_alone
             p_us, p_finish = PREDICTED[name]
-            line = (f"{name:20s} {alone:7.1f} {graph:7.1f} | {logical / alone:7.0f} "
+            line = (f"{name:24s} {alone:7.1f} {graph:7.1f} | {logical / alone:7.0f} "
                     f"{remote / alone:6.0f} | {gemm_alone:10.1f} | {gemm:7.1f} {comm:7.1f} "
                     f"{finish:6.2f} | {q_gemm:7.1f} {q_comm:7.1f} {q_finish:6.2f} | "
                     f"{p_us} us, {p_finish:.2f}")  # fmt: skip
@@ -574,6 +656,7 @@ def main() -> None:
     )
     parser.add_argument("--trace", action="store_true", help="what one dispatch ran, rank 0")
     parser.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timing")
+    parser.add_argument("--only", help="comma-separated starts of the calls to run")
     parser.add_argument("--limit", type=float, help="seconds the whole run may take (240; CPU 600)")
     args = parser.parse_args()
     ranks = args.ranks or 4
