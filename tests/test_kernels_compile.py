@@ -253,6 +253,7 @@ TYPES = {
     "num_tokens": "i32",
     "num_rows": "i32",
     "own_start": "i32",
+    "prefix_ptr": "*i32",
     "max_rows": "i32",
     "K": "i32",
     "chunk": "i32",
@@ -338,10 +339,26 @@ KERNELS.append(
             BLOCK_WORDS=copy_combine._BLOCK_ELEMS[True] // 2,
             BLOCK_RANKS=4,
             BLOCK_K=8,
-            SCAN_TOKENS=copy_combine._SCAN_TOKENS[True],
             X_ALIGNED=True,
         ),
         {"num_warps": copy_combine._NUM_WARPS, "enable_fp_fusion": False},
+    )
+)
+
+# Each token's row at each rank, for those sums.
+KERNELS.append(
+    (
+        "tritonep.kernels.normal_copy_combine",
+        "copy_combine_prefix",
+        {
+            "in_rank_ptr": "*i1",
+            "prefix_ptr": "*i32",
+            "num_tokens": "i32",
+            "NUM_RANKS": "constexpr",
+            "BLOCK": "constexpr",
+        },
+        dict(NUM_RANKS=4, BLOCK=copy_combine._PREFIX_TOKENS[True]),
+        {"num_warps": 4},
     )
 )
 

@@ -22,7 +22,7 @@ from tests.conftest import gpu_ranks
 from tritonep import reference as ref
 from tritonep.errors import WaitTimeoutError
 from tritonep.heap import shared_gpu
-from tritonep.kernels.normal_copy_combine import chunk_start, row_chunk
+from tritonep.kernels.normal_copy_combine import chunk_start, copy_combine_prefix, row_chunk
 from tritonep.modes import normal as nm
 from tritonep.testing import make_case, static_inputs, tag_rows, timeout_message
 
@@ -245,6 +245,21 @@ def test_the_sums_find_each_row_in_the_chunk_its_copy_carried():
                 for _ in range(chunk_start(n, c, chunks), chunk_start(n, c + 1, chunks))
             ]
             assert got[:n].tolist() == expected, (chunks, n)
+    # The last chunk holds a quarter of the rows, the others share the rest.
+    assert [chunk_start(40, c, 3) for c in range(4)] == [0, 15, 30, 40]
+
+
+def test_the_prefix_gives_each_token_its_row_at_each_rank():
+    # copy_combine_prefix against torch's cumulative sum, over several blocks and a partial one.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(5)
+    for tokens, ranks in ((0, 2), (37, 3), (50, 4)):
+        in_rank = (torch.rand(tokens, ranks, generator=gen) < 0.6).to(device)
+        got = torch.full(((tokens + 1) * ranks,), -1, dtype=torch.int32, device=device)
+        copy_combine_prefix[(ranks,)](in_rank, got, tokens, NUM_RANKS=ranks, BLOCK=16)
+        counts = in_rank.to(torch.int32).cumsum(0) if tokens else in_rank.to(torch.int32)
+        want = torch.cat([torch.zeros(1, ranks, dtype=torch.int32, device=device), counts])
+        assert torch.equal(got.view(tokens + 1, ranks), want.to(torch.int32)), (tokens, ranks)
 
 
 def _copy_limits_body(ctx):

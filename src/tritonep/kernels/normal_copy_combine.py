@@ -8,19 +8,20 @@ SM), and ``s`` sums each of its tokens from those regions and its own rows in pl
 order, as the ring combine does, in :func:`copy_combine_sum`.
 
 The rows for each peer go in ``CHUNKS`` copies (row ``r`` of ``n`` in chunk ``c`` where
-``n * c // CHUNKS <= r < n * (c + 1) // CHUNKS``), and one launch of the sums follows each
-chunk's copies (stream order), so the sums of the tokens whose rows have all come run while the
-next chunk's copies move. After a chunk's copies the same stream sets this rank's arrival flag
-of the chunk at each peer to 1 (a stream memory operation: no SM, so a launch that waits for SMs
-beside a GEMM finds the flags there whatever the peers' SMs are doing). In a launch every
-program waits for the peers' flags of its chunk, then sums those of its block of tokens whose
-last row came in it (the row of token ``t`` in the region of rank ``r`` is ``t``'s position
-among the tokens that went to ``r``: a scan of ``is_token_in_rank``). In the last chunk's
-launch the last program to finish clears this rank's arrival flags, tells every peer it has
-read their rows, then waits until every peer has read this rank's. Each region holds one call's
-rows, and that wait at the end of a call is what lets the next call's copies start with no
-kernel before them (beside a GEMM that holds every SM, they run at once; only the sums wait for
-SMs).
+``chunk_start(n, c) <= r < chunk_start(n, c + 1)``: the last chunk a quarter of the rows), and
+one launch of the sums follows each chunk's copies (stream order), so the sums of the tokens
+whose rows have all come run while the next chunk's copies move. After a chunk's copies the
+same stream sets this rank's arrival flag of the chunk at each peer to 1 (a stream memory
+operation: no SM, so a launch that waits for SMs beside a GEMM finds the flags there whatever
+the peers' SMs are doing). In a launch every program waits for the peers' flags of its chunk,
+then sums those of its block of tokens whose last row came in it (the row of token ``t`` in the
+region of rank ``r`` is ``t``'s position among the tokens that went to ``r``:
+:func:`copy_combine_prefix`, launched once a call after the first chunk's copies, writes them
+for all tokens). In the last chunk's launch the last program to finish clears this rank's
+arrival flags, tells every peer it has read their rows, then waits until every peer has read
+this rank's. Each region holds one call's rows, and that wait at the end of a call is what lets
+the next call's copies start with no kernel before them (beside a GEMM that holds every SM,
+they run at once; only the sums wait for SMs).
 
 Call numbers live on the device (``state_ptr``) and the arrival flags are cleared by the call
 that read them, so a CUDA graph of a combine replays with the flags of each new call. Every
@@ -45,7 +46,7 @@ from .normal_combine import poison_lost, sum_step
 from .phases import COPY_COMBINE_DONE, COPY_COMBINE_RECV
 from .profiled import kernel
 from .status import STATUS_TIMEOUT, record_timeout
-from .sync import first_lane, lane, limit_ns, rows_before, wait_all_at_least
+from .sync import first_lane, lane, limit_ns, wait_all_at_least
 
 #: Words of the state (``state_ptr``, int64): the last call finished, and the programs of the
 #: running one that are done.
@@ -80,9 +81,24 @@ def region_layout(
 
 
 def chunk_start(rows: int, chunk: int, chunks: int) -> int:
-    """The first of ``rows`` rows in ``chunk`` of ``chunks`` (the last chunk ends at ``rows``);
-    :func:`row_chunk` is its inverse on the device."""
-    return rows * chunk // chunks
+    """The first of ``rows`` rows in ``chunk`` of ``chunks`` (chunk ``chunks`` starts at
+    ``rows``): the last chunk holds a quarter of the rows, the others share the rest equally.
+    The call waits, after the last copy, only for the sums of the tokens whose last row that
+    chunk carries: the smaller it is the less, while the sums of the others run beside its
+    copies. :func:`row_chunk` is the inverse on the device."""
+    if chunk <= 0:
+        return 0
+    if chunk >= chunks:
+        return rows
+    return 3 * rows * chunk // (4 * (chunks - 1))
+
+
+class PrefixCall(NamedTuple):
+    """The runtime arguments of :func:`copy_combine_prefix`."""
+
+    in_rank_ptr: object
+    prefix_ptr: object
+    num_tokens: int
 
 
 class SumCall(NamedTuple):
@@ -92,6 +108,7 @@ class SumCall(NamedTuple):
     x_ptr: object
     weights_ptr: object
     in_rank_ptr: object
+    prefix_ptr: object
     own_start: int
     num_tokens: int
     K: int
@@ -130,30 +147,41 @@ class SumVariant(NamedTuple):
     BLOCK_WORDS: int
     BLOCK_RANKS: int
     BLOCK_K: int
-    SCAN_TOKENS: int
     X_ALIGNED: bool
 
 
-@triton.jit
-def tokens_before(in_rank_ptr, first, ranks, NUM_RANKS: tl.constexpr, SCAN_TOKENS: tl.constexpr):
-    """``[BLOCK_RANKS]`` int32: how many of the tokens before ``first`` went to each rank."""
-    before = tl.zeros(ranks.shape, tl.int32)
-    for start in range(0, first, SCAN_TOKENS):
-        rows = start + tl.arange(0, SCAN_TOKENS)
-        hit = tl.load(
-            in_rank_ptr + rows[:, None].to(tl.int64) * NUM_RANKS + ranks[None, :],
-            mask=(rows < first)[:, None] & (ranks < NUM_RANKS)[None, :],
-            other=0,
-        )
-        before += tl.sum(hit.to(tl.int32), 0)
-    return before
+@kernel("tritonep::normal::copy_combine_prefix", do_not_specialize=["num_tokens"])
+def copy_combine_prefix(
+    in_rank_ptr,  # [N, R] bool is_token_in_rank of the dispatch
+    prefix_ptr,  # [N + 1, R] int32 out: how many tokens before each went to each rank
+    num_tokens,  # N
+    NUM_RANKS: tl.constexpr,  # R
+    BLOCK: tl.constexpr,  # tokens read at a time
+):
+    """Program ``r``: the exclusive prefix sum of column ``r`` of ``is_token_in_rank``, so
+    that the sums find a token's row at rank ``r`` (its position among the tokens that went
+    there) in one load; row ``N`` holds the column's total, the rows rank ``r`` holds."""
+    r = tl.program_id(0)
+    in_rank_ptr = in_rank_ptr.to(tl.pointer_type(tl.int8))
+    carry = tl.zeros((), tl.int32)
+    for start in range(0, num_tokens, BLOCK):
+        tokens = start + tl.arange(0, BLOCK)
+        mask = tokens < num_tokens
+        at = tokens.to(tl.int64) * NUM_RANKS + r
+        hit = (tl.load(in_rank_ptr + at, mask=mask, other=0) != 0).to(tl.int32)
+        tl.store(prefix_ptr + at, carry + tl.cumsum(hit, 0) - hit, mask=mask)
+        carry += tl.sum(hit, 0)
+    tl.store(prefix_ptr + num_tokens.to(tl.int64) * NUM_RANKS + r, carry)
 
 
 @triton.jit
 def row_chunk(pos, rows, CHUNKS: tl.constexpr):
     """The chunk that carries row ``pos`` of ``rows`` (:func:`chunk_start`'s inverse: the
-    largest ``c`` with ``rows * c // CHUNKS <= pos``)."""
-    return ((pos + 1) * CHUNKS + rows - 1) // tl.maximum(rows, 1) - 1
+    number of chunks after the first that start at or before ``pos``)."""
+    chunk = tl.zeros_like(pos)
+    for c in tl.static_range(1, CHUNKS):
+        chunk += (pos >= 3 * rows * c // (4 * (CHUNKS - 1))).to(pos.dtype)
+    return chunk
 
 
 @kernel(
@@ -164,6 +192,7 @@ def copy_combine_sum(
     x_ptr,  # [M, H] bf16 the combine's input: this rank's own rows are read here
     weights_ptr,  # [M, K] float32 their weights (HAS_WEIGHTS)
     in_rank_ptr,  # [N, R] bool is_token_in_rank of the dispatch
+    prefix_ptr,  # [N + 1, R] int32 copy_combine_prefix's: tokens before each sent to each rank
     own_start,  # the first row of x from this rank's own tokens
     num_tokens,  # N, this rank's tokens
     K,  # top-k columns of the weights
@@ -192,7 +221,6 @@ def copy_combine_sum(
     BLOCK_WORDS: tl.constexpr,  # int32 words of a row summed at a time
     BLOCK_RANKS: tl.constexpr,  # NUM_RANKS as a power of two (at least 2)
     BLOCK_K: tl.constexpr,  # power of two >= max(K, 2)
-    SCAN_TOKENS: tl.constexpr,  # tokens of is_token_in_rank read at a time by the scan
     X_ALIGNED: tl.constexpr,  # x's rows start at 16-byte boundaries
 ):
     pid = tl.program_id(0)
@@ -222,10 +250,11 @@ def copy_combine_sum(
         other=0,
     ).to(tl.int32)
     # Each token's row among those that went to each rank: where that rank's copy put it.
-    pos = tokens_before(in_rank_ptr, first, ranks, NUM_RANKS, SCAN_TOKENS)[None, :]
-    pos = pos + rows_before(hit, BLOCK_TOKENS)
+    at = tokens[:, None].to(tl.int64) * NUM_RANKS + ranks[None, :]
+    pos = tl.load(prefix_ptr + at, mask=(hit > 0), other=0)
     if CHUNKS > 1:  # this launch sums the tokens whose last row came in its chunk
-        sent = tokens_before(in_rank_ptr, num_tokens, ranks, NUM_RANKS, SCAN_TOKENS)[None, :]
+        sent = tl.load(prefix_ptr + num_tokens.to(tl.int64) * NUM_RANKS + ranks, peers, 0)
+        sent = sent[None, :]
         from_peer = (hit > 0) & (ranks != rank)[None, :]
         last = tl.max(tl.where(from_peer, row_chunk(pos, sent, CHUNKS), 0), 1)
         tmask = tmask & (last == chunk)

@@ -10,7 +10,9 @@ made with ``copy_combine_tokens``. Per call:
    call's sums ended only once every peer had read it), then this rank's arrival flag of the
    chunk at every peer (a stream memory operation); the first chunk's on the caller's stream,
    the others on a stream of their own after them;
-2. on the caller's stream, after each chunk's copies,
+2. on the caller's stream, after the first chunk's copies,
+   :func:`~tritonep.kernels.normal_copy_combine.copy_combine_prefix` (each token's row at each
+   rank), and after each chunk's copies
    :func:`~tritonep.kernels.normal_copy_combine.copy_combine_sum`: the tokens whose rows have
    all come with that chunk, the peers' rows and this rank's own (read in place) summed in rank
    order, plus the bias. So the sums of one chunk run while the next chunk's rows move, and the
@@ -39,18 +41,18 @@ from ..kernels.sync import use_clock
 #: 1024 took 63-64 (and 2 of 1024, 2 or 4 of 2048, 8 or 16 with 8 warps no less).
 _BLOCK_TOKENS = {True: 8, False: 4}
 _BLOCK_ELEMS = {True: 512, False: 64}
-#: Tokens of ``is_token_in_rank`` the sum kernel's scan reads at a time.
-_SCAN_TOKENS = {True: 1024, False: 16}
+#: Tokens of ``is_token_in_rank`` the prefix kernel reads at a time (GPU, CPU).
+_PREFIX_TOKENS = {True: 1024, False: 16}
 #: Warps of a program of the sum kernel: on 4x H200 the sums of 8 tokens of 512 values took
 #: 85-86 us with 8 warps against 121 with 4 (on 2x H200 57-61 us either way).
 _NUM_WARPS = 8
 #: Copies per peer and call, each followed by a launch of the sums: the default of
-#: ``NormalMode(copy_combine_chunks=...)``, read when a mode is made. More chunks let the sums
-#: of one run while the next moves, but each copy more costs about 5 us and a flag write, and
-#: the last chunk's sums take most of the time of all of them: on 4x H200 (4096 tokens) one,
-#: two and three chunks took 525 / 527 / 540 us a combine replayed from a graph, and beside a
-#: GEMM from a host start one did best (1.27x the GEMM alone, two 1.36x; queued 1.05 / 1.09).
-CHUNKS = 1
+#: ``NormalMode(copy_combine_chunks=...)``, read when a mode is made. The sums of one chunk run
+#: while the next moves, so the call ends with the last chunk's sums, of a quarter of the rows
+#: (``normal_copy_combine.chunk_start``); each copy more costs about 5 us and a flag write.
+#: On 4x H200 (4096 tokens) one, two and three chunks took 528 / 499 / 526 us a combine
+#: replayed from a graph; beside a GEMM 1.30 / 1.32 from a host start, 1.07 / 1.09 queued.
+CHUNKS = 2
 
 
 class CopyCombine:
@@ -133,6 +135,20 @@ class CopyCombine:
             self._events = [self._driver.event() for _ in range(self.chunks)]
         self._lanes = triton.next_power_of_2(max(R, 2))
         self._sums: dict[tuple, KernelLaunch] = {}
+        # Each token's row at each rank, written by a launch per call (copy_combine_prefix):
+        # [tokens + 1, R] int32, grown for more tokens (a buffer once used stays alive: a
+        # CUDA graph may hold its address).
+        self._prefix = torch.empty((capacity + 1) * R, dtype=torch.int32, device=self.device)
+        self._old_prefixes: list[torch.Tensor] = []
+        self._prefix_plan = KernelLaunch(
+            ncc.copy_combine_prefix,
+            (R,),
+            {"NUM_RANKS": R, "BLOCK": _PREFIX_TOKENS[self._gpu], "num_warps": 4},
+            ncc.PrefixCall._fields,
+            (0, 1),
+            self.state,
+        )
+        self._no_shared = Shared.of(())
         self.timeout_us = timeout_us
 
     @property
@@ -166,7 +182,6 @@ class CopyCombine:
             BLOCK_WORDS=_BLOCK_ELEMS[gpu] // 2,
             BLOCK_RANKS=self._lanes,
             BLOCK_K=block_k,
-            SCAN_TOKENS=_SCAN_TOKENS[gpu],
             X_ALIGNED=x_aligned,
         )
         # (No fused multiply-adds, as in the rings' sums: the kernel only adds.)
@@ -197,10 +212,18 @@ class CopyCombine:
         x_aligned = x.data_ptr() % 16 == 0 and self.hidden % 8 == 0
         key = (topk_weights is not None, len(terms), block_k, x_aligned)
         plan = self._sums.get(key) or self._sum_plan(*key)
+        N = handle.num_tokens
+        if (N + 1) * self.num_ranks > self._prefix.numel():
+            self._old_prefixes.append(self._prefix)
+            self._prefix = torch.empty(
+                (N + 1) * self.num_ranks, dtype=torch.int32, device=self.device
+            )
+        prefix = ncc.PrefixCall(handle.is_token_in_rank, self._prefix, N)
         call = ncc.SumCall(
             x_ptr=x,
             weights_ptr=topk_weights,
             in_rank_ptr=handle.is_token_in_rank,
+            prefix_ptr=self._prefix,
             own_start=starts[self.rank],
             num_tokens=handle.num_tokens,
             K=K,
@@ -210,13 +233,15 @@ class CopyCombine:
             out_ptr=out,
             out_weights_ptr=out_w,
         )
-        grid = (max(1, triton.cdiv(handle.num_tokens, _BLOCK_TOKENS[self._gpu])),)
+        grid = (max(1, triton.cdiv(N, _BLOCK_TOKENS[self._gpu])),)
         driver = self._driver
         if driver is None or self.chunks == 1:
             # Each chunk's copies then its sums, on the caller's stream (CPU ranks: plain
             # copies, done when they return).
             for c in range(self.chunks):
                 self._copy(x, topk_weights, K, rows, starts, c, None)
+                if c == 0:
+                    self._prefix_plan(prefix, self._no_shared)
                 plan(call if c == 0 else call._replace(chunk=c), self._shared, grid)
             return
         # The first chunk's copies on the caller's stream, the others on the copies' own
@@ -229,6 +254,9 @@ class CopyCombine:
         for c in range(1, self.chunks):
             self._copy(x, topk_weights, K, rows, starts, c, copies)
             driver.record(events[c], copies)
+        # (After the first chunk's copies, not before them: a kernel waits for an SM, and
+        # the copies should not wait with it beside work that holds every SM.)
+        self._prefix_plan(prefix, self._no_shared)
         plan(call, self._shared, grid)
         for c in range(1, self.chunks):
             driver.wait(stream, events[c])
