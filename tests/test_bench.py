@@ -50,8 +50,13 @@ def test_normal_sweep_with_comparison(tmp_path, capfd):
             "copy_combine_us",
         ):
             assert row[key] > 0, key
-        if on_cpu:  # no CUDA graphs on CPU ranks
+        kernels = ("kernel_dispatch_us", "kernel_fp8_dispatch_us", "kernel_combine_us")
+        if on_cpu:  # no CUDA graphs on CPU ranks, nor a profiler of kernels
             assert math.isnan(row["graph_dispatch_us"]) and math.isnan(row["graph_copy_combine_us"])
+            assert all(math.isnan(row[k]) for k in kernels)
+        else:  # the kernels alone take less than the calls around them
+            assert all(row[k] > 0 for k in kernels)
+            assert row["kernel_dispatch_GBps"] >= 0.9 * row["dispatch_GBps"]
         # DeepEP's accounting counts the local rank too, so it bounds the remote figure.
         assert row["dispatch_GBps"] >= row["dispatch_remote_GBps"] >= 0
     table = capfd.readouterr().out  # the terminal table, marked when interpreted

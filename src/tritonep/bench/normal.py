@@ -9,6 +9,8 @@ ranks), after warm-up:
   ``graph_copy_combine_us``, and its ``copy_chunks``; ``--copy-chunks 1,2`` makes a mode per
   chunk count);
 * cached dispatch and combine replayed from a CUDA graph (device time, no launch overhead);
+* the kernels alone (``kernel_*_us``: the profiler's device time of the kernels a cached
+  dispatch or a combine launches, as DeepEP V2's test reports them; GPUs only);
 * the ``torch`` backend (NCCL ``all_to_all_single`` with its permutes and host sync), same
   inputs, same run;
 * with ``--eager``, cached dispatch and combine as an eager loop, with and without the
@@ -28,7 +30,7 @@ import torch
 from ..reference.fp8 import quantize_fp8
 from ..testing import route
 from . import compare
-from .eager import eager_columns
+from .eager import eager_columns, kernel_us
 from .timing import mean_over_ranks, median_ms, time_graph
 
 
@@ -59,6 +61,9 @@ def _point(ctx, mode, baseline, rival, opts, num_tokens, topk, config):
     g_bf16 = time_graph(lambda: mode.dispatch(x, handle=handle), 5, 10)
     g_fp8 = time_graph(lambda: mode.dispatch(x_fp8, handle=fp8_handle), 5, 10)
     g_comb = time_graph(lambda: mode.combine(y, handle), 5, 10)
+    k_bf16 = kernel_us(lambda: mode.dispatch(x, handle=handle), ctx.device)
+    k_fp8 = kernel_us(lambda: mode.dispatch(x_fp8, handle=fp8_handle), ctx.device)
+    k_comb = kernel_us(lambda: mode.combine(y, handle), ctx.device)
     mode.check()
 
     def base_dispatch():
@@ -102,6 +107,7 @@ def _point(ctx, mode, baseline, rival, opts, num_tokens, topk, config):
         "graph_fp8_dispatch_us": g_fp8 * 1e3,
         "graph_combine_us": g_comb * 1e3,
         "full_dispatch_us": t_full * 1e3,
+        **_kernel_columns(ctx, recv, bf16_bytes, fp8_bytes, k_bf16, k_fp8, k_comb),
         "torch_dispatch_us": t_bdisp * 1e3,
         "torch_combine_us": t_bcomb * 1e3,
     }
@@ -122,6 +128,21 @@ def _point(ctx, mode, baseline, rival, opts, num_tokens, topk, config):
     if rival is not None:
         row.update(compare.normal_point(rival, x, idx, w, E, opts.iters))
     return row
+
+
+def _kernel_columns(ctx, recv, bf16_bytes, fp8_bytes, k_bf16, k_fp8, k_comb) -> dict:
+    """The kernels' own time (us, mean over ranks; NaN off GPUs) and GB/s in DeepEP's
+    accounting over it (received bytes, local rank included), as DeepEP V2's test reports its
+    kernels."""
+    names = ("kernel_dispatch", "kernel_fp8_dispatch", "kernel_combine")
+    if None in (k_bf16, k_fp8, k_comb):
+        return {f"{n}_{u}": float("nan") for n in names for u in ("us", "GBps")}
+    times = mean_over_ranks([k_bf16, k_fp8, k_comb])
+    columns = {}
+    for name, us, row_bytes in zip(names, times, (bf16_bytes, fp8_bytes, bf16_bytes), strict=True):
+        columns[f"{name}_us"] = us
+        columns[f"{name}_GBps"] = recv * row_bytes / (us * 1e-6) / 1e9
+    return columns
 
 
 def normal_rank(ctx, opts, progress):
