@@ -107,7 +107,7 @@ def _point(ctx, mode, baseline, rival, opts, num_tokens, topk, config):
         "graph_fp8_dispatch_us": g_fp8 * 1e3,
         "graph_combine_us": g_comb * 1e3,
         "full_dispatch_us": t_full * 1e3,
-        **_kernel_columns(ctx, recv, bf16_bytes, fp8_bytes, k_bf16, k_fp8, k_comb),
+        **_kernel_columns(recv, bf16_bytes, fp8_bytes, k_bf16, k_fp8, k_comb),
         "torch_dispatch_us": t_bdisp * 1e3,
         "torch_combine_us": t_bcomb * 1e3,
     }
@@ -130,7 +130,7 @@ def _point(ctx, mode, baseline, rival, opts, num_tokens, topk, config):
     return row
 
 
-def _kernel_columns(ctx, recv, bf16_bytes, fp8_bytes, k_bf16, k_fp8, k_comb) -> dict:
+def _kernel_columns(recv, bf16_bytes, fp8_bytes, k_bf16, k_fp8, k_comb) -> dict:
     """The kernels' own time (us, mean over ranks; NaN off GPUs) and GB/s in DeepEP's
     accounting over it (received bytes, local rank included), as DeepEP V2's test reports its
     kernels."""

@@ -136,8 +136,8 @@ class CopyCombine:
         self._lanes = triton.next_power_of_2(max(R, 2))
         self._sums: dict[tuple, KernelLaunch] = {}
         # Each token's row at each rank, written by a launch per call (copy_combine_prefix):
-        # [tokens + 1, R] int32, grown for more tokens (a buffer once used stays alive: a
-        # CUDA graph may hold its address).
+        # [tokens + 1, R] int32, grown (at least doubled) for more tokens; a buffer once used
+        # stays alive, since a CUDA graph may hold its address.
         self._prefix = torch.empty((capacity + 1) * R, dtype=torch.int32, device=self.device)
         self._old_prefixes: list[torch.Tensor] = []
         self._prefix_plan = KernelLaunch(
@@ -215,9 +215,8 @@ class CopyCombine:
         N = handle.num_tokens
         if (N + 1) * self.num_ranks > self._prefix.numel():
             self._old_prefixes.append(self._prefix)
-            self._prefix = torch.empty(
-                (N + 1) * self.num_ranks, dtype=torch.int32, device=self.device
-            )
+            size = max((N + 1) * self.num_ranks, 2 * self._prefix.numel())
+            self._prefix = torch.empty(size, dtype=torch.int32, device=self.device)
         prefix = ncc.PrefixCall(handle.is_token_in_rank, self._prefix, N)
         call = ncc.SumCall(
             x_ptr=x,

@@ -2115,7 +2115,7 @@ class NormalMode:
             awaits=awaits,
             publish=publish,
             row_map=row_map is not None,
-            x_aligned=x.data_ptr() % 16 == 0,
+            x_aligned=x.data_ptr() % 16 == 0 or relay is not None,  # (no own rows read)
         )
         plan = self._plans.get(options)
         if plan is None or self._plans_version != _launch_version:
