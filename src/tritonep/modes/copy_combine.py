@@ -208,8 +208,9 @@ class CopyCombine:
         starts = [0] * self.num_ranks
         for s in range(1, self.num_ranks):
             starts[s] = starts[s - 1] + rows[s - 1]
-        # Rows of x at 16-byte boundaries (as a fresh tensor's are) are read 16 bytes a load.
-        x_aligned = x.data_ptr() % 16 == 0 and self.hidden % 8 == 0
+        # Rows of x at 16-byte boundaries (as a fresh tensor's are: the mode's hidden size is a
+        # multiple of 8) are read 16 bytes a load.
+        x_aligned = x.data_ptr() % 16 == 0
         key = (topk_weights is not None, len(terms), block_k, x_aligned)
         plan = self._sums.get(key) or self._sum_plan(*key)
         N = handle.num_tokens
@@ -224,7 +225,7 @@ class CopyCombine:
             in_rank_ptr=handle.is_token_in_rank,
             prefix_ptr=self._prefix,
             own_start=starts[self.rank],
-            num_tokens=handle.num_tokens,
+            num_tokens=N,
             K=K,
             chunk=0,
             bias0_ptr=terms[0] if terms else None,

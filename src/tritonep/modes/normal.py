@@ -873,9 +873,7 @@ class NormalMode:
             raise ValueError(
                 f"copy_combine_tokens: expected an int >= 0, got {copy_combine_tokens!r}"
             )
-        if copy_combine_chunks is not None and (
-            type(copy_combine_chunks) is not int or copy_combine_chunks < 1
-        ):
+        if type(copy_combine_chunks) is not int or copy_combine_chunks < 1:
             raise ValueError(
                 f"copy_combine_chunks: expected an int >= 1, got {copy_combine_chunks!r}"
             )
