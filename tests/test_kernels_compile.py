@@ -334,6 +334,7 @@ KERNELS.append(
             HAS_WEIGHTS=True,
             NUM_BIAS=2,
             CHUNKS=2,  # (the chunked path: the default of one has no chunk scan)
+            LAST_SHARE=copy_combine._LAST_SHARE,
             USE_CLOCK=True,
             BLOCK_TOKENS=copy_combine._BLOCK_TOKENS[True],  # (the GPU's configuration)
             BLOCK_WORDS=copy_combine._BLOCK_ELEMS[True] // 2,
@@ -355,9 +356,18 @@ KERNELS.append(
             "prefix_ptr": "*i32",
             "num_tokens": "i32",
             "NUM_RANKS": "constexpr",
+            "CHUNKS": "constexpr",
+            "LAST_SHARE": "constexpr",
             "BLOCK": "constexpr",
+            "BLOCK_CHUNKS": "constexpr",
         },
-        dict(NUM_RANKS=4, BLOCK=copy_combine._PREFIX_TOKENS[True]),
+        dict(
+            NUM_RANKS=4,
+            CHUNKS=2,
+            LAST_SHARE=copy_combine._LAST_SHARE,
+            BLOCK=copy_combine._PREFIX_TOKENS[True],
+            BLOCK_CHUNKS=2,
+        ),
         {"num_warps": 4},
     )
 )

@@ -162,8 +162,11 @@ def _normal_body(
         assert rings and any(not o.x_aligned for o in rings) == misaligned_x
     if copy_tokens:  # exact-size handles take the copy engines, worst-case ones the rings
         assert int(mode.copy_combine.state[0]) == (0 if worst else calls)
-        # (the sums' variants, by the input's alignment: the last field of their keys)
-        assert [key[-1] for key in mode.copy_combine._sums] == [not misaligned_x] * (not worst)
+        # (the sums' variants: by the input's alignment, then for the first chunk or later)
+        keys = list(mode.copy_combine._sums)
+        assert {key[3] for key in keys} == ({not misaligned_x} if not worst else set())
+        later = {False, True} if mode.copy_combine.chunks > 1 else {False}
+        assert {key[4] for key in keys} == (later if not worst else set())
     mode.check()
     mode.destroy()
     return True
@@ -226,40 +229,60 @@ def test_rings_combine_reads_own_rows_aligned_or_not(run_ranks, misaligned):
 
 
 @triton.jit
-def _row_chunks(out_ptr, rows, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+def _row_chunks(out_ptr, rows, CHUNKS: tl.constexpr, LAST_SHARE: tl.constexpr, BLOCK: tl.constexpr):
     pos = tl.arange(0, BLOCK)
-    chunk = row_chunk(pos, rows + tl.zeros_like(pos), CHUNKS)
+    chunk = row_chunk(pos, rows + tl.zeros_like(pos), CHUNKS, LAST_SHARE)
     tl.store(out_ptr + pos, chunk, mask=pos < rows)
 
 
 def test_the_sums_find_each_row_in_the_chunk_its_copy_carried():
     # The device's row_chunk against the host's split (chunk_start), empty chunks included.
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    for chunks in (1, 2, 3, 4):
+    for chunks, share in ((1, 4), (2, 4), (3, 4), (4, 4), (2, 6), (3, 8)):
         for n in (1, 2, 3, 5, 8, 13, 40):
             got = torch.full((64,), -1, dtype=torch.int32, device=device)
-            _row_chunks[(1,)](got, n, CHUNKS=chunks, BLOCK=64)
+            _row_chunks[(1,)](got, n, CHUNKS=chunks, LAST_SHARE=share, BLOCK=64)
             expected = [
                 c
                 for c in range(chunks)
-                for _ in range(chunk_start(n, c, chunks), chunk_start(n, c + 1, chunks))
+                for _ in range(
+                    chunk_start(n, c, chunks, share), chunk_start(n, c + 1, chunks, share)
+                )
             ]
-            assert got[:n].tolist() == expected, (chunks, n)
-    # The last chunk holds a quarter of the rows, the others share the rest.
-    assert [chunk_start(40, c, 3) for c in range(4)] == [0, 15, 30, 40]
+            assert got[:n].tolist() == expected, (chunks, share, n)
+    # The last chunk holds 1 / share of the rows, the others share the rest.
+    assert [chunk_start(40, c, 3, 4) for c in range(4)] == [0, 15, 30, 40]
+    assert [chunk_start(48, c, 2, 6) for c in range(3)] == [0, 40, 48]
 
 
-def test_the_prefix_gives_each_token_its_row_at_each_rank():
-    # copy_combine_prefix against torch's cumulative sum, over several blocks and a partial one.
+@pytest.mark.parametrize("chunks", [1, 2, 3])
+def test_the_prefix_gives_each_token_its_row_at_each_rank(chunks):
+    # copy_combine_prefix against torch's cumulative sum, over several blocks and a partial
+    # one; with chunks, each later chunk's first token at each rank: no token before it has a
+    # row there in that chunk or a later one, and the token after the last row before the
+    # chunk is it.
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator().manual_seed(5 + chunks)
+    share = 4
     for tokens, ranks in ((0, 2), (37, 3), (50, 4)):
         in_rank = (torch.rand(tokens, ranks, generator=gen) < 0.6).to(device)
-        got = torch.full(((tokens + 1) * ranks,), -1, dtype=torch.int32, device=device)
-        copy_combine_prefix[(ranks,)](in_rank, got, tokens, NUM_RANKS=ranks, BLOCK=16)
+        got = torch.full(((tokens + chunks) * ranks,), -1, dtype=torch.int32, device=device)
+        block_chunks = triton.next_power_of_2(max(chunks, 2))
+        copy_combine_prefix[(ranks,)](
+            in_rank, got, tokens, NUM_RANKS=ranks, CHUNKS=chunks, LAST_SHARE=share, BLOCK=16,
+            BLOCK_CHUNKS=block_chunks,
+        )  # fmt: skip
+        got = got.view(tokens + chunks, ranks).cpu()
         counts = in_rank.to(torch.int32).cumsum(0) if tokens else in_rank.to(torch.int32)
         want = torch.cat([torch.zeros(1, ranks, dtype=torch.int32, device=device), counts])
-        assert torch.equal(got.view(tokens + 1, ranks), want.to(torch.int32)), (tokens, ranks)
+        assert torch.equal(got[: tokens + 1], want.to(torch.int32).cpu()), (tokens, ranks)
+        for c in range(1, chunks):
+            for r in range(ranks):
+                total = int(want[tokens, r])
+                start = chunk_start(total, c, chunks, share)
+                rows_at = [t for t in range(tokens) if bool(in_rank[t, r])]
+                expected = rows_at[start - 1] + 1 if start > 0 else 0
+                assert int(got[tokens + c, r]) == expected, (tokens, ranks, c, r)
 
 
 def _copy_limits_body(ctx):

@@ -8,9 +8,13 @@ SM), and ``s`` sums each of its tokens from those regions and its own rows in pl
 order, as the ring combine does, in :func:`copy_combine_sum`.
 
 The rows for each peer go in ``CHUNKS`` copies (row ``r`` of ``n`` in chunk ``c`` where
-``chunk_start(n, c) <= r < chunk_start(n, c + 1)``: the last chunk a quarter of the rows), and
-one launch of the sums follows each chunk's copies (stream order), so the sums of the tokens
-whose rows have all come run while the next chunk's copies move. After a chunk's copies the
+``chunk_start(n, c) <= r < chunk_start(n, c + 1)``: the last chunk ``1 / LAST_SHARE`` of the
+rows), and one launch of the sums follows each chunk's copies (stream order), so the sums of the
+tokens whose rows have all come run while the next chunk's copies move. A launch after the first
+starts its programs at the first token that can have a row in its chunk (rows go in token
+order, so a later chunk's tokens are the last ones), where :func:`copy_combine_prefix` says: the
+call waits for that launch alone after its last copy, and it spreads its few tokens over every
+program it has. After a chunk's copies the
 same stream sets this rank's arrival flag of the chunk at each peer to 1 (a stream memory
 operation: no SM, so a launch that waits for SMs beside a GEMM finds the flags there whatever
 the peers' SMs are doing). In a launch every program waits for the peers' flags of its chunk,
@@ -80,17 +84,23 @@ def region_layout(
     return RegionLayout(done, rows, weights, total)
 
 
-def chunk_start(rows: int, chunk: int, chunks: int) -> int:
+def chunk_start(rows: int, chunk: int, chunks: int, last_share: int) -> int:
     """The first of ``rows`` rows in ``chunk`` of ``chunks`` (chunk ``chunks`` starts at
-    ``rows``): the last chunk holds a quarter of the rows, the others share the rest equally.
-    The call waits, after the last copy, only for the sums of the tokens whose last row that
-    chunk carries: the smaller it is the less, while the sums of the others run beside its
-    copies. :func:`row_chunk` is the inverse on the device."""
+    ``rows``): the last chunk holds ``1 / last_share`` of the rows, the others share the rest
+    equally. The call waits, after the last copy, only for the sums of the tokens whose last
+    row that chunk carries: the smaller it is the less, while the sums of the others run beside
+    its copies. :func:`first_row` is the same on the device, :func:`row_chunk` the inverse."""
     if chunk <= 0:
         return 0
     if chunk >= chunks:
         return rows
-    return 3 * rows * chunk // (4 * (chunks - 1))
+    return (last_share - 1) * rows * chunk // (last_share * (chunks - 1))
+
+
+@triton.jit
+def first_row(rows, chunk, CHUNKS: tl.constexpr, LAST_SHARE: tl.constexpr):
+    """:func:`chunk_start` on the device, for ``1 <= chunk < CHUNKS``."""
+    return (LAST_SHARE - 1) * rows * chunk // (LAST_SHARE * (CHUNKS - 1))
 
 
 class PrefixCall(NamedTuple):
@@ -142,6 +152,7 @@ class SumVariant(NamedTuple):
     HAS_WEIGHTS: bool
     NUM_BIAS: int
     CHUNKS: int
+    LAST_SHARE: int
     USE_CLOCK: bool
     BLOCK_TOKENS: int
     BLOCK_WORDS: int
@@ -153,14 +164,19 @@ class SumVariant(NamedTuple):
 @kernel("tritonep::normal::copy_combine_prefix", do_not_specialize=["num_tokens"])
 def copy_combine_prefix(
     in_rank_ptr,  # [N, R] bool is_token_in_rank of the dispatch
-    prefix_ptr,  # [N + 1, R] int32 out: how many tokens before each went to each rank
+    prefix_ptr,  # [N + CHUNKS, R] int32 out: the prefix, the totals, each chunk's first token
     num_tokens,  # N
     NUM_RANKS: tl.constexpr,  # R
+    CHUNKS: tl.constexpr,  # copies per peer and call
+    LAST_SHARE: tl.constexpr,  # the last chunk holds 1 / LAST_SHARE of the rows
     BLOCK: tl.constexpr,  # tokens read at a time
+    BLOCK_CHUNKS: tl.constexpr,  # CHUNKS as a power of two (at least 2)
 ):
     """Program ``r``: the exclusive prefix sum of column ``r`` of ``is_token_in_rank``, so
     that the sums find a token's row at rank ``r`` (its position among the tokens that went
-    there) in one load; row ``N`` holds the column's total, the rows rank ``r`` holds."""
+    there) in one load; row ``N`` holds the column's total, the rows rank ``r`` holds, and row
+    ``N + c`` (``1 <= c < CHUNKS``) the first token whose row at ``r`` could be in chunk ``c``
+    (the tokens before it have rows only in earlier chunks there)."""
     r = tl.program_id(0)
     in_rank_ptr = in_rank_ptr.to(tl.pointer_type(tl.int8))
     carry = tl.zeros((), tl.int32)
@@ -172,62 +188,79 @@ def copy_combine_prefix(
         tl.store(prefix_ptr + at, carry + tl.cumsum(hit, 0) - hit, mask=mask)
         carry += tl.sum(hit, 0)
     tl.store(prefix_ptr + num_tokens.to(tl.int64) * NUM_RANKS + r, carry)
+    if CHUNKS > 1:
+        # The prefix grows with the token, so the tokens before the first row of a chunk are
+        # those whose prefix lies below it: counted in a second pass, now that the total is
+        # known.
+        chunks = tl.arange(0, BLOCK_CHUNKS)
+        starts = first_row(carry, chunks, CHUNKS, LAST_SHARE)
+        before = tl.zeros((BLOCK_CHUNKS,), tl.int32)
+        seen = tl.zeros((), tl.int32)
+        for start in range(0, num_tokens, BLOCK):
+            tokens = start + tl.arange(0, BLOCK)
+            mask = tokens < num_tokens
+            at = tokens.to(tl.int64) * NUM_RANKS + r
+            hit = (tl.load(in_rank_ptr + at, mask=mask, other=0) != 0).to(tl.int32)
+            prefix = seen + tl.cumsum(hit, 0) - hit
+            below = mask[:, None] & (prefix[:, None] < starts[None, :])
+            before += tl.sum(below.to(tl.int32), 0)
+            seen += tl.sum(hit, 0)
+        later = (chunks >= 1) & (chunks < CHUNKS)
+        at = (num_tokens + chunks).to(tl.int64) * NUM_RANKS + r
+        tl.store(prefix_ptr + at, before, mask=later)
 
 
 @triton.jit
-def row_chunk(pos, rows, CHUNKS: tl.constexpr):
+def row_chunk(pos, rows, CHUNKS: tl.constexpr, LAST_SHARE: tl.constexpr):
     """The chunk that carries row ``pos`` of ``rows`` (:func:`chunk_start`'s inverse: the
     number of chunks after the first that start at or before ``pos``)."""
     chunk = tl.zeros_like(pos)
     for c in tl.static_range(1, CHUNKS):
-        chunk += (pos >= 3 * rows * c // (4 * (CHUNKS - 1))).to(pos.dtype)
+        chunk += (pos >= first_row(rows, c, CHUNKS, LAST_SHARE)).to(pos.dtype)
     return chunk
 
 
-@kernel(
-    "tritonep::normal::copy_combine_sum",
-    do_not_specialize=["own_start", "num_tokens", "K", "chunk", "rank", "timeout_us"],
-)
-def copy_combine_sum(
+@triton.jit
+def sum_block(
+    first,  # the block's first token
+    base,  # int64 base address of this rank's region heap
     x_ptr,  # [M, H] bf16 the combine's input: this rank's own rows are read here
     weights_ptr,  # [M, K] float32 their weights (HAS_WEIGHTS)
     in_rank_ptr,  # [N, R] bool is_token_in_rank of the dispatch
-    prefix_ptr,  # [N + 1, R] int32 copy_combine_prefix's: tokens before each sent to each rank
+    prefix_ptr,  # [N + CHUNKS, R] int32 copy_combine_prefix's
     own_start,  # the first row of x from this rank's own tokens
     num_tokens,  # N, this rank's tokens
     K,  # top-k columns of the weights
-    chunk,  # the chunk of rows whose copies precede this launch (0 to CHUNKS - 1)
+    chunk,  # the chunk of rows whose copies precede this launch
     bias0_ptr,  # [N, H] bf16 (NUM_BIAS >= 1)
     bias1_ptr,  # [N, H] bf16 (NUM_BIAS >= 2)
     out_ptr,  # [N, H] bf16 out: the sums
     out_weights_ptr,  # [N, K] float32 out: the summed weights (HAS_WEIGHTS)
-    peer_ptrs,  # [R] int64 base address of every rank's region heap
-    state_ptr,  # [STATE_WORDS] int64 this rank's call counter (CALLS) and arrivals
     status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
     rank,  # this rank
-    timeout_us,  # limit of the waits, in microseconds (sync.timeout_us)
-    H: tl.constexpr,  # hidden size
-    NUM_RANKS: tl.constexpr,  # R: ranks of the group
-    CAPACITY: tl.constexpr,  # rows of a source's slot in a region
-    MAX_TOPK: tl.constexpr,  # weights a slot row has room for
-    DONE_OFFSET: tl.constexpr,  # byte offsets in a region (RegionLayout)
+    timeout_us,  # limit of the waits, in microseconds
+    H: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    CAPACITY: tl.constexpr,
+    MAX_TOPK: tl.constexpr,
     ROWS_OFFSET: tl.constexpr,
     WEIGHTS_OFFSET: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,  # sum weights too
-    NUM_BIAS: tl.constexpr,  # bias tensors added (0 to 2)
-    CHUNKS: tl.constexpr,  # copies (and launches of this kernel) per peer and call
-    USE_CLOCK: tl.constexpr,  # waits read the GPU clock; else the interpreter's rounding
-    BLOCK_TOKENS: tl.constexpr,  # tokens a program sums
-    BLOCK_WORDS: tl.constexpr,  # int32 words of a row summed at a time
-    BLOCK_RANKS: tl.constexpr,  # NUM_RANKS as a power of two (at least 2)
-    BLOCK_K: tl.constexpr,  # power of two >= max(K, 2)
-    X_ALIGNED: tl.constexpr,  # x's rows start at 16-byte boundaries
+    HAS_WEIGHTS: tl.constexpr,
+    NUM_BIAS: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    LAST_SHARE: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    BLOCK_RANKS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    X_ALIGNED: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    """Wait for the peers' rows of ``chunk``, then sum those of the tokens ``first`` to
+    ``first + BLOCK_TOKENS - 1`` whose last row came in it (:func:`copy_combine_sum`'s
+    arguments)."""
     ranks = tl.arange(0, BLOCK_RANKS)
     peers = (ranks < NUM_RANKS) & (ranks != rank)
-    call = tl.load(state_ptr + CALLS, volatile=True) + 1
-    base = tl.load(peer_ptrs + rank)
     # Each peer's copy stream sets this chunk's flag of it to 1 after its copies (no SM: the
     # flags are there while this launch waits for SMs, whatever the peers' SMs are doing).
     arrivals = (base + chunk * NUM_RANKS * 8 + ranks * 8).to(tl.pointer_type(tl.int64))
@@ -241,7 +274,6 @@ def copy_combine_sum(
         record_timeout(status_ptr, peer, COPY_COMBINE_RECV, limit)
     came = (ranks == rank) | ((arrived >= ones) & trusted)
 
-    first = pid * BLOCK_TOKENS
     tokens = first + tl.arange(0, BLOCK_TOKENS)
     tmask = tokens < num_tokens
     hit = tl.load(
@@ -256,7 +288,7 @@ def copy_combine_sum(
         sent = tl.load(prefix_ptr + num_tokens.to(tl.int64) * NUM_RANKS + ranks, peers, 0)
         sent = sent[None, :]
         from_peer = (hit > 0) & (ranks != rank)[None, :]
-        last = tl.max(tl.where(from_peer, row_chunk(pos, sent, CHUNKS), 0), 1)
+        last = tl.max(tl.where(from_peer, row_chunk(pos, sent, CHUNKS, LAST_SHARE), 0), 1)
         tmask = tmask & (last == chunk)
         hit = hit * tmask.to(tl.int32)[:, None]
     pos = pos.to(tl.int64)
@@ -315,6 +347,98 @@ def copy_combine_sum(
                 BLOCK_WORDS,
                 BLOCK_K,
             )
+
+
+@kernel(
+    "tritonep::normal::copy_combine_sum",
+    do_not_specialize=["own_start", "num_tokens", "K", "chunk", "rank", "timeout_us"],
+)
+def copy_combine_sum(
+    x_ptr,  # [M, H] bf16 the combine's input: this rank's own rows are read here
+    weights_ptr,  # [M, K] float32 their weights (HAS_WEIGHTS)
+    in_rank_ptr,  # [N, R] bool is_token_in_rank of the dispatch
+    prefix_ptr,  # [N + CHUNKS, R] int32 copy_combine_prefix's (tokens before each sent to each
+    # rank, the totals, the first token of each chunk at each rank)
+    own_start,  # the first row of x from this rank's own tokens
+    num_tokens,  # N, this rank's tokens
+    K,  # top-k columns of the weights
+    chunk,  # the chunk of rows whose copies precede this launch (0 to CHUNKS - 1)
+    bias0_ptr,  # [N, H] bf16 (NUM_BIAS >= 1)
+    bias1_ptr,  # [N, H] bf16 (NUM_BIAS >= 2)
+    out_ptr,  # [N, H] bf16 out: the sums
+    out_weights_ptr,  # [N, K] float32 out: the summed weights (HAS_WEIGHTS)
+    peer_ptrs,  # [R] int64 base address of every rank's region heap
+    state_ptr,  # [STATE_WORDS] int64 this rank's call counter (CALLS) and arrivals
+    status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
+    rank,  # this rank
+    timeout_us,  # limit of the waits, in microseconds (sync.timeout_us)
+    H: tl.constexpr,  # hidden size
+    NUM_RANKS: tl.constexpr,  # R: ranks of the group
+    CAPACITY: tl.constexpr,  # rows of a source's slot in a region
+    MAX_TOPK: tl.constexpr,  # weights a slot row has room for
+    DONE_OFFSET: tl.constexpr,  # byte offsets in a region (RegionLayout)
+    ROWS_OFFSET: tl.constexpr,
+    WEIGHTS_OFFSET: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,  # sum weights too
+    NUM_BIAS: tl.constexpr,  # bias tensors added (0 to 2)
+    CHUNKS: tl.constexpr,  # copies (and launches of this kernel) per peer and call
+    LAST_SHARE: tl.constexpr,  # the last chunk holds 1 / LAST_SHARE of the rows
+    USE_CLOCK: tl.constexpr,  # waits read the GPU clock; else the interpreter's rounding
+    BLOCK_TOKENS: tl.constexpr,  # tokens a program sums
+    BLOCK_WORDS: tl.constexpr,  # int32 words of a row summed at a time
+    BLOCK_RANKS: tl.constexpr,  # NUM_RANKS as a power of two (at least 2)
+    BLOCK_K: tl.constexpr,  # power of two >= max(K, 2)
+    X_ALIGNED: tl.constexpr,  # x's rows start at 16-byte boundaries
+):
+    pid = tl.program_id(0)
+    ranks = tl.arange(0, BLOCK_RANKS)
+    peers = (ranks < NUM_RANKS) & (ranks != rank)
+    call = tl.load(state_ptr + CALLS, volatile=True) + 1
+    base = tl.load(peer_ptrs + rank)
+    first = pid * BLOCK_TOKENS
+    if CHUNKS > 1:  # a later chunk's tokens start where its first row at some peer lies
+        later = tl.load(
+            prefix_ptr + (num_tokens + chunk).to(tl.int64) * NUM_RANKS + ranks,
+            mask=peers & (tl.zeros_like(ranks) + chunk > 0),
+            other=0,
+        )
+        first += tl.where(chunk > 0, tl.min(tl.where(peers, later, num_tokens), 0), 0)
+    if first < num_tokens:  # (the programs past the last token only count themselves out)
+        sum_block(
+            first,
+            base,
+            x_ptr,
+            weights_ptr,
+            in_rank_ptr,
+            prefix_ptr,
+            own_start,
+            num_tokens,
+            K,
+            chunk,
+            bias0_ptr,
+            bias1_ptr,
+            out_ptr,
+            out_weights_ptr,
+            status_ptr,
+            rank,
+            timeout_us,
+            H,
+            NUM_RANKS,
+            CAPACITY,
+            MAX_TOPK,
+            ROWS_OFFSET,
+            WEIGHTS_OFFSET,
+            HAS_WEIGHTS,
+            NUM_BIAS,
+            CHUNKS,
+            LAST_SHARE,
+            USE_CLOCK,
+            BLOCK_TOKENS,
+            BLOCK_WORDS,
+            BLOCK_RANKS,
+            BLOCK_K,
+            X_ALIGNED,
+        )
     # The last program of the last chunk: every peer may copy its next call's rows here; then,
     # before the call closes, it waits until every peer has read this rank's rows too, so that
     # this rank's next copies (queued after this launch) find every region free: the copies

@@ -40,19 +40,26 @@ from ..kernels.sync import use_clock
 #: On 2x H200 (4096 tokens, hidden 7168) 8 tokens of 512 values summed in 55-57 us where 4 of
 #: 1024 took 63-64 (and 2 of 1024, 2 or 4 of 2048, 8 or 16 with 8 warps no less).
 _BLOCK_TOKENS = {True: 8, False: 4}
+#: Tokens a program sums in the launches after the first: those of the last chunks, few, which
+#: the call waits for after its last copy, spread over more programs.
+_BLOCK_TOKENS_LATER = {True: 2, False: 2}
 _BLOCK_ELEMS = {True: 512, False: 64}
-#: Tokens of ``is_token_in_rank`` the prefix kernel reads at a time (GPU, CPU).
-_PREFIX_TOKENS = {True: 1024, False: 16}
+#: Tokens of ``is_token_in_rank`` the prefix kernel reads at a time (GPU, CPU): its passes
+#: over a column wait for each load in turn, so a GPU takes 4096 tokens in one.
+_PREFIX_TOKENS = {True: 4096, False: 16}
 #: Warps of a program of the sum kernel: on 4x H200 the sums of 8 tokens of 512 values took
 #: 85-86 us with 8 warps against 121 with 4 (on 2x H200 57-61 us either way).
 _NUM_WARPS = 8
 #: Copies per peer and call, each followed by a launch of the sums: the default of
 #: ``NormalMode(copy_combine_chunks=...)``, read when a mode is made. The sums of one chunk run
-#: while the next moves, so the call ends with the last chunk's sums, of a quarter of the rows
-#: (``normal_copy_combine.chunk_start``); each copy more costs about 5 us and a flag write.
+#: while the next moves, so the call ends with the last chunk's sums, of ``1 / _LAST_SHARE``
+#: of the rows (``normal_copy_combine.chunk_start``); each copy more costs about 5 us and a
+#: flag write.
 #: On 4x H200 (4096 tokens) one, two and three chunks took 528 / 499 / 526 us a combine
 #: replayed from a graph; beside a GEMM 1.30 / 1.32 from a host start, 1.07 / 1.09 queued.
 CHUNKS = 2
+#: The last chunk holds ``1 / _LAST_SHARE`` of each peer's rows (read when a mode is made).
+_LAST_SHARE = 4
 
 
 class CopyCombine:
@@ -83,6 +90,7 @@ class CopyCombine:
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
         self.hidden, self.max_topk, self.capacity = hidden, max_topk, capacity
         self.chunks = CHUNKS if chunks is None else chunks
+        self.last_share = _LAST_SHARE
         R, me = self.num_ranks, self.rank
         self.layout = ncc.region_layout(R, capacity, hidden, max_topk, self.chunks)
         self.heap = allocate(self.layout.total, group, device)
@@ -136,14 +144,24 @@ class CopyCombine:
         self._lanes = triton.next_power_of_2(max(R, 2))
         self._sums: dict[tuple, KernelLaunch] = {}
         # Each token's row at each rank, written by a launch per call (copy_combine_prefix):
-        # [tokens + 1, R] int32, grown (at least doubled) for more tokens; a buffer once used
-        # stays alive, since a CUDA graph may hold its address.
-        self._prefix = torch.empty((capacity + 1) * R, dtype=torch.int32, device=self.device)
+        # [tokens + chunks, R] int32, grown (at least doubled) for more tokens; a buffer once
+        # used stays alive, since a CUDA graph may hold its address.
+        self._prefix = torch.empty(
+            (capacity + self.chunks) * R, dtype=torch.int32, device=self.device
+        )
         self._old_prefixes: list[torch.Tensor] = []
+        prefix_meta = {
+            "NUM_RANKS": R,
+            "CHUNKS": self.chunks,
+            "LAST_SHARE": self.last_share,
+            "BLOCK": _PREFIX_TOKENS[self._gpu],
+            "BLOCK_CHUNKS": triton.next_power_of_2(max(self.chunks, 2)),
+            "num_warps": 8,
+        }
         self._prefix_plan = KernelLaunch(
             ncc.copy_combine_prefix,
             (R,),
-            {"NUM_RANKS": R, "BLOCK": _PREFIX_TOKENS[self._gpu], "num_warps": 4},
+            prefix_meta,
             ncc.PrefixCall._fields,
             (0, 1),
             self.state,
@@ -163,8 +181,10 @@ class CopyCombine:
         )
 
     def _sum_plan(
-        self, has_weights: bool, num_bias: int, block_k: int, x_aligned: bool
+        self, has_weights: bool, num_bias: int, block_k: int, x_aligned: bool, later: bool
     ) -> KernelLaunch:
+        """The sums' launch for these arguments, for the first chunk or (``later``) the
+        others."""
         gpu = self._gpu
         variant = ncc.SumVariant(
             H=self.hidden,
@@ -177,8 +197,9 @@ class CopyCombine:
             HAS_WEIGHTS=has_weights,
             NUM_BIAS=num_bias,
             CHUNKS=self.chunks,
+            LAST_SHARE=self.last_share,
             USE_CLOCK=use_clock(self.device),
-            BLOCK_TOKENS=_BLOCK_TOKENS[gpu],
+            BLOCK_TOKENS=(_BLOCK_TOKENS_LATER if later else _BLOCK_TOKENS)[gpu],
             BLOCK_WORDS=_BLOCK_ELEMS[gpu] // 2,
             BLOCK_RANKS=self._lanes,
             BLOCK_K=block_k,
@@ -189,7 +210,7 @@ class CopyCombine:
         fields = ncc.SumCall._fields
         pointers = tuple(i for i, name in enumerate(fields) if name.endswith("_ptr"))
         plan = KernelLaunch(ncc.copy_combine_sum, (1,), meta, fields, pointers, self.state)
-        self._sums[(has_weights, num_bias, block_k, x_aligned)] = plan
+        self._sums[(has_weights, num_bias, block_k, x_aligned, later)] = plan
         return plan
 
     def __call__(self, x, handle, topk_weights, terms: tuple, K: int, block_k: int, out, out_w):
@@ -211,12 +232,12 @@ class CopyCombine:
         # Rows of x at 16-byte boundaries (as a fresh tensor's are: the mode's hidden size is a
         # multiple of 8) are read 16 bytes a load.
         x_aligned = x.data_ptr() % 16 == 0
-        key = (topk_weights is not None, len(terms), block_k, x_aligned)
+        key = (topk_weights is not None, len(terms), block_k, x_aligned, False)
         plan = self._sums.get(key) or self._sum_plan(*key)
         N = handle.num_tokens
-        if (N + 1) * self.num_ranks > self._prefix.numel():
+        if (N + self.chunks) * self.num_ranks > self._prefix.numel():
             self._old_prefixes.append(self._prefix)
-            size = max((N + 1) * self.num_ranks, 2 * self._prefix.numel())
+            size = max((N + self.chunks) * self.num_ranks, 2 * self._prefix.numel())
             self._prefix = torch.empty(size, dtype=torch.int32, device=self.device)
         prefix = ncc.PrefixCall(handle.is_token_in_rank, self._prefix, N)
         call = ncc.SumCall(
@@ -234,6 +255,11 @@ class CopyCombine:
             out_weights_ptr=out_w,
         )
         grid = (max(1, triton.cdiv(N, _BLOCK_TOKENS[self._gpu])),)
+        later, later_grid = plan, grid  # (the launches after the first chunk's)
+        if self.chunks > 1:
+            later_key = (*key[:-1], True)
+            later = self._sums.get(later_key) or self._sum_plan(*later_key)
+            later_grid = (max(1, triton.cdiv(N, _BLOCK_TOKENS_LATER[self._gpu])),)
         driver = self._driver
         if driver is None or self.chunks == 1:
             # Each chunk's copies then its sums, on the caller's stream (CPU ranks: plain
@@ -242,12 +268,16 @@ class CopyCombine:
                 self._copy(x, topk_weights, K, rows, starts, c, None)
                 if c == 0:
                     self._prefix_plan(prefix, self._no_shared)
-                plan(call if c == 0 else call._replace(chunk=c), self._shared, grid)
+                    plan(call, self._shared, grid)
+                else:
+                    later(call._replace(chunk=c), self._shared, later_grid)
             return
         # The first chunk's copies on the caller's stream, the others on the copies' own
         # stream after them; each chunk's sums on the caller's stream after its copies.
         stream = torch._C._cuda_getCurrentRawStream(self._device_index)
         copies, events = self._copy_stream.cuda_stream, self._events
+        # (The next chunk's copies wait for the first's flags too: recorded before the flags'
+        # writes, they delayed those writes, and the peers' sums, by their own length.)
         self._copy(x, topk_weights, K, rows, starts, 0, stream)
         driver.record(events[0], stream)
         driver.wait(copies, events[0])
@@ -260,7 +290,7 @@ class CopyCombine:
         plan(call, self._shared, grid)
         for c in range(1, self.chunks):
             driver.wait(stream, events[c])
-            plan(call._replace(chunk=c), self._shared, grid)
+            later(call._replace(chunk=c), self._shared, later_grid)
 
     def _copy(self, x, topk_weights, K: int, rows, starts, chunk: int, stream) -> None:
         """Chunk ``chunk`` of each peer's rows (with the first, all their weights) into this
@@ -268,11 +298,11 @@ class CopyCombine:
         turn (:attr:`peers`' order), straight through the driver (:class:`_Driver`), then this
         rank's arrival flag of the chunk at every peer; on CPU ranks plain copies and
         stores."""
-        driver, chunks = self._driver, self.chunks
+        driver, chunks, share = self._driver, self.chunks, self.last_share
         if driver is None:
             for s in self.peers:
                 n, a = rows[s], starts[s]
-                lo, hi = ncc.chunk_start(n, chunk, chunks), ncc.chunk_start(n, chunk + 1, chunks)
+                lo, hi = (ncc.chunk_start(n, c, chunks, share) for c in (chunk, chunk + 1))
                 if hi > lo:
                     self._rows_to[s][lo:hi].copy_(x[a + lo : a + hi])
                 if chunk == 0 and n and topk_weights is not None:
@@ -286,7 +316,7 @@ class CopyCombine:
         w_at = topk_weights.data_ptr() if topk_weights is not None and chunk == 0 else 0
         for s in self.peers:
             n, a = rows[s], starts[s]
-            lo, hi = ncc.chunk_start(n, chunk, chunks), ncc.chunk_start(n, chunk + 1, chunks)
+            lo, hi = (ncc.chunk_start(n, c, chunks, share) for c in (chunk, chunk + 1))
             if hi > lo:
                 driver.copy(
                     self._rows_at[s] + lo * row_bytes,
