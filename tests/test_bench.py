@@ -28,6 +28,8 @@ def test_normal_sweep_with_comparison(tmp_path, capfd):
         "normal",
         "--tokens",
         "4,12",
+        "--hidden",
+        "256",
         "--compare",
         "tritonep.deep_ep",
         "--copy-chunks",
