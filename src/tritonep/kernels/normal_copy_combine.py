@@ -161,6 +161,17 @@ class SumVariant(NamedTuple):
     X_ALIGNED: bool
 
 
+@triton.jit
+def column_block(in_rank_ptr, start, r, num_tokens, NUM_RANKS: tl.constexpr, BLOCK: tl.constexpr):
+    """Tokens ``start`` to ``start + BLOCK - 1`` of column ``r`` of ``is_token_in_rank``
+    (``in_rank_ptr`` as int8): their offsets in the ``[N, R]`` table, which exist, and 1
+    where the token went to ``r``."""
+    tokens = start + tl.arange(0, BLOCK)
+    mask = tokens < num_tokens
+    at = tokens.to(tl.int64) * NUM_RANKS + r
+    return at, mask, (tl.load(in_rank_ptr + at, mask=mask, other=0) != 0).to(tl.int32)
+
+
 @kernel("tritonep::normal::copy_combine_prefix", do_not_specialize=["num_tokens"])
 def copy_combine_prefix(
     in_rank_ptr,  # [N, R] bool is_token_in_rank of the dispatch
@@ -181,10 +192,7 @@ def copy_combine_prefix(
     in_rank_ptr = in_rank_ptr.to(tl.pointer_type(tl.int8))
     carry = tl.zeros((), tl.int32)
     for start in range(0, num_tokens, BLOCK):
-        tokens = start + tl.arange(0, BLOCK)
-        mask = tokens < num_tokens
-        at = tokens.to(tl.int64) * NUM_RANKS + r
-        hit = (tl.load(in_rank_ptr + at, mask=mask, other=0) != 0).to(tl.int32)
+        at, mask, hit = column_block(in_rank_ptr, start, r, num_tokens, NUM_RANKS, BLOCK)
         tl.store(prefix_ptr + at, carry + tl.cumsum(hit, 0) - hit, mask=mask)
         carry += tl.sum(hit, 0)
     tl.store(prefix_ptr + num_tokens.to(tl.int64) * NUM_RANKS + r, carry)
@@ -197,10 +205,7 @@ def copy_combine_prefix(
         before = tl.zeros((BLOCK_CHUNKS,), tl.int32)
         seen = tl.zeros((), tl.int32)
         for start in range(0, num_tokens, BLOCK):
-            tokens = start + tl.arange(0, BLOCK)
-            mask = tokens < num_tokens
-            at = tokens.to(tl.int64) * NUM_RANKS + r
-            hit = (tl.load(in_rank_ptr + at, mask=mask, other=0) != 0).to(tl.int32)
+            _, mask, hit = column_block(in_rank_ptr, start, r, num_tokens, NUM_RANKS, BLOCK)
             prefix = seen + tl.cumsum(hit, 0) - hit
             below = mask[:, None] & (prefix[:, None] < starts[None, :])
             before += tl.sum(below.to(tl.int32), 0)
