@@ -277,8 +277,8 @@ class CopyCombine:
         # stream after them; each chunk's sums on the caller's stream after its copies.
         stream = torch._C._cuda_getCurrentRawStream(self._device_index)
         copies, events = self._copy_stream.cuda_stream, self._events
-        # (The next chunk's copies wait for the first's flags too: recorded before the flags'
-        # writes, they delayed those writes, and the peers' sums, by their own length.)
+        # (The event follows the first chunk's flag writes: a copy queued on the other stream
+        # before them would hold them back, and the peers' sums with them, 2x H200.)
         self._copy(x, topk_weights, K, rows, starts, 0, stream)
         driver.record(events[0], stream)
         driver.wait(copies, events[0])
