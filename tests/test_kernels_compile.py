@@ -311,40 +311,47 @@ KERNELS.append(
 )
 
 # The copy-engine combine's sums (4 ranks, 4096 tokens a rank at most, both biases, weights).
-KERNELS.append(
-    (
-        "tritonep.kernels.normal_copy_combine",
-        "copy_combine_sum",
-        {
-            **_signature(
-                normal_copy_combine.SumCall,
-                normal_copy_combine.SumShared,
-                x_ptr="*bf16",
+for _later in (False, True):  # the first chunk's launch, then the others'
+    KERNELS.append(
+        (
+            "tritonep.kernels.normal_copy_combine",
+            "copy_combine_sum",
+            {
+                **_signature(
+                    normal_copy_combine.SumCall,
+                    normal_copy_combine.SumShared,
+                    x_ptr="*bf16",
+                ),
+                **{k: "constexpr" for k in normal_copy_combine.SumVariant._fields},
+            },
+            dict(
+                H=7168,
+                NUM_RANKS=4,
+                CAPACITY=4096,
+                MAX_TOPK=16,
+                DONE_OFFSET=32,
+                ROWS_OFFSET=256,
+                WEIGHTS_OFFSET=176160768 + 256,
+                HAS_WEIGHTS=True,
+                NUM_BIAS=2,
+                CHUNKS=2,  # (the chunked path: the default of one has no chunk scan)
+                LAST_SHARE=copy_combine._LAST_SHARE,
+                USE_CLOCK=True,
+                BLOCK_TOKENS=(
+                    copy_combine._BLOCK_TOKENS_LATER if _later else copy_combine._BLOCK_TOKENS
+                )[True],  # (the GPU's configuration)
+                BLOCK_WORDS=(
+                    copy_combine._BLOCK_ELEMS_LATER if _later else copy_combine._BLOCK_ELEMS
+                )[True]
+                // 2,
+                BLOCK_RANKS=4,
+                BLOCK_K=8,
+                X_ALIGNED=True,
+                LATER=_later,
             ),
-            **{k: "constexpr" for k in normal_copy_combine.SumVariant._fields},
-        },
-        dict(
-            H=7168,
-            NUM_RANKS=4,
-            CAPACITY=4096,
-            MAX_TOPK=16,
-            DONE_OFFSET=32,
-            ROWS_OFFSET=256,
-            WEIGHTS_OFFSET=176160768 + 256,
-            HAS_WEIGHTS=True,
-            NUM_BIAS=2,
-            CHUNKS=2,  # (the chunked path: the default of one has no chunk scan)
-            LAST_SHARE=copy_combine._LAST_SHARE,
-            USE_CLOCK=True,
-            BLOCK_TOKENS=copy_combine._BLOCK_TOKENS[True],  # (the GPU's configuration)
-            BLOCK_WORDS=copy_combine._BLOCK_ELEMS[True] // 2,
-            BLOCK_RANKS=4,
-            BLOCK_K=8,
-            X_ALIGNED=True,
-        ),
-        {"num_warps": copy_combine._NUM_WARPS, "enable_fp_fusion": False},
+            {"num_warps": copy_combine._NUM_WARPS, "enable_fp_fusion": False},
+        )
     )
-)
 
 # Each token's row at each rank, for those sums.
 KERNELS.append(
@@ -934,6 +941,7 @@ def _id(kernel):
     packed += "-exchange" if meta.get("EXCHANGE") else ""
     packed += "-unaligned-x" if meta.get("X_ALIGNED") is False else ""
     packed += "-host-copy" if meta.get("HOST_COPY") else ""
+    packed += "-later" if meta.get("LATER") else ""
     packed += "-histograms" if meta.get("COUNT_BY_ADDS") is False else ""
     packed += "-tma" if meta.get("VIA_TMA") else ""
     packed += "-rotated-streaming" if meta.get("ROTATE") and meta.get("STREAM") else ""
@@ -951,9 +959,16 @@ def test_combine_sums_read_rows_in_16_byte_vectors(name):
     the peers' and this rank's own in x, 16 bytes an instruction (not a BF16 value: the own
     rows' pointer once chosen by ``tl.where`` beside the ring slot's or the region's hid the
     alignment of both)."""
-    ptx = compile_ptx(*next(k for k in KERNELS if k[1] == name and k[3].get("LOCAL", True)))
-    assert "ld.global.cg.v4.b32" in ptx
-    assert not re.search(r"ld\.global[.\w]*\.b16", ptx)
+    variants = [
+        k
+        for k in KERNELS
+        if k[1] == name and k[3].get("LOCAL", True) and k[3].get("X_ALIGNED", True)
+    ]
+    assert variants
+    for kernel in variants:
+        ptx = compile_ptx(*kernel)
+        assert "ld.global.cg.v4.b32" in ptx
+        assert not re.search(r"ld\.global[.\w]*\.b16", ptx)
     assert "fma.rn.f32" not in ptx  # sums only, as the reference adds
 
 

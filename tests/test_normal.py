@@ -23,6 +23,7 @@ from tritonep import reference as ref
 from tritonep.errors import WaitTimeoutError
 from tritonep.heap import shared_gpu
 from tritonep.kernels.normal_copy_combine import chunk_start, copy_combine_prefix, row_chunk
+from tritonep.modes import copy_combine as cc
 from tritonep.modes import normal as nm
 from tritonep.testing import make_case, static_inputs, tag_rows, timeout_message
 
@@ -238,7 +239,7 @@ def _row_chunks(out_ptr, rows, CHUNKS: tl.constexpr, LAST_SHARE: tl.constexpr, B
 def test_the_sums_find_each_row_in_the_chunk_its_copy_carried():
     # The device's row_chunk against the host's split (chunk_start), empty chunks included.
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    for chunks, share in ((1, 4), (2, 4), (3, 4), (4, 4), (2, 6), (3, 8)):
+    for chunks, share in ((1, 4), (2, 4), (3, 4), (4, 4), (2, 5), (3, 5), (2, 6), (3, 8)):
         for n in (1, 2, 3, 5, 8, 13, 40):
             got = torch.full((64,), -1, dtype=torch.int32, device=device)
             _row_chunks[(1,)](got, n, CHUNKS=chunks, LAST_SHARE=share, BLOCK=64)
@@ -263,7 +264,7 @@ def test_the_prefix_gives_each_token_its_row_at_each_rank(chunks):
     # chunk is it.
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(5 + chunks)
-    share = 4
+    share = cc._LAST_SHARE
     for tokens, ranks in ((0, 2), (37, 3), (50, 4)):
         in_rank = (torch.rand(tokens, ranks, generator=gen) < 0.6).to(device)
         got = torch.full(((tokens + chunks) * ranks,), -1, dtype=torch.int32, device=device)

@@ -12,11 +12,13 @@ made with ``copy_combine_tokens``. Per call:
    the others on a stream of their own after them;
 2. on the caller's stream, after the first chunk's copies,
    :func:`~tritonep.kernels.normal_copy_combine.copy_combine_prefix` (each token's row at each
-   rank), and after each chunk's copies
-   :func:`~tritonep.kernels.normal_copy_combine.copy_combine_sum`: the tokens whose rows have
-   all come with that chunk, the peers' rows and this rank's own (read in place) summed in rank
-   order, plus the bias. So the sums of one chunk run while the next chunk's rows move, and the
-   call ends a chunk's sums after its last copy.
+   rank), then one launch per chunk of
+   :func:`~tritonep.kernels.normal_copy_combine.copy_combine_sum`, which waits on the device
+   for the peers' arrival flags of its chunk and sums the tokens whose rows have all come with
+   it: the peers' rows and this rank's own (read in place) in rank order, plus the bias. So the
+   sums of one chunk run while the next chunk's rows move, and the call ends a chunk's sums
+   after its last copy; the caller's stream then waits for this rank's own last copies (they
+   read ``x``).
 
 No SM moves a row: beside a GEMM that holds every SM the copies still run, and only the sums
 wait for SMs. The region costs ``(R - 1) * copy_combine_tokens * (2 H + 4 max_topk)`` bytes of
@@ -45,6 +47,9 @@ _BLOCK_TOKENS = {True: 8, False: 4}
 #: last launch 42 / 26 / 24 / 28 us with 1 / 2 / 4 / 8 tokens a program).
 _BLOCK_TOKENS_LATER = {True: 2, False: 2}
 _BLOCK_ELEMS = {True: 512, False: 64}
+#: BF16 values of a row at a time in the later launches: with two tokens a program, 1024 keep
+#: 8 warps loading 16 bytes a thread (512 would load 8).
+_BLOCK_ELEMS_LATER = {True: 1024, False: 64}
 #: Tokens of ``is_token_in_rank`` the prefix kernel reads at a time (GPU, CPU): its passes
 #: over a column wait for each load in turn, so a GPU takes 4096 tokens in one.
 _PREFIX_TOKENS = {True: 4096, False: 16}
@@ -56,11 +61,15 @@ _NUM_WARPS = 8
 #: while the next moves, so the call ends with the last chunk's sums, of ``1 / _LAST_SHARE``
 #: of the rows (``normal_copy_combine.chunk_start``); each copy more costs about 5 us and a
 #: flag write.
-#: On 4x H200 (4096 tokens) one, two and three chunks took 528 / 499 / 526 us a combine
-#: replayed from a graph; beside a GEMM 1.30 / 1.32 from a host start, 1.07 / 1.09 queued.
+#: On 4x H200 (4096 tokens) one and two chunks take 527 / 484 us a combine replayed from a
+#: graph (three took longer: each chunk more adds a gap before each peer's copy); beside a GEMM
+#: two end 1.31x the GEMM alone from a host start, 1.07x queued.
 CHUNKS = 2
-#: The last chunk holds ``1 / _LAST_SHARE`` of each peer's rows (read when a mode is made).
-_LAST_SHARE = 4
+#: The last chunk holds ``1 / _LAST_SHARE`` of each peer's rows (read when a mode is made). On
+#: 4x H200 (4096 tokens, two chunks) a fifth: 492.6-494.4 us replayed from a graph against
+#: 500.5-501.6 for a quarter and 496.2-498.5 for a sixth (the first launch's sums, of the
+#: other rows, end about when the last copies do); on 2x H200 a quarter or a third is better.
+_LAST_SHARE = 5
 
 
 class CopyCombine:
@@ -138,10 +147,10 @@ class CopyCombine:
                 for c in range(self.chunks)
             ]
         if self._driver is not None and self.chunks > 1:
-            # The copies' own stream, and the events that order it with the caller's: one after
-            # each chunk's copies.
+            # The copies' own stream, and the events that order it with the caller's: after the
+            # first chunk's copies (caller's stream) and after the last's (copies' stream).
             self._copy_stream = torch.cuda.Stream(self.device)
-            self._events = [self._driver.event() for _ in range(self.chunks)]
+            self._events = [self._driver.event() for _ in range(2)]
         self._lanes = triton.next_power_of_2(max(R, 2))
         self._sums: dict[tuple, KernelLaunch] = {}
         # Each token's row at each rank, written by a launch per call (copy_combine_prefix):
@@ -201,10 +210,11 @@ class CopyCombine:
             LAST_SHARE=self.last_share,
             USE_CLOCK=use_clock(self.device),
             BLOCK_TOKENS=(_BLOCK_TOKENS_LATER if later else _BLOCK_TOKENS)[gpu],
-            BLOCK_WORDS=_BLOCK_ELEMS[gpu] // 2,
+            BLOCK_WORDS=(_BLOCK_ELEMS_LATER if later else _BLOCK_ELEMS)[gpu] // 2,
             BLOCK_RANKS=self._lanes,
             BLOCK_K=block_k,
             X_ALIGNED=x_aligned,
+            LATER=later,
         )
         # (No fused multiply-adds, as in the rings' sums: the kernel only adds.)
         meta = {**variant._asdict(), "num_warps": _NUM_WARPS, "enable_fp_fusion": False}
@@ -274,7 +284,7 @@ class CopyCombine:
                     later(call._replace(chunk=c), self._shared, later_grid)
             return
         # The first chunk's copies on the caller's stream, the others on the copies' own
-        # stream after them; each chunk's sums on the caller's stream after its copies.
+        # stream after them; the sums on the caller's stream after the first chunk's copies.
         stream = torch._C._cuda_getCurrentRawStream(self._device_index)
         copies, events = self._copy_stream.cuda_stream, self._events
         # (The event follows the first chunk's flag writes: a copy queued on the other stream
@@ -284,14 +294,18 @@ class CopyCombine:
         driver.wait(copies, events[0])
         for c in range(1, self.chunks):
             self._copy(x, topk_weights, K, rows, starts, c, copies)
-            driver.record(events[c], copies)
+        driver.record(events[1], copies)
         # (After the first chunk's copies, not before them: a kernel waits for an SM, and
         # the copies should not wait with it beside work that holds every SM.)
         self._prefix_plan(prefix, self._no_shared)
         plan(call, self._shared, grid)
+        # A later launch waits for the peers' flags of its chunk on the device, not for this
+        # rank's copies (whose event its start would follow by 8-12 us, 4x H200): the call
+        # waits for the last chunk's sums alone after the last copies. The caller's stream
+        # then joins the copies', which read x.
         for c in range(1, self.chunks):
-            driver.wait(stream, events[c])
             later(call._replace(chunk=c), self._shared, later_grid)
+        driver.wait(stream, events[1])
 
     def _copy(self, x, topk_weights, K: int, rows, starts, chunk: int, stream) -> None:
         """Chunk ``chunk`` of each peer's rows (with the first, all their weights) into this
