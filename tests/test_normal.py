@@ -264,7 +264,7 @@ def test_the_prefix_gives_each_token_its_row_at_each_rank(chunks):
     # chunk is it.
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(5 + chunks)
-    share = cc._LAST_SHARE
+    share = cc.last_share(4)
     for tokens, ranks in ((0, 2), (37, 3), (50, 4)):
         in_rank = (torch.rand(tokens, ranks, generator=gen) < 0.6).to(device)
         got = torch.full(((tokens + chunks) * ranks,), -1, dtype=torch.int32, device=device)

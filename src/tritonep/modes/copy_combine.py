@@ -58,18 +58,26 @@ _PREFIX_TOKENS = {True: 4096, False: 16}
 _NUM_WARPS = 8
 #: Copies per peer and call, each followed by a launch of the sums: the default of
 #: ``NormalMode(copy_combine_chunks=...)``, read when a mode is made. The sums of one chunk run
-#: while the next moves, so the call ends with the last chunk's sums, of ``1 / _LAST_SHARE``
+#: while the next moves, so the call ends with the last chunk's sums, of ``1 / last_share``
 #: of the rows (``normal_copy_combine.chunk_start``); each copy more costs about 5 us and a
 #: flag write.
 #: On 4x H200 (4096 tokens) one and two chunks take 527 / 484 us a combine replayed from a
 #: graph (three took longer: each chunk more adds a gap before each peer's copy); beside a GEMM
 #: two end 1.31x the GEMM alone from a host start, 1.07x queued.
 CHUNKS = 2
-#: The last chunk holds ``1 / _LAST_SHARE`` of each peer's rows (read when a mode is made). On
-#: 4x H200 (4096 tokens, two chunks) a fifth: 492.6-494.4 us replayed from a graph against
-#: 500.5-501.6 for a quarter and 496.2-498.5 for a sixth (the first launch's sums, of the
-#: other rows, end about when the last copies do); on 2x H200 a quarter or a third is better.
-_LAST_SHARE = 5
+#: The last chunk holds ``1 / share`` of each peer's rows, by rank count (read when a mode is
+#: made). The first launch's sums, of the other rows, should end when the last copies do; at 2
+#: ranks the copies (one peer's rows) are short beside the sums, so the last chunk is larger.
+#: 2x H200 (4096 tokens, two chunks): a third 196.0-199.0 us replayed from a graph, a quarter
+#: 206.7-206.9, a fifth 210.2-211.1; 4x H200: a fifth 492.6-494.4, a quarter 500.5-501.6, a
+#: sixth 496.2-498.5. 3 ranks take the value between; more than 4 are unmeasured.
+_LAST_SHARE = {2: 3, 3: 4}
+_LAST_SHARE_OTHERS = 5
+
+
+def last_share(num_ranks: int) -> int:
+    """The last chunk's share of a peer's rows is ``1 / last_share(num_ranks)``."""
+    return _LAST_SHARE.get(num_ranks, _LAST_SHARE_OTHERS)
 
 
 class CopyCombine:
@@ -100,7 +108,7 @@ class CopyCombine:
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
         self.hidden, self.max_topk, self.capacity = hidden, max_topk, capacity
         self.chunks = CHUNKS if chunks is None else chunks
-        self.last_share = _LAST_SHARE
+        self.last_share = last_share(self.num_ranks)
         R, me = self.num_ranks, self.rank
         self.layout = ncc.region_layout(R, capacity, hidden, max_topk, self.chunks)
         self.heap = allocate(self.layout.total, group, device)
