@@ -11,22 +11,21 @@ The rows for each peer go in ``CHUNKS`` copies (row ``r`` of ``n`` in chunk ``c`
 ``chunk_start(n, c) <= r < chunk_start(n, c + 1)``: the last chunk ``1 / LAST_SHARE`` of the
 rows), and one launch of the sums per chunk waits for that chunk's copies (the peers' flags,
 below), so the sums of the tokens whose rows have all come run while the next chunk's copies
-move. A launch after the first
-starts its programs at the first token that can have a row in its chunk (rows go in token
-order, so a later chunk's tokens are the last ones), where :func:`copy_combine_prefix` says: the
-call waits for that launch alone after its last copy, and it spreads its few tokens over every
-program it has. After a chunk's copies the
-same stream sets this rank's arrival flag of the chunk at each peer to 1 (a stream memory
-operation: no SM, so a launch that waits for SMs beside a GEMM finds the flags there whatever
-the peers' SMs are doing). In a launch every program waits for the peers' flags of its chunk,
-then sums those of its block of tokens whose last row came in it (the row of token ``t`` in the
-region of rank ``r`` is ``t``'s position among the tokens that went to ``r``:
-:func:`copy_combine_prefix`, launched once a call after the first chunk's copies, writes them
-for all tokens). In the last chunk's launch the last program to finish clears this rank's
-arrival flags, tells every peer it has read their rows, then waits until every peer has read
-this rank's. Each region holds one call's rows, and that wait at the end of a call is what lets
-the next call's copies start with no kernel before them (beside a GEMM that holds every SM,
-they run at once; only the sums wait for SMs).
+move. A launch after the first starts its programs at the first token that can have a row in its
+chunk (rows go in token order, so a later chunk's tokens are the last ones), where
+:func:`copy_combine_prefix` says: the call waits for that launch alone after its last copy, and
+it spreads its few tokens over every program it has. After a chunk's copies the same stream sets
+this rank's arrival flag of the chunk at each peer to 1 (a stream memory operation: no SM, so a
+launch that waits for SMs beside a GEMM finds the flags there whatever the peers' SMs are
+doing). In a launch every program waits for the peers' flags of its chunk, then sums those of
+its block of tokens whose last row came in it (the row of token ``t`` in the region of rank
+``r`` is ``t``'s position among the tokens that went to ``r``: :func:`copy_combine_prefix`,
+launched once a call after the first chunk's copies, writes them for all tokens). In the last
+chunk's launch the last program to finish clears this rank's arrival flags, tells every peer it
+has read their rows, then waits until every peer has read this rank's. Each region holds one
+call's rows, and that wait at the end of a call is what lets the next call's copies start with
+no kernel before them (beside a GEMM that holds every SM, they run at once; only the sums wait
+for SMs).
 
 Call numbers live on the device (``state_ptr``) and the arrival flags are cleared by the call
 that read them, so a CUDA graph of a combine replays with the flags of each new call. Every
