@@ -34,9 +34,12 @@ def test_normal_sweep_with_comparison(tmp_path, capfd):
         "tritonep.deep_ep",
         "--copy-chunks",
         "1,3",
+        "--copy-share",
+        "6",
     )
     assert [r["tokens"] for r in rows] == [4, 12, 4, 12]
     assert [r["copy_chunks"] for r in rows] == [1, 1, 3, 3]
+    assert [r["copy_share"] for r in rows] == [6] * 4
     on_cpu = rows[0]["device"] == report.INTERPRETER
     assert {r["device"] for r in rows} == {report.INTERPRETER if on_cpu else "cuda"}
     for row in rows:

@@ -335,7 +335,7 @@ for _later in (False, True):  # the first chunk's launch, then the others'
                 HAS_WEIGHTS=True,
                 NUM_BIAS=2,
                 CHUNKS=2,  # (the chunked path: the default of one has no chunk scan)
-                LAST_SHARE=copy_combine.last_share(4),
+                LAST_SHARE=copy_combine.default_last_share(4),
                 USE_CLOCK=True,
                 BLOCK_TOKENS=(
                     copy_combine._BLOCK_TOKENS_LATER if _later else copy_combine._BLOCK_TOKENS
@@ -371,7 +371,7 @@ KERNELS.append(
         dict(
             NUM_RANKS=4,
             CHUNKS=2,
-            LAST_SHARE=copy_combine.last_share(4),
+            LAST_SHARE=copy_combine.default_last_share(4),
             BLOCK=copy_combine._PREFIX_TOKENS[True],
             BLOCK_CHUNKS=2,
         ),

@@ -108,6 +108,7 @@ def _normal_body(
     copy_tokens=0,
     copy_chunks=None,
     misaligned_x=False,
+    copy_share=None,
 ):
     R, me = ctx.world_size, ctx.rank
     experts *= R
@@ -120,6 +121,7 @@ def _normal_body(
         timeout_s=60,
         copy_combine_tokens=copy_tokens,
         copy_combine_chunks=copy_chunks,
+        copy_combine_last_share=copy_share,
     )
     if copy_tokens:  # rows and weights of the copy-engine combine's region: NaN until copied
         region = mode.copy_combine
@@ -210,13 +212,15 @@ def test_copy_engine_combine_matches_reference(run_ranks, num_ranks, name):
     assert run_ranks(num_ranks, _normal_body, *args) == [True] * num_ranks
 
 
-@pytest.mark.parametrize("chunks, misaligned", [(2, True), (3, False)])
-def test_copy_engine_combine_in_chunks_matches_reference(run_ranks, chunks, misaligned):
+@pytest.mark.parametrize("chunks, misaligned, share", [(2, True, 2), (3, False, 6)])
+def test_copy_engine_combine_in_chunks_matches_reference(run_ranks, chunks, misaligned, share):
     # Two copies per peer and call, or three: more chunks than some sources have rows (empty
-    # chunks), tokens summed by the launch after their last row's chunk. An input off a
-    # 16-byte boundary takes the sums' other way to this rank's own rows.
+    # chunks), tokens summed by the launch after their last row's chunk; the last chunk half
+    # the rows or a sixth. An input off a 16-byte boundary takes the sums' other way to this
+    # rank's own rows.
     tokens, hidden, experts, topk, routing, fp8, worst = CASES["bf16-random"]
     args = (2, tokens, hidden, experts, topk, routing, fp8, worst, None, 16, chunks, misaligned)
+    args += (share,)
     assert run_ranks(3, _normal_body, *args) == [True] * 3
 
 
@@ -264,7 +268,7 @@ def test_the_prefix_gives_each_token_its_row_at_each_rank(chunks):
     # chunk is it.
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(5 + chunks)
-    share = cc.last_share(4)
+    share = cc.default_last_share(4)
     for tokens, ranks in ((0, 2), (37, 3), (50, 4)):
         in_rank = (torch.rand(tokens, ranks, generator=gen) < 0.6).to(device)
         got = torch.full(((tokens + chunks) * ranks,), -1, dtype=torch.int32, device=device)
@@ -295,6 +299,11 @@ def _copy_limits_body(ctx):
         nm.NormalMode(
             None, 128, 2 * ctx.world_size, device=ctx.device, copy_combine_tokens=4,
             copy_combine_chunks=0,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="copy_combine_last_share: expected an int >= 2, got 1"):
+        nm.NormalMode(
+            None, 128, 2 * ctx.world_size, device=ctx.device, copy_combine_tokens=4,
+            copy_combine_last_share=1,
         )  # fmt: skip
     mode = nm.NormalMode(None, 128, 2 * ctx.world_size, device=ctx.device, copy_combine_tokens=4)
     x = torch.zeros(5, 128, dtype=torch.bfloat16, device=ctx.device)

@@ -251,6 +251,12 @@ def _parser() -> argparse.ArgumentParser:
                 "of its own: tritonep.modes.copy_combine.CHUNKS; implies --copy-combine; "
                 "default: the module's)",
             )
+            p.add_argument(
+                "--copy-share",
+                help="the last chunk's share of the rows in the combine over copy engines, "
+                "e.g. 4,5 for a quarter and a fifth (each a mode of its own: NormalMode "
+                "copy_combine_last_share; implies --copy-combine; default: by rank count)",
+            )
         elif mode == "low-latency":
             p.add_argument("--bf16", action="store_true", help="dispatch BF16 instead of FP8")
             p.add_argument(
@@ -398,8 +404,9 @@ def _options(args: argparse.Namespace, on_gpu: bool) -> types.SimpleNamespace:
         opts.sms = _ints(args.sms or CONFIG_DEFAULTS["sms"][pick])
         opts.chunk = _ints(args.chunk)
         opts.ring = _ints(args.ring or CONFIG_DEFAULTS["ring"][pick])
-        opts.copy_combine = args.copy_combine or bool(args.copy_chunks)
+        opts.copy_combine = args.copy_combine or bool(args.copy_chunks or args.copy_share)
         opts.copy_chunks = _ints(args.copy_chunks) if args.copy_chunks else [None]
+        opts.copy_share = _ints(args.copy_share) if args.copy_share else [None]
     elif args.mode == "low-latency":
         opts.bf16 = args.bf16
         opts.logfmt = args.logfmt

@@ -6,8 +6,8 @@ ranks), after warm-up:
 * dispatch in cached mode (the layout of an earlier call: what DeepEP's tests time), BF16 and
   FP8; and the full dispatch (notify, the host read of the received count, and the payload);
 * combine of the BF16 rows (with ``--copy-combine`` also over copy engines: ``copy_combine_us``,
-  ``graph_copy_combine_us``, and its ``copy_chunks``; ``--copy-chunks 1,2`` makes a mode per
-  chunk count);
+  ``graph_copy_combine_us``, its ``copy_chunks`` and ``copy_share``; ``--copy-chunks 1,2`` and
+  ``--copy-share 4,5`` make a mode per chunk count and last chunk's share);
 * cached dispatch and combine replayed from a CUDA graph (device time, no launch overhead);
 * the kernels alone (``kernel_*_us``: the profiler's device time of the kernels a cached
   dispatch or a combine launches, as DeepEP V2's test reports them; GPUs only);
@@ -154,10 +154,14 @@ def normal_rank(ctx, opts, progress):
     rival = compare.load(opts.compare, ctx.rank)
     rows = []
     sweep = itertools.product(
-        getattr(opts, "copy_chunks", [None]), opts.hidden, opts.experts, opts.topk
+        getattr(opts, "copy_chunks", [None]),
+        getattr(opts, "copy_share", [None]),
+        opts.hidden,
+        opts.experts,
+        opts.topk,
     )
-    for copy_chunks, hidden, experts, topk in sweep:
-        mode = _mode(ctx, opts, hidden, experts, topk, copy_chunks)
+    for copy_chunks, copy_share, hidden, experts, topk in sweep:
+        mode = _mode(ctx, opts, hidden, experts, topk, copy_chunks, copy_share)
         for tokens, sms, chunk, ring in itertools.product(
             opts.tokens, opts.sms, opts.chunk, opts.ring
         ):
@@ -166,14 +170,24 @@ def normal_rank(ctx, opts, progress):
             row.update(chunk=chunk, ring=ring)
             if mode.copy_combine is not None:
                 row["copy_chunks"] = mode.copy_combine.chunks
+                row["copy_share"] = mode.copy_combine.last_share
             rows.append(row)
             progress(row)
         mode.destroy()
     return rows
 
 
-def _mode(ctx, opts, hidden: int, experts: int, topk: int, copy_chunks: int | None):
-    """The sweep's mode for one (hidden, experts, top-k, chunks of the copy-engine combine)."""
+def _mode(
+    ctx,
+    opts,
+    hidden: int,
+    experts: int,
+    topk: int,
+    copy_chunks: int | None,
+    copy_share: int | None,
+):
+    """The sweep's mode for one (hidden, experts, top-k, chunks and last chunk's share of the
+    copy-engine combine)."""
     from ..modes.normal import NormalMode
 
     return NormalMode(
@@ -187,4 +201,5 @@ def _mode(ctx, opts, hidden: int, experts: int, topk: int, copy_chunks: int | No
         ring_tokens=max(opts.ring),
         copy_combine_tokens=max(opts.tokens) if getattr(opts, "copy_combine", False) else 0,
         copy_combine_chunks=copy_chunks,
+        copy_combine_last_share=copy_share,
     )

@@ -58,7 +58,7 @@ _PREFIX_TOKENS = {True: 4096, False: 16}
 _NUM_WARPS = 8
 #: Copies per peer and call, each followed by a launch of the sums: the default of
 #: ``NormalMode(copy_combine_chunks=...)``, read when a mode is made. The sums of one chunk run
-#: while the next moves, so the call ends with the last chunk's sums, of ``1 / last_share``
+#: while the next moves, so the call ends with the last chunk's sums, of ``1 / share``
 #: of the rows (``normal_copy_combine.chunk_start``); each copy more costs about 5 us and a
 #: flag write.
 #: On 4x H200 (4096 tokens) one and two chunks take 527 / 484 us a combine replayed from a
@@ -75,8 +75,9 @@ _LAST_SHARE = {2: 3, 3: 4}
 _LAST_SHARE_OTHERS = 5
 
 
-def last_share(num_ranks: int) -> int:
-    """The last chunk's share of a peer's rows is ``1 / last_share(num_ranks)``."""
+def default_last_share(num_ranks: int) -> int:
+    """The last chunk holds ``1 / default_last_share(num_ranks)`` of a peer's rows unless the
+    mode says otherwise (:data:`_LAST_SHARE`)."""
     return _LAST_SHARE.get(num_ranks, _LAST_SHARE_OTHERS)
 
 
@@ -92,6 +93,8 @@ class CopyCombine:
         status: the mode's :class:`~tritonep.kernels.status.Status` (its waits record there).
         timeout_us: limit of every wait (:func:`~tritonep.kernels.sync.timeout_us`).
         chunks: copies per peer and call (:data:`CHUNKS`; the same on every rank).
+        last_share: the last chunk holds ``1 / last_share`` of each peer's rows
+            (:func:`default_last_share` of the rank count; the same on every rank).
     """
 
     def __init__(
@@ -104,12 +107,13 @@ class CopyCombine:
         status,
         timeout_us: int,
         chunks: int | None = None,
+        last_share: int | None = None,
     ):
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
         self.hidden, self.max_topk, self.capacity = hidden, max_topk, capacity
         self.chunks = CHUNKS if chunks is None else chunks
-        self.last_share = last_share(self.num_ranks)
         R, me = self.num_ranks, self.rank
+        self.last_share = default_last_share(R) if last_share is None else last_share
         self.layout = ncc.region_layout(R, capacity, hidden, max_topk, self.chunks)
         self.heap = allocate(self.layout.total, group, device)
         self.device = self.heap.device

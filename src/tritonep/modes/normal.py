@@ -746,6 +746,12 @@ class NormalMode:
         copy_combine_chunks: copies per peer and call of that combine, each followed by a
             launch of its sums (default: :data:`tritonep.modes.copy_combine.CHUNKS`; the same
             on every rank).
+        copy_combine_last_share: that combine's last chunk holds ``1 / this`` of each peer's
+            rows, an int >= 2 (default:
+            :func:`tritonep.modes.copy_combine.default_last_share` of the rank count, tuned on
+            H200s; the same on every rank). The call ends with the sums of the last chunk,
+            while the others' run beside its copies: the best share makes those end with the
+            last copies.
     """
 
     #: The class of the handles dispatches return (a subclass's, such as DeepEP's tuple-like
@@ -770,11 +776,17 @@ class NormalMode:
         rank_names: list[int] | None = None,
         copy_combine_tokens: int = 0,
         copy_combine_chunks: int | None = None,
+        copy_combine_last_share: int | None = None,
     ):
         self.group = default_group(group)
         self.label = label
-        if copy_combine_chunks is None:  # (resolved here: the ranks must agree on the value)
+        # (Resolved here: the ranks must agree on the values.)
+        if copy_combine_chunks is None:
             copy_combine_chunks = copy_combine.CHUNKS
+        if copy_combine_last_share is None:
+            copy_combine_last_share = copy_combine.default_last_share(
+                dist.get_world_size(self.group)
+            )
         check_ranks_agree(
             self.group,
             "NormalMode",
@@ -787,6 +799,7 @@ class NormalMode:
             notify_extra=notify_extra,
             copy_combine_tokens=copy_combine_tokens,
             copy_combine_chunks=copy_combine_chunks,
+            copy_combine_last_share=copy_combine_last_share,
             device_type=torch.device(device).type if device is not None else None,
         )
         self.rank = dist.get_rank(self.group)
@@ -877,6 +890,10 @@ class NormalMode:
             raise ValueError(
                 f"copy_combine_chunks: expected an int >= 1, got {copy_combine_chunks!r}"
             )
+        if type(copy_combine_last_share) is not int or copy_combine_last_share < 2:
+            raise ValueError(
+                f"copy_combine_last_share: expected an int >= 2, got {copy_combine_last_share!r}"
+            )
         #: The copy-engine combine (``copy_combine_tokens``), or None.
         self.copy_combine: CopyCombine | None = None
         #: The most tokens a dispatch may carry.
@@ -892,6 +909,7 @@ class NormalMode:
                 self.status,
                 self._timeout_us,
                 copy_combine_chunks,
+                copy_combine_last_share,
             )
         #: Kernel traces (``profile=True``): :meth:`TraceRecorder.dump` writes them.
         self.trace = TraceRecorder.of(profile, self.rank, self.device, on_gpu)
