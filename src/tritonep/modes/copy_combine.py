@@ -65,20 +65,20 @@ _NUM_WARPS = 8
 #: graph (three took longer: each chunk more adds a gap before each peer's copy); beside a GEMM
 #: two end 1.31x the GEMM alone from a host start, 1.07x queued.
 CHUNKS = 2
-#: The last chunk holds ``1 / share`` of each peer's rows, by rank count (read when a mode is
-#: made). The first launch's sums, of the other rows, should end when the last copies do; at 2
-#: ranks the copies (one peer's rows) are short beside the sums, so the last chunk is larger.
-#: 2x H200 (4096 tokens, two chunks): a third 196.0-199.0 us replayed from a graph, a quarter
-#: 206.7-206.9, a fifth 210.2-211.1; 4x H200: a fifth 492.6-494.4, a quarter 500.5-501.6, a
-#: sixth 496.2-498.5. 3 ranks take the value between; more than 4 are unmeasured.
-_LAST_SHARE = {2: 3, 3: 4}
-_LAST_SHARE_OTHERS = 5
+#: The last chunk holds ``1 / LAST_SHARE[R]`` of each peer's rows at ``R`` ranks (a fifth at
+#: rank counts not listed): the default of ``NormalMode(copy_combine_last_share=...)``, read
+#: when a mode is made. The first launch's sums, of the other rows, should end when the last
+#: copies do; at 2 ranks the copies (one peer's rows) are short beside the sums, so the last
+#: chunk is larger. 2x H200 (4096 tokens, two chunks): a third 196.0-199.0 us replayed from a
+#: graph, a quarter 206.7-206.9, a fifth 210.2-211.1; 4x H200: a fifth 492.6-494.4, a quarter
+#: 500.5-501.6, a sixth 496.2-498.5. 3 ranks take the value between; more than 4 are unmeasured.
+LAST_SHARE = {2: 3, 3: 4, 4: 5}
 
 
 def default_last_share(num_ranks: int) -> int:
-    """The last chunk holds ``1 / default_last_share(num_ranks)`` of a peer's rows unless the
-    mode says otherwise (:data:`_LAST_SHARE`)."""
-    return _LAST_SHARE.get(num_ranks, _LAST_SHARE_OTHERS)
+    """The last chunk's share (``1 / this`` of a peer's rows) at ``num_ranks`` ranks unless the
+    mode says otherwise: :data:`LAST_SHARE`'s, or a fifth."""
+    return LAST_SHARE.get(num_ranks, 5)
 
 
 class CopyCombine:
