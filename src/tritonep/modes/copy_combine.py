@@ -58,7 +58,7 @@ _PREFIX_TOKENS = {True: 4096, False: 16}
 _NUM_WARPS = 8
 #: Copies per peer and call, each followed by a launch of the sums: the default of
 #: ``NormalMode(copy_combine_chunks=...)``, read when a mode is made. The sums of one chunk run
-#: while the next moves, so the call ends with the last chunk's sums, of ``1 / share``
+#: while the next moves, so the call ends with the last chunk's sums, of ``1 / LAST_SHARE[R]``
 #: of the rows (``normal_copy_combine.chunk_start``); each copy more costs about 5 us and a
 #: flag write.
 #: On 4x H200 (4096 tokens) one and two chunks take 527 / 484 us a combine replayed from a
