@@ -969,7 +969,7 @@ def test_combine_sums_read_rows_in_16_byte_vectors(name):
         ptx = compile_ptx(*kernel)
         assert "ld.global.cg.v4.b32" in ptx
         assert not re.search(r"ld\.global[.\w]*\.b16", ptx)
-    assert "fma.rn.f32" not in ptx  # sums only, as the reference adds
+        assert "fma.rn.f32" not in ptx  # sums only, as the reference adds
 
 
 def test_low_latency_payload_moves_in_16_byte_vectors():
