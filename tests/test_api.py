@@ -147,7 +147,9 @@ def _buffer_normal_body(ctx, num_tokens, use_fp8, async_finish, copy_combine_tok
 
     R, me = ctx.world_size, ctx.rank
     H, E, K = 256, 8 * R, 4
-    buffer = Buffer(None, device=ctx.device, copy_combine_tokens=copy_combine_tokens)
+    buffer = Buffer(
+        None, device=ctx.device, copy_combine_tokens=copy_combine_tokens, copy_combine_min_tokens=0
+    )
     case = tag_rows(make_case(77, [num_tokens] * R, H, E, K, "dropped"))
     x, idx = case.x[me].to(ctx.device), case.topk_idx[me].to(ctx.device)
     w = case.topk_weights[me].to(ctx.device)

@@ -108,7 +108,9 @@ def _intranode_body(
         os.environ["LOCAL_WORLD_SIZE"] = str(gpus_per_node)
     try:
         copies = max(tokens) if variant == "copies" else 0
-        buffer = deep_ep.Buffer(group, int(1e9), int(1e9), copy_combine_tokens=copies)
+        buffer = deep_ep.Buffer(
+            group, int(1e9), int(1e9), copy_combine_tokens=copies, copy_combine_min_tokens=0
+        )
     finally:
         if saved is not None:
             os.environ["LOCAL_WORLD_SIZE"] = saved

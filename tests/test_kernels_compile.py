@@ -484,6 +484,7 @@ NOTIFY_META = dict(
     COUNTS_GIVEN=False,
     CHANNEL_MAJOR=False,
     HOST_COPY=False,
+    SEND_TOKENS=False,
     USE_CLOCK=True,
     BLOCK_TOKENS=256,
     BLOCK_CHANNELS=16,
@@ -608,6 +609,14 @@ for module, name, sig, meta, options in [
     ),
     # An exact-size first dispatch's notify: the count also goes to host memory
     ("normal_notify", "notify_kernel", NOTIFY, {**NOTIFY_META, "HOST_COPY": True}, {}),
+    # With the copy-engine combine: rows carry their source's token count
+    (
+        "normal_notify",
+        "notify_kernel",
+        NOTIFY,
+        {**NOTIFY_META, "HOST_COPY": True, "SEND_TOKENS": True},
+        {},
+    ),
     # A worst-case first dispatch: the count exchange in the same launch
     (
         "normal_dispatch",

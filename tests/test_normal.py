@@ -109,6 +109,7 @@ def _normal_body(
     copy_chunks=None,
     misaligned_x=False,
     copy_share=None,
+    copy_min=0,
 ):
     R, me = ctx.world_size, ctx.rank
     experts *= R
@@ -122,6 +123,7 @@ def _normal_body(
         copy_combine_tokens=copy_tokens,
         copy_combine_chunks=copy_chunks,
         copy_combine_last_share=copy_share,
+        copy_combine_min_tokens=copy_min,
     )
     if copy_tokens:  # rows and weights of the copy-engine combine's region: NaN until copied
         region = mode.copy_combine
@@ -152,6 +154,9 @@ def _normal_body(
             y = torch.empty(y.numel() + 1, dtype=y.dtype, device=y.device)[1:].view_as(y).copy_(y)
         combined, combined_w = mode.combine(y, out.handle, out.recv_topk_weights, bias)
         _verify(ctx, case, xs, out, combined, combined_w, experts, alignment, worst, True)
+        # Every rank learns the most tokens any rank dispatched (exact size, with the
+        # copy-engine combine: the rows carry the counts only then).
+        assert out.handle.most_tokens == (-1 if worst or not copy_tokens else max(tokens[:R]))
 
         # Cached: new payloads along the same routing, no notify.
         new = tag_rows(make_case(100 * call + 12, tokens[:R], hidden, experts, topk, routing))
@@ -163,13 +168,17 @@ def _normal_body(
     rings = [o for o in mode._plans if isinstance(o, nm.CombineOptions)]
     if not copy_tokens:  # the rings' variants: one for an input off 16 bytes, if one came
         assert rings and any(not o.x_aligned for o in rings) == misaligned_x
-    if copy_tokens:  # exact-size handles take the copy engines, worst-case ones the rings
-        assert int(mode.copy_combine.state[0]) == (0 if worst else calls)
+    if copy_tokens:
+        # Exact-size handles take the copy engines where the rank with the most tokens has
+        # at least copy_min and at most copy_tokens; the others, and worst-case handles (no
+        # counts on the host), the rings: on every rank alike, whatever its own tokens.
+        copies = not worst and copy_min <= max(tokens[:R]) <= copy_tokens
+        assert int(mode.copy_combine.state[0]) == (calls if copies else 0)
         # (the sums' variants: by the input's alignment, then for the first chunk or later)
         keys = list(mode.copy_combine._sums)
-        assert {key[3] for key in keys} == ({not misaligned_x} if not worst else set())
+        assert {key[3] for key in keys} == ({not misaligned_x} if copies else set())
         later = {False, True} if mode.copy_combine.chunks > 1 else {False}
-        assert {key[4] for key in keys} == (later if not worst else set())
+        assert {key[4] for key in keys} == (later if copies else set())
     mode.check()
     mode.destroy()
     return True
@@ -221,6 +230,24 @@ def test_copy_engine_combine_in_chunks_matches_reference(run_ranks, chunks, misa
     tokens, hidden, experts, topk, routing, fp8, worst = CASES["bf16-random"]
     args = (2, tokens, hidden, experts, topk, routing, fp8, worst, None, 16, chunks, misaligned)
     args += (share,)
+    assert run_ranks(3, _normal_body, *args) == [True] * 3
+
+
+@pytest.mark.parametrize(
+    "copy_tokens, copy_min",
+    [(16, 10), (16, 14), (12, 0)],
+    ids=["most-above-min", "most-below-min", "most-above-capacity"],
+)
+def test_combine_takes_copy_engines_by_the_most_tokens_of_any_rank(
+    run_ranks, copy_tokens, copy_min
+):
+    # Ranks of 13, 0 and 9 tokens: all take the copy engines when 13 is within [copy_min,
+    # copy_tokens], whatever their own count (the 9-token rank with a minimum of 10 too), and
+    # all take the rings otherwise: a minimum above 13, or 13 tokens beyond the region's
+    # capacity (which no longer raises). Both calls match the reference either way.
+    tokens, hidden, experts, topk, routing, fp8, worst = CASES["bf16-random"]
+    args = (2, tokens, hidden, experts, topk, routing, fp8, worst, None, copy_tokens, None)
+    args += (False, None, copy_min)
     assert run_ranks(3, _normal_body, *args) == [True] * 3
 
 
@@ -291,8 +318,7 @@ def test_the_prefix_gives_each_token_its_row_at_each_rank(chunks):
 
 
 def _copy_limits_body(ctx):
-    """A dispatch of more tokens than ``copy_combine_tokens`` raises before any launch (the
-    regions of the copy-engine combine hold that many rows per source); so does a bad value."""
+    """Bad values of the copy-engine combine's arguments raise, naming them."""
     with pytest.raises(ValueError, match="copy_combine_tokens: expected an int >= 0"):
         nm.NormalMode(None, 128, 2 * ctx.world_size, device=ctx.device, copy_combine_tokens=-1)
     with pytest.raises(ValueError, match="copy_combine_chunks: expected an int >= 1, got 0"):
@@ -305,17 +331,19 @@ def _copy_limits_body(ctx):
             None, 128, 2 * ctx.world_size, device=ctx.device, copy_combine_tokens=4,
             copy_combine_last_share=1,
         )  # fmt: skip
-    mode = nm.NormalMode(None, 128, 2 * ctx.world_size, device=ctx.device, copy_combine_tokens=4)
-    x = torch.zeros(5, 128, dtype=torch.bfloat16, device=ctx.device)
-    idx = torch.zeros(5, 2, dtype=torch.int64, device=ctx.device)
-    with pytest.raises(ValueError, match="x: 5 tokens exceed copy_combine_tokens=4"):
-        mode.dispatch(x, idx)
-    mode.check()
-    mode.destroy()
+    with pytest.raises(ValueError, match="copy_combine_min_tokens: expected an int >= 0, got -1"):
+        nm.NormalMode(
+            None, 128, 2 * ctx.world_size, device=ctx.device, copy_combine_tokens=4,
+            copy_combine_min_tokens=-1,
+        )  # fmt: skip
+    from tritonep import Buffer
+
+    with pytest.raises(ValueError, match="copy_combine_min_tokens: expected an int >= 0 or None"):
+        Buffer(None, device=ctx.device, copy_combine_tokens=4, copy_combine_min_tokens=-1)
     return True
 
 
-def test_copy_engine_combine_limits_its_tokens(run_ranks):
+def test_copy_engine_combine_arguments_are_checked(run_ranks):
     assert run_ranks(2, _copy_limits_body) == [True, True]
 
 
@@ -718,7 +746,10 @@ def _copy_graph_body(ctx, replays):
     replay's sums checked against the reference (the flags of each replay are its own)."""
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
     N, H, E, K = 256, 1024, 8 * R, 4
-    mode = nm.NormalMode(None, H, E, max_topk=K, device=dev, timeout_s=60, copy_combine_tokens=N)
+    mode = nm.NormalMode(
+        None, H, E, max_topk=K, device=dev, timeout_s=60, copy_combine_tokens=N,
+        copy_combine_min_tokens=0,
+    )  # fmt: skip
     x, idx, w = static_inputs(N, H, K, dev)
     case = tag_rows(make_case(0, [N] * R, H, E, K, "random")).copy_to(me, x, idx, w)
     first = mode.dispatch(x, idx, w)
@@ -779,8 +810,9 @@ def _skip_body(ctx, phase):
     """Rank 1 skips ``phase`` (dispatch, or combine after a dispatch); rank 0 must raise."""
     copies = 8 if phase == "copy combine" else 0
     mode = nm.NormalMode(
-        None, 128, 2 * ctx.world_size, device=ctx.device, timeout_s=30.0, copy_combine_tokens=copies
-    )
+        None, 128, 2 * ctx.world_size, device=ctx.device, timeout_s=30.0,
+        copy_combine_tokens=copies, copy_combine_min_tokens=0,
+    )  # fmt: skip
     x = torch.randn(3, 128, device=ctx.device).to(torch.bfloat16)
     idx = torch.tensor([[0, 1], [1, 2], [3, 0]], device=ctx.device)
     if phase in ("combine", "copy combine"):

@@ -401,10 +401,14 @@ class Buffer:
             experts are dropped (as if their ids were ``-1``). Every rank must pass the same
             value. The normal mode is not affected.
         copy_combine_tokens: if > 0 (one node only), normal-mode combines of exact-size
-            dispatches (no ``num_worst_tokens``) hand the rows back by copy engines, no SM
-            moving them (:mod:`tritonep.modes.copy_combine`), and no dispatch may carry more
-            tokens than this; reserves ``(R - 1) * copy_combine_tokens * (2 * hidden + 64)``
-            bytes of symmetric memory, made at the first normal-mode call.
+            dispatches (no ``num_worst_tokens``) in which no rank dispatched more tokens than
+            this, and some rank at least ``copy_combine_min_tokens``, hand the rows back by copy
+            engines, no SM moving them (:mod:`tritonep.modes.copy_combine`); the others take
+            the rings. Reserves ``(R - 1) * copy_combine_tokens * (2 * hidden + 64)`` bytes of
+            symmetric memory, made at the first normal-mode call.
+        copy_combine_min_tokens: the fewest tokens (on the rank with the most) for which those
+            combines take the copy engines (default:
+            :func:`tritonep.modes.copy_combine.default_min_tokens` of the rank count; 0: all).
     """
 
     def __init__(
@@ -422,6 +426,7 @@ class Buffer:
         gpus_per_node: int | None = None,
         enable_shrink: bool = False,
         copy_combine_tokens: int = 0,
+        copy_combine_min_tokens: int | None = None,
     ):
         self.group = default_group(group)
         self.rank = dist.get_rank(self.group)
@@ -446,6 +451,7 @@ class Buffer:
             gpus_per_node=gpus_per_node,
             enable_shrink=self.enable_shrink,
             copy_combine_tokens=copy_combine_tokens,
+            copy_combine_min_tokens=copy_combine_min_tokens,
             profile=bool(profile),
             device_type=torch.device(device).type
             if device is not None
@@ -462,9 +468,17 @@ class Buffer:
             raise ValueError(
                 f"copy_combine_tokens: expected an int >= 0, got {copy_combine_tokens!r}"
             )
+        if copy_combine_min_tokens is not None and (
+            type(copy_combine_min_tokens) is not int or copy_combine_min_tokens < 0
+        ):
+            raise ValueError(
+                f"copy_combine_min_tokens: expected an int >= 0 or None, got "
+                f"{copy_combine_min_tokens!r}"
+            )
         if copy_combine_tokens and self.num_nodes > 1:
             raise ValueError("copy_combine_tokens: within one node only (the group spans nodes)")
         self.copy_combine_tokens = copy_combine_tokens
+        self.copy_combine_min_tokens = copy_combine_min_tokens
         # get_dispatch_layout's kernels (per number of experts) and where they record bad ids,
         # which this buffer's next normal-mode dispatch or combine raises.
         self._layouts: dict[int, DispatchLayout] = {}
@@ -635,6 +649,7 @@ class Buffer:
             max_sms=max_sms,
             profile=profile,
             copy_combine_tokens=self.copy_combine_tokens,
+            copy_combine_min_tokens=self.copy_combine_min_tokens,
         )
 
     def _mode_config(self, mode: NormalMode | InternodeMode, config: Config | None) -> Config:

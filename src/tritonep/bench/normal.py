@@ -202,4 +202,7 @@ def _mode(
         copy_combine_tokens=max(opts.tokens) if getattr(opts, "copy_combine", False) else 0,
         copy_combine_chunks=copy_chunks,
         copy_combine_last_share=copy_share,
+        # (Every size over the copy engines, so that the rows show where they beat the rings:
+        # a mode's default takes them from copy_combine.MIN_TOKENS on.)
+        copy_combine_min_tokens=0,
     )

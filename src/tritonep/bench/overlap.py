@@ -184,6 +184,7 @@ def _paths(ctx, opts, x, idx, w, E, K):
         max_sms=opts.sms,
         ring_tokens=opts.ring,
         copy_combine_tokens=T,
+        copy_combine_min_tokens=0,  # (at any --tokens)
     )
     config = Config(num_sms=opts.sms, nvl_recv_buffer_tokens=opts.ring)
     _, per_expert, in_rank = rings.get_dispatch_layout(idx)

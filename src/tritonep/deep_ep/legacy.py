@@ -171,9 +171,10 @@ class Buffer(_Buffer):
             comm: accepted, no effect.
         enable_shrink: low-latency shrink mode (see :class:`tritonep.Buffer`).
         explicitly_destroy: accepted; :meth:`destroy` releases the memory either way.
-        copy_combine_tokens: tritonep's own (default 0: off): combines of exact-size
-            dispatches over copy engines, at most that many tokens a dispatch (see
-            :class:`tritonep.Buffer`).
+        copy_combine_tokens, copy_combine_min_tokens: tritonep's own (default 0: off):
+            combines of exact-size dispatches over copy engines, for calls of at most
+            ``copy_combine_tokens`` tokens on every rank and at least
+            ``copy_combine_min_tokens`` on some rank (see :class:`tritonep.Buffer`).
 
     Every method is that of :class:`tritonep.Buffer`: ``get_dispatch_layout``,
     ``dispatch``, ``combine``, ``low_latency_dispatch``, ``low_latency_combine``,
@@ -207,6 +208,7 @@ class Buffer(_Buffer):
         enable_shrink: bool = False,
         comm: object = None,
         copy_combine_tokens: int = 0,
+        copy_combine_min_tokens: int | None = None,
     ):
         super().__init__(
             group,
@@ -218,6 +220,7 @@ class Buffer(_Buffer):
             gpus_per_node=ranks_per_node(group),
             enable_shrink=enable_shrink,
             copy_combine_tokens=copy_combine_tokens,
+            copy_combine_min_tokens=copy_combine_min_tokens,
         )
 
     def _new_normal_mode(self, hidden: int, num_experts: int):

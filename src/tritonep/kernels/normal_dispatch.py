@@ -1482,7 +1482,7 @@ def exchange_counts(
     status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
     timeout_us,  # NormalShared
     timeout_ns,  # the launch's limit so far
-    decoded_ptr,  # [R, E_LOCAL] int32 workspace
+    decoded_ptr,  # [R * E_LOCAL + R] int32 workspace
     E_LOCAL: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
@@ -1543,6 +1543,7 @@ def exchange_counts(
             2,  # BLOCK_EXTRA
             VIA,
             True,  # READY: the receivers wait for the layout
+            False,  # SEND_TOKENS: worst-case handles combine over the rings
         )
         limit = limit_ns(timeout_us, status_ptr)
     else:
@@ -1639,7 +1640,7 @@ def normal_dispatch_kernel(
     state_ptr,  # [8] int64 device call counters
     status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
     timeout_us,  # limit of every wait, in microseconds (sync.timeout_us)
-    decoded_ptr,  # [R, E_LOCAL] int32 the count exchange's workspace (EXCHANGE)
+    decoded_ptr,  # [R * E_LOCAL + R] int32 the count exchange's workspace (EXCHANGE)
     ROW_WORDS: tl.constexpr,  # int32 words of a token's payload
     SCALE_WORDS: tl.constexpr,  # scale words per token (HAS_SCALES)
     E_LOCAL: tl.constexpr,  # experts per rank

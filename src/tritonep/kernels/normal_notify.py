@@ -24,8 +24,9 @@ The exchange itself is :func:`count_exchange`, which a program runs for one peer
 :func:`notify_kernel` runs it for one peer per program; a worst-case first dispatch (no host
 read between the counts and the rows) runs it in its senders, one launch fewer, and its
 receivers wait for the layout (:func:`await_counts`). An exact-size notify (``HOST_COPY``) also
-writes the total, the counts per local expert and the rows from each source into page-locked
-host words, then a flag, which the host polls instead of copying the counts back.
+writes the total, the counts per local expert, the rows from each source and the most tokens
+any rank dispatched (each row carries its source's token count) into page-locked host words,
+then a flag, which the host polls instead of copying the counts back.
 
 Why it is cheap: one small launch of ``R`` programs, a few hundred bytes per peer, no atomics
 on data. Rows alternate between two sets by call parity; a rank can only store into a set
@@ -43,7 +44,15 @@ import triton.language as tl
 
 from .phases import NOTIFY
 from .status import fence_system
-from .sync import STATUS_OVERFLOW, elapsed_ns, limit_ns, record_timeout, start_clock
+from .sync import (
+    STATUS_OVERFLOW,
+    elapsed_ns,
+    limit_ns,
+    load_acquire,
+    record_timeout,
+    start_clock,
+    store_release,
+)
 from .trace import read_clock, trace_role
 from .transport import VIA_STORE, put_block
 
@@ -55,7 +64,7 @@ NOTIFY_ARRIVALS = tl.constexpr(1)
 NOTIFY_READY = tl.constexpr(6)
 #: The host address of the words an exact-size notify writes for the host (``HOST_COPY``):
 #: ``[written flag, rows received, aligned tokens per local expert..., rows from each
-#: source...]`` int32, page-locked.
+#: source..., the most tokens any rank dispatched]`` int32, page-locked.
 HOST_COUNTS = tl.constexpr(7)
 
 
@@ -89,6 +98,7 @@ class NotifyVariant(NamedTuple):
     COUNTS_GIVEN: bool
     CHANNEL_MAJOR: bool
     HOST_COPY: bool
+    SEND_TOKENS: bool
     USE_CLOCK: bool
     BLOCK_TOKENS: int
     BLOCK_CHANNELS: int
@@ -149,6 +159,7 @@ def channel_counts(
 @triton.jit
 def notify_send(
     counts,  # [BLOCK_CHANNELS] int32 tokens of each channel for peer
+    num_tokens,  # N, this rank's tokens (the row's last word)
     per_expert_ptr,  # [E] int32 top-k entries per global expert on this rank
     extra_ptr,  # [R, EXTRA] int32 sent to each peer (EXTRA > 0)
     peer,  # the destination rank
@@ -165,9 +176,12 @@ def notify_send(
     BLOCK_EXPERTS: tl.constexpr,
     BLOCK_EXTRA: tl.constexpr,
     VIA: tl.constexpr,
+    SEND_TOKENS: tl.constexpr,
 ):
-    """Store this rank's row for ``peer`` (channel counts, expert entries, extra words, each
-    ``-n - 1``) at ``row_offset`` of ``peer``'s heap, directly or staged and put."""
+    """Store this rank's row for ``peer`` (channel counts, expert entries, extra words, with
+    ``SEND_TOKENS`` then this rank's token count, each ``-n - 1``) at ``row_offset`` of
+    ``peer``'s heap, directly (the token count last, released: the row's flag) or staged and
+    put."""
     channels = tl.arange(0, BLOCK_CHANNELS)
     experts = tl.arange(0, BLOCK_EXPERTS)
     xs = tl.arange(0, BLOCK_EXTRA)
@@ -176,12 +190,19 @@ def notify_send(
     if VIA != VIA_STORE:  # staged in this rank's heap, then put into the peer's row
         row = tl.load(peer_ptrs + rank) + STAGE_OFFSET + peer * ROW_WORDS * 4
     words = row.to(tl.pointer_type(tl.int32))
+    tokens = tl.zeros((), tl.int32) - num_tokens - 1
     tl.store(words + channels, -counts - 1, mask=channels < NUM_CHANNELS)
     entries = tl.load(per_expert_ptr + peer * E_LOCAL + experts, mask=experts < E_LOCAL)
     tl.store(words + NUM_CHANNELS + experts, -entries - 1, mask=experts < E_LOCAL)
     if EXTRA > 0:
         more = tl.load(extra_ptr + peer * EXTRA + xs, mask=xs < EXTRA)
         tl.store(words + NUM_CHANNELS + E_LOCAL + xs, -more - 1, mask=xs < EXTRA)
+    if SEND_TOKENS:
+        if VIA == VIA_STORE:
+            # After every thread's words: the receiver that reads it reads them all.
+            store_release(words + NUM_CHANNELS + E_LOCAL + EXTRA, tokens)
+        else:
+            tl.store(words + NUM_CHANNELS + E_LOCAL + EXTRA, tokens)
     if VIA != VIA_STORE:
         # No signal: the receiver waits for every word to be non-zero.
         put_block(
@@ -202,8 +223,9 @@ def notify_receive(
     timeout_ns,  # int64 limit of the wait
     status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
     recv_count_ptr,  # [R, C] int32 out: tokens each (source, channel) sends here
-    decoded_ptr,  # [R, E_LOCAL] int32 out: expert entries from each source
+    decoded_ptr,  # [R * E_LOCAL + R] int32 out: expert entries, then tokens, of each source
     extra_out_ptr,  # [R, EXTRA] int32 out: the extra words of each source (EXTRA > 0)
+    NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
     E_LOCAL: tl.constexpr,
     EXTRA: tl.constexpr,
@@ -211,10 +233,12 @@ def notify_receive(
     BLOCK_CHANNELS: tl.constexpr,
     BLOCK_EXPERTS: tl.constexpr,
     BLOCK_EXTRA: tl.constexpr,
+    SEND_TOKENS: tl.constexpr,
 ):
     """Wait (bounded) for the row of source ``peer`` at ``my_row`` (every word non-zero once
-    it arrived), decode it into the channel counts and expert entries and zero it. A source
-    that never arrived counts as sending nothing; the timeout is recorded."""
+    it arrived), decode it into the channel counts, expert entries and (``SEND_TOKENS``) the
+    source's token count, and zero it. A source that never arrived counts as sending
+    nothing; the timeout is recorded."""
     channels = tl.arange(0, BLOCK_CHANNELS)
     experts = tl.arange(0, BLOCK_EXPERTS)
     xs = tl.arange(0, BLOCK_EXTRA)
@@ -224,6 +248,16 @@ def notify_receive(
     my_extra = my_row + NUM_CHANNELS + E_LOCAL
     clock = start_clock(USE_CLOCK)
     spins = tl.zeros((), tl.int64)
+    # First the source's token count, read by one thread for all (load_acquire), so that all
+    # threads leave this wait together. Stored directly, it is the row's flag: the words
+    # below are then all there at the first read, and every thread leaves that wait at once
+    # too (threads that left apart could decode and zero the row while others still read it).
+    got_n = tl.full((), -1, tl.int32)
+    if SEND_TOKENS:
+        got_n = load_acquire(my_extra + EXTRA)
+        while (got_n == 0) & (elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns):
+            spins += 1
+            got_n = load_acquire(my_extra + EXTRA)
     got_c = tl.load(my_row + channels, mask=cmask, other=-1, volatile=True)
     got_e = tl.load(my_row + NUM_CHANNELS + experts, mask=emask, other=-1, volatile=True)
     got_x = tl.load(my_extra + xs, mask=xmask, other=-1, volatile=True)
@@ -234,6 +268,9 @@ def notify_receive(
         got_e = tl.load(my_row + NUM_CHANNELS + experts, mask=emask, other=-1, volatile=True)
         got_x = tl.load(my_extra + xs, mask=xmask, other=-1, volatile=True)
         arrived = all_nonzero(got_c, got_e, got_x)
+    if SEND_TOKENS:
+        arrived = arrived & (got_n != 0)
+        tl.debug_barrier()  # every thread has read the row before any zeroes it
     if not arrived:
         record_timeout(status_ptr, peer, NOTIFY, timeout_ns)
     tl.store(
@@ -244,6 +281,9 @@ def notify_receive(
     tl.store(decoded_ptr + peer * E_LOCAL + experts, tl.where(arrived, -got_e - 1, 0), mask=emask)
     tl.store(my_row + channels, tl.zeros((BLOCK_CHANNELS,), tl.int32), mask=cmask)
     tl.store(my_row + NUM_CHANNELS + experts, tl.zeros((BLOCK_EXPERTS,), tl.int32), mask=emask)
+    if SEND_TOKENS:
+        tl.store(decoded_ptr + NUM_RANKS * E_LOCAL + peer, tl.where(arrived, -got_n - 1, 0))
+        tl.store(my_extra + EXTRA, 0)
     if EXTRA > 0:
         tl.store(extra_out_ptr + peer * EXTRA + xs, tl.where(arrived, -got_x - 1, 0), mask=xmask)
         tl.store(my_extra + xs, tl.zeros((BLOCK_EXTRA,), tl.int32), mask=xmask)
@@ -253,7 +293,7 @@ def notify_receive(
 def lay_out_rows(
     recv_count_ptr,  # [R, C] int32 tokens each (source, channel) sends here
     recv_start_ptr,  # [R, C] int32 out: first output row of each (source, channel)
-    decoded_ptr,  # [R, E_LOCAL] int32 expert entries from each source
+    decoded_ptr,  # [R * E_LOCAL + R] int32 expert entries, then tokens, of each source
     host_info_ptr,  # [1 + E_LOCAL] int32 out: total rows, aligned tokens per local expert
     alignment,  # round the entries per local expert up to a multiple of this
     max_rows,  # rows the outputs hold (worst-case mode), 0 = unlimited
@@ -264,6 +304,7 @@ def lay_out_rows(
     E_LOCAL: tl.constexpr,
     CHANNEL_MAJOR: tl.constexpr,
     HOST_COPY: tl.constexpr,
+    SEND_TOKENS: tl.constexpr,
     BLOCK_CHANNELS: tl.constexpr,
     BLOCK_EXPERTS: tl.constexpr,
     BLOCK_RANKS: tl.constexpr,
@@ -303,6 +344,14 @@ def lay_out_rows(
         tl.store(host + 2 + experts, per_expert, mask=experts < E_LOCAL)
         # Then the rows from each source (the copy-engine combine sizes its copies by them).
         tl.store(host + 2 + E_LOCAL + ranks, tl.sum(n, 1), mask=ranks < NUM_RANKS)
+        # And the most tokens any rank dispatched (-1 without SEND_TOKENS): the same on every
+        # rank, so that all choose the same combine by it.
+        most = tl.full((), -1, tl.int32)
+        if SEND_TOKENS:
+            at = decoded_ptr + NUM_RANKS * E_LOCAL + ranks
+            most = tl.max(tl.load(at, mask=ranks < NUM_RANKS, other=0, volatile=True), 0)
+        tl.store(host + 2 + E_LOCAL + NUM_RANKS, most)
+        tl.debug_barrier()  # every thread's words stored before any thread's fence and flag
         fence_system()
         tl.store(host, 1)
 
@@ -327,7 +376,7 @@ def count_exchange(
     state_ptr,  # [8] int64 device call counters
     status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
     timeout_ns,  # int64 limit of every wait
-    decoded_ptr,  # [R, E_LOCAL] int32 workspace: expert entries from each source
+    decoded_ptr,  # [R * E_LOCAL + R] int32 workspace: expert entries, then tokens, of each source
     ready_tag,  # stored into state[NOTIFY_READY] once the layout is out (READY)
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
@@ -348,6 +397,7 @@ def count_exchange(
     BLOCK_EXTRA: tl.constexpr,
     VIA: tl.constexpr,
     READY: tl.constexpr,
+    SEND_TOKENS: tl.constexpr,
 ):
     """This program's share of the count exchange (constexprs as :func:`notify_kernel`'s):
     store its rows into peers ``first, first + step, ...``, then wait for theirs. The program
@@ -371,6 +421,7 @@ def count_exchange(
         )
         notify_send(
             counts,
+            num_tokens,
             per_expert_ptr,
             extra_ptr,
             peer,
@@ -387,6 +438,7 @@ def count_exchange(
             BLOCK_EXPERTS,
             BLOCK_EXTRA,
             VIA,
+            SEND_TOKENS,
         )
     rows = tl.load(peer_ptrs + rank) + NOTIFY_OFFSET + set_off
     for peer in range(first, NUM_RANKS, step):
@@ -398,6 +450,7 @@ def count_exchange(
             recv_count_ptr,
             decoded_ptr,
             extra_out_ptr,
+            NUM_RANKS,
             NUM_CHANNELS,
             E_LOCAL,
             EXTRA,
@@ -405,6 +458,7 @@ def count_exchange(
             BLOCK_CHANNELS,
             BLOCK_EXPERTS,
             BLOCK_EXTRA,
+            SEND_TOKENS,
         )
     # The program that finishes the last peer lays out the received rows.
     served = tl.maximum(tl.cdiv(NUM_RANKS - first, step), 0)
@@ -426,6 +480,7 @@ def count_exchange(
                 E_LOCAL,
                 CHANNEL_MAJOR,
                 HOST_COPY,
+                SEND_TOKENS,
                 BLOCK_CHANNELS,
                 BLOCK_EXPERTS,
                 BLOCK_RANKS,
@@ -488,11 +543,11 @@ def notify_kernel(
     state_ptr,  # [8] int64 device call counters
     status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
     timeout_us,  # limit of every wait, in microseconds (sync.timeout_us)
-    decoded_ptr,  # [R, E_LOCAL] int32 workspace: expert entries from each source
+    decoded_ptr,  # [R * E_LOCAL + R] int32 workspace: expert entries, then tokens, of each source
     NUM_RANKS: tl.constexpr,  # ranks of the group
     NUM_CHANNELS: tl.constexpr,  # channels of the call
     E_LOCAL: tl.constexpr,  # experts per rank
-    ROW_WORDS: tl.constexpr,  # int32 words per notify row (>= NUM_CHANNELS + E_LOCAL + EXTRA)
+    ROW_WORDS: tl.constexpr,  # int32 words per notify row (> NUM_CHANNELS + E_LOCAL + EXTRA)
     SET_BYTES: tl.constexpr,  # bytes of one set of rows ([R][ROW_WORDS])
     NOTIFY_OFFSET: tl.constexpr,  # heap byte offset of set 0 of the notify rows
     STAGE_OFFSET: tl.constexpr,  # heap byte offset of the staged rows [R dest][ROW_WORDS] (VIA)
@@ -500,6 +555,7 @@ def notify_kernel(
     COUNTS_GIVEN: tl.constexpr,  # channel counts given (counts_ptr), not counted
     CHANNEL_MAJOR: tl.constexpr,  # received rows ordered by channel, then source
     HOST_COPY: tl.constexpr,  # also write the count into host memory (exact size)
+    SEND_TOKENS: tl.constexpr,  # rows carry their source's token count (its flag, stored)
     USE_CLOCK: tl.constexpr,  # on a GPU (else the interpreter)
     BLOCK_TOKENS: tl.constexpr,  # tokens counted at a time
     BLOCK_CHANNELS: tl.constexpr,  # power of two > NUM_CHANNELS (a bin for other ranks)
@@ -553,6 +609,7 @@ def notify_kernel(
         BLOCK_EXTRA,
         VIA,
         False,  # READY: no program of this launch waits for the layout
+        SEND_TOKENS,
     )
     if PROFILE:
         trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), True, 0, USE_CLOCK)

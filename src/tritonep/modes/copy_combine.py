@@ -2,7 +2,8 @@
 
 :class:`CopyCombine` serves :meth:`~tritonep.modes.normal.NormalMode.combine` for handles of
 exact-size dispatches (their host knows the rows received from every source) when the mode was
-made with ``copy_combine_tokens``. Per call:
+made with ``copy_combine_tokens``, for calls large enough that it beats the rings
+(:data:`MIN_TOKENS`: :meth:`CopyCombine.serves`). Per call:
 
 1. for each of :data:`CHUNKS` chunks, one copy per peer, in turn (copy engines): that chunk of
    the rows this rank received from the peer (contiguous in ``x``, in token order; with the
@@ -75,6 +76,25 @@ CHUNKS = 2
 LAST_SHARE = {2: 3, 3: 4, 4: 5}
 
 
+#: The fewest tokens (on the rank with the most) for which a combine takes the copy engines at
+#: ``R`` ranks (rank counts not listed: :data:`MIN_TOKENS_OTHERS`): the default of
+#: ``NormalMode(copy_combine_min_tokens=...)``, read when a mode is made. Smaller calls take the
+#: rings: a copy-engine call spends about 70-80 us of host time at 2 ranks (110-150 at 4), which
+#: eager calls wait for, and its copies and flags cost the device more than the rings' small
+#: launches. Each value is the fewest measured tokens at which two chunks beat the rings by a
+#: tenth, eager and replayed from a graph (BENCHMARKS.md): 4x H200, 2048 tokens, 264 / 274 us
+#: against 325 / 323 (1024: 169 / 171 against 179 / 177, host-bound); 2x H200, 2048 tokens
+#: lose eager (171 against 143), 4096 win (192 / 192 against 259 / 257).
+MIN_TOKENS = {2: 3072, 4: 2048}
+MIN_TOKENS_OTHERS = 3072
+
+
+def default_min_tokens(num_ranks: int) -> int:
+    """The fewest tokens for which a combine takes the copy engines at ``num_ranks`` ranks
+    unless the mode says otherwise (:data:`MIN_TOKENS`)."""
+    return MIN_TOKENS.get(num_ranks, MIN_TOKENS_OTHERS)
+
+
 def default_last_share(num_ranks: int) -> int:
     """The last chunk's share (``1 / this`` of a peer's rows) at ``num_ranks`` ranks unless the
     mode says otherwise: :data:`LAST_SHARE`'s, or a fifth."""
@@ -95,6 +115,8 @@ class CopyCombine:
         chunks: copies per peer and call (:data:`CHUNKS`; the same on every rank).
         last_share: the last chunk holds ``1 / last_share`` of each peer's rows
             (:func:`default_last_share` of the rank count; the same on every rank).
+        min_tokens: the fewest tokens, on the rank with the most, for which a combine takes
+            this path (:func:`default_min_tokens` of the rank count; the same on every rank).
     """
 
     def __init__(
@@ -108,12 +130,14 @@ class CopyCombine:
         timeout_us: int,
         chunks: int | None = None,
         last_share: int | None = None,
+        min_tokens: int | None = None,
     ):
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
         self.hidden, self.max_topk, self.capacity = hidden, max_topk, capacity
         self.chunks = CHUNKS if chunks is None else chunks
         R, me = self.num_ranks, self.rank
         self.last_share = default_last_share(R) if last_share is None else last_share
+        self.min_tokens = default_min_tokens(R) if min_tokens is None else min_tokens
         self.layout = ncc.region_layout(R, capacity, hidden, max_topk, self.chunks)
         self.heap = allocate(self.layout.total, group, device)
         self.device = self.heap.device
@@ -235,6 +259,14 @@ class CopyCombine:
         plan = KernelLaunch(ncc.copy_combine_sum, (1,), meta, fields, pointers, self.state)
         self._sums[(has_weights, num_bias, block_k, x_aligned, later)] = plan
         return plan
+
+    def serves(self, handle) -> bool:
+        """Whether a combine along ``handle`` takes this path: an exact-size dispatch's (its
+        host knows each source's rows) in which no rank dispatched more tokens than the region
+        holds and some rank at least :attr:`min_tokens`. Every rank answers the same: the
+        count exchange gave each the same ``most_tokens``."""
+        most = handle.most_tokens
+        return handle.source_rows is not None and self.min_tokens <= most <= self.capacity
 
     def __call__(self, x, handle, topk_weights, terms: tuple, K: int, block_k: int, out, out_w):
         """Combine ``x`` (``[M, H]`` BF16, checked) along ``handle`` (with ``source_rows``) into

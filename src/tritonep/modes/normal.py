@@ -61,7 +61,6 @@ row and a mirror ring per destination) and moved with the tails and heads by
 from __future__ import annotations
 
 import functools
-import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -329,7 +328,8 @@ class NormalLayout:
         record = _align(1 + 2 * max_topk, 4)
         dispatch_slot = 4 * (_align(hidden // 2 + groups, 4) + record)
         combine_slot = _align(2 * hidden + 4 * max_topk, 16)
-        notify_row = _align(max_channels + num_local_experts + notify_extra, 4)
+        # (The row's last word: its source's token count.)
+        notify_row = _align(max_channels + num_local_experts + notify_extra + 1, 4)
         notify_set = _align(num_ranks * notify_row * 4, 128)
         flags = _align(max_channels * num_ranks * 8, 128)
         offset = 0
@@ -404,6 +404,9 @@ class NormalHandle:
             mode: its count exchange wrote them where the host reads them), else None. Rows
             from one source are contiguous, in source order: what the copy-engine combine
             (:mod:`tritonep.modes.copy_combine`) copies back, one range per peer.
+        most_tokens: the most tokens any rank dispatched in the call that made the handle
+            (exact mode: every row of the count exchange carries its source's), else ``-1``;
+            the same on every rank, so all ranks choose the same combine by it.
     """
 
     is_token_in_rank: torch.Tensor
@@ -420,6 +423,7 @@ class NormalHandle:
     bounds: torch.Tensor | None = None
     ranks_from_ids: bool = False
     source_rows: list[int] | None = None
+    most_tokens: int = -1
 
     # Views of ``counts``, made when first read: a call's launches take its addresses.
     @functools.cached_property
@@ -739,10 +743,17 @@ class NormalMode:
         rank_names: the number by which errors name each rank of ``group`` (default: its rank
             in ``group``); a leg of a larger mode passes the ranks' numbers in the group its
             caller knows.
-        copy_combine_tokens: if > 0, combines of exact-size dispatches hand the rows back by
-            copy engines (:mod:`tritonep.modes.copy_combine`: no SM moves a row), and no
-            dispatch may carry more tokens than this; reserves ``(R - 1) *
-            copy_combine_tokens * (2 * hidden + 4 * max_topk)`` bytes of symmetric memory.
+        copy_combine_tokens: if > 0, combines of exact-size dispatches in which no rank
+            dispatched more tokens than this, and some rank at least
+            ``copy_combine_min_tokens``, hand the rows back by copy engines
+            (:mod:`tritonep.modes.copy_combine`: no SM moves a row); the others take the rings.
+            Reserves ``(R - 1) * copy_combine_tokens * (2 * hidden + 4 * max_topk)`` bytes of
+            symmetric memory.
+        copy_combine_min_tokens: the fewest tokens, on the rank with the most, for which that
+            combine takes the copy engines (default:
+            :func:`tritonep.modes.copy_combine.default_min_tokens` of the rank count; 0: every
+            call within ``copy_combine_tokens``). Below it the rings are faster: the copies'
+            fixed costs, host time above all, outweigh their bandwidth.
         copy_combine_chunks: copies per peer and call of that combine, each followed by a
             launch of its sums (default: :data:`tritonep.modes.copy_combine.CHUNKS`; the same
             on every rank).
@@ -777,6 +788,7 @@ class NormalMode:
         copy_combine_tokens: int = 0,
         copy_combine_chunks: int | None = None,
         copy_combine_last_share: int | None = None,
+        copy_combine_min_tokens: int | None = None,
     ):
         self.group = default_group(group)
         self.label = label
@@ -785,6 +797,10 @@ class NormalMode:
             copy_combine_chunks = copy_combine.CHUNKS
         if copy_combine_last_share is None:
             copy_combine_last_share = copy_combine.default_last_share(
+                dist.get_world_size(self.group)
+            )
+        if copy_combine_min_tokens is None:
+            copy_combine_min_tokens = copy_combine.default_min_tokens(
                 dist.get_world_size(self.group)
             )
         check_ranks_agree(
@@ -800,6 +816,7 @@ class NormalMode:
             copy_combine_tokens=copy_combine_tokens,
             copy_combine_chunks=copy_combine_chunks,
             copy_combine_last_share=copy_combine_last_share,
+            copy_combine_min_tokens=copy_combine_min_tokens,
             device_type=torch.device(device).type if device is not None else None,
         )
         self.rank = dist.get_rank(self.group)
@@ -848,15 +865,16 @@ class NormalMode:
         self.state = torch.zeros(8, dtype=torch.int64, device=self.device)
         # An exact-size notify writes the count where the host reads it without a copy:
         # [written flag, rows received, aligned tokens per local expert..., rows from each
-        # source...] (HOST_COUNTS).
+        # source..., the most tokens any rank dispatched] (HOST_COUNTS).
         self._host_counts, self._host_view = host_words(
-            2 + self.num_local_experts + self.num_ranks, self.device
+            3 + self.num_local_experts + self.num_ranks, self.device
         )
         self.state[normal_notify.HOST_COUNTS.value] = self._host_counts.data_ptr()
         #: What went wrong, on the device and in host memory (:mod:`tritonep.kernels.status`).
         self.status = Status(self.device)
+        # The count exchange's workspace: expert entries, then tokens, of each source.
         self._decoded = torch.empty(
-            self.num_ranks, self.num_local_experts, dtype=torch.int32, device=self.device
+            self.num_ranks * (self.num_local_experts + 1), dtype=torch.int32, device=self.device
         )
         # get_dispatch_layout's kernel: bad ids go to this mode's status (under this rank's
         # number in the group, as the dispatch kernel's; errors name it by rank_names).
@@ -894,10 +912,12 @@ class NormalMode:
             raise ValueError(
                 f"copy_combine_last_share: expected an int >= 2, got {copy_combine_last_share!r}"
             )
+        if type(copy_combine_min_tokens) is not int or copy_combine_min_tokens < 0:
+            raise ValueError(
+                f"copy_combine_min_tokens: expected an int >= 0, got {copy_combine_min_tokens!r}"
+            )
         #: The copy-engine combine (``copy_combine_tokens``), or None.
         self.copy_combine: CopyCombine | None = None
-        #: The most tokens a dispatch may carry.
-        self._max_tokens = copy_combine_tokens or sys.maxsize
         self.timeout_s = timeout_s  # also sets the kernels' limit (property below)
         if copy_combine_tokens:
             self.copy_combine = CopyCombine(
@@ -910,6 +930,7 @@ class NormalMode:
                 self._timeout_us,
                 copy_combine_chunks,
                 copy_combine_last_share,
+                copy_combine_min_tokens,
             )
         #: Kernel traces (``profile=True``): :meth:`TraceRecorder.dump` writes them.
         self.trace = TraceRecorder.of(profile, self.rank, self.device, on_gpu)
@@ -1167,13 +1188,13 @@ class NormalMode:
             ),
         )
         per_expert: list[int] | torch.Tensor
-        source_rows = None
+        source_rows, most_tokens = None, -1
         if num_worst_tokens:
             num_recv, rows = -1, num_worst_tokens
             per_expert = host_info[1:]
         else:
             num_recv = rows = self._received_count()
-            per_expert, source_rows = self._host_counts_read()
+            per_expert, source_rows, most_tokens = self._host_counts_read()
             if channel_major:  # (a source's rows are not one range: no copy-engine combine)
                 source_rows = None
         handle = NormalHandle(
@@ -1191,6 +1212,7 @@ class NormalMode:
             bounds,
             send_counts is not None,
             source_rows,
+            most_tokens,
         )
         handle.__dict__.update(host_info=host_info, recv_count=recv_count, recv_start=recv_start)
         return handle
@@ -1210,6 +1232,8 @@ class NormalMode:
             COUNTS_GIVEN=options.counts_given,
             CHANNEL_MAJOR=options.channel_major,
             HOST_COPY=options.host_copy,
+            # (The copy-engine combine chooses by the most tokens of any rank.)
+            SEND_TOKENS=self.copy_combine is not None,
             USE_CLOCK=use_clock(self.device),
             BLOCK_TOKENS=COUNT_TOKENS,
             BLOCK_CHANNELS=triton.next_power_of_2(C + 1),
@@ -1346,10 +1370,6 @@ class NormalMode:
     ) -> NormalDispatchOutput[NormalHandle]:
         payload, scales = self._check_x(x)
         num_tokens, device = payload.shape[0], self.device
-        if num_tokens > self._max_tokens:
-            raise ValueError(
-                f"x: {num_tokens} tokens exceed copy_combine_tokens={self._max_tokens}"
-            )
         if type(expert_alignment) is not int or expert_alignment < 1:
             raise ValueError(f"expert_alignment: expected a positive int, got {expert_alignment}")
         if type(num_worst_tokens) is not int or num_worst_tokens < 0:
@@ -1497,6 +1517,7 @@ class NormalMode:
             bounds=handle.bounds,
             extra=handle.extra,
             source_rows=handle.source_rows,
+            most_tokens=handle.most_tokens,
         )
         # Set on a handle from notify (a first dispatch, with or without top-k).
         per_expert = handle.num_recv_tokens_per_expert
@@ -1695,13 +1716,13 @@ class NormalMode:
             values[_D_WEIGHTS] = a = topk_weights.data_ptr()
             aligned |= a
         per_expert: list[int] | torch.Tensor
-        source_rows = None
+        source_rows, most_tokens = None, -1
         if num_worst_tokens:
             num_recv, rows = -1, num_worst_tokens
             per_expert = counts[1 : 1 + self.num_local_experts]
         else:
             num_recv = rows = self._received_count()
-            per_expert, source_rows = self._host_counts_read()
+            per_expert, source_rows, most_tokens = self._host_counts_read()
         recv_x = empty_output(device, (rows, self.hidden), payload.dtype)
         recv_topk_idx = empty_output(device, (rows, topk), torch.int64)
         recv_src_idx = empty_output(device, (rows,), torch.int32)
@@ -1757,15 +1778,17 @@ class NormalMode:
             self.num_experts,
             config,
             source_rows=source_rows,
+            most_tokens=most_tokens,
         )
         out_x = recv_x if recv_scales is None else (recv_x, recv_scales)
         return NormalDispatchOutput(out_x, recv_topk_idx, recv_weights, per_expert, handle)
 
-    def _host_counts_read(self) -> tuple[list[int], list[int]]:
-        """``(aligned tokens per local expert, rows from each source)``: what the exact-size
-        notify wrote into host memory besides the count (read after :meth:`_received_count`)."""
-        E, words = self.num_local_experts, self._host_view
-        return words[2 : 2 + E], words[2 + E : 2 + E + self.num_ranks]
+    def _host_counts_read(self) -> tuple[list[int], list[int], int]:
+        """``(aligned tokens per local expert, rows from each source, the most tokens any rank
+        dispatched)``: what the exact-size notify wrote into host memory besides the count
+        (read after :meth:`_received_count`)."""
+        E, R, words = self.num_local_experts, self.num_ranks, self._host_view
+        return words[2 : 2 + E], words[2 + E : 2 + E + R], words[2 + E + R]
 
     def _received_count(self) -> int:
         """The rows this rank receives, once the exact-size notify just launched has written
@@ -2109,8 +2132,9 @@ class NormalMode:
         if topk_weights is not None:
             out_weights = empty_output(device, (N, K), torch.float32)
         plain = relay is None and row_map is None and self.trace is None
-        if plain and handle.source_rows is not None and self.copy_combine is not None:
-            self.copy_combine(x, handle, topk_weights, terms, K, _block_k(K), out, out_weights)
+        copies = self.copy_combine
+        if plain and copies is not None and copies.serves(handle):
+            copies(x, handle, topk_weights, terms, K, _block_k(K), out, out_weights)
             return out, out_weights
         if plain and self._fast_combine(x, handle, topk_weights, terms, K, out, out_weights):
             return out, out_weights
