@@ -484,13 +484,13 @@ NOTIFY_META = dict(
     COUNTS_GIVEN=False,
     CHANNEL_MAJOR=False,
     HOST_COPY=False,
-    SEND_TOKENS=False,
     USE_CLOCK=True,
     BLOCK_TOKENS=256,
     BLOCK_CHANNELS=16,
     BLOCK_EXPERTS=64,
     BLOCK_RANKS=4,
     BLOCK_EXTRA=2,
+    BLOCK_ROW=128,
     PROFILE=False,
     VIA=0,
 )
@@ -538,6 +538,7 @@ NORMAL_DISPATCH_META = dict(
     BLOCK_COUNT_TOKENS=256,
     BLOCK_CHANNELS=16,
     BLOCK_EXPERTS=64,
+    BLOCK_NOTIFY_ROW=512,
     PROFILE=False,
     VIA=0,
 )
@@ -609,14 +610,6 @@ for module, name, sig, meta, options in [
     ),
     # An exact-size first dispatch's notify: the count also goes to host memory
     ("normal_notify", "notify_kernel", NOTIFY, {**NOTIFY_META, "HOST_COPY": True}, {}),
-    # With the copy-engine combine: rows carry their source's token count
-    (
-        "normal_notify",
-        "notify_kernel",
-        NOTIFY,
-        {**NOTIFY_META, "HOST_COPY": True, "SEND_TOKENS": True},
-        {},
-    ),
     # A worst-case first dispatch: the count exchange in the same launch
     (
         "normal_dispatch",

@@ -174,6 +174,7 @@ class DispatchVariant(NamedTuple):
     BLOCK_COUNT_TOKENS: int
     BLOCK_CHANNELS: int
     BLOCK_EXPERTS: int
+    BLOCK_NOTIFY_ROW: int
     PROFILE: bool
     VIA: int
 
@@ -1495,6 +1496,7 @@ def exchange_counts(
     BLOCK_CHANNELS: tl.constexpr,
     BLOCK_EXPERTS: tl.constexpr,
     BLOCK_RANKS: tl.constexpr,
+    BLOCK_NOTIFY_ROW: tl.constexpr,
     VIA: tl.constexpr,
 ):
     """The count exchange inside the dispatch launch (:mod:`.normal_notify`, one launch less
@@ -1541,9 +1543,9 @@ def exchange_counts(
             BLOCK_EXPERTS,
             BLOCK_RANKS,
             2,  # BLOCK_EXTRA
+            BLOCK_NOTIFY_ROW,
             VIA,
             True,  # READY: the receivers wait for the layout
-            False,  # SEND_TOKENS: worst-case handles combine over the rings
         )
         limit = limit_ns(timeout_us, status_ptr)
     else:
@@ -1684,6 +1686,7 @@ def normal_dispatch_kernel(
     BLOCK_COUNT_TOKENS: tl.constexpr,  # tokens counted at a time (EXCHANGE)
     BLOCK_CHANNELS: tl.constexpr,  # power of two > NUM_CHANNELS (EXCHANGE)
     BLOCK_EXPERTS: tl.constexpr,  # power of two >= max(E_LOCAL, 2) (EXCHANGE)
+    BLOCK_NOTIFY_ROW: tl.constexpr,  # notify row words read at a time (EXCHANGE, row_block)
     PROFILE: tl.constexpr,  # record traces
     VIA: tl.constexpr,  # how rows reach peers (transport)
 ):
@@ -1734,6 +1737,7 @@ def normal_dispatch_kernel(
             BLOCK_CHANNELS,
             BLOCK_EXPERTS,
             BLOCK_RANKS,
+            BLOCK_NOTIFY_ROW,
             VIA,
         )
     if sends:

@@ -44,15 +44,7 @@ import triton.language as tl
 
 from .phases import NOTIFY
 from .status import fence_system
-from .sync import (
-    STATUS_OVERFLOW,
-    elapsed_ns,
-    limit_ns,
-    load_acquire,
-    record_timeout,
-    start_clock,
-    store_release,
-)
+from .sync import STATUS_OVERFLOW, elapsed_ns, limit_ns, record_timeout, start_clock
 from .trace import read_clock, trace_role
 from .transport import VIA_STORE, put_block
 
@@ -66,6 +58,17 @@ NOTIFY_READY = tl.constexpr(6)
 #: ``[written flag, rows received, aligned tokens per local expert..., rows from each
 #: source..., the most tokens any rank dispatched]`` int32, page-locked.
 HOST_COUNTS = tl.constexpr(7)
+
+
+#: Warps of a notify launch.
+NOTIFY_WARPS = 4
+
+
+def row_block(words: int, warps: int) -> int:
+    """``BLOCK_ROW`` of a launch of ``warps`` warps whose notify rows use ``words`` words: a
+    power of two of at least one word a thread, so that no word is read by several threads
+    and the wait's reductions span every warp (:func:`notify_receive`)."""
+    return max(triton.next_power_of_2(words), 32 * warps)
 
 
 class NotifyCall(NamedTuple):
@@ -98,29 +101,15 @@ class NotifyVariant(NamedTuple):
     COUNTS_GIVEN: bool
     CHANNEL_MAJOR: bool
     HOST_COPY: bool
-    SEND_TOKENS: bool
     USE_CLOCK: bool
     BLOCK_TOKENS: int
     BLOCK_CHANNELS: int
     BLOCK_EXPERTS: int
     BLOCK_RANKS: int
     BLOCK_EXTRA: int
+    BLOCK_ROW: int
     PROFILE: bool
     VIA: int
-
-
-@triton.jit
-def all_nonzero(
-    a,  # [BLOCK_CHANNELS] int32 words
-    b,  # [BLOCK_EXPERTS] int32 words
-    c,  # [BLOCK_EXTRA] int32 words
-):
-    """Whether no word of three masked vectors (masked lanes read ``-1``) is zero."""
-    return (
-        tl.min(tl.where(a != 0, 1, 0), 0)
-        * tl.min(tl.where(b != 0, 1, 0), 0)
-        * tl.min(tl.where(c != 0, 1, 0), 0)
-    ) > 0
 
 
 @triton.jit
@@ -176,12 +165,10 @@ def notify_send(
     BLOCK_EXPERTS: tl.constexpr,
     BLOCK_EXTRA: tl.constexpr,
     VIA: tl.constexpr,
-    SEND_TOKENS: tl.constexpr,
 ):
-    """Store this rank's row for ``peer`` (channel counts, expert entries, extra words, with
-    ``SEND_TOKENS`` then this rank's token count, each ``-n - 1``) at ``row_offset`` of
-    ``peer``'s heap, directly (the token count last, released: the row's flag) or staged and
-    put."""
+    """Store this rank's row for ``peer`` (channel counts, expert entries, extra words, this
+    rank's token count, each ``-n - 1``) at ``row_offset`` of ``peer``'s heap, directly or
+    staged and put. No flag: the receiver waits for every word to be non-zero."""
     channels = tl.arange(0, BLOCK_CHANNELS)
     experts = tl.arange(0, BLOCK_EXPERTS)
     xs = tl.arange(0, BLOCK_EXTRA)
@@ -190,21 +177,14 @@ def notify_send(
     if VIA != VIA_STORE:  # staged in this rank's heap, then put into the peer's row
         row = tl.load(peer_ptrs + rank) + STAGE_OFFSET + peer * ROW_WORDS * 4
     words = row.to(tl.pointer_type(tl.int32))
-    tokens = tl.zeros((), tl.int32) - num_tokens - 1
     tl.store(words + channels, -counts - 1, mask=channels < NUM_CHANNELS)
     entries = tl.load(per_expert_ptr + peer * E_LOCAL + experts, mask=experts < E_LOCAL)
     tl.store(words + NUM_CHANNELS + experts, -entries - 1, mask=experts < E_LOCAL)
     if EXTRA > 0:
         more = tl.load(extra_ptr + peer * EXTRA + xs, mask=xs < EXTRA)
         tl.store(words + NUM_CHANNELS + E_LOCAL + xs, -more - 1, mask=xs < EXTRA)
-    if SEND_TOKENS:
-        if VIA == VIA_STORE:
-            # After every thread's words: the receiver that reads it reads them all.
-            store_release(words + NUM_CHANNELS + E_LOCAL + EXTRA, tokens)
-        else:
-            tl.store(words + NUM_CHANNELS + E_LOCAL + EXTRA, tokens)
+    tl.store(words + NUM_CHANNELS + E_LOCAL + EXTRA, tl.zeros((), tl.int32) - num_tokens - 1)
     if VIA != VIA_STORE:
-        # No signal: the receiver waits for every word to be non-zero.
         put_block(
             tl.load(peer_ptrs + rank),
             peer_base,
@@ -230,63 +210,45 @@ def notify_receive(
     E_LOCAL: tl.constexpr,
     EXTRA: tl.constexpr,
     USE_CLOCK: tl.constexpr,
-    BLOCK_CHANNELS: tl.constexpr,
-    BLOCK_EXPERTS: tl.constexpr,
-    BLOCK_EXTRA: tl.constexpr,
-    SEND_TOKENS: tl.constexpr,
+    BLOCK_ROW: tl.constexpr,
 ):
     """Wait (bounded) for the row of source ``peer`` at ``my_row`` (every word non-zero once
-    it arrived), decode it into the channel counts, expert entries and (``SEND_TOKENS``) the
+    it arrived), decode it into the channel counts, expert entries, extra words and the
     source's token count, and zero it. A source that never arrived counts as sending
-    nothing; the timeout is recorded."""
-    channels = tl.arange(0, BLOCK_CHANNELS)
-    experts = tl.arange(0, BLOCK_EXPERTS)
-    xs = tl.arange(0, BLOCK_EXTRA)
-    cmask = channels < NUM_CHANNELS
-    emask = experts < E_LOCAL
-    xmask = xs < EXTRA
-    my_extra = my_row + NUM_CHANNELS + E_LOCAL
+    nothing; the timeout is recorded.
+
+    The row is one vector of ``BLOCK_ROW`` words, at least one a thread (:func:`row_block`):
+    each word is read by one thread, and whether to wait on is a reduction over every warp,
+    the clock included, so all threads leave the wait together. (Words replicated in each
+    warp, reduced within it, let a warp leave and zero the row while another still waited,
+    and put the two warps' barriers out of step.)"""
+    words = tl.arange(0, BLOCK_ROW)
+    used = words < NUM_CHANNELS + E_LOCAL + EXTRA + 1
+    is_channel = words < NUM_CHANNELS
+    is_expert = (words >= NUM_CHANNELS) & (words < NUM_CHANNELS + E_LOCAL)
+    is_extra = (words >= NUM_CHANNELS + E_LOCAL) & (words < NUM_CHANNELS + E_LOCAL + EXTRA)
+    is_tokens = words == NUM_CHANNELS + E_LOCAL + EXTRA
     clock = start_clock(USE_CLOCK)
     spins = tl.zeros((), tl.int64)
-    # First the source's token count, read by one thread for all (load_acquire), so that all
-    # threads leave this wait together. Stored directly, it is the row's flag: the words
-    # below are then all there at the first read, and every thread leaves that wait at once
-    # too (threads that left apart could decode and zero the row while others still read it).
-    got_n = tl.full((), -1, tl.int32)
-    if SEND_TOKENS:
-        got_n = load_acquire(my_extra + EXTRA)
-        while (got_n == 0) & (elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns):
-            spins += 1
-            got_n = load_acquire(my_extra + EXTRA)
-    got_c = tl.load(my_row + channels, mask=cmask, other=-1, volatile=True)
-    got_e = tl.load(my_row + NUM_CHANNELS + experts, mask=emask, other=-1, volatile=True)
-    got_x = tl.load(my_extra + xs, mask=xmask, other=-1, volatile=True)
-    arrived = all_nonzero(got_c, got_e, got_x)
-    while (not arrived) & (elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns):
+    row = tl.load(my_row + words, mask=used, other=-1, volatile=True)
+    in_time = elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns
+    while tl.max(tl.where((row == 0) & in_time, 1, 0), 0) > 0:
         spins += 1
-        got_c = tl.load(my_row + channels, mask=cmask, other=-1, volatile=True)
-        got_e = tl.load(my_row + NUM_CHANNELS + experts, mask=emask, other=-1, volatile=True)
-        got_x = tl.load(my_extra + xs, mask=xmask, other=-1, volatile=True)
-        arrived = all_nonzero(got_c, got_e, got_x)
-    if SEND_TOKENS:
-        arrived = arrived & (got_n != 0)
-        tl.debug_barrier()  # every thread has read the row before any zeroes it
+        row = tl.load(my_row + words, mask=used, other=-1, volatile=True)
+        in_time = elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns
+    arrived = tl.min(tl.where(row != 0, 1, 0), 0) > 0
     if not arrived:
         record_timeout(status_ptr, peer, NOTIFY, timeout_ns)
-    tl.store(
-        recv_count_ptr + peer * NUM_CHANNELS + channels,
-        tl.where(arrived, -got_c - 1, 0),
-        mask=cmask,
-    )
-    tl.store(decoded_ptr + peer * E_LOCAL + experts, tl.where(arrived, -got_e - 1, 0), mask=emask)
-    tl.store(my_row + channels, tl.zeros((BLOCK_CHANNELS,), tl.int32), mask=cmask)
-    tl.store(my_row + NUM_CHANNELS + experts, tl.zeros((BLOCK_EXPERTS,), tl.int32), mask=emask)
-    if SEND_TOKENS:
-        tl.store(decoded_ptr + NUM_RANKS * E_LOCAL + peer, tl.where(arrived, -got_n - 1, 0))
-        tl.store(my_extra + EXTRA, 0)
+    value = tl.where(arrived, -row - 1, 0)
+    tl.store(recv_count_ptr + peer * NUM_CHANNELS + words, value, mask=is_channel)
+    tl.store(decoded_ptr + peer * E_LOCAL + words - NUM_CHANNELS, value, mask=is_expert)
     if EXTRA > 0:
-        tl.store(extra_out_ptr + peer * EXTRA + xs, tl.where(arrived, -got_x - 1, 0), mask=xmask)
-        tl.store(my_extra + xs, tl.zeros((BLOCK_EXTRA,), tl.int32), mask=xmask)
+        extra_at = extra_out_ptr + peer * EXTRA + words - NUM_CHANNELS - E_LOCAL
+        tl.store(extra_at, value, mask=is_extra)
+    tokens_at = decoded_ptr + NUM_RANKS * E_LOCAL + peer + words - NUM_CHANNELS - E_LOCAL - EXTRA
+    tl.store(tokens_at, value, mask=is_tokens)
+    tl.debug_barrier()  # every thread has read the row before any zeroes it
+    tl.store(my_row + words, tl.zeros((BLOCK_ROW,), tl.int32), mask=used)
 
 
 @triton.jit
@@ -304,7 +266,6 @@ def lay_out_rows(
     E_LOCAL: tl.constexpr,
     CHANNEL_MAJOR: tl.constexpr,
     HOST_COPY: tl.constexpr,
-    SEND_TOKENS: tl.constexpr,
     BLOCK_CHANNELS: tl.constexpr,
     BLOCK_EXPERTS: tl.constexpr,
     BLOCK_RANKS: tl.constexpr,
@@ -344,12 +305,10 @@ def lay_out_rows(
         tl.store(host + 2 + experts, per_expert, mask=experts < E_LOCAL)
         # Then the rows from each source (the copy-engine combine sizes its copies by them).
         tl.store(host + 2 + E_LOCAL + ranks, tl.sum(n, 1), mask=ranks < NUM_RANKS)
-        # And the most tokens any rank dispatched (-1 without SEND_TOKENS): the same on every
-        # rank, so that all choose the same combine by it.
-        most = tl.full((), -1, tl.int32)
-        if SEND_TOKENS:
-            at = decoded_ptr + NUM_RANKS * E_LOCAL + ranks
-            most = tl.max(tl.load(at, mask=ranks < NUM_RANKS, other=0, volatile=True), 0)
+        # And the most tokens any rank dispatched: the same on every rank, so that all
+        # choose the same combine by it.
+        at = decoded_ptr + NUM_RANKS * E_LOCAL + ranks
+        most = tl.max(tl.load(at, mask=ranks < NUM_RANKS, other=0, volatile=True), 0)
         tl.store(host + 2 + E_LOCAL + NUM_RANKS, most)
         tl.debug_barrier()  # every thread's words stored before any thread's fence and flag
         fence_system()
@@ -395,9 +354,9 @@ def count_exchange(
     BLOCK_EXPERTS: tl.constexpr,
     BLOCK_RANKS: tl.constexpr,
     BLOCK_EXTRA: tl.constexpr,
+    BLOCK_ROW: tl.constexpr,
     VIA: tl.constexpr,
     READY: tl.constexpr,
-    SEND_TOKENS: tl.constexpr,
 ):
     """This program's share of the count exchange (constexprs as :func:`notify_kernel`'s):
     store its rows into peers ``first, first + step, ...``, then wait for theirs. The program
@@ -438,7 +397,6 @@ def count_exchange(
             BLOCK_EXPERTS,
             BLOCK_EXTRA,
             VIA,
-            SEND_TOKENS,
         )
     rows = tl.load(peer_ptrs + rank) + NOTIFY_OFFSET + set_off
     for peer in range(first, NUM_RANKS, step):
@@ -455,10 +413,7 @@ def count_exchange(
             E_LOCAL,
             EXTRA,
             USE_CLOCK,
-            BLOCK_CHANNELS,
-            BLOCK_EXPERTS,
-            BLOCK_EXTRA,
-            SEND_TOKENS,
+            BLOCK_ROW,
         )
     # The program that finishes the last peer lays out the received rows.
     served = tl.maximum(tl.cdiv(NUM_RANKS - first, step), 0)
@@ -480,7 +435,6 @@ def count_exchange(
                 E_LOCAL,
                 CHANNEL_MAJOR,
                 HOST_COPY,
-                SEND_TOKENS,
                 BLOCK_CHANNELS,
                 BLOCK_EXPERTS,
                 BLOCK_RANKS,
@@ -555,13 +509,13 @@ def notify_kernel(
     COUNTS_GIVEN: tl.constexpr,  # channel counts given (counts_ptr), not counted
     CHANNEL_MAJOR: tl.constexpr,  # received rows ordered by channel, then source
     HOST_COPY: tl.constexpr,  # also write the count into host memory (exact size)
-    SEND_TOKENS: tl.constexpr,  # rows carry their source's token count (its flag, stored)
     USE_CLOCK: tl.constexpr,  # on a GPU (else the interpreter)
     BLOCK_TOKENS: tl.constexpr,  # tokens counted at a time
     BLOCK_CHANNELS: tl.constexpr,  # power of two > NUM_CHANNELS (a bin for other ranks)
     BLOCK_EXPERTS: tl.constexpr,  # power of two >= max(E_LOCAL, 2)
     BLOCK_RANKS: tl.constexpr,  # power of two >= max(NUM_RANKS, 2)
     BLOCK_EXTRA: tl.constexpr,  # power of two >= max(EXTRA, 2)
+    BLOCK_ROW: tl.constexpr,  # words of a row read at a time (:func:`row_block`)
     PROFILE: tl.constexpr,  # record traces
     VIA: tl.constexpr,  # how rows reach peers (transport)
 ):
@@ -607,9 +561,9 @@ def notify_kernel(
         BLOCK_EXPERTS,
         BLOCK_RANKS,
         BLOCK_EXTRA,
+        BLOCK_ROW,
         VIA,
         False,  # READY: no program of this launch waits for the layout
-        SEND_TOKENS,
     )
     if PROFILE:
         trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), True, 0, USE_CLOCK)

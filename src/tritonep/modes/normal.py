@@ -76,7 +76,7 @@ from ..kernels.launcher import KernelLaunch, Shared
 from ..kernels.layout import DispatchLayout
 from ..kernels.normal_combine import CombineCall, CombineVariant
 from ..kernels.normal_dispatch import DispatchCall, DispatchVariant, NormalShared
-from ..kernels.normal_notify import NotifyCall, NotifyVariant
+from ..kernels.normal_notify import NOTIFY_WARPS, NotifyCall, NotifyVariant
 from ..kernels.status import (
     STATUS_BAD_ID,
     STATUS_TIMEOUT,
@@ -1232,18 +1232,23 @@ class NormalMode:
             COUNTS_GIVEN=options.counts_given,
             CHANNEL_MAJOR=options.channel_major,
             HOST_COPY=options.host_copy,
-            # (The copy-engine combine chooses by the most tokens of any rank.)
-            SEND_TOKENS=self.copy_combine is not None,
             USE_CLOCK=use_clock(self.device),
             BLOCK_TOKENS=COUNT_TOKENS,
             BLOCK_CHANNELS=triton.next_power_of_2(C + 1),
             BLOCK_EXPERTS=triton.next_power_of_2(max(E_local, 2)),
             BLOCK_RANKS=triton.next_power_of_2(max(R, 2)),
             BLOCK_EXTRA=triton.next_power_of_2(max(options.extra, 2)),
+            BLOCK_ROW=normal_notify.row_block(C + E_local + options.extra + 1, NOTIFY_WARPS),
             PROFILE=self.trace is not None,
             VIA=self.transport.via,
         )
-        return normal_notify.notify_kernel, R, variant, NotifyCall, {}
+        return (
+            normal_notify.notify_kernel,
+            R,
+            variant,
+            NotifyCall,
+            {"num_warps": NOTIFY_WARPS},
+        )
 
     # --------------------------------------------------------------------------- dispatch
     def dispatch(
@@ -2039,6 +2044,9 @@ class NormalMode:
             BLOCK_COUNT_TOKENS=COUNT_TOKENS,
             BLOCK_CHANNELS=triton.next_power_of_2(config.num_channels + 1),
             BLOCK_EXPERTS=triton.next_power_of_2(max(self.num_local_experts, 2)),
+            BLOCK_NOTIFY_ROW=normal_notify.row_block(
+                config.num_channels + self.num_local_experts + 1, warps
+            ),
             PROFILE=self.trace is not None,
             VIA=self.transport.via,
         )
