@@ -6,6 +6,7 @@ with ``TRITON_INTERPRET=0`` because this process builds its kernels for the inte
 """
 
 import functools
+import inspect
 import json
 import os
 import re
@@ -1048,6 +1049,47 @@ def test_an_exact_size_notify_writes_the_count_to_the_host_flag_last():
     host_copy = compile_ptx(*next(k for k in notifies if k[3]["HOST_COPY"]))
     plain = compile_ptx(*notifies[0])
     assert host_copy.count("fence.sc.sys") == plain.count("fence.sc.sys") + 1
+
+
+def _clock_loops(ptx: str, source: str) -> list[str]:
+    """The text of each loop of ``ptx`` (its innermost blocks, by LLVM's loop comments) that
+    reads the clock and holds code of ``source`` (``file.py:line:``)."""
+    blocks: dict[str, list[str]] = {}
+    members: dict[str, list[str]] = {}
+    name = None
+    for line in ptx.splitlines():
+        label = re.match(r"^\$(L__BB\d+_\d+):", line)
+        if label:
+            name = label.group(1)
+            blocks[name] = []
+        if name is None:
+            continue
+        if len(blocks[name]) < 2:  # the label's comment, or the line after it
+            if "Loop Header" in line:
+                members.setdefault(name, []).append(name)
+            header = re.search(r"in Loop: Header=BB(\d+_\d+)", line)
+            if header:
+                members.setdefault("L__BB" + header.group(1), []).append(name)
+        blocks[name].append(line)
+    loops = ["\n".join("\n".join(blocks[b]) for b in set(bs)) for bs in members.values()]
+    return [text for text in loops if "%globaltimer" in text and source in text]
+
+
+def test_the_notify_wait_is_left_by_every_thread_at_once():
+    """The wait for a peer's notify row (the notify launch, 4 warps, and the dispatch that
+    folds the exchange in, 16) reads each word of the row in one thread, one 32-bit load, and
+    decides to wait on through shared memory, a reduction over every warp: no warp can leave
+    it before another and zero the row that one still waits for."""
+    lines, first = inspect.getsourcelines(normal_notify.notify_receive.fn)
+    wait = first + next(i for i, line in enumerate(lines) if line.lstrip().startswith("while"))
+    notify = next(k for k in KERNELS if k[1] == "notify_kernel" and k[3]["HOST_COPY"])
+    fused = next(k for k in KERNELS if k[1] == "normal_dispatch_kernel" and k[3]["EXCHANGE"])
+    for kernel in (notify, fused):
+        loops = _clock_loops(compile_ptx(*kernel), f"normal_notify.py:{wait}:")
+        assert len(loops) == 1, kernel[1]
+        loads = re.findall(r"ld\.volatile\.global\.(\S+)", loops[0])
+        assert loads == ["b32"], (kernel[1], loads)
+        assert "st.shared" in loops[0] and "bar.sync" in loops[0], kernel[1]
 
 
 def _kernel(name):
