@@ -1028,15 +1028,16 @@ def test_flags_use_system_scope_release_and_acquire():
 
 def test_a_dispatch_that_exchanges_counts_waits_for_its_layout_at_gpu_scope():
     """The receivers of a worst-case first dispatch wait for the layout that its senders'
-    count exchange releases (GPU scope: the same launch); without the exchange neither the
+    count exchange releases (GPU scope: the same launch); without the exchange neither that
     release nor the wait is compiled in."""
     variants = [k for k in KERNELS if k[1] == "normal_dispatch_kernel"]
     fused = compile_ptx(*next(k for k in variants if k[3]["EXCHANGE"]))
     plain = compile_ptx(*variants[0])
     release = re.compile(r"atom\.global\.gpu\.release\.exch\.b64")
     acquire = re.compile(r"(ld|atom)\.global\.gpu\.acquire(\.add)?\.[bu]64")
-    assert release.search(fused) and acquire.search(fused)
-    assert not release.search(plain) and not acquire.search(plain)
+    # (Both release the launch's call counter at their end: receivers wait for it.)
+    assert len(release.findall(fused)) > len(release.findall(plain)) > 0
+    assert acquire.search(fused) and not acquire.search(plain)
     # The count exchange's own waits: its peers' rows, read volatile and bounded by the clock.
     assert fused.count("%globaltimer") > plain.count("%globaltimer")
 

@@ -75,6 +75,7 @@ from .sync import (
     rows_before,
     start_clock,
     wait_all_at_least,
+    wait_flag,
 )
 from .trace import read_clock, trace_role
 from .transport import VIA_STORE, put_rings, set_peer_flags
@@ -215,7 +216,8 @@ def finish_call(
     One counter for the whole launch, not one per program (:func:`.sync.call_number`): the
     number of programs follows the SM budget, which may change from call to call."""
     if finish_launch(state_ptr + ARRIVALS, 0, 0, 0, call, call, False, False, True):
-        tl.store(state_ptr + CALLS, call + 1)
+        # (Released: receivers that wait for it then read what every program recorded.)
+        tl.atomic_xchg(state_ptr + CALLS, call + 1, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -963,31 +965,83 @@ def fill_channel_rows(
                 BLOCK_SCALES,
             )
     if timed_out(status_ptr):  # a failed call: every row of this channel, of every source
-        for source in range(NUM_RANKS):
-            first = tl.load(recv_start_ptr + source * NUM_CHANNELS + channel)
-            end = first + tl.load(recv_count_ptr + source * NUM_CHANNELS + channel)
-            fill_rows(
-                first,
-                end,
-                max_rows,
-                out_x_ptr,
-                out_scales_ptr,
-                out_topk_idx_ptr,
-                out_weights_ptr,
-                out_src_ptr,
-                row_map_ptr,
-                K,
-                True,
-                ROW_WORDS,
-                SCALE_WORDS,
-                HAS_SCALES,
-                HAS_TOPK,
-                HAS_WEIGHTS,
-                ROW_MAP,
-                BLOCK_RECV_WORDS,
-                BLOCK_K,
-                BLOCK_SCALES,
-            )
+        poison_channel(
+            channel,
+            recv_count_ptr,
+            recv_start_ptr,
+            out_x_ptr,
+            out_scales_ptr,
+            out_topk_idx_ptr,
+            out_weights_ptr,
+            out_src_ptr,
+            max_rows,
+            row_map_ptr,
+            K,
+            ROW_WORDS,
+            SCALE_WORDS,
+            NUM_RANKS,
+            NUM_CHANNELS,
+            HAS_SCALES,
+            HAS_TOPK,
+            HAS_WEIGHTS,
+            ROW_MAP,
+            BLOCK_RECV_WORDS,
+            BLOCK_K,
+            BLOCK_SCALES,
+        )
+
+
+@triton.jit
+def poison_channel(
+    channel,  # the channel this program receives
+    recv_count_ptr,  # [R, C] int32 rows each (source, channel) sends here
+    recv_start_ptr,  # [R, C] int32 first output row of each (source, channel)
+    out_x_ptr,  # [max_rows, ROW_WORDS] int32 out: payload words
+    out_scales_ptr,  # [max_rows, SCALE_WORDS] int32 out (HAS_SCALES)
+    out_topk_idx_ptr,  # [max_rows, K] int64 out (HAS_TOPK)
+    out_weights_ptr,  # [max_rows, K] float32 out (HAS_WEIGHTS)
+    out_src_ptr,  # [max_rows] int32 out
+    max_rows,  # rows the outputs hold
+    row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
+    K,  # top-k columns
+    ROW_WORDS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    NUM_CHANNELS: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    HAS_TOPK: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    ROW_MAP: tl.constexpr,
+    BLOCK_RECV_WORDS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
+):
+    """Every row of ``channel``, from every source, as poison (a failed call)."""
+    for source in range(NUM_RANKS):
+        first = tl.load(recv_start_ptr + source * NUM_CHANNELS + channel)
+        end = first + tl.load(recv_count_ptr + source * NUM_CHANNELS + channel)
+        fill_rows(
+            first,
+            end,
+            max_rows,
+            out_x_ptr,
+            out_scales_ptr,
+            out_topk_idx_ptr,
+            out_weights_ptr,
+            out_src_ptr,
+            row_map_ptr,
+            K,
+            True,
+            ROW_WORDS,
+            SCALE_WORDS,
+            HAS_SCALES,
+            HAS_TOPK,
+            HAS_WEIGHTS,
+            ROW_MAP,
+            BLOCK_RECV_WORDS,
+            BLOCK_K,
+            BLOCK_SCALES,
+        )
 
 
 @triton.jit
@@ -1605,6 +1659,75 @@ def poison_share(
         )
 
 
+@triton.jit
+def settle_receiver(
+    channel,  # the channel this program receives
+    call,  # this launch's call number
+    laid_out,  # whether this receiver learnt where its channel's rows go
+    state_ptr,  # [8] int64 device call counters
+    status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
+    timeout_us,  # limit of every wait, in microseconds
+    recv_count_ptr,  # [R, C] int32 rows each (source, channel) sends here
+    recv_start_ptr,  # [R, C] int32 first output row of each (source, channel)
+    out_x_ptr,  # [max_rows, ROW_WORDS] int32 out: payload words
+    out_scales_ptr,  # [max_rows, SCALE_WORDS] int32 out (HAS_SCALES)
+    out_topk_idx_ptr,  # [max_rows, K] int64 out (HAS_TOPK)
+    out_weights_ptr,  # [max_rows, K] float32 out (HAS_WEIGHTS)
+    out_src_ptr,  # [max_rows] int32 out
+    max_rows,  # rows the outputs hold
+    row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
+    K,  # top-k columns
+    ROW_WORDS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    NUM_CHANNELS: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    HAS_TOPK: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    ROW_MAP: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    BLOCK_RECV_WORDS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
+):
+    """A receiver's end on a GPU: arrive with the launch's other programs, wait (bounded)
+    until every one has, then poison its channel's rows if any wait of the call gave up.
+    Programs run side by side, so a receiver that finished before another's wait gave up
+    would otherwise leave its rows as data in a failed call. (The interpreter runs programs
+    one after another: a receiver's own check at its end, :func:`fill_channel_rows`, serves.)"""
+    if finish_launch(state_ptr + DISPATCH_ARRIVALS, 0, 0, 0, call, call, False, False, True):
+        tl.atomic_xchg(state_ptr + DISPATCH_CALLS, call + 1, sem="release", scope="gpu")
+    else:
+        # The others' waits end within their limits: this one waits for the longest.
+        limit = 2 * limit_ns(timeout_us, status_ptr)
+        wait_flag(state_ptr + DISPATCH_CALLS, call + 1, limit, USE_CLOCK, AT_LEAST=True)
+    if laid_out & timed_out(status_ptr):
+        poison_channel(
+            channel,
+            recv_count_ptr,
+            recv_start_ptr,
+            out_x_ptr,
+            out_scales_ptr,
+            out_topk_idx_ptr,
+            out_weights_ptr,
+            out_src_ptr,
+            max_rows,
+            row_map_ptr,
+            K,
+            ROW_WORDS,
+            SCALE_WORDS,
+            NUM_RANKS,
+            NUM_CHANNELS,
+            HAS_SCALES,
+            HAS_TOPK,
+            HAS_WEIGHTS,
+            ROW_MAP,
+            BLOCK_RECV_WORDS,
+            BLOCK_K,
+            BLOCK_SCALES,
+        )
+
+
 # ------------------------------------------------------------------------------------- entry
 
 
@@ -1878,4 +2001,36 @@ def normal_dispatch_kernel(
         )
     if PROFILE:
         trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), sends, waited, USE_CLOCK)
-    finish_call(state_ptr, call, DISPATCH_ARRIVALS, DISPATCH_CALLS)
+    if USE_CLOCK and not sends:
+        settle_receiver(
+            pid - NUM_CHANNELS,
+            call,
+            timeout_ns >= 0,
+            state_ptr,
+            status_ptr,
+            timeout_us,
+            recv_count_ptr,
+            recv_start_ptr,
+            out_x_ptr,
+            out_scales_ptr,
+            out_topk_idx_ptr,
+            out_weights_ptr,
+            out_src_ptr,
+            max_rows,
+            row_map_ptr,
+            K,
+            ROW_WORDS,
+            SCALE_WORDS,
+            NUM_RANKS,
+            NUM_CHANNELS,
+            HAS_SCALES,
+            HAS_TOPK,
+            HAS_WEIGHTS,
+            ROW_MAP,
+            USE_CLOCK,
+            BLOCK_RECV_WORDS,
+            BLOCK_K,
+            BLOCK_SCALES,
+        )
+    else:
+        finish_call(state_ptr, call, DISPATCH_ARRIVALS, DISPATCH_CALLS)
