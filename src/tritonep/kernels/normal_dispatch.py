@@ -211,13 +211,16 @@ def finish_call(
     ARRIVALS: tl.constexpr,
     CALLS: tl.constexpr,
 ):
-    """The last program of a launch advances the launch's call counter ``state[CALLS]``.
+    """The last program of a launch advances the launch's call counter ``state[CALLS]``;
+    returns whether this program is that one.
 
     One counter for the whole launch, not one per program (:func:`.sync.call_number`): the
     number of programs follows the SM budget, which may change from call to call."""
-    if finish_launch(state_ptr + ARRIVALS, 0, 0, 0, call, call, False, False, True):
+    last = finish_launch(state_ptr + ARRIVALS, 0, 0, 0, call, call, False, False, True)
+    if last:
         # (Released: receivers that wait for it then read what every program recorded.)
         tl.atomic_xchg(state_ptr + CALLS, call + 1, sem="release", scope="gpu")
+    return last
 
 
 @triton.jit
@@ -908,10 +911,8 @@ def fill_rows(
 
 
 @triton.jit
-def fill_channel_rows(
+def pad_channel_rows(
     channel,  # the channel this program receives
-    recv_count_ptr,  # [R, C] int32 rows each (source, channel) sends here
-    recv_start_ptr,  # [R, C] int32 first output row of each (source, channel)
     host_info_ptr,  # [1 + E_LOCAL] int32, [0] = rows received
     out_x_ptr,  # [max_rows, ROW_WORDS] int32 out: payload words
     out_scales_ptr,  # [max_rows, SCALE_WORDS] int32 out (HAS_SCALES)
@@ -920,11 +921,9 @@ def fill_channel_rows(
     out_src_ptr,  # [max_rows] int32 out
     max_rows,  # rows the outputs hold
     row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
-    status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
     K,  # top-k columns
     ROW_WORDS: tl.constexpr,
     SCALE_WORDS: tl.constexpr,
-    NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
     HAS_SCALES: tl.constexpr,
     HAS_TOPK: tl.constexpr,
@@ -935,10 +934,8 @@ def fill_channel_rows(
     BLOCK_K: tl.constexpr,
     BLOCK_SCALES: tl.constexpr,
 ):
-    """A receiver's last writes (constexprs as :func:`normal_dispatch_kernel`'s): with
-    ``PAD_ROWS`` its share of the rows past the received ones as padding, and after a
-    timeout (recorded by this launch or an earlier one) every row of its channel, from every
-    source, as poison."""
+    """With ``PAD_ROWS``, a receiver's share of the rows past the received ones as padding
+    (constexprs as :func:`normal_dispatch_kernel`'s)."""
     if PAD_ROWS:  # rows past the received ones, this channel's share of them
         total = tl.load(host_info_ptr)
         for first in range(total + channel * BLOCK_FILL, max_rows, NUM_CHANNELS * BLOCK_FILL):
@@ -964,84 +961,6 @@ def fill_channel_rows(
                 BLOCK_K,
                 BLOCK_SCALES,
             )
-    if timed_out(status_ptr):  # a failed call: every row of this channel, of every source
-        poison_channel(
-            channel,
-            recv_count_ptr,
-            recv_start_ptr,
-            out_x_ptr,
-            out_scales_ptr,
-            out_topk_idx_ptr,
-            out_weights_ptr,
-            out_src_ptr,
-            max_rows,
-            row_map_ptr,
-            K,
-            ROW_WORDS,
-            SCALE_WORDS,
-            NUM_RANKS,
-            NUM_CHANNELS,
-            HAS_SCALES,
-            HAS_TOPK,
-            HAS_WEIGHTS,
-            ROW_MAP,
-            BLOCK_RECV_WORDS,
-            BLOCK_K,
-            BLOCK_SCALES,
-        )
-
-
-@triton.jit
-def poison_channel(
-    channel,  # the channel this program receives
-    recv_count_ptr,  # [R, C] int32 rows each (source, channel) sends here
-    recv_start_ptr,  # [R, C] int32 first output row of each (source, channel)
-    out_x_ptr,  # [max_rows, ROW_WORDS] int32 out: payload words
-    out_scales_ptr,  # [max_rows, SCALE_WORDS] int32 out (HAS_SCALES)
-    out_topk_idx_ptr,  # [max_rows, K] int64 out (HAS_TOPK)
-    out_weights_ptr,  # [max_rows, K] float32 out (HAS_WEIGHTS)
-    out_src_ptr,  # [max_rows] int32 out
-    max_rows,  # rows the outputs hold
-    row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
-    K,  # top-k columns
-    ROW_WORDS: tl.constexpr,
-    SCALE_WORDS: tl.constexpr,
-    NUM_RANKS: tl.constexpr,
-    NUM_CHANNELS: tl.constexpr,
-    HAS_SCALES: tl.constexpr,
-    HAS_TOPK: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
-    ROW_MAP: tl.constexpr,
-    BLOCK_RECV_WORDS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_SCALES: tl.constexpr,
-):
-    """Every row of ``channel``, from every source, as poison (a failed call)."""
-    for source in range(NUM_RANKS):
-        first = tl.load(recv_start_ptr + source * NUM_CHANNELS + channel)
-        end = first + tl.load(recv_count_ptr + source * NUM_CHANNELS + channel)
-        fill_rows(
-            first,
-            end,
-            max_rows,
-            out_x_ptr,
-            out_scales_ptr,
-            out_topk_idx_ptr,
-            out_weights_ptr,
-            out_src_ptr,
-            row_map_ptr,
-            K,
-            True,
-            ROW_WORDS,
-            SCALE_WORDS,
-            HAS_SCALES,
-            HAS_TOPK,
-            HAS_WEIGHTS,
-            ROW_MAP,
-            BLOCK_RECV_WORDS,
-            BLOCK_K,
-            BLOCK_SCALES,
-        )
 
 
 @triton.jit
@@ -1488,10 +1407,8 @@ def dispatch_receive(
         MAX_CHANNELS,
         VIA,
     )
-    fill_channel_rows(
+    pad_channel_rows(
         channel,
-        recv_count_ptr,
-        recv_start_ptr,
         host_info_ptr,
         out_x_ptr,
         out_scales_ptr,
@@ -1500,11 +1417,9 @@ def dispatch_receive(
         out_src_ptr,
         max_rows,
         row_map_ptr,
-        status_ptr,
         K,
         ROW_WORDS,
         SCALE_WORDS,
-        NUM_RANKS,
         NUM_CHANNELS,
         HAS_SCALES,
         HAS_TOPK,
@@ -1690,42 +1605,42 @@ def settle_receiver(
     BLOCK_K: tl.constexpr,
     BLOCK_SCALES: tl.constexpr,
 ):
-    """A receiver's end on a GPU: arrive with the launch's other programs, wait (bounded)
-    until every one has, then poison its channel's rows if any wait of the call gave up.
-    Programs run side by side, so a receiver that finished before another's wait gave up
-    would otherwise leave its rows as data in a failed call. (The interpreter runs programs
-    one after another: a receiver's own check at its end, :func:`fill_channel_rows`, serves.)"""
-    if finish_launch(state_ptr + DISPATCH_ARRIVALS, 0, 0, 0, call, call, False, False, True):
-        tl.atomic_xchg(state_ptr + DISPATCH_CALLS, call + 1, sem="release", scope="gpu")
-    else:
+    """A receiver's end: arrive with the launch's other programs and, on a GPU, wait
+    (bounded) until every one has; then, if any wait of the call gave up, poison every row of
+    its channel from every source. Programs run side by side on a GPU, so a receiver that
+    finished before another's wait gave up would otherwise leave its rows as data in a failed
+    call; the interpreter runs them one after another (no wait: it would never end)."""
+    last = finish_call(state_ptr, call, DISPATCH_ARRIVALS, DISPATCH_CALLS)
+    if USE_CLOCK and not last:
         # The others' waits end within their limits: this one waits for the longest.
         limit = 2 * limit_ns(timeout_us, status_ptr)
         wait_flag(state_ptr + DISPATCH_CALLS, call + 1, limit, USE_CLOCK, AT_LEAST=True)
     if laid_out & timed_out(status_ptr):
-        poison_channel(
-            channel,
-            recv_count_ptr,
-            recv_start_ptr,
-            out_x_ptr,
-            out_scales_ptr,
-            out_topk_idx_ptr,
-            out_weights_ptr,
-            out_src_ptr,
-            max_rows,
-            row_map_ptr,
-            K,
-            ROW_WORDS,
-            SCALE_WORDS,
-            NUM_RANKS,
-            NUM_CHANNELS,
-            HAS_SCALES,
-            HAS_TOPK,
-            HAS_WEIGHTS,
-            ROW_MAP,
-            BLOCK_RECV_WORDS,
-            BLOCK_K,
-            BLOCK_SCALES,
-        )
+        for source in range(NUM_RANKS):
+            first = tl.load(recv_start_ptr + source * NUM_CHANNELS + channel)
+            end = first + tl.load(recv_count_ptr + source * NUM_CHANNELS + channel)
+            fill_rows(
+                first,
+                end,
+                max_rows,
+                out_x_ptr,
+                out_scales_ptr,
+                out_topk_idx_ptr,
+                out_weights_ptr,
+                out_src_ptr,
+                row_map_ptr,
+                K,
+                True,
+                ROW_WORDS,
+                SCALE_WORDS,
+                HAS_SCALES,
+                HAS_TOPK,
+                HAS_WEIGHTS,
+                ROW_MAP,
+                BLOCK_RECV_WORDS,
+                BLOCK_K,
+                BLOCK_SCALES,
+            )
 
 
 # ------------------------------------------------------------------------------------- entry
@@ -2001,7 +1916,9 @@ def normal_dispatch_kernel(
         )
     if PROFILE:
         trace_role(trace_ptr, t_start, read_clock(trace_ptr, USE_CLOCK), sends, waited, USE_CLOCK)
-    if USE_CLOCK and not sends:
+    if sends:
+        finish_call(state_ptr, call, DISPATCH_ARRIVALS, DISPATCH_CALLS)
+    else:
         settle_receiver(
             pid - NUM_CHANNELS,
             call,
@@ -2032,5 +1949,3 @@ def normal_dispatch_kernel(
             BLOCK_K,
             BLOCK_SCALES,
         )
-    else:
-        finish_call(state_ptr, call, DISPATCH_ARRIVALS, DISPATCH_CALLS)

@@ -219,9 +219,9 @@ def notify_receive(
 
     The row is one vector of ``BLOCK_ROW`` words, at least one a thread (:func:`row_block`):
     each word is read by one thread, and whether to wait on is a reduction over every warp,
-    the clock included, so all threads leave the wait together. (Words replicated in each
-    warp, reduced within it, let a warp leave and zero the row while another still waited,
-    and put the two warps' barriers out of step.)"""
+    the clock included, so all threads leave the wait together. (Words held by every warp
+    and reduced within each would let one warp leave and zero the row while another still
+    waits for it, and put their barriers out of step.)"""
     words = tl.arange(0, BLOCK_ROW)
     used = words < NUM_CHANNELS + E_LOCAL + EXTRA + 1
     is_channel = words < NUM_CHANNELS
