@@ -516,12 +516,7 @@ def store_step(
 def dispatch_send(
     channel,  # the channel this program sends
     call,  # this launch's call number
-    x_ptr,  # [N, ROW_WORDS] int32 payload words
-    scales_ptr,  # [N, SCALE_WORDS] int32 scale words (HAS_SCALES)
-    topk_idx_ptr,  # [N, K] int64 global expert ids (HAS_TOPK)
-    topk_weights_ptr,  # [N, K] float32 (HAS_WEIGHTS)
-    in_rank_ptr,  # [N, R] int8 destinations of each token (stored with RANKS_FROM_IDS)
-    src_tag_ptr,  # [N] int32 each row's recorded source (HAS_TAG)
+    inputs,  # (x, scales, topk_idx, topk_weights, in_rank, src_tag) pointers: rows_in
     num_tokens,  # N
     K,  # top-k columns
     bounds_ptr,  # [C + 1] int32 first token of each channel (BOUNDS)
@@ -532,23 +527,12 @@ def dispatch_send(
     rank,  # this rank
     status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
     timeout_ns,  # NormalShared (limit in ns)
-    ROW_WORDS: tl.constexpr,
-    SCALE_WORDS: tl.constexpr,
+    row_format,  # constexpr (ROW_WORDS, SCALE_WORDS, HAS_SCALES, HAS_TOPK, HAS_WEIGHTS, HAS_TAG)
     E_LOCAL: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
-    RING: tl.constexpr,
-    RING_STRIDE: tl.constexpr,
-    SLOT_BYTES: tl.constexpr,
-    RECORD_WORD: tl.constexpr,
-    RING_OFFSET: tl.constexpr,
-    TAIL_OFFSET: tl.constexpr,
-    HEAD_OFFSET: tl.constexpr,
-    STAGE_OFFSET: tl.constexpr,
-    HAS_SCALES: tl.constexpr,
-    HAS_TOPK: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
-    HAS_TAG: tl.constexpr,
+    ring_shape,  # constexpr (RING, RING_STRIDE, SLOT_BYTES, RECORD_WORD), as the kernel's
+    ring_offsets,  # constexpr (RING_OFFSET, TAIL_OFFSET, HEAD_OFFSET, STAGE_OFFSET)
     BOUNDS: tl.constexpr,
     AWAIT: tl.constexpr,
     RANKS_FROM_IDS: tl.constexpr,
@@ -566,6 +550,21 @@ def dispatch_send(
     """The sender of ``channel`` (constexprs as :func:`normal_dispatch_kernel`'s): walk its
     tokens, feed every destination ring (with ``LOCAL``, every ring but this rank's own).
     Returns the time it waited (with ``PROFILE``; 0 otherwise)."""
+    x_ptr, scales_ptr, topk_idx_ptr, topk_weights_ptr, in_rank_ptr, src_tag_ptr = inputs
+    RING: tl.constexpr = ring_shape[0]
+    RING_STRIDE: tl.constexpr = ring_shape[1]
+    SLOT_BYTES: tl.constexpr = ring_shape[2]
+    RECORD_WORD: tl.constexpr = ring_shape[3]
+    RING_OFFSET: tl.constexpr = ring_offsets[0]
+    TAIL_OFFSET: tl.constexpr = ring_offsets[1]
+    HEAD_OFFSET: tl.constexpr = ring_offsets[2]
+    STAGE_OFFSET: tl.constexpr = ring_offsets[3]
+    ROW_WORDS: tl.constexpr = row_format[0]
+    SCALE_WORDS: tl.constexpr = row_format[1]
+    HAS_SCALES: tl.constexpr = row_format[2]
+    HAS_TOPK: tl.constexpr = row_format[3]
+    HAS_WEIGHTS: tl.constexpr = row_format[4]
+    HAS_TAG: tl.constexpr = row_format[5]
     tag = call << 32
     t0, t1 = channel_tokens(channel, num_tokens, bounds_ptr, NUM_CHANNELS, BOUNDS)
     rings = send_rings(
@@ -749,11 +748,7 @@ def copy_rows(
     live,  # [F] bool rows to copy
     mine,  # [F] bool this rank's own rows, read from the input (LOCAL)
     token,  # [F] int64 input token of each own row (LOCAL)
-    out_x_ptr,  # [max_rows, ROW_WORDS] int32 out: payload words
-    out_scales_ptr,  # [max_rows, SCALE_WORDS] int32 out (HAS_SCALES)
-    out_topk_idx_ptr,  # [max_rows, K] int64 out: local expert ids (HAS_TOPK)
-    out_weights_ptr,  # [max_rows, K] float32 out (HAS_WEIGHTS)
-    out_src_ptr,  # [max_rows] int32 out: source token index (or tag) of each row
+    outputs,  # (out_x, out_scales, out_topk_idx, out_weights, out_src) pointers: rows_out
     scales_addr,  # int64 address of the [N, SCALE_WORDS] int32 input scales (LOCAL)
     topk_idx_ptr,  # [N, K] int64 global expert ids (LOCAL and HAS_TOPK)
     topk_weights_ptr,  # [N, K] float32 (LOCAL and HAS_WEIGHTS)
@@ -779,6 +774,7 @@ def copy_rows(
     slot, or for ``mine`` rows the input row of ``token``, and ``row`` the output row) into
     the outputs: payload and scales (at ``row_map[row]`` with ``ROW_MAP``), then the source,
     local top-k ids and weights (at ``row``)."""
+    out_x_ptr, out_scales_ptr, out_topk_idx_ptr, out_weights_ptr, out_src_ptr = outputs
     words = tl.arange(0, BLOCK_RECV_WORDS)
     ks = tl.arange(0, BLOCK_K)
     kmask = ks < K
@@ -852,11 +848,7 @@ def fill_rows(
     first,  # first row to fill
     end,  # end of the rows to fill (exclusive)
     max_rows,  # rows the outputs hold
-    out_x_ptr,  # [max_rows, ROW_WORDS] int32 out: payload words
-    out_scales_ptr,  # [max_rows, SCALE_WORDS] int32 out (HAS_SCALES)
-    out_topk_idx_ptr,  # [max_rows, K] int64 out: local expert ids (HAS_TOPK)
-    out_weights_ptr,  # [max_rows, K] float32 out (HAS_WEIGHTS)
-    out_src_ptr,  # [max_rows] int32 out: source token index (or tag) of each row
+    outputs,  # (out_x, out_scales, out_topk_idx, out_weights, out_src) pointers: rows_out
     row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
     K,  # top-k columns
     POISON: tl.constexpr,
@@ -873,6 +865,7 @@ def fill_rows(
     """Rows ``[first, end)`` (below ``max_rows``) as padding (source and top-k ids ``-1``,
     weights 0) or, with ``POISON``, as 0xFF bytes throughout (NaN payload, scales and
     weights; source and ids ``-1``)."""
+    out_x_ptr, out_scales_ptr, out_topk_idx_ptr, out_weights_ptr, out_src_ptr = outputs
     ks = tl.arange(0, BLOCK_K)
     fill = tl.arange(0, BLOCK_FILL)
     words = tl.arange(0, BLOCK_RECV_WORDS)
@@ -914,11 +907,7 @@ def fill_rows(
 def pad_channel_rows(
     channel,  # the channel this program receives
     host_info_ptr,  # [1 + E_LOCAL] int32, [0] = rows received
-    out_x_ptr,  # [max_rows, ROW_WORDS] int32 out: payload words
-    out_scales_ptr,  # [max_rows, SCALE_WORDS] int32 out (HAS_SCALES)
-    out_topk_idx_ptr,  # [max_rows, K] int64 out (HAS_TOPK)
-    out_weights_ptr,  # [max_rows, K] float32 out (HAS_WEIGHTS)
-    out_src_ptr,  # [max_rows] int32 out
+    outputs,  # (out_x, out_scales, out_topk_idx, out_weights, out_src) pointers: rows_out
     max_rows,  # rows the outputs hold
     row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
     K,  # top-k columns
@@ -943,11 +932,7 @@ def pad_channel_rows(
                 first,
                 first + BLOCK_FILL,
                 max_rows,
-                out_x_ptr,
-                out_scales_ptr,
-                out_topk_idx_ptr,
-                out_weights_ptr,
-                out_src_ptr,
+                outputs,
                 row_map_ptr,
                 K,
                 False,
@@ -978,11 +963,7 @@ def copy_step(
     topk_weights_ptr,  # [N, K] float32 (LOCAL and HAS_WEIGHTS)
     in_rank_ptr,  # [N, R] int8 destinations of each token (LOCAL)
     src_tag_ptr,  # [N] int32 recorded sources (LOCAL and HAS_TAG)
-    out_x_ptr,  # [max_rows, ROW_WORDS] int32 out: payload words
-    out_scales_ptr,  # [max_rows, SCALE_WORDS] int32 out (HAS_SCALES)
-    out_topk_idx_ptr,  # [max_rows, K] int64 out: local expert ids (HAS_TOPK)
-    out_weights_ptr,  # [max_rows, K] float32 out (HAS_WEIGHTS)
-    out_src_ptr,  # [max_rows] int32 out: source token index (or tag) of each row
+    outputs,  # (out_x, out_scales, out_topk_idx, out_weights, out_src) pointers: rows_out
     max_rows,  # rows the outputs hold
     ready_ptr,  # [max_rows] int32 per-row flags set once a row is written (PUBLISH)
     row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
@@ -1050,11 +1031,7 @@ def copy_step(
         live,
         tl.reshape(own, (FLAT,)),
         tl.reshape(token, (FLAT,)).to(tl.int64),
-        out_x_ptr,
-        out_scales_ptr,
-        out_topk_idx_ptr,
-        out_weights_ptr,
-        out_src_ptr,
+        outputs,
         scales_addr,
         topk_idx_ptr,
         topk_weights_ptr,
@@ -1098,11 +1075,7 @@ def drain_rings(
     topk_weights_ptr,  # [N, K] float32 (LOCAL and HAS_WEIGHTS)
     in_rank_ptr,  # [N, R] int8 destinations of each token (LOCAL)
     src_tag_ptr,  # [N] int32 recorded sources (LOCAL and HAS_TAG)
-    out_x_ptr,  # [max_rows, ROW_WORDS] int32 out: payload words
-    out_scales_ptr,  # [max_rows, SCALE_WORDS] int32 out (HAS_SCALES)
-    out_topk_idx_ptr,  # [max_rows, K] int64 out: local expert ids (HAS_TOPK)
-    out_weights_ptr,  # [max_rows, K] float32 out (HAS_WEIGHTS)
-    out_src_ptr,  # [max_rows] int32 out: source token index (or tag) of each row
+    outputs,  # (out_x, out_scales, out_topk_idx, out_weights, out_src) pointers: rows_out
     max_rows,  # rows the outputs hold
     ready_ptr,  # [max_rows] int32 per-row flags set once a row is written (PUBLISH)
     row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
@@ -1173,11 +1146,7 @@ def drain_rings(
                 topk_weights_ptr,
                 in_rank_ptr,
                 src_tag_ptr,
-                out_x_ptr,
-                out_scales_ptr,
-                out_topk_idx_ptr,
-                out_weights_ptr,
-                out_src_ptr,
+                outputs,
                 max_rows,
                 ready_ptr,
                 row_map_ptr,
@@ -1238,22 +1207,13 @@ def drain_rings(
 def dispatch_receive(
     channel,  # the channel this program receives
     call,  # this launch's call number
-    x_ptr,  # [N, ROW_WORDS] int32 payload words (the own lane's input, LOCAL)
-    scales_ptr,  # [N, SCALE_WORDS] int32 (LOCAL and HAS_SCALES)
-    topk_idx_ptr,  # [N, K] int64 (LOCAL and HAS_TOPK)
-    topk_weights_ptr,  # [N, K] float32 (LOCAL and HAS_WEIGHTS)
-    in_rank_ptr,  # [N, R] int8 (LOCAL)
-    src_tag_ptr,  # [N] int32 (LOCAL and HAS_TAG)
+    inputs,  # (x, scales, topk_idx, topk_weights, in_rank, src_tag) pointers: rows_in
     num_tokens,  # N
     K,  # top-k columns
     recv_count_ptr,  # [R, C] int32 tokens each (source, channel) sends here
     recv_start_ptr,  # [R, C] int32 first output row of each (source, channel)
     host_info_ptr,  # from notify
-    out_x_ptr,  # [max_rows, ROW_WORDS] int32 out: payload words
-    out_scales_ptr,  # [max_rows, SCALE_WORDS] int32 out (HAS_SCALES)
-    out_topk_idx_ptr,  # [max_rows, K] int64 out: local expert ids (HAS_TOPK)
-    out_weights_ptr,  # [max_rows, K] float32 out (HAS_WEIGHTS)
-    out_src_ptr,  # outputs
+    outputs,  # (out_x, out_scales, out_topk_idx, out_weights, out_src) pointers: rows_out
     max_rows,  # rows the outputs hold
     bounds_ptr,  # [C + 1] int32 first token of each channel (BOUNDS)
     ready_ptr,  # [max_rows] int32 per-row flags set once a row is written (PUBLISH)
@@ -1265,28 +1225,18 @@ def dispatch_receive(
     rank,  # this rank
     status_ptr,  # [STATUS_WORDS] int32 (kernels.status)
     timeout_ns,  # NormalShared (limit in ns)
-    ROW_WORDS: tl.constexpr,
-    SCALE_WORDS: tl.constexpr,
+    row_format,  # constexpr (ROW_WORDS, SCALE_WORDS, HAS_SCALES, HAS_TOPK, HAS_WEIGHTS, HAS_TAG)
+    ROW_MAP: tl.constexpr,
     E_LOCAL: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
     MAX_CHANNELS: tl.constexpr,
-    RING: tl.constexpr,
-    RING_STRIDE: tl.constexpr,
-    SLOT_BYTES: tl.constexpr,
-    RECORD_WORD: tl.constexpr,
-    RING_OFFSET: tl.constexpr,
-    TAIL_OFFSET: tl.constexpr,
-    HEAD_OFFSET: tl.constexpr,
-    HAS_SCALES: tl.constexpr,
-    HAS_TOPK: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
-    HAS_TAG: tl.constexpr,
+    ring_shape,  # constexpr (RING, RING_STRIDE, SLOT_BYTES, RECORD_WORD), as the kernel's
+    ring_offsets,  # constexpr (RING_OFFSET, TAIL_OFFSET, HEAD_OFFSET, STAGE_OFFSET)
     PAD_ROWS: tl.constexpr,
     BOUNDS: tl.constexpr,
     PUBLISH: tl.constexpr,
     LOCAL: tl.constexpr,
-    ROW_MAP: tl.constexpr,
     USE_CLOCK: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_RECV_WORDS: tl.constexpr,
@@ -1300,6 +1250,20 @@ def dispatch_receive(
     the rings of every source into the outputs (with ``LOCAL``, this rank's own lane of each
     step reads the channel's tokens straight from the input instead). Returns the time it
     polled without progress (with ``PROFILE``; 0 otherwise)."""
+    x_ptr, scales_ptr, topk_idx_ptr, topk_weights_ptr, in_rank_ptr, src_tag_ptr = inputs
+    RING: tl.constexpr = ring_shape[0]
+    RING_STRIDE: tl.constexpr = ring_shape[1]
+    SLOT_BYTES: tl.constexpr = ring_shape[2]
+    RECORD_WORD: tl.constexpr = ring_shape[3]
+    RING_OFFSET: tl.constexpr = ring_offsets[0]
+    TAIL_OFFSET: tl.constexpr = ring_offsets[1]
+    HEAD_OFFSET: tl.constexpr = ring_offsets[2]
+    ROW_WORDS: tl.constexpr = row_format[0]
+    SCALE_WORDS: tl.constexpr = row_format[1]
+    HAS_SCALES: tl.constexpr = row_format[2]
+    HAS_TOPK: tl.constexpr = row_format[3]
+    HAS_WEIGHTS: tl.constexpr = row_format[4]
+    HAS_TAG: tl.constexpr = row_format[5]
     ranks, rmask, peer_base, my_base = peer_heaps(peer_ptrs, rank, NUM_RANKS, BLOCK_RANKS)
     tag = call << 32
     count = tl.load(recv_count_ptr + ranks * NUM_CHANNELS + channel, mask=rmask, other=0)
@@ -1346,11 +1310,7 @@ def dispatch_receive(
         topk_weights_ptr,
         in_rank_ptr,
         src_tag_ptr,
-        out_x_ptr,
-        out_scales_ptr,
-        out_topk_idx_ptr,
-        out_weights_ptr,
-        out_src_ptr,
+        outputs,
         max_rows,
         ready_ptr,
         row_map_ptr,
@@ -1410,11 +1370,7 @@ def dispatch_receive(
     pad_channel_rows(
         channel,
         host_info_ptr,
-        out_x_ptr,
-        out_scales_ptr,
-        out_topk_idx_ptr,
-        out_weights_ptr,
-        out_src_ptr,
+        outputs,
         max_rows,
         row_map_ptr,
         K,
@@ -1529,11 +1485,7 @@ def exchange_counts(
 def poison_share(
     channel,  # the channel this program receives
     max_rows,  # rows the outputs hold
-    out_x_ptr,  # [max_rows, ROW_WORDS] int32 out: payload words
-    out_scales_ptr,  # [max_rows, SCALE_WORDS] int32 out (HAS_SCALES)
-    out_topk_idx_ptr,  # [max_rows, K] int64 out (HAS_TOPK)
-    out_weights_ptr,  # [max_rows, K] float32 out (HAS_WEIGHTS)
-    out_src_ptr,  # [max_rows] int32 out
+    outputs,  # (out_x, out_scales, out_topk_idx, out_weights, out_src) pointers: rows_out
     row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
     K,  # top-k columns
     ROW_WORDS: tl.constexpr,
@@ -1554,11 +1506,7 @@ def poison_share(
             first,
             first + BLOCK_FILL,
             max_rows,
-            out_x_ptr,
-            out_scales_ptr,
-            out_topk_idx_ptr,
-            out_weights_ptr,
-            out_src_ptr,
+            outputs,
             row_map_ptr,
             K,
             True,
@@ -1584,22 +1532,14 @@ def settle_receiver(
     timeout_us,  # limit of every wait, in microseconds
     recv_count_ptr,  # [R, C] int32 rows each (source, channel) sends here
     recv_start_ptr,  # [R, C] int32 first output row of each (source, channel)
-    out_x_ptr,  # [max_rows, ROW_WORDS] int32 out: payload words
-    out_scales_ptr,  # [max_rows, SCALE_WORDS] int32 out (HAS_SCALES)
-    out_topk_idx_ptr,  # [max_rows, K] int64 out (HAS_TOPK)
-    out_weights_ptr,  # [max_rows, K] float32 out (HAS_WEIGHTS)
-    out_src_ptr,  # [max_rows] int32 out
+    outputs,  # (out_x, out_scales, out_topk_idx, out_weights, out_src) pointers: rows_out
     max_rows,  # rows the outputs hold
     row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
     K,  # top-k columns
-    ROW_WORDS: tl.constexpr,
-    SCALE_WORDS: tl.constexpr,
+    row_format,  # constexpr (ROW_WORDS, SCALE_WORDS, HAS_SCALES, HAS_TOPK, HAS_WEIGHTS, HAS_TAG)
+    ROW_MAP: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
-    HAS_SCALES: tl.constexpr,
-    HAS_TOPK: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
-    ROW_MAP: tl.constexpr,
     USE_CLOCK: tl.constexpr,
     BLOCK_RECV_WORDS: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -1610,6 +1550,11 @@ def settle_receiver(
     its channel from every source. Programs run side by side on a GPU, so a receiver that
     finished before another's wait gave up would otherwise leave its rows as data in a failed
     call; the interpreter runs them one after another (no wait: it would never end)."""
+    ROW_WORDS: tl.constexpr = row_format[0]
+    SCALE_WORDS: tl.constexpr = row_format[1]
+    HAS_SCALES: tl.constexpr = row_format[2]
+    HAS_TOPK: tl.constexpr = row_format[3]
+    HAS_WEIGHTS: tl.constexpr = row_format[4]
     last = finish_call(state_ptr, call, DISPATCH_ARRIVALS, DISPATCH_CALLS)
     if USE_CLOCK and not last:
         # The others' waits end within their limits: this one waits for the longest.
@@ -1623,11 +1568,7 @@ def settle_receiver(
                 first,
                 end,
                 max_rows,
-                out_x_ptr,
-                out_scales_ptr,
-                out_topk_idx_ptr,
-                out_weights_ptr,
-                out_src_ptr,
+                outputs,
                 row_map_ptr,
                 K,
                 True,
@@ -1742,6 +1683,12 @@ def normal_dispatch_kernel(
     out_x_ptr = out_x_ptr.to(tl.pointer_type(tl.int32))
     out_scales_ptr = out_scales_ptr.to(tl.pointer_type(tl.int32))
     in_rank_ptr = in_rank_ptr.to(tl.pointer_type(tl.int8))
+    # What the role helpers take as one argument each (constexpr tuples stay compile-time).
+    inputs = (x_ptr, scales_ptr, topk_idx_ptr, topk_weights_ptr, in_rank_ptr, src_tag_ptr)
+    outputs = (out_x_ptr, out_scales_ptr, out_topk_idx_ptr, out_weights_ptr, out_src_ptr)
+    row_format: tl.constexpr = (ROW_WORDS, SCALE_WORDS, HAS_SCALES, HAS_TOPK, HAS_WEIGHTS, HAS_TAG)
+    ring_shape: tl.constexpr = (RING, RING_STRIDE, SLOT_BYTES, RECORD_WORD)
+    ring_offsets: tl.constexpr = (RING_OFFSET, TAIL_OFFSET, HEAD_OFFSET, STAGE_OFFSET)
     sends = pid < NUM_CHANNELS
     if EXCHANGE:  # the senders exchange the counts first; the receivers wait for the layout
         timeout_ns = exchange_counts(
@@ -1782,12 +1729,7 @@ def normal_dispatch_kernel(
         waited = dispatch_send(
             pid,
             call,
-            x_ptr,
-            scales_ptr,
-            topk_idx_ptr,
-            topk_weights_ptr,
-            in_rank_ptr,
-            src_tag_ptr,
+            inputs,
             num_tokens,
             K,
             bounds_ptr,
@@ -1798,23 +1740,12 @@ def normal_dispatch_kernel(
             rank,
             status_ptr,
             timeout_ns,
-            ROW_WORDS,
-            SCALE_WORDS,
+            row_format,
             E_LOCAL,
             NUM_RANKS,
             NUM_CHANNELS,
-            RING,
-            RING_STRIDE,
-            SLOT_BYTES,
-            RECORD_WORD,
-            RING_OFFSET,
-            TAIL_OFFSET,
-            HEAD_OFFSET,
-            STAGE_OFFSET,
-            HAS_SCALES,
-            HAS_TOPK,
-            HAS_WEIGHTS,
-            HAS_TAG,
+            ring_shape,
+            ring_offsets,
             BOUNDS,
             AWAIT,
             RANKS_FROM_IDS,
@@ -1834,11 +1765,7 @@ def normal_dispatch_kernel(
         poison_share(
             pid - NUM_CHANNELS,
             max_rows,
-            out_x_ptr,
-            out_scales_ptr,
-            out_topk_idx_ptr,
-            out_weights_ptr,
-            out_src_ptr,
+            outputs,
             row_map_ptr,
             K,
             ROW_WORDS,
@@ -1856,22 +1783,13 @@ def normal_dispatch_kernel(
         waited = dispatch_receive(
             pid - NUM_CHANNELS,
             call,
-            x_ptr,
-            scales_ptr,
-            topk_idx_ptr,
-            topk_weights_ptr,
-            in_rank_ptr,
-            src_tag_ptr,
+            inputs,
             num_tokens,
             K,
             recv_count_ptr,
             recv_start_ptr,
             host_info_ptr,
-            out_x_ptr,
-            out_scales_ptr,
-            out_topk_idx_ptr,
-            out_weights_ptr,
-            out_src_ptr,
+            outputs,
             max_rows,
             bounds_ptr,
             ready_ptr,
@@ -1883,28 +1801,18 @@ def normal_dispatch_kernel(
             rank,
             status_ptr,
             timeout_ns,
-            ROW_WORDS,
-            SCALE_WORDS,
+            row_format,
+            ROW_MAP,
             E_LOCAL,
             NUM_RANKS,
             NUM_CHANNELS,
             MAX_CHANNELS,
-            RING,
-            RING_STRIDE,
-            SLOT_BYTES,
-            RECORD_WORD,
-            RING_OFFSET,
-            TAIL_OFFSET,
-            HEAD_OFFSET,
-            HAS_SCALES,
-            HAS_TOPK,
-            HAS_WEIGHTS,
-            HAS_TAG,
+            ring_shape,
+            ring_offsets,
             PAD_ROWS,
             BOUNDS,
             PUBLISH,
             LOCAL,
-            ROW_MAP,
             USE_CLOCK,
             BLOCK_ROWS,
             BLOCK_RECV_WORDS,
@@ -1928,22 +1836,14 @@ def normal_dispatch_kernel(
             timeout_us,
             recv_count_ptr,
             recv_start_ptr,
-            out_x_ptr,
-            out_scales_ptr,
-            out_topk_idx_ptr,
-            out_weights_ptr,
-            out_src_ptr,
+            outputs,
             max_rows,
             row_map_ptr,
             K,
-            ROW_WORDS,
-            SCALE_WORDS,
+            row_format,
+            ROW_MAP,
             NUM_RANKS,
             NUM_CHANNELS,
-            HAS_SCALES,
-            HAS_TOPK,
-            HAS_WEIGHTS,
-            ROW_MAP,
             USE_CLOCK,
             BLOCK_RECV_WORDS,
             BLOCK_K,
