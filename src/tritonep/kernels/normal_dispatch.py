@@ -1547,9 +1547,10 @@ def settle_receiver(
 ):
     """A receiver's end: arrive with the launch's other programs and, on a GPU, wait
     (bounded) until every one has; then, if any wait of the call gave up, poison every row of
-    its channel from every source. Programs run side by side on a GPU, so a receiver that
-    finished before another's wait gave up would otherwise leave its rows as data in a failed
-    call; the interpreter runs them one after another (no wait: it would never end)."""
+    its channel from every source (without a layout, its share of every row: poison_share).
+    Programs run side by side on a GPU, so a receiver that finished before another's wait
+    gave up would otherwise leave its rows as data in a failed call; the interpreter runs them
+    one after another (no wait: it would never end)."""
     ROW_WORDS: tl.constexpr = row_format[0]
     SCALE_WORDS: tl.constexpr = row_format[1]
     HAS_SCALES: tl.constexpr = row_format[2]
@@ -1560,7 +1561,25 @@ def settle_receiver(
         # The others' waits end within their limits: this one waits for the longest.
         limit = 2 * limit_ns(timeout_us, status_ptr)
         wait_flag(state_ptr + DISPATCH_CALLS, call + 1, limit, USE_CLOCK, AT_LEAST=True)
-    if laid_out & timed_out(status_ptr):
+    if not laid_out:  # (exchange_counts gave up) no row can be placed: poison them all
+        poison_share(
+            channel,
+            max_rows,
+            outputs,
+            row_map_ptr,
+            K,
+            ROW_WORDS,
+            SCALE_WORDS,
+            NUM_CHANNELS,
+            HAS_SCALES,
+            HAS_TOPK,
+            HAS_WEIGHTS,
+            ROW_MAP,
+            BLOCK_RECV_WORDS,
+            BLOCK_K,
+            BLOCK_SCALES,
+        )
+    elif timed_out(status_ptr):
         for source in range(NUM_RANKS):
             first = tl.load(recv_start_ptr + source * NUM_CHANNELS + channel)
             end = first + tl.load(recv_count_ptr + source * NUM_CHANNELS + channel)
@@ -1690,6 +1709,7 @@ def normal_dispatch_kernel(
     ring_shape: tl.constexpr = (RING, RING_STRIDE, SLOT_BYTES, RECORD_WORD)
     ring_offsets: tl.constexpr = (RING_OFFSET, TAIL_OFFSET, HEAD_OFFSET, STAGE_OFFSET)
     sends = pid < NUM_CHANNELS
+    waited = tl.zeros((), tl.int64)
     if EXCHANGE:  # the senders exchange the counts first; the receivers wait for the layout
         timeout_ns = exchange_counts(
             pid,
@@ -1760,26 +1780,7 @@ def normal_dispatch_kernel(
             PROFILE,
             VIA,
         )
-    elif timeout_ns < 0:  # the layout never came (exchange_counts): no row can be placed
-        waited = tl.zeros((), tl.int64)
-        poison_share(
-            pid - NUM_CHANNELS,
-            max_rows,
-            outputs,
-            row_map_ptr,
-            K,
-            ROW_WORDS,
-            SCALE_WORDS,
-            NUM_CHANNELS,
-            HAS_SCALES,
-            HAS_TOPK,
-            HAS_WEIGHTS,
-            ROW_MAP,
-            BLOCK_RECV_WORDS,
-            BLOCK_K,
-            BLOCK_SCALES,
-        )
-    else:
+    elif timeout_ns >= 0:  # (else the layout never came: settle_receiver poisons)
         waited = dispatch_receive(
             pid - NUM_CHANNELS,
             call,
