@@ -8,6 +8,7 @@ import contextlib
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.test_low_latency import _expert_outputs, _verify_call
 from tritonep.kernels import (
@@ -632,13 +633,20 @@ def _normal_timed_out_body(ctx, phase):
     x, idx, w = dev.x[me], dev.topk_idx[me], dev.topk_weights[me]
     out = mode.dispatch(x, idx, w, num_worst_tokens=20)
     mode.check()
+    # Rank 0 starts its 1 s call once rank 1's notify is launched: compiling it on an empty
+    # cache can take longer than that, and rank 0 would then give up on the counts instead.
+    store, launched = dist.distributed_c10d._get_default_store(), "timed-out-notify-launched"
     if me == 1:
         if phase == "dispatch":  # the counts go out, the rows never do
             _, per_expert, in_rank = mode.get_dispatch_layout(idx)
             mode.notify(in_rank, per_expert, x.shape[0], 1, 20)
+            store.set(launched, "1")
         with contextlib.suppress(WaitTimeoutError):
             mode.destroy()
         return None
+    if phase == "dispatch":
+        store.wait([launched])
+        store.delete_key(launched)
     _normal_zeroed_outputs()
     mode.timeout_s = 1.0
     result = {}
