@@ -1412,16 +1412,10 @@ def exchange_counts(
     E_LOCAL: tl.constexpr,
     NUM_RANKS: tl.constexpr,
     NUM_CHANNELS: tl.constexpr,
-    NOTIFY_ROW_WORDS: tl.constexpr,
-    NOTIFY_SET_BYTES: tl.constexpr,
-    NOTIFY_OFFSET: tl.constexpr,
-    NOTIFY_STAGE_OFFSET: tl.constexpr,
+    notify,  # constexpr (NOTIFY_ROW_WORDS, NOTIFY_SET_BYTES, NOTIFY_OFFSET, NOTIFY_STAGE_OFFSET)
     USE_CLOCK: tl.constexpr,
-    BLOCK_COUNT_TOKENS: tl.constexpr,
-    BLOCK_CHANNELS: tl.constexpr,
-    BLOCK_EXPERTS: tl.constexpr,
+    counting,  # constexpr (BLOCK_COUNT_TOKENS, BLOCK_CHANNELS, BLOCK_EXPERTS, BLOCK_NOTIFY_ROW)
     BLOCK_RANKS: tl.constexpr,
-    BLOCK_NOTIFY_ROW: tl.constexpr,
     VIA: tl.constexpr,
 ):
     """The count exchange inside the dispatch launch (:mod:`.normal_notify`, one launch less
@@ -1429,6 +1423,14 @@ def exchange_counts(
     finish lays out the rows; a receiver waits for that layout (bounded). Returns the limit
     of the program's waits from here on (a wait of the exchange may have given up: then 0),
     or -1 for a receiver whose wait for the layout gave up (recorded)."""
+    NOTIFY_ROW_WORDS: tl.constexpr = notify[0]
+    NOTIFY_SET_BYTES: tl.constexpr = notify[1]
+    NOTIFY_OFFSET: tl.constexpr = notify[2]
+    NOTIFY_STAGE_OFFSET: tl.constexpr = notify[3]
+    BLOCK_COUNT_TOKENS: tl.constexpr = counting[0]
+    BLOCK_CHANNELS: tl.constexpr = counting[1]
+    BLOCK_EXPERTS: tl.constexpr = counting[2]
+    BLOCK_NOTIFY_ROW: tl.constexpr = counting[3]
     if pid < NUM_CHANNELS:
         count_exchange(
             pid,
@@ -1708,6 +1710,8 @@ def normal_dispatch_kernel(
     row_format: tl.constexpr = (ROW_WORDS, SCALE_WORDS, HAS_SCALES, HAS_TOPK, HAS_WEIGHTS, HAS_TAG)
     ring_shape: tl.constexpr = (RING, RING_STRIDE, SLOT_BYTES, RECORD_WORD)
     ring_offsets: tl.constexpr = (RING_OFFSET, TAIL_OFFSET, HEAD_OFFSET, STAGE_OFFSET)
+    notify: tl.constexpr = (NOTIFY_ROW_WORDS, NOTIFY_SET_BYTES, NOTIFY_OFFSET, NOTIFY_STAGE_OFFSET)
+    counting: tl.constexpr = (BLOCK_COUNT_TOKENS, BLOCK_CHANNELS, BLOCK_EXPERTS, BLOCK_NOTIFY_ROW)
     sends = pid < NUM_CHANNELS
     waited = tl.zeros((), tl.int64)
     if EXCHANGE:  # the senders exchange the counts first; the receivers wait for the layout
@@ -1733,16 +1737,10 @@ def normal_dispatch_kernel(
             E_LOCAL,
             NUM_RANKS,
             NUM_CHANNELS,
-            NOTIFY_ROW_WORDS,
-            NOTIFY_SET_BYTES,
-            NOTIFY_OFFSET,
-            NOTIFY_STAGE_OFFSET,
+            notify,
             USE_CLOCK,
-            BLOCK_COUNT_TOKENS,
-            BLOCK_CHANNELS,
-            BLOCK_EXPERTS,
+            counting,
             BLOCK_RANKS,
-            BLOCK_NOTIFY_ROW,
             VIA,
         )
     if sends:
