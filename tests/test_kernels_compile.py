@@ -1093,6 +1093,34 @@ def test_the_notify_wait_is_left_by_every_thread_at_once():
         assert "st.shared" in loops[0] and "bar.sync" in loops[0], kernel[1]
 
 
+def test_every_wait_leaves_at_one_clock_reading_on_every_thread():
+    """Each thread reads its own clock; where a wait compares it with its limit, the answer
+    goes through shared memory, a reduction over every warp (sync.keep_waiting), so that no
+    warp leaves a wait a read before another and their barriers stay in step. (Readings
+    that only start a wait's clock, and traces, compare nothing.)"""
+    checks = 0
+    for kernel in KERNELS:
+        if kernel[3].get("PROFILE") or kernel[3].get("WAIT_STATS"):
+            continue
+        for loop in _clock_loops(compile_ptx(*kernel), ""):
+            lines = [
+                line
+                for line in loop.splitlines()
+                if not line.strip().startswith((".loc", "//", "$L__tmp"))
+            ]
+            for i, line in enumerate(lines):
+                read = re.search(r"mov\.u64 (%rd\d+), %globaltimer", line)
+                if not read or not re.search(
+                    rf"sub\.s64\s+%rd\d+, {re.escape(read.group(1))},", "\n".join(lines[i : i + 4])
+                ):
+                    continue
+                after = "\n".join(lines[i : i + 25])
+                assert "st.shared" in after and "bar.sync" in after, (kernel[1], _id(kernel))
+                assert "redux.sync" in after or "shfl.sync" in after, (kernel[1], _id(kernel))
+                checks += 1
+    assert checks > 40, checks
+
+
 def _kernel(name):
     return next(k for k in KERNELS if k[1] == name)
 

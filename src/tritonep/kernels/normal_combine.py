@@ -45,8 +45,8 @@ from .normal_dispatch import (
 from .phases import COMBINE_RECV, COMBINE_RELAY, COMBINE_SEND
 from .sync import (
     aligned_ptr,
-    elapsed_ns,
     first_lane,
+    keep_waiting,
     lane,
     limit_ns,
     publish_rows,
@@ -312,7 +312,7 @@ def stream_rows(
     tag = call << 32
     sent = tl.zeros((BLOCK_RANKS,), tl.int32)
     clock = start_clock(USE_CLOCK)
-    spins = tl.zeros((), tl.int64)
+    spins = tl.zeros((), tl.int32)  # reads since the last progress
     pending = tl.sum(count, 0)
     # A step's heads and first tile are read before the previous step's release (a tile holds
     # every row a source still wants, up to BLOCK_ROWS; a full ring only masks its stores), so
@@ -337,7 +337,7 @@ def stream_rows(
     waited = tl.zeros((), tl.int64)
     announced = sent  # rows up to here are announced by the tails
     unannounced = tl.zeros((), tl.int32)  # steps copied but not yet announced
-    while (pending > 0) & (elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns):
+    while keep_waiting(pending <= 0, clock, timeout_ns, spins, USE_CLOCK):
         if PROFILE:
             t_w = read_clock(trace_ptr, USE_CLOCK)
         waiting = sent < count
@@ -406,7 +406,7 @@ def stream_rows(
             unannounced = unannounced * 0
         if moved:
             clock = start_clock(USE_CLOCK)
-            spins = tl.zeros((), tl.int64)
+            spins = spins * 0
         else:
             heads = tl.atomic_add(head_flag, 0, mask=waiting, sem="acquire", scope="sys")
             spins += 1

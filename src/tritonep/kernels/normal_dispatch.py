@@ -64,9 +64,9 @@ from .phases import DISPATCH_COUNTS, DISPATCH_IDS, DISPATCH_RECV, DISPATCH_RELAY
 from .status import STATUS_TIMEOUT, first_bad_id, record_bad_id
 from .sync import (
     aligned_ptr,
-    elapsed_ns,
     finish_launch,
     first_lane,
+    keep_waiting,
     lane,
     limit_ns,
     publish_rows,
@@ -1118,12 +1118,10 @@ def drain_rings(
     each source and the time it polled without progress (with ``PROFILE``; 0 otherwise)."""
     head = tl.zeros((BLOCK_RANKS,), tl.int32)
     clock = start_clock(USE_CLOCK)
-    spins = tl.zeros((), tl.int64)
+    spins = tl.zeros((), tl.int32)  # reads since the last progress
     pending = tl.sum(count, 0)
     waited = tl.zeros((), tl.int64)
-    while ((pending > 0) | (own_tok < own_end)) & (
-        elapsed_ns(clock, spins, USE_CLOCK) < timeout_ns
-    ):
+    while keep_waiting((pending <= 0) & (own_tok >= own_end), clock, timeout_ns, spins, USE_CLOCK):
         if PROFILE:
             t_w = read_clock(trace_ptr, USE_CLOCK)
         waiting = head < count
@@ -1194,7 +1192,7 @@ def drain_rings(
                 SEM="relaxed",
             )
             clock = start_clock(USE_CLOCK)  # progress: the limit counts idle time only
-            spins = tl.zeros((), tl.int64)
+            spins = spins * 0
         else:
             spins += 1
             if PROFILE:

@@ -44,7 +44,7 @@ import triton.language as tl
 
 from .phases import NOTIFY
 from .status import fence_system
-from .sync import STATUS_OVERFLOW, elapsed_ns, limit_ns, record_timeout, start_clock
+from .sync import STATUS_OVERFLOW, elapsed_ns, keep_waiting, limit_ns, record_timeout, start_clock
 from .trace import read_clock, trace_role
 from .transport import VIA_STORE, put_block
 
@@ -463,11 +463,12 @@ def await_counts(
     first: the flag is there at the first read."""
     limit = 2 * timeout_ns
     start = start_clock(USE_CLOCK)
-    spins = tl.zeros((), tl.int64)
-    done = tl.load(state_ptr + NOTIFY_READY, volatile=True) >= ready_tag
-    while (not done) & (elapsed_ns(start, spins, USE_CLOCK) < limit):
+    spins = tl.zeros((), tl.int32)
+    # Read by an atomic, which one thread makes and all receive: every thread sees one value.
+    done = tl.atomic_add(state_ptr + NOTIFY_READY, 0, sem="relaxed", scope="gpu") >= ready_tag
+    while keep_waiting(done, start, limit, spins, USE_CLOCK):
         spins += 1
-        done = tl.load(state_ptr + NOTIFY_READY, volatile=True) >= ready_tag
+        done = tl.atomic_add(state_ptr + NOTIFY_READY, 0, sem="relaxed", scope="gpu") >= ready_tag
     if done:
         done = tl.atomic_add(state_ptr + NOTIFY_READY, 0, sem="acquire", scope="gpu") >= ready_tag
     else:

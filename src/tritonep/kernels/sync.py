@@ -15,8 +15,9 @@ survives a timeout.
 
 A recorded timeout stays: the mode's call counters no longer agree with its peers', so the
 buffer is done for. Every later launch therefore reads the status before it waits and, finding
-a timeout there, polls each flag once instead of waiting (:func:`limit_ns`): a dead peer costs
-one limit, not one per call (a CUDA graph replayed in a loop, a decode step after the next).
+a timeout there, polls each flag a few times (CLOCK_EVERY reads) instead of waiting
+(:func:`limit_ns`): a dead peer costs one limit, not one per call (a CUDA graph replayed in a
+loop, a decode step after the next).
 The status also keeps the limit the failed wait had, so the error names it even after
 ``timeout_s`` changed.
 
@@ -105,7 +106,7 @@ def add_release(ptr, value):
 @triton.jit
 def limit_ns(timeout_us, status_ptr):
     """The limit of this launch's waits in int64 nanoseconds: the kernel's ``timeout_us``
-    argument (:func:`timeout_us`), or 0 (one poll, no wait) once ``status_ptr`` holds a timeout
+    argument (:func:`timeout_us`), or 0 (a few polls, no wait) once ``status_ptr`` holds a timeout
     of an earlier launch or of another program of this one. It costs a load: call it where
     the program's waits begin, or only once a first read found a flag not yet set (the
     low-latency dispatch, whose counts are usually all there, where a load at the start of its
@@ -132,6 +133,36 @@ def start_clock(USE_CLOCK: tl.constexpr):
         return tl.full((), host_clock_ns(), tl.int64)
 
 
+#: Lanes of the reduction that gives every thread of a program one answer: a block of at least
+#: one lane a thread for the largest launch (32 warps), so that it spans every warp.
+_PROGRAM_LANES = tl.constexpr(1024)
+#: A wait on a GPU compares the clock with its limit once every this many reads (a power of 2).
+CLOCK_EVERY = tl.constexpr(16)
+
+
+@triton.jit
+def keep_waiting(done, start, limit, spins, USE_CLOCK: tl.constexpr):
+    """Whether a wait goes on: ``done`` does not hold and ``limit`` nanoseconds have not
+    passed since ``start`` (:func:`start_clock`), one answer for every thread of the program.
+
+    ``done`` and ``spins`` (the reads since the wait began, or since the loop last made
+    progress and restarted its clock) must already be the same on every thread: a flag read
+    by an atomic, which one thread makes and all receive. Each thread reads its own clock, and
+    near the limit they disagree; reduced over a block spanning every warp, the clock gives
+    them one answer, so they leave the wait at the same read and the barriers after it stay
+    in step. On a GPU the clock is compared every CLOCK_EVERY reads only, so that the
+    reduction costs a read a sixteenth of itself, and a wait that finds its flag at once, or
+    a loop that keeps moving rows, nothing."""
+    going = not done
+    if USE_CLOCK:
+        if going & ((spins & (CLOCK_EVERY - 1)) == CLOCK_EVERY - 1):
+            late = (tl.extra.cuda.globaltimer() - start >= limit).to(tl.int32)
+            going = tl.max(tl.full((_PROGRAM_LANES,), 0, tl.int32) + late, 0) == 0
+    else:
+        going = going & (tl.full((), host_clock_ns(), tl.int64) - start < limit)
+    return going
+
+
 @triton.jit
 def wait_flag(
     ptr,
@@ -147,13 +178,13 @@ def wait_flag(
     waits for the tag in the high half of a tagged int64 (``tag << 32 | payload``).
     """
     start = start_clock(USE_CLOCK)
-    spins = tl.zeros((), tl.int64)
+    spins = tl.zeros((), tl.int32)
     value = load_acquire(ptr)
     if AT_LEAST:
         done = (value >> SHIFT) >= target
     else:
         done = (value >> SHIFT) == target
-    while (not done) & (elapsed_ns(start, spins, USE_CLOCK) < timeout_ns):
+    while keep_waiting(done, start, timeout_ns, spins, USE_CLOCK):
         spins += 1
         value = load_acquire(ptr)
         if AT_LEAST:
@@ -183,10 +214,10 @@ def wait_all_at_least(
     ``(values, ok)`` where ``ok`` says every active lane got there before ``timeout_ns``.
     """
     start = start_clock(USE_CLOCK)
-    spins = tl.zeros((), tl.int64)
+    spins = tl.zeros((), tl.int32)
     values = poll_acquire(ptrs, active, GPU_SCOPE)
     done = tl.min(tl.where(active & (values < targets), 0, 1), 0) > 0
-    while (not done) & (elapsed_ns(start, spins, USE_CLOCK) < timeout_ns):
+    while keep_waiting(done, start, timeout_ns, spins, USE_CLOCK):
         spins += 1
         values = poll_acquire(ptrs, active, GPU_SCOPE)
         done = tl.min(tl.where(active & (values < targets), 0, 1), 0) > 0
@@ -240,7 +271,7 @@ def wait_tile(
         limit = tl.minimum(budget, limit_ns(timeout_us, status_ptr))
         if not TIMED:
             start = start_clock(USE_CLOCK)
-        while any_set(missing) & (elapsed_ns(start, spins, USE_CLOCK) < limit):
+        while keep_waiting(not any_set(missing), start, limit, spins, USE_CLOCK):
             spins += 1
             again = poll_acquire(ptrs, missing, False)
             if AT_LEAST:
