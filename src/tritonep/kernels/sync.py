@@ -150,9 +150,9 @@ def keep_waiting(done, start, limit, spins, USE_CLOCK: tl.constexpr):
     by an atomic, which one thread makes and all receive. Each thread reads its own clock, and
     near the limit they disagree; reduced over a block spanning every warp, the clock gives
     them one answer, so they leave the wait at the same read and the barriers after it stay
-    in step. On a GPU the clock is compared every CLOCK_EVERY reads only, so that the
-    reduction costs a read a sixteenth of itself, and a wait that finds its flag at once, or
-    a loop that keeps moving rows, nothing."""
+    in step. On a GPU the clock is compared once every CLOCK_EVERY reads, so each read bears
+    a sixteenth of the reduction, and a wait that finds its flag at once, or a loop that keeps
+    moving rows, none of it."""
     going = not done
     if USE_CLOCK:
         if going & ((spins & (CLOCK_EVERY - 1)) == CLOCK_EVERY - 1):
