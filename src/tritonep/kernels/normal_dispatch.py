@@ -516,7 +516,7 @@ def store_step(
 def dispatch_send(
     channel,  # the channel this program sends
     call,  # this launch's call number
-    inputs,  # (x, scales, topk_idx, topk_weights, in_rank, src_tag) pointers: rows_in
+    inputs,  # (x, scales, topk_idx, topk_weights, in_rank, src_tag) pointers, as the kernel's
     num_tokens,  # N
     K,  # top-k columns
     bounds_ptr,  # [C + 1] int32 first token of each channel (BOUNDS)
@@ -748,7 +748,7 @@ def copy_rows(
     live,  # [F] bool rows to copy
     mine,  # [F] bool this rank's own rows, read from the input (LOCAL)
     token,  # [F] int64 input token of each own row (LOCAL)
-    outputs,  # (out_x, out_scales, out_topk_idx, out_weights, out_src) pointers: rows_out
+    outputs,  # (out_x, out_scales, out_topk_idx, out_weights, out_src) pointers, as the kernel's
     scales_addr,  # int64 address of the [N, SCALE_WORDS] int32 input scales (LOCAL)
     topk_idx_ptr,  # [N, K] int64 global expert ids (LOCAL and HAS_TOPK)
     topk_weights_ptr,  # [N, K] float32 (LOCAL and HAS_WEIGHTS)
@@ -848,7 +848,7 @@ def fill_rows(
     first,  # first row to fill
     end,  # end of the rows to fill (exclusive)
     max_rows,  # rows the outputs hold
-    outputs,  # (out_x, out_scales, out_topk_idx, out_weights, out_src) pointers: rows_out
+    outputs,  # (out_x, out_scales, out_topk_idx, out_weights, out_src) pointers, as the kernel's
     row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
     K,  # top-k columns
     POISON: tl.constexpr,
@@ -907,7 +907,7 @@ def fill_rows(
 def pad_channel_rows(
     channel,  # the channel this program receives
     host_info_ptr,  # [1 + E_LOCAL] int32, [0] = rows received
-    outputs,  # (out_x, out_scales, out_topk_idx, out_weights, out_src) pointers: rows_out
+    outputs,  # (out_x, out_scales, out_topk_idx, out_weights, out_src) pointers, as the kernel's
     max_rows,  # rows the outputs hold
     row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
     K,  # top-k columns
@@ -963,7 +963,7 @@ def copy_step(
     topk_weights_ptr,  # [N, K] float32 (LOCAL and HAS_WEIGHTS)
     in_rank_ptr,  # [N, R] int8 destinations of each token (LOCAL)
     src_tag_ptr,  # [N] int32 recorded sources (LOCAL and HAS_TAG)
-    outputs,  # (out_x, out_scales, out_topk_idx, out_weights, out_src) pointers: rows_out
+    outputs,  # (out_x, out_scales, out_topk_idx, out_weights, out_src) pointers, as the kernel's
     max_rows,  # rows the outputs hold
     ready_ptr,  # [max_rows] int32 per-row flags set once a row is written (PUBLISH)
     row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
@@ -1075,7 +1075,7 @@ def drain_rings(
     topk_weights_ptr,  # [N, K] float32 (LOCAL and HAS_WEIGHTS)
     in_rank_ptr,  # [N, R] int8 destinations of each token (LOCAL)
     src_tag_ptr,  # [N] int32 recorded sources (LOCAL and HAS_TAG)
-    outputs,  # (out_x, out_scales, out_topk_idx, out_weights, out_src) pointers: rows_out
+    outputs,  # (out_x, out_scales, out_topk_idx, out_weights, out_src) pointers, as the kernel's
     max_rows,  # rows the outputs hold
     ready_ptr,  # [max_rows] int32 per-row flags set once a row is written (PUBLISH)
     row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
@@ -1205,13 +1205,13 @@ def drain_rings(
 def dispatch_receive(
     channel,  # the channel this program receives
     call,  # this launch's call number
-    inputs,  # (x, scales, topk_idx, topk_weights, in_rank, src_tag) pointers: rows_in
+    inputs,  # (x, scales, topk_idx, topk_weights, in_rank, src_tag) pointers, as the kernel's
     num_tokens,  # N
     K,  # top-k columns
     recv_count_ptr,  # [R, C] int32 tokens each (source, channel) sends here
     recv_start_ptr,  # [R, C] int32 first output row of each (source, channel)
     host_info_ptr,  # from notify
-    outputs,  # (out_x, out_scales, out_topk_idx, out_weights, out_src) pointers: rows_out
+    outputs,  # (out_x, out_scales, out_topk_idx, out_weights, out_src) pointers, as the kernel's
     max_rows,  # rows the outputs hold
     bounds_ptr,  # [C + 1] int32 first token of each channel (BOUNDS)
     ready_ptr,  # [max_rows] int32 per-row flags set once a row is written (PUBLISH)
@@ -1485,7 +1485,7 @@ def exchange_counts(
 def poison_share(
     channel,  # the channel this program receives
     max_rows,  # rows the outputs hold
-    outputs,  # (out_x, out_scales, out_topk_idx, out_weights, out_src) pointers: rows_out
+    outputs,  # (out_x, out_scales, out_topk_idx, out_weights, out_src) pointers, as the kernel's
     row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
     K,  # top-k columns
     ROW_WORDS: tl.constexpr,
@@ -1532,7 +1532,7 @@ def settle_receiver(
     timeout_us,  # limit of every wait, in microseconds
     recv_count_ptr,  # [R, C] int32 rows each (source, channel) sends here
     recv_start_ptr,  # [R, C] int32 first output row of each (source, channel)
-    outputs,  # (out_x, out_scales, out_topk_idx, out_weights, out_src) pointers: rows_out
+    outputs,  # (out_x, out_scales, out_topk_idx, out_weights, out_src) pointers, as the kernel's
     max_rows,  # rows the outputs hold
     row_map_ptr,  # [max_rows] int32 output position of each row's payload (ROW_MAP)
     K,  # top-k columns
