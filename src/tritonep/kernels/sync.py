@@ -15,7 +15,7 @@ survives a timeout.
 
 A recorded timeout stays: the mode's call counters no longer agree with its peers', so the
 buffer is done for. Every later launch therefore reads the status before it waits and, finding
-a timeout there, polls each flag a few times (CLOCK_EVERY reads) instead of waiting
+a timeout there, polls each flag a few times (at most CLOCK_EVERY reads) instead of waiting
 (:func:`limit_ns`): a dead peer costs one limit, not one per call (a CUDA graph replayed in a
 loop, a decode step after the next).
 The status also keeps the limit the failed wait had, so the error names it even after
@@ -206,19 +206,33 @@ def poll_acquire(ptrs, active, GPU_SCOPE: tl.constexpr):
 def wait_all_at_least(
     ptrs, targets, active, timeout_ns, USE_CLOCK: tl.constexpr, GPU_SCOPE: tl.constexpr = False
 ):
-    """Spin (acquire) until ``ptrs[i] >= targets[i]`` for every ``active`` lane.
+    """Spin until ``ptrs[i] >= targets[i]`` for every ``active`` lane, then read them once
+    more with acquire.
 
     One vector of flags polled together: int64 ring counters, one per peer, or
     (``GPU_SCOPE``) the int32 per-row flags that another launch on this GPU sets once it has
     written the rows (a relay between two legs, :mod:`tritonep.modes.internode`). Returns
-    ``(values, ok)`` where ``ok`` says every active lane got there before ``timeout_ns``.
+    ``(values, ok)`` where ``ok`` says every active lane got there before ``timeout_ns``; both
+    are the same on every thread of the program.
+
+    While it waits, each thread reads the flags and its clock on its own, with plain volatile
+    loads: an atomic's result would reach the other threads through shared memory and a
+    barrier on every read, and a reduction across warps anywhere in the loop (to leave it at
+    one clock reading) costs the normal combine about 10% at 2 ranks. Threads may leave the
+    loop a read apart; it holds no barrier, so they meet at the first one after it, in the
+    acquire read that decides ``values`` and ``ok`` for all of them alike.
     """
-    start = start_clock(USE_CLOCK)
-    spins = tl.zeros((), tl.int32)
     values = poll_acquire(ptrs, active, GPU_SCOPE)
     done = tl.min(tl.where(active & (values < targets), 0, 1), 0) > 0
-    while keep_waiting(done, start, timeout_ns, spins, USE_CLOCK):
-        spins += 1
+    if not done:
+        start = start_clock(USE_CLOCK)
+        spins = tl.zeros((), tl.int32)
+        waiting = not done
+        while waiting:
+            spins += 1
+            now = tl.load(ptrs, mask=active, other=0, volatile=True)
+            seen = tl.min(tl.where(active & (now < targets), 0, 1), 0) > 0
+            waiting = (not seen) & (elapsed_ns(start, spins, USE_CLOCK) < timeout_ns)
         values = poll_acquire(ptrs, active, GPU_SCOPE)
         done = tl.min(tl.where(active & (values < targets), 0, 1), 0) > 0
     tl.debug_barrier()
