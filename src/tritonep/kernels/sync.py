@@ -227,7 +227,7 @@ def wait_all_at_least(
     if not done:
         start = start_clock(USE_CLOCK)
         spins = tl.zeros((), tl.int32)
-        waiting = not done
+        waiting = not done  # true here: the loop reads at least once
         while waiting:
             spins += 1
             now = tl.load(ptrs, mask=active, other=0, volatile=True)
