@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from tritonep.kernels import (
+    elastic_exchange,
     layout,
     normal_combine,
     normal_copy_combine,
@@ -1094,38 +1095,88 @@ def test_the_notify_wait_is_left_by_every_thread_at_once():
         assert "st.shared" in loops[0] and "bar.sync" in loops[0], kernel[1]
 
 
+def _clock_checks(ptx: str, kernel) -> tuple[int, int]:
+    """How many waits of ``ptx`` compare the clock with their limit and give every thread
+    that answer through shared memory, a reduction over every warp (sync.keep_waiting), and
+    how many loops read the clock without holding a barrier at all (each thread waits on its
+    own and the first barrier after the loop gathers them)."""
+    checks = own = 0
+    for loop in _clock_loops(ptx, ""):
+        if "bar.sync" not in loop:
+            own += 1
+            continue
+        lines = [
+            line
+            for line in loop.splitlines()
+            if not line.strip().startswith((".loc", "//", "$L__tmp"))
+        ]
+        for i, line in enumerate(lines):
+            read = re.search(r"mov\.u64 (%rd\d+), %globaltimer", line)
+            if not read or not re.search(
+                rf"sub\.s64\s+%rd\d+, {re.escape(read.group(1))},", "\n".join(lines[i : i + 4])
+            ):
+                continue
+            after = "\n".join(lines[i : i + 25])
+            assert "st.shared" in after and "bar.sync" in after, (kernel[1], _id(kernel))
+            assert "redux.sync" in after or "shfl.sync" in after, (kernel[1], _id(kernel))
+            checks += 1
+    return checks, own
+
+
 def test_every_wait_leaves_at_one_clock_reading_on_every_thread():
     """Each thread reads its own clock; where a wait compares it with its limit, either the
     answer goes through shared memory, a reduction over every warp (sync.keep_waiting), so
     that no warp leaves a wait a read before another and their barriers stay in step, or the
-    wait's loop holds no barrier at all (sync.wait_all_at_least: each thread waits on its
-    own and the first barrier after the loop gathers them). (Readings that only start a
-    wait's clock, and traces, compare nothing.)"""
+    wait's loop holds no barrier at all (sync.wait_all_at_least on flags within one warp:
+    each thread waits on its own and the first barrier after the loop gathers them).
+    (Readings that only start a wait's clock, and traces, compare nothing.)"""
     checks = own = 0
     for kernel in KERNELS:
         if kernel[3].get("PROFILE") or kernel[3].get("WAIT_STATS"):
             continue
-        for loop in _clock_loops(compile_ptx(*kernel), ""):
-            if "bar.sync" not in loop:
-                own += 1
-                continue
-            lines = [
-                line
-                for line in loop.splitlines()
-                if not line.strip().startswith((".loc", "//", "$L__tmp"))
-            ]
-            for i, line in enumerate(lines):
-                read = re.search(r"mov\.u64 (%rd\d+), %globaltimer", line)
-                if not read or not re.search(
-                    rf"sub\.s64\s+%rd\d+, {re.escape(read.group(1))},", "\n".join(lines[i : i + 4])
-                ):
-                    continue
-                after = "\n".join(lines[i : i + 25])
-                assert "st.shared" in after and "bar.sync" in after, (kernel[1], _id(kernel))
-                assert "redux.sync" in after or "shfl.sync" in after, (kernel[1], _id(kernel))
-                checks += 1
+        counted = _clock_checks(compile_ptx(*kernel), kernel)
+        checks += counted[0]
+        own += counted[1]
     assert checks > 40, checks
     assert own > 10, own
+
+
+def test_a_wait_on_flags_beyond_one_warp_leaves_at_one_clock_reading():
+    """Flags spanning more than a warp's 32 lanes (an elastic barrier of 64 ranks; a
+    low-latency dispatch's counts from 16 ranks, 4 experts a program) are checked through
+    shared memory on every read, so their waits cannot poll on each thread alone: each
+    leaves at one clock reading, and none of their loops is barrier-free."""
+    wide = [
+        (
+            "tritonep.kernels.ll_dispatch",
+            "ll_dispatch_kernel",
+            {**LL_DISPATCH, **{k: "constexpr" for k in LL_DISPATCH_META}},
+            {
+                **LL_DISPATCH_META,
+                **dict(NUM_RANKS=16, BLOCK_RANKS=16, BLOCK_ITEMS=4, GPUS_PER_NODE=8, VIA=1),
+            },
+            {"num_warps": 16},
+        ),
+        (
+            "tritonep.kernels.elastic_exchange",
+            "elastic_barrier",
+            {
+                "peer_ptrs": "*i64",
+                "rank": "i32",
+                **dict.fromkeys(("header_offset", "barrier_offset", "region_offset"), "i64"),
+                "region_bytes": "i64",
+                "state_ptr": "*i64",
+                "status_ptr": "*i32",
+                "timeout_us": "i32",
+                **{k: "constexpr" for k in elastic_exchange.BarrierVariant._fields},
+            },
+            dict(NUM_RANKS=64, BLOCK_RANKS=64, USE_CLOCK=True),
+            {"num_warps": 4},
+        ),
+    ]
+    for kernel in wide:
+        checks, own = _clock_checks(compile_ptx(*kernel), kernel)
+        assert checks > 0 and own == 0, (kernel[1], checks, own)
 
 
 def _kernel(name):

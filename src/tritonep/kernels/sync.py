@@ -202,6 +202,13 @@ def poll_acquire(ptrs, active, GPU_SCOPE: tl.constexpr):
     return tl.atomic_add(ptrs, 0, mask=active, sem="acquire", scope="sys")
 
 
+#: The most lanes a wait's flags may span and still be polled without a barrier: one warp's
+#: threads. Triton lays out a tile this small inside one warp (the other warps hold copies),
+#: so a check over all of it is a reduction within the warp; a larger tile's check goes
+#: through shared memory and a barrier, and its wait then needs :func:`keep_waiting`.
+WARP_LANES = tl.constexpr(32)
+
+
 @triton.jit
 def wait_all_at_least(
     ptrs, targets, active, timeout_ns, USE_CLOCK: tl.constexpr, GPU_SCOPE: tl.constexpr = False
@@ -220,21 +227,29 @@ def wait_all_at_least(
     barrier on every read, and a reduction across warps anywhere in the loop (to leave it at
     one clock reading) costs the normal combine about 10% at 2 ranks. Threads may leave the
     loop a read apart; it holds no barrier, so they meet at the first one after it, in the
-    acquire read that decides ``values`` and ``ok`` for all of them alike.
+    acquire read that decides ``values`` and ``ok`` for all of them alike. Flags spanning
+    more than one warp (over WARP_LANES) are checked through shared memory on every read, so
+    their loop agrees on one clock reading instead (:func:`keep_waiting`).
     """
     values = poll_acquire(ptrs, active, GPU_SCOPE)
     done = tl.min(tl.where(active & (values < targets), 0, 1), 0) > 0
     if not done:
         start = start_clock(USE_CLOCK)
         spins = tl.zeros((), tl.int32)
-        waiting = not done  # true here: the loop reads at least once
-        while waiting:
-            spins += 1
-            now = tl.load(ptrs, mask=active, other=0, volatile=True)
-            seen = tl.min(tl.where(active & (now < targets), 0, 1), 0) > 0
-            waiting = (not seen) & (elapsed_ns(start, spins, USE_CLOCK) < timeout_ns)
-        values = poll_acquire(ptrs, active, GPU_SCOPE)
-        done = tl.min(tl.where(active & (values < targets), 0, 1), 0) > 0
+        if ptrs.numel <= WARP_LANES:
+            waiting = not done  # true here: the loop reads at least once
+            while waiting:
+                spins += 1
+                now = tl.load(ptrs, mask=active, other=0, volatile=True)
+                seen = tl.min(tl.where(active & (now < targets), 0, 1), 0) > 0
+                waiting = (not seen) & (elapsed_ns(start, spins, USE_CLOCK) < timeout_ns)
+            values = poll_acquire(ptrs, active, GPU_SCOPE)
+            done = tl.min(tl.where(active & (values < targets), 0, 1), 0) > 0
+        else:
+            while keep_waiting(done, start, timeout_ns, spins, USE_CLOCK):
+                spins += 1
+                values = poll_acquire(ptrs, active, GPU_SCOPE)
+                done = tl.min(tl.where(active & (values < targets), 0, 1), 0) > 0
     tl.debug_barrier()
     return values, done
 
