@@ -59,12 +59,18 @@ def test_a_ring_wait_returns_every_flag_once_all_are_there(lanes):
     assert torch.equal(values, flags)
 
 
-@pytest.mark.parametrize("lanes", [8, 2 * WARP_LANES], ids=["one-warp", "wider"])
-def test_a_ring_wait_sees_a_flag_set_while_it_waits(lanes):
+def _one_late(lanes: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Random targets, flags at them but one (``late``), which is one short."""
     targets = torch.randint(1, 1000, (lanes,), dtype=torch.int64)
     flags = targets.clone()
     late = int(torch.randint(0, lanes, ()))
     flags[late] -= 1
+    return targets, flags, late
+
+
+@pytest.mark.parametrize("lanes", [8, 2 * WARP_LANES], ids=["one-warp", "wider"])
+def test_a_ring_wait_sees_a_flag_set_while_it_waits(lanes):
+    targets, flags, late = _one_late(lanes)
     setter = threading.Timer(0.2, lambda: flags.__setitem__(late, targets[late] + 5))
     setter.start()
     values, ok, took = _wait(flags, targets, 30.0)
@@ -77,10 +83,7 @@ def test_a_ring_wait_sees_a_flag_set_while_it_waits(lanes):
 
 @pytest.mark.parametrize("lanes", [8, 2 * WARP_LANES], ids=["one-warp", "wider"])
 def test_a_ring_wait_gives_up_at_its_limit_and_says_so(lanes):
-    targets = torch.randint(1, 1000, (lanes,), dtype=torch.int64)
-    flags = targets.clone()
-    late = int(torch.randint(0, lanes, ()))
-    flags[late] -= 1
+    targets, flags, _ = _one_late(lanes)
     values, ok, took = _wait(flags, targets, 0.3)
     assert ok == 0 and took >= 0.3
     assert torch.equal(values, flags)  # the last read, the missing flag included
