@@ -350,6 +350,7 @@ for _later in (False, True):  # the first chunk's launch, then the others'
                 BLOCK_K=8,
                 X_ALIGNED=True,
                 LATER=_later,
+                STAGES=copy_combine._STAGES[True],
             ),
             {"num_warps": copy_combine._NUM_WARPS, "enable_fp_fusion": False},
         )
@@ -962,7 +963,8 @@ def test_combine_sums_read_rows_in_16_byte_vectors(name):
     """The sums of the combine (the rings' receivers and the copy engines') load every row,
     the peers' and this rank's own in x, 16 bytes an instruction (not a BF16 value: the own
     rows' pointer once chosen by ``tl.where`` beside the ring slot's or the region's hid the
-    alignment of both)."""
+    alignment of both); the copy engines' sums, which load blocks ahead, through 16-byte
+    asynchronous copies into shared memory."""
     variants = [
         k
         for k in KERNELS
@@ -971,7 +973,10 @@ def test_combine_sums_read_rows_in_16_byte_vectors(name):
     assert variants
     for kernel in variants:
         ptx = compile_ptx(*kernel)
-        assert "ld.global.cg.v4.b32" in ptx
+        if (kernel[3].get("STAGES") or 1) > 1:
+            assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 0x10", ptx)
+        else:
+            assert "ld.global.cg.v4.b32" in ptx
         assert not re.search(r"ld\.global[.\w]*\.b16", ptx)
         assert "fma.rn.f32" not in ptx  # sums only, as the reference adds
 

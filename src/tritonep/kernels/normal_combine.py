@@ -557,6 +557,7 @@ def sum_step(
     BLOCK_WORDS: tl.constexpr,
     BLOCK_RANKS: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,  # blocks of the rows loading at once (tl.range's num_stages); None: 1
 ):
     """Sum a step's tokens: for each, the rows of every rank ``ready`` says (``src``: their
     addresses ``[BLOCK_TOKENS, BLOCK_RANKS]``, ring slots or the copy-engine combine's
@@ -567,7 +568,7 @@ def sum_step(
     kmask = ks < K
     elems = tl.arange(0, 2 * BLOCK_WORDS)
     tokens64 = tokens.to(tl.int64)
-    for e0 in range(0, H, 2 * BLOCK_WORDS):
+    for e0 in tl.range(0, H, 2 * BLOCK_WORDS, num_stages=STAGES):
         e = e0 + elems
         em = e < H
         acc = tl.zeros((BLOCK_TOKENS, 2 * BLOCK_WORDS), tl.float32)
@@ -794,6 +795,7 @@ def combine_receive(
             BLOCK_WORDS,
             BLOCK_RANKS,
             BLOCK_K,
+            None,  # STAGES: the rows come slot by slot; loading ahead slowed the rings (4x H200)
         )
         if not ok:  # a row never came: its token's sum is NaN
             poison_lost(

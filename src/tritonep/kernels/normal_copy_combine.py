@@ -160,6 +160,7 @@ class SumVariant(NamedTuple):
     BLOCK_K: int
     X_ALIGNED: bool
     LATER: bool
+    STAGES: int | None
 
 
 @triton.jit
@@ -261,6 +262,7 @@ def sum_block(
     BLOCK_RANKS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     X_ALIGNED: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """Wait for the peers' rows of ``chunk``, then sum those of the tokens ``first`` to
     ``first + BLOCK_TOKENS - 1`` whose last row came in it (:func:`copy_combine_sum`'s
@@ -337,6 +339,7 @@ def sum_block(
             BLOCK_WORDS,
             BLOCK_RANKS,
             BLOCK_K,
+            STAGES,
         )
         if not (ok & trusted):  # a row never came: its token's sum is NaN
             poison_lost(
@@ -396,6 +399,7 @@ def copy_combine_sum(
     BLOCK_K: tl.constexpr,  # power of two >= max(K, 2)
     X_ALIGNED: tl.constexpr,  # x's rows start at 16-byte boundaries
     LATER: tl.constexpr,  # a launch after the first chunk's (from the chunk's first token)
+    STAGES: tl.constexpr,  # blocks of the rows loading at once (tl.range's num_stages)
 ):
     pid = tl.program_id(0)
     ranks = tl.arange(0, BLOCK_RANKS)
@@ -450,6 +454,7 @@ def copy_combine_sum(
             BLOCK_RANKS,
             BLOCK_K,
             X_ALIGNED,
+            STAGES,
         )
     # The last program of the last chunk: every peer may copy its next call's rows here; then,
     # before the call closes, it waits until every peer has read this rank's rows too, so that

@@ -5,12 +5,14 @@ exact-size dispatches (their host knows the rows received from every source) whe
 made with ``copy_combine_tokens``, for calls large enough that it beats the rings
 (:data:`MIN_TOKENS`: :meth:`CopyCombine.serves`). Per call:
 
-1. for each of :data:`CHUNKS` chunks, one copy per peer, in turn (copy engines): that chunk of
-   the rows this rank received from the peer (contiguous in ``x``, in token order; with the
-   first chunk, their weights), into this rank's slot of the peer's region (free: the previous
-   call's sums ended only once every peer had read it), then this rank's arrival flag of the
-   chunk at every peer (a stream memory operation); the first chunk's on the caller's stream,
-   the others on a stream of their own after them;
+1. for each of :data:`CHUNKS` chunks, one copy per peer, in turn (copy engines; a chunk's
+   copies in one batch of the driver where it allows): that chunk of the rows this rank
+   received from the peer (contiguous in ``x``, in token order; with the first chunk, their
+   weights), into this rank's slot of the peer's region (free: the previous call's sums ended
+   only once every peer had read it), then this rank's arrival flag of the chunk at every peer
+   (a stream memory operation); the first chunk's on the caller's stream (on the legacy
+   default stream, which takes no batch, between two events on the copies' stream), the others
+   on a stream of their own after them;
 2. on the caller's stream, after the first chunk's copies,
    :func:`~tritonep.kernels.normal_copy_combine.copy_combine_prefix` (each token's row at each
    rank), then one launch per chunk of
@@ -54,6 +56,13 @@ _BLOCK_ELEMS_LATER = {True: 1024, False: 64}
 #: Tokens of ``is_token_in_rank`` the prefix kernel reads at a time (GPU, CPU): its passes
 #: over a column wait for each load in turn, so a GPU takes 4096 tokens in one.
 _PREFIX_TOKENS = {True: 4096, False: 16}
+#: Blocks of the rows a program of the sum kernel loads ahead (``tl.range``'s ``num_stages``;
+#: GPU, CPU: the interpreter does not pipeline). On 4x H200 (4096 tokens, two chunks) the first
+#: launch's sums took 68.6 us with three against 100 with one, whose loads of a block wait for
+#: the sums of the block before; the combine 466.9-467.2 us eager against 489.7-490.7 (with two:
+#: 470.8). The rings' sums, whose rows come slot by slot, lost with three (their combine 663-665
+#: us against 614), so they load as before.
+_STAGES = {True: 3, False: None}
 #: Warps of a program of the sum kernel: on 4x H200 the sums of 8 tokens of 512 values took
 #: 85-86 us with 8 warps against 121 with 4 (on 2x H200 57-61 us either way).
 _NUM_WARPS = 8
@@ -177,6 +186,8 @@ class CopyCombine:
         self._driver = _Driver.load() if gpu else None
         self._events: list[int] = []
         if self._driver is not None:
+            # A chunk's copies: rows and weights to each peer.
+            self._copy_list = self._driver.copy_list(2 * len(self.peers))
             # Each chunk's flag writes, made once: one driver call per chunk and call.
             self._signals = [
                 self._driver.writes([self._arrived[s][c].data_ptr() for s in self.peers], 1)
@@ -184,9 +195,10 @@ class CopyCombine:
             ]
         if self._driver is not None and self.chunks > 1:
             # The copies' own stream, and the events that order it with the caller's: after the
-            # first chunk's copies (caller's stream) and after the last's (copies' stream).
+            # first chunk's copies, after the last's (copies' stream) and, on the legacy default
+            # stream, before the first's.
             self._copy_stream = torch.cuda.Stream(self.device)
-            self._events = [self._driver.event() for _ in range(2)]
+            self._events = [self._driver.event() for _ in range(3)]
         self._lanes = triton.next_power_of_2(max(R, 2))
         self._sums: dict[tuple, KernelLaunch] = {}
         # Each token's row at each rank, written by a launch per call (copy_combine_prefix):
@@ -251,6 +263,7 @@ class CopyCombine:
             BLOCK_K=block_k,
             X_ALIGNED=x_aligned,
             LATER=later,
+            STAGES=_STAGES[gpu],
         )
         # (No fused multiply-adds, as in the rings' sums: the kernel only adds.)
         meta = {**variant._asdict(), "num_warps": _NUM_WARPS, "enable_fp_fusion": False}
@@ -333,9 +346,19 @@ class CopyCombine:
         copies, events = self._copy_stream.cuda_stream, self._events
         # (The event follows the first chunk's flag writes: a copy queued on the other stream
         # before them would hold them back, and the peers' sums with them, 2x H200.)
-        self._copy(x, topk_weights, K, rows, starts, 0, stream)
-        driver.record(events[0], stream)
-        driver.wait(copies, events[0])
+        if stream:
+            self._copy(x, topk_weights, K, rows, starts, 0, stream)
+            driver.record(events[0], stream)
+            driver.wait(copies, events[0])
+        else:
+            # The legacy default stream takes no batch of copies (_Driver.copies): the first
+            # chunk's go on the copies' stream between two events, the caller's stream going
+            # on after them as it would after its own.
+            driver.record(events[2], stream)
+            driver.wait(copies, events[2])
+            self._copy(x, topk_weights, K, rows, starts, 0, copies)
+            driver.record(events[0], copies)
+            driver.wait(stream, events[0])
         for c in range(1, self.chunks):
             self._copy(x, topk_weights, K, rows, starts, c, copies)
         driver.record(events[1], copies)
@@ -354,9 +377,9 @@ class CopyCombine:
     def _copy(self, x, topk_weights, K: int, rows, starts, chunk: int, stream) -> None:
         """Chunk ``chunk`` of each peer's rows (with the first, all their weights) into this
         rank's slot of its region: one copy per peer on ``stream`` (None: the caller's), in
-        turn (:attr:`peers`' order), straight through the driver (:class:`_Driver`), then this
-        rank's arrival flag of the chunk at every peer; on CPU ranks plain copies and
-        stores."""
+        turn (:attr:`peers`' order), straight through the driver in one batch
+        (:meth:`_Driver.copies`), then this rank's arrival flag of the chunk at every peer; on
+        CPU ranks plain copies and stores."""
         driver, chunks, share = self._driver, self.chunks, self.last_share
         if driver is None:
             for s in self.peers:
@@ -373,18 +396,19 @@ class CopyCombine:
             stream = torch._C._cuda_getCurrentRawStream(self._device_index)
         row_bytes, x_at = 2 * self.hidden, x.data_ptr()
         w_at = topk_weights.data_ptr() if topk_weights is not None and chunk == 0 else 0
+        batch = self._copy_list
         for s in self.peers:
             n, a = rows[s], starts[s]
             lo, hi = (ncc.chunk_start(n, c, chunks, share) for c in (chunk, chunk + 1))
             if hi > lo:
-                driver.copy(
+                batch.add(
                     self._rows_at[s] + lo * row_bytes,
                     x_at + (a + lo) * row_bytes,
                     (hi - lo) * row_bytes,
-                    stream,
                 )
             if w_at and n:
-                driver.copy(self._weights_at[s], w_at + a * K * 4, n * K * 4, stream)
+                batch.add(self._weights_at[s], w_at + a * K * 4, n * K * 4)
+        driver.copies(batch, stream)
         if self.peers:
             driver.signal(stream, self._signals[chunk])
 
@@ -414,12 +438,48 @@ class _MemOp(ctypes.Structure):
     ]
 
 
+#: ``CU_MEMCPY_SRC_ACCESS_ORDER_STREAM``.
+_SRC_ACCESS_ORDER_STREAM = 1
+
+
+class _CopyAttributes(ctypes.Structure):
+    """``CUmemcpyAttributes``: the source's access order, two location hints (type and id,
+    zero: none) and flags (24 bytes)."""
+
+    _fields_ = [
+        ("src_access_order", ctypes.c_int),
+        ("src_type", ctypes.c_int),
+        ("src_id", ctypes.c_int),
+        ("dst_type", ctypes.c_int),
+        ("dst_id", ctypes.c_int),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+class _CopyList:
+    """Copies gathered for one driver call (:meth:`_Driver.copies`): device addresses and
+    sizes in arrays the driver reads, made once and refilled each call."""
+
+    def __init__(self, capacity: int):
+        self.dsts = (ctypes.c_uint64 * capacity)()
+        self.srcs = (ctypes.c_uint64 * capacity)()
+        self.sizes = (ctypes.c_size_t * capacity)()
+        self.count = 0
+
+    def add(self, dst: int, src: int, nbytes: int) -> None:
+        """``nbytes`` from ``src`` to ``dst``, after the copies added before."""
+        i = self.count
+        self.dsts[i], self.srcs[i], self.sizes[i] = dst, src, nbytes
+        self.count = i + 1
+
+
 class _Driver:
-    """The CUDA driver calls of a copy-engine combine (ctypes): peer copies (3.0 us of host
-    time each on an H200 host, against 6-9 us for ``Tensor.copy_``, whose stream bookkeeping a
-    copy between addresses does not need), events between its streams, and the stream memory
-    operations that set its flags. Stream capture records them all, as it records torch's own
-    copies and waits. A failure raises ``RuntimeError`` naming the call."""
+    """The CUDA driver calls of a copy-engine combine (ctypes): peer copies, a chunk's in one
+    batch where the driver allows (a copy on its own costs 3.0 us of host time on an H200
+    host, against 6-9 us for ``Tensor.copy_``, whose stream bookkeeping a copy between
+    addresses does not need), events between its streams, and the stream memory operations
+    that set its flags. Stream capture records them all but the batch, as it records torch's
+    own copies and waits. A failure raises ``RuntimeError`` naming the call."""
 
     _loaded: _Driver | None = None
 
@@ -436,7 +496,37 @@ class _Driver:
         self._destroy.argtypes = [ctypes.c_void_p]
         self._batch = lib.cuStreamBatchMemOp_v2
         self._batch.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p, ctypes.c_uint]
-        for f in (self._memcpy, self._create, self._record, self._wait, self._destroy, self._batch):
+        self._capturing = lib.cuStreamIsCapturing
+        self._capturing.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+        calls = (
+            self._memcpy,
+            self._create,
+            self._record,
+            self._wait,
+            self._destroy,
+            self._batch,
+            self._capturing,
+        )
+        # A batch of copies (drivers of CUDA 12.8 on: ``_v2`` from CUDA 13, without the
+        # failure index of the first form): one driver call, whose copies the engines run
+        # without the 2-4 us that each copy issued on its own leaves before the next (4x H200:
+        # 159 MB to one peer in 6 copies 431 us, in 12 454 us, as one copy or a batch of 6 or
+        # 12 410-413 us, scripts/probes/batch_copy_probe.py; a combine's first chunk to three
+        # peers 334.5 us against 337 in three copies, one after another all the same). Stream
+        # capture refuses it (CUDA error 900 on 580 drivers): captured calls copy one by one.
+        self._copies, self._copies_fail = None, False
+        for name, fail in (("cuMemcpyBatchAsync_v2", False), ("cuMemcpyBatchAsync", True)):
+            if hasattr(lib, name):
+                self._copies, self._copies_fail = getattr(lib, name), fail
+                self._copies.restype = ctypes.c_int
+                break
+        self._status = ctypes.c_int(0)
+        self._fail_index = ctypes.c_size_t(0)
+        # Every copy's attributes: the source read in stream order (after the work before
+        # the batch), no location hints.
+        self._attrs = (_CopyAttributes * 1)(_CopyAttributes(_SRC_ACCESS_ORDER_STREAM))
+        self._attrs_index = (ctypes.c_size_t * 1)(0)
+        for f in calls:
             f.restype = ctypes.c_int
 
     @classmethod
@@ -449,6 +539,36 @@ class _Driver:
         """``nbytes`` from ``src`` to ``dst`` (device addresses; a peer's, mapped here) on
         ``stream``, after the work queued there."""
         self._check(self._memcpy(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
+
+    def copy_list(self, capacity: int) -> _CopyList:
+        """Room for up to ``capacity`` copies that :meth:`copies` issues together."""
+        return _CopyList(capacity)
+
+    def copies(self, batch: _CopyList, stream: int) -> None:
+        """The copies in ``batch`` on ``stream``, after the work queued there, and empty
+        ``batch``: in one batch where the driver has one and ``stream`` is neither the legacy
+        default stream nor being captured, else one call per copy, in ``batch``'s order."""
+        count, batch.count = batch.count, 0
+        # (The legacy default stream, 0, takes no batch: CUDA error 1.)
+        if count > 1 and stream and self._copies is not None:
+            self._check(self._capturing(stream, ctypes.byref(self._status)), "cuStreamIsCapturing")
+            if self._status.value == 0:  # CU_STREAM_CAPTURE_STATUS_NONE
+                tail = (ctypes.byref(self._fail_index),) if self._copies_fail else ()
+                result = self._copies(
+                    batch.dsts,
+                    batch.srcs,
+                    batch.sizes,
+                    ctypes.c_size_t(count),
+                    self._attrs,
+                    self._attrs_index,
+                    ctypes.c_size_t(1),
+                    *tail,
+                    ctypes.c_void_p(stream),
+                )
+                self._check(result, "cuMemcpyBatchAsync")
+                return
+        for i in range(count):
+            self.copy(batch.dsts[i], batch.srcs[i], batch.sizes[i], stream)
 
     def event(self) -> int:
         """A new event of the current context (no timing: the cheapest to record and wait)."""
