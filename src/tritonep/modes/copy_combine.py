@@ -520,8 +520,6 @@ class _Driver:
                 self._copies, self._copies_fail = getattr(lib, name), fail
                 self._copies.restype = ctypes.c_int
                 break
-        self._status = ctypes.c_int(0)
-        self._fail_index = ctypes.c_size_t(0)
         # Every copy's attributes: the source read in stream order (after the work before
         # the batch), no location hints.
         self._attrs = (_CopyAttributes * 1)(_CopyAttributes(_SRC_ACCESS_ORDER_STREAM))
@@ -551,9 +549,10 @@ class _Driver:
         count, batch.count = batch.count, 0
         # (The legacy default stream, 0, takes no batch: CUDA error 1.)
         if count > 1 and stream and self._copies is not None:
-            self._check(self._capturing(stream, ctypes.byref(self._status)), "cuStreamIsCapturing")
-            if self._status.value == 0:  # CU_STREAM_CAPTURE_STATUS_NONE
-                tail = (ctypes.byref(self._fail_index),) if self._copies_fail else ()
+            status = ctypes.c_int(0)  # (the driver's answers: one per call, as threads may call)
+            self._check(self._capturing(stream, ctypes.byref(status)), "cuStreamIsCapturing")
+            if status.value == 0:  # CU_STREAM_CAPTURE_STATUS_NONE
+                tail = (ctypes.byref(ctypes.c_size_t(0)),) if self._copies_fail else ()
                 result = self._copies(
                     batch.dsts,
                     batch.srcs,
