@@ -46,21 +46,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tritonep.heap import allocate
+from tritonep.modes.copy_combine import _CopyAttributes
 
 HIDDEN, TOPK = 7168, 8
-
-
-class _Attrs(ctypes.Structure):
-    """``CUmemcpyAttributes``: source access order, two location hints, flags (24 bytes)."""
-
-    _fields_ = [
-        ("order", ctypes.c_int),
-        ("src_type", ctypes.c_int),
-        ("src_id", ctypes.c_int),
-        ("dst_type", ctypes.c_int),
-        ("dst_id", ctypes.c_int),
-        ("flags", ctypes.c_uint),
-    ]
 
 
 def _driver():
@@ -112,49 +100,29 @@ def _worker(rank: int, world: int, args) -> None:
         dsts = (ctypes.c_uint64 * n)(*[c[0] for c in copies])
         srcs = (ctypes.c_uint64 * n)(*[c[1] for c in copies])
         sizes = (ctypes.c_size_t * n)(*[c[2] for c in copies])
-        attrs = (_Attrs * 1)(_Attrs(1, 0, 0, 0, 0, 0))  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+        attrs = (_CopyAttributes * 1)(_CopyAttributes(1))  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
         idx = (ctypes.c_size_t * 1)(0)
-        if with_fail:
-            fail = ctypes.c_size_t(0)
-            rc = batch(
-                dsts,
-                srcs,
-                sizes,
-                ctypes.c_size_t(n),
-                attrs,
-                idx,
-                ctypes.c_size_t(1),
-                ctypes.byref(fail),
-                ctypes.c_void_p(stream),
-            )
-        else:
-            rc = batch(
-                dsts,
-                srcs,
-                sizes,
-                ctypes.c_size_t(n),
-                attrs,
-                idx,
-                ctypes.c_size_t(1),
-                ctypes.c_void_p(stream),
-            )
+        tail = (ctypes.byref(ctypes.c_size_t(0)),) if with_fail else ()  # the failure index
+        rc = batch(
+            dsts, srcs, sizes, ctypes.c_size_t(n), attrs, idx, ctypes.c_size_t(1), *tail,
+            ctypes.c_void_p(stream),
+        )  # fmt: skip
         if rc:
             raise RuntimeError(f"cuMemcpyBatchAsync: {rc}")
 
+    def one_by_one(copies, stream):
+        for d, s, n in copies:
+            rc = one(d, s, n, ctypes.c_void_p(stream))
+            if rc:
+                raise RuntimeError(f"cuMemcpyDtoDAsync: {rc}")
+
     def single(stream):
         for chunk in chunks:
-            for d, s, n in chunk:
-                rc = one(d, s, n, ctypes.c_void_p(stream))
-                if rc:
-                    raise RuntimeError(f"cuMemcpyDtoDAsync: {rc}")
+            one_by_one(chunk, stream)
 
     def rows_only(stream):
         for chunk in chunks:
-            for d, s, n in chunk:
-                if n != w_bytes:
-                    rc = one(d, s, n, ctypes.c_void_p(stream))
-                    if rc:
-                        raise RuntimeError(f"cuMemcpyDtoDAsync: {rc}")
+            one_by_one([c for c in chunk if c[2] != w_bytes], stream)
 
     def batched(stream):
         for chunk in chunks:
@@ -193,10 +161,7 @@ def _worker(rank: int, world: int, args) -> None:
         pieces = [(pair_base + i * piece, x.data_ptr() + i * piece, piece) for i in range(k)]
 
         def pair_single(stream, pieces=pieces):
-            for d, s, n in pieces:
-                rc = one(d, s, n, ctypes.c_void_p(stream))
-                if rc:
-                    raise RuntimeError(f"cuMemcpyDtoDAsync: {rc}")
+            one_by_one(pieces, stream)
 
         def pair_batch(stream, pieces=pieces):
             run_batch(pieces, stream)
