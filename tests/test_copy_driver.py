@@ -7,7 +7,7 @@ import ctypes
 
 import pytest
 
-from tritonep.modes.copy_combine import _Driver
+from tritonep.modes.copy_combine import _CopyList, _Driver
 
 
 class _FakeLib:
@@ -61,7 +61,7 @@ COPIES = [(0x1000, 0x2000, 64), (0x3000, 0x4000, 16), (0x5000, 0x6000, 128)]
 
 def _issue(lib, stream: int, copies=COPIES):
     driver = _Driver(lib)
-    batch = driver.copy_list(4)
+    batch = _CopyList(4)
     for copy in copies:
         batch.add(*copy)
     driver.copies(batch, stream)

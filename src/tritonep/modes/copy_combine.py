@@ -187,7 +187,7 @@ class CopyCombine:
         self._events: list[int] = []
         if self._driver is not None:
             # A chunk's copies: rows and weights to each peer.
-            self._copy_list = self._driver.copy_list(2 * len(self.peers))
+            self._copy_list = _CopyList(2 * len(self.peers))
             # Each chunk's flag writes, made once: one driver call per chunk and call.
             self._signals = [
                 self._driver.writes([self._arrived[s][c].data_ptr() for s in self.peers], 1)
@@ -537,10 +537,6 @@ class _Driver:
         """``nbytes`` from ``src`` to ``dst`` (device addresses; a peer's, mapped here) on
         ``stream``, after the work queued there."""
         self._check(self._memcpy(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
-
-    def copy_list(self, capacity: int) -> _CopyList:
-        """Room for up to ``capacity`` copies that :meth:`copies` issues together."""
-        return _CopyList(capacity)
 
     def copies(self, batch: _CopyList, stream: int) -> None:
         """The copies in ``batch`` on ``stream``, after the work queued there, and empty
